@@ -1,0 +1,8 @@
+"""rankcast: an LLM serving engine whose notification channel reaches every rank and frontend."""
+
+from rankcast.entrypoints.llm import LLM
+from rankcast.outputs import CompletionOutput, RequestOutput
+from rankcast.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

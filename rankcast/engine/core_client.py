@@ -1,0 +1,52 @@
+"""How a frontend talks to an engine core: the same calls whether it runs in-process or not."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from rankcast.config import EngineConfig
+from rankcast.engine.core import EngineCore
+from rankcast.model.source import ModelSource
+from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest
+
+
+class EngineCoreClient(ABC):
+    """The frontend's handle on an engine core."""
+
+    max_model_len: int
+
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def get_output(self) -> EngineCoreOutputs:
+        """The next outputs (in-process: run one step to produce them)."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class InprocClient(EngineCoreClient):
+    """Drives an `EngineCore` in the caller's thread; used by the offline `LLM`."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.core = EngineCore(config, source)
+        self.max_model_len = self.core.max_model_len
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

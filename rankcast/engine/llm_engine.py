@@ -1,0 +1,69 @@
+"""The synchronous engine behind the offline `LLM`: tokenize, step the core, process outputs."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from rankcast.config import EngineConfig
+from rankcast.engine.core_client import InprocClient
+from rankcast.engine.output_processor import OutputProcessor
+from rankcast.model.source import resolve_model
+from rankcast.outputs import RequestOutput
+from rankcast.protocol import EngineCoreRequest
+from rankcast.sampling_params import SamplingParams
+from rankcast.tokenizer import load_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.source = resolve_model(config.model.model)
+        self.tokenizer = load_tokenizer(self.source.model_dir)
+        self.client = InprocClient(config, self.source)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.max_model_len
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        request_id = request_id or str(next(self._ids))
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            prompt_text, prompt_ids = None, list(prompt)
+        request = EngineCoreRequest(request_id, prompt_ids, params, arrival_time=time.time())
+        self.client.add_request(request)
+        self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
+        return request_id
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.client.abort_requests(request_ids)
+        self.output_processor.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.client.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.requests_to_abort:
+            self.client.abort_requests(processed.requests_to_abort)
+        return processed.request_outputs
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        from rankcast.tokenizer import apply_chat_template
+
+        return apply_chat_template(self.tokenizer, messages)
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

@@ -1,0 +1,60 @@
+"""A request's state inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from rankcast.protocol import FinishReason, TokenLogprobs
+from rankcast.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    arrival_time: float = 0.0
+    client_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_preemptions: int = 0
+    # Tokens and logprobs sampled since the last output was sent.
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.pending_token_ids.append(token_id)
+        if logprobs is not None:
+            self.pending_logprobs.append(logprobs)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Set the finish reason if the newest token ends the request."""
+        last = self.output_token_ids[-1]
+        if last in self.params.stop_token_ids:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, last
+        elif not self.params.ignore_eos and last in self.eos_token_ids:
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None

@@ -1,0 +1,169 @@
+"""Continuous batching with admission control and recompute preemption.
+
+Each step is either a prefill of newly admitted requests (admitted while their KV blocks fit and
+the batch limits allow) or one decode token for every running request. When a decode step needs a
+block and none is free, the most recently admitted request is preempted: its blocks are freed
+and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rankcast.config import SchedulerConfig
+from rankcast.engine.block_manager import BlockManager
+from rankcast.engine.request import Request, RequestStatus
+from rankcast.protocol import (
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ----
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        """Finish the named requests now; unknown or already finished ids are ignored."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish_reason = FinishReason.ABORT
+            self._finish(request)
+            aborted.append(request)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        self.blocks.free(request)
+        self.requests.pop(request.request_id, None)
+        self.finished_since_last_step.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- one step ----
+
+    def _schedule_prefills(self) -> list[Request]:
+        admitted: list[Request] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if admitted and tokens + request.num_tokens > self.config.max_num_batched_tokens:
+                break
+            if not self.blocks.can_allocate(request):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(request)
+            request.status = RequestStatus.RUNNING
+            admitted.append(request)
+            tokens += request.num_tokens
+        return admitted
+
+    def _schedule_decodes(self) -> list[Request]:
+        scheduled: list[Request] = []
+        queue = list(self.running)
+        while queue:
+            request = queue.pop(0)
+            while not self.blocks.can_allocate(request):
+                victim = queue.pop() if queue else request
+                self._preempt(victim)
+                self.running.remove(victim)
+                if victim is request:
+                    break
+            else:
+                self.blocks.allocate(request)
+                scheduled.append(request)
+        return scheduled
+
+    def schedule(self) -> SchedulerOutput:
+        finished = self.finished_since_last_step
+        self.finished_since_last_step = []
+        admitted = self._schedule_prefills()
+        if admitted:
+            self.running.extend(admitted)
+            sequences = [
+                ScheduledSequence(r.request_id, r.all_token_ids, 0, list(r.block_ids), r.params)
+                for r in admitted
+            ]
+            return SchedulerOutput(True, sequences, finished)
+        decodes = self._schedule_decodes()
+        sequences = [
+            ScheduledSequence(
+                r.request_id, [r.output_token_ids[-1]], r.num_tokens - 1, list(r.block_ids)
+            )
+            for r in decodes
+        ]
+        return SchedulerOutput(False, sequences, finished)
+
+    def update_from_output(self, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish requests that stop, and describe what changed."""
+        outputs: list[EngineCoreOutput] = []
+        logprobs = result.logprobs or [None] * len(result.request_ids)
+        for request_id, token, lp in zip(
+            result.request_ids, result.sampled_token_ids, logprobs, strict=True
+        ):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # aborted while the step ran
+            request.append_token(token, lp)
+            if request.check_stop(self.max_model_len):
+                self.running.remove(request)
+                self._finish(request)
+            outputs.append(self._take_output(request))
+        return outputs
+
+    def _take_output(self, request: Request) -> EngineCoreOutput:
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=request.pending_token_ids,
+            new_logprobs=request.pending_logprobs or None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )
+        request.pending_token_ids = []
+        request.pending_logprobs = []
+        return output
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.blocks.usage,
+            num_preemptions=self.num_preemptions,
+            num_blocks=self.blocks.num_blocks,
+            block_size=self.blocks.block_size,
+        )

@@ -1,0 +1,86 @@
+"""`LLM`: offline batched generation in the caller's process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rankcast.config import EngineConfig
+from rankcast.engine.llm_engine import LLMEngine
+from rankcast.outputs import RequestOutput
+from rankcast.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """Generate from many prompts at once; all prompts share continuous batches.
+
+    `model=None` serves the embedded SmolLM2-135M-Instruct. Other keyword arguments are the
+    engine options (`dtype`, `max_model_len`, `max_num_seqs`, `num_blocks`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); results come back in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return self._run(list(prompts), params)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or several, then generate."""
+        conversations: list[list[Message]] = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        )
+        prompts = [self.engine.apply_chat_template(conv) for conv in conversations]
+        return self._run(prompts, params)
+
+    def _run(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(
+                    f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts"
+                )
+        order: dict[str, int] = {}
+        try:
+            for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+                order[self.engine.add_request(prompt, p)] = index
+        except Exception:
+            self.engine.abort_requests(list(order))
+            raise
+        finished: list[RequestOutput | None] = [None] * len(prompts)
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished and output.request_id in order:
+                    finished[order[output.request_id]] = output
+        return [out for out in finished if out is not None]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,42 @@
+"""Every environment variable rankcast reads, in one place.
+
+Reading the environment anywhere else would hide configuration from a newcomer; this module is
+the single list of knobs that do not come from CLI flags.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted weights live; a second start reuses them instead of dequantizing."""
+    explicit = os.environ.get("RANKCAST_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "rankcast"
+
+
+def log_level() -> str:
+    """Root log level for rankcast's loggers (INFO unless told otherwise)."""
+    return os.environ.get("RANKCAST_LOG_LEVEL", "INFO").upper()
+
+
+def num_threads() -> int | None:
+    """Torch intra-op threads per process; None means "let rankcast choose from the core count"."""
+    value = os.environ.get("RANKCAST_NUM_THREADS")
+    return int(value) if value else None
+
+
+def kv_cache_space_gib() -> float | None:
+    """CPU KV-cache budget override in GiB, as production engines' CPU builds accept it."""
+    value = os.environ.get("RANKCAST_KV_CACHE_SPACE")
+    return float(value) if value else None
+
+
+def disable_progress() -> bool:
+    """Hide load progress bars (tests and CI logs stay readable)."""
+    return os.environ.get("RANKCAST_DISABLE_PROGRESS", "0") not in ("", "0", "false", "False")

@@ -1,0 +1,1 @@
+"""Executors: how the engine core reaches its worker ranks."""

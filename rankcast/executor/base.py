@@ -1,0 +1,58 @@
+"""The interface between the engine core and its ranks, whatever carries the calls.
+
+The engine core never touches a worker directly: it calls `collective_rpc` to reach every rank
+and `execute_model` to run a step, so in-process, multi-process and Ray executors are
+interchangeable.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from rankcast.config import EngineConfig
+from rankcast.model.source import ModelSource
+from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """A rank failed; the message names it and carries its traceback when there is one."""
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        self.source = source
+
+    @classmethod
+    def create(cls, config: EngineConfig, source: ModelSource) -> Executor:
+        backend = config.parallel.backend
+        if backend == "uni":
+            from rankcast.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor(config, source)
+        raise NotImplementedError(f"executor backend {backend!r} is not available yet")
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        """Call `method` on every rank; replies come back in rank order.
+
+        With `unique_reply_rank`, only that rank's reply is returned (as a one-element list).
+        """
+
+    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step on every rank and return the output rank's result."""
+        output_rank = self.config.parallel.world_size - 1
+        return self.collective_rpc("execute_model", (batch,), unique_reply_rank=output_rank)[0]
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every rank; safe to call twice."""

@@ -1,0 +1,49 @@
+"""The executor whose single rank lives in the engine core's own process."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from rankcast.config import EngineConfig
+from rankcast.executor.base import Executor, ExecutorError
+from rankcast.model.source import ModelSource
+from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+from rankcast.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        super().__init__(config, source)
+        self.worker = Worker(config, source)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        fn = getattr(self.worker, method) if isinstance(method, str) else method
+        try:
+            if isinstance(method, str):
+                result = fn(*args, **(kwargs or {}))
+            else:
+                result = fn(self.worker, *args, **(kwargs or {}))
+        except Exception as exc:
+            raise ExecutorError(
+                f"rank 0 failed in {getattr(method, '__name__', method)}: {exc}\n"
+                f"{traceback.format_exc()}"
+            ) from exc
+        return [result]
+
+    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
+        # The only rank is the output rank; skip the generic RPC wrapper on the hot path.
+        return self.worker.execute_model(batch)
+
+    def shutdown(self) -> None:
+        self.worker.runner = None

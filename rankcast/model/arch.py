@@ -1,0 +1,106 @@
+"""The architecture description of a Llama-family checkpoint, read from its config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+class ModelFormatError(ValueError):
+    """A model file is missing, damaged or unsupported; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Everything the decoder needs to know about its shape.
+
+    Kept separate from transformers' config classes so workers depend on plain data only.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ArchConfig:
+        """Read an HF config dict, rejecting what the decoder cannot run with a clear message."""
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelFormatError(
+                f"{source}: architecture {arch!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+            theta = cfg.get("rope_theta")
+            if theta is None and isinstance(rope, dict):
+                theta = rope.get("rope_theta")
+            if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "default":
+                rope = None
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta if theta is not None else 10000.0),
+                rope_scaling=dict(rope) if isinstance(rope, dict) else None,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(
+                    cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
+                ),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as exc:
+            raise ModelFormatError(f"{source}: required field {exc.args[0]!r} is missing") from None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> ArchConfig:
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise ModelFormatError(f"{path}: not found (a model directory needs config.json)")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelFormatError(f"{path}: cannot be read as JSON ({exc})") from None
+        arch = cls.from_dict(data, source=str(path))
+        generation = model_dir / "generation_config.json"
+        if generation.is_file():
+            # Chat checkpoints often list extra end-of-turn ids only here (Llama 3 does).
+            try:
+                eos = json.loads(generation.read_text()).get("eos_token_id")
+            except (OSError, json.JSONDecodeError):
+                eos = None
+            extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+            merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
+            arch = dataclasses.replace(arch, eos_token_ids=merged)
+        return arch

@@ -1,0 +1,220 @@
+"""Turn a GGUF file into an HF-format directory (config.json, safetensors, tokenizer files).
+
+Every tensor is dequantized to float32 with the `gguf` package; the result is written once to a
+cache directory keyed by the source file's identity, so a second start only maps safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from rankcast import envs
+from rankcast.model.arch import ModelFormatError
+
+logger = logging.getLogger(__name__)
+
+# Bump when the conversion's output changes, so stale caches are not reused.
+CONVERTER_VERSION = 1
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def cache_key(path: Path) -> str:
+    """Identity of a source file: where it is, its size and modification time."""
+    stat = path.stat()
+    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def cached_model_dir(path: Path) -> Path:
+    return envs.cache_dir() / "gguf" / f"{path.stem}-{cache_key(path)}"
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """Map a GGUF tensor name (`blk.3.attn_q.weight`) to its HF name, or None if unknown."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, index, kind = base.split(".", 2)
+        if kind in _LAYER_TENSORS:
+            return f"model.layers.{index}.{_LAYER_TENSORS[kind]}.{suffix}"
+        return None
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    return None
+
+
+def undo_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's interleaving of Q/K rows back to HF's rotate-half layout."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+        .swapaxes(1, 2)
+        .reshape(rows, *rest)
+    )
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _read_config(reader: Any, path: Path, tensor_names: set[str]) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ModelFormatError(
+            f"{path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(_ARCHITECTURES)})"
+        )
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelFormatError(f"{path}: GGUF metadata {arch}.{key} is missing")
+        return value
+
+    heads = int(meta("attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": int(meta("embedding_length")),
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling and scaling != "none":
+        config["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+        }
+    return config
+
+
+def _dequantize(reader: Any, path: Path, arch: str, heads: dict[str, int]) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(
+        reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=envs.disable_progress()
+    ):
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ModelFormatError(
+                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
+                "which the gguf package cannot dequantize"
+            ) from None
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        array = np.asarray(array, dtype=np.float32).reshape(shape)
+        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            array = undo_rope_permute(array, heads["q"])
+        elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            array = undo_rope_permute(array, heads["kv"])
+        tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+    return tensors
+
+
+def _write_tokenizer(path: Path, out_dir: Path) -> None:
+    """Rebuild the tokenizer and chat template from GGUF metadata via transformers' converter."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ModelFormatError(f"{path}: tokenizer metadata cannot be read ({exc})") from None
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def open_gguf(path: Path) -> Any:
+    """Open a GGUF file, turning the library's low-level failures into a message naming it."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ModelFormatError(f"{path}: model file not found")
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise ModelFormatError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelFormatError(
+            f"{path}: GGUF file is truncated or corrupt ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def convert_gguf(path: Path) -> Path:
+    """Return an HF-format directory for `path`, converting it on first use."""
+    out_dir = cached_model_dir(path)
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    reader = open_gguf(path)
+    tensor_names = {t.name for t in reader.tensors}
+    config = _read_config(reader, path, tensor_names)
+    arch = config["model_type"]
+    heads = {"q": config["num_attention_heads"], "kv": config["num_key_value_heads"]}
+    logger.info("converting %s to float32 safetensors in %s (once)", path, out_dir)
+    tensors = _dequantize(reader, path, arch, heads)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        _write_tokenizer(path, staging)
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            os.rename(staging, out_dir)
+        except OSError:
+            # Another process finished the same conversion first; its result is as good.
+            if not (out_dir / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,207 @@
+"""Tensor-parallel building blocks, plain `nn.Module`s whose weight loaders take their own shard.
+
+At TP=1 each layer is an ordinary linear/embedding; at TP>1 the same code holds a slice and the
+`weight_loader` attached to each parameter cuts that slice out of a full checkpoint tensor, so the
+model definition never changes with the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rankcast.distributed import TensorParallelGroup
+
+WeightLoader = Callable[..., None]
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor parallel size {denominator}")
+    return numerator // denominator
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _attach_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Loader for replicated parameters (norms, unsharded biases)."""
+    _copy_checked(param, loaded, "replicated parameter")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add, computed in float32 like the reference."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        _attach_loader(self.weight, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (normalised input, the residual stream to carry forward)."""
+        if residual is not None:
+            x = x + residual
+        return self._norm(x), x
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows; each rank produces its slice of the output."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.output_size_per_rank = _divide(output_size, tp.size, "output size")
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size))
+        _attach_loader(self.weight, self.weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_rank))
+            _attach_loader(self.bias, self.weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        _copy_checked(param, loaded.narrow(0, self.tp.rank * shard, shard), "column-parallel")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up)."""
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool, tp: TensorParallelGroup
+    ) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+    ) -> None:
+        size = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        part = loaded.narrow(0, self.tp.rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), part, f"merged shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections in one matmul, split by attention heads.
+
+    With fewer KV heads than ranks, each KV head is replicated on the ranks that share it.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TensorParallelGroup,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp.size, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = _divide(num_kv_heads, tp.size, "KV heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp.size, num_kv_heads, "ranks per KV head")
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp.size, bias, tp)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
+    ) -> None:
+        if shard_id == "q":
+            offset, size, index = 0, self.q_size, self.tp.rank
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, index = self.kv_size, self.tp.rank // self.kv_replicas
+        part = loaded.narrow(0, index * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), part, f"qkv shard {shard_id}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size_per_rank = _divide(input_size, tp.size, "input size")
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank))
+        _attach_loader(self.weight, self.weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size))
+            _attach_loader(self.bias, default_weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[1]
+        _copy_checked(param, loaded.narrow(1, self.tp.rank * shard, shard), "row-parallel")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding split by vocabulary rows; out-of-slice ids contribute zeros before the sum."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size))
+        _attach_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"embedding: checkpoint has {loaded.shape[0]} rows, expected {self.vocab_size}")
+        end = min(self.vocab_start + self.rows_per_rank, self.vocab_size)
+        param.data[: end - self.vocab_start].copy_(loaded[self.vocab_start : end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, split by vocabulary rows like the embedding it may be tied to."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]

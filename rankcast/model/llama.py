@@ -1,0 +1,208 @@
+"""A Llama-family decoder (SmolLM2, Llama 2/3, Qwen2, Mistral) built from tensor-parallel layers.
+
+Parameter names follow HF checkpoints except where projections are stacked (`qkv_proj`,
+`gate_up_proj`); `load_weights` maps checkpoint names onto them and lets each parameter's
+`weight_loader` take this rank's shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from rankcast.distributed import PipelineStage, TensorParallelGroup
+from rankcast.model.arch import ArchConfig
+from rankcast.model.attention import AttentionMetadata, PagedAttention
+from rankcast.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+from rankcast.model.rotary import RotaryEmbedding
+
+# checkpoint suffix -> (stacked parameter suffix, shard id)
+_STACKED = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            arch.attention_bias,
+            tp,
+        )
+        self.o_proj = RowParallelLinear(
+            arch.num_attention_heads * arch.head_dim, arch.hidden_size, False, tp
+        )
+        self.rope = rope
+        self.head_dim = arch.head_dim
+        self.attn = PagedAttention(
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, arch.head_dim
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.qkv_proj.num_heads, self.head_dim)
+        k = k.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [arch.intermediate_size] * 2, False, tp
+        )
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, tp, rope)
+        self.mlp = LlamaMLP(arch, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder, or this pipeline stage's slice of it.
+
+    Non-first stages take `(hidden, residual)` from the previous stage instead of token ids, and
+    only the last stage owns the final norm and the LM head.
+    """
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        tp: TensorParallelGroup | None = None,
+        pp: PipelineStage | None = None,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.tp = tp or TensorParallelGroup()
+        self.pp = pp or PipelineStage()
+        self.start_layer, self.end_layer = self.pp.layer_range(arch.num_hidden_layers)
+        rope = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, self.tp)
+            if self.pp.is_first or (self.pp.is_last and arch.tie_word_embeddings)
+            else None
+        )
+        self.layers = nn.ModuleDict(
+            {
+                str(i): LlamaDecoderLayer(arch, self.tp, rope)
+                for i in range(self.start_layer, self.end_layer)
+            }
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.pp.is_last else None
+        self.lm_head: ParallelLMHead | None = None
+        if self.pp.is_last:
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, self.tp)
+            if arch.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """This stage's attention modules, in layer order, for the runner to hand caches to."""
+        return [layer.self_attn.attn for layer in self.layers.values()]  # type: ignore[union-attr]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run this stage's layers; the last stage returns the final-normed hidden states."""
+        if self.pp.is_first:
+            assert self.embed_tokens is not None and input_ids is not None
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate is not None
+            hidden, residual = intermediate
+        for layer in self.layers.values():
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if self.norm is None:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors, skipping those another pipeline stage owns.
+
+        Returns the names of parameters that were filled, so the loader can report any missing.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            name = ckpt_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name.startswith("layers."):
+                index = int(name.split(".")[1])
+                if not self.start_layer <= index < self.end_layer:
+                    continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for ckpt_part, param_part, shard_id in _STACKED:
+                if f".{ckpt_part}." in name:
+                    target, shard = name.replace(ckpt_part, param_part), shard_id
+                    break
+            if target not in params:
+                continue  # belongs to another stage (embedding, norm, head)
+            param = params[target]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            with torch.no_grad():
+                if shard is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard)
+            loaded.add(target)
+        if self.lm_head is not None and self.arch.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded

@@ -1,0 +1,61 @@
+"""Build a model for one rank and fill it from safetensors files, with progress and clear errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from rankcast import envs
+from rankcast.distributed import PipelineStage, TensorParallelGroup
+from rankcast.model.arch import ArchConfig, ModelFormatError
+from rankcast.model.llama import LlamaForCausalLM
+
+
+def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of every *.safetensors file, memory-mapped, in file order."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{model_dir}: no *.safetensors weights found")
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt")
+            names = list(handle.keys())
+        except Exception as exc:
+            raise ModelFormatError(f"{file}: cannot be read as safetensors ({exc})") from None
+        for name in tqdm(
+            names, desc=f"Loading {file.name}", unit="tensor", disable=envs.disable_progress()
+        ):
+            try:
+                tensor = handle.get_tensor(name)
+            except Exception as exc:
+                raise ModelFormatError(f"{file}: tensor {name} is unreadable ({exc})") from None
+            yield name, tensor
+
+
+def load_model(
+    model_dir: Path,
+    arch: ArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallelGroup | None = None,
+    pp: PipelineStage | None = None,
+) -> LlamaForCausalLM:
+    """Construct this rank's slice of the model and load its shard of the weights."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(arch, tp, pp)
+    finally:
+        torch.set_default_dtype(previous)
+    loaded = model.load_weights(iterate_safetensors(model_dir))
+    expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelFormatError(f"{model_dir}: checkpoint lacks {len(missing)} tensors: {shown}")
+    return model.eval()

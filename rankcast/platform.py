@@ -1,0 +1,50 @@
+"""What this machine offers: device, default precision and thread count per rank."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rankcast import envs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_for_rank(local_rank: int) -> torch.device:
+    """One CUDA device per local rank when torch sees CUDA, the CPU otherwise."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True where oneDNN runs bfloat16 matmuls natively (AMX or AVX512-BF16)."""
+    try:
+        if torch._C._cpu._is_amx_tile_supported():
+            return True
+        return bool(torch._C._cpu._is_avx512_bf16_supported())
+    except AttributeError:
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` means bfloat16 where the hardware computes it natively, float32 elsewhere.
+
+    On CPUs with AMX a batched bfloat16 step is about 3x faster than float32; without it,
+    bfloat16 is emulated and slower, so float32 is the better default.
+    """
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def threads_per_rank(ranks_on_this_machine: int) -> int:
+    """Share the cores evenly so ranks do not oversubscribe them."""
+    explicit = envs.num_threads()
+    if explicit:
+        return explicit
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, ranks_on_this_machine))

@@ -1,0 +1,113 @@
+"""Every message that crosses a process boundary, as msgspec structs.
+
+Hot-path structs are `array_like=True, omit_defaults=True`: positional on the wire, so **field
+order is a contract** — new fields go at the end with a default, never in between.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from rankcast.sampling_params import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request stopped; the strings are the OpenAI API's."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Log-probabilities at one generated position: the sampled token and the top-k."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+
+
+# ---- frontend <-> engine core ----
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A tokenized request as the engine core receives it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    client_index: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Engine-wide load figures that every frontend reports identically."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One message from the engine core to a frontend."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    finished_requests: list[str] | None = None
+
+
+# ---- engine core <-> worker ranks ----
+
+
+class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence's work in a step.
+
+    A prefill computes `token_ids` from position 0 (new or resumed after preemption) and carries
+    the sampling parameters; a decode computes the single newest token at `start_position`.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    sampling_params: SamplingParams | None = None
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The batch for one step and the requests every rank may forget."""
+
+    is_prefill: bool
+    sequences: list[ScheduledSequence]
+    finished_request_ids: list[str] = msgspec.field(default_factory=list)
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The output rank's sampled tokens, in the order of `SchedulerOutput.sequences`."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None

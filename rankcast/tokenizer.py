@@ -1,0 +1,31 @@
+"""Tokenizer and chat template of a model directory, through transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rankcast.model.arch import ModelFormatError
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """A fast tokenizer with the checkpoint's chat template."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ModelFormatError(f"{model_dir}: tokenizer files cannot be loaded ({exc})") from None
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> list[int]:
+    """Render a conversation to prompt token ids; a model without a template is an error."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use a plain completion prompt")
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    # The template already wrote any BOS it wants; do not let encoding add a second one.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

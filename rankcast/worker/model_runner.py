@@ -1,0 +1,139 @@
+"""Turns a `SchedulerOutput` into tensors, runs this rank's model slice and samples.
+
+The runner keeps only what must persist across steps on a rank: the KV cache and, for each live
+request, its sampling parameters and random generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rankcast.model.arch import ArchConfig
+from rankcast.model.attention import AttentionMetadata
+from rankcast.model.llama import LlamaForCausalLM
+from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+from rankcast.sampling_params import SamplingParams
+from rankcast.worker.sampler import sample
+
+
+@dataclass
+class _RequestState:
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        arch: ArchConfig,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.arch = arch
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, _RequestState] = {}
+
+    # ---- KV cache ----
+
+    def bytes_per_block(self) -> int:
+        layers = len(self.model.attention_layers())
+        attn = self.model.attention_layers()[0] if layers else None
+        kv_heads = attn.num_kv_heads if attn else 0
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * layers * self.block_size * kv_heads * self.arch.head_dim * element
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate every layer's cache up front, so memory use is fixed after start-up."""
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            cache = torch.zeros(
+                2,
+                num_blocks,
+                self.block_size,
+                attn.num_kv_heads,
+                attn.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step ----
+
+    def _update_states(self, batch: SchedulerOutput) -> None:
+        for request_id in batch.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for seq in batch.sequences:
+            if seq.sampling_params is not None and seq.request_id not in self.requests:
+                params = seq.sampling_params
+                generator = None
+                if params.seed is not None:
+                    generator = torch.Generator(device=self.device)
+                    generator.manual_seed(params.seed)
+                self.requests[seq.request_id] = _RequestState(params, generator)
+
+    def _prepare(
+        self, batch: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        for seq in batch.sequences:
+            n = len(seq.token_ids)
+            input_ids.extend(seq.token_ids)
+            span = range(seq.start_position, seq.start_position + n)
+            positions.extend(span)
+            blocks = seq.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            query_lens.append(n)
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_lens=query_lens,
+        )
+        last_indices = None
+        if batch.is_prefill:
+            ends = torch.tensor(query_lens, device=dev).cumsum(0) - 1
+            last_indices = ends
+        else:
+            width = max(len(seq.block_ids) for seq in batch.sequences)
+            tables = [seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in batch.sequences]
+            context = [seq.start_position + 1 for seq in batch.sequences]
+            meta.block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+            meta.context_lens = torch.tensor(context, dtype=torch.long, device=dev)
+            meta.max_context_len = max(context)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta, last_indices
+
+    @torch.inference_mode()
+    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; ranks that do not sample return None."""
+        self._update_states(batch)
+        if not batch.sequences:
+            return None
+        ids, pos, meta, last_indices = self._prepare(batch)
+        hidden, _ = self.model(ids, pos, meta)
+        if last_indices is not None:
+            hidden = hidden[last_indices]
+        logits = self.model.compute_logits(hidden)
+        states = [self.requests[seq.request_id] for seq in batch.sequences]
+        tokens, logprobs = sample(
+            logits, [s.params for s in states], [s.generator for s in states]
+        )
+        return ModelRunnerOutput(
+            request_ids=[seq.request_id for seq in batch.sequences],
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+        )

@@ -1,0 +1,83 @@
+"""One worker rank: device set-up, model loading, KV cache, and the step entry point.
+
+Executors call these methods by name through `collective_rpc`, so their names are the worker's
+remote interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from rankcast import platform
+from rankcast.config import EngineConfig
+from rankcast.distributed import PipelineStage, TensorParallelGroup
+from rankcast.model.arch import ArchConfig
+from rankcast.model.loader import load_model
+from rankcast.model.source import ModelSource
+from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+from rankcast.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        rank: int = 0,
+        local_rank: int = 0,
+        ranks_on_this_machine: int = 1,
+    ) -> None:
+        self.config = config
+        self.source = source
+        self.rank = rank
+        self.local_rank = local_rank
+        self.ranks_on_this_machine = ranks_on_this_machine
+        tp_size = config.parallel.tensor_parallel_size
+        self.tp = TensorParallelGroup(rank=rank % tp_size, size=tp_size)
+        self.pp = PipelineStage(rank=rank // tp_size, size=config.parallel.pipeline_parallel_size)
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        """Pick the device and precision, and cap threads so ranks share the cores."""
+        self.device = platform.device_for_rank(self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = platform.resolve_dtype(self.config.model.dtype, self.device)
+        torch.set_num_threads(platform.threads_per_rank(self.ranks_on_this_machine))
+        torch.manual_seed(self.config.model.seed)
+
+    def load_model(self) -> float:
+        """Load this rank's shard; returns the seconds it took."""
+        start = time.perf_counter()
+        arch = ArchConfig.from_model_dir(self.source.model_dir)
+        model = load_model(self.source.model_dir, arch, self.dtype, self.device, self.tp, self.pp)
+        self.runner = ModelRunner(model, arch, self.config.cache.block_size, self.device, self.dtype)
+        seconds = time.perf_counter() - start
+        logger.info("rank %d loaded its shard in %.2f s (%s)", self.rank, seconds, self.dtype)
+        return seconds
+
+    def num_available_blocks(self) -> int:
+        """How many KV blocks this rank's budget holds (the engine takes the minimum over ranks)."""
+        assert self.runner is not None
+        if self.config.cache.num_blocks is not None:
+            return self.config.cache.num_blocks
+        budget = int(self.config.cache.space_gib * 2**30)
+        return max(1, budget // self.runner.bytes_per_block())
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        assert self.runner is not None
+        self.runner.initialize_cache(num_blocks)
+
+    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.runner is not None
+        return self.runner.execute_model(batch)
+
+    def check_health(self) -> bool:
+        return True

@@ -20,12 +20,8 @@ def device_for_rank(local_rank: int) -> torch.device:
 
 def cpu_has_fast_bf16() -> bool:
     """True where oneDNN runs bfloat16 matmuls natively (AMX or AVX512-BF16)."""
-    try:
-        if torch._C._cpu._is_amx_tile_supported():
-            return True
-        return bool(torch._C._cpu._is_avx512_bf16_supported())
-    except AttributeError:
-        return False
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -26,8 +26,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     query_lens: list[int]  # prefill: tokens per sequence
     block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks]
-    context_lens: torch.Tensor | None = None  # decode: [batch] tokens attended, incl. the new one
+    attn_bias: torch.Tensor | None = None  # decode: [batch, 1, 1, max_context] 0 or -inf
     max_context_len: int = 0
+    # Rotary cos/sin rows for this step's positions, filled once per forward by the model.
+    rope_cos: torch.Tensor | None = None
+    rope_sin: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):
@@ -73,20 +76,15 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert self.kv_cache is not None and meta.block_tables is not None
-        assert meta.context_lens is not None
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        blocks = meta.block_tables
-        # Gather this batch's blocks: [B, max_blocks, block, Hkv, D] -> [B, Hkv, L, D].
-        keys = self.kv_cache[0][blocks].flatten(1, 2)[:, : meta.max_context_len]
-        values = self.kv_cache[1][blocks].flatten(1, 2)[:, : meta.max_context_len]
-        keys = keys.permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-        values = values.transpose(1, 2)  # [B, Hkv, L, D]
+        # One gather for K and V: [2, B, max_blocks, block, Hkv, D] -> [2, B, Hkv, L, D] (strided).
+        kv = self.kv_cache[:, meta.block_tables].flatten(2, 3)[:, :, : meta.max_context_len]
+        kv = kv.transpose(2, 3)
+        # The single new query of each sequence: fold the heads sharing a KV head into the query
+        # length, so attention is one SDPA call with no KV repetition.
         qg = q.view(batch, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(qg, keys).float() * self.scale  # [B, Hkv, G, L]
-        positions = torch.arange(meta.max_context_len, device=q.device)
-        pad = positions.unsqueeze(0) >= meta.context_lens.unsqueeze(1)  # [B, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.matmul(probs, values)  # [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(
+            qg, kv[0], kv[1], attn_mask=meta.attn_bias, scale=self.scale
+        )
         return out.reshape(batch, self.num_heads * self.head_dim)

@@ -34,6 +34,36 @@ def _attach_loader(param: nn.Parameter, loader: WeightLoader) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
+def can_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN's prepacked bfloat16 matmul (AMX on recent Xeons) is only used on CPU."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+class PackedLinearMixin:
+    """Matmul through a weight prepacked once for oneDNN, when the platform benefits.
+
+    Without prepacking, every bfloat16 CPU matmul re-lays-out its weight for AMX, which costs
+    more than the multiplication itself at decode batch sizes.
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def prepack(self, weight: torch.Tensor) -> None:
+        if can_prepack(weight):
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+    def matmul(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.packed_weight is not None and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     """Loader for replicated parameters (norms, unsharded biases)."""
     _copy_checked(param, loaded, "replicated parameter")
@@ -48,22 +78,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         _attach_loader(self.weight, default_weight_loader)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (normalised input, the residual stream to carry forward)."""
         if residual is not None:
             x = x + residual
-        return self._norm(x), x
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
+        # Reduced precision: normalise in float32 and scale after casting back, as HF does.
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return normed * self.weight, x
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackedLinearMixin, nn.Module):
     """y = x W^T with W split by output rows; each rank produces its slice of the output."""
 
     def __init__(
@@ -85,7 +113,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param, loaded.narrow(0, self.tp.rank * shard, shard), "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -145,7 +173,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         _copy_checked(param.data.narrow(0, offset, size), part, f"qkv shard {shard_id}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackedLinearMixin, nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
 
     def __init__(
@@ -167,7 +195,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param, loaded.narrow(1, self.tp.rank * shard, shard), "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x, self.weight, None))
         return y + self.bias if self.bias is not None else y
 
 
@@ -199,9 +227,16 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackedLinearMixin, VocabParallelEmbedding):
     """The output projection, split by vocabulary rows like the embedding it may be tied to."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(self.matmul(hidden, self.weight, None))
         return logits[..., : self.vocab_size]
+
+
+def prepack_linears(model: nn.Module) -> None:
+    """Prepack every linear-like layer's weight after loading (a no-op where it does not help)."""
+    for module in model.modules():
+        if isinstance(module, PackedLinearMixin):
+            module.prepack(module.weight)  # type: ignore[attr-defined]

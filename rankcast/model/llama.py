@@ -24,7 +24,7 @@ from rankcast.model.layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
-from rankcast.model.rotary import RotaryEmbedding
+from rankcast.model.rotary import RotaryEmbedding, apply_rotary
 
 # checkpoint suffix -> (stacked parameter suffix, shard id)
 _STACKED = (
@@ -37,7 +37,7 @@ _STACKED = (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup, rope: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             arch.hidden_size,
@@ -50,22 +50,21 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             arch.num_attention_heads * arch.head_dim, arch.hidden_size, False, tp
         )
-        self.rope = rope
         self.head_dim = arch.head_dim
         self.attn = PagedAttention(
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, arch.head_dim
         )
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.qkv_proj.num_heads, self.head_dim)
-        k = k.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.qkv_proj.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        # Query and key heads are adjacent in the fused output: rotate them in one pass.
+        qk = qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, self.head_dim)
+        assert meta.rope_cos is not None and meta.rope_sin is not None
+        qk = apply_rotary(qk, meta.rope_cos, meta.rope_sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, q_size + kv_size :].view(-1, kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -83,22 +82,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup, rope: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, tp, rope)
+        self.self_attn = LlamaAttention(arch, tp)
         self.mlp = LlamaMLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -121,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or TensorParallelGroup()
         self.pp = pp or PipelineStage()
         self.start_layer, self.end_layer = self.pp.layer_range(arch.num_hidden_layers)
-        rope = RotaryEmbedding(
+        self.rope = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
         self.embed_tokens = (
@@ -131,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleDict(
             {
-                str(i): LlamaDecoderLayer(arch, self.tp, rope)
+                str(i): LlamaDecoderLayer(arch, self.tp)
                 for i in range(self.start_layer, self.end_layer)
             }
         )
@@ -160,8 +155,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             assert intermediate is not None
             hidden, residual = intermediate
+        meta.rope_cos, meta.rope_sin = self.rope.cos_sin(positions, hidden.dtype)
         for layer in self.layers.values():
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(hidden, residual, meta)
         if self.norm is None:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

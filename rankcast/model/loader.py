@@ -12,6 +12,7 @@ from tqdm import tqdm
 from rankcast import envs
 from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.model.arch import ArchConfig, ModelFormatError
+from rankcast.model.layers import prepack_linears
 from rankcast.model.llama import LlamaForCausalLM
 
 
@@ -58,4 +59,5 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFormatError(f"{model_dir}: checkpoint lacks {len(missing)} tensors: {shown}")
+    prepack_linears(model)
     return model.eval()

@@ -109,13 +109,24 @@ class ModelRunner:
         else:
             width = max(len(seq.block_ids) for seq in batch.sequences)
             tables = [seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in batch.sequences]
-            context = [seq.start_position + 1 for seq in batch.sequences]
+            context = torch.tensor([seq.start_position + 1 for seq in batch.sequences], device=dev)
+            meta.max_context_len = int(context.max())
             meta.block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-            meta.context_lens = torch.tensor(context, dtype=torch.long, device=dev)
-            meta.max_context_len = max(context)
+            beyond = torch.arange(meta.max_context_len, device=dev) >= context.unsqueeze(1)
+            bias = torch.zeros(beyond.shape, dtype=self.dtype, device=dev)
+            meta.attn_bias = bias.masked_fill_(beyond, float("-inf"))[:, None, None, :]
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, meta, last_indices
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor:
+        """Logits [num_sequences, vocab] at each sequence's newest position."""
+        ids, pos, meta, last_indices = self._prepare(batch)
+        hidden, _ = self.model(ids, pos, meta)
+        if last_indices is not None:
+            hidden = hidden[last_indices]
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -123,11 +134,7 @@ class ModelRunner:
         self._update_states(batch)
         if not batch.sequences:
             return None
-        ids, pos, meta, last_indices = self._prepare(batch)
-        hidden, _ = self.model(ids, pos, meta)
-        if last_indices is not None:
-            hidden = hidden[last_indices]
-        logits = self.model.compute_logits(hidden)
+        logits = self.compute_logits(batch)
         states = [self.requests[seq.request_id] for seq in batch.sequences]
         tokens, logprobs = sample(
             logits, [s.params for s in states], [s.generator for s in states]

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random-weight checkpoints written in HF format, and the embedded model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
+torch.set_num_threads(2)
+
+TINY_LLAMA = {
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+
+def write_tiny_model(
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 49152,
+    tokenizer_from: Path | None = None,
+    **overrides: object,
+) -> Path:
+    """Write a random-weight HF checkpoint; copy a tokenizer in so the engine can serve it."""
+    import transformers
+
+    torch.manual_seed(seed)
+    settings = {**TINY_LLAMA, "vocab_size": vocab_size, **overrides}
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**settings)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**settings)
+        model = transformers.LlamaForCausalLM(config)
+    # Random init gives near-uniform logits; a wider spread makes greedy choices well separated.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tokenizer_from / name).exists():
+                shutil.copy(tokenizer_from / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    """The embedded SmolLM2 GGUF, converted once (cached across sessions)."""
+    from rankcast.model.source import resolve_model
+
+    return resolve_model(None).model_dir
+
+
+@pytest.fixture(scope="session")
+def embedded_gguf() -> Path:
+    from rankcast.model.source import embedded_gguf_path
+
+    return embedded_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Path:
+    return write_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=embedded_model_dir
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32():
+    """One float32 engine over the embedded model, shared by tests that only read from it."""
+    from rankcast import LLM
+
+    llm = LLM(dtype="float32", kv_cache_space_gib=0.5, max_num_seqs=32)
+    yield llm
+    llm.shutdown()

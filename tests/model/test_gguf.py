@@ -1,0 +1,125 @@
+"""The embedded GGUF: conversion, equality with transformers' own GGUF loading, and bad files."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rankcast.model.arch import ModelFormatError
+from rankcast.model.gguf_convert import cache_key, convert_gguf, hf_tensor_name, undo_rope_permute
+from rankcast.model.source import resolve_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+
+
+def test_undo_rope_permute_inverts_llama_cpp_layout() -> None:
+    heads, head_dim, cols = 3, 8, 5
+    hf = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
+    # llama.cpp's converter: reshape(heads, 2, dim/2, ...) then swap the two middle axes.
+    gguf = hf.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(hf.shape)
+    np.testing.assert_array_equal(undo_rope_permute(gguf, heads), hf)
+
+
+def test_tensor_names_map_to_hf() -> None:
+    assert hf_tensor_name("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
+    assert hf_tensor_name("rope_freqs.weight") is None
+
+
+def test_embedded_model_config_comes_from_gguf_metadata(embedded_model_dir: Path) -> None:
+    from rankcast.model.arch import ArchConfig
+
+    arch = ArchConfig.from_model_dir(embedded_model_dir)
+    assert (arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads) == (30, 9, 3)
+    assert arch.hidden_size == 576 and arch.vocab_size == 49152 and arch.tie_word_embeddings
+    assert (embedded_model_dir / "tokenizer.json").is_file()
+    assert "im_start" in (embedded_model_dir / "tokenizer_config.json").read_text() or (
+        embedded_model_dir / "chat_template.jinja"
+    ).is_file()
+
+
+def test_greedy_continuations_match_transformers_generate(smollm_fp32, embedded_gguf: Path) -> None:
+    """64 greedy tokens of 4 prompts, token for token, against transformers' own GGUF loader."""
+    import transformers
+
+    from rankcast import SamplingParams
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(embedded_gguf.parent), gguf_file=embedded_gguf.name, dtype=torch.float32
+    )
+    # Like ignore_eos: generation runs the full 64 tokens even past an end-of-turn token.
+    reference.generation_config.eos_token_id = None
+    reference.generation_config.pad_token_id = 2
+    tokenizer = smollm_fp32.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    ours = smollm_fp32.generate(PROMPTS, params)
+    for prompt, output in zip(PROMPTS, ours, strict=True):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            want = reference.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1] :]
+        assert len(want) == 64
+        assert output.outputs[0].token_ids == want.tolist(), prompt
+
+
+def test_cache_key_changes_with_file_identity(tmp_path: Path) -> None:
+    a = tmp_path / "m.gguf"
+    a.write_bytes(b"GGUF" + b"\0" * 10)
+    key = cache_key(a)
+    a.write_bytes(b"GGUF" + b"\0" * 11)
+    assert cache_key(a) != key
+
+
+def test_missing_model_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelFormatError, match="nope.gguf: model path not found"):
+        resolve_model(str(tmp_path / "nope.gguf"))
+
+
+def test_non_gguf_file_is_rejected_with_its_name(tmp_path: Path) -> None:
+    bogus = tmp_path / "weights.gguf"
+    bogus.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ModelFormatError, match=r"weights.gguf: not a GGUF file"):
+        resolve_model(str(bogus))
+
+
+def test_truncated_gguf_is_rejected_with_its_name(
+    tmp_path: Path, embedded_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
+    truncated = tmp_path / "half.gguf"
+    with embedded_gguf.open("rb") as src, truncated.open("wb") as dst:
+        dst.write(src.read(embedded_gguf.stat().st_size // 2))
+    with pytest.raises(ModelFormatError, match=r"half.gguf: GGUF file is truncated or corrupt"):
+        convert_gguf(truncated)
+    assert not any((tmp_path / "cache").rglob("*.safetensors")), "no partial cache left behind"
+
+
+def test_hf_directory_errors_name_the_file(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    from rankcast import LLM
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelFormatError, match=r"config.json: not found"):
+        resolve_model(str(empty))
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    with pytest.raises(ModelFormatError, match=r"model.safetensors: "):
+        LLM(str(broken), kv_cache_space_gib=0.05)
+    unsupported = tmp_path / "unsupported"
+    shutil.copytree(tiny_llama_dir, unsupported)
+    config = unsupported / "config.json"
+    config.write_text(config.read_text().replace("LlamaForCausalLM", "MambaForCausalLM"))
+    with pytest.raises(ModelFormatError, match=r"architecture 'MambaForCausalLM' is not supported"):
+        LLM(str(unsupported), kv_cache_space_gib=0.05)

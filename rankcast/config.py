@@ -57,7 +57,9 @@ class CacheConfig:
     num_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (8, 16, 32, 64, 128), "--block-size must be 8..128, a power of 2")
+        _require(
+            self.block_size in (8, 16, 32, 64, 128), "--block-size must be 8..128, a power of 2"
+        )
         _require(
             self.num_blocks is None or self.num_blocks > 0,
             f"--num-gpu-blocks-override must be positive, got {self.num_blocks}",
@@ -69,7 +71,7 @@ class CacheConfig:
 
     @property
     def space_gib(self) -> float:
-        """The budget in GiB, from the flag, then the environment, then a 2-core-friendly default."""
+        """The budget in GiB: the flag, then the environment, then a 2-core-friendly default."""
         if self.kv_cache_space_gib is not None:
             return self.kv_cache_space_gib
         return envs.kv_cache_space_gib() or 2.0

@@ -1,4 +1,4 @@
-"""Logging with the process role in every line, so interleaved logs of many processes read clearly."""
+"""Logging with the process role in every line, so interleaved logs of many processes read."""
 
 from __future__ import annotations
 

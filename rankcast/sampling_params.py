@@ -36,7 +36,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+            raise ValueError(
+                f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}"
+            )
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -35,4 +35,5 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, 0..1, as routers read `kv_cache_usage_perc`."""
-        return 1.0 - len(self.free_blocks) / self.num_blocks if self.num_blocks else 0.0
+        used = self.num_blocks - len(self.free_blocks)
+        return used / self.num_blocks if self.num_blocks else 0.0

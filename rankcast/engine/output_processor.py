@@ -61,13 +61,13 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
-    def _logprob_entry(
-        self, state: RequestState, item: TokenLogprobs
-    ) -> dict[int, Logprob]:
+    def _logprob_entry(self, state: RequestState, item: TokenLogprobs) -> dict[int, Logprob]:
         detok = state.detokenizer
         entry = {
             tid: Logprob(lp, rank + 1, detok.decode_token(tid))
-            for rank, (tid, lp) in enumerate(zip(item.top_token_ids, item.top_logprobs, strict=True))
+            for rank, (tid, lp) in enumerate(
+                zip(item.top_token_ids, item.top_logprobs, strict=True)
+            )
         }
         entry[item.token_id] = Logprob(item.logprob, item.rank, detok.decode_token(item.token_id))
         return entry

@@ -12,11 +12,23 @@ from rankcast.model.arch import ModelFormatError
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--kv-cache-space", dest="kv_cache_space_gib", type=float, default=None, help="KV cache budget in GiB")
+    parser.add_argument(
+        "--kv-cache-space",
+        dest="kv_cache_space_gib",
+        type=float,
+        default=None,
+        help="KV cache budget in GiB",
+    )
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -31,7 +43,9 @@ def _chat(args: argparse.Namespace) -> int:
         kv_cache_space_gib=args.kv_cache_space_gib,
     )
     loaded = time.perf_counter()
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
     output = llm.chat([{"role": "user", "content": args.message}], params)[0]
     done = time.perf_counter()
     print(output.outputs[0].text.strip())

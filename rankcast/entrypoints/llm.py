@@ -59,9 +59,7 @@ class LLM:
         else:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
-                raise ValueError(
-                    f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts"
-                )
+                raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         order: dict[str, int] = {}
         try:
             for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):

@@ -74,9 +74,7 @@ class ArchConfig:
                 rope_scaling=dict(rope) if isinstance(rope, dict) else None,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(
-                    cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
-                ),
+                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )

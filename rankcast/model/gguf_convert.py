@@ -134,7 +134,9 @@ def _read_config(reader: Any, path: Path, tensor_names: set[str]) -> dict[str, A
     return config
 
 
-def _dequantize(reader: Any, path: Path, arch: str, heads: dict[str, int]) -> dict[str, torch.Tensor]:
+def _dequantize(
+    reader: Any, path: Path, arch: str, heads: dict[str, int]
+) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     tensors: dict[str, torch.Tensor] = {}

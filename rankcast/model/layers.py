@@ -20,7 +20,9 @@ WeightLoader = Callable[..., None]
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor parallel size {denominator}")
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by tensor parallel size {denominator}"
+        )
     return numerator // denominator
 
 
@@ -200,7 +202,7 @@ class RowParallelLinear(PackedLinearMixin, nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding split by vocabulary rows; out-of-slice ids contribute zeros before the sum."""
+    """Token embedding split by vocabulary rows; out-of-slice ids add zeros before the sum."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
         super().__init__()
@@ -213,7 +215,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"embedding: checkpoint has {loaded.shape[0]} rows, expected {self.vocab_size}")
+            raise ValueError(
+                f"embedding: checkpoint has {loaded.shape[0]} rows, expected {self.vocab_size}"
+            )
         end = min(self.vocab_start + self.rows_per_rank, self.vocab_size)
         param.data[: end - self.vocab_start].copy_(loaded[self.vocab_start : end])
 

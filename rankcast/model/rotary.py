@@ -54,8 +54,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-width cos/sin rows for a step's positions, computed once and shared by all layers."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-width cos/sin rows for a step's positions, computed once for all layers."""
         cos = self.cos[positions]
         sin = self.sin[positions]
         cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype)

@@ -41,7 +41,9 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource(origin=path, model_dir=convert_gguf(path), name=EMBEDDED_NAME)
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelFormatError(f"{path}: model path not found (expected a .gguf file or HF directory)")
+        raise ModelFormatError(
+            f"{path}: model path not found (expected a .gguf file or HF directory)"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelFormatError(f"{path}: unsupported model file (expected .gguf)")

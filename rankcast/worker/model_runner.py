@@ -136,9 +136,7 @@ class ModelRunner:
             return None
         logits = self.compute_logits(batch)
         states = [self.requests[seq.request_id] for seq in batch.sequences]
-        tokens, logprobs = sample(
-            logits, [s.params for s in states], [s.generator for s in states]
-        )
+        tokens, logprobs = sample(logits, [s.params for s in states], [s.generator for s in states])
         return ModelRunnerOutput(
             request_ids=[seq.request_id for seq in batch.sequences],
             sampled_token_ids=tokens,

@@ -13,9 +13,7 @@ from rankcast.protocol import TokenLogprobs
 from rankcast.sampling_params import SamplingParams
 
 
-def _filter_sorted(
-    logits: torch.Tensor, params: list[SamplingParams]
-) -> torch.Tensor:
+def _filter_sorted(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Apply top-k, top-p and min-p by masking logits to -inf, working on a sorted copy."""
     vocab = logits.shape[-1]
     device = logits.device

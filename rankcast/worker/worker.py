@@ -58,7 +58,9 @@ class Worker:
         start = time.perf_counter()
         arch = ArchConfig.from_model_dir(self.source.model_dir)
         model = load_model(self.source.model_dir, arch, self.dtype, self.device, self.tp, self.pp)
-        self.runner = ModelRunner(model, arch, self.config.cache.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(
+            model, arch, self.config.cache.block_size, self.device, self.dtype
+        )
         seconds = time.perf_counter() - start
         logger.info("rank %d loaded its shard in %.2f s (%s)", self.rank, seconds, self.dtype)
         return seconds

@@ -48,7 +48,7 @@ def test_batch_equals_each_prompt_alone(smollm_fp32: LLM) -> None:
 
 
 def test_batch_equals_alone_under_preemption() -> None:
-    """A KV budget far below the batch's needs forces recompute preemption; tokens must not change."""
+    """A KV budget far below the batch's needs forces recompute preemption; tokens stay."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with LLM(dtype="float32", num_blocks=24, block_size=16, max_model_len=256) as llm:
         alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in BATCH_PROMPTS]
@@ -63,7 +63,9 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(smollm_fp32: LLM) ->
     prompt = ["Tell me a story about a dragon."]
 
     def run(seed: int, batch_with_others: bool = False) -> list[int]:
-        params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=32, seed=seed, ignore_eos=True)
+        params = SamplingParams(
+            temperature=1.0, top_p=0.95, max_tokens=32, seed=seed, ignore_eos=True
+        )
         prompts = prompt + (BATCH_PROMPTS[:5] if batch_with_others else [])
         others = [SamplingParams(temperature=1.0, max_tokens=8)] * (len(prompts) - 1)
         return smollm_fp32.generate(prompts, [params, *others])[0].outputs[0].token_ids
@@ -109,7 +111,9 @@ def test_max_tokens_stop_strings_and_stop_token_ids(smollm_fp32: LLM) -> None:
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == "six"
     kept = smollm_fp32.generate(
         prompt,
-        SamplingParams(temperature=0.0, max_tokens=30, stop=["six"], include_stop_str_in_output=True),
+        SamplingParams(
+            temperature=0.0, max_tokens=30, stop=["six"], include_stop_str_in_output=True
+        ),
     )[0]
     assert kept.outputs[0].text == text[: text.index("six") + 3]
     stop_id = free.outputs[0].token_ids[3]

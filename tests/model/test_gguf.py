@@ -41,12 +41,17 @@ def test_embedded_model_config_comes_from_gguf_metadata(embedded_model_dir: Path
     from rankcast.model.arch import ArchConfig
 
     arch = ArchConfig.from_model_dir(embedded_model_dir)
-    assert (arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads) == (30, 9, 3)
+    assert (arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads) == (
+        30,
+        9,
+        3,
+    )
     assert arch.hidden_size == 576 and arch.vocab_size == 49152 and arch.tie_word_embeddings
     assert (embedded_model_dir / "tokenizer.json").is_file()
-    assert "im_start" in (embedded_model_dir / "tokenizer_config.json").read_text() or (
-        embedded_model_dir / "chat_template.jinja"
-    ).is_file()
+    assert (
+        "im_start" in (embedded_model_dir / "tokenizer_config.json").read_text()
+        or (embedded_model_dir / "chat_template.jinja").is_file()
+    )
 
 
 def test_greedy_continuations_match_transformers_generate(smollm_fp32, embedded_gguf: Path) -> None:
@@ -81,7 +86,7 @@ def test_cache_key_changes_with_file_identity(tmp_path: Path) -> None:
 
 
 def test_missing_model_names_the_path(tmp_path: Path) -> None:
-    with pytest.raises(ModelFormatError, match="nope.gguf: model path not found"):
+    with pytest.raises(ModelFormatError, match=r"nope\.gguf: model path not found"):
         resolve_model(str(tmp_path / "nope.gguf"))
 
 

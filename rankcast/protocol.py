@@ -1,12 +1,15 @@
 """Every message that crosses a process boundary, as msgspec structs.
 
 Hot-path structs are `array_like=True, omit_defaults=True`: positional on the wire, so **field
-order is a contract** — new fields go at the end with a default, never in between.
+order is a contract** — new fields go at the end with a default, never in between. Messages on a
+socket that carries several kinds are tagged unions (the tag is the first array element).
+Golden bytes for each live in tests/fixtures/wire/; a second-language client decodes the same.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -34,7 +37,18 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 # ---- frontend <-> engine core ----
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+# Bump whenever any struct below changes its field list; peers refuse a mismatch at handshake.
+PROTOCOL_VERSION = 1
+
+
+class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
+    """First message of a frontend on its input socket: who it is and what it speaks."""
+
+    protocol_version: int
+    client_index: int
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
     """A tokenized request as the engine core receives it."""
 
     request_id: str
@@ -42,6 +56,23 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     client_index: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True):
+    """Stop these requests (client disconnected, stop string found); unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class UtilityRequest(msgspec.Struct, tag="utility", array_like=True, omit_defaults=True):
+    """Call a named engine-core utility on the busy-loop thread; answered to the caller only."""
+
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+
+
+EngineCoreInput = ClientHello | EngineCoreRequest | AbortRequests | UtilityRequest
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -70,14 +101,38 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     block_size: int = 0
 
 
-class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The answer to one `UtilityRequest`: a msgpack-able result or an error message."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
     """One message from the engine core to a frontend."""
 
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
     finished_requests: list[str] | None = None
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True, omit_defaults=True):
+    """The engine core's answer to `ClientHello`; a non-empty `error` refuses the client."""
+
+    protocol_version: int
+    engine_index: int = 0
+    max_model_len: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+    pid: int = 0
+    error: str = ""
+
+
+EngineCoreMessage = EngineCoreOutputs | EngineReady
 
 
 # ---- engine core <-> worker ranks ----

@@ -1,54 +1,72 @@
-"""The `rankcast` command."""
+"""The `rankcast` command: `serve` (HTTP API) and `chat` (one answer from the offline engine)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from typing import Any
 
-from rankcast.config import ConfigError
+from rankcast.config import ConfigError, EngineConfig
 from rankcast.logger import init_logging
 from rankcast.model.arch import ModelFormatError
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)",
-    )
+def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
+    help_model = "GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct)"
+    if model_flag:
+        parser.add_argument("--model", default=None, help=help_model)
+    else:
+        parser.add_argument("model", nargs="?", default=None, help=help_model)
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--kv-cache-space",
         dest="kv_cache_space_gib",
         type=float,
         default=None,
-        help="KV cache budget in GiB",
+        help="KV cache budget in GiB (default 2, or RANKCAST_KV_CACHE_SPACE)",
+    )
+    parser.add_argument(
+        "--num-gpu-blocks-override",
+        dest="num_blocks",
+        type=int,
+        default=None,
+        help="exact number of KV cache blocks, overriding the budget",
     )
 
 
-def _chat(args: argparse.Namespace) -> int:
-    from rankcast import LLM, SamplingParams
-
-    started = time.perf_counter()
-    llm = LLM(
+def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
+    return EngineConfig.from_kwargs(
         model=args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
         kv_cache_space_gib=args.kv_cache_space_gib,
+        num_blocks=args.num_blocks,
+        **extra,
     )
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from rankcast import SamplingParams
+    from rankcast.engine.llm_engine import LLMEngine
+    from rankcast.entrypoints.llm import LLM
+
+    started = time.perf_counter()
+    llm = LLM.from_engine(LLMEngine(_engine_config(args)))
     loaded = time.perf_counter()
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
     output = llm.chat([{"role": "user", "content": args.message}], params)[0]
     done = time.perf_counter()
-    print(output.outputs[0].text.strip())
+    print(output.outputs[0].text.strip(), flush=True)
     print(
         f"[{len(output.outputs[0].token_ids)} tokens; load {loaded - started:.1f} s, "
         f"generate {done - loaded:.2f} s]",
@@ -58,24 +76,47 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from rankcast.entrypoints.launcher import LaunchError, ServeArgs, serve
+
+    if args.api_server_count < 1:
+        raise ConfigError("--api-server-count must be >= 1")
+    config = _engine_config(args, served_model_name=args.served_model_name)
+    try:
+        return serve(config, ServeArgs(args.host, args.port, args.api_server_count, args.api_key))
+    except LaunchError as exc:
+        print(f"rankcast: error: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rankcast", description="rankcast LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_engine_args(serve, model_flag=False)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-server-count", type=int, default=1)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=None, help="require this bearer token on /v1")
+
     chat = commands.add_parser("chat", help="answer one chat message with the offline engine")
     chat.add_argument("message")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
-    _add_engine_args(chat)
+    _add_engine_args(chat, model_flag=True)
+
     args = parser.parse_args(argv)
-    init_logging("cli")
+    init_logging("launcher" if args.command == "serve" else "cli")
     try:
-        if args.command == "chat":
-            return _chat(args)
+        if args.command == "serve":
+            return _serve(args)
+        return _chat(args)
     except (ConfigError, ModelFormatError, ValueError) as exc:
         print(f"rankcast: error: {exc}", file=sys.stderr)
         return 2
-    return 1
 
 
 if __name__ == "__main__":

@@ -24,6 +24,14 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built from an existing configuration tree (the CLI builds one)."""
+        llm = cls.__new__(cls)
+        llm.config = engine.config
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -1,0 +1,246 @@
+"""Clients of an engine core in another process, over one ZMQ socket pair per frontend.
+
+Both clients say hello with the protocol version, wait for `EngineReady`, and watch the engine
+process so that its death is noticed at once (the output socket disconnects, or the pid exits),
+never discovered by a request hanging forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from rankcast.engine.addresses import ClientAddresses
+from rankcast.engine.core_client import EngineCoreClient
+from rankcast.process import process_is_alive
+from rankcast.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    ClientHello,
+    EngineCoreMessage,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    UtilityRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone; nothing sent to it will be answered."""
+
+
+class ProtocolMismatchError(RuntimeError):
+    """The engine core and this frontend speak different wire protocol versions."""
+
+
+class UtilityError(RuntimeError):
+    """A utility call reached the engine core and failed there."""
+
+
+def _check_ready(ready: EngineReady) -> EngineReady:
+    if ready.error:
+        raise ProtocolMismatchError(ready.error)
+    if ready.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolMismatchError(
+            f"protocol version mismatch: engine core speaks {ready.protocol_version}, "
+            f"this API server speaks {PROTOCOL_VERSION}"
+        )
+    return ready
+
+
+class SyncMPClient(EngineCoreClient):
+    """Blocking client, for tools and tests that drive a separate engine core process."""
+
+    def __init__(
+        self, addresses: ClientAddresses, client_index: int = 0, timeout_s: float = 600.0
+    ) -> None:
+        self.context = zmq.Context()
+        self.input = self.context.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.connect(addresses.input)
+        self.output = self.context.socket(zmq.PULL)
+        self.output.connect(addresses.output)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
+        self.pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        self.call_ids = itertools.count()
+        self.input.send(self.encoder.encode(ClientHello(PROTOCOL_VERSION, client_index)))
+        self.ready = _check_ready(self._receive_ready(timeout_s))
+        self.max_model_len = self.ready.max_model_len
+
+    def _receive_ready(self, timeout_s: float) -> EngineReady:
+        if not self.output.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"engine core did not answer the handshake in {timeout_s:.0f} s")
+        message = self.decoder.decode(self.output.recv())
+        if not isinstance(message, EngineReady):
+            raise ProtocolMismatchError(f"expected EngineReady, got {type(message).__name__}")
+        return message
+
+    def _receive(self, timeout_s: float | None) -> EngineCoreOutputs:
+        deadline_ms = None if timeout_s is None else int(timeout_s * 1000)
+        waited = 0
+        while True:
+            if self.output.poll(250):
+                message = self.decoder.decode(self.output.recv())
+                if isinstance(message, EngineCoreOutputs):
+                    return message
+                continue
+            waited += 250
+            if not process_is_alive(self.ready.pid):
+                raise EngineDeadError(f"engine core (pid {self.ready.pid}) has exited")
+            if deadline_ms is not None and waited >= deadline_ms:
+                raise TimeoutError("no output from the engine core in time")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.input.send(self.encoder.encode(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.input.send(self.encoder.encode(AbortRequests(request_ids)))
+
+    def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs:
+        if self.pending:
+            return self.pending.popleft()
+        return self._receive(timeout_s)
+
+    def call_utility(self, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        call_id = next(self.call_ids)
+        self.input.send(self.encoder.encode(UtilityRequest(call_id, method, list(args))))
+        while True:
+            message = self._receive(timeout_s)
+            reply = message.utility_output
+            if reply is not None and reply.call_id == call_id:
+                if reply.error:
+                    raise UtilityError(reply.error)
+                return reply.result
+            if message.outputs or message.scheduler_stats is not None:
+                self.pending.append(message)
+
+    def shutdown(self) -> None:
+        self.context.destroy(linger=0)
+
+
+class AsyncMPClient:
+    """The asyncio client an API server uses; one reader task feeds outputs to a queue."""
+
+    def __init__(self, addresses: ClientAddresses, client_index: int) -> None:
+        self.addresses = addresses
+        self.client_index = client_index
+        self.context = zmq.asyncio.Context()
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
+        self.queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
+        self.call_ids = itertools.count()
+        self.calls: dict[int, asyncio.Future[Any]] = {}
+        self.tasks: list[asyncio.Task[None]] = []
+        self.dead: EngineDeadError | None = None
+        self.ready: EngineReady | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.ready is not None
+        return self.ready.max_model_len
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        self.input = self.context.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.connect(self.addresses.input)
+        self.output = self.context.socket(zmq.PULL)
+        monitor = self.output.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.output.connect(self.addresses.output)
+        await self.input.send(self.encoder.encode(ClientHello(PROTOCOL_VERSION, self.client_index)))
+        if not await self.output.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"engine core did not answer the handshake in {timeout_s:.0f} s")
+        message = self.decoder.decode(await self.output.recv())
+        if not isinstance(message, EngineReady):
+            raise ProtocolMismatchError(f"expected EngineReady, got {type(message).__name__}")
+        self.ready = _check_ready(message)
+        self.tasks = [
+            asyncio.create_task(self._read_outputs()),
+            asyncio.create_task(self._watch_disconnect(monitor)),
+            asyncio.create_task(self._watch_pid()),
+        ]
+
+    def _mark_dead(self, why: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = EngineDeadError(why)
+        logger.error("engine core is dead: %s", why)
+        self.queue.put_nowait(self.dead)
+        for future in self.calls.values():
+            if not future.done():
+                future.set_exception(self.dead)
+
+    async def _read_outputs(self) -> None:
+        while self.dead is None:
+            frame = await self.output.recv()
+            message = self.decoder.decode(frame)
+            if not isinstance(message, EngineCoreOutputs):
+                continue
+            reply = message.utility_output
+            if reply is not None:
+                future = self.calls.pop(reply.call_id, None)
+                if future is not None and not future.done():
+                    if reply.error:
+                        future.set_exception(UtilityError(reply.error))
+                    else:
+                        future.set_result(reply.result)
+                continue
+            self.queue.put_nowait(message)
+
+    async def _watch_disconnect(self, monitor: zmq.asyncio.Socket) -> None:
+        while self.dead is None:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._mark_dead("the engine core closed its connection")
+
+    async def _watch_pid(self) -> None:
+        assert self.ready is not None
+        while self.dead is None:
+            if not process_is_alive(self.ready.pid):
+                self._mark_dead(f"engine core process {self.ready.pid} exited")
+            await asyncio.sleep(0.5)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        await self.input.send(self.encoder.encode(request))
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        if self.dead is None and request_ids:
+            await self.input.send(self.encoder.encode(AbortRequests(request_ids)))
+
+    async def get_output(self) -> EngineCoreOutputs:
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.queue.put_nowait(item)  # every later reader learns it too
+            raise item
+        return item
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        self._check_alive()
+        call_id = next(self.call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = future
+        await self.input.send(self.encoder.encode(UtilityRequest(call_id, method, list(args))))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self.calls.pop(call_id, None)
+
+    def shutdown(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.context.destroy(linger=0)

@@ -1,0 +1,163 @@
+"""`rankcast serve`: start one engine core and K API servers, watch them, stop them all.
+
+The launcher converts the model once, starts the engine core and waits for it to load, then
+starts the API servers (which share the port through SO_REUSEPORT). On SIGTERM or SIGINT it stops
+the API servers first (so in-flight HTTP requests end cleanly), then the engine core, and leaves
+no process behind. If the engine core dies, the API servers stay up and answer 503, so a probe
+or an operator sees the failure instead of a refused connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from rankcast.config import EngineConfig
+from rankcast.engine.addresses import EngineAddresses
+from rankcast.engine.core_proc import run_engine_core
+from rankcast.entrypoints.openai.api_server import ApiServerConfig, run_api_server
+from rankcast.model.source import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_server_count: int = 1
+    api_key: str | None = None
+
+
+class LaunchError(RuntimeError):
+    """A process failed to start; the message says which and why."""
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail early, and without SO_REUSEPORT, so we never silently share a port with a stranger."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise LaunchError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _wait_ready(name: str, proc: BaseProcess, conn: Connection, timeout_s: float) -> None:
+    """Wait for a child's ("ready", ...) message; its ("error", why) or its death is fatal."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.2):
+            kind, *detail = conn.recv()
+            if kind != "ready":
+                raise LaunchError(f"{name} failed to start: {detail[0] if detail else kind}")
+            return
+        if not proc.is_alive():
+            raise LaunchError(f"{name} exited during start-up (exit code {proc.exitcode})")
+    raise LaunchError(f"{name} did not become ready in {timeout_s:.0f} s")
+
+
+def _stop(processes: list[BaseProcess], timeout_s: float = 10.0) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            logger.warning("%s did not stop in time; killing it", proc.name)
+            proc.kill()
+            proc.join(2)
+
+
+def serve(config: EngineConfig, args: ServeArgs) -> int:
+    _check_port_free(args.host, args.port)
+    source = resolve_model(config.model.model)
+    model_name = config.model.served_model_name or source.name
+    addresses = EngineAddresses.ipc(args.api_server_count)
+    spawn = multiprocessing.get_context("spawn")
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    engine_read, engine_write = spawn.Pipe(duplex=False)
+    engine = spawn.Process(
+        target=run_engine_core,
+        args=(config, source, addresses, 0, engine_write),
+        name="engine_core_dp0",
+    )
+    api_servers: list[BaseProcess] = []
+    try:
+        engine.start()
+        engine_write.close()
+        _wait_ready("engine core", engine, engine_read, timeout_s=900)
+        server_config = ApiServerConfig(
+            args.host, args.port, model_name, source.model_dir, str(source.origin), args.api_key
+        )
+        pipes = []
+        for index in range(args.api_server_count):
+            read, write = spawn.Pipe(duplex=False)
+            proc = spawn.Process(
+                target=run_api_server,
+                args=(server_config, index, addresses.clients[index], write),
+                name=f"api_server_{index}",
+            )
+            proc.start()
+            write.close()
+            api_servers.append(proc)
+            pipes.append(read)
+        for index, (proc, read) in enumerate(zip(api_servers, pipes, strict=True)):
+            _wait_ready(f"API server {index}", proc, read, timeout_s=300)
+        _print_banner(args, model_name)
+        engine_reported = False
+        while not stop_requested.wait(0.5):
+            if not engine.is_alive() and not engine_reported:
+                engine_reported = True
+                logger.error(
+                    "engine core exited (code %s); API servers answer 503 until restarted",
+                    engine.exitcode,
+                )
+            if all(not proc.is_alive() for proc in api_servers):
+                logger.error("every API server has exited; shutting down")
+                return 1
+        return 0
+    finally:
+        _stop(api_servers)
+        _stop([engine])
+        addresses.cleanup()
+
+
+def _print_banner(args: ServeArgs, model_name: str) -> None:
+    url = f"http://{args.host}:{args.port}"
+    auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+    body = (
+        f'{{"model": "{model_name}", '
+        '"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+    )
+    lines = [
+        "",
+        f"rankcast is serving {model_name} on {url} "
+        f"with {args.api_server_count} API server(s). Try:",
+        "",
+        f"  curl {url}/v1/chat/completions{auth} \\",
+        f"    -H 'Content-Type: application/json' -d '{body}'",
+        "",
+        "  or, with the openai client:",
+        f"    OpenAI(base_url='{url}/v1', api_key='{args.api_key or 'none'}')",
+        "",
+        f"  metrics: {url}/metrics    health: {url}/health    stop: Ctrl-C",
+        "",
+    ]
+    print("\n".join(lines), flush=True)

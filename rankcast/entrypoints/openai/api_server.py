@@ -1,0 +1,194 @@
+"""One API server process: a FastAPI app under uvicorn, sharing the port with its siblings.
+
+Each API server has its own connection to the engine core, its own output processor and its own
+metrics registry; everything engine-derived it reports comes from what the engine core
+broadcasts, so all siblings behind the port agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import rankcast
+from rankcast.engine.addresses import ClientAddresses
+from rankcast.engine.async_llm import AsyncLLM
+from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError
+from rankcast.entrypoints.openai.errors import APIError, error_response
+from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
+from rankcast.entrypoints.openai.serving import (
+    ServingContext,
+    create_chat_completion,
+    create_completion,
+)
+from rankcast.logger import init_logging
+from rankcast.metrics.prometheus import ServerMetrics
+from rankcast.process import die_with_parent, set_process_title
+from rankcast.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApiServerConfig:
+    host: str
+    port: int
+    model_name: str
+    model_dir: Path
+    model_origin: str
+    api_key: str | None = None
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        if error.get("type") == "json_invalid":
+            return f"Invalid JSON body: {error.get('ctx', {}).get('error', error.get('msg'))}"
+        location = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        parts.append(f"{location}: {error.get('msg')}" if location else str(error.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def build_app(config: ApiServerConfig, index: int, addresses: ClientAddresses) -> FastAPI:
+    metrics = ServerMetrics(config.model_name)
+    state: dict[str, object] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
+        engine = AsyncLLM(AsyncMPClient(addresses, index), tokenizer, metrics)
+        await engine.start()
+        state["ctx"] = ServingContext(engine, tokenizer, config.model_name)
+        state["engine"] = engine
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="rankcast", version=rankcast.__version__, lifespan=lifespan)
+
+    def ctx() -> ServingContext:
+        serving = state["ctx"]
+        assert isinstance(serving, ServingContext)
+        if serving.engine.dead is not None:
+            raise APIError(503, f"The engine core is not running: {serving.engine.dead}")
+        return serving
+
+    @app.middleware("http")
+    async def tag_and_authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
+        if (
+            config.api_key
+            and request.url.path.startswith("/v1")
+            and request.headers.get("authorization") != f"Bearer {config.api_key}"
+        ):
+            response = error_response(401, "Invalid or missing API key.")
+            response.headers["x-rankcast-api-server"] = str(index)
+            return response
+        response = await call_next(request)
+        response.headers["x-rankcast-api-server"] = str(index)
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"The engine core is not running: {exc}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        ctx()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": rankcast.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, object]:
+        serving = ctx()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "rankcast",
+                    "root": config.model_origin,
+                    "parent": None,
+                    "max_model_len": serving.engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx(), body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx(), body, request)
+
+    return app
+
+
+def bind_shared_port(host: str, port: int) -> socket.socket:
+    """A listening socket that sibling API servers also bind; the kernel spreads connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def run_api_server(
+    config: ApiServerConfig, index: int, addresses: ClientAddresses, ready: Connection
+) -> None:
+    """Process entry point: serve until SIGTERM/SIGINT (uvicorn shuts down gracefully)."""
+    role = f"api_server_{index}"
+    set_process_title(role)
+    init_logging(role)
+    die_with_parent()
+    app = build_app(config, index, addresses)
+    sock = bind_shared_port(config.host, config.port)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    )
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        ready.send(("ready",) if server.started else ("error", "uvicorn did not start"))
+        await task
+
+    asyncio.run(serve())

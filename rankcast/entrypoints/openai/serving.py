@@ -1,0 +1,362 @@
+"""Chat and text completions: requests to engine calls, outputs to OpenAI response bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rankcast.engine.async_llm import AsyncLLM
+from rankcast.engine.mp_client import EngineDeadError
+from rankcast.entrypoints.openai.errors import APIError, error_body
+from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
+from rankcast.outputs import Logprob, RequestOutput
+from rankcast.sampling_params import SamplingParams
+from rankcast.tokenizer import apply_chat_template
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLM
+    tokenizer: Any
+    model_name: str
+
+
+def _check_model(ctx: ServingContext, requested: str | None) -> None:
+    if requested is not None and requested != ctx.model_name:
+        raise APIError(404, f"The model `{requested}` does not exist.", "model")
+
+
+def _sampling_params(
+    ctx: ServingContext,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> SamplingParams:
+    limit = ctx.engine.max_model_len
+    if prompt_len >= limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{prompt_len} prompt tokens, leaving no room to generate. Please shorten the prompt.",
+            "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop=list(body.stop or []),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling it (and so aborting its engine request) if the client leaves."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    assert last is not None
+    return last
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int) -> dict:
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        chosen = entry[token_id]
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+        content.append(
+            {
+                "token": chosen.decoded_token,
+                "logprob": chosen.logprob,
+                "bytes": list(chosen.decoded_token.encode()),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token,
+                        "logprob": lp.logprob,
+                        "bytes": list(lp.decoded_token.encode()),
+                    }
+                    for lp in ranked
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int) -> dict:
+    tokens, token_logprobs, tops = [], [], []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        chosen = entry[token_id]
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+        tops.append({lp.decoded_token: lp.logprob for lp in ranked})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops}
+
+
+def _dead_error() -> dict:
+    return error_body(503, "The engine core is not running; the request cannot complete.")
+
+
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, request: Request
+) -> Response:
+    _check_model(ctx, body.model)
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt_ids = apply_chat_template(ctx.tokenizer, messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from None
+    top = body.top_logprobs or 0
+    params = _sampling_params(
+        ctx, body, len(prompt_ids), body.output_limit(), top if body.logprobs else None
+    )
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    outputs = ctx.engine.generate(request_id, prompt_ids, params)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _chat_stream(ctx, request_id, created, outputs, len(prompt_ids), include_usage, top),
+            media_type="text/event-stream",
+        )
+    final = await run_unless_disconnected(request, _final(outputs))
+    if final is None:
+        return Response(status_code=499)
+    completion = final.outputs[0]
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": completion.text},
+        "logprobs": None,
+        "finish_reason": completion.finish_reason,
+    }
+    if body.logprobs and completion.logprobs is not None:
+        choice["logprobs"] = _chat_logprobs(completion.logprobs, completion.token_ids, top)
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": [choice],
+            "usage": _usage(len(prompt_ids), len(completion.token_ids)),
+        }
+    )
+
+
+async def _chat_stream(
+    ctx: ServingContext,
+    request_id: str,
+    created: int,
+    outputs: AsyncIterator[RequestOutput],
+    prompt_tokens: int,
+    include_usage: bool,
+    top: int,
+) -> AsyncIterator[str]:
+    def chunk(delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> str:
+        return _sse(
+            {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": ctx.model_name,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                ],
+            }
+        )
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    completion_tokens = 0
+    try:
+        async for output in outputs:
+            completion = output.outputs[0]
+            completion_tokens = len(completion.token_ids)
+            logprobs = None
+            if top is not None and completion.logprobs is not None and completion.delta_token_ids:
+                count = len(completion.delta_token_ids)
+                logprobs = _chat_logprobs(
+                    completion.logprobs[-count:], completion.delta_token_ids, top
+                )
+            if completion.delta_text or logprobs:
+                yield chunk({"content": completion.delta_text}, None, logprobs)
+            if output.finished:
+                yield chunk({}, completion.finish_reason)
+    except EngineDeadError:
+        yield _sse(_dead_error())
+        yield _sse("[DONE]")
+        return
+    if include_usage:
+        yield _sse(
+            {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": ctx.model_name,
+                "choices": [],
+                "usage": _usage(prompt_tokens, completion_tokens),
+            }
+        )
+    yield _sse("[DONE]")
+
+
+async def create_completion(
+    ctx: ServingContext, body: CompletionRequest, request: Request
+) -> Response:
+    _check_model(ctx, body.model)
+    if isinstance(body.prompt, str):
+        prompt_text: str | None = body.prompt
+        prompt_ids = list(ctx.tokenizer(body.prompt)["input_ids"])
+    else:
+        prompt_text, prompt_ids = None, list(body.prompt)  # type: ignore[arg-type]
+        vocab = len(ctx.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", "prompt")
+    params = _sampling_params(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    outputs = ctx.engine.generate(request_id, prompt_ids, params, prompt_text)
+    top = body.logprobs
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _completion_stream(
+                ctx, request_id, created, outputs, len(prompt_ids), include_usage, top
+            ),
+            media_type="text/event-stream",
+        )
+    final = await run_unless_disconnected(request, _final(outputs))
+    if final is None:
+        return Response(status_code=499)
+    completion = final.outputs[0]
+    logprobs = None
+    if top is not None and completion.logprobs is not None:
+        logprobs = _completion_logprobs(completion.logprobs, completion.token_ids, top)
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": completion.text,
+                    "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason,
+                }
+            ],
+            "usage": _usage(len(prompt_ids), len(completion.token_ids)),
+        }
+    )
+
+
+async def _completion_stream(
+    ctx: ServingContext,
+    request_id: str,
+    created: int,
+    outputs: AsyncIterator[RequestOutput],
+    prompt_tokens: int,
+    include_usage: bool,
+    top: int | None,
+) -> AsyncIterator[str]:
+    def chunk(text: str, finish: str | None, logprobs: dict | None = None) -> str:
+        return _sse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": ctx.model_name,
+                "choices": [
+                    {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                ],
+            }
+        )
+
+    completion_tokens = 0
+    try:
+        async for output in outputs:
+            completion = output.outputs[0]
+            completion_tokens = len(completion.token_ids)
+            logprobs = None
+            if top is not None and completion.logprobs is not None and completion.delta_token_ids:
+                count = len(completion.delta_token_ids)
+                logprobs = _completion_logprobs(
+                    completion.logprobs[-count:], completion.delta_token_ids, top
+                )
+            if completion.delta_text or logprobs or output.finished:
+                yield chunk(completion.delta_text, completion.finish_reason, logprobs)
+    except EngineDeadError:
+        yield _sse(_dead_error())
+        yield _sse("[DONE]")
+        return
+    if include_usage:
+        yield _sse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": ctx.model_name,
+                "choices": [],
+                "usage": _usage(prompt_tokens, completion_tokens),
+            }
+        )
+    yield _sse("[DONE]")

@@ -1,0 +1,2 @@
+"""Prometheus metrics of an API server: engine-derived series (identical on every server) and
+this server's own request series."""

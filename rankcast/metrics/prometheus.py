@@ -1,0 +1,125 @@
+"""The `/metrics` series of one API server, under the names routers scrape.
+
+Engine-derived series (running, waiting, KV usage, cache configuration) are set only from the
+scheduler stats that the engine core broadcasts to every API server, so every server reports the
+same values. Request latency and token series are this server's own.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from rankcast.protocol import SchedulerStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        engine_labels = ["model_name", "engine"]
+        self.running = Gauge(
+            "vllm:num_requests_running",
+            "Requests in the engine's running batch.",
+            engine_labels,
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "Requests queued in the engine, waiting to run.",
+            engine_labels,
+            registry=self.registry,
+        )
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0..1).",
+            engine_labels,
+            registry=self.registry,
+        )
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "KV cache configuration of the engine.",
+            [*engine_labels, "block_size", "num_gpu_blocks"],
+            registry=self.registry,
+        )
+        self.preemptions = Gauge(
+            "vllm:num_preemptions",
+            "Requests preempted by the engine since it started (recomputed later).",
+            engine_labels,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens",
+            "Prompt tokens of requests this API server finished.",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens",
+            "Tokens generated for requests this API server finished.",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Requests this API server finished, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive generated tokens.",
+            ["model_name"],
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._cache_labels: dict[int, tuple[str, str]] = {}
+
+    def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
+        labels = (self.model_name, str(engine_index))
+        self.running.labels(*labels).set(stats.num_running_reqs)
+        self.waiting.labels(*labels).set(stats.num_waiting_reqs)
+        self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
+        self.preemptions.labels(*labels).set(stats.num_preemptions)
+        config = (str(stats.block_size), str(stats.num_blocks))
+        if self._cache_labels.get(engine_index) != config:
+            previous = self._cache_labels.get(engine_index)
+            if previous is not None:
+                self.cache_config.remove(*labels, *previous)
+            self.cache_config.labels(*labels, *config).set(1)
+            self._cache_labels[engine_index] = config
+
+    def record_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def record_inter_token(self, seconds: float, tokens: int) -> None:
+        histogram = self.itl.labels(self.model_name)
+        for _ in range(tokens):
+            histogram.observe(seconds)
+
+    def record_finished(
+        self, e2e_seconds: float, prompt_tokens: int, generation_tokens: int, finish_reason: str
+    ) -> None:
+        self.e2e.labels(self.model_name).observe(e2e_seconds)
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        self.generation_tokens.labels(self.model_name).inc(generation_tokens)
+        self.request_success.labels(self.model_name, finish_reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,35 @@
+"""Process-level helpers: titles operators can read, and no orphans when a parent dies."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def set_process_title(role: str) -> None:
+    """Name the process `rankcast::<role>` so `ps` and `top` tell the roles apart."""
+    import setproctitle
+
+    setproctitle.setproctitle(f"rankcast::{role}")
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, so a killed launcher leaves none."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def process_is_alive(pid: int) -> bool:
+    """True while `pid` runs; an exited process awaiting its parent (zombie) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True

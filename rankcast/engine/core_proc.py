@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle busy loop waits for input before looking around again.
 _IDLE_WAIT_S = 1.0
+# How long the handshake reply waits for the client's output connection to come up.
+_HANDSHAKE_WAIT_MS = 10_000
 # Outputs queued for one API server before further ones are dropped (a dead or stuck peer).
 _SEND_HWM = 100_000
 
@@ -72,7 +74,7 @@ class EngineCoreProc:
         self.context = zmq.Context()
         self.utilities: dict[str, Callable[..., Any]] = {
             "ping": lambda: "pong",
-            "get_stats": lambda: msgspec.to_builtins(self.core.scheduler.stats()),
+            "get_stats": lambda: msgspec.structs.asdict(self.core.scheduler.stats()),
         }
         # Bind before the threads start so an early client's messages are not lost.
         self.input_sockets = []
@@ -119,8 +121,13 @@ class EngineCoreProc:
             if item is None:
                 return
             client, message = item
+            sock = self.output_sockets[client]
+            if isinstance(message, EngineReady):
+                # The hello can arrive before the client's output connection is up; a PUSH
+                # socket with no peer refuses the send, so wait for it (this only stalls here).
+                sock.poll(_HANDSHAKE_WAIT_MS, zmq.POLLOUT)
             try:
-                self.output_sockets[client].send(encoder.encode(message), flags=zmq.NOBLOCK)
+                sock.send(encoder.encode(message), flags=zmq.NOBLOCK)
             except zmq.Again:
                 dropped += 1
                 if dropped == 1 or dropped % 1000 == 0:

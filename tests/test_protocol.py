@@ -1,0 +1,47 @@
+"""The wire contract: golden fixtures decode to their documented values and re-encode exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rankcast.protocol import (
+    EngineCoreInput,
+    EngineCoreMessage,
+    EngineCoreOutputs,
+    SchedulerStats,
+)
+from tests.fixtures.wire.generate import describe, fixtures
+
+WIRE = Path(__file__).parent / "fixtures" / "wire"
+NAMES = sorted(p.stem for p in WIRE.glob("*.msgpack"))
+
+
+def test_every_fixture_is_committed() -> None:
+    assert set(NAMES) == set(fixtures()), "regenerate fixtures when adding a message"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_decodes_and_reencodes_byte_for_byte(name: str) -> None:
+    data = (WIRE / f"{name}.msgpack").read_bytes()
+    union = EngineCoreInput if name.startswith("input_") else EngineCoreMessage
+    decoded = msgspec.msgpack.decode(data, type=union)
+    assert describe(decoded) == json.loads((WIRE / f"{name}.json").read_text())
+    assert msgspec.msgpack.encode(decoded) == data
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_current_code_still_writes_the_fixture(name: str) -> None:
+    """A changed struct shows here first: bump PROTOCOL_VERSION and regenerate on purpose."""
+    assert msgspec.msgpack.encode(fixtures()[name]) == (WIRE / f"{name}.msgpack").read_bytes()
+
+
+def test_decoder_ignores_unknown_trailing_fields() -> None:
+    """A newer peer may append fields; an older decoder must still read what it knows."""
+    newer = msgspec.msgpack.encode(["outputs", 0, [], [1, 2, 0.5, 0, 10, 16, "future"], 1.0])
+    decoded = msgspec.msgpack.decode(newer, type=EngineCoreMessage)
+    assert isinstance(decoded, EngineCoreOutputs)
+    assert decoded.scheduler_stats == SchedulerStats(1, 2, 0.5, 0, 10, 16)

@@ -1,0 +1,126 @@
+"""Run a real `rankcast serve` for tests, and always leave no process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, found through /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X"):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def process_title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+class ServerProcess:
+    """`rankcast serve` in its own session; `stop()` checks that shutdown left nothing behind."""
+
+    def __init__(self, *args: str, api_server_count: int = 2) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_server_count = api_server_count
+        env = dict(os.environ, RANKCAST_DISABLE_PROGRESS="1")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rankcast.entrypoints.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--api-server-count",
+                str(api_server_count),
+                *args,
+            ],
+            env=env,
+            start_new_session=True,
+        )
+        self.pids: list[int] = []
+
+    def wait_healthy(self, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rankcast serve exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.pids = descendants(self.proc.pid)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("server did not become healthy")
+
+    def pid_of(self, role: str) -> int:
+        for pid in descendants(self.proc.pid):
+            if process_title(pid) == f"rankcast::{role}":
+                return pid
+        raise LookupError(role)
+
+    def stop(self, timeout_s: float = 30.0) -> list[int]:
+        """SIGTERM the launcher; return those of its processes still alive afterwards."""
+        tracked = set(self.pids)
+        if self.proc.poll() is None:
+            tracked |= set(descendants(self.proc.pid))
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+        deadline = time.monotonic() + 10
+        alive = [p for p in tracked if _not_zombie(p)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [p for p in alive if _not_zombie(p)]
+        self.kill()
+        return alive
+
+    def kill(self) -> None:
+        """Last resort, for failures: kill the whole session."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")

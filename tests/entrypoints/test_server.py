@@ -1,0 +1,284 @@
+"""A real `rankcast serve` of the embedded model, two API servers, driven by the openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server_process import ServerProcess
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE_SERIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        "--api-key",
+        API_KEY,
+        "--max-model-len",
+        "1024",
+        "--kv-cache-space",
+        "0.25",
+        "--max-num-seqs",
+        "16",
+    )
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        leftovers = proc.stop()
+    assert leftovers == [], f"shutdown left processes behind: {leftovers}"
+
+
+@pytest.fixture()
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _fresh_get(url: str, path: str, **kwargs) -> httpx.Response:
+    """A new connection each time, so SO_REUSEPORT may hand it to either API server."""
+    with httpx.Client(timeout=30) as http:
+        return http.get(f"{url}{path}", **kwargs)
+
+
+def _engine_lines(metrics: str) -> list[str]:
+    return sorted(line for line in metrics.splitlines() if line.startswith(ENGINE_SERIES))
+
+
+def test_chat_answers_paris_with_correct_usage(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    assert "Paris" in response.choices[0].message.content
+    assert response.choices[0].finish_reason == "stop"
+    from rankcast.model.source import resolve_model
+    from rankcast.tokenizer import apply_chat_template, load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(None).model_dir)
+    assert response.usage.prompt_tokens == len(apply_chat_template(tokenizer, messages))
+    # The completion counts every generated token, the end-of-turn token included.
+    text_tokens = len(
+        tokenizer(response.choices[0].message.content, add_special_tokens=False).input_ids
+    )
+    assert response.usage.completion_tokens in (text_tokens, text_tokens + 1)
+    assert (
+        response.usage.total_tokens
+        == response.usage.prompt_tokens + response.usage.completion_tokens
+    )
+
+
+def test_streaming_chat_answers_paris_and_reports_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "Paris" in text and finish == "stop"
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_completions_with_max_tokens_and_logprobs(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
+    choice = response.choices[0]
+    assert "Paris" in choice.text
+    assert response.usage.completion_tokens == 6 and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == 6 and len(choice.logprobs.top_logprobs[0]) == 2
+    stream = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+
+
+def test_seeded_sampling_over_http_is_reproducible(client: openai.OpenAI) -> None:
+    def sample() -> str:
+        return (
+            client.completions.create(
+                model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=11
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample() == sample()
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_requests_land_on_both_api_servers(server: ServerProcess) -> None:
+    seen: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(seen) < 2 and time.monotonic() < deadline:
+        response = _fresh_get(
+            server.url, "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}
+        )
+        assert response.status_code == 200
+        seen.add(response.headers["x-rankcast-api-server"])
+    assert seen == {"0", "1"}
+
+
+def test_metrics_agree_across_api_servers_while_requests_run(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    done = threading.Event()
+
+    def long_request() -> None:
+        client.completions.create(
+            model=MODEL,
+            prompt="Write a long story:",
+            max_tokens=400,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    workers = [threading.Thread(target=long_request) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    try:
+        deadline = time.monotonic() + 120
+        agreed = None
+        while agreed is None and time.monotonic() < deadline:
+            samples: dict[str, list[str]] = {}
+            while len(samples) < 2 and time.monotonic() < deadline:
+                response = _fresh_get(server.url, "/metrics")
+                samples[response.headers["x-rankcast-api-server"]] = _engine_lines(response.text)
+            first, second = samples.get("0"), samples.get("1")
+            running = [line for line in first or [] if line.startswith("vllm:num_requests_running")]
+            if first and first == second and running and not running[0].endswith(" 0.0"):
+                agreed = first
+        assert agreed is not None, "both API servers should report the same engine series"
+        for name in ENGINE_SERIES:
+            assert sum(line.startswith(name + "{") for line in agreed) == 1, name
+    finally:
+        done.set()
+        for worker in workers:
+            worker.join(180)
+
+
+def test_bad_requests_get_openai_shaped_400s(server: ServerProcess, client: openai.OpenAI) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30) as http:
+        malformed = http.post("/v1/chat/completions", content=b'{"messages": [')
+        assert malformed.status_code == 400
+        assert malformed.json()["error"]["type"] == "BadRequestError"
+        assert "JSON" in malformed.json()["error"]["message"]
+    chat = [{"role": "user", "content": "hi"}]
+    for kwargs, field in (
+        (dict(temperature=5), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=2), "n"),
+        (dict(top_logprobs=50, logprobs=True), "top_logprobs"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.chat.completions.create(model=MODEL, messages=chat, **kwargs)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt="word " * 1500, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2000)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=chat)
+
+
+def test_api_key_is_required(server: ServerProcess) -> None:
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert _fresh_get(server.url, "/v1/models").status_code == 401
+    assert _fresh_get(server.url, "/health").status_code == 200, "health needs no key"
+
+
+def test_client_disconnect_aborts_the_request(server: ServerProcess) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {
+        "model": MODEL,
+        "prompt": "Count forever:",
+        "max_tokens": 900,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(base_url=server.url, headers=headers, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        chunks = response.iter_lines()
+        assert any(line.startswith("data:") for line in (next(chunks), next(chunks)))
+    # Leaving the block closed the connection mid-stream.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = _engine_lines(_fresh_get(server.url, "/metrics").text)
+        if any(
+            line.startswith("vllm:num_requests_running") and line.endswith(" 0.0") for line in lines
+        ):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the engine kept running a request whose client left")
+
+
+def test_engine_death_makes_every_api_server_answer_503() -> None:
+    proc = ServerProcess("--max-model-len", "1024", "--kv-cache-space", "0.25")
+    try:
+        proc.wait_healthy()
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=60)
+        errors: list[BaseException] = []
+
+        def in_flight() -> None:
+            try:
+                stream = client.completions.create(
+                    model=MODEL,
+                    prompt="Tell a long story",
+                    max_tokens=900,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for _ in stream:
+                    pass
+            except Exception as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=in_flight)
+        worker.start()
+        time.sleep(1.0)  # let the request start streaming
+        os.kill(proc.pid_of("engine_core_dp0"), signal.SIGKILL)
+        killed = time.monotonic()
+        unhealthy: set[str] = set()
+        while len(unhealthy) < 2 and time.monotonic() - killed < 5:
+            response = _fresh_get(proc.url, "/health")
+            if response.status_code == 503:
+                unhealthy.add(response.headers["x-rankcast-api-server"])
+        assert unhealthy == {"0", "1"}, "both API servers must report the dead engine within 5 s"
+        worker.join(10)
+        assert not worker.is_alive(), "the in-flight stream must end, not hang"
+        assert errors and isinstance(errors[0], openai.APIError)
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    finally:
+        leftovers = proc.stop()
+    assert leftovers == []

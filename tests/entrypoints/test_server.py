@@ -248,6 +248,7 @@ def test_engine_death_makes_every_api_server_answer_503() -> None:
         proc.wait_healthy()
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=60)
         errors: list[BaseException] = []
+        streaming = threading.Event()
 
         def in_flight() -> None:
             try:
@@ -259,13 +260,13 @@ def test_engine_death_makes_every_api_server_answer_503() -> None:
                     extra_body={"ignore_eos": True},
                 )
                 for _ in stream:
-                    pass
+                    streaming.set()
             except Exception as exc:
                 errors.append(exc)
 
         worker = threading.Thread(target=in_flight)
         worker.start()
-        time.sleep(1.0)  # let the request start streaming
+        assert streaming.wait(60), "the request should be streaming before the engine dies"
         os.kill(proc.pid_of("engine_core_dp0"), signal.SIGKILL)
         killed = time.monotonic()
         unhealthy: set[str] = set()

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
+
+import msgspec
 
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine.block_manager import BlockManager
@@ -89,6 +92,16 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Named operations any client may invoke; unknown names are an error, not a crash."""
+        utilities = {
+            "ping": lambda: "pong",
+            "get_stats": lambda: msgspec.structs.asdict(self.scheduler.stats()),
+        }
+        if method not in utilities:
+            raise ValueError(f"unknown utility {method!r}")
+        return utilities[method](*args)
+
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute and account for one step."""
         batch = self.scheduler.schedule()
@@ -103,6 +116,7 @@ class EngineCore:
             outputs=outputs,
             scheduler_stats=self.scheduler.stats(),
             timestamp=time.time(),
+            finished_requests=[o.request_id for o in outputs if o.finished] or None,
         )
 
     def shutdown(self) -> None:

@@ -1,8 +1,14 @@
-"""How a frontend talks to an engine core: the same calls whether it runs in-process or not."""
+"""How a frontend talks to an engine core: the same calls whether it runs in-process or not.
+
+`EngineCoreClient` is the blocking flavour (in-process for the offline `LLM`, or a separate
+process), `AsyncEngineCoreClient` the asyncio flavour an API server uses; both offer the same
+operations.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from rankcast.config import EngineConfig
 from rankcast.engine.core import EngineCore
@@ -26,6 +32,31 @@ class EngineCoreClient(ABC):
         """The next outputs (in-process: run one step to produce them)."""
 
     @abstractmethod
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run a named engine-core utility and return its result."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class AsyncEngineCoreClient(ABC):
+    """The asyncio flavour of `EngineCoreClient`."""
+
+    max_model_len: int
+
+    @abstractmethod
+    async def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    async def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    async def get_output(self) -> EngineCoreOutputs: ...
+
+    @abstractmethod
+    async def call_utility(self, method: str, *args: Any) -> Any: ...
+
+    @abstractmethod
     def shutdown(self) -> None: ...
 
 
@@ -47,6 +78,9 @@ class InprocClient(EngineCoreClient):
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self.core.call_utility(method, *args)
 
     def shutdown(self) -> None:
         self.core.shutdown()

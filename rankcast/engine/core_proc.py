@@ -16,7 +16,6 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -72,10 +71,6 @@ class EngineCoreProc:
         self.last_stats: SchedulerStats | None = None
         self.stopping = threading.Event()
         self.context = zmq.Context()
-        self.utilities: dict[str, Callable[..., Any]] = {
-            "ping": lambda: "pong",
-            "get_stats": lambda: msgspec.structs.asdict(self.core.scheduler.stats()),
-        }
         # Bind before the threads start so an early client's messages are not lost.
         self.input_sockets = []
         self.output_sockets = []
@@ -205,11 +200,12 @@ class EngineCoreProc:
             )
 
     def _run_utility(self, request: UtilityRequest) -> UtilityOutput:
-        method = self.utilities.get(request.method)
-        if method is None:
-            return UtilityOutput(request.call_id, error=f"unknown utility {request.method!r}")
         try:
-            return UtilityOutput(request.call_id, result=method(*request.args))
+            return UtilityOutput(
+                request.call_id, result=self.core.call_utility(request.method, *request.args)
+            )
+        except ValueError as exc:
+            return UtilityOutput(request.call_id, error=str(exc))
         except Exception as exc:
             logger.exception("utility %s failed", request.method)
             return UtilityOutput(request.call_id, error=f"{type(exc).__name__}: {exc}")
@@ -228,13 +224,15 @@ class EngineCoreProc:
             if output.finished:
                 del self.owners[output.request_id]
         for client in self.connected:
+            mine = per_client.get(client, [])
             self._send(
                 client,
                 EngineCoreOutputs(
                     self.engine_index,
-                    outputs=per_client.get(client, []),
+                    outputs=mine,
                     scheduler_stats=step.scheduler_stats,
                     timestamp=step.timestamp,
+                    finished_requests=[o.request_id for o in mine if o.finished] or None,
                 ),
             )
         self.last_stats = step.scheduler_stats

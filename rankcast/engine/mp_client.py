@@ -19,7 +19,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from rankcast.engine.addresses import ClientAddresses
-from rankcast.engine.core_client import EngineCoreClient
+from rankcast.engine.core_client import AsyncEngineCoreClient, EngineCoreClient
 from rankcast.process import process_is_alive
 from rankcast.protocol import (
     PROTOCOL_VERSION,
@@ -129,7 +129,7 @@ class SyncMPClient(EngineCoreClient):
         self.context.destroy(linger=0)
 
 
-class AsyncMPClient:
+class AsyncMPClient(AsyncEngineCoreClient):
     """The asyncio client an API server uses; one reader task feeds outputs to a queue."""
 
     def __init__(self, addresses: ClientAddresses, client_index: int) -> None:
@@ -145,11 +145,6 @@ class AsyncMPClient:
         self.dead: EngineDeadError | None = None
         self.ready: EngineReady | None = None
 
-    @property
-    def max_model_len(self) -> int:
-        assert self.ready is not None
-        return self.ready.max_model_len
-
     async def start(self, timeout_s: float = 600.0) -> None:
         self.input = self.context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.LINGER, 0)
@@ -164,6 +159,7 @@ class AsyncMPClient:
         if not isinstance(message, EngineReady):
             raise ProtocolMismatchError(f"expected EngineReady, got {type(message).__name__}")
         self.ready = _check_ready(message)
+        self.max_model_len = self.ready.max_model_len
         self.tasks = [
             asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self._watch_disconnect(monitor)),

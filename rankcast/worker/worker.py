@@ -80,6 +80,3 @@ class Worker:
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None
         return self.runner.execute_model(batch)
-
-    def check_health(self) -> bool:
-        return True

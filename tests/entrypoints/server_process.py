@@ -75,18 +75,23 @@ class ServerProcess:
         self.pids: list[int] = []
 
     def wait_healthy(self, timeout_s: float = 240.0) -> None:
+        """Wait until every API server answers /health (new connections reach either)."""
         deadline = time.monotonic() + timeout_s
+        healthy: set[str] = set()
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"rankcast serve exited with {self.proc.returncode}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                with httpx.Client(timeout=2) as http:
+                    response = http.get(f"{self.url}/health")
+                if response.status_code == 200:
+                    healthy.add(response.headers["x-rankcast-api-server"])
+                if len(healthy) == self.api_server_count:
                     self.pids = descendants(self.proc.pid)
                     return
             except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError("server did not become healthy")
+                time.sleep(0.3)
+        raise TimeoutError(f"only API servers {sorted(healthy)} became healthy")
 
     def pid_of(self, role: str) -> int:
         for pid in descendants(self.proc.pid):

@@ -11,8 +11,6 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -63,25 +61,13 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def build_app(config: ApiServerConfig, index: int, addresses: ClientAddresses) -> FastAPI:
-    metrics = ServerMetrics(config.model_name)
-    state: dict[str, object] = {}
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
-        engine = AsyncLLM(AsyncMPClient(addresses, index), tokenizer, metrics)
-        await engine.start()
-        state["ctx"] = ServingContext(engine, tokenizer, config.model_name)
-        state["engine"] = engine
-        yield
-        engine.shutdown()
-
-    app = FastAPI(title="rankcast", version=rankcast.__version__, lifespan=lifespan)
+def build_app(
+    config: ApiServerConfig, index: int, serving: ServingContext, metrics: ServerMetrics
+) -> FastAPI:
+    """The HTTP surface over an engine connection that is already established."""
+    app = FastAPI(title="rankcast", version=rankcast.__version__)
 
     def ctx() -> ServingContext:
-        serving = state["ctx"]
-        assert isinstance(serving, ServingContext)
         if serving.engine.dead is not None:
             raise APIError(503, f"The engine core is not running: {serving.engine.dead}")
         return serving
@@ -173,22 +159,39 @@ def bind_shared_port(host: str, port: int) -> socket.socket:
 def run_api_server(
     config: ApiServerConfig, index: int, addresses: ClientAddresses, ready: Connection
 ) -> None:
-    """Process entry point: serve until SIGTERM/SIGINT (uvicorn shuts down gracefully)."""
+    """Process entry point: serve until SIGTERM/SIGINT (uvicorn shuts down gracefully).
+
+    The port is bound only after the engine handshake succeeded, so the kernel never hands a
+    connection to a sibling that cannot answer yet.
+    """
     role = f"api_server_{index}"
     set_process_title(role)
     init_logging(role)
     die_with_parent()
-    app = build_app(config, index, addresses)
-    sock = bind_shared_port(config.host, config.port)
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    )
 
     async def serve() -> None:
+        metrics = ServerMetrics(config.model_name)
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
+        engine = AsyncLLM(AsyncMPClient(addresses, index), tokenizer, metrics)
+        try:
+            await engine.start()
+        except Exception as exc:
+            ready.send(("error", f"{type(exc).__name__}: {exc}"))
+            raise
+        app = build_app(
+            config, index, ServingContext(engine, tokenizer, config.model_name), metrics
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        )
+        sock = bind_shared_port(config.host, config.port)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         ready.send(("ready",) if server.started else ("error", "uvicorn did not start"))
-        await task
+        try:
+            await task
+        finally:
+            engine.shutdown()
 
     asyncio.run(serve())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -11,6 +10,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -111,9 +111,13 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+_json = msgspec.json.Encoder()
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event; msgspec encodes JSON several times faster than the stdlib."""
+    data = payload.encode() if isinstance(payload, str) else _json.encode(payload)
+    return b"data: " + data + b"\n\n"
 
 
 def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int) -> dict:
@@ -208,8 +212,8 @@ async def _chat_stream(
     prompt_tokens: int,
     include_usage: bool,
     top: int,
-) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> str:
+) -> AsyncIterator[bytes]:
+    def chunk(delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> bytes:
         return _sse(
             {
                 "id": request_id,
@@ -317,8 +321,8 @@ async def _completion_stream(
     prompt_tokens: int,
     include_usage: bool,
     top: int | None,
-) -> AsyncIterator[str]:
-    def chunk(text: str, finish: str | None, logprobs: dict | None = None) -> str:
+) -> AsyncIterator[bytes]:
+    def chunk(text: str, finish: str | None, logprobs: dict | None = None) -> bytes:
         return _sse(
             {
                 "id": request_id,

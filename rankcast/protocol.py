@@ -166,3 +166,26 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+
+
+class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One collective RPC as each worker process receives it.
+
+    `method` names a Worker method, or `module:qualname` of a function called with the worker.
+    `reply_rank` -1 asks every rank to answer; otherwise only that rank does.
+    """
+
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    reply_rank: int = -1
+
+
+class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A rank's answer to the `WorkerCall` with the same `call_id`."""
+
+    call_id: int
+    rank: int
+    result: Any = None
+    error: str | None = None

@@ -264,14 +264,21 @@ class EngineCoreProc:
             self._handle(client, message)
 
     def run(self) -> None:
+        """Serve until told to stop; any failure (a dead rank, say) ends the process loudly, so
+        every API server notices at once and answers 503 instead of waiting forever."""
         for thread in self.threads:
             thread.start()
-        while not self.stopping.is_set():
-            self._drain_inputs(block=not self.core.has_unfinished_requests())
-            if self.core.has_unfinished_requests():
-                self._route(self.core.step())
-            else:
-                self._broadcast_stats_if_changed()
+        try:
+            while not self.stopping.is_set():
+                self._drain_inputs(block=not self.core.has_unfinished_requests())
+                if self.core.has_unfinished_requests():
+                    self._route(self.core.step())
+                else:
+                    self._broadcast_stats_if_changed()
+        except Exception:
+            logger.exception("engine core failed; exiting")
+            self.close()
+            raise SystemExit(1) from None
         self.close()
 
     def close(self) -> None:

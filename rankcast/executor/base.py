@@ -32,6 +32,10 @@ class Executor(ABC):
             from rankcast.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor(config, source)
+        if backend == "mp":
+            from rankcast.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor(config, source)
         raise NotImplementedError(f"executor backend {backend!r} is not available yet")
 
     @abstractmethod
@@ -50,7 +54,7 @@ class Executor(ABC):
 
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step on every rank and return the output rank's result."""
-        output_rank = self.config.parallel.world_size - 1
+        output_rank = self.config.parallel.output_rank
         return self.collective_rpc("execute_model", (batch,), unique_reply_rank=output_rank)[0]
 
     @abstractmethod

@@ -15,7 +15,7 @@ from rankcast.model.attention import AttentionMetadata
 from rankcast.model.llama import LlamaForCausalLM
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.sampling_params import SamplingParams
-from rankcast.worker.sampler import sample
+from rankcast.worker import sampler
 
 
 @dataclass
@@ -129,14 +129,20 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step; ranks that do not sample return None."""
+    def execute_model(
+        self, batch: SchedulerOutput, sample: bool = True
+    ) -> ModelRunnerOutput | None:
+        """Run one step; ranks that do not sample (all but the output rank) return None."""
         self._update_states(batch)
         if not batch.sequences:
             return None
         logits = self.compute_logits(batch)
+        if not sample:
+            return None
         states = [self.requests[seq.request_id] for seq in batch.sequences]
-        tokens, logprobs = sample(logits, [s.params for s in states], [s.generator for s in states])
+        tokens, logprobs = sampler.sample(
+            logits, [s.params for s in states], [s.generator for s in states]
+        )
         return ModelRunnerOutput(
             request_ids=[seq.request_id for seq in batch.sequences],
             sampled_token_ids=tokens,

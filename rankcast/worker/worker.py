@@ -10,6 +10,7 @@ import logging
 import time
 
 import torch
+import torch.distributed as dist
 
 from rankcast import platform
 from rankcast.config import EngineConfig
@@ -31,6 +32,7 @@ class Worker:
         rank: int = 0,
         local_rank: int = 0,
         ranks_on_this_machine: int = 1,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
         self.source = source
@@ -38,7 +40,8 @@ class Worker:
         self.local_rank = local_rank
         self.ranks_on_this_machine = ranks_on_this_machine
         tp_size = config.parallel.tensor_parallel_size
-        self.tp = TensorParallelGroup(rank=rank % tp_size, size=tp_size)
+        self.tp = TensorParallelGroup(rank=rank % tp_size, size=tp_size, group=tp_group)
+        self.is_output_rank = rank == config.parallel.output_rank
         self.pp = PipelineStage(rank=rank // tp_size, size=config.parallel.pipeline_parallel_size)
         self.device = torch.device("cpu")
         self.dtype = torch.float32
@@ -79,4 +82,8 @@ class Worker:
 
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None
-        return self.runner.execute_model(batch)
+        return self.runner.execute_model(batch, sample=self.is_output_rank)
+
+    def rank_info(self) -> tuple[int, int, int]:
+        """(rank, pp_rank, tp_rank): lets the engine and tests see the layout each rank holds."""
+        return self.rank, self.pp.rank, self.tp.rank

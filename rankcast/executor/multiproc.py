@@ -1,0 +1,210 @@
+"""One spawned process per rank on this machine, reached over ZMQ.
+
+`collective_rpc` sends the same `WorkerCall` to every rank and waits, against one deadline, for
+the replies it asked for. Every call carries a fresh `call_id` and every reply echoes it; a reply
+whose id is not the current call's is discarded. That is how a failed or timed-out collective
+leaves nothing behind for the next one: its late replies arrive tagged with an old id.
+A monitor thread watches each rank's process; a rank that dies fails the current and every later
+call at once, naming the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import socket
+import tempfile
+import threading
+import time
+import typing
+import uuid
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from rankcast.config import ConfigError, EngineConfig
+from rankcast.executor.base import Executor, ExecutorError
+from rankcast.model.source import ModelSource
+from rankcast.protocol import WorkerCall, WorkerReply
+from rankcast.worker.worker import Worker
+from rankcast.worker.worker_proc import SHUTDOWN, run_worker
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 900.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _method_name(method: str | Callable[..., Any]) -> str:
+    if isinstance(method, str):
+        return method
+    return f"{method.__module__}:{method.__qualname__}"
+
+
+def _return_type(method: str) -> Any:
+    """The Worker method's declared return type, so struct replies come back as structs."""
+    fn = getattr(Worker, method, None)
+    if fn is None:
+        return Any
+    try:
+        return typing.get_type_hints(fn).get("return", Any)
+    except Exception:
+        return Any
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        super().__init__(config, source)
+        if config.parallel.pipeline_parallel_size > 1:
+            raise ConfigError("--pipeline-parallel-size > 1 is not supported yet")
+        self.world_size = config.parallel.world_size
+        self.stopping = False
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.call_ids = itertools.count()
+        self.failure: str | None = None
+        self.stale_replies = 0
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(WorkerReply)
+        base = Path(tempfile.gettempdir()) / f"rankcast-workers-{uuid.uuid4().hex[:12]}"
+        base.mkdir(mode=0o700)
+        self.ipc_dir = base
+        self.context = zmq.Context()
+        self.replies = self.context.socket(zmq.PULL)
+        self.replies.bind(f"ipc://{base}/replies")
+        self.calls = []
+        for rank in range(self.world_size):
+            sock = self.context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"ipc://{base}/calls{rank}")
+            self.calls.append(sock)
+        spawn = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        pipes = []
+        for rank in range(self.world_size):
+            read, write = spawn.Pipe(duplex=False)
+            proc = spawn.Process(
+                target=run_worker,
+                args=(
+                    config,
+                    source,
+                    rank,
+                    init_method,
+                    f"ipc://{base}/calls{rank}",
+                    f"ipc://{base}/replies",
+                    write,
+                ),
+                name=f"worker_rank{rank}",
+            )
+            proc.start()
+            write.close()
+            self.procs.append(proc)
+            pipes.append(read)
+        try:
+            self._wait_ready(pipes)
+        except Exception:
+            self.shutdown()
+            raise
+        self.monitor = threading.Thread(target=self._watch_ranks, name="rank-monitor", daemon=True)
+        self.monitor.start()
+
+    def _wait_ready(self, pipes: list) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        for rank, (proc, pipe) in enumerate(zip(self.procs, pipes, strict=True)):
+            while not pipe.poll(0.2):
+                if not proc.is_alive():
+                    raise ExecutorError(
+                        f"rank {rank} exited during start-up (code {proc.exitcode})"
+                    )
+                if time.monotonic() > deadline:
+                    raise ExecutorError(f"rank {rank} did not start in {_START_TIMEOUT_S:.0f} s")
+            kind, *detail = pipe.recv()
+            if kind != "ready":
+                raise ExecutorError(f"rank {rank} failed to start: {detail[0] if detail else kind}")
+
+    def _dead_rank(self) -> str | None:
+        """Describe the first rank whose process has exited, if any."""
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                proc.join(1)
+                return f"rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+        return None
+
+    def _watch_ranks(self) -> None:
+        wait([proc.sentinel for proc in self.procs])
+        if self.stopping:
+            return
+        self.failure = self._dead_rank()
+        logger.error("worker %s", self.failure)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        if self.failure is not None:
+            raise ExecutorError(self.failure)
+        name = _method_name(method)
+        call_id = next(self.call_ids)
+        reply_rank = -1 if unique_reply_rank is None else unique_reply_rank
+        frame = self.encoder.encode(WorkerCall(call_id, name, list(args), kwargs or {}, reply_rank))
+        for sock in self.calls:
+            sock.send(frame, copy=False)
+        expected = set(range(self.world_size)) if unique_reply_rank is None else {unique_reply_rank}
+        results: dict[int, Any] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while expected - results.keys():
+            if not self.replies.poll(100):
+                if self.failure is not None:
+                    raise ExecutorError(f"{name} failed: {self.failure}")
+                if deadline is not None and time.monotonic() > deadline:
+                    missing = sorted(expected - results.keys())
+                    raise TimeoutError(f"{name}: no reply from rank(s) {missing} in {timeout} s")
+                continue
+            reply = self.decoder.decode(self.replies.recv())
+            if reply.call_id != call_id:
+                self.stale_replies += 1  # a late answer to an earlier, failed call
+                continue
+            if reply.error is not None:
+                # A collective error on a live rank is usually the echo of a peer's death;
+                # name the dead rank first, since that is the cause an operator must see.
+                dead = self._dead_rank()
+                cause = f"{dead}; " if dead else ""
+                raise ExecutorError(f"{cause}rank {reply.rank} failed in {name}: {reply.error}")
+            results[reply.rank] = reply.result
+        wanted = _return_type(name)
+        return [
+            msgspec.convert(results[r], wanted) if wanted is not Any else results[r]
+            for r in sorted(expected)
+        ]
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        frame = self.encoder.encode(WorkerCall(-1, SHUTDOWN))
+        for sock, proc in zip(self.calls, self.procs, strict=False):
+            if proc.is_alive():
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send(frame, flags=zmq.NOBLOCK)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
+        self.context.destroy(linger=0)
+        for path in self.ipc_dir.glob("*"):
+            path.unlink(missing_ok=True)
+        self.ipc_dir.rmdir()

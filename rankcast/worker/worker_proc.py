@@ -1,0 +1,131 @@
+"""A worker rank as its own process: join torch.distributed, load the shard, serve RPCs.
+
+Calls arrive on this rank's own ZMQ socket as `WorkerCall`s; replies go back on the executor's
+shared reply socket tagged with the call id, so the executor can tell a current reply from a
+stale one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import signal
+import traceback
+import typing
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from rankcast.config import EngineConfig
+from rankcast.logger import init_logging
+from rankcast.model.source import ModelSource
+from rankcast.process import die_with_parent, set_process_title
+from rankcast.protocol import WorkerCall, WorkerReply
+from rankcast.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN = "__shutdown__"
+
+
+def resolve_callable(name: str) -> Callable[..., Any]:
+    """`module:qualname` -> the function, for collective RPCs that are not Worker methods."""
+    module, _, qualname = name.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _convert_args(fn: Callable[..., Any], args: list[Any]) -> list[Any]:
+    """Give struct-typed parameters their struct back (msgpack carries them as arrays)."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        return args
+    names = [n for n in fn.__code__.co_varnames[: fn.__code__.co_argcount] if n != "self"]
+    converted = []
+    for name, value in zip(names, args, strict=False):
+        hint = hints.get(name)
+        if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
+            value = msgspec.convert(value, hint)
+        converted.append(value)
+    return converted + args[len(converted) :]
+
+
+def _init_distributed(config: EngineConfig, rank: int, init_method: str) -> dist.ProcessGroup:
+    """Join the world, then build every TP group (all ranks must create each, in order)."""
+    parallel = config.parallel
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=parallel.world_size
+    )
+    mine = None
+    tp = parallel.tensor_parallel_size
+    for stage in range(parallel.pipeline_parallel_size):
+        ranks = list(range(stage * tp, (stage + 1) * tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    assert mine is not None
+    return mine
+
+
+def run_worker(
+    config: EngineConfig,
+    source: ModelSource,
+    rank: int,
+    init_method: str,
+    call_address: str,
+    reply_address: str,
+    ready: Connection,
+) -> None:
+    tp = config.parallel.tensor_parallel_size
+    role = f"worker_dp0_pp{rank // tp}_tp{rank % tp}"
+    set_process_title(role)
+    init_logging(role)
+    die_with_parent()
+    # Ctrl-C reaches the whole process group; the engine core decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        group = _init_distributed(config, rank, init_method)
+        worker = Worker(config, source, rank, rank, config.parallel.world_size, tp_group=group)
+        worker.init_device()
+        worker.load_model()
+    except Exception as exc:
+        logger.exception("rank %d failed to start", rank)
+        ready.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    context = zmq.Context()
+    calls = context.socket(zmq.PULL)
+    calls.connect(call_address)
+    replies = context.socket(zmq.PUSH)
+    replies.connect(reply_address)
+    ready.send(("ready",))
+    ready.close()
+    decoder = msgspec.msgpack.Decoder(WorkerCall)
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        call = decoder.decode(calls.recv())
+        if call.method == SHUTDOWN:
+            break
+        reply = WorkerReply(call.call_id, rank)
+        try:
+            if ":" in call.method:
+                fn = resolve_callable(call.method)
+                reply.result = fn(worker, *call.args, **call.kwargs)
+            else:
+                fn = getattr(worker, call.method)
+                reply.result = fn(*_convert_args(fn, call.args), **call.kwargs)
+        except Exception as exc:
+            reply.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        if call.reply_rank in (-1, rank):
+            replies.send(encoder.encode(reply))
+    context.destroy(linger=0)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,23 @@
+"""Functions run inside worker ranks by `collective_rpc` (referenced as `module:qualname`).
+
+They inject faults that a healthy model never produces: a rank that raises, a rank that is slow.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rankcast.worker.worker import Worker
+
+
+def fail_on_rank(worker: Worker, rank: int, delay_others_s: float = 0.0) -> int:
+    if worker.rank == rank:
+        raise ValueError(f"injected failure on rank {rank}")
+    time.sleep(delay_others_s)
+    return worker.rank
+
+
+def sleep_on_rank(worker: Worker, rank: int, seconds: float) -> int:
+    if worker.rank == rank:
+        time.sleep(seconds)
+    return worker.rank

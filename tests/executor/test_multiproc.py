@@ -1,0 +1,79 @@
+"""The multiprocess executor: rank-ordered replies, named failures, no stale replies, TP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from rankcast import LLM, SamplingParams
+from rankcast.executor.base import ExecutorError
+from tests.executor.helpers import fail_on_rank, sleep_on_rank
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water is"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_llama_dir: Path):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", tensor_parallel_size=2, kv_cache_space_gib=0.05)
+    yield llm
+    llm.shutdown()
+
+
+def _executor(llm: LLM):
+    return llm.engine.client.core.executor
+
+
+def test_tp2_matches_tp1_on_a_tiny_model(tiny_llama_dir: Path, tp2: LLM) -> None:
+    with LLM(str(tiny_llama_dir), dtype="float32", kv_cache_space_gib=0.05) as tp1:
+        want = [o.outputs[0].token_ids for o in tp1.generate(PROMPTS, GREEDY)]
+    assert [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, GREEDY)] == want
+
+
+def test_replies_come_back_in_rank_order(tp2: LLM) -> None:
+    assert _executor(tp2).collective_rpc("rank_info") == [(0, 0, 0), (1, 0, 1)]
+    assert _executor(tp2).collective_rpc("rank_info", unique_reply_rank=1) == [(1, 0, 1)]
+
+
+def test_a_raising_rank_is_named_with_its_traceback(tp2: LLM) -> None:
+    with pytest.raises(ExecutorError, match=r"rank 1 failed") as info:
+        _executor(tp2).collective_rpc(fail_on_rank, (1,))
+    assert "injected failure on rank 1" in str(info.value)
+    assert "Traceback" in str(info.value)
+
+
+def test_no_stale_reply_after_a_failed_or_timed_out_call(tp2: LLM) -> None:
+    executor = _executor(tp2)
+    before = executor.stale_replies
+    # Rank 1 fails at once; rank 0 answers later, after the call has already failed.
+    with pytest.raises(ExecutorError):
+        executor.collective_rpc(fail_on_rank, (1, 0.5))
+    # Rank 1 answers after the deadline.
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\]"):
+        executor.collective_rpc(sleep_on_rank, (1, 2.5), timeout=1.0)
+    # The next call must see its own replies, not the late ones of the calls above.
+    assert executor.collective_rpc("rank_info") == [(0, 0, 0), (1, 0, 1)]
+    assert executor.stale_replies - before == 2
+    assert [o.finished for o in tp2.generate(["hi"], GREEDY)] == [True]
+
+
+def test_tp3_matches_tp1_on_smollm2(smollm_fp32: LLM) -> None:
+    want = [o.outputs[0].token_ids for o in smollm_fp32.generate(PROMPTS, GREEDY)]
+    with LLM(dtype="float32", tensor_parallel_size=3, kv_cache_space_gib=0.1) as tp3:
+        assert [o.outputs[0].token_ids for o in tp3.generate(PROMPTS, GREEDY)] == want
+
+
+def test_a_dead_rank_fails_the_engine_promptly(tiny_llama_dir: Path) -> None:
+    with LLM(
+        str(tiny_llama_dir), dtype="float32", tensor_parallel_size=2, kv_cache_space_gib=0.05
+    ) as llm:
+        executor = _executor(llm)
+        os.kill(executor.procs[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"rank 1 \(pid \d+\) died"):
+            llm.generate(["hello"], SamplingParams(max_tokens=50, ignore_eos=True))
+        assert time.monotonic() - start < 5

@@ -25,6 +25,7 @@ import zmq
 from rankcast.config import EngineConfig
 from rankcast.engine.addresses import EngineAddresses
 from rankcast.engine.core import EngineCore
+from rankcast.executor.base import ExecutorError
 from rankcast.logger import init_logging
 from rankcast.model.source import ModelSource
 from rankcast.process import die_with_parent, set_process_title
@@ -83,6 +84,7 @@ class EngineCoreProc:
             push.bind(client.output)
             self.input_sockets.append(pull)
             self.output_sockets.append(push)
+        self.core.executor.failure_callback = self._on_executor_failure
         self.threads = [
             threading.Thread(target=self._input_thread, name="engine-input", daemon=True),
             threading.Thread(target=self._output_thread, name="engine-output", daemon=True),
@@ -130,9 +132,15 @@ class EngineCoreProc:
                         "API server %d is not reading; %d messages dropped", client, dropped
                     )
 
+    def _on_executor_failure(self, why: str) -> None:
+        """Wake the busy loop with the failure, even when it is idle waiting for input."""
+        self.inputs.put((-1, ExecutorError(why)))
+
     # ---- busy loop ----
 
     def _handle(self, client: int, message: Any) -> None:
+        if isinstance(message, ExecutorError):
+            raise message
         if isinstance(message, EngineCoreRequest):
             if client not in self.connected:
                 return

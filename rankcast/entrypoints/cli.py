@@ -31,6 +31,13 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         default=None,
         help="KV cache budget in GiB (default 2, or RANKCAST_KV_CACHE_SPACE)",
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=["uni", "mp"],
+        help="uni: one rank in the engine process; mp: a process per rank (default when TP > 1)",
+    )
     parser.add_argument(
         "--num-gpu-blocks-override",
         dest="num_blocks",
@@ -49,6 +56,8 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         block_size=args.block_size,
         kv_cache_space_gib=args.kv_cache_space_gib,
         num_blocks=args.num_blocks,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         **extra,
     )
 

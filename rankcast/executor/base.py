@@ -24,6 +24,8 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
         self.source = source
+        # Called (from a monitor thread) when a rank dies, so an idle engine fails promptly too.
+        self.failure_callback: Callable[[str], None] | None = None
 
     @classmethod
     def create(cls, config: EngineConfig, source: ModelSource) -> Executor:

@@ -144,8 +144,10 @@ class MultiprocExecutor(Executor):
         wait([proc.sentinel for proc in self.procs])
         if self.stopping:
             return
-        self.failure = self._dead_rank()
+        self.failure = self._dead_rank() or "a rank exited"
         logger.error("worker %s", self.failure)
+        if self.failure_callback is not None:
+            self.failure_callback(self.failure)
 
     def collective_rpc(
         self,

@@ -39,10 +39,30 @@ class TensorParallelGroup:
 
 @dataclass(frozen=True)
 class PipelineStage:
-    """Which contiguous slice of decoder layers this rank owns."""
+    """Which contiguous slice of decoder layers this rank owns, and its neighbours' global ranks.
+
+    Activations go from a rank to the rank with the same TP rank in the next stage, so
+    `prev_rank`/`next_rank` are this rank -/+ the TP size.
+    """
 
     rank: int = 0
     size: int = 1
+    prev_rank: int = -1
+    next_rank: int = -1
+
+    def send(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Hand this stage's activations to the next stage."""
+        for tensor in tensors:
+            dist.send(tensor.contiguous(), self.next_rank)
+
+    def receive(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, count: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Take the previous stage's activations (their shape follows from the shared batch)."""
+        tensors = tuple(torch.empty(shape, dtype=dtype, device=device) for _ in range(count))
+        for tensor in tensors:
+            dist.recv(tensor, self.prev_rank)
+        return tensors
 
     @property
     def is_first(self) -> bool:

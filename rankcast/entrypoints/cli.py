@@ -32,6 +32,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         help="KV cache budget in GiB (default 2, or RANKCAST_KV_CACHE_SPACE)",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument(
         "--distributed-executor-backend",
         default=None,
@@ -57,6 +58,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         kv_cache_space_gib=args.kv_cache_space_gib,
         num_blocks=args.num_blocks,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         **extra,
     )

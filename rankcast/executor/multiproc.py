@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from rankcast.config import ConfigError, EngineConfig
+from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.model.source import ModelSource
 from rankcast.protocol import WorkerCall, WorkerReply
@@ -66,8 +66,6 @@ def _return_type(method: str) -> Any:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         super().__init__(config, source)
-        if config.parallel.pipeline_parallel_size > 1:
-            raise ConfigError("--pipeline-parallel-size > 1 is not supported yet")
         self.world_size = config.parallel.world_size
         self.stopping = False
         self.procs: list[multiprocessing.process.BaseProcess] = []

@@ -120,10 +120,25 @@ class ModelRunner:
         return ids, pos, meta, last_indices
 
     @torch.inference_mode()
-    def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Logits [num_sequences, vocab] at each sequence's newest position."""
+    def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """Logits [num_sequences, vocab] at each sequence's newest position.
+
+        Every pipeline stage builds the same inputs from the shared batch; a non-first stage
+        receives the previous stage's (hidden, residual), a non-last one passes its own on and
+        returns None.
+        """
         ids, pos, meta, last_indices = self._prepare(batch)
-        hidden, _ = self.model(ids, pos, meta)
+        pp = self.model.pp
+        intermediate = None
+        if not pp.is_first:
+            shape = (ids.shape[0], self.arch.hidden_size)
+            hidden_in, residual_in = pp.receive(shape, self.dtype, self.device, 2)
+            intermediate = (hidden_in, residual_in)
+        hidden, residual = self.model(ids, pos, meta, intermediate)
+        if not pp.is_last:
+            assert residual is not None
+            pp.send((hidden, residual))
+            return None
         if last_indices is not None:
             hidden = hidden[last_indices]
         return self.model.compute_logits(hidden)
@@ -137,7 +152,7 @@ class ModelRunner:
         if not batch.sequences:
             return None
         logits = self.compute_logits(batch)
-        if not sample:
+        if logits is None or not sample:
             return None
         states = [self.requests[seq.request_id] for seq in batch.sequences]
         tokens, logprobs = sampler.sample(

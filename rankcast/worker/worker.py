@@ -42,7 +42,14 @@ class Worker:
         tp_size = config.parallel.tensor_parallel_size
         self.tp = TensorParallelGroup(rank=rank % tp_size, size=tp_size, group=tp_group)
         self.is_output_rank = rank == config.parallel.output_rank
-        self.pp = PipelineStage(rank=rank // tp_size, size=config.parallel.pipeline_parallel_size)
+        pp_size = config.parallel.pipeline_parallel_size
+        pp_rank = rank // tp_size
+        self.pp = PipelineStage(
+            rank=pp_rank,
+            size=pp_size,
+            prev_rank=rank - tp_size if pp_rank > 0 else -1,
+            next_rank=rank + tp_size if pp_rank < pp_size - 1 else -1,
+        )
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.runner: ModelRunner | None = None

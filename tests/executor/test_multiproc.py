@@ -11,6 +11,7 @@ import pytest
 
 from rankcast import LLM, SamplingParams
 from rankcast.executor.base import ExecutorError
+from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from tests.executor.helpers import fail_on_rank, sleep_on_rank
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water is"]
@@ -77,3 +78,31 @@ def test_a_dead_rank_fails_the_engine_promptly(tiny_llama_dir: Path) -> None:
         with pytest.raises(ExecutorError, match=r"rank 1 \(pid \d+\) died"):
             llm.generate(["hello"], SamplingParams(max_tokens=50, ignore_eos=True))
         assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_pipeline_layouts_match_a_single_rank(tiny_llama_dir: Path, tp: int, pp: int) -> None:
+    with LLM(str(tiny_llama_dir), dtype="float32", kv_cache_space_gib=0.05) as single:
+        want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY)]
+    with LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        kv_cache_space_gib=0.05,
+    ) as split:
+        executor = _executor(split)
+        assert [o.outputs[0].token_ids for o in split.generate(PROMPTS, GREEDY)] == want
+        # Every rank runs the step; only the output rank (TP rank 0, last stage) answers.
+        batch = SchedulerOutput(
+            True, [ScheduledSequence("probe", [5, 6, 7], 0, [0], SamplingParams(temperature=0))]
+        )
+        replies = executor.collective_rpc("execute_model", (batch,))
+        output_rank = (pp - 1) * tp
+        assert [r is not None for r in replies] == [rank == output_rank for rank in range(tp * pp)]
+
+
+def test_pp2_matches_pp1_on_smollm2(smollm_fp32: LLM) -> None:
+    want = [o.outputs[0].token_ids for o in smollm_fp32.generate(PROMPTS, GREEDY)]
+    with LLM(dtype="float32", pipeline_parallel_size=2, kv_cache_space_gib=0.1) as pp2:
+        assert [o.outputs[0].token_ids for o in pp2.generate(PROMPTS, GREEDY)] == want

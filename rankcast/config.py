@@ -117,6 +117,11 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def ranks_on_this_machine(self) -> int:
+        """Every rank of every data-parallel engine core shares this machine's cores."""
+        return self.world_size * self.data_parallel_size
+
+    @property
     def output_rank(self) -> int:
         """The rank that samples and answers `execute_model`: TP rank 0 of the last PP stage."""
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size

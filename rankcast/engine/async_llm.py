@@ -1,8 +1,9 @@
-"""The API server's engine handle: asyncio generation over an engine core in another process.
+"""The API server's engine handle: asyncio generation over engine cores in other processes.
 
-One output task reads everything the engine core sends to this API server, turns token ids into
-text (stop strings included) and hands each request's outputs to the coroutine awaiting them.
-Engine-wide stats and per-request timings go to an observer (the server's metrics).
+There is one client per data-parallel engine core; each new request goes to the least loaded
+one. One output task per engine core reads everything it sends to this API server, turns token
+ids into text (stop strings included) and hands each request's outputs to the coroutine awaiting
+them. Engine-wide stats and per-request timings go to an observer (the server's metrics).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rankcast.engine.load_balancer import LoadBalancer
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError
 from rankcast.engine.output_processor import OutputProcessor
 from rankcast.outputs import RequestOutput
@@ -33,7 +35,12 @@ class EngineObserver(Protocol):
     def record_inter_token(self, seconds: float, tokens: int) -> None: ...
 
     def record_finished(
-        self, e2e_seconds: float, prompt_tokens: int, generation_tokens: int, finish_reason: str
+        self,
+        engine_index: int,
+        e2e_seconds: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        finish_reason: str,
     ) -> None: ...
 
 
@@ -41,30 +48,37 @@ class EngineObserver(Protocol):
 class _Stream:
     queue: asyncio.Queue[RequestOutput | Exception]
     arrival: float
+    engine: int = 0
     last_token_at: float | None = None
     prompt_tokens: int = 0
 
 
 class AsyncLLM:
-    def __init__(self, client: AsyncMPClient, tokenizer: Any, observer: EngineObserver) -> None:
-        self.client = client
+    def __init__(
+        self, clients: list[AsyncMPClient], tokenizer: Any, observer: EngineObserver
+    ) -> None:
+        self.clients = clients
         self.tokenizer = tokenizer
         self.observer = observer
         self.output_processor = OutputProcessor(tokenizer)
+        self.balancer = LoadBalancer(len(clients))
         self.streams: dict[str, _Stream] = {}
-        self.output_task: asyncio.Task[None] | None = None
+        self.output_tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        await self.client.start()
-        self.output_task = asyncio.create_task(self._output_loop())
+        await asyncio.gather(*(client.start() for client in self.clients))
+        self.output_tasks = [
+            asyncio.create_task(self._output_loop(engine)) for engine in range(len(self.clients))
+        ]
 
     @property
     def max_model_len(self) -> int:
-        return self.client.max_model_len
+        return min(client.max_model_len for client in self.clients)
 
     @property
     def dead(self) -> EngineDeadError | None:
-        return self.client.dead
+        """Any dead engine core makes this server unhealthy: the deployment is not whole."""
+        return next((c.dead for c in self.clients if c.dead is not None), None)
 
     async def generate(
         self,
@@ -74,18 +88,22 @@ class AsyncLLM:
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it in the engine."""
-        stream = _Stream(asyncio.Queue(), time.time(), prompt_tokens=len(prompt_token_ids))
+        engine = self.balancer.choose([c.dead is None for c in self.clients])
+        client = self.clients[engine]
+        stream = _Stream(
+            asyncio.Queue(), time.time(), engine=engine, prompt_tokens=len(prompt_token_ids)
+        )
         self.streams[request_id] = stream
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         finished = False
         try:
-            await self.client.add_request(
+            await client.add_request(
                 EngineCoreRequest(
                     request_id,
                     prompt_token_ids,
                     params,
                     arrival_time=stream.arrival,
-                    client_index=self.client.client_index,
+                    client_index=client.client_index,
                 )
             )
             while True:
@@ -100,10 +118,11 @@ class AsyncLLM:
             self.streams.pop(request_id, None)
             if not finished:
                 self.output_processor.abort_requests([request_id])
-                await self.client.abort_requests([request_id])
+                await client.abort_requests([request_id])
 
-    async def call_utility(self, method: str, *args: Any) -> Any:
-        return await self.client.call_utility(method, *args)
+    async def call_utility(self, method: str, *args: Any) -> list[Any]:
+        """Call a utility on every engine core; results in engine order."""
+        return list(await asyncio.gather(*(c.call_utility(method, *args) for c in self.clients)))
 
     def _record_timing(self, stream: _Stream, output: RequestOutput, now: float) -> None:
         completion = output.outputs[0]
@@ -120,21 +139,25 @@ class AsyncLLM:
             stream.last_token_at = now
         if output.finished:
             self.observer.record_finished(
+                stream.engine,
                 now - stream.arrival,
                 stream.prompt_tokens,
                 len(completion.token_ids),
                 completion.finish_reason or "abort",
             )
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, engine: int) -> None:
+        client = self.clients[engine]
         while True:
             try:
-                outputs = await self.client.get_output()
+                outputs = await client.get_output()
             except EngineDeadError as exc:
                 for stream in self.streams.values():
-                    stream.queue.put_nowait(exc)
+                    if stream.engine == engine:
+                        stream.queue.put_nowait(exc)
                 return
             if outputs.scheduler_stats is not None:
+                self.balancer.record_stats(engine, outputs.scheduler_stats)
                 self.observer.record_scheduler_stats(outputs.engine_index, outputs.scheduler_stats)
             if not outputs.outputs:
                 continue
@@ -147,9 +170,10 @@ class AsyncLLM:
                 self._record_timing(stream, output, now)
                 stream.queue.put_nowait(output)
             if processed.requests_to_abort:
-                await self.client.abort_requests(processed.requests_to_abort)
+                await client.abort_requests(processed.requests_to_abort)
 
     def shutdown(self) -> None:
-        if self.output_task is not None:
-            self.output_task.cancel()
-        self.client.shutdown()
+        for task in self.output_tasks:
+            task.cancel()
+        for client in self.clients:
+            client.shutdown()

@@ -30,7 +30,7 @@ class EngineCore:
         self.engine_index = engine_index
         self.arch = ArchConfig.from_model_dir(source.model_dir)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
-        self.executor = Executor.create(config, source)
+        self.executor = Executor.create(config, source, engine_index)
         num_blocks = min(self.executor.collective_rpc("num_available_blocks"))
         block_size = config.cache.block_size
         self.max_model_len = self._resolve_max_model_len(num_blocks * block_size)

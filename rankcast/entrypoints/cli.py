@@ -33,6 +33,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument(
         "--distributed-executor-backend",
         default=None,
@@ -59,6 +60,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         num_blocks=args.num_blocks,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         **extra,
     )

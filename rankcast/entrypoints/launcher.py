@@ -82,7 +82,10 @@ def serve(config: EngineConfig, args: ServeArgs) -> int:
     _check_port_free(args.host, args.port)
     source = resolve_model(config.model.model)
     model_name = config.model.served_model_name or source.name
-    addresses = EngineAddresses.ipc(args.api_server_count)
+    data_parallel = config.parallel.data_parallel_size
+    engine_addresses = [
+        EngineAddresses.ipc(args.api_server_count, engine_index=dp) for dp in range(data_parallel)
+    ]
     spawn = multiprocessing.get_context("spawn")
     stop_requested = threading.Event()
 
@@ -92,26 +95,35 @@ def serve(config: EngineConfig, args: ServeArgs) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    engine_read, engine_write = spawn.Pipe(duplex=False)
-    engine = spawn.Process(
-        target=run_engine_core,
-        args=(config, source, addresses, 0, engine_write),
-        name="engine_core_dp0",
-    )
+    engines: list[BaseProcess] = []
     api_servers: list[BaseProcess] = []
     try:
-        engine.start()
-        engine_write.close()
-        _wait_ready("engine core", engine, engine_read, timeout_s=900)
+        # Data-parallel engine cores load side by side; each has its own executor and ranks.
+        engine_pipes = []
+        for dp, addresses in enumerate(engine_addresses):
+            read, write = spawn.Pipe(duplex=False)
+            engine = spawn.Process(
+                target=run_engine_core,
+                args=(config, source, addresses, dp, write),
+                name=f"engine_core_dp{dp}",
+            )
+            engine.start()
+            write.close()
+            engines.append(engine)
+            engine_pipes.append(read)
+        for dp, (engine, read) in enumerate(zip(engines, engine_pipes, strict=True)):
+            _wait_ready(f"engine core {dp}", engine, read, timeout_s=900)
         server_config = ApiServerConfig(
             args.host, args.port, model_name, source.model_dir, str(source.origin), args.api_key
         )
         pipes = []
         for index in range(args.api_server_count):
             read, write = spawn.Pipe(duplex=False)
+            # Every API server connects to every engine core.
+            mine = [addresses.clients[index] for addresses in engine_addresses]
             proc = spawn.Process(
                 target=run_api_server,
-                args=(server_config, index, addresses.clients[index], write),
+                args=(server_config, index, mine, write),
                 name=f"api_server_{index}",
             )
             proc.start()
@@ -121,22 +133,25 @@ def serve(config: EngineConfig, args: ServeArgs) -> int:
         for index, (proc, read) in enumerate(zip(api_servers, pipes, strict=True)):
             _wait_ready(f"API server {index}", proc, read, timeout_s=300)
         _print_banner(args, model_name)
-        engine_reported = False
+        reported: set[int] = set()
         while not stop_requested.wait(0.5):
-            if not engine.is_alive() and not engine_reported:
-                engine_reported = True
-                logger.error(
-                    "engine core exited (code %s); API servers answer 503 until restarted",
-                    engine.exitcode,
-                )
+            for dp, engine in enumerate(engines):
+                if not engine.is_alive() and dp not in reported:
+                    reported.add(dp)
+                    logger.error(
+                        "engine core %d exited (code %s); API servers answer 503 until restarted",
+                        dp,
+                        engine.exitcode,
+                    )
             if all(not proc.is_alive() for proc in api_servers):
                 logger.error("every API server has exited; shutting down")
                 return 1
         return 0
     finally:
         _stop(api_servers)
-        _stop([engine])
-        addresses.cleanup()
+        _stop(engines)
+        for addresses in engine_addresses:
+            addresses.cleanup()
 
 
 def _print_banner(args: ServeArgs, model_name: str) -> None:

@@ -21,23 +21,24 @@ class ExecutorError(RuntimeError):
 
 
 class Executor(ABC):
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
         self.config = config
         self.source = source
+        self.engine_index = engine_index
         # Called (from a monitor thread) when a rank dies, so an idle engine fails promptly too.
         self.failure_callback: Callable[[str], None] | None = None
 
     @classmethod
-    def create(cls, config: EngineConfig, source: ModelSource) -> Executor:
+    def create(cls, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> Executor:
         backend = config.parallel.backend
         if backend == "uni":
             from rankcast.executor.uniproc import UniProcExecutor
 
-            return UniProcExecutor(config, source)
+            return UniProcExecutor(config, source, engine_index)
         if backend == "mp":
             from rankcast.executor.multiproc import MultiprocExecutor
 
-            return MultiprocExecutor(config, source)
+            return MultiprocExecutor(config, source, engine_index)
         raise NotImplementedError(f"executor backend {backend!r} is not available yet")
 
     @abstractmethod

@@ -64,8 +64,8 @@ def _return_type(method: str) -> Any:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        super().__init__(config, source)
+    def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
+        super().__init__(config, source, engine_index)
         self.world_size = config.parallel.world_size
         self.stopping = False
         self.procs: list[multiprocessing.process.BaseProcess] = []
@@ -96,6 +96,7 @@ class MultiprocExecutor(Executor):
                 args=(
                     config,
                     source,
+                    engine_index,
                     rank,
                     init_method,
                     f"ipc://{base}/calls{rank}",

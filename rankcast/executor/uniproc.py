@@ -14,9 +14,11 @@ from rankcast.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        super().__init__(config, source)
-        self.worker = Worker(config, source)
+    def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
+        super().__init__(config, source, engine_index)
+        self.worker = Worker(
+            config, source, ranks_on_this_machine=config.parallel.ranks_on_this_machine
+        )
         self.worker.init_device()
         self.worker.load_model()
 

@@ -64,8 +64,8 @@ class ServerMetrics:
         )
         self.request_success = Counter(
             "vllm:request_success",
-            "Requests this API server finished, by finish reason.",
-            ["model_name", "finished_reason"],
+            "Requests this API server finished, by the engine that ran them and finish reason.",
+            ["model_name", "engine", "finished_reason"],
             registry=self.registry,
         )
         self.ttft = Histogram(
@@ -114,12 +114,17 @@ class ServerMetrics:
             histogram.observe(seconds)
 
     def record_finished(
-        self, e2e_seconds: float, prompt_tokens: int, generation_tokens: int, finish_reason: str
+        self,
+        engine_index: int,
+        e2e_seconds: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        finish_reason: str,
     ) -> None:
         self.e2e.labels(self.model_name).observe(e2e_seconds)
         self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
         self.generation_tokens.labels(self.model_name).inc(generation_tokens)
-        self.request_success.labels(self.model_name, finish_reason).inc()
+        self.request_success.labels(self.model_name, str(engine_index), finish_reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -79,6 +79,7 @@ def _init_distributed(config: EngineConfig, rank: int, init_method: str) -> dist
 def run_worker(
     config: EngineConfig,
     source: ModelSource,
+    engine_index: int,
     rank: int,
     init_method: str,
     call_address: str,
@@ -86,7 +87,7 @@ def run_worker(
     ready: Connection,
 ) -> None:
     tp = config.parallel.tensor_parallel_size
-    role = f"worker_dp0_pp{rank // tp}_tp{rank % tp}"
+    role = f"worker_dp{engine_index}_pp{rank // tp}_tp{rank % tp}"
     set_process_title(role)
     init_logging(role)
     die_with_parent()
@@ -94,7 +95,9 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         group = _init_distributed(config, rank, init_method)
-        worker = Worker(config, source, rank, rank, config.parallel.world_size, tp_group=group)
+        worker = Worker(
+            config, source, rank, rank, config.parallel.ranks_on_this_machine, tp_group=group
+        )
         worker.init_device()
         worker.load_model()
     except Exception as exc:

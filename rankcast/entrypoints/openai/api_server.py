@@ -157,7 +157,7 @@ def bind_shared_port(host: str, port: int) -> socket.socket:
 
 
 def run_api_server(
-    config: ApiServerConfig, index: int, addresses: ClientAddresses, ready: Connection
+    config: ApiServerConfig, index: int, engines: list[ClientAddresses], ready: Connection
 ) -> None:
     """Process entry point: serve until SIGTERM/SIGINT (uvicorn shuts down gracefully).
 
@@ -172,7 +172,8 @@ def run_api_server(
     async def serve() -> None:
         metrics = ServerMetrics(config.model_name)
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
-        engine = AsyncLLM(AsyncMPClient(addresses, index), tokenizer, metrics)
+        clients = [AsyncMPClient(addresses, index) for addresses in engines]
+        engine = AsyncLLM(clients, tokenizer, metrics)
         try:
             await engine.start()
         except Exception as exc:

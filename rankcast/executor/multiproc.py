@@ -18,7 +18,6 @@ import socket
 import tempfile
 import threading
 import time
-import typing
 import uuid
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -29,10 +28,9 @@ import msgspec
 import zmq
 
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError
+from rankcast.executor.base import Executor, ExecutorError, method_name, return_type
 from rankcast.model.source import ModelSource
 from rankcast.protocol import WorkerCall, WorkerReply
-from rankcast.worker.worker import Worker
 from rankcast.worker.worker_proc import SHUTDOWN, run_worker
 
 logger = logging.getLogger(__name__)
@@ -44,23 +42,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _method_name(method: str | Callable[..., Any]) -> str:
-    if isinstance(method, str):
-        return method
-    return f"{method.__module__}:{method.__qualname__}"
-
-
-def _return_type(method: str) -> Any:
-    """The Worker method's declared return type, so struct replies come back as structs."""
-    fn = getattr(Worker, method, None)
-    if fn is None:
-        return Any
-    try:
-        return typing.get_type_hints(fn).get("return", Any)
-    except Exception:
-        return Any
 
 
 class MultiprocExecutor(Executor):
@@ -158,7 +139,7 @@ class MultiprocExecutor(Executor):
     ) -> list[Any]:
         if self.failure is not None:
             raise ExecutorError(self.failure)
-        name = _method_name(method)
+        name = method_name(method)
         call_id = next(self.call_ids)
         reply_rank = -1 if unique_reply_rank is None else unique_reply_rank
         frame = self.encoder.encode(WorkerCall(call_id, name, list(args), kwargs or {}, reply_rank))
@@ -186,7 +167,7 @@ class MultiprocExecutor(Executor):
                 cause = f"{dead}; " if dead else ""
                 raise ExecutorError(f"{cause}rank {reply.rank} failed in {name}: {reply.error}")
             results[reply.rank] = reply.result
-        wanted = _return_type(name)
+        wanted = return_type(name)
         return [
             msgspec.convert(results[r], wanted) if wanted is not Any else results[r]
             for r in sorted(expected)

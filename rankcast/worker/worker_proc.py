@@ -58,7 +58,21 @@ def _convert_args(fn: Callable[..., Any], args: list[Any]) -> list[Any]:
     return converted + args[len(converted) :]
 
 
-def _init_distributed(config: EngineConfig, rank: int, init_method: str) -> dist.ProcessGroup:
+def dispatch(worker: Worker, call: WorkerCall) -> WorkerReply:
+    """Run one call on this rank; any exception becomes an error reply with its traceback."""
+    reply = WorkerReply(call.call_id, worker.rank)
+    try:
+        if ":" in call.method:
+            reply.result = resolve_callable(call.method)(worker, *call.args, **call.kwargs)
+        else:
+            fn = getattr(worker, call.method)
+            reply.result = fn(*_convert_args(fn, call.args), **call.kwargs)
+    except Exception as exc:
+        reply.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    return reply
+
+
+def init_distributed(config: EngineConfig, rank: int, init_method: str) -> dist.ProcessGroup:
     """Join the world, then build every TP group (all ranks must create each, in order)."""
     parallel = config.parallel
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -94,7 +108,7 @@ def run_worker(
     # Ctrl-C reaches the whole process group; the engine core decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        group = _init_distributed(config, rank, init_method)
+        group = init_distributed(config, rank, init_method)
         worker = Worker(
             config, source, rank, rank, config.parallel.ranks_on_this_machine, tp_group=group
         )
@@ -117,16 +131,7 @@ def run_worker(
         call = decoder.decode(calls.recv())
         if call.method == SHUTDOWN:
             break
-        reply = WorkerReply(call.call_id, rank)
-        try:
-            if ":" in call.method:
-                fn = resolve_callable(call.method)
-                reply.result = fn(worker, *call.args, **call.kwargs)
-            else:
-                fn = getattr(worker, call.method)
-                reply.result = fn(*_convert_args(fn, call.args), **call.kwargs)
-        except Exception as exc:
-            reply.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        reply = dispatch(worker, call)
         if call.reply_rank in (-1, rank):
             replies.send(encoder.encode(reply))
     context.destroy(linger=0)

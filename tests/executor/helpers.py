@@ -21,3 +21,9 @@ def sleep_on_rank(worker: Worker, rank: int, seconds: float) -> int:
     if worker.rank == rank:
         time.sleep(seconds)
     return worker.rank
+
+
+def own_pid(worker: Worker) -> int:
+    import os
+
+    return os.getpid()

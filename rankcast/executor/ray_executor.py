@@ -1,0 +1,179 @@
+"""Ranks as Ray actors, possibly on other machines, with the mp executor's call semantics.
+
+Calls and replies are the same msgspec `WorkerCall`/`WorkerReply` bytes the multiprocess
+executor sends; Ray only carries them. Each call gets its own object refs, so a late reply of a
+failed call can never be read by the next one. A rank whose actor dies (a `RayActorError`) fails
+the call with the rank's name, and a monitor thread pings idle actors so an idle engine fails
+promptly too. Ray is an optional dependency: `pip install rankcast[ray]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from rankcast import envs
+from rankcast.config import EngineConfig
+from rankcast.executor.base import Executor, ExecutorError, method_name, return_type
+from rankcast.model.source import ModelSource
+from rankcast.protocol import WorkerCall, WorkerReply
+
+logger = logging.getLogger(__name__)
+
+_PING_INTERVAL_S = 1.0
+
+
+class RayRank:
+    """The body of one rank's actor (wrapped with `ray.remote` at executor start)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, rank: int) -> None:
+        self.config = config
+        self.source = source
+        self.rank = rank
+        self.worker: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """An address on this actor's node for torch.distributed's rendezvous (rank 0 hosts it)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return host, sock.getsockname()[1]
+
+    def start(self, init_method: str) -> int:
+        import os
+
+        from rankcast.worker.worker import Worker
+        from rankcast.worker.worker_proc import init_distributed
+
+        group = init_distributed(self.config, self.rank, init_method)
+        self.worker = Worker(
+            self.config,
+            self.source,
+            self.rank,
+            self.rank,
+            self.config.parallel.ranks_on_this_machine,
+            tp_group=group,
+        )
+        self.worker.init_device()
+        self.worker.load_model()
+        return os.getpid()
+
+    def call(self, frame: bytes) -> bytes:
+        from rankcast.worker.worker_proc import dispatch
+
+        call = msgspec.msgpack.decode(frame, type=WorkerCall)
+        return msgspec.msgpack.encode(dispatch(self.worker, call))
+
+    def ping(self) -> bool:
+        return True
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
+        super().__init__(config, source, engine_index)
+        try:
+            import ray
+        except ImportError:
+            raise ExecutorError(
+                "--distributed-executor-backend ray needs Ray: pip install 'rankcast[ray]'"
+            ) from None
+        self.ray = ray
+        if not ray.is_initialized():
+            ray.init(address=envs.ray_address(), log_to_driver=False)
+        self.world_size = config.parallel.world_size
+        self.failure: str | None = None
+        self.stopping = False
+        self.call_ids = 0
+        # No CPU reservation: ranks share a node's cores the way the mp executor's do.
+        actor_class = ray.remote(num_cpus=0)(RayRank)
+        self.actors = [actor_class.remote(config, source, rank) for rank in range(self.world_size)]
+        try:
+            host, port = ray.get(self.actors[0].address.remote())
+            init_method = f"tcp://{host}:{port}"
+            self.pids = ray.get([actor.start.remote(init_method) for actor in self.actors])
+        except Exception as exc:
+            self.shutdown()
+            raise ExecutorError(f"Ray ranks failed to start: {exc}") from None
+        self.monitor = threading.Thread(target=self._watch_actors, name="ray-monitor", daemon=True)
+        self.monitor.start()
+
+    def _watch_actors(self) -> None:
+        while not self.stopping and self.failure is None:
+            for rank, actor in enumerate(self.actors):
+                try:
+                    self.ray.get(actor.ping.remote(), timeout=30)
+                except self.ray.exceptions.RayActorError:
+                    if self.stopping:
+                        return
+                    self.failure = f"rank {rank} (Ray actor, pid {self.pids[rank]}) died"
+                    logger.error("worker %s", self.failure)
+                    if self.failure_callback is not None:
+                        self.failure_callback(self.failure)
+                    return
+                except Exception:
+                    continue
+            time.sleep(_PING_INTERVAL_S)
+
+    def _dead_rank(self, refs: list[Any]) -> str | None:
+        """A collective error on a live rank is usually the echo of a peer's death: find it."""
+        self.ray.wait(refs, num_returns=len(refs), timeout=5)
+        for rank, ref in enumerate(refs):
+            try:
+                self.ray.get(ref, timeout=0)
+            except self.ray.exceptions.RayActorError:
+                self.failure = f"rank {rank} (Ray actor, pid {self.pids[rank]}) died"
+                return self.failure
+            except Exception:
+                continue
+        return None
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        if self.failure is not None:
+            raise ExecutorError(self.failure)
+        name = method_name(method)
+        self.call_ids += 1
+        frame = msgspec.msgpack.encode(WorkerCall(self.call_ids, name, list(args), kwargs or {}))
+        refs = [actor.call.remote(frame) for actor in self.actors]
+        ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
+        wanted = [refs[r] for r in ranks]
+        ready, _ = self.ray.wait(wanted, num_returns=len(wanted), timeout=timeout)
+        if len(ready) < len(wanted):
+            missing = [r for r, ref in zip(ranks, wanted, strict=True) if ref not in ready]
+            raise TimeoutError(f"{name}: no reply from rank(s) {missing} in {timeout} s")
+        results = []
+        kind = return_type(name)
+        for rank, ref in zip(ranks, wanted, strict=True):
+            try:
+                reply = msgspec.msgpack.decode(self.ray.get(ref), type=WorkerReply)
+            except self.ray.exceptions.RayActorError:
+                self.failure = f"rank {rank} (Ray actor, pid {self.pids[rank]}) died"
+                raise ExecutorError(f"{name} failed: {self.failure}") from None
+            if reply.error is not None:
+                dead = self._dead_rank(refs)
+                cause = f"{dead}; " if dead else ""
+                raise ExecutorError(f"{cause}rank {rank} failed in {name}: {reply.error}")
+            results.append(reply.result if kind is Any else msgspec.convert(reply.result, kind))
+        return results
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        for actor in getattr(self, "actors", []):
+            try:
+                self.ray.kill(actor)
+            except Exception:
+                logger.debug("actor already gone", exc_info=True)

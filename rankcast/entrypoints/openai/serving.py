@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -177,7 +177,15 @@ async def create_chat_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _chat_stream(ctx, request_id, created, outputs, len(prompt_ids), include_usage, top),
+            _chat_stream(
+                ctx,
+                request_id,
+                created,
+                outputs,
+                len(prompt_ids),
+                include_usage,
+                top if body.logprobs else None,
+            ),
             media_type="text/event-stream",
         )
     final = await run_unless_disconnected(request, _final(outputs))
@@ -204,60 +212,75 @@ async def create_chat_completion(
     )
 
 
-async def _chat_stream(
+@dataclass
+class _StreamState:
+    """What the shared stream tail needs from a stream's body."""
+
+    header: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+
+async def _stream_with_tail(
+    body: AsyncIterator[bytes], state: _StreamState, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """Both streams end alike: engine death as an error event, the usage chunk, then [DONE]."""
+    try:
+        async for event in body:
+            yield event
+    except EngineDeadError:
+        yield _sse(_dead_error())
+        yield _sse("[DONE]")
+        return
+    if include_usage:
+        usage = _usage(state.prompt_tokens, state.completion_tokens)
+        yield _sse({**state.header, "choices": [], "usage": usage})
+    yield _sse("[DONE]")
+
+
+def _delta_logprobs(
+    output: RequestOutput, top: int | None, render: Callable[..., dict]
+) -> dict | None:
+    completion = output.outputs[0]
+    if top is None or completion.logprobs is None or not completion.delta_token_ids:
+        return None
+    count = len(completion.delta_token_ids)
+    return render(completion.logprobs[-count:], completion.delta_token_ids, top)
+
+
+def _chat_stream(
     ctx: ServingContext,
     request_id: str,
     created: int,
     outputs: AsyncIterator[RequestOutput],
     prompt_tokens: int,
     include_usage: bool,
-    top: int,
+    top: int | None,
 ) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> bytes:
-        return _sse(
-            {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": ctx.model_name,
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                ],
-            }
-        )
+    header = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": ctx.model_name,
+    }
+    state = _StreamState(header, prompt_tokens)
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    completion_tokens = 0
-    try:
+    def chunk(delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return _sse({**header, "choices": [choice]})
+
+    async def body() -> AsyncIterator[bytes]:
+        yield chunk({"role": "assistant", "content": ""}, None)
         async for output in outputs:
             completion = output.outputs[0]
-            completion_tokens = len(completion.token_ids)
-            logprobs = None
-            if top is not None and completion.logprobs is not None and completion.delta_token_ids:
-                count = len(completion.delta_token_ids)
-                logprobs = _chat_logprobs(
-                    completion.logprobs[-count:], completion.delta_token_ids, top
-                )
+            state.completion_tokens = len(completion.token_ids)
+            logprobs = _delta_logprobs(output, top, _chat_logprobs)
             if completion.delta_text or logprobs:
                 yield chunk({"content": completion.delta_text}, None, logprobs)
             if output.finished:
                 yield chunk({}, completion.finish_reason)
-    except EngineDeadError:
-        yield _sse(_dead_error())
-        yield _sse("[DONE]")
-        return
-    if include_usage:
-        yield _sse(
-            {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": ctx.model_name,
-                "choices": [],
-                "usage": _usage(prompt_tokens, completion_tokens),
-            }
-        )
-    yield _sse("[DONE]")
+
+    return _stream_with_tail(body(), state, include_usage)
 
 
 async def create_completion(
@@ -313,7 +336,7 @@ async def create_completion(
     )
 
 
-async def _completion_stream(
+def _completion_stream(
     ctx: ServingContext,
     request_id: str,
     created: int,
@@ -322,45 +345,26 @@ async def _completion_stream(
     include_usage: bool,
     top: int | None,
 ) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish: str | None, logprobs: dict | None = None) -> bytes:
-        return _sse(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": ctx.model_name,
-                "choices": [
-                    {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-                ],
-            }
-        )
+    header = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": ctx.model_name,
+    }
+    state = _StreamState(header, prompt_tokens)
 
-    completion_tokens = 0
-    try:
+    async def body() -> AsyncIterator[bytes]:
         async for output in outputs:
             completion = output.outputs[0]
-            completion_tokens = len(completion.token_ids)
-            logprobs = None
-            if top is not None and completion.logprobs is not None and completion.delta_token_ids:
-                count = len(completion.delta_token_ids)
-                logprobs = _completion_logprobs(
-                    completion.logprobs[-count:], completion.delta_token_ids, top
-                )
+            state.completion_tokens = len(completion.token_ids)
+            logprobs = _delta_logprobs(output, top, _completion_logprobs)
             if completion.delta_text or logprobs or output.finished:
-                yield chunk(completion.delta_text, completion.finish_reason, logprobs)
-    except EngineDeadError:
-        yield _sse(_dead_error())
-        yield _sse("[DONE]")
-        return
-    if include_usage:
-        yield _sse(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": ctx.model_name,
-                "choices": [],
-                "usage": _usage(prompt_tokens, completion_tokens),
-            }
-        )
-    yield _sse("[DONE]")
+                choice = {
+                    "index": 0,
+                    "text": completion.delta_text,
+                    "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason,
+                }
+                yield _sse({**header, "choices": [choice]})
+
+    return _stream_with_tail(body(), state, include_usage)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,23 @@ def write_tiny_model(
             if (tokenizer_from / name).exists():
                 shutil.copy(tokenizer_from / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """Fail the run if any test left a child process (engine core, rank, API server) alive."""
+    yield
+    from tests.entrypoints.server_process import descendants, process_title
+
+    def ours() -> list[str]:
+        # multiprocessing's resource tracker lives as long as this process, by design.
+        titles = [process_title(pid) for pid in descendants(os.getpid())]
+        return [t for t in titles if "resource_tracker" not in t]
+
+    deadline = time.monotonic() + 15
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ours(), f"processes left behind by the tests: {ours()}"
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[str]:
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ray_bin = str(Path(sys.executable).with_name("ray"))
     port = free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # A private HOME: a ~/.ray/auth_token left by another Ray session would switch the head to
+    # token authentication, which this test's client does not use.
+    home = tmp_path_factory.mktemp("ray-home")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HOME=str(home))
     subprocess.run(
         [
             ray_bin,

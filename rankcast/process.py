@@ -5,6 +5,9 @@ from __future__ import annotations
 import ctypes
 import signal
 import sys
+import tempfile
+import uuid
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -33,3 +36,10 @@ def process_is_alive(pid: int) -> bool:
         return False
     except OSError:
         return True
+
+
+def private_ipc_dir(prefix: str) -> Path:
+    """A fresh directory only this user can enter, for IPC socket files."""
+    path = Path(tempfile.gettempdir()) / f"{prefix}-{uuid.uuid4().hex[:12]}"
+    path.mkdir(mode=0o700)
+    return path

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
+
+from rankcast.process import private_ipc_dir
 
 
 @dataclass(frozen=True)
@@ -30,8 +29,7 @@ class EngineAddresses:
     @classmethod
     def ipc(cls, num_clients: int, engine_index: int = 0) -> EngineAddresses:
         """Fresh IPC endpoints in a private temporary directory."""
-        base = Path(tempfile.gettempdir()) / f"rankcast-{uuid.uuid4().hex[:12]}"
-        base.mkdir(mode=0o700)
+        base = private_ipc_dir("rankcast")
         return cls(
             tuple(
                 ClientAddresses(

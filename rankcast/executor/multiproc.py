@@ -15,13 +15,10 @@ import itertools
 import logging
 import multiprocessing
 import socket
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,6 +27,7 @@ import zmq
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError, method_name, return_type
 from rankcast.model.source import ModelSource
+from rankcast.process import private_ipc_dir
 from rankcast.protocol import WorkerCall, WorkerReply
 from rankcast.worker.worker_proc import SHUTDOWN, run_worker
 
@@ -55,8 +53,7 @@ class MultiprocExecutor(Executor):
         self.stale_replies = 0
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(WorkerReply)
-        base = Path(tempfile.gettempdir()) / f"rankcast-workers-{uuid.uuid4().hex[:12]}"
-        base.mkdir(mode=0o700)
+        base = private_ipc_dir("rankcast-workers")
         self.ipc_dir = base
         self.context = zmq.Context()
         self.replies = self.context.socket(zmq.PULL)

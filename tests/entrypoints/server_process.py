@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from rankcast.process import process_is_alive
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -108,10 +110,10 @@ class ServerProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout_s)
         deadline = time.monotonic() + 10
-        alive = [p for p in tracked if _not_zombie(p)]
+        alive = [p for p in tracked if process_is_alive(p)]
         while alive and time.monotonic() < deadline:
             time.sleep(0.2)
-            alive = [p for p in alive if _not_zombie(p)]
+            alive = [p for p in alive if process_is_alive(p)]
         self.kill()
         return alive
 
@@ -121,11 +123,3 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")

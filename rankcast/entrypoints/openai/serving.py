@@ -178,11 +178,10 @@ async def create_chat_completion(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _chat_stream(
-                ctx,
-                request_id,
-                created,
+                _StreamState(
+                    _header(ctx, request_id, created, "chat.completion.chunk"), len(prompt_ids)
+                ),
                 outputs,
-                len(prompt_ids),
                 include_usage,
                 top if body.logprobs else None,
             ),
@@ -210,6 +209,11 @@ async def create_chat_completion(
             "usage": _usage(len(prompt_ids), len(completion.token_ids)),
         }
     )
+
+
+def _header(ctx: ServingContext, request_id: str, created: int, kind: str) -> dict[str, Any]:
+    """The fields every chunk of one streamed response repeats."""
+    return {"id": request_id, "object": kind, "created": created, "model": ctx.model_name}
 
 
 @dataclass
@@ -249,21 +253,12 @@ def _delta_logprobs(
 
 
 def _chat_stream(
-    ctx: ServingContext,
-    request_id: str,
-    created: int,
+    state: _StreamState,
     outputs: AsyncIterator[RequestOutput],
-    prompt_tokens: int,
     include_usage: bool,
     top: int | None,
 ) -> AsyncIterator[bytes]:
-    header = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": ctx.model_name,
-    }
-    state = _StreamState(header, prompt_tokens)
+    header = state.header
 
     def chunk(delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -306,7 +301,10 @@ async def create_completion(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _completion_stream(
-                ctx, request_id, created, outputs, len(prompt_ids), include_usage, top
+                _StreamState(_header(ctx, request_id, created, "text_completion"), len(prompt_ids)),
+                outputs,
+                include_usage,
+                top,
             ),
             media_type="text/event-stream",
         )
@@ -337,21 +335,12 @@ async def create_completion(
 
 
 def _completion_stream(
-    ctx: ServingContext,
-    request_id: str,
-    created: int,
+    state: _StreamState,
     outputs: AsyncIterator[RequestOutput],
-    prompt_tokens: int,
     include_usage: bool,
     top: int | None,
 ) -> AsyncIterator[bytes]:
-    header = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": ctx.model_name,
-    }
-    state = _StreamState(header, prompt_tokens)
+    header = state.header
 
     async def body() -> AsyncIterator[bytes]:
         async for output in outputs:

@@ -15,9 +15,12 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from rankcast.config import EngineConfig
 from rankcast.engine.addresses import EngineAddresses
@@ -64,6 +67,29 @@ def _wait_ready(name: str, proc: BaseProcess, conn: Connection, timeout_s: float
     raise LaunchError(f"{name} did not become ready in {timeout_s:.0f} s")
 
 
+def _start_all(
+    spawn: BaseContext,
+    specs: list[tuple[str, Callable[..., None], tuple[Any, ...]]],
+    timeout_s: float,
+) -> list[BaseProcess]:
+    """Start every (name, target, args) child with a readiness pipe appended to its args, then
+    wait until each reports ready. If one fails, all of this group are stopped before raising."""
+    started: list[tuple[BaseProcess, Connection]] = []
+    for name, target, args in specs:
+        read, write = spawn.Pipe(duplex=False)
+        proc = spawn.Process(target=target, args=(*args, write), name=name)
+        proc.start()
+        write.close()
+        started.append((proc, read))
+    try:
+        for proc, read in started:
+            _wait_ready(proc.name.replace("_", " "), proc, read, timeout_s)
+    except LaunchError:
+        _stop([proc for proc, _ in started])
+        raise
+    return [proc for proc, _ in started]
+
+
 def _stop(processes: list[BaseProcess], timeout_s: float = 10.0) -> None:
     for proc in processes:
         if proc.is_alive():
@@ -99,39 +125,30 @@ def serve(config: EngineConfig, args: ServeArgs) -> int:
     api_servers: list[BaseProcess] = []
     try:
         # Data-parallel engine cores load side by side; each has its own executor and ranks.
-        engine_pipes = []
-        for dp, addresses in enumerate(engine_addresses):
-            read, write = spawn.Pipe(duplex=False)
-            engine = spawn.Process(
-                target=run_engine_core,
-                args=(config, source, addresses, dp, write),
-                name=f"engine_core_dp{dp}",
-            )
-            engine.start()
-            write.close()
-            engines.append(engine)
-            engine_pipes.append(read)
-        for dp, (engine, read) in enumerate(zip(engines, engine_pipes, strict=True)):
-            _wait_ready(f"engine core {dp}", engine, read, timeout_s=900)
+        engines = _start_all(
+            spawn,
+            [
+                (f"engine_core_dp{dp}", run_engine_core, (config, source, addresses, dp))
+                for dp, addresses in enumerate(engine_addresses)
+            ],
+            timeout_s=900,
+        )
         server_config = ApiServerConfig(
             args.host, args.port, model_name, source.model_dir, str(source.origin), args.api_key
         )
-        pipes = []
-        for index in range(args.api_server_count):
-            read, write = spawn.Pipe(duplex=False)
-            # Every API server connects to every engine core.
-            mine = [addresses.clients[index] for addresses in engine_addresses]
-            proc = spawn.Process(
-                target=run_api_server,
-                args=(server_config, index, mine, write),
-                name=f"api_server_{index}",
-            )
-            proc.start()
-            write.close()
-            api_servers.append(proc)
-            pipes.append(read)
-        for index, (proc, read) in enumerate(zip(api_servers, pipes, strict=True)):
-            _wait_ready(f"API server {index}", proc, read, timeout_s=300)
+        # Every API server connects to every engine core.
+        api_servers = _start_all(
+            spawn,
+            [
+                (
+                    f"api_server_{index}",
+                    run_api_server,
+                    (server_config, index, [a.clients[index] for a in engine_addresses]),
+                )
+                for index in range(args.api_server_count)
+            ],
+            timeout_s=300,
+        )
         _print_banner(args, model_name)
         reported: set[int] = set()
         while not stop_requested.wait(0.5):

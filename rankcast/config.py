@@ -100,8 +100,14 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # `module:Class` mixed into every worker, so user code runs (and publishes) inside each rank.
+    worker_extension_cls: str | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.worker_extension_cls is None or ":" in self.worker_extension_cls,
+            f"--worker-extension-cls must be module:Class, got {self.worker_extension_cls!r}",
+        )
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             _require(value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -135,6 +141,44 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class NotificationConfig:
+    """The engine notification channel: buffer bounds, the optional poll, the ZMQ event stream.
+
+    The poll is off by default because the doorbell already covers every in-tree producer; it
+    exists for producers that must be heard on a fixed cadence regardless.
+    """
+
+    worker_notification_buffer_size: int = 1024
+    engine_notification_buffer_size: int = 65536
+    worker_notification_poll_interval: float | None = None
+    notification_events_endpoint: str | None = None
+    notification_events_replay_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("worker_notification_buffer_size", "engine_notification_buffer_size"):
+            value = getattr(self, name)
+            _require(value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        _require(
+            self.worker_notification_poll_interval is None
+            or self.worker_notification_poll_interval > 0,
+            "--worker-notification-poll-interval must be positive seconds, got "
+            f"{self.worker_notification_poll_interval}",
+        )
+        _require(
+            self.notification_events_replay_endpoint is None
+            or self.notification_events_endpoint is not None,
+            "--notification-events-replay-endpoint needs --notification-events-endpoint",
+        )
+
+    @property
+    def poll_interval(self) -> float | None:
+        """Seconds between polls: the flag, then RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL."""
+        if self.worker_notification_poll_interval is not None:
+            return self.worker_notification_poll_interval
+        return envs.worker_notification_poll_interval()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole tree, handed to the engine core and to every worker."""
 
@@ -142,6 +186,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    notifications: NotificationConfig = field(default_factory=NotificationConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -154,12 +199,14 @@ class EngineConfig:
             "cache": {},
             "scheduler": {},
             "parallel": {},
+            "notifications": {},
         }
         owners = {
             "model": ModelConfig,
             "cache": CacheConfig,
             "scheduler": SchedulerConfig,
             "parallel": ParallelConfig,
+            "notifications": NotificationConfig,
         }
         for key, value in kwargs.items():
             for section, owner in owners.items():
@@ -173,4 +220,5 @@ class EngineConfig:
             cache=CacheConfig(**sections["cache"]),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(**sections["scheduler"]),  # type: ignore[arg-type]
             parallel=ParallelConfig(**sections["parallel"]),  # type: ignore[arg-type]
+            notifications=NotificationConfig(**sections["notifications"]),  # type: ignore[arg-type]
         )

@@ -45,3 +45,19 @@ def disable_progress() -> bool:
 def ray_address() -> str | None:
     """The Ray cluster the `ray` executor joins (None: Ray's own default, RAY_ADDRESS or local)."""
     return os.environ.get("RANKCAST_RAY_ADDRESS") or None
+
+
+def worker_notification_poll_interval() -> float | None:
+    """Seconds between notification polls when --worker-notification-poll-interval is not given.
+
+    Unset, empty or 0 means no polling (the doorbell alone decides when to gather).
+    """
+    value = os.environ.get("RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL")
+    if not value:
+        return None
+    seconds = float(value)
+    if seconds < 0:
+        raise ValueError(
+            f"RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL must be >= 0 seconds, got {value!r}"
+        )
+    return seconds or None

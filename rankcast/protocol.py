@@ -38,7 +38,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 # Bump whenever any struct below changes its field list; peers refuse a mismatch at handshake.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -118,6 +118,21 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     finished_requests: list[str] | None = None
+    # Each element is one encoded notification (a map with a "type" tag), kept raw so that the
+    # engine core encodes it once for every API server and a receiver decodes each on its own.
+    engine_notifications: list[msgspec.Raw] | None = None
+
+
+class EngineStateSnapshot(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a late or restarted API server needs to agree with its siblings.
+
+    `sections` maps a snapshot provider's name to its state; `engine_seq` is the last
+    notification the state includes, so the stream that follows continues from there.
+    """
+
+    engine_index: int = 0
+    engine_seq: int = -1
+    sections: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True, omit_defaults=True):
@@ -130,6 +145,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True, omit_defaults=Tr
     block_size: int = 0
     pid: int = 0
     error: str = ""
+    snapshot: EngineStateSnapshot | None = None
 
 
 EngineCoreMessage = EngineCoreOutputs | EngineReady
@@ -183,9 +199,14 @@ class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A rank's answer to the `WorkerCall` with the same `call_id`."""
+    """A rank's answer to the `WorkerCall` with the same `call_id`.
+
+    `notifications_pending` is the doorbell of ranks that share no memory with the engine core
+    (Ray actors on other machines): the rank's notification buffer is not empty.
+    """
 
     call_id: int
     rank: int
     result: Any = None
     error: str | None = None
+    notifications_pending: bool = False

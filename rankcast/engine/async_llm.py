@@ -3,7 +3,9 @@
 There is one client per data-parallel engine core; each new request goes to the least loaded
 one. One output task per engine core reads everything it sends to this API server, turns token
 ids into text (stop strings included) and hands each request's outputs to the coroutine awaiting
-them. Engine-wide stats and per-request timings go to an observer (the server's metrics).
+them. Engine-wide stats and per-request timings go to an observer (the server's metrics);
+engine notifications go, decoded one by one, to every notification sink (metrics, `/v1/events`),
+after each sink has applied the engine's catch-up snapshot.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any, Protocol
 from rankcast.engine.load_balancer import LoadBalancer
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError
 from rankcast.engine.output_processor import OutputProcessor
+from rankcast.notifications import Notification, NotificationDecoder
 from rankcast.outputs import RequestOutput
-from rankcast.protocol import EngineCoreRequest, SchedulerStats
+from rankcast.protocol import EngineCoreRequest, EngineStateSnapshot, SchedulerStats
 from rankcast.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,15 @@ class EngineObserver(Protocol):
     ) -> None: ...
 
 
+class NotificationSink(Protocol):
+    """A consumer of engine notifications in an API server."""
+
+    def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None: ...
+
+    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
+        """`unknown` holds the type names of notifications this server could not decode."""
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue[RequestOutput | Exception]
@@ -55,11 +67,17 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(
-        self, clients: list[AsyncMPClient], tokenizer: Any, observer: EngineObserver
+        self,
+        clients: list[AsyncMPClient],
+        tokenizer: Any,
+        observer: EngineObserver,
+        sinks: list[NotificationSink] | None = None,
     ) -> None:
         self.clients = clients
         self.tokenizer = tokenizer
         self.observer = observer
+        self.sinks = sinks or []
+        self.notification_decoder = NotificationDecoder()
         self.output_processor = OutputProcessor(tokenizer)
         self.balancer = LoadBalancer(len(clients))
         self.streams: dict[str, _Stream] = {}
@@ -67,6 +85,11 @@ class AsyncLLM:
 
     async def start(self) -> None:
         await asyncio.gather(*(client.start() for client in self.clients))
+        for client in self.clients:
+            snapshot = client.ready.snapshot if client.ready is not None else None
+            if snapshot is not None:
+                for sink in self.sinks:
+                    sink.apply_snapshot(snapshot)
         self.output_tasks = [
             asyncio.create_task(self._output_loop(engine)) for engine in range(len(self.clients))
         ]
@@ -156,6 +179,8 @@ class AsyncLLM:
                     if stream.engine == engine:
                         stream.queue.put_nowait(exc)
                 return
+            if outputs.engine_notifications:
+                self._deliver_notifications(outputs.engine_notifications)
             if outputs.scheduler_stats is not None:
                 self.balancer.record_stats(engine, outputs.scheduler_stats)
                 self.observer.record_scheduler_stats(outputs.engine_index, outputs.scheduler_stats)
@@ -171,6 +196,18 @@ class AsyncLLM:
                 stream.queue.put_nowait(output)
             if processed.requests_to_abort:
                 await client.abort_requests(processed.requests_to_abort)
+
+    def _deliver_notifications(self, raws: list[Any]) -> None:
+        known, unknown = self.notification_decoder.decode(raws)
+        if unknown:
+            logger.warning(
+                "skipping %d notification(s) of unknown type(s) %s",
+                len(unknown),
+                sorted(set(unknown)),
+            )
+        now = time.time()
+        for sink in self.sinks:
+            sink.consume(known, unknown, now)
 
     def shutdown(self) -> None:
         for task in self.output_tasks:

@@ -14,12 +14,14 @@ import msgspec
 
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine.block_manager import BlockManager
+from rankcast.engine.notification_channel import EngineNotificationChannel
 from rankcast.engine.request import Request
 from rankcast.engine.scheduler import Scheduler
 from rankcast.executor.base import Executor
 from rankcast.model.arch import ArchConfig
 from rankcast.model.source import ModelSource
-from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest
+from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest, EngineStateSnapshot
+from rankcast.worker.extension import import_class
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ class EngineCore:
         block_size = config.cache.block_size
         self.max_model_len = self._resolve_max_model_len(num_blocks * block_size)
         self.executor.collective_rpc("initialize_cache", (num_blocks,))
+        self.notifications = EngineNotificationChannel(
+            self.executor, engine_index, config.parallel.tensor_parallel_size, config.notifications
+        )
+        self.extension_methods = self._extension_methods()
         self.scheduler = Scheduler(
             config.scheduler, BlockManager(num_blocks, block_size), self.max_model_len
         )
@@ -92,18 +98,59 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _extension_methods(self) -> frozenset[str]:
+        """The worker extension's public methods: all a client may call on the ranks."""
+        spec = self.config.parallel.worker_extension_cls
+        if spec is None:
+            return frozenset()
+        cls = import_class(spec)
+        return frozenset(
+            name for name in vars(cls) if not name.startswith("_") and callable(getattr(cls, name))
+        )
+
+    def collective_rpc(
+        self, method: str, args: list[Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        """Call a worker-extension method on every rank; replies in rank order.
+
+        Only the extension's methods are reachable this way: the engine's own worker methods
+        (stepping, cache set-up) would corrupt its state if a client called them.
+        """
+        if method not in self.extension_methods:
+            known = ", ".join(sorted(self.extension_methods)) or "none: no --worker-extension-cls"
+            raise ValueError(f"{method!r} is not a worker extension method (available: {known})")
+        return self.executor.collective_rpc(method, tuple(args or ()), timeout=timeout)
+
     def call_utility(self, method: str, *args: Any) -> Any:
-        """Named operations any client may invoke; unknown names are an error, not a crash."""
+        """Named operations any client may invoke; unknown names are an error, not a crash.
+
+        Utilities that can change what a producer publishes are followed by a gather, so their
+        events leave before (or with) the utility's answer.
+        """
         utilities = {
             "ping": lambda: "pong",
             "get_stats": lambda: msgspec.structs.asdict(self.scheduler.stats()),
+            "snapshot": lambda: msgspec.to_builtins(self.snapshot()),
+            "collective_rpc": self.collective_rpc,
         }
+        changes_producers = {"collective_rpc"}
         if method not in utilities:
             raise ValueError(f"unknown utility {method!r}")
-        return utilities[method](*args)
+        try:
+            return utilities[method](*args)
+        finally:
+            if method in changes_producers:
+                self.gather_worker_notifications()
+
+    def gather_worker_notifications(self) -> int:
+        """Collect every rank's notifications now (they leave with the next output)."""
+        return self.notifications.gather()
+
+    def snapshot(self) -> EngineStateSnapshot:
+        return self.notifications.snapshot()
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, execute and account for one step."""
+        """Schedule, execute and account for one step; notifications gathered so far ride along."""
         batch = self.scheduler.schedule()
         outputs = []
         if batch.sequences or batch.finished_request_ids:
@@ -111,12 +158,14 @@ class EngineCore:
             result = self.executor.execute_model(batch)
             if result is not None:
                 outputs = self.scheduler.update_from_output(result)
+        self.notifications.collect()
         return EngineCoreOutputs(
             engine_index=self.engine_index,
             outputs=outputs,
             scheduler_stats=self.scheduler.stats(),
             timestamp=time.time(),
             finished_requests=[o.request_id for o in outputs if o.finished] or None,
+            engine_notifications=self.notifications.flush(),
         )
 
     def shutdown(self) -> None:

@@ -4,8 +4,10 @@
     busy loop     : admits requests, runs utility calls, steps the core, routes outputs
     output thread : encodes and sends each message on its API server's output socket
 
-Request outputs go only to the API server that sent the request; scheduler stats go to all of
-them, so every frontend reports the same engine-wide figures.
+Request outputs go only to the API server that sent the request; scheduler stats and engine
+notifications go to all of them, in the same order, so every frontend reports the same
+engine-wide figures. A notification never waits for traffic: when no step runs, it leaves in a
+notification-only message.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import zmq
 from rankcast.config import EngineConfig
 from rankcast.engine.addresses import EngineAddresses
 from rankcast.engine.core import EngineCore
+from rankcast.engine.notification_publisher import NotificationPublisher
 from rankcast.executor.base import ExecutorError
 from rankcast.logger import init_logging
 from rankcast.model.source import ModelSource
@@ -85,6 +88,7 @@ class EngineCoreProc:
             self.input_sockets.append(pull)
             self.output_sockets.append(push)
         self.core.executor.failure_callback = self._on_executor_failure
+        self.publisher = NotificationPublisher.create(config.notifications, engine_index)
         self.threads = [
             threading.Thread(target=self._input_thread, name="engine-input", daemon=True),
             threading.Thread(target=self._output_thread, name="engine-output", daemon=True),
@@ -166,10 +170,10 @@ class EngineCoreProc:
             for request_id in message.request_ids:
                 self.owners.pop(request_id, None)
         elif isinstance(message, UtilityRequest):
-            self._send(
-                client,
-                EngineCoreOutputs(self.engine_index, utility_output=self._run_utility(message)),
-            )
+            reply = self._run_utility(message)
+            # Events the utility caused reach every API server before the caller hears back.
+            self._broadcast(None)
+            self._send(client, EngineCoreOutputs(self.engine_index, utility_output=reply))
         elif isinstance(message, ClientHello):
             self._hello(client, message)
 
@@ -183,6 +187,7 @@ class EngineCoreProc:
             )
             logger.error(error)
         else:
+            self._forget_client_requests(client)
             self.connected.add(client)
         blocks = self.core.scheduler.blocks
         self._send(
@@ -195,6 +200,9 @@ class EngineCoreProc:
                 blocks.block_size,
                 pid=os.getpid(),
                 error=error,
+                # Taken on this thread between flushes: the stream that follows starts exactly
+                # where the snapshot ends.
+                snapshot=None if error else self.core.snapshot(),
             ),
         )
         if not error:
@@ -206,6 +214,17 @@ class EngineCoreProc:
                     timestamp=time.time(),
                 ),
             )
+
+    def _forget_client_requests(self, client: int) -> None:
+        """A (re)connecting API server has no stream for requests it sent before: abort them."""
+        orphans = [rid for rid, owner in self.owners.items() if owner == client]
+        if orphans:
+            logger.warning(
+                "API server %d reconnected; aborting its %d old requests", client, len(orphans)
+            )
+            self.core.abort_requests(orphans)
+            for request_id in orphans:
+                del self.owners[request_id]
 
     def _run_utility(self, request: UtilityRequest) -> UtilityOutput:
         try:
@@ -222,7 +241,8 @@ class EngineCoreProc:
         self.outputs.put((client, message))
 
     def _route(self, step: EngineCoreOutputs) -> None:
-        """Each API server gets its own requests' outputs; every one gets the stats."""
+        """Each API server gets its own requests' outputs; every one gets the stats and the
+        same notification batch (encoded once)."""
         per_client: dict[int, list[EngineCoreOutput]] = {}
         for output in step.outputs:
             owner = self.owners.get(output.request_id)
@@ -231,6 +251,7 @@ class EngineCoreProc:
             per_client.setdefault(owner, []).append(output)
             if output.finished:
                 del self.owners[output.request_id]
+        self._publish(step.engine_notifications)
         for client in self.connected:
             mine = per_client.get(client, [])
             self._send(
@@ -241,25 +262,46 @@ class EngineCoreProc:
                     scheduler_stats=step.scheduler_stats,
                     timestamp=step.timestamp,
                     finished_requests=[o.request_id for o in mine if o.finished] or None,
+                    engine_notifications=step.engine_notifications,
                 ),
             )
         self.last_stats = step.scheduler_stats
 
-    def _broadcast_stats_if_changed(self) -> None:
-        stats = self.core.scheduler.stats()
-        if stats == self.last_stats:
+    def _broadcast(self, stats: SchedulerStats | None) -> None:
+        """Send pending notifications (and `stats`, if given) to every API server, if any."""
+        notifications = self.core.notifications.flush()
+        if notifications is None and stats is None:
             return
-        self.last_stats = stats
+        self._publish(notifications)
         for client in self.connected:
             self._send(
                 client,
-                EngineCoreOutputs(self.engine_index, scheduler_stats=stats, timestamp=time.time()),
+                EngineCoreOutputs(
+                    self.engine_index,
+                    scheduler_stats=stats,
+                    timestamp=time.time(),
+                    engine_notifications=notifications,
+                ),
             )
+
+    def _publish(self, notifications: list[msgspec.Raw] | None) -> None:
+        if notifications and self.publisher is not None:
+            self.publisher.publish(notifications, self.core.snapshot)
+
+    def _idle_tick(self) -> None:
+        """No step ran: look at the doorbell (and poll), then send what changed."""
+        self.core.notifications.collect()
+        stats = self.core.scheduler.stats()
+        changed = stats != self.last_stats
+        self.last_stats = stats
+        self._broadcast(stats if changed else None)
 
     def _drain_inputs(self, block: bool) -> None:
         try:
             client, message = (
-                self.inputs.get(timeout=_IDLE_WAIT_S) if block else self.inputs.get_nowait()
+                self.inputs.get(timeout=self.core.notifications.idle_wait(_IDLE_WAIT_S))
+                if block
+                else self.inputs.get_nowait()
             )
         except queue.Empty:
             return
@@ -276,13 +318,18 @@ class EngineCoreProc:
         every API server notices at once and answers 503 instead of waiting forever."""
         for thread in self.threads:
             thread.start()
+        if self.publisher is not None:
+            self.publisher.start(self.core.snapshot)
         try:
+            # Load-time events (each rank's weight-load figure) were published before any
+            # client could ask: gather them once, they leave with the first message.
+            self.core.gather_worker_notifications()
             while not self.stopping.is_set():
                 self._drain_inputs(block=not self.core.has_unfinished_requests())
                 if self.core.has_unfinished_requests():
                     self._route(self.core.step())
                 else:
-                    self._broadcast_stats_if_changed()
+                    self._idle_tick()
         except Exception:
             logger.exception("engine core failed; exiting")
             self.close()
@@ -292,6 +339,8 @@ class EngineCoreProc:
     def close(self) -> None:
         self.stopping.set()
         self.outputs.put(None)
+        if self.publisher is not None:
+            self.publisher.close()
         for thread in self.threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=2)

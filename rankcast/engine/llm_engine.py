@@ -10,6 +10,7 @@ from rankcast.config import EngineConfig
 from rankcast.engine.core_client import InprocClient
 from rankcast.engine.output_processor import OutputProcessor
 from rankcast.model.source import resolve_model
+from rankcast.notifications import Notification, NotificationDecoder
 from rankcast.outputs import RequestOutput
 from rankcast.protocol import EngineCoreRequest
 from rankcast.sampling_params import SamplingParams
@@ -24,6 +25,10 @@ class LLMEngine:
         self.client = InprocClient(config, self.source)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.notification_decoder = NotificationDecoder()
+        self.notifications: list[Notification] = []
+        # Load-time events (each rank's weight-load figure) are the caller's too.
+        self.client.core.gather_worker_notifications()
 
     @property
     def max_model_len(self) -> int:
@@ -55,10 +60,36 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.client.get_output()
+        if outputs.engine_notifications:
+            self._keep(outputs.engine_notifications)
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.requests_to_abort:
             self.client.abort_requests(processed.requests_to_abort)
         return processed.request_outputs
+
+    def _keep(self, raws: list[Any]) -> None:
+        known, _unknown = self.notification_decoder.decode(raws)
+        self.notifications.extend(known)
+
+    def take_notifications(self) -> list[Notification]:
+        """Every notification gathered so far, oldest first, and forget them.
+
+        Looks at the doorbell (and the poll) first, so an event published since the last step
+        is here even if no step runs again.
+        """
+        core = self.client.core
+        core.notifications.collect()
+        raws = core.notifications.flush()
+        if raws:
+            self._keep(raws)
+        taken, self.notifications = self.notifications, []
+        return taken
+
+    def collective_rpc(
+        self, method: str, args: list[Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        """Call a worker-extension method on every rank; what it publishes is gathered at once."""
+        return self.client.call_utility("collective_rpc", method, args, timeout)  # type: ignore[no-any-return]
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         from rankcast.tokenizer import apply_chat_template

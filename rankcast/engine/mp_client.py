@@ -122,7 +122,11 @@ class SyncMPClient(EngineCoreClient):
                 if reply.error:
                     raise UtilityError(reply.error)
                 return reply.result
-            if message.outputs or message.scheduler_stats is not None:
+            if (
+                message.outputs
+                or message.scheduler_stats is not None
+                or message.engine_notifications
+            ):
                 self.pending.append(message)
 
     def shutdown(self) -> None:
@@ -153,18 +157,30 @@ class AsyncMPClient(AsyncEngineCoreClient):
         monitor = self.output.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.output.connect(self.addresses.output)
         await self.input.send(self.encoder.encode(ClientHello(PROTOCOL_VERSION, self.client_index)))
-        if not await self.output.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"engine core did not answer the handshake in {timeout_s:.0f} s")
-        message = self.decoder.decode(await self.output.recv())
-        if not isinstance(message, EngineReady):
-            raise ProtocolMismatchError(f"expected EngineReady, got {type(message).__name__}")
-        self.ready = _check_ready(message)
+        self.ready = _check_ready(await self._receive_ready(timeout_s))
         self.max_model_len = self.ready.max_model_len
         self.tasks = [
             asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self._watch_disconnect(monitor)),
             asyncio.create_task(self._watch_pid()),
         ]
+
+    async def _receive_ready(self, timeout_s: float) -> EngineReady:
+        """The handshake reply. A restarted API server may first receive what the engine sent
+        its predecessor; that belongs to no stream here and is skipped."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await self.output.poll(int(remaining * 1000)):
+                raise TimeoutError(f"engine core did not answer the handshake in {timeout_s:.0f} s")
+            frame = await self.output.recv()
+            try:
+                message = self.decoder.decode(frame)
+            except msgspec.ValidationError as exc:
+                raise ProtocolMismatchError(f"cannot read the engine core's reply: {exc}") from None
+            if isinstance(message, EngineReady):
+                return message
 
     def _mark_dead(self, why: str) -> None:
         if self.dead is not None:

@@ -42,6 +42,42 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         "several ranks); ray: ranks as Ray actors (pip install 'rankcast[ray]')",
     )
     parser.add_argument(
+        "--worker-extension-cls",
+        default=None,
+        help="module:Class mixed into every worker; its methods run on every rank "
+        "(POST /collective_rpc, LLM.collective_rpc) and may publish notifications",
+    )
+    parser.add_argument(
+        "--worker-notification-poll-interval",
+        type=float,
+        default=None,
+        help="also gather worker notifications every N seconds (default: off, the doorbell "
+        "suffices; or RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL)",
+    )
+    parser.add_argument(
+        "--worker-notification-buffer-size",
+        type=int,
+        default=1024,
+        help="notifications each worker holds before dropping the oldest",
+    )
+    parser.add_argument(
+        "--engine-notification-buffer-size",
+        type=int,
+        default=65536,
+        help="gathered notifications the engine core holds before dropping the oldest",
+    )
+    parser.add_argument(
+        "--notification-events-endpoint",
+        default=None,
+        help="ZMQ PUB endpoint for the notification stream, e.g. tcp://*:5557 "
+        "(data-parallel engine i uses port + i)",
+    )
+    parser.add_argument(
+        "--notification-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER endpoint answering replay (8-byte start seq) and snapshot requests",
+    )
+    parser.add_argument(
         "--num-gpu-blocks-override",
         dest="num_blocks",
         type=int,
@@ -63,6 +99,12 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        worker_extension_cls=args.worker_extension_cls,
+        worker_notification_poll_interval=args.worker_notification_poll_interval,
+        worker_notification_buffer_size=args.worker_notification_buffer_size,
+        engine_notification_buffer_size=args.engine_notification_buffer_size,
+        notification_events_endpoint=args.notification_events_endpoint,
+        notification_events_replay_endpoint=args.notification_events_replay_endpoint,
         **extra,
     )
 

@@ -1,7 +1,9 @@
 """`rankcast serve`: start one engine core and K API servers, watch them, stop them all.
 
 The launcher converts the model once, starts the engine core and waits for it to load, then
-starts the API servers (which share the port through SO_REUSEPORT). On SIGTERM or SIGINT it stops
+starts the API servers (which share the port through SO_REUSEPORT). An API server that dies is
+started again under the same index; it catches up from the engine core's state snapshot, so its
+`/metrics` agree with its siblings' again. On SIGTERM or SIGINT it stops
 the API servers first (so in-flight HTTP requests end cleanly), then the engine core, and leaves
 no process behind. If the engine core dies, the API servers stay up and answer 503, so a probe
 or an operator sees the failure instead of a refused connection.
@@ -137,21 +139,33 @@ def serve(config: EngineConfig, args: ServeArgs) -> int:
             args.host, args.port, model_name, source.model_dir, str(source.origin), args.api_key
         )
         # Every API server connects to every engine core.
-        api_servers = _start_all(
-            spawn,
-            [
-                (
-                    f"api_server_{index}",
-                    run_api_server,
-                    (server_config, index, [a.clients[index] for a in engine_addresses]),
-                )
-                for index in range(args.api_server_count)
-            ],
-            timeout_s=300,
-        )
+        server_specs = [
+            (
+                f"api_server_{index}",
+                run_api_server,
+                (server_config, index, [a.clients[index] for a in engine_addresses]),
+            )
+            for index in range(args.api_server_count)
+        ]
+        api_servers = _start_all(spawn, server_specs, timeout_s=300)
         _print_banner(args, model_name)
         reported: set[int] = set()
+        given_up: set[int] = set()
         while not stop_requested.wait(0.5):
+            if all(not proc.is_alive() for proc in api_servers):
+                logger.error("every API server has exited; shutting down")
+                return 1
+            for index, proc in enumerate(api_servers):
+                if proc.is_alive() or index in given_up or stop_requested.is_set() or reported:
+                    continue
+                logger.error(
+                    "API server %d exited (code %s); starting it again", index, proc.exitcode
+                )
+                try:
+                    api_servers[index] = _start_all(spawn, [server_specs[index]], timeout_s=300)[0]
+                except LaunchError as exc:
+                    given_up.add(index)
+                    logger.error("%s; not trying again", exc)
             for dp, engine in enumerate(engines):
                 if not engine.is_alive() and dp not in reported:
                     reported.add(dp)
@@ -160,9 +174,6 @@ def serve(config: EngineConfig, args: ServeArgs) -> int:
                         dp,
                         engine.exitcode,
                     )
-            if all(not proc.is_alive() for proc in api_servers):
-                logger.error("every API server has exited; shutting down")
-                return 1
         return 0
     finally:
         _stop(api_servers)

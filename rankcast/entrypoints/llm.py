@@ -7,6 +7,7 @@ from typing import Any
 
 from rankcast.config import EngineConfig
 from rankcast.engine.llm_engine import LLMEngine
+from rankcast.notifications import Notification
 from rankcast.outputs import RequestOutput
 from rankcast.sampling_params import SamplingParams
 
@@ -81,6 +82,17 @@ class LLM:
                 if output.finished and output.request_id in order:
                     finished[order[output.request_id]] = output
         return [out for out in finished if out is not None]
+
+    def collective_rpc(
+        self, method: str, args: list[Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        """Call a `worker_extension_cls` method on every rank; replies in rank order."""
+        return self.engine.collective_rpc(method, args, timeout)
+
+    def take_notifications(self) -> list[Notification]:
+        """The engine notifications gathered so far (weight loads, plugin events, ...), each
+        stamped with the rank it came from; oldest first, each returned once."""
+        return self.engine.take_notifications()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

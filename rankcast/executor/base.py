@@ -7,6 +7,7 @@ interchangeable.
 
 from __future__ import annotations
 
+import collections
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -48,6 +49,8 @@ class Executor(ABC):
         self.engine_index = engine_index
         # Called (from a monitor thread) when a rank dies, so an idle engine fails promptly too.
         self.failure_callback: Callable[[str], None] | None = None
+        # Collective calls made, by method: what "a quiet step makes no RPC" is checked against.
+        self.calls: collections.Counter[str] = collections.Counter()
 
     @classmethod
     def create(cls, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> Executor:
@@ -84,6 +87,13 @@ class Executor(ABC):
         """Run one step on every rank and return the output rank's result."""
         output_rank = self.config.parallel.output_rank
         return self.collective_rpc("execute_model", (batch,), unique_reply_rank=output_rank)[0]
+
+    def notifications_pending(self) -> bool:
+        """Whether any rank rang the notification doorbell since the last look (and forget it).
+
+        Must cost no RPC: it is asked after every step.
+        """
+        return False
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ import zmq
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError, method_name, return_type
 from rankcast.model.source import ModelSource
+from rankcast.notifications import Doorbell
 from rankcast.process import private_ipc_dir
 from rankcast.protocol import WorkerCall, WorkerReply
 from rankcast.worker.worker_proc import SHUTDOWN, run_worker
@@ -65,6 +66,7 @@ class MultiprocExecutor(Executor):
             sock.bind(f"ipc://{base}/calls{rank}")
             self.calls.append(sock)
         spawn = multiprocessing.get_context("spawn")
+        self.doorbell = Doorbell.create(self.world_size, spawn)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         pipes = []
         for rank in range(self.world_size):
@@ -79,6 +81,7 @@ class MultiprocExecutor(Executor):
                     init_method,
                     f"ipc://{base}/calls{rank}",
                     f"ipc://{base}/replies",
+                    self.doorbell,
                     write,
                 ),
                 name=f"worker_rank{rank}",
@@ -137,6 +140,7 @@ class MultiprocExecutor(Executor):
         if self.failure is not None:
             raise ExecutorError(self.failure)
         name = method_name(method)
+        self.calls[name] += 1
         call_id = next(self.call_ids)
         reply_rank = -1 if unique_reply_rank is None else unique_reply_rank
         frame = self.encoder.encode(WorkerCall(call_id, name, list(args), kwargs or {}, reply_rank))
@@ -169,6 +173,9 @@ class MultiprocExecutor(Executor):
             msgspec.convert(results[r], wanted) if wanted is not Any else results[r]
             for r in sorted(expected)
         ]
+
+    def notifications_pending(self) -> bool:
+        return self.doorbell.take()
 
     def shutdown(self) -> None:
         self.stopping = True

@@ -22,7 +22,7 @@ from rankcast import envs
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError, method_name, return_type
 from rankcast.model.source import ModelSource
-from rankcast.protocol import WorkerCall, WorkerReply
+from rankcast.protocol import ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerReply
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +50,12 @@ class RayRank:
     def start(self, init_method: str) -> int:
         import os
 
-        from rankcast.worker.worker import Worker
+        from rankcast.worker.worker import start_worker
         from rankcast.worker.worker_proc import init_distributed
 
         group = init_distributed(self.config, self.rank, init_method)
-        self.worker = Worker(
-            self.config,
-            self.source,
-            self.rank,
-            self.rank,
-            self.config.parallel.ranks_on_this_machine,
-            tp_group=group,
-        )
-        self.worker.init_device()
-        self.worker.load_model()
+        # No shared-memory doorbell across machines: replies and pings carry the flag instead.
+        self.worker = start_worker(self.config, self.source, self.rank, self.rank, group)
         return os.getpid()
 
     def call(self, frame: bytes) -> bytes:
@@ -73,7 +65,10 @@ class RayRank:
         return msgspec.msgpack.encode(dispatch(self.worker, call))
 
     def ping(self) -> bool:
-        return True
+        """Alive; and True when this rank has notifications waiting (the idle doorbell)."""
+        from rankcast.notifications import worker_notification_buffer
+
+        return worker_notification_buffer().pending
 
 
 class RayExecutor(Executor):
@@ -92,6 +87,7 @@ class RayExecutor(Executor):
         self.failure: str | None = None
         self.stopping = False
         self.call_ids = 0
+        self.remote_doorbell = False
         # No CPU reservation: ranks share a node's cores the way the mp executor's do.
         actor_class = ray.remote(num_cpus=0)(RayRank)
         self.actors = [actor_class.remote(config, source, rank) for rank in range(self.world_size)]
@@ -109,7 +105,8 @@ class RayExecutor(Executor):
         while not self.stopping and self.failure is None:
             for rank, actor in enumerate(self.actors):
                 try:
-                    self.ray.get(actor.ping.remote(), timeout=30)
+                    if self.ray.get(actor.ping.remote(), timeout=30):
+                        self.remote_doorbell = True
                 except self.ray.exceptions.RayActorError:
                     if self.stopping:
                         return
@@ -143,20 +140,47 @@ class RayExecutor(Executor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> list[Any]:
+        name = method_name(method)
+        ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
+        kind = return_type(name)
+        return [
+            reply.result if kind is Any else msgspec.convert(reply.result, kind)
+            for reply in self._call(name, args, kwargs, timeout, ranks)
+        ]
+
+    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Every rank's reply is read (they finish the step together), so each one's doorbell
+        flag is seen with no extra call; the output rank's result is the step's."""
+        replies = self._call("execute_model", (batch,), None, None, range(self.world_size))
+        if any(reply.notifications_pending for reply in replies):
+            self.remote_doorbell = True
+        result = replies[self.config.parallel.output_rank].result
+        return None if result is None else msgspec.convert(result, ModelRunnerOutput)
+
+    def notifications_pending(self) -> bool:
+        pending, self.remote_doorbell = self.remote_doorbell, False
+        return pending
+
+    def _call(
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout: float | None,
+        ranks: range | list[int],
+    ) -> list[WorkerReply]:
         if self.failure is not None:
             raise ExecutorError(self.failure)
-        name = method_name(method)
+        self.calls[name] += 1
         self.call_ids += 1
         frame = msgspec.msgpack.encode(WorkerCall(self.call_ids, name, list(args), kwargs or {}))
         refs = [actor.call.remote(frame) for actor in self.actors]
-        ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
         wanted = [refs[r] for r in ranks]
         ready, _ = self.ray.wait(wanted, num_returns=len(wanted), timeout=timeout)
         if len(ready) < len(wanted):
             missing = [r for r, ref in zip(ranks, wanted, strict=True) if ref not in ready]
             raise TimeoutError(f"{name}: no reply from rank(s) {missing} in {timeout} s")
-        results = []
-        kind = return_type(name)
+        replies = []
         for rank, ref in zip(ranks, wanted, strict=True):
             try:
                 reply = msgspec.msgpack.decode(self.ray.get(ref), type=WorkerReply)
@@ -167,8 +191,8 @@ class RayExecutor(Executor):
                 dead = self._dead_rank(refs)
                 cause = f"{dead}; " if dead else ""
                 raise ExecutorError(f"{cause}rank {rank} failed in {name}: {reply.error}")
-            results.append(reply.result if kind is Any else msgspec.convert(reply.result, kind))
-        return results
+            replies.append(reply)
+        return replies
 
     def shutdown(self) -> None:
         self.stopping = True

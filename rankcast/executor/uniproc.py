@@ -7,20 +7,20 @@ from collections.abc import Callable
 from typing import Any
 
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError
+from rankcast.executor.base import Executor, ExecutorError, method_name
 from rankcast.model.source import ModelSource
+from rankcast.notifications import Doorbell, worker_notification_buffer
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
-from rankcast.worker.worker import Worker
+from rankcast.worker.worker import start_worker
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
         super().__init__(config, source, engine_index)
-        self.worker = Worker(
-            config, source, ranks_on_this_machine=config.parallel.ranks_on_this_machine
-        )
-        self.worker.init_device()
-        self.worker.load_model()
+        # The buffer is this process's; events left by an earlier engine here are not ours.
+        worker_notification_buffer().take()
+        self.doorbell = Doorbell.create(1)
+        self.worker = start_worker(config, source, doorbell=self.doorbell)
 
     def collective_rpc(
         self,
@@ -30,6 +30,7 @@ class UniProcExecutor(Executor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> list[Any]:
+        self.calls[method_name(method)] += 1
         fn = getattr(self.worker, method) if isinstance(method, str) else method
         try:
             if isinstance(method, str):
@@ -46,6 +47,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         # The only rank is the output rank; skip the generic RPC wrapper on the hot path.
         return self.worker.execute_model(batch)
+
+    def notifications_pending(self) -> bool:
+        return self.doorbell.take()
 
     def shutdown(self) -> None:
         self.worker.runner = None

@@ -1,15 +1,32 @@
 """The `/metrics` series of one API server, under the names routers scrape.
 
-Engine-derived series (running, waiting, KV usage, cache configuration) are set only from the
-scheduler stats that the engine core broadcasts to every API server, so every server reports the
-same values. Request latency and token series are this server's own.
+Engine-derived series (running, waiting, KV usage, cache configuration, and everything built
+from engine notifications) are set only from what the engine core broadcasts to every API
+server, and a late server starts from the engine's snapshot, so every server reports the same
+values. Request latency and token series, and notification delivery lag, are this server's own.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from rankcast.protocol import SchedulerStats
+from rankcast.notifications import (
+    WEIGHTS_LOADED_KEY,
+    CustomNotification,
+    Notification,
+    NotificationsDropped,
+)
+from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def rank_label(rank: int) -> str:
+    """The `rank` label: a worker rank, or `engine_core` for the engine's own pending list."""
+    return "engine_core" if rank < 0 else str(rank)
+
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -89,6 +106,42 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.notifications_total = Counter(
+            "rankcast:engine_notifications",
+            "Engine notifications received, by type and (for custom events) key.",
+            ["type", "key"],
+            registry=self.registry,
+        )
+        self.notifications_skipped = Counter(
+            "rankcast:engine_notifications_skipped",
+            "Notifications of a type this API server does not know (counted, then skipped).",
+            ["type"],
+            registry=self.registry,
+        )
+        self.notifications_dropped = Counter(
+            "rankcast:worker_notifications_dropped",
+            "Notifications lost to a full buffer, by engine and rank (engine_core: the engine's).",
+            ["engine", "rank"],
+            registry=self.registry,
+        )
+        self.notification_lag = Histogram(
+            "rankcast:notification_delivery_lag_seconds",
+            "Time from publish in a worker rank to receipt by this API server.",
+            buckets=_LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self.weights_load_seconds = Gauge(
+            "rankcast:worker_weights_load_seconds",
+            "Seconds each rank took to load its shard of the weights.",
+            ["engine", "rank"],
+            registry=self.registry,
+        )
+        self.weights_load_bytes = Gauge(
+            "rankcast:worker_weights_load_bytes",
+            "Bytes of weights each rank loaded (its shard).",
+            ["engine", "rank"],
+            registry=self.registry,
+        )
         self._cache_labels: dict[int, tuple[str, str]] = {}
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
@@ -125,6 +178,42 @@ class ServerMetrics:
         self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
         self.generation_tokens.labels(self.model_name).inc(generation_tokens)
         self.request_success.labels(self.model_name, str(engine_index), finish_reason).inc()
+
+    # ---- engine notifications (a NotificationSink) ----
+
+    def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
+        """Start from the engine's totals, so a late server counts what its siblings count."""
+        engine = str(snapshot.engine_index)
+        ledger: dict[str, Any] = snapshot.sections.get("notifications", {})
+        for kind, key, count in ledger.get("totals", []):
+            self.notifications_total.labels(kind, key).inc(count)
+        for rank, count in ledger.get("dropped", []):
+            self.notifications_dropped.labels(engine, rank_label(rank)).inc(count)
+        for rank, payload in ledger.get("weights_loaded", []):
+            self._record_weights(engine, rank, payload)
+
+    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
+        for n in notifications:
+            is_custom = isinstance(n, CustomNotification)
+            key = n.key if is_custom else ""
+            self.notifications_total.labels(n.__struct_config__.tag, key).inc()
+            self.notification_lag.observe(max(0.0, now - n.timestamp))
+            if isinstance(n, NotificationsDropped):
+                self.notifications_dropped.labels(str(n.engine_index), rank_label(n.rank)).inc(
+                    n.count
+                )
+            elif is_custom and n.key == WEIGHTS_LOADED_KEY:
+                self._record_weights(str(n.engine_index), n.rank, n.payload)
+        for kind in unknown:
+            self.notifications_total.labels(kind, "").inc()
+            self.notifications_skipped.labels(kind).inc()
+
+    def _record_weights(self, engine: str, rank: int, payload: dict[str, Any]) -> None:
+        labels = (engine, rank_label(rank))
+        if isinstance(payload.get("seconds"), int | float):
+            self.weights_load_seconds.labels(*labels).set(payload["seconds"])
+        if isinstance(payload.get("bytes"), int | float):
+            self.weights_load_bytes.labels(*labels).set(payload["bytes"])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

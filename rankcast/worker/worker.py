@@ -18,7 +18,16 @@ from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.model.source import ModelSource
+from rankcast.notifications import (
+    WEIGHTS_LOADED_KEY,
+    CustomNotification,
+    Doorbell,
+    WorkerNotification,
+    publish_worker_notification,
+    worker_notification_buffer,
+)
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+from rankcast.worker.extension import load_worker_plugins, worker_class
 from rankcast.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -64,7 +73,8 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
 
     def load_model(self) -> float:
-        """Load this rank's shard; returns the seconds it took."""
+        """Load this rank's shard and publish how long it took: with several ranks, the slowest
+        shard sets the start-up time, and only a per-rank figure shows which one it is."""
         start = time.perf_counter()
         arch = ArchConfig.from_model_dir(self.source.model_dir)
         model = load_model(self.source.model_dir, arch, self.dtype, self.device, self.tp, self.pp)
@@ -72,8 +82,16 @@ class Worker:
             model, arch, self.config.cache.block_size, self.device, self.dtype
         )
         seconds = time.perf_counter() - start
+        size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         logger.info("rank %d loaded its shard in %.2f s (%s)", self.rank, seconds, self.dtype)
+        publish_worker_notification(
+            CustomNotification(key=WEIGHTS_LOADED_KEY, payload={"bytes": size, "seconds": seconds})
+        )
         return seconds
+
+    def take_notifications(self) -> list[WorkerNotification] | None:
+        """Drain this process's notification buffer (None, allocating nothing, when empty)."""
+        return worker_notification_buffer().take()  # type: ignore[return-value]
 
     def num_available_blocks(self) -> int:
         """How many KV blocks this rank's budget holds (the engine takes the minimum over ranks)."""
@@ -94,3 +112,29 @@ class Worker:
     def rank_info(self) -> tuple[int, int, int]:
         """(rank, pp_rank, tp_rank): lets the engine and tests see the layout each rank holds."""
         return self.rank, self.pp.rank, self.tp.rank
+
+
+def start_worker(
+    config: EngineConfig,
+    source: ModelSource,
+    rank: int = 0,
+    local_rank: int = 0,
+    tp_group: dist.ProcessGroup | None = None,
+    doorbell: Doorbell | None = None,
+) -> Worker:
+    """Build this rank's worker (with any extension), load its shard, run the plugins.
+
+    The notification buffer is configured first, so load-time events are kept and ring the
+    doorbell like any other.
+    """
+    worker_notification_buffer().configure(
+        config.notifications.worker_notification_buffer_size, doorbell, rank
+    )
+    cls = worker_class(Worker, config.parallel.worker_extension_cls)
+    worker: Worker = cls(
+        config, source, rank, local_rank, config.parallel.ranks_on_this_machine, tp_group=tp_group
+    )
+    worker.init_device()
+    worker.load_model()
+    load_worker_plugins(worker)
+    return worker

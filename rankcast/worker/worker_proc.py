@@ -24,9 +24,10 @@ import zmq
 from rankcast.config import EngineConfig
 from rankcast.logger import init_logging
 from rankcast.model.source import ModelSource
+from rankcast.notifications import Doorbell, worker_notification_buffer
 from rankcast.process import die_with_parent, set_process_title
 from rankcast.protocol import WorkerCall, WorkerReply
-from rankcast.worker.worker import Worker
+from rankcast.worker.worker import Worker, start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ def dispatch(worker: Worker, call: WorkerCall) -> WorkerReply:
             reply.result = fn(*_convert_args(fn, call.args), **call.kwargs)
     except Exception as exc:
         reply.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    reply.notifications_pending = worker_notification_buffer().pending
     return reply
 
 
@@ -98,6 +100,7 @@ def run_worker(
     init_method: str,
     call_address: str,
     reply_address: str,
+    doorbell: Doorbell,
     ready: Connection,
 ) -> None:
     tp = config.parallel.tensor_parallel_size
@@ -109,11 +112,7 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         group = init_distributed(config, rank, init_method)
-        worker = Worker(
-            config, source, rank, rank, config.parallel.ranks_on_this_machine, tp_group=group
-        )
-        worker.init_device()
-        worker.load_model()
+        worker = start_worker(config, source, rank, rank, tp_group=group, doorbell=doorbell)
     except Exception as exc:
         logger.exception("rank %d failed to start", rank)
         ready.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))

@@ -18,16 +18,21 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rankcast
 from rankcast.engine.addresses import ClientAddresses
 from rankcast.engine.async_llm import AsyncLLM
-from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError
+from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.entrypoints.openai.errors import APIError, error_response
-from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
+from rankcast.entrypoints.openai.events import EventFilter, EventHub, parse_event_id
+from rankcast.entrypoints.openai.schema import (
+    ChatCompletionRequest,
+    CollectiveRpcRequest,
+    CompletionRequest,
+)
 from rankcast.entrypoints.openai.serving import (
     ServingContext,
     create_chat_completion,
@@ -62,7 +67,11 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def build_app(
-    config: ApiServerConfig, index: int, serving: ServingContext, metrics: ServerMetrics
+    config: ApiServerConfig,
+    index: int,
+    serving: ServingContext,
+    metrics: ServerMetrics,
+    events: EventHub,
 ) -> FastAPI:
     """The HTTP surface over an engine connection that is already established."""
     app = FastAPI(title="rankcast", version=rankcast.__version__)
@@ -76,7 +85,7 @@ def build_app(
     async def tag_and_authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
         if (
             config.api_key
-            and request.url.path.startswith("/v1")
+            and request.url.path.startswith(("/v1", "/collective_rpc"))
             and request.headers.get("authorization") != f"Bearer {config.api_key}"
         ):
             response = error_response(401, "Invalid or missing API key.")
@@ -133,6 +142,38 @@ def build_app(
             ],
         }
 
+    @app.get("/v1/events")
+    async def notification_events(
+        request: Request,
+        type: str | None = None,
+        key: str | None = None,
+        last_event_id: str | None = None,
+    ) -> StreamingResponse:
+        """Engine notifications as server-sent events; `type`/`key` filter (comma-separated),
+        `Last-Event-ID` (header or query) resumes."""
+        resume = request.headers.get("last-event-id") or last_event_id
+        if resume is not None:
+            try:
+                parse_event_id(resume)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "last_event_id") from None
+        return StreamingResponse(
+            events.stream(EventFilter.parse(type, key), resume),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(body: CollectiveRpcRequest) -> dict[str, object]:
+        """Call a --worker-extension-cls method on every rank of every engine core."""
+        try:
+            results = await ctx().engine.call_utility(
+                "collective_rpc", body.method, body.args, body.timeout
+            )
+        except UtilityError as exc:
+            raise APIError(400, str(exc), "method") from None
+        return {"results": results}
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx(), body, request)
@@ -171,16 +212,17 @@ def run_api_server(
 
     async def serve() -> None:
         metrics = ServerMetrics(config.model_name)
+        events = EventHub()
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
         clients = [AsyncMPClient(addresses, index) for addresses in engines]
-        engine = AsyncLLM(clients, tokenizer, metrics)
+        engine = AsyncLLM(clients, tokenizer, metrics, sinks=[metrics, events])
         try:
             await engine.start()
         except Exception as exc:
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
             raise
         app = build_app(
-            config, index, ServingContext(engine, tokenizer, config.model_name), metrics
+            config, index, ServingContext(engine, tokenizer, config.model_name), metrics, events
         )
         server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)

@@ -94,3 +94,13 @@ class CompletionRequest(_SamplingFields):
         if value:
             raise ValueError("echo is not supported")
         return value
+
+
+class CollectiveRpcRequest(BaseModel):
+    """Call a worker-extension method on every rank (`POST /collective_rpc`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = Field(min_length=1)
+    args: list[Any] = Field(default_factory=list)
+    timeout: float | None = Field(default=None, gt=0)

@@ -1,0 +1,177 @@
+"""The engine core's half of the notification channel: gather from every rank, hold, flush.
+
+Gathering is one `take_notifications` collective over every rank, and it happens only when
+there is a reason: once at start (load-time events), after a utility that changes producer
+state, after a step in which a rank rang the doorbell, and on the optional poll interval. A
+quiet channel therefore costs no RPC at all. What was gathered waits in a bounded pending list
+until the next message leaves the engine; `flush` stamps each event with its gap-free
+`engine_seq`, records it in the ledger that late API servers catch up from, and encodes it once
+for every API server.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from rankcast.config import NotificationConfig
+from rankcast.executor.base import Executor
+from rankcast.notifications import (
+    WEIGHTS_LOADED_KEY,
+    CustomNotification,
+    Notification,
+    NotificationsDropped,
+)
+from rankcast.protocol import EngineStateSnapshot
+
+logger = logging.getLogger(__name__)
+
+# How often an idle engine core looks at the doorbell: cheap (a shared-memory read), and it
+# bounds how long an event published while no request runs waits to leave.
+DOORBELL_IDLE_CHECK_S = 0.02
+ENGINE_RANK = -1
+
+
+def notification_type(n: Notification) -> str:
+    return msgspec.inspect.type_info(type(n)).tag  # type: ignore[attr-defined,no-any-return]
+
+
+class NotificationLedger:
+    """What has left this engine so far, kept so a late API server can start from the totals:
+    counts per (type, key), drops per rank, and each rank's last weight-load figure."""
+
+    def __init__(self) -> None:
+        self.totals: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.dropped: collections.Counter[int] = collections.Counter()
+        self.weights_loaded: dict[int, dict[str, Any]] = {}
+
+    def record(self, n: Notification) -> None:
+        key = n.key if isinstance(n, CustomNotification) else ""
+        self.totals[(notification_type(n), key)] += 1
+        if isinstance(n, NotificationsDropped):
+            self.dropped[n.rank] += n.count
+        elif isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY:
+            self.weights_loaded[n.rank] = dict(n.payload)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "totals": [[t, k, c] for (t, k), c in sorted(self.totals.items())],
+            "dropped": [[rank, c] for rank, c in sorted(self.dropped.items())],
+            "weights_loaded": [[rank, p] for rank, p in sorted(self.weights_loaded.items())],
+        }
+
+
+class EngineNotificationChannel:
+    def __init__(
+        self,
+        executor: Executor,
+        engine_index: int,
+        tensor_parallel_size: int,
+        config: NotificationConfig,
+    ) -> None:
+        self.executor = executor
+        self.engine_index = engine_index
+        self.tp_size = tensor_parallel_size
+        self.capacity = config.engine_notification_buffer_size
+        self.poll_interval = config.poll_interval
+        self.pending: collections.deque[Notification] = collections.deque()
+        self.dropped = 0
+        self.next_engine_seq = 0
+        self.last_gather = time.monotonic()
+        self.gathers = 0
+        self.gather_seconds = 0.0
+        self.ledger = NotificationLedger()
+        self.providers: dict[str, Callable[[], Any]] = {"notifications": self.ledger.snapshot}
+        self.encoder = msgspec.msgpack.Encoder()
+
+    # ---- gathering ----
+
+    def gather(self) -> int:
+        """Drain every rank now; returns how many events arrived. A failed rank raises."""
+        start = time.perf_counter()
+        self.last_gather = time.monotonic()
+        batches = self.executor.collective_rpc("take_notifications")
+        arrived = 0
+        for rank, batch in enumerate(batches):
+            if not batch:
+                continue
+            pp_rank, tp_rank = divmod(rank, self.tp_size)
+            for n in batch:
+                n.engine_index = n.dp_rank = self.engine_index
+                n.pp_rank, n.tp_rank, n.rank = pp_rank, tp_rank, rank
+                self._hold(n)
+            arrived += len(batch)
+        self.gathers += 1
+        self.gather_seconds += time.perf_counter() - start
+        return arrived
+
+    def _hold(self, n: Notification) -> None:
+        if len(self.pending) >= self.capacity:
+            self.pending.popleft()
+            self.dropped += 1
+        self.pending.append(n)
+
+    def poll_due(self, now: float | None = None) -> bool:
+        if self.poll_interval is None:
+            return False
+        return (now or time.monotonic()) - self.last_gather >= self.poll_interval
+
+    def collect(self) -> int:
+        """Gather if a rank rang the doorbell or the poll is due; otherwise cost nothing."""
+        if self.executor.notifications_pending() or self.poll_due():
+            return self.gather()
+        return 0
+
+    def idle_wait(self, longest: float) -> float:
+        """How long an idle engine may wait for input before it must look again."""
+        wait = min(longest, DOORBELL_IDLE_CHECK_S)
+        if self.poll_interval is not None:
+            until_poll = self.poll_interval - (time.monotonic() - self.last_gather)
+            wait = min(wait, max(0.0, until_poll))
+        return wait
+
+    # ---- flushing and catch-up ----
+
+    def flush(self) -> list[msgspec.Raw] | None:
+        """Everything pending, stamped, recorded and encoded; None when nothing is."""
+        if not self.pending and not self.dropped:
+            return None
+        items = list(self.pending)
+        self.pending.clear()
+        if self.dropped:
+            marker = NotificationsDropped(
+                count=self.dropped,
+                timestamp=time.time(),
+                engine_index=self.engine_index,
+                dp_rank=self.engine_index,
+                rank=ENGINE_RANK,
+            )
+            logger.warning("engine notification list overflowed; %d events dropped", self.dropped)
+            items.insert(0, marker)
+            self.dropped = 0
+        raws = []
+        for n in items:
+            n.engine_seq = self.next_engine_seq
+            self.next_engine_seq += 1
+            self.ledger.record(n)
+            raws.append(msgspec.Raw(self.encoder.encode(n)))
+        return raws
+
+    def register_snapshot_provider(self, name: str, provider: Callable[[], Any]) -> None:
+        """Add a section to the catch-up snapshot (e.g. adapter residency per rank)."""
+        if name in self.providers:
+            raise ValueError(f"snapshot provider {name!r} is already registered")
+        self.providers[name] = provider
+
+    def snapshot(self) -> EngineStateSnapshot:
+        """State as of the last flushed event; the stream continues after `engine_seq`."""
+        return EngineStateSnapshot(
+            self.engine_index,
+            self.next_engine_seq - 1,
+            {name: provider() for name, provider in self.providers.items()},
+        )

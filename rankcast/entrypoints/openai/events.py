@@ -1,0 +1,166 @@
+"""`/v1/events`: engine notifications as a server-sent-event stream, resumable from a ring.
+
+Each event is one notification as JSON with `id: <engine>:<engine_seq>`. Every API server keeps
+the same bounded ring (the engine core sends every server the same stream in the same order),
+so a client that reconnects with `Last-Event-ID` — even to a sibling behind the same port —
+gets exactly what it missed, or a `replay_gap` event saying the ring no longer holds its id.
+A subscriber that reads too slowly is told so (`overflow`) and disconnected, never allowed to
+hold the server's memory hostage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from rankcast.notifications import CustomNotification, Notification
+from rankcast.protocol import EngineStateSnapshot
+
+DEFAULT_RING_SIZE = 4096
+_SUBSCRIBER_QUEUE = 10_000
+_KEEPALIVE_S = 15.0
+
+
+@dataclass(frozen=True)
+class Event:
+    engine: int
+    seq: int
+    type: str
+    key: str
+    data: bytes
+
+    @property
+    def id(self) -> str:
+        return f"{self.engine}:{self.seq}"
+
+    def frame(self) -> bytes:
+        return b"id: " + self.id.encode() + b"\ndata: " + self.data + b"\n\n"
+
+
+@dataclass
+class EventFilter:
+    types: frozenset[str] = frozenset()
+    keys: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, types: str | None, keys: str | None) -> EventFilter:
+        def split(value: str | None) -> frozenset[str]:
+            return frozenset(v.strip() for v in (value or "").split(",") if v.strip())
+
+        return cls(split(types), split(keys))
+
+    def matches(self, event: Event) -> bool:
+        if self.types and event.type not in self.types:
+            return False
+        return not self.keys or event.key in self.keys
+
+
+@dataclass
+class _Subscriber:
+    queue: asyncio.Queue[Event] = field(
+        default_factory=lambda: asyncio.Queue(maxsize=_SUBSCRIBER_QUEUE)
+    )
+    overflowed: bool = False
+
+
+def control_frame(name: str, body: dict[str, object]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(body)}\n\n".encode()
+
+
+def parse_event_id(value: str) -> tuple[int, int]:
+    """`engine:seq` -> (engine, seq); ValueError with the expected form otherwise."""
+    engine, sep, seq = value.partition(":")
+    if not sep:
+        raise ValueError(f"Last-Event-ID {value!r} is not of the form <engine>:<seq>")
+    return int(engine), int(seq)
+
+
+class EventHub:
+    """The ring and the live subscribers of one API server (a NotificationSink)."""
+
+    def __init__(self, ring_size: int = DEFAULT_RING_SIZE) -> None:
+        self.ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
+        self.subscribers: set[_Subscriber] = set()
+        # The newest engine_seq known per engine, from the snapshot or the stream.
+        self.last_seq: dict[int, int] = {}
+        self.encoder = msgspec.json.Encoder()
+
+    def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
+        self.last_seq[snapshot.engine_index] = snapshot.engine_seq
+
+    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
+        for n in notifications:
+            key = n.key if isinstance(n, CustomNotification) else ""
+            event = Event(
+                n.engine_index, n.engine_seq, n.__struct_config__.tag, key, self.encoder.encode(n)
+            )
+            self.ring.append(event)
+            self.last_seq[event.engine] = event.seq
+            for subscriber in self.subscribers:
+                if subscriber.overflowed:
+                    continue
+                try:
+                    subscriber.queue.put_nowait(event)
+                except asyncio.QueueFull:
+                    subscriber.overflowed = True
+
+    def _replay(self, last_event_id: str | None) -> tuple[list[Event], bytes | None]:
+        """What a resuming client missed, and the gap notice when the ring cannot say."""
+        ring = list(self.ring)
+        if last_event_id is None:
+            return [], None
+        engine, seq = parse_event_id(last_event_id)
+        for i, event in enumerate(ring):
+            if event.engine == engine and event.seq == seq:
+                return ring[i + 1 :], None
+        own = [i for i, event in enumerate(ring) if event.engine == engine]
+        if own and ring[own[0]].seq == seq + 1:
+            return ring[own[0] :], None
+        if not own and seq >= self.last_seq.get(engine, -1):
+            return [], None
+        notice = control_frame(
+            "replay_gap",
+            {
+                "last_event_id": last_event_id,
+                "oldest_event_id": ring[0].id if ring else None,
+                "message": "events after this id are no longer held; replaying what is",
+            },
+        )
+        return ring, notice
+
+    async def stream(
+        self, event_filter: EventFilter, last_event_id: str | None
+    ) -> AsyncIterator[bytes]:
+        # Subscribing and copying the ring happen with no await in between, so no event is
+        # both replayed and delivered live, and none falls between the two.
+        subscriber = _Subscriber()
+        self.subscribers.add(subscriber)
+        try:
+            replay, notice = self._replay(last_event_id)
+            yield b": rankcast event stream\n\n"
+            if notice is not None:
+                yield notice
+            for event in replay:
+                if event_filter.matches(event):
+                    yield event.frame()
+            while True:
+                if subscriber.overflowed and subscriber.queue.empty():
+                    yield control_frame(
+                        "overflow",
+                        {"message": "reader too slow; reconnect with Last-Event-ID to resume"},
+                    )
+                    return
+                try:
+                    event = await asyncio.wait_for(subscriber.queue.get(), _KEEPALIVE_S)
+                except TimeoutError:
+                    yield b": keepalive\n\n"
+                    continue
+                if event_filter.matches(event):
+                    yield event.frame()
+        finally:
+            self.subscribers.discard(subscriber)

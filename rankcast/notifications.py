@@ -71,6 +71,7 @@ class NotificationsDropped(Notification, tag="notifications_dropped"):
 
 
 WorkerNotification = CustomNotification | NotificationsDropped
+_WORKER_TYPES = (CustomNotification, NotificationsDropped)
 
 
 class _TypeOnly(msgspec.Struct):
@@ -93,7 +94,7 @@ class NotificationDecoder:
         for raw in raws:
             try:
                 known.append(self._decoder.decode(raw))
-            except msgspec.ValidationError:
+            except msgspec.DecodeError:  # includes ValidationError: an unknown tag
                 try:
                     unknown.append(self._tag_decoder.decode(raw).type)
                 except msgspec.DecodeError:
@@ -131,10 +132,11 @@ def _check_value(value: Any, path: str) -> None:
 
 def validate_notification(n: Any) -> int:
     """Check a notification before it is queued; return its encoded size."""
-    if not isinstance(n, Notification):
+    if type(n) not in _WORKER_TYPES:
+        names = ", ".join(t.__name__ for t in _WORKER_TYPES)
         raise TypeError(
-            f"publish_worker_notification takes a Notification (e.g. CustomNotification), "
-            f"got {type(n).__name__}"
+            f"publish_worker_notification takes one of {names} (plugins use CustomNotification "
+            f"with their own key), got {type(n).__name__}"
         )
     if isinstance(n, CustomNotification):
         if not isinstance(n.key, str) or not n.key:

@@ -95,6 +95,8 @@ class EngineNotificationChannel:
         """Drain every rank now; returns how many events arrived. A failed rank raises."""
         start = time.perf_counter()
         self.last_gather = time.monotonic()
+        # This gather drains whatever rang so far; only a ring from now on means more.
+        self.executor.notifications_pending()
         batches = self.executor.collective_rpc("take_notifications")
         arrived = 0
         for rank, batch in enumerate(batches):
@@ -123,7 +125,7 @@ class EngineNotificationChannel:
 
     def collect(self) -> int:
         """Gather if a rank rang the doorbell or the poll is due; otherwise cost nothing."""
-        if self.executor.notifications_pending() or self.poll_due():
+        if self.poll_due() or self.executor.notifications_pending():
             return self.gather()
         return 0
 

@@ -50,7 +50,7 @@ class Executor(ABC):
         # Called (from a monitor thread) when a rank dies, so an idle engine fails promptly too.
         self.failure_callback: Callable[[str], None] | None = None
         # Collective calls made, by method: what "a quiet step makes no RPC" is checked against.
-        self.calls: collections.Counter[str] = collections.Counter()
+        self.rpc_counts: collections.Counter[str] = collections.Counter()
 
     @classmethod
     def create(cls, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> Executor:

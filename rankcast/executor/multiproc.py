@@ -140,7 +140,7 @@ class MultiprocExecutor(Executor):
         if self.failure is not None:
             raise ExecutorError(self.failure)
         name = method_name(method)
-        self.calls[name] += 1
+        self.rpc_counts[name] += 1
         call_id = next(self.call_ids)
         reply_rank = -1 if unique_reply_rank is None else unique_reply_rank
         frame = self.encoder.encode(WorkerCall(call_id, name, list(args), kwargs or {}, reply_rank))

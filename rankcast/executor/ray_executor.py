@@ -152,8 +152,6 @@ class RayExecutor(Executor):
         """Every rank's reply is read (they finish the step together), so each one's doorbell
         flag is seen with no extra call; the output rank's result is the step's."""
         replies = self._call("execute_model", (batch,), None, None, range(self.world_size))
-        if any(reply.notifications_pending for reply in replies):
-            self.remote_doorbell = True
         result = replies[self.config.parallel.output_rank].result
         return None if result is None else msgspec.convert(result, ModelRunnerOutput)
 
@@ -171,7 +169,7 @@ class RayExecutor(Executor):
     ) -> list[WorkerReply]:
         if self.failure is not None:
             raise ExecutorError(self.failure)
-        self.calls[name] += 1
+        self.rpc_counts[name] += 1
         self.call_ids += 1
         frame = msgspec.msgpack.encode(WorkerCall(self.call_ids, name, list(args), kwargs or {}))
         refs = [actor.call.remote(frame) for actor in self.actors]
@@ -192,6 +190,8 @@ class RayExecutor(Executor):
                 cause = f"{dead}; " if dead else ""
                 raise ExecutorError(f"{cause}rank {rank} failed in {name}: {reply.error}")
             replies.append(reply)
+        if any(reply.notifications_pending for reply in replies):
+            self.remote_doorbell = True
         return replies
 
     def shutdown(self) -> None:

@@ -30,7 +30,7 @@ class UniProcExecutor(Executor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> list[Any]:
-        self.calls[method_name(method)] += 1
+        self.rpc_counts[method_name(method)] += 1
         fn = getattr(self.worker, method) if isinstance(method, str) else method
         try:
             if isinstance(method, str):
@@ -46,6 +46,7 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         # The only rank is the output rank; skip the generic RPC wrapper on the hot path.
+        self.rpc_counts["execute_model"] += 1
         return self.worker.execute_model(batch)
 
     def notifications_pending(self) -> bool:

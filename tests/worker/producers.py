@@ -1,0 +1,80 @@
+"""A worker extension that publishes on demand: the producer the channel tests drive.
+
+Used as `--worker-extension-cls tests.worker.producers:EventProducer` (and `worker_extension_cls`
+in `LLM`), so its methods run in every rank through `collective_rpc`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rankcast.notifications import CustomNotification, publish_worker_notification
+
+KEY = "test.event"
+
+
+class EventProducer:
+    rank: int
+
+    def publish_events(self, count: int, key: str = KEY, ranks: list[int] | None = None) -> int:
+        """Publish `count` events numbered 0.. from this rank (or only from `ranks`)."""
+        if ranks is None or self.rank in ranks:
+            for i in range(count):
+                publish_worker_notification(
+                    CustomNotification(key=key, payload={"i": i, "rank": self.rank})
+                )
+        return self.rank
+
+    def publish_bad_payload(self) -> int:
+        """A payload msgpack cannot carry: must fail here, at the producer."""
+        publish_worker_notification(
+            CustomNotification(key=KEY, payload={"ok": [1, {"bad": {1, 2}}]})
+        )
+        return self.rank
+
+    def publish_later(self, delay_s: float, key: str = KEY, ranks: list[int] | None = None) -> int:
+        """Publish one event from a background thread after `delay_s`, with no call in flight:
+        only the doorbell (or a poll) can bring it out."""
+        if ranks is None or self.rank in ranks:
+
+            def later() -> None:
+                time.sleep(delay_s)
+                publish_worker_notification(
+                    CustomNotification(key=key, payload={"rank": self.rank, "later": True})
+                )
+
+            threading.Thread(target=later, daemon=True).start()
+        return self.rank
+
+    def start_event_load(self, rate: float, seconds: float, key: str = "bench.load") -> int:
+        """Publish `rate` events per second for `seconds` from a background thread."""
+
+        def load() -> None:
+            interval = 1.0 / rate
+            next_at = time.perf_counter()
+            end = next_at + seconds
+            i = 0
+            while next_at < end:
+                publish_worker_notification(
+                    CustomNotification(key=key, payload={"i": i, "rank": self.rank})
+                )
+                i += 1
+                next_at += interval
+                pause = next_at - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+
+        threading.Thread(target=load, daemon=True).start()
+        return self.rank
+
+    def break_notification_drain(self, rank: int) -> int:
+        """Fault injection: make this rank's next drains raise, as a broken rank would."""
+        if self.rank == rank:
+
+            def broken() -> Any:
+                raise RuntimeError(f"injected failure draining notifications on rank {rank}")
+
+            self.take_notifications = broken  # type: ignore[method-assign]
+        return self.rank

@@ -60,7 +60,7 @@ class EventFilter:
         return not self.keys or event.key in self.keys
 
 
-@dataclass
+@dataclass(eq=False)
 class _Subscriber:
     queue: asyncio.Queue[Event] = field(
         default_factory=lambda: asyncio.Queue(maxsize=_SUBSCRIBER_QUEUE)

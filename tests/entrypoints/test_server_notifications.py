@@ -1,0 +1,258 @@
+"""Rules 5-9 through real processes: a TP=2 engine, three API servers on one port.
+
+Every worker rank's events reach every API server in the same order, whether published while
+idle or mid-generation; overflow shows on every server; a bad payload fails at the producer;
+`/v1/events` resumes; the ZMQ stream replays; a restarted API server catches up and agrees.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from rankcast.engine.notification_publisher import END_OF_REPLAY, SNAPSHOT_REQUEST, TOPIC
+from rankcast.notifications import NotificationBatch, NotificationDecoder
+from rankcast.protocol import EngineStateSnapshot
+from tests.entrypoints.notification_clients import (
+    open_event_streams,
+    scrape_each,
+    series,
+    worker_rpc,
+)
+from tests.entrypoints.server_process import ServerProcess, free_port
+from tests.worker.producers import KEY
+
+SERVERS = 3
+BUFFER = 16
+CHANNEL_SERIES = (
+    "rankcast:engine_notifications_total",
+    "rankcast:worker_notifications_dropped_total",
+    "rankcast:worker_weights_load_seconds",
+    "rankcast:worker_weights_load_bytes",
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    pub, replay = free_port(), free_port()
+    proc = ServerProcess(
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.05",
+        "--tensor-parallel-size",
+        "2",
+        "--worker-extension-cls",
+        "tests.worker.producers:EventProducer",
+        "--worker-notification-buffer-size",
+        str(BUFFER),
+        "--notification-events-endpoint",
+        f"tcp://127.0.0.1:{pub}",
+        "--notification-events-replay-endpoint",
+        f"tcp://127.0.0.1:{replay}",
+        api_server_count=SERVERS,
+    )
+    proc.pub_endpoint = f"tcp://127.0.0.1:{pub}"  # type: ignore[attr-defined]
+    proc.replay_endpoint = f"tcp://127.0.0.1:{replay}"  # type: ignore[attr-defined]
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        assert proc.stop() == []
+
+
+def test_every_api_server_reports_each_ranks_weight_load(server: ServerProcess) -> None:
+    scrapes = scrape_each(server.url, SERVERS)
+    loads = {
+        i: series(text, "rankcast:worker_weights_load_seconds{") for i, text in scrapes.items()
+    }
+    for lines in loads.values():
+        assert [line.split(" ")[0] for line in lines] == [
+            'rankcast:worker_weights_load_seconds{engine="0",rank="0"}',
+            'rankcast:worker_weights_load_seconds{engine="0",rank="1"}',
+        ]
+    assert len({tuple(lines) for lines in loads.values()}) == 1, "every server agrees"
+
+
+def test_events_from_every_rank_reach_every_api_server_in_the_same_order(
+    server: ServerProcess,
+) -> None:
+    readers = open_event_streams(server.url, SERVERS, params={"key": KEY})
+    try:
+        response = worker_rpc(server.url, "publish_events", 4)
+        assert response.status_code == 200, response.text
+        assert response.json() == {"results": [[0, 1]]}
+        streams = {i: r.wait_for(8) for i, r in readers.items()}
+        first = streams["0"]
+        assert [(d["rank"], d["payload"]["i"]) for _, d in first] == [
+            (r, i) for r in (0, 1) for i in range(4)
+        ]
+        assert all(d["tp_rank"] == d["rank"] and d["engine_index"] == 0 for _, d in first)
+        for stream in streams.values():
+            assert stream == first, "same events, same order, same ids on every server"
+
+        # Published by a worker thread while no request runs and no call is in flight: only
+        # the doorbell (no poll is configured) can bring it out.
+        worker_rpc(server.url, "publish_later", 0.3)
+        for reader in readers.values():
+            later = reader.wait_for(10)[8:]
+            assert sorted(d["rank"] for _, d in later) == [0, 1]
+            assert all(d["payload"]["later"] for _, d in later)
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def test_an_event_published_mid_generation_arrives_before_the_request_ends(
+    server: ServerProcess,
+) -> None:
+    readers = open_event_streams(server.url, SERVERS, params={"key": "test.mid"})
+    done = threading.Event()
+
+    def generate() -> None:
+        with httpx.Client(timeout=120) as http:
+            http.post(
+                f"{server.url}/v1/completions",
+                json={"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True},
+            )
+        done.set()
+
+    worker = threading.Thread(target=generate)
+    try:
+        worker.start()
+        time.sleep(0.3)
+        worker_rpc(server.url, "publish_later", 0.2, "test.mid", [1])
+        for reader in readers.values():
+            (_, event), *_ = reader.wait_for(1, timeout_s=60)
+            assert event["rank"] == 1
+        assert not done.is_set(), "the event waited for the request to finish"
+    finally:
+        worker.join()
+        for reader in readers.values():
+            reader.close()
+
+
+def test_overflow_drops_the_oldest_and_every_server_counts_it(server: ServerProcess) -> None:
+    response = worker_rpc(server.url, "publish_events", BUFFER + 9, "test.flood", [1])
+    assert response.status_code == 200
+    want = 'rankcast:worker_notifications_dropped_total{engine="0",rank="1"} 9.0'
+    for index, text in scrape_each(server.url, SERVERS).items():
+        assert want in series(text, "rankcast:worker_notifications_dropped_total"), index
+        flood = series(text, 'rankcast:engine_notifications_total{key="test.flood"')
+        assert flood == ['rankcast:engine_notifications_total{key="test.flood",type="custom"} 16.0']
+
+
+def test_a_bad_payload_is_refused_at_the_producer_and_the_engine_keeps_serving(
+    server: ServerProcess,
+) -> None:
+    response = worker_rpc(server.url, "publish_bad_payload")
+    assert response.status_code == 400
+    assert "payload['ok'][1]['bad']" in response.json()["error"]["message"]
+    assert worker_rpc(server.url, "no_such_method").status_code == 400
+    with httpx.Client(timeout=60) as http:
+        ok = http.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_events_resume_from_last_event_id(server: ServerProcess) -> None:
+    readers = open_event_streams(server.url, 1, params={"key": "test.resume"})
+    (reader,) = readers.values()
+    try:
+        worker_rpc(server.url, "publish_events", 3, "test.resume")
+        seen = reader.wait_for(6)
+    finally:
+        reader.close()
+    # Resume after the second event, on whichever server the kernel picks: ids are the same.
+    resumed = open_event_streams(
+        server.url, 1, params={"key": "test.resume"}, headers={"Last-Event-ID": seen[1][0]}
+    )
+    (again,) = resumed.values()
+    try:
+        assert again.wait_for(4) == seen[2:]
+        assert again.controls == []
+    finally:
+        again.close()
+    with httpx.Client(timeout=10) as http:
+        bad = http.get(f"{server.url}/v1/events", headers={"Last-Event-ID": "nonsense"})
+    assert bad.status_code == 400
+
+
+def test_zmq_stream_publishes_replays_and_snapshots(server: ServerProcess) -> None:
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    sub.connect(server.pub_endpoint)  # type: ignore[attr-defined]
+    replay = context.socket(zmq.DEALER)
+    replay.connect(server.replay_endpoint)  # type: ignore[attr-defined]
+    decoder = NotificationDecoder()
+    try:
+        deadline = time.monotonic() + 30
+        got = []
+        while not got:
+            # A SUB socket joins asynchronously: publish until a batch comes through.
+            worker_rpc(server.url, "publish_events", 1, "test.zmq", [0])
+            if sub.poll(1000):
+                topic, seq, payload = sub.recv_multipart()
+                batch = msgspec.msgpack.decode(payload, type=NotificationBatch)
+                got, _ = decoder.decode(batch.notifications)
+            assert time.monotonic() < deadline, "nothing on the PUB socket"
+        assert topic == TOPIC and len(seq) == 8
+        assert got[0].key == "test.zmq"  # type: ignore[attr-defined]
+        first_seq = int.from_bytes(seq, "big")
+
+        replay.send_multipart([b"", first_seq.to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert replay.poll(10_000), "replay did not answer"
+            _, batch_seq, payload = replay.recv_multipart()
+            if batch_seq == END_OF_REPLAY:
+                break
+            replayed.append(int.from_bytes(batch_seq, "big"))
+        assert replayed and replayed[0] == first_seq
+
+        replay.send_multipart([b"", SNAPSHOT_REQUEST])
+        assert replay.poll(10_000)
+        _, _, state = replay.recv_multipart()
+        snapshot = msgspec.msgpack.decode(state, type=EngineStateSnapshot)
+        totals = {(t, k): c for t, k, c in snapshot.sections["notifications"]["totals"]}
+        assert totals[("custom", "rankcast.weights_loaded")] == 2
+        assert totals[("custom", "test.zmq")] >= 1
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_restarted_api_server_catches_up_and_agrees(server: ServerProcess) -> None:
+    old = server.pid_of("api_server_2")
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "api_server_2 was not restarted"
+        try:
+            if server.pid_of("api_server_2") != old:
+                break
+        except LookupError:
+            pass
+        time.sleep(0.2)
+    server.wait_healthy()
+    # More events after the restart, so the snapshot and the stream must add up.
+    worker_rpc(server.url, "publish_events", 2, "test.after")
+    deadline = time.monotonic() + 30
+    while True:
+        scrapes = scrape_each(server.url, SERVERS)
+        views = {i: series(text, *CHANNEL_SERIES) for i, text in scrapes.items()}
+        if len({tuple(v) for v in views.values()}) == 1:
+            break
+        assert time.monotonic() < deadline, f"servers disagree: {views}"
+        time.sleep(0.2)
+    assert any('key="test.after"' in line for line in views["2"])
+    assert any('key="test.event"' in line for line in views["2"]), "history came from snapshot"

@@ -54,11 +54,13 @@ def process_title(pid: int) -> str:
 class ServerProcess:
     """`rankcast serve` in its own session; `stop()` checks that shutdown left nothing behind."""
 
-    def __init__(self, *args: str, api_server_count: int = 2) -> None:
+    def __init__(
+        self, *args: str, api_server_count: int = 2, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_server_count = api_server_count
-        env = dict(os.environ, RANKCAST_DISABLE_PROGRESS="1")
+        env = dict(os.environ, RANKCAST_DISABLE_PROGRESS="1", **(env or {}))
         self.proc = subprocess.Popen(
             [
                 sys.executable,

@@ -78,3 +78,10 @@ class EventProducer:
 
             self.take_notifications = broken  # type: ignore[method-assign]
         return self.rank
+
+
+def announce_plugin(worker: Any) -> None:
+    """A `rankcast.worker_plugins` entry point: runs in every worker process at start-up."""
+    publish_worker_notification(
+        CustomNotification(key="test.plugin", payload={"rank": worker.rank})
+    )

@@ -1,0 +1,131 @@
+"""The API server's consumers on their own: unknown types, the replay ring, slow readers.
+
+These feed real encoded notifications to the real sinks (metrics registry, event hub) through
+the same decoding path the output loop uses; a version-skewed engine is the only way to meet an
+unknown type, so it is built here by encoding one by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from rankcast.engine.async_llm import AsyncLLM
+from rankcast.entrypoints.openai.events import EventFilter, EventHub
+from rankcast.metrics.prometheus import ServerMetrics
+from rankcast.notifications import CustomNotification
+from rankcast.protocol import EngineStateSnapshot
+
+
+def _raw(value: object) -> msgspec.Raw:
+    return msgspec.Raw(msgspec.msgpack.encode(value))
+
+
+def _event(seq: int, key: str = "k") -> msgspec.Raw:
+    return _raw(CustomNotification(key=key, engine_seq=seq, engine_index=0, rank=0, seq=seq + 1))
+
+
+def _frames(chunks: list[bytes]) -> list[str]:
+    return [line[4:] for c in chunks for line in c.decode().splitlines() if line.startswith("id: ")]
+
+
+async def _collect(hub: EventHub, last_event_id: str | None, n: int, flt: EventFilter) -> list:
+    chunks: list[bytes] = []
+    stream = hub.stream(flt, last_event_id)
+    async for chunk in stream:
+        chunks.append(chunk)
+        if len(_frames(chunks)) + sum(b"event: " in c for c in chunks) >= n:
+            break
+    await stream.aclose()
+    return chunks
+
+
+def test_an_unknown_type_is_counted_and_skipped_and_the_rest_delivered() -> None:
+    metrics, hub = ServerMetrics("m"), EventHub()
+    llm = AsyncLLM([], tokenizer=None, observer=metrics, sinks=[metrics, hub])
+    future = _raw({"type": "teleported", "engine_seq": 1, "adapter": "x"})
+    llm._deliver_notifications([_event(0), future, _event(2)])
+    text = metrics.exposition().decode()
+    assert 'rankcast:engine_notifications_skipped_total{type="teleported"} 1.0' in text
+    assert 'rankcast:engine_notifications_total{key="k",type="custom"} 2.0' in text
+    assert [e.id for e in hub.ring] == ["0:0", "0:2"]
+
+
+def test_a_snapshot_starts_the_counters_where_the_engine_is() -> None:
+    metrics = ServerMetrics("m")
+    metrics.apply_snapshot(
+        EngineStateSnapshot(
+            1,
+            41,
+            {
+                "notifications": {
+                    "totals": [["custom", "k", 40], ["notifications_dropped", "", 2]],
+                    "dropped": [[3, 17], [-1, 5]],
+                    "weights_loaded": [[3, {"bytes": 10, "seconds": 0.5}]],
+                }
+            },
+        )
+    )
+    text = metrics.exposition().decode()
+    assert 'rankcast:engine_notifications_total{key="k",type="custom"} 40.0' in text
+    assert 'rankcast:worker_notifications_dropped_total{engine="1",rank="3"} 17.0' in text
+    assert 'rankcast:worker_notifications_dropped_total{engine="1",rank="engine_core"} 5.0' in text
+    assert 'rankcast:worker_weights_load_seconds{engine="1",rank="3"} 0.5' in text
+
+
+def test_resume_replays_what_was_missed_and_filters_apply() -> None:
+    async def run() -> None:
+        hub = EventHub(ring_size=8)
+        hub.consume(
+            [
+                msgspec.msgpack.decode(_event(i, "a" if i % 2 else "b"), type=CustomNotification)
+                for i in range(6)
+            ],
+            [],
+            0.0,
+        )
+        chunks = await _collect(hub, "0:2", 3, EventFilter())
+        assert _frames(chunks) == ["0:3", "0:4", "0:5"]
+        only_a = await _collect(hub, "0:0", 3, EventFilter.parse(None, "a"))
+        assert _frames(only_a) == ["0:1", "0:3", "0:5"]
+
+    asyncio.run(run())
+
+
+def test_a_resume_point_the_ring_no_longer_holds_gets_a_gap_event() -> None:
+    async def run() -> None:
+        hub = EventHub(ring_size=4)
+        hub.consume(
+            [msgspec.msgpack.decode(_event(i), type=CustomNotification) for i in range(10)],
+            [],
+            0.0,
+        )
+        chunks = await _collect(hub, "0:1", 5, EventFilter())
+        text = b"".join(chunks).decode()
+        assert "event: replay_gap" in text and '"oldest_event_id": "0:6"' in text
+        assert _frames(chunks) == ["0:6", "0:7", "0:8", "0:9"]
+        # Right after the newest known event: nothing is missing, no gap.
+        hub.apply_snapshot(EngineStateSnapshot(0, 9))
+        assert hub._replay("0:9") == ([], None)
+
+    asyncio.run(run())
+
+
+def test_a_too_slow_reader_is_told_and_disconnected() -> None:
+    async def run() -> None:
+        hub = EventHub()
+        stream = hub.stream(EventFilter(), None)
+        assert (await stream.__anext__()).startswith(b":")
+        (subscriber,) = hub.subscribers
+        batch = [msgspec.msgpack.decode(_event(i), type=CustomNotification) for i in range(3)]
+        subscriber.queue = asyncio.Queue(maxsize=2)
+        hub.consume(batch, [], 0.0)
+        got = [await stream.__anext__() for _ in range(3)]
+        assert b"event: overflow" in got[-1]
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        assert not hub.subscribers
+
+    asyncio.run(run())

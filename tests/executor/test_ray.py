@@ -14,8 +14,21 @@ import pytest
 
 from rankcast import LLM, SamplingParams
 from rankcast.executor.base import ExecutorError
-from tests.entrypoints.server_process import free_port
-from tests.executor.helpers import fail_on_rank, own_pid
+from rankcast.notifications import WEIGHTS_LOADED_KEY, CustomNotification
+from tests.entrypoints.notification_clients import (
+    open_event_streams,
+    scrape_each,
+    series,
+    worker_rpc,
+)
+from tests.entrypoints.server_process import ServerProcess, free_port
+from tests.executor.helpers import (
+    fail_on_rank,
+    own_pid,
+    publish_later_on_rank,
+    publish_on_rank,
+)
+from tests.worker.producers import KEY
 
 ray = pytest.importorskip("ray")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -87,6 +100,39 @@ def test_ray_rank_failure_is_named(ray_tp2: LLM) -> None:
     assert executor.collective_rpc("rank_info") == [(0, 0, 0), (1, 0, 1)]
 
 
+def _ray_events(llm: LLM, count: int, timeout_s: float = 30) -> list[CustomNotification]:
+    got: list[CustomNotification] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"{len(got)} of {count} events arrived"
+        got += [
+            n
+            for n in llm.take_notifications()
+            if isinstance(n, CustomNotification) and n.key == "test.ray"
+        ]
+        time.sleep(0.05)
+    return got
+
+
+def test_ray_ranks_deliver_events_without_shared_memory(ray_tp2: LLM) -> None:
+    loads = [
+        n
+        for n in ray_tp2.take_notifications()
+        if isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY
+    ]
+    assert [(n.rank, n.tp_rank) for n in loads] == [(0, 0), (1, 1)]
+    executor = ray_tp2.engine.client.core.executor
+    # The reply of the call that published carries the doorbell flag.
+    executor.collective_rpc(publish_on_rank, (1, 2))
+    assert executor.remote_doorbell
+    assert [(n.rank, n.payload["i"]) for n in _ray_events(ray_tp2, 2)] == [(1, 0), (1, 1)]
+    # Published after every call returned, while idle: the liveness ping carries the flag.
+    executor.collective_rpc(publish_later_on_rank, (0, 0.2))
+    (later,) = _ray_events(ray_tp2, 1)
+    assert later.rank == 0 and later.payload == {"later": True}
+    assert ray_tp2.config.notifications.poll_interval is None
+
+
 def test_ray_dead_actor_fails_the_engine(ray_tp2: LLM) -> None:
     executor = ray_tp2.engine.client.core.executor
     pid = executor.collective_rpc(own_pid)[1]
@@ -95,3 +141,43 @@ def test_ray_dead_actor_fails_the_engine(ray_tp2: LLM) -> None:
     with pytest.raises(ExecutorError, match=r"rank 1 \(Ray actor"):
         ray_tp2.generate(["hello"], SamplingParams(max_tokens=20, ignore_eos=True))
     assert time.monotonic() - start < 30
+
+
+def test_ray_ranks_reach_every_api_server(ray_cluster: str, tiny_llama_dir: Path) -> None:
+    server = ServerProcess(
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.05",
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "ray",
+        "--worker-extension-cls",
+        "tests.worker.producers:EventProducer",
+        api_server_count=3,
+    )
+    try:
+        server.wait_healthy(timeout_s=300)
+        readers = open_event_streams(server.url, 3, params={"key": KEY})
+        try:
+            assert worker_rpc(server.url, "publish_events", 2).json() == {"results": [[0, 1]]}
+            streams = [reader.wait_for(4) for reader in readers.values()]
+        finally:
+            for reader in readers.values():
+                reader.close()
+        assert [(d["rank"], d["payload"]["i"]) for _, d in streams[0]] == [
+            (0, 0),
+            (0, 1),
+            (1, 0),
+            (1, 1),
+        ]
+        assert all(stream == streams[0] for stream in streams)
+        loads = {
+            i: series(text, "rankcast:worker_weights_load_bytes{")
+            for i, text in scrape_each(server.url, 3).items()
+        }
+        assert len(loads["0"]) == 2 and all(view == loads["0"] for view in loads.values())
+    finally:
+        assert server.stop() == []

@@ -151,6 +151,9 @@ class NotificationConfig:
     worker_notification_buffer_size: int = 1024
     engine_notification_buffer_size: int = 65536
     worker_notification_poll_interval: float | None = None
+    # Off only to measure what the poll alone gives (bench/notifications.py); events then wait
+    # for the poll, or for a gather that something else triggers.
+    worker_notification_doorbell: bool = True
     notification_events_endpoint: str | None = None
     notification_events_replay_endpoint: str | None = None
 

@@ -99,6 +99,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    # The notification channel's own cost: gathers (one collective each) and their total time.
+    notification_gathers: int = 0
+    notification_gather_seconds: float = 0.0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

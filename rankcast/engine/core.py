@@ -20,7 +20,12 @@ from rankcast.engine.scheduler import Scheduler
 from rankcast.executor.base import Executor
 from rankcast.model.arch import ArchConfig
 from rankcast.model.source import ModelSource
-from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest, EngineStateSnapshot
+from rankcast.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStateSnapshot,
+    SchedulerStats,
+)
 from rankcast.worker.extension import import_class
 
 logger = logging.getLogger(__name__)
@@ -138,7 +143,7 @@ class EngineCore:
         """
         utilities = {
             "ping": lambda: "pong",
-            "get_stats": lambda: msgspec.structs.asdict(self.scheduler.stats()),
+            "get_stats": lambda: msgspec.structs.asdict(self.stats()),
             "snapshot": lambda: msgspec.to_builtins(self.snapshot()),
             "collective_rpc": self.collective_rpc,
         }
@@ -158,6 +163,13 @@ class EngineCore:
     def snapshot(self) -> EngineStateSnapshot:
         return self.notifications.snapshot()
 
+    def stats(self) -> SchedulerStats:
+        """The scheduler's load figures plus what the notification channel has cost so far."""
+        stats = self.scheduler.stats()
+        stats.notification_gathers = self.notifications.gathers
+        stats.notification_gather_seconds = self.notifications.gather_seconds
+        return stats
+
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute and account for one step; notifications gathered so far ride along."""
         batch = self.scheduler.schedule()
@@ -171,7 +183,7 @@ class EngineCore:
         return EngineCoreOutputs(
             engine_index=self.engine_index,
             outputs=outputs,
-            scheduler_stats=self.scheduler.stats(),
+            scheduler_stats=self.stats(),
             timestamp=time.time(),
             finished_requests=[o.request_id for o in outputs if o.finished] or None,
             engine_notifications=self.notifications.flush(),

@@ -210,7 +210,7 @@ class EngineCoreProc:
                 client,
                 EngineCoreOutputs(
                     self.engine_index,
-                    scheduler_stats=self.core.scheduler.stats(),
+                    scheduler_stats=self.core.stats(),
                     timestamp=time.time(),
                 ),
             )
@@ -291,7 +291,7 @@ class EngineCoreProc:
     def _idle_tick(self) -> None:
         """No step ran: look at the doorbell (and poll), then send what changed."""
         self.core.notifications.collect()
-        stats = self.core.scheduler.stats()
+        stats = self.core.stats()
         changed = stats != self.last_stats
         self.last_stats = stats
         self._broadcast(stats if changed else None)

@@ -79,6 +79,7 @@ class EngineNotificationChannel:
         self.tp_size = tensor_parallel_size
         self.capacity = config.engine_notification_buffer_size
         self.poll_interval = config.poll_interval
+        self.use_doorbell = config.worker_notification_doorbell
         self.pending: collections.deque[Notification] = collections.deque()
         self.dropped = 0
         self.next_engine_seq = 0
@@ -125,13 +126,13 @@ class EngineNotificationChannel:
 
     def collect(self) -> int:
         """Gather if a rank rang the doorbell or the poll is due; otherwise cost nothing."""
-        if self.poll_due() or self.executor.notifications_pending():
+        if self.poll_due() or (self.use_doorbell and self.executor.notifications_pending()):
             return self.gather()
         return 0
 
     def idle_wait(self, longest: float) -> float:
         """How long an idle engine may wait for input before it must look again."""
-        wait = min(longest, DOORBELL_IDLE_CHECK_S)
+        wait = min(longest, DOORBELL_IDLE_CHECK_S) if self.use_doorbell else longest
         if self.poll_interval is not None:
             until_poll = self.poll_interval - (time.monotonic() - self.last_gather)
             wait = min(wait, max(0.0, until_poll))

@@ -55,6 +55,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         "suffices; or RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL)",
     )
     parser.add_argument(
+        "--no-worker-notification-doorbell",
+        dest="worker_notification_doorbell",
+        action="store_false",
+        help="ignore the doorbell, so events wait for the poll (for measuring the two)",
+    )
+    parser.add_argument(
         "--worker-notification-buffer-size",
         type=int,
         default=1024,
@@ -101,6 +107,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         distributed_executor_backend=args.distributed_executor_backend,
         worker_extension_cls=args.worker_extension_cls,
         worker_notification_poll_interval=args.worker_notification_poll_interval,
+        worker_notification_doorbell=args.worker_notification_doorbell,
         worker_notification_buffer_size=args.worker_notification_buffer_size,
         engine_notification_buffer_size=args.engine_notification_buffer_size,
         notification_events_endpoint=args.notification_events_endpoint,

@@ -106,6 +106,18 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.gathers = Gauge(
+            "rankcast:notification_gathers",
+            "Notification gathers (one collective RPC each) the engine core made since it started.",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.gather_seconds = Gauge(
+            "rankcast:notification_gather_seconds",
+            "Seconds the engine core spent in notification gathers since it started.",
+            ["engine"],
+            registry=self.registry,
+        )
         self.notifications_total = Counter(
             "rankcast:engine_notifications",
             "Engine notifications received, by type and (for custom events) key.",
@@ -150,6 +162,8 @@ class ServerMetrics:
         self.waiting.labels(*labels).set(stats.num_waiting_reqs)
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
         self.preemptions.labels(*labels).set(stats.num_preemptions)
+        self.gathers.labels(str(engine_index)).set(stats.notification_gathers)
+        self.gather_seconds.labels(str(engine_index)).set(stats.notification_gather_seconds)
         config = (str(stats.block_size), str(stats.num_blocks))
         if self._cache_labels.get(engine_index) != config:
             previous = self._cache_labels.get(engine_index)

@@ -1,0 +1,36 @@
+"""A worker extension that generates notification load for bench/notifications.py.
+
+Used as `--worker-extension-cls bench.event_load:EventLoad`; `start_event_load` runs in every
+rank through `POST /collective_rpc` (or `LLM.collective_rpc`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rankcast.notifications import CustomNotification, publish_worker_notification
+
+
+class EventLoad:
+    rank: int
+
+    def start_event_load(self, rate: float, seconds: float, key: str = "bench.load") -> int:
+        """Publish `rate` events per second for `seconds` from a background thread, paced in
+        small bursts so high rates are not limited by sleep granularity."""
+
+        def load() -> None:
+            start = time.perf_counter()
+            sent = 0
+            total = int(rate * seconds)
+            while sent < total:
+                due = min(total, int((time.perf_counter() - start) * rate) + 1)
+                while sent < due:
+                    publish_worker_notification(
+                        CustomNotification(key=key, payload={"i": sent, "rank": self.rank})
+                    )
+                    sent += 1
+                time.sleep(0.001)
+
+        threading.Thread(target=load, name="event-load", daemon=True).start()
+        return self.rank

@@ -202,7 +202,9 @@ def part_a(events: int, rate: float) -> list[dict[str, Any]]:
 # ---- (b) throughput overhead ----
 
 
-def _offline_run(world: dict[str, int], rate: float | None) -> dict[str, float]:
+def _offline_run(
+    world: dict[str, int], rate: float | None, publish: bool = True
+) -> dict[str, float]:
     from rankcast import LLM, SamplingParams
 
     data = json.loads(WORKLOAD.read_text())
@@ -218,7 +220,7 @@ def _offline_run(world: dict[str, int], rate: float | None) -> dict[str, float]:
         llm.chat(chats[:2], SamplingParams(temperature=0.0, max_tokens=4))
         llm.take_notifications()
         if rate:
-            llm.collective_rpc("start_event_load", [rate, 120.0, "bench.overhead"])
+            llm.collective_rpc("start_event_load", [rate, 120.0, "bench.overhead", publish])
         start = time.perf_counter()
         outs = llm.chat(chats, params)
         seconds = time.perf_counter() - start
@@ -234,25 +236,31 @@ def _offline_run(world: dict[str, int], rate: float | None) -> dict[str, float]:
 def part_b(rate: float, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for name, world in (("1 rank", {}), ("PP=2", {"pipeline_parallel_size": 2})):
-        runs: dict[str, list[dict[str, float]]] = {"quiet": [], "loaded": []}
-        for _ in range(repeats):  # alternate, so drift in the machine hits both alike
+        runs: dict[str, list[dict[str, float]]] = {"quiet": [], "thread": [], "loaded": []}
+        for _ in range(repeats):  # interleave, so drift in the machine hits all alike
             runs["quiet"].append(_offline_run(world, None))
+            runs["thread"].append(_offline_run(world, rate, publish=False))
             runs["loaded"].append(_offline_run(world, rate))
         quiet = statistics.mean(r["tokens_per_s"] for r in runs["quiet"])
+        thread = statistics.mean(r["tokens_per_s"] for r in runs["thread"])
         loaded = statistics.mean(r["tokens_per_s"] for r in runs["loaded"])
         events_per_s = statistics.mean(r["events_delivered"] / r["seconds"] for r in runs["loaded"])
         row = {
             "layout": name,
             "quiet_tok_s": quiet,
+            "pacing_thread_only_tok_s": thread,
             "loaded_tok_s": loaded,
             "overhead_pct": (1 - loaded / quiet) * 100,
+            "channel_overhead_pct": (1 - loaded / thread) * 100,
             "events_per_s_delivered": events_per_s,
             "runs": runs,
         }
         rows.append(row)
         print(
-            f"  (b) {name:<6} quiet {quiet:6.1f} tok/s  at {rate:.0f} ev/s/rank {loaded:6.1f} "
-            f"tok/s  overhead {row['overhead_pct']:+5.1f} %  ({events_per_s:.0f} ev/s delivered)",
+            f"  (b) {name:<6} quiet {quiet:6.1f} tok/s | pacing thread, no events {thread:6.1f} | "
+            f"{rate:.0f} ev/s/rank {loaded:6.1f} tok/s: overhead {row['overhead_pct']:+5.1f} % "
+            f"(channel alone {row['channel_overhead_pct']:+5.1f} %, "
+            f"{events_per_s:.0f} ev/s delivered)",
             flush=True,
         )
     return rows
@@ -384,8 +392,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--parts", default="abc")
-    parser.add_argument("--latency-events", type=int, default=100)
-    parser.add_argument("--latency-rate", type=float, default=20.0)
+    parser.add_argument("--latency-events", type=int, default=60)
+    parser.add_argument("--latency-rate", type=float, default=7.3)  # not a multiple of the poll
     parser.add_argument("--overhead-rate", type=float, default=1000.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--capacity-seconds", type=float, default=3.0)

@@ -38,7 +38,7 @@ ENGINE_RANK = -1
 
 
 def notification_type(n: Notification) -> str:
-    return msgspec.inspect.type_info(type(n)).tag  # type: ignore[attr-defined,no-any-return]
+    return n.__struct_config__.tag  # type: ignore[return-value]
 
 
 class NotificationLedger:

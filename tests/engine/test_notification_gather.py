@@ -191,3 +191,23 @@ def test_the_engine_pending_list_is_bounded_with_counted_drops(tiny_llama_dir: P
         assert isinstance(got[0], NotificationsDropped)
         assert (got[0].count, got[0].rank) == (6, -1)
         assert [n.payload["i"] for n in _custom(got)] == [6, 7, 8, 9]
+
+
+def test_with_the_doorbell_off_an_idle_engine_hears_events_only_on_the_poll(
+    tiny_llama_dir: Path,
+) -> None:
+    interval = 0.3
+    with _llm(
+        tiny_llama_dir,
+        worker_notification_doorbell=False,
+        worker_notification_poll_interval=interval,
+    ) as llm:
+        channel = llm.engine.client.core.notifications
+        assert 0 < channel.idle_wait(1.0) <= interval, "the idle wait times out at the poll"
+        llm.take_notifications()
+        # A plain collective (not the utility), so nothing but the poll can gather it.
+        llm.engine.client.core.executor.collective_rpc("publish_events", (1,))
+        start = time.monotonic()
+        assert _custom(llm.take_notifications()) == [], "the poll was not due yet"
+        _wait_for(llm, 1)
+        assert time.monotonic() - start >= interval * 0.5

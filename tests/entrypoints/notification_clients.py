@@ -8,9 +8,26 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+PRODUCER = "tests.worker.producers:EventProducer"
+
+
+def producer_server_args(model: Path, *layout: str) -> list[str]:
+    """`rankcast serve` arguments for the tiny model with the test producer in every rank."""
+    return [
+        str(model),
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.05",
+        "--worker-extension-cls",
+        PRODUCER,
+        *layout,
+    ]
 
 
 @dataclass

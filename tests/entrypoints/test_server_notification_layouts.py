@@ -11,6 +11,7 @@ import pytest
 
 from tests.entrypoints.notification_clients import (
     open_event_streams,
+    producer_server_args,
     scrape_each,
     series,
     worker_rpc,
@@ -42,17 +43,9 @@ def server(
     site = _install_plugin(tmp_path_factory.mktemp("site"))
     path = os.pathsep.join(p for p in (str(site), str(REPO), os.environ.get("PYTHONPATH")) if p)
     proc = ServerProcess(
-        str(tiny_llama_dir),
-        "--dtype",
-        "float32",
-        "--kv-cache-space",
-        "0.05",
-        "--pipeline-parallel-size",
-        "2",
-        "--data-parallel-size",
-        "2",
-        "--worker-extension-cls",
-        "tests.worker.producers:EventProducer",
+        *producer_server_args(
+            tiny_llama_dir, "--pipeline-parallel-size", "2", "--data-parallel-size", "2"
+        ),
         api_server_count=SERVERS,
         env={"PYTHONPATH": path},
     )

@@ -24,6 +24,7 @@ from rankcast.notifications import NotificationBatch, NotificationDecoder
 from rankcast.protocol import EngineStateSnapshot
 from tests.entrypoints.notification_clients import (
     open_event_streams,
+    producer_server_args,
     scrape_each,
     series,
     worker_rpc,
@@ -45,15 +46,7 @@ CHANNEL_SERIES = (
 def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     pub, replay = free_port(), free_port()
     proc = ServerProcess(
-        str(tiny_llama_dir),
-        "--dtype",
-        "float32",
-        "--kv-cache-space",
-        "0.05",
-        "--tensor-parallel-size",
-        "2",
-        "--worker-extension-cls",
-        "tests.worker.producers:EventProducer",
+        *producer_server_args(tiny_llama_dir, "--tensor-parallel-size", "2"),
         "--worker-notification-buffer-size",
         str(BUFFER),
         "--notification-events-endpoint",

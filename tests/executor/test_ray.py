@@ -17,6 +17,7 @@ from rankcast.executor.base import ExecutorError
 from rankcast.notifications import WEIGHTS_LOADED_KEY, CustomNotification
 from tests.entrypoints.notification_clients import (
     open_event_streams,
+    producer_server_args,
     scrape_each,
     series,
     worker_rpc,
@@ -145,17 +146,9 @@ def test_ray_dead_actor_fails_the_engine(ray_tp2: LLM) -> None:
 
 def test_ray_ranks_reach_every_api_server(ray_cluster: str, tiny_llama_dir: Path) -> None:
     server = ServerProcess(
-        str(tiny_llama_dir),
-        "--dtype",
-        "float32",
-        "--kv-cache-space",
-        "0.05",
-        "--tensor-parallel-size",
-        "2",
-        "--distributed-executor-backend",
-        "ray",
-        "--worker-extension-cls",
-        "tests.worker.producers:EventProducer",
+        *producer_server_args(
+            tiny_llama_dir, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"
+        ),
         api_server_count=3,
     )
     try:

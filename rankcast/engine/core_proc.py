@@ -27,6 +27,7 @@ import zmq
 from rankcast.config import EngineConfig
 from rankcast.engine.addresses import EngineAddresses
 from rankcast.engine.core import EngineCore
+from rankcast.engine.notification_channel import GatherError
 from rankcast.engine.notification_publisher import NotificationPublisher
 from rankcast.executor.base import ExecutorError
 from rankcast.logger import init_logging
@@ -231,6 +232,8 @@ class EngineCoreProc:
             return UtilityOutput(
                 request.call_id, result=self.core.call_utility(request.method, *request.args)
             )
+        except GatherError:
+            raise  # a rank failed under the channel: the engine stops, loudly
         except ValueError as exc:
             return UtilityOutput(request.call_id, error=str(exc))
         except Exception as exc:

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from rankcast.config import NotificationConfig
-from rankcast.executor.base import Executor
+from rankcast.executor.base import Executor, ExecutorError
 from rankcast.notifications import (
     WEIGHTS_LOADED_KEY,
     CustomNotification,
@@ -39,6 +39,11 @@ ENGINE_RANK = -1
 
 def notification_type(n: Notification) -> str:
     return n.__struct_config__.tag  # type: ignore[return-value]
+
+
+class GatherError(ExecutorError):
+    """A rank failed while its notifications were gathered: the engine cannot go on without
+    losing events silently, so this is fatal wherever it surfaces (even inside a utility)."""
 
 
 class NotificationLedger:
@@ -98,7 +103,10 @@ class EngineNotificationChannel:
         self.last_gather = time.monotonic()
         # This gather drains whatever rang so far; only a ring from now on means more.
         self.executor.notifications_pending()
-        batches = self.executor.collective_rpc("take_notifications")
+        try:
+            batches = self.executor.collective_rpc("take_notifications")
+        except ExecutorError as exc:
+            raise GatherError(f"notification gather failed: {exc}") from exc
         arrived = 0
         for rank, batch in enumerate(batches):
             if not batch:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rankcast import LLM, SamplingParams
+from rankcast.engine.notification_channel import GatherError
 from rankcast.executor.base import ExecutorError
 from rankcast.notifications import (
     WEIGHTS_LOADED_KEY,
@@ -138,7 +139,7 @@ def test_a_rank_failing_during_a_gather_fails_loudly_and_leaves_no_stale_reply(
     with _llm(tiny_llama_dir, tensor_parallel_size=2) as llm:
         core = llm.engine.client.core
         core.executor.collective_rpc("break_notification_drain", (1,))
-        with pytest.raises(ExecutorError, match=r"rank 1 failed in take_notifications"):
+        with pytest.raises(GatherError, match=r"rank 1 failed in take_notifications"):
             core.gather_worker_notifications()
         assert core.executor.collective_rpc("rank_info") == [(0, 0, 0), (1, 0, 1)]
 

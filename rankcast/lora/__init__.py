@@ -1,0 +1,1 @@
+"""LoRA adapters: PEFT loading and validation, tensor-parallel sharding."""

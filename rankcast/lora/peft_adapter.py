@@ -1,0 +1,228 @@
+"""PEFT LoRA adapters: read what `peft`'s `save_pretrained` writes, validate it against the model,
+and cut each rank's tensor-parallel shard.
+
+An adapter directory holds `adapter_config.json` and `adapter_model.safetensors`. Everything is
+checked before anything is handed to the engine, so a bad adapter is an error that names the file
+and the problem, and never a half-loaded one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rankcast.model.arch import ArchConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# The projections an adapter may target, and whether each is split by output (column) or by
+# input (row) across tensor-parallel ranks.
+COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_MODULES = ("o_proj", "down_proj")
+TARGETABLE = COLUMN_MODULES + ROW_MODULES
+
+
+class LoRAAdapterError(ValueError):
+    """An adapter cannot be used; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One projection's low-rank pair: delta(x) = scaling * B @ (A @ x)."""
+
+    a: torch.Tensor  # [r, in_features]
+    b: torch.Tensor  # [out_features, r]
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    name: str
+    path: Path
+    rank: int
+    scaling: float
+    # (layer index, module name) -> weights; the module names are the checkpoint's (q_proj, ...).
+    weights: dict[tuple[int, str], LoRAWeights]
+
+    @property
+    def target_modules(self) -> frozenset[str]:
+        return frozenset(module for _, module in self.weights)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
+
+
+def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each targetable projection, unsharded."""
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def check_allowed(path: Path, allowed_roots: list[Path] | None) -> Path:
+    """The adapter's real path, if it lies under an allowed root (symlinks resolved first)."""
+    resolved = path.expanduser().resolve()
+    if allowed_roots is None:
+        return resolved
+    for root in allowed_roots:
+        if resolved.is_relative_to(root.expanduser().resolve()):
+            return resolved
+    roots = ", ".join(str(r) for r in allowed_roots) or "none configured"
+    raise LoRAAdapterError(
+        f"{path}: adapters may only be loaded from under the allowed roots ({roots}); "
+        "see --allowed-lora-paths"
+    )
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    config_path = directory / CONFIG_FILE
+    if not directory.is_dir():
+        raise LoRAAdapterError(f"{directory}: adapter directory does not exist")
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise LoRAAdapterError(f"{config_path}: missing (not a PEFT adapter directory?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoRAAdapterError(f"{config_path}: unreadable: {exc}") from None
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(f"{config_path}: expected a JSON object")
+    return config
+
+
+def _check_config(
+    config: dict[str, Any], config_path: Path, max_lora_rank: int
+) -> tuple[int, float]:
+    """The adapter's rank and scaling, after refusing what rankcast does not apply."""
+
+    def refuse(why: str) -> LoRAAdapterError:
+        return LoRAAdapterError(f"{config_path}: {why}")
+
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise refuse(f"peft_type {config.get('peft_type')!r} is not LORA")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise refuse(f"r must be a positive integer, got {rank!r}")
+    if rank > max_lora_rank:
+        raise refuse(f"rank {rank} exceeds --max-lora-rank {max_lora_rank}")
+    if config.get("bias", "none") != "none":
+        raise refuse(f"bias {config.get('bias')!r} is not supported (only 'none')")
+    for flag in ("use_dora", "fan_in_fan_out"):
+        if config.get(flag):
+            raise refuse(f"{flag} is not supported")
+    for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform"):
+        if config.get(key):
+            raise refuse(f"{key} is not supported")
+    alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, int | float) or alpha <= 0:
+        raise refuse(f"lora_alpha must be a positive number, got {alpha!r}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, float(scaling)
+
+
+def _parse_key(key: str) -> tuple[int, str, str] | None:
+    """`...layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight` -> (i, module, A|B)."""
+    parts = key.split(".")
+    if len(parts) < 5 or parts[-1] != "weight" or parts[-2] not in ("lora_A", "lora_B"):
+        return None
+    try:
+        layer = int(parts[parts.index("layers") + 1])
+    except (ValueError, IndexError):
+        return None
+    return layer, parts[-3], parts[-2][-1]
+
+
+def load_peft_adapter(
+    name: str,
+    path: str | Path,
+    arch: ArchConfig,
+    max_lora_rank: int,
+    allowed_roots: list[Path] | None = None,
+) -> LoRAAdapter:
+    """Read and check a PEFT LoRA adapter; raises LoRAAdapterError naming the file and problem."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = check_allowed(Path(path), allowed_roots)
+    config_path = directory / CONFIG_FILE
+    rank, scaling = _check_config(_read_config(directory), config_path, max_lora_rank)
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.is_file():
+        hint = (
+            " (adapter_model.bin is not read: save with safe_serialization)"
+            if (directory / "adapter_model.bin").exists()
+            else ""
+        )
+        raise LoRAAdapterError(f"{weights_path}: missing{hint}")
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError) as exc:
+        raise LoRAAdapterError(f"{weights_path}: unreadable: {exc}") from None
+
+    shapes = module_shapes(arch)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        parsed = _parse_key(key)
+        if parsed is None:
+            raise LoRAAdapterError(f"{weights_path}: unexpected tensor {key!r}")
+        layer, module, half = parsed
+        if module not in TARGETABLE:
+            raise LoRAAdapterError(
+                f"{weights_path}: {key!r} targets {module!r}; the model's targetable modules are "
+                f"{', '.join(TARGETABLE)}"
+            )
+        if not 0 <= layer < arch.num_hidden_layers:
+            raise LoRAAdapterError(
+                f"{weights_path}: {key!r} is for layer {layer}; the model has "
+                f"{arch.num_hidden_layers}"
+            )
+        in_features, out_features = shapes[module]
+        want = (rank, in_features) if half == "A" else (out_features, rank)
+        if tuple(tensor.shape) != want:
+            raise LoRAAdapterError(
+                f"{weights_path}: {key!r} has shape {tuple(tensor.shape)}, expected {want} "
+                f"(rank {rank}, {module} of this model)"
+            )
+        halves.setdefault((layer, module), {})[half] = tensor.to(torch.float32)
+    if not halves:
+        raise LoRAAdapterError(f"{weights_path}: holds no LoRA tensors")
+    weights = {}
+    for (layer, module), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise LoRAAdapterError(
+                f"{weights_path}: layer {layer} {module} has no {missing} weight"
+            )
+        weights[(layer, module)] = LoRAWeights(pair["A"].contiguous(), pair["B"].contiguous())
+    return LoRAAdapter(name, directory, rank, scaling, weights)
+
+
+def shard_for_rank(adapter: LoRAAdapter, tp_rank: int, tp_size: int) -> LoRAAdapter:
+    """This tensor-parallel rank's part: column-parallel projections keep A whole and take their
+    rows of B; row-parallel ones take their columns of A and keep B whole (the layer's
+    all-reduce then sums the partial deltas with the partial outputs)."""
+    if tp_size == 1:
+        return adapter
+    sharded = {}
+    for key, w in adapter.weights.items():
+        module = key[1]
+        if module in COLUMN_MODULES:
+            size = w.b.shape[0] // tp_size
+            sharded[key] = LoRAWeights(w.a, w.b.narrow(0, tp_rank * size, size).contiguous())
+        else:
+            size = w.a.shape[1] // tp_size
+            sharded[key] = LoRAWeights(w.a.narrow(1, tp_rank * size, size).contiguous(), w.b)
+    return LoRAAdapter(adapter.name, adapter.path, adapter.rank, adapter.scaling, sharded)

@@ -129,3 +129,16 @@ def test_a_too_slow_reader_is_told_and_disconnected() -> None:
         assert not hub.subscribers
 
     asyncio.run(run())
+
+
+def test_closing_the_hub_ends_open_streams() -> None:
+    async def run() -> None:
+        hub = EventHub()
+        stream = hub.stream(EventFilter(), None)
+        assert (await stream.__anext__()).startswith(b":")
+        hub.close()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(stream.__anext__(), 5)
+        assert not hub.subscribers
+
+    asyncio.run(run())

@@ -232,9 +232,17 @@ def run_api_server(
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         ready.send(("ready",) if server.started else ("error", "uvicorn did not start"))
+
+        async def end_event_streams_on_shutdown() -> None:
+            while not server.should_exit:
+                await asyncio.sleep(0.1)
+            events.close()
+
+        watcher = asyncio.create_task(end_event_streams_on_shutdown())
         try:
             await task
         finally:
+            watcher.cancel()
             engine.shutdown()
 
     asyncio.run(serve())

@@ -62,7 +62,7 @@ class EventFilter:
 
 @dataclass(eq=False)
 class _Subscriber:
-    queue: asyncio.Queue[Event] = field(
+    queue: asyncio.Queue[Event | None] = field(
         default_factory=lambda: asyncio.Queue(maxsize=_SUBSCRIBER_QUEUE)
     )
     overflowed: bool = False
@@ -108,6 +108,18 @@ class EventHub:
                     subscriber.queue.put_nowait(event)
                 except asyncio.QueueFull:
                     subscriber.overflowed = True
+
+    def close(self) -> None:
+        """End every open stream (the server is shutting down): streams would otherwise hold
+        the graceful shutdown until its timeout."""
+        for subscriber in self.subscribers:
+            subscriber.overflowed = True  # nothing more is queued for it
+            while True:
+                try:
+                    subscriber.queue.put_nowait(None)
+                    break
+                except asyncio.QueueFull:
+                    subscriber.queue.get_nowait()
 
     def _replay(self, last_event_id: str | None) -> tuple[list[Event], bytes | None]:
         """What a resuming client missed, and the gap notice when the ring cannot say."""
@@ -160,6 +172,8 @@ class EventHub:
                 except TimeoutError:
                     yield b": keepalive\n\n"
                     continue
+                if event is None:
+                    return
                 if event_filter.matches(event):
                     yield event.frame()
         finally:

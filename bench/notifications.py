@@ -357,13 +357,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     if results.get("b"):
         rows = results["b"]
         x = range(len(rows))
-        axes[1].bar([i - 0.2 for i in x], [r["quiet_tok_s"] for r in rows], 0.4, label="quiet")
-        axes[1].bar(
-            [i + 0.2 for i in x],
-            [r["loaded_tok_s"] for r in rows],
-            0.4,
-            label="1,000 ev/s per rank",
+        width = 0.27
+        bars = (
+            ("quiet_tok_s", "quiet"),
+            ("pacing_thread_only_tok_s", "thread, no events"),
+            ("loaded_tok_s", "1,000 ev/s per rank"),
         )
+        for n, (field, label) in enumerate(bars):
+            offsets = [i + (n - 1) * width for i in x]
+            axes[1].bar(offsets, [r[field] for r in rows], width, label=label)
         axes[1].set_xticks(list(x), [r["layout"] for r in rows])
         axes[1].set_ylabel("decode tokens/s")
         axes[1].set_title("(b) channel cost on throughput")
@@ -399,11 +401,17 @@ def main() -> None:
     parser.add_argument("--capacity-seconds", type=float, default=3.0)
     parser.add_argument("--rates", default="1000,2000,4000,8000,16000,32000")
     parser.add_argument("--out", default=str(RESULTS / "notifications.json"))
+    parser.add_argument(
+        "--plot-only", action="store_true", help="redraw the PNG from an existing --out file"
+    )
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
     os.environ.setdefault("RANKCAST_LOG_LEVEL", "WARNING")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+        return
     results: dict[str, Any] = {}
     if "a" in args.parts:
         print("(a) latency, publish -> visible on every API server", flush=True)

@@ -39,14 +39,24 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self.executor = Executor.create(config, source, engine_index)
         try:
-            num_blocks = self._set_up_cache()
+            self._start()
         except BaseException:
             # Ranks are separate processes: a failed start must not leave them behind.
             self.executor.shutdown()
             raise
+
+    def _start(self) -> None:
+        """Everything after the ranks are up: cache, scheduler, notification channel."""
+        config = self.config
+        num_blocks = min(self.executor.collective_rpc("num_available_blocks"))
         block_size = config.cache.block_size
+        self.max_model_len = self._resolve_max_model_len(num_blocks * block_size)
+        self.executor.collective_rpc("initialize_cache", (num_blocks,))
         self.notifications = EngineNotificationChannel(
-            self.executor, engine_index, config.parallel.tensor_parallel_size, config.notifications
+            self.executor,
+            self.engine_index,
+            config.parallel.tensor_parallel_size,
+            config.notifications,
         )
         self.extension_methods = self._extension_methods()
         self.scheduler = Scheduler(
@@ -59,12 +69,6 @@ class EngineCore:
             num_blocks * block_size,
             self.max_model_len,
         )
-
-    def _set_up_cache(self) -> int:
-        num_blocks = min(self.executor.collective_rpc("num_available_blocks"))
-        self.max_model_len = self._resolve_max_model_len(num_blocks * self.config.cache.block_size)
-        self.executor.collective_rpc("initialize_cache", (num_blocks,))
-        return num_blocks  # type: ignore[no-any-return]
 
     def _resolve_max_model_len(self, cache_tokens: int) -> int:
         """The model's context unless the user asks for less; never more than the cache holds."""

@@ -169,6 +169,8 @@ class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     start_position: int
     block_ids: list[int]
     sampling_params: SamplingParams | None = None
+    # The LoRA slot this sequence's tokens use on every rank (-1: the base model).
+    lora_slot: int = -1
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -1,5 +1,5 @@
 """PEFT LoRA adapters: read what `peft`'s `save_pretrained` writes, validate it against the model,
-and cut each rank's tensor-parallel shard.
+(each projection cuts its own tensor-parallel shard: rankcast/lora/layers.py).
 
 An adapter directory holds `adapter_config.json` and `adapter_model.safetensors`. Everything is
 checked before anything is handed to the engine, so a bad adapter is an error that names the file
@@ -20,11 +20,8 @@ from rankcast.model.arch import ArchConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The projections an adapter may target, and whether each is split by output (column) or by
-# input (row) across tensor-parallel ranks.
-COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_MODULES = ("o_proj", "down_proj")
-TARGETABLE = COLUMN_MODULES + ROW_MODULES
+# The projections an adapter may target.
+TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoRAAdapterError(ValueError):
@@ -208,21 +205,3 @@ def load_peft_adapter(
             )
         weights[(layer, module)] = LoRAWeights(pair["A"].contiguous(), pair["B"].contiguous())
     return LoRAAdapter(name, directory, rank, scaling, weights)
-
-
-def shard_for_rank(adapter: LoRAAdapter, tp_rank: int, tp_size: int) -> LoRAAdapter:
-    """This tensor-parallel rank's part: column-parallel projections keep A whole and take their
-    rows of B; row-parallel ones take their columns of A and keep B whole (the layer's
-    all-reduce then sums the partial deltas with the partial outputs)."""
-    if tp_size == 1:
-        return adapter
-    sharded = {}
-    for key, w in adapter.weights.items():
-        module = key[1]
-        if module in COLUMN_MODULES:
-            size = w.b.shape[0] // tp_size
-            sharded[key] = LoRAWeights(w.a, w.b.narrow(0, tp_rank * size, size).contiguous())
-        else:
-            size = w.a.shape[1] // tp_size
-            sharded[key] = LoRAWeights(w.a.narrow(1, tp_rank * size, size).contiguous(), w.b)
-    return LoRAAdapter(adapter.name, adapter.path, adapter.rank, adapter.scaling, sharded)

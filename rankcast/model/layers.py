@@ -8,12 +8,16 @@ model definition never changes with the layout.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rankcast.distributed import TensorParallelGroup
+
+if TYPE_CHECKING:
+    from rankcast.lora.layers import LoRALinear
 
 WeightLoader = Callable[..., None]
 
@@ -96,6 +100,9 @@ class RMSNorm(nn.Module):
 class ColumnParallelLinear(PackedLinearMixin, nn.Module):
     """y = x W^T with W split by output rows; each rank produces its slice of the output."""
 
+    # Adapter slots, when LoRA is enabled (rankcast/lora/layers.py attaches them).
+    lora: LoRALinear | None = None
+
     def __init__(
         self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup
     ) -> None:
@@ -115,7 +122,10 @@ class ColumnParallelLinear(PackedLinearMixin, nn.Module):
         _copy_checked(param, loaded.narrow(0, self.tp.rank * shard, shard), "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight, self.bias)
+        out = self.matmul(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, out)
+        return out
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -178,6 +188,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(PackedLinearMixin, nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
 
+    lora: LoRALinear | None = None
+
     def __init__(
         self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup
     ) -> None:
@@ -197,7 +209,11 @@ class RowParallelLinear(PackedLinearMixin, nn.Module):
         _copy_checked(param, loaded.narrow(1, self.tp.rank * shard, shard), "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(x, self.weight, None))
+        partial = self.matmul(x, self.weight, None)
+        if self.lora is not None:
+            # Each rank's partial adapter delta rides the same all-reduce as the output.
+            self.lora.add_to(x, partial)
+        y = self.tp.all_reduce(partial)
         return y + self.bias if self.bias is not None else y
 
 

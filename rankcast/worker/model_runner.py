@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rankcast.lora.layers import LoRABatch, LoRAContext, LoRALinear, attach_lora
+from rankcast.lora.peft_adapter import LoRAAdapter
 from rankcast.model.arch import ArchConfig
 from rankcast.model.attention import AttentionMetadata
 from rankcast.model.llama import LlamaForCausalLM
@@ -40,6 +42,27 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, _RequestState] = {}
+        self.lora_context: LoRAContext | None = None
+        self.lora_layers: dict[int, list[LoRALinear]] = {}
+
+    # ---- LoRA slots ----
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """Give the projections `max_loras` adapter slots (done once, before serving)."""
+        self.lora_context, self.lora_layers = attach_lora(self.model, max_loras, max_rank)
+
+    def set_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Write `adapter` (whole; each layer cuts its own shard) into `slot` on this rank."""
+        if self.lora_context is None:
+            raise RuntimeError("LoRA is not enabled on this engine (enable_lora)")
+        for layer, projections in self.lora_layers.items():
+            for projection in projections:
+                projection.set_slot(slot, adapter, layer)
+
+    def clear_lora(self, slot: int) -> None:
+        for projections in self.lora_layers.values():
+            for projection in projections:
+                projection.clear_slot(slot)
 
     # ---- KV cache ----
 
@@ -117,6 +140,9 @@ class ModelRunner:
             meta.attn_bias = bias.masked_fill_(beyond, float("-inf"))[:, None, None, :]
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        if self.lora_context is not None:
+            token_slots = [s.lora_slot for s in batch.sequences for _ in s.token_ids]
+            self.lora_context.batch = LoRABatch.from_token_slots(token_slots, dev)
         return ids, pos, meta, last_indices
 
     @torch.inference_mode()

@@ -12,11 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rankcast.lora.peft_adapter import (
-    LoRAAdapterError,
-    load_peft_adapter,
-    shard_for_rank,
-)
+from rankcast.lora.peft_adapter import LoRAAdapterError, load_peft_adapter
 from rankcast.model.arch import ArchConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -79,28 +75,6 @@ def test_rslora_scales_by_the_square_root_of_the_rank(
     _make_adapter(tiny_llama_dir, tmp_path / "rs", rank=8, alpha=16, use_rslora=True)
     adapter = load_peft_adapter("rs", tmp_path / "rs", arch, max_lora_rank=8)
     assert adapter.scaling == pytest.approx(16 / math.sqrt(8))
-
-
-def test_tensor_parallel_shards_add_up_to_the_whole_delta(
-    adapter_dir: Path, arch: ArchConfig
-) -> None:
-    full = load_peft_adapter("a", adapter_dir, arch, max_lora_rank=16)
-    shards = [shard_for_rank(full, r, 2) for r in range(2)]
-    x = torch.randn(2, arch.hidden_size)
-    # Column-parallel: each rank computes its slice of the output.
-    w = full.weights[(0, "q_proj")]
-    parts = [(x @ s.weights[(0, "q_proj")].a.T) @ s.weights[(0, "q_proj")].b.T for s in shards]
-    torch.testing.assert_close(torch.cat(parts, dim=-1), (x @ w.a.T) @ w.b.T)
-    # Row-parallel: each rank sees its slice of the input; partial deltas sum (the all-reduce).
-    w = full.weights[(0, "o_proj")]
-    q = arch.num_attention_heads * arch.head_dim
-    xo = torch.randn(2, q)
-    halves = xo.chunk(2, dim=-1)
-    partial = [
-        (h @ s.weights[(0, "o_proj")].a.T) @ s.weights[(0, "o_proj")].b.T
-        for h, s in zip(halves, shards, strict=True)
-    ]
-    torch.testing.assert_close(partial[0] + partial[1], (xo @ w.a.T) @ w.b.T)
 
 
 def _copy(adapter_dir: Path, tmp_path: Path) -> Path:

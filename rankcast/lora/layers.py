@@ -1,0 +1,178 @@
+"""Batched multi-LoRA on the tensor-parallel projections, without merging weights.
+
+Each LoRA-enabled projection holds `max_loras` adapter slots: per sub-projection (q, k, v of a
+fused QKV; gate, up of a fused gate/up; or the one output of o/down), stacked A [slots, r, in]
+and B [slots, out, r], the scaling folded into B and empty slots zero. A step's tokens are
+grouped by the slot their request uses; each group adds `B_s (A_s x)` to its rows of the base
+output. Row-parallel projections add their partial delta before the all-reduce, which then sums
+it with the partial outputs, so no extra collective is needed.
+
+Each layer cuts its own shard from the whole adapter the way its `weight_loader` cuts the base
+weight (including KV heads replicated across ranks), so the adapter file is read once per rank
+and never pre-sharded by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rankcast.lora.peft_adapter import LoRAAdapter
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """Which adapter slot each token of a step uses, as (slot, token indices) groups; tokens of
+    requests without an adapter are in no group."""
+
+    groups: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def from_token_slots(cls, slots: list[int], device: torch.device) -> LoRABatch | None:
+        by_slot: dict[int, list[int]] = {}
+        for index, slot in enumerate(slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(index)
+        if not by_slot:
+            return None
+        return cls(
+            [
+                (slot, torch.tensor(indices, dtype=torch.long, device=device))
+                for slot, indices in by_slot.items()
+            ]
+        )
+
+
+class LoRAContext:
+    """The current step's `LoRABatch`, shared by every LoRA layer of one model; the model runner
+    sets it before the forward pass and clears it after."""
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None
+
+
+@dataclass(frozen=True)
+class SubProjection:
+    """One adapter-targetable projection inside a (possibly fused) layer, on this rank.
+
+    `out_offset`/`out_size`: its columns of the layer's local output. Column-parallel: this rank
+    takes rows `shard_index * out_size ...` of the adapter's B. Row-parallel (`in_shard` set):
+    it takes columns `in_shard * in_size ...` of A and all of B.
+    """
+
+    module: str
+    out_offset: int
+    out_size: int
+    shard_index: int = 0
+    in_shard: int | None = None
+
+
+class LoRALinear:
+    def __init__(
+        self,
+        context: LoRAContext,
+        subs: list[SubProjection],
+        in_size: int,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.context = context
+        self.subs = subs
+        self.in_size = in_size
+        self.a = [
+            torch.zeros(max_loras, max_rank, in_size, dtype=dtype, device=device) for _ in subs
+        ]
+        self.b = [
+            torch.zeros(max_loras, sub.out_size, max_rank, dtype=dtype, device=device)
+            for sub in subs
+        ]
+        self.active = [set[int]() for _ in subs]
+
+    def set_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
+        """Write this layer's shard of `adapter` into `slot` (modules it does not target: zero)."""
+        self.clear_slot(slot)
+        for i, sub in enumerate(self.subs):
+            weights = adapter.weights.get((layer, sub.module))
+            if weights is None:
+                continue
+            a, b = weights.a, weights.b * adapter.scaling
+            if sub.in_shard is None:
+                b = b.narrow(0, sub.shard_index * sub.out_size, sub.out_size)
+            else:
+                a = a.narrow(1, sub.in_shard * self.in_size, self.in_size)
+            rank = a.shape[0]
+            self.a[i][slot, :rank].copy_(a)
+            self.b[i][slot, :, :rank].copy_(b)
+            self.active[i].add(slot)
+
+    def clear_slot(self, slot: int) -> None:
+        for i in range(len(self.subs)):
+            self.a[i][slot].zero_()
+            self.b[i][slot].zero_()
+            self.active[i].discard(slot)
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add each token group's adapter delta to its rows of `out` (in place)."""
+        batch = self.context.batch
+        if batch is None:
+            return
+        for slot, rows in batch.groups:
+            xs = x.index_select(0, rows)
+            for i, sub in enumerate(self.subs):
+                if slot not in self.active[i]:
+                    continue
+                delta = (xs @ self.a[i][slot].T) @ self.b[i][slot].T
+                out.narrow(1, sub.out_offset, sub.out_size).index_add_(0, rows, delta)
+
+
+def attach_lora(
+    model: torch.nn.Module, max_loras: int, max_rank: int
+) -> tuple[LoRAContext, dict[int, list[LoRALinear]]]:
+    """Give every targetable projection of this stage's layers `max_loras` empty slots.
+
+    Returns the shared context and, per layer index, the layer's LoRA projections.
+    """
+    tp = model.tp
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
+    context = LoRAContext()
+    per_layer: dict[int, list[LoRALinear]] = {}
+    for key, layer in model.layers.items():
+        qkv = layer.self_attn.qkv_proj
+        q, kv = qkv.q_size, qkv.kv_size
+        kv_index = tp.rank // qkv.kv_replicas
+        gate_up = layer.mlp.gate_up_proj
+        half = gate_up.output_size_per_rank // 2
+        o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
+
+        def make(subs: list[SubProjection], in_size: int) -> LoRALinear:
+            return LoRALinear(context, subs, in_size, max_loras, max_rank, dtype, device)
+
+        qkv.lora = make(
+            [
+                SubProjection("q_proj", 0, q, tp.rank),
+                SubProjection("k_proj", q, kv, kv_index),
+                SubProjection("v_proj", q + kv, kv, kv_index),
+            ],
+            qkv.weight.shape[1],
+        )
+        gate_up.lora = make(
+            [
+                SubProjection("gate_proj", 0, half, tp.rank),
+                SubProjection("up_proj", half, half, tp.rank),
+            ],
+            gate_up.weight.shape[1],
+        )
+        o_proj.lora = make(
+            [SubProjection("o_proj", 0, o_proj.weight.shape[0], in_shard=tp.rank)],
+            o_proj.input_size_per_rank,
+        )
+        down.lora = make(
+            [SubProjection("down_proj", 0, down.weight.shape[0], in_shard=tp.rank)],
+            down.input_size_per_rank,
+        )
+        per_layer[int(key)] = [qkv.lora, gate_up.lora, o_proj.lora, down.lora]
+    return context, per_layer

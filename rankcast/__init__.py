@@ -1,8 +1,9 @@
 """rankcast: an LLM serving engine whose notification channel reaches every rank and frontend."""
 
 from rankcast.entrypoints.llm import LLM
+from rankcast.lora.request import LoRARequest
 from rankcast.outputs import CompletionOutput, RequestOutput
 from rankcast.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

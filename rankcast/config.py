@@ -141,6 +141,24 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: device slots per rank, the largest rank, where adapters may come from.
+
+    `allowed_lora_paths` None means any path (the offline engine); the server sets it from
+    --allowed-lora-paths.
+    """
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    allowed_lora_paths: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"--max-loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True)
 class NotificationConfig:
     """The engine notification channel: buffer bounds, the optional poll, the ZMQ event stream.
 
@@ -190,6 +208,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     notifications: NotificationConfig = field(default_factory=NotificationConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -203,6 +222,7 @@ class EngineConfig:
             "scheduler": {},
             "parallel": {},
             "notifications": {},
+            "lora": {},
         }
         owners = {
             "model": ModelConfig,
@@ -210,6 +230,7 @@ class EngineConfig:
             "scheduler": SchedulerConfig,
             "parallel": ParallelConfig,
             "notifications": NotificationConfig,
+            "lora": LoRAConfig,
         }
         for key, value in kwargs.items():
             for section, owner in owners.items():
@@ -224,4 +245,5 @@ class EngineConfig:
             scheduler=SchedulerConfig(**sections["scheduler"]),  # type: ignore[arg-type]
             parallel=ParallelConfig(**sections["parallel"]),  # type: ignore[arg-type]
             notifications=NotificationConfig(**sections["notifications"]),  # type: ignore[arg-type]
+            lora=LoRAConfig(**sections["lora"]),  # type: ignore[arg-type]
         )

@@ -56,6 +56,8 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     client_index: int = 0
+    # The LoRA adapter to serve this request with (registered with the engine); None: base.
+    lora_name: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True):

@@ -14,6 +14,7 @@ import msgspec
 
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine.block_manager import BlockManager
+from rankcast.engine.lora_registry import LoRARegistry
 from rankcast.engine.notification_channel import EngineNotificationChannel
 from rankcast.engine.request import Request
 from rankcast.engine.scheduler import Scheduler
@@ -62,6 +63,11 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, BlockManager(num_blocks, block_size), self.max_model_len
         )
+        self.loras = (
+            LoRARegistry(self.executor, self.arch, config.lora, self._requests_using_slot)
+            if config.lora.enable_lora
+            else None
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
             num_blocks,
@@ -96,6 +102,13 @@ class EngineCore:
                 f"the prompt has {prompt_len} tokens, but the maximum context length is "
                 f"{self.max_model_len} tokens (prompt plus at least one generated token)"
             )
+        lora_slot = -1
+        if request.lora_name is not None:
+            if self.loras is None:
+                raise ValueError(
+                    f"request names LoRA adapter {request.lora_name!r}, but LoRA is not enabled"
+                )
+            lora_slot = self.loras.slot_of(request.lora_name)
         room = self.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.scheduler.add_request(
@@ -107,8 +120,17 @@ class EngineCore:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=request.arrival_time or time.time(),
                 client_index=request.client_index,
+                lora_slot=lora_slot,
             )
         )
+
+    def _requests_using_slot(self, slot: int) -> int:
+        return sum(1 for r in self.scheduler.unfinished_requests() if r.lora_slot == slot)
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
+        return self.loras
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -150,8 +172,11 @@ class EngineCore:
             "get_stats": lambda: msgspec.structs.asdict(self.stats()),
             "snapshot": lambda: msgspec.to_builtins(self.snapshot()),
             "collective_rpc": self.collective_rpc,
+            "add_lora": lambda name, path: self._lora_registry().add(name, path),
+            "remove_lora": lambda name: self._lora_registry().remove(name),
+            "list_loras": lambda: self._lora_registry().list(),
         }
-        changes_producers = {"collective_rpc"}
+        changes_producers = {"collective_rpc", "add_lora", "remove_lora"}
         if method not in utilities:
             raise ValueError(f"unknown utility {method!r}")
         try:

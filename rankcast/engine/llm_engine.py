@@ -39,6 +39,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        lora_name: str | None = None,
     ) -> str:
         request_id = request_id or str(next(self._ids))
         if isinstance(prompt, str):
@@ -46,7 +47,9 @@ class LLMEngine:
             prompt_ids = list(self.tokenizer(prompt)["input_ids"])
         else:
             prompt_text, prompt_ids = None, list(prompt)
-        request = EngineCoreRequest(request_id, prompt_ids, params, arrival_time=time.time())
+        request = EngineCoreRequest(
+            request_id, prompt_ids, params, arrival_time=time.time(), lora_name=lora_name
+        )
         self.client.add_request(request)
         self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
         return request_id
@@ -90,6 +93,14 @@ class LLMEngine:
     ) -> list[Any]:
         """Call a worker-extension method on every rank; what it publishes is gathered at once."""
         return self.client.call_utility("collective_rpc", method, args, timeout)  # type: ignore[no-any-return]
+
+    def add_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Load an adapter into a slot on every rank (validated first; a bad one changes
+        nothing)."""
+        return self.client.call_utility("add_lora", name, path)  # type: ignore[no-any-return]
+
+    def remove_lora(self, name: str) -> None:
+        self.client.call_utility("remove_lora", name)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         from rankcast.tokenizer import apply_chat_template

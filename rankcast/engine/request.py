@@ -24,6 +24,7 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float = 0.0
     client_index: int = 0
+    lora_slot: int = -1
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)

@@ -61,6 +61,9 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def unfinished_requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]
+
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
         self.blocks.free(request)
@@ -115,14 +118,20 @@ class Scheduler:
         if admitted:
             self.running.extend(admitted)
             sequences = [
-                ScheduledSequence(r.request_id, r.all_token_ids, 0, list(r.block_ids), r.params)
+                ScheduledSequence(
+                    r.request_id, r.all_token_ids, 0, list(r.block_ids), r.params, r.lora_slot
+                )
                 for r in admitted
             ]
             return SchedulerOutput(True, sequences, finished)
         decodes = self._schedule_decodes()
         sequences = [
             ScheduledSequence(
-                r.request_id, [r.output_token_ids[-1]], r.num_tokens - 1, list(r.block_ids)
+                r.request_id,
+                [r.output_token_ids[-1]],
+                r.num_tokens - 1,
+                list(r.block_ids),
+                lora_slot=r.lora_slot,
             )
             for r in decodes
         ]

@@ -7,6 +7,7 @@ from typing import Any
 
 from rankcast.config import EngineConfig
 from rankcast.engine.llm_engine import LLMEngine
+from rankcast.lora.request import LoRARequest
 from rankcast.notifications import Notification
 from rankcast.outputs import RequestOutput
 from rankcast.sampling_params import SamplingParams
@@ -40,11 +41,16 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); results come back in prompt order."""
+        """Generate for each prompt (text or token ids); results come back in prompt order.
+
+        `lora_request` serves every prompt (or each prompt, given a list) with an adapter,
+        loaded on first use; needs `enable_lora=True`.
+        """
         if isinstance(prompts, str):
             prompts = [prompts]
-        return self._run(list(prompts), params)
+        return self._run(list(prompts), params, lora_request)
 
     def chat(
         self,
@@ -62,6 +68,7 @@ class LLM:
         self,
         prompts: list[str] | list[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
             per_prompt = [params or SamplingParams()] * len(prompts)
@@ -69,10 +76,21 @@ class LLM:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
                 raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            adapters: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            adapters = list(lora_request)
+            if len(adapters) != len(prompts):
+                raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} prompts")
+        for adapter in {a for a in adapters if a is not None}:
+            self.engine.add_lora(adapter.name, adapter.path)
         order: dict[str, int] = {}
         try:
-            for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
-                order[self.engine.add_request(prompt, p)] = index
+            for index, (prompt, p, adapter) in enumerate(
+                zip(prompts, per_prompt, adapters, strict=True)
+            ):
+                lora_name = adapter.name if adapter is not None else None
+                order[self.engine.add_request(prompt, p, lora_name=lora_name)] = index
         except Exception:
             self.engine.abort_requests(list(order))
             raise

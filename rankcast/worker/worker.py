@@ -81,6 +81,9 @@ class Worker:
         self.runner = ModelRunner(
             model, arch, self.config.cache.block_size, self.device, self.dtype
         )
+        if self.config.lora.enable_lora:
+            lora = self.config.lora
+            self.runner.enable_lora(lora.max_loras, lora.max_lora_rank)
         seconds = time.perf_counter() - start
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         logger.info("rank %d loaded its shard in %.2f s (%s)", self.rank, seconds, self.dtype)
@@ -88,6 +91,25 @@ class Worker:
             CustomNotification(key=WEIGHTS_LOADED_KEY, payload={"bytes": size, "seconds": seconds})
         )
         return seconds
+
+    def add_lora(self, slot: int, name: str, path: str) -> float:
+        """Read the adapter and write this rank's shard of it into `slot`; returns seconds.
+
+        The engine core validated the adapter first; reading it again here (rather than
+        shipping tensors) keeps adapter bytes off the control channel.
+        """
+        assert self.runner is not None
+        from rankcast.lora.peft_adapter import load_peft_adapter
+
+        start = time.perf_counter()
+        arch = self.runner.arch
+        adapter = load_peft_adapter(name, path, arch, self.config.lora.max_lora_rank)
+        self.runner.set_lora(slot, adapter)
+        return time.perf_counter() - start
+
+    def remove_lora(self, slot: int) -> None:
+        assert self.runner is not None
+        self.runner.clear_lora(slot)
 
     def take_notifications(self) -> list[WorkerNotification] | None:
         """Drain this process's notification buffer (None, allocating nothing, when empty)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from rankcast.lora.peft_adapter import load_peft_adapter
@@ -13,19 +12,6 @@ from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
-from tests.lora.test_peft_adapter import _make_adapter
-
-RANKS = (4, 8, 2)
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("mixed")
-    paths = []
-    for rank in RANKS:
-        _make_adapter(tiny_llama_dir, root / f"r{rank}", rank=rank, alpha=2 * rank)
-        paths.append(root / f"r{rank}")
-    return paths
 
 
 def _runner(model_dir: Path) -> ModelRunner:
@@ -49,11 +35,11 @@ def _reference_logits(model_dir: Path, adapter: Path | None, tokens: list[int]) 
 
 
 def test_a_mixed_batch_matches_each_adapter_alone(
-    tiny_llama_dir: Path, adapters: list[Path]
+    tiny_llama_dir: Path, mixed_adapters: list[Path]
 ) -> None:
     runner = _runner(tiny_llama_dir)
     arch = runner.arch
-    for slot, path in enumerate(adapters):
+    for slot, path in enumerate(mixed_adapters):
         runner.set_lora(slot, load_peft_adapter(path.name, path, arch, max_lora_rank=8))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 9, 3, 7)]
@@ -69,7 +55,7 @@ def test_a_mixed_batch_matches_each_adapter_alone(
     got = runner.compute_logits(batch)
     want = torch.stack(
         [
-            _reference_logits(tiny_llama_dir, adapters[s] if s >= 0 else None, p)
+            _reference_logits(tiny_llama_dir, mixed_adapters[s] if s >= 0 else None, p)
             for p, s in zip(prompts, slots, strict=True)
         ]
     )
@@ -86,7 +72,7 @@ def test_a_mixed_batch_matches_each_adapter_alone(
     )
     want = torch.stack(
         [
-            _reference_logits(tiny_llama_dir, adapters[s] if s >= 0 else None, p)
+            _reference_logits(tiny_llama_dir, mixed_adapters[s] if s >= 0 else None, p)
             for p, s in zip(prompts, slots, strict=True)
         ]
     )
@@ -105,14 +91,14 @@ def test_a_mixed_batch_matches_each_adapter_alone(
 
 
 def test_tensor_parallel_slots_add_up_to_the_whole_delta(
-    adapters: list[Path], tiny_llama_dir: Path
+    mixed_adapters: list[Path], tiny_llama_dir: Path
 ) -> None:
     """Column-parallel ranks produce their slices of the delta; row-parallel ranks' partial
     deltas sum (in the layer's all-reduce) to the whole."""
     from rankcast.lora.layers import LoRABatch, LoRAContext, LoRALinear, SubProjection
 
     arch = ArchConfig.from_model_dir(tiny_llama_dir)
-    adapter = load_peft_adapter("a", adapters[0], arch, max_lora_rank=8)
+    adapter = load_peft_adapter("a", mixed_adapters[0], arch, max_lora_rank=8)
     context = LoRAContext()
     context.batch = LoRABatch.from_token_slots([0, 0, 0], torch.device("cpu"))
     hidden, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim

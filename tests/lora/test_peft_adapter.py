@@ -14,30 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from rankcast.lora.peft_adapter import LoRAAdapterError, load_peft_adapter
 from rankcast.model.arch import ArchConfig
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _make_adapter(model_dir: Path, out: Path, rank: int = 4, alpha: int = 8, **extra: object):
-    """A real PEFT adapter with non-zero B (peft starts B at zero, which would test nothing)."""
-    import peft
-    import transformers
-
-    torch.manual_seed(rank)
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), torch_dtype=torch.float32
-    )
-    config = peft.LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        target_modules=TARGETS,
-        lora_dropout=0.0,
-        init_lora_weights=False,
-        **extra,
-    )
-    model = peft.get_peft_model(base, config)
-    model.save_pretrained(str(out))
-    return model
+from tests.lora.conftest import TARGETS, make_adapter
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +25,14 @@ def arch(tiny_llama_dir: Path) -> ArchConfig:
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("adapters") / "a4"
-    _make_adapter(tiny_llama_dir, out)
+    make_adapter(tiny_llama_dir, out)
     return out
 
 
 def test_an_adapter_reads_with_its_scaling_and_applies_like_peft(
     tiny_llama_dir: Path, tmp_path: Path, arch: ArchConfig
 ) -> None:
-    model = _make_adapter(tiny_llama_dir, tmp_path / "a")
+    model = make_adapter(tiny_llama_dir, tmp_path / "a")
     adapter = load_peft_adapter("a", tmp_path / "a", arch, max_lora_rank=16)
     assert (adapter.rank, adapter.scaling) == (4, 2.0)
     assert adapter.target_modules == frozenset(TARGETS)
@@ -72,7 +49,7 @@ def test_an_adapter_reads_with_its_scaling_and_applies_like_peft(
 def test_rslora_scales_by_the_square_root_of_the_rank(
     tiny_llama_dir: Path, tmp_path: Path, arch: ArchConfig
 ) -> None:
-    _make_adapter(tiny_llama_dir, tmp_path / "rs", rank=8, alpha=16, use_rslora=True)
+    make_adapter(tiny_llama_dir, tmp_path / "rs", rank=8, alpha=16, use_rslora=True)
     adapter = load_peft_adapter("rs", tmp_path / "rs", arch, max_lora_rank=8)
     assert adapter.scaling == pytest.approx(16 / math.sqrt(8))
 

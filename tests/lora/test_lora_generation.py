@@ -1,0 +1,92 @@
+"""Offline multi-LoRA generation: greedy output with an adapter equals transformers + peft, and a
+mixed batch (three adapters and the base model) equals each alone, at TP=1 and TP=2 (mp)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rankcast import LLM, LoRARequest, SamplingParams
+from rankcast.lora.peft_adapter import LoRAAdapterError
+
+TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+PROMPTS = [[5, 17, 300, 42, 9], [1, 2, 3], [900, 800, 700, 600, 500, 400], [77, 78]]
+
+
+def _llm(model: Path, **kwargs: object) -> LLM:
+    return LLM(
+        str(model),
+        dtype="float32",
+        kv_cache_space_gib=0.05,
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=8,
+        **kwargs,
+    )
+
+
+def _requests(adapters: list[Path]) -> list[LoRARequest | None]:
+    return [LoRARequest(p.name, str(p)) for p in adapters] + [None]
+
+
+def _tokens(outputs: list) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _peft_greedy(model_dir: Path, adapter: Path, prompt: list[int]) -> list[int]:
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(adapter))
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_llama_dir: Path, mixed_adapters: list[Path]) -> Iterator[list[list[int]]]:
+    """Each prompt generated on its own with its adapter (TP=1): the reference for batches."""
+    with _llm(tiny_llama_dir) as llm:
+        yield [
+            _tokens(llm.generate([prompt], GREEDY, lora_request=request))[0]
+            for prompt, request in zip(PROMPTS, _requests(mixed_adapters), strict=True)
+        ]
+
+
+def test_an_adapter_generates_what_transformers_and_peft_generate(
+    tiny_llama_dir: Path, mixed_adapters: list[Path], alone: list[list[int]]
+) -> None:
+    want = _peft_greedy(tiny_llama_dir, mixed_adapters[0], PROMPTS[0])
+    assert alone[0] == want
+    assert alone[0] != alone[3] or PROMPTS[0] != PROMPTS[3]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_mixed_batch_equals_each_alone(
+    tp: int, tiny_llama_dir: Path, mixed_adapters: list[Path], alone: list[list[int]]
+) -> None:
+    with _llm(tiny_llama_dir, tensor_parallel_size=tp) as llm:
+        got = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=_requests(mixed_adapters)))
+        assert got == alone
+        assert [a["name"] for a in llm.engine.client.call_utility("list_loras")] == [
+            p.name for p in mixed_adapters
+        ]
+
+
+def test_a_bad_adapter_changes_nothing(
+    tiny_llama_dir: Path, mixed_adapters: list[Path], tmp_path: Path
+) -> None:
+    with _llm(tiny_llama_dir) as llm:
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("good", str(mixed_adapters[0])))
+        with pytest.raises(LoRAAdapterError, match=r"adapter_config\.json: missing"):
+            llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("bad", str(tmp_path)))
+        assert [a["name"] for a in llm.engine.client.call_utility("list_loras")] == ["good"]
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
+            llm.engine.add_request(PROMPTS[0], GREEDY, lora_name="nope")

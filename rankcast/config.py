@@ -152,6 +152,8 @@ class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     allowed_lora_paths: tuple[str, ...] | None = None
+    # Adapters every engine core loads at start: (name, path) pairs from --lora-modules.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.max_loras >= 1, f"--max-loras must be >= 1, got {self.max_loras}")

@@ -70,8 +70,45 @@ class NotificationsDropped(Notification, tag="notifications_dropped"):
     count: int
 
 
-WorkerNotification = CustomNotification | NotificationsDropped
-_WORKER_TYPES = (CustomNotification, NotificationsDropped)
+class LoRAAdapterLoaded(Notification, tag="lora_adapter_loaded"):
+    """A rank loaded an adapter into `tier` ("device" or "cpu") in `seconds`."""
+
+    adapter_name: str
+    adapter_id: int
+    tier: str
+    seconds: float
+
+
+class LoRAAdapterEvicted(Notification, tag="lora_adapter_evicted"):
+    """A rank dropped an adapter from `tier`; `reason` is "lru", "unload" or "capacity"."""
+
+    adapter_name: str
+    adapter_id: int
+    tier: str
+    reason: str
+
+
+class LoRAAdapterLoadFailed(Notification, tag="lora_adapter_load_failed"):
+    """A rank could not load an adapter; nothing it held changed."""
+
+    adapter_name: str
+    error: str
+
+
+WorkerNotification = (
+    CustomNotification
+    | NotificationsDropped
+    | LoRAAdapterLoaded
+    | LoRAAdapterEvicted
+    | LoRAAdapterLoadFailed
+)
+_WORKER_TYPES = (
+    CustomNotification,
+    NotificationsDropped,
+    LoRAAdapterLoaded,
+    LoRAAdapterEvicted,
+    LoRAAdapterLoadFailed,
+)
 
 
 class _TypeOnly(msgspec.Struct):

@@ -109,6 +109,7 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it in the engine."""
         engine = self.balancer.choose([c.dead is None for c in self.clients])
@@ -127,6 +128,7 @@ class AsyncLLM:
                     params,
                     arrival_time=stream.arrival,
                     client_index=client.client_index,
+                    lora_name=lora_name,
                 )
             )
             while True:

@@ -63,11 +63,14 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, BlockManager(num_blocks, block_size), self.max_model_len
         )
-        self.loras = (
-            LoRARegistry(self.executor, self.arch, config.lora, self._requests_using_slot)
-            if config.lora.enable_lora
-            else None
-        )
+        self.loras = None
+        if config.lora.enable_lora:
+            self.loras = LoRARegistry(
+                self.executor, self.arch, config.lora, self._requests_using_slot
+            )
+            self.notifications.register_snapshot_provider("lora", self._lora_snapshot)
+            for name, path in config.lora.lora_modules:
+                self.loras.add(name, path)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
             num_blocks,
@@ -126,6 +129,18 @@ class EngineCore:
 
     def _requests_using_slot(self, slot: int) -> int:
         return sum(1 for r in self.scheduler.unfinished_requests() if r.lora_slot == slot)
+
+    def _lora_snapshot(self) -> dict[str, Any]:
+        """Residency for a late API server: every registered adapter is on every rank."""
+        assert self.loras is not None
+        world = self.config.parallel.world_size
+        return {
+            "world_size": world,
+            "adapters": [
+                {"name": a["name"], "ranks": [[rank, "device"] for rank in range(world)]}
+                for a in self.loras.list()
+            ],
+        }
 
     def _lora_registry(self) -> LoRARegistry:
         if self.loras is None:

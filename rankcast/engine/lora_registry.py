@@ -72,7 +72,7 @@ class LoRARegistry:
         busy = self.requests_using(entry.slot)
         if busy:
             raise ValueError(f"adapter {name!r} is in use by {busy} request(s)")
-        self.executor.collective_rpc("remove_lora", (entry.slot,))
+        self.executor.collective_rpc("remove_lora", (entry.slot, name))
         del self.adapters[name]
 
     def slot_of(self, name: str) -> int:

@@ -29,6 +29,7 @@ from rankcast.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
+    UtilityOutput,
     UtilityRequest,
 )
 
@@ -142,7 +143,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
         self.context = zmq.asyncio.Context()
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
-        self.queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
+        self.queue: asyncio.Queue[EngineCoreOutputs | UtilityOutput | Exception] = asyncio.Queue()
         self.call_ids = itertools.count()
         self.calls: dict[int, asyncio.Future[Any]] = {}
         self.tasks: list[asyncio.Task[None]] = []
@@ -200,12 +201,9 @@ class AsyncMPClient(AsyncEngineCoreClient):
                 continue
             reply = message.utility_output
             if reply is not None:
-                future = self.calls.pop(reply.call_id, None)
-                if future is not None and not future.done():
-                    if reply.error:
-                        future.set_exception(UtilityError(reply.error))
-                    else:
-                        future.set_result(reply.result)
+                # Answered in stream order: the events the utility caused were sent before its
+                # reply, and the caller must see them applied when its await returns.
+                self.queue.put_nowait(reply)
                 continue
             self.queue.put_nowait(message)
 
@@ -235,11 +233,24 @@ class AsyncMPClient(AsyncEngineCoreClient):
             await self.input.send(self.encoder.encode(AbortRequests(request_ids)))
 
     async def get_output(self) -> EngineCoreOutputs:
-        item = await self.queue.get()
-        if isinstance(item, Exception):
-            self.queue.put_nowait(item)  # every later reader learns it too
-            raise item
-        return item
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                self.queue.put_nowait(item)  # every later reader learns it too
+                raise item
+            if isinstance(item, UtilityOutput):
+                self._answer(item)
+                continue
+            return item
+
+    def _answer(self, reply: UtilityOutput) -> None:
+        future = self.calls.pop(reply.call_id, None)
+        if future is None or future.done():
+            return
+        if reply.error:
+            future.set_exception(UtilityError(reply.error))
+        else:
+            future.set_result(reply.result)
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
         self._check_alive()

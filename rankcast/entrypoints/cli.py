@@ -83,6 +83,23 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         default=None,
         help="ZMQ ROUTER endpoint answering replay (8-byte start seq) and snapshot requests",
     )
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    parser.add_argument("--max-loras", type=int, default=1, help="adapter slots per rank")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapters every engine core loads at start",
+    )
+    parser.add_argument(
+        "--allowed-lora-paths",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="adapters load only from under these directories (default: anywhere)",
+    )
     parser.add_argument(
         "--num-gpu-blocks-override",
         dest="num_blocks",
@@ -90,6 +107,16 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         default=None,
         help="exact number of KV cache blocks, overriding the budget",
     )
+
+
+def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    modules = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        modules.append((name, path))
+    return tuple(modules)
 
 
 def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
@@ -112,6 +139,11 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         engine_notification_buffer_size=args.engine_notification_buffer_size,
         notification_events_endpoint=args.notification_events_endpoint,
         notification_events_replay_endpoint=args.notification_events_replay_endpoint,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_modules=_lora_modules(args.lora_modules),
+        allowed_lora_paths=tuple(args.allowed_lora_paths) if args.allowed_lora_paths else None,
         **extra,
     )
 
@@ -146,7 +178,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("--api-server-count must be >= 1")
     config = _engine_config(args, served_model_name=args.served_model_name)
     try:
-        return serve(config, ServeArgs(args.host, args.port, args.api_server_count, args.api_key))
+        serve_args = ServeArgs(
+            args.host,
+            args.port,
+            args.api_server_count,
+            args.api_key,
+            args.allow_runtime_lora_updating,
+        )
+        return serve(config, serve_args)
     except LaunchError as exc:
         print(f"rankcast: error: {exc}", file=sys.stderr)
         return 1
@@ -163,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-server-count", type=int, default=1)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None, help="require this bearer token on /v1")
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
 
     chat = commands.add_parser("chat", help="answer one chat message with the offline engine")
     chat.add_argument("message")

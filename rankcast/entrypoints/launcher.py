@@ -39,6 +39,7 @@ class ServeArgs:
     port: int = 8000
     api_server_count: int = 1
     api_key: str | None = None
+    allow_runtime_lora_updating: bool = False
 
 
 class LaunchError(RuntimeError):
@@ -136,7 +137,13 @@ def serve(config: EngineConfig, args: ServeArgs) -> int:
             timeout_s=900,
         )
         server_config = ApiServerConfig(
-            args.host, args.port, model_name, source.model_dir, str(source.origin), args.api_key
+            args.host,
+            args.port,
+            model_name,
+            source.model_dir,
+            str(source.origin),
+            args.api_key,
+            args.allow_runtime_lora_updating,
         )
         # Every API server connects to every engine core.
         server_specs = [

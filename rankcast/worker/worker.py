@@ -22,6 +22,9 @@ from rankcast.notifications import (
     WEIGHTS_LOADED_KEY,
     CustomNotification,
     Doorbell,
+    LoRAAdapterEvicted,
+    LoRAAdapterLoaded,
+    LoRAAdapterLoadFailed,
     WorkerNotification,
     publish_worker_notification,
     worker_notification_buffer,
@@ -102,14 +105,26 @@ class Worker:
         from rankcast.lora.peft_adapter import load_peft_adapter
 
         start = time.perf_counter()
-        arch = self.runner.arch
-        adapter = load_peft_adapter(name, path, arch, self.config.lora.max_lora_rank)
-        self.runner.set_lora(slot, adapter)
-        return time.perf_counter() - start
+        try:
+            adapter = load_peft_adapter(
+                name, path, self.runner.arch, self.config.lora.max_lora_rank
+            )
+            self.runner.set_lora(slot, adapter)
+        except Exception as exc:
+            publish_worker_notification(LoRAAdapterLoadFailed(adapter_name=name, error=str(exc)))
+            raise
+        seconds = time.perf_counter() - start
+        publish_worker_notification(
+            LoRAAdapterLoaded(adapter_name=name, adapter_id=slot, tier="device", seconds=seconds)
+        )
+        return seconds
 
-    def remove_lora(self, slot: int) -> None:
+    def remove_lora(self, slot: int, name: str, reason: str = "unload") -> None:
         assert self.runner is not None
         self.runner.clear_lora(slot)
+        publish_worker_notification(
+            LoRAAdapterEvicted(adapter_name=name, adapter_id=slot, tier="device", reason=reason)
+        )
 
     def take_notifications(self) -> list[WorkerNotification] | None:
         """Drain this process's notification buffer (None, allocating nothing, when empty)."""

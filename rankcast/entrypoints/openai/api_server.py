@@ -28,10 +28,13 @@ from rankcast.engine.async_llm import AsyncLLM
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.entrypoints.openai.errors import APIError, error_response
 from rankcast.entrypoints.openai.events import EventFilter, EventHub, parse_event_id
+from rankcast.entrypoints.openai.lora_state import LoRAResidency
 from rankcast.entrypoints.openai.schema import (
     ChatCompletionRequest,
     CollectiveRpcRequest,
     CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
 )
 from rankcast.entrypoints.openai.serving import (
     ServingContext,
@@ -54,6 +57,7 @@ class ApiServerConfig:
     model_dir: Path
     model_origin: str
     api_key: str | None = None
+    allow_runtime_lora_updating: bool = False
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -127,20 +131,46 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
         serving = ctx()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": config.model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "rankcast",
-                    "root": config.model_origin,
-                    "parent": None,
-                    "max_model_len": serving.engine.max_model_len,
-                }
-            ],
+        created = int(time.time())
+        base = {
+            "id": config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "rankcast",
+            "root": config.model_origin,
+            "parent": None,
+            "max_model_len": serving.engine.max_model_len,
         }
+        adapters = [
+            {**base, "id": name, "root": name, "parent": config.model_name}
+            for name in (serving.loras.names() if serving.loras is not None else [])
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.get("/v1/lora_adapters")
+    async def lora_adapters() -> dict[str, object]:
+        """Adapter residency per engine and rank, as every API server sees it."""
+        serving = ctx()
+        return {"data": serving.loras.describe() if serving.loras is not None else []}
+
+    if config.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, object]:
+            try:
+                loaded = await ctx().engine.call_utility("add_lora", body.lora_name, body.lora_path)
+            except UtilityError as exc:
+                raise APIError(400, str(exc), "lora_path") from None
+            return {"object": "lora_adapter", "data": loaded}
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, object]:
+            try:
+                await ctx().engine.call_utility("remove_lora", body.lora_name)
+            except UtilityError as exc:
+                status = 404 if "unknown LoRA adapter" in str(exc) else 400
+                raise APIError(status, str(exc), "lora_name") from None
+            return {"object": "lora_adapter", "name": body.lora_name, "unloaded": True}
 
     @app.get("/v1/events")
     async def notification_events(
@@ -213,16 +243,21 @@ def run_api_server(
     async def serve() -> None:
         metrics = ServerMetrics(config.model_name)
         events = EventHub()
+        loras = LoRAResidency()
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
         clients = [AsyncMPClient(addresses, index) for addresses in engines]
-        engine = AsyncLLM(clients, tokenizer, metrics, sinks=[metrics, events])
+        engine = AsyncLLM(clients, tokenizer, metrics, sinks=[metrics, events, loras])
         try:
             await engine.start()
         except Exception as exc:
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
             raise
         app = build_app(
-            config, index, ServingContext(engine, tokenizer, config.model_name), metrics, events
+            config,
+            index,
+            ServingContext(engine, tokenizer, config.model_name, loras),
+            metrics,
+            events,
         )
         server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)

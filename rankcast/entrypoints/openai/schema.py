@@ -104,3 +104,20 @@ class CollectiveRpcRequest(BaseModel):
     method: str = Field(min_length=1)
     args: list[Any] = Field(default_factory=list)
     timeout: float | None = Field(default=None, gt=0)
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/load_lora_adapter` (only with --allow-runtime-lora-updating)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/unload_lora_adapter` (only with --allow-runtime-lora-updating)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1)

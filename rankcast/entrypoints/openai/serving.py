@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rankcast.engine.async_llm import AsyncLLM
 from rankcast.engine.mp_client import EngineDeadError
 from rankcast.entrypoints.openai.errors import APIError, error_body
+from rankcast.entrypoints.openai.lora_state import LoRAResidency
 from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
 from rankcast.outputs import Logprob, RequestOutput
 from rankcast.sampling_params import SamplingParams
@@ -30,11 +31,16 @@ class ServingContext:
     engine: AsyncLLM
     tokenizer: Any
     model_name: str
+    loras: LoRAResidency | None = None
 
 
-def _check_model(ctx: ServingContext, requested: str | None) -> None:
-    if requested is not None and requested != ctx.model_name:
-        raise APIError(404, f"The model `{requested}` does not exist.", "model")
+def _check_model(ctx: ServingContext, requested: str | None) -> str | None:
+    """The LoRA adapter the request names in `model`, or None for the base model."""
+    if requested is None or requested == ctx.model_name:
+        return None
+    if ctx.loras is not None and requested in ctx.loras.names():
+        return requested
+    raise APIError(404, f"The model `{requested}` does not exist.", "model")
 
 
 def _sampling_params(
@@ -161,7 +167,7 @@ def _dead_error() -> dict:
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, request: Request
 ) -> Response:
-    _check_model(ctx, body.model)
+    lora_name = _check_model(ctx, body.model)
     try:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = apply_chat_template(ctx.tokenizer, messages)
@@ -173,7 +179,7 @@ async def create_chat_completion(
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = ctx.engine.generate(request_id, prompt_ids, params)
+    outputs = ctx.engine.generate(request_id, prompt_ids, params, lora_name=lora_name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -281,7 +287,7 @@ def _chat_stream(
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request: Request
 ) -> Response:
-    _check_model(ctx, body.model)
+    lora_name = _check_model(ctx, body.model)
     if isinstance(body.prompt, str):
         prompt_text: str | None = body.prompt
         prompt_ids = list(ctx.tokenizer(body.prompt)["input_ids"])
@@ -295,7 +301,7 @@ async def create_completion(
     params = _sampling_params(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = ctx.engine.generate(request_id, prompt_ids, params, prompt_text)
+    outputs = ctx.engine.generate(request_id, prompt_ids, params, prompt_text, lora_name=lora_name)
     top = body.logprobs
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

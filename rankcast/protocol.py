@@ -104,6 +104,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # The notification channel's own cost: gathers (one collective each) and their total time.
     notification_gathers: int = 0
     notification_gather_seconds: float = 0.0
+    # Adapters of the requests that run, and of those that wait (what routers read).
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -69,6 +69,7 @@ class EngineCore:
                 self.executor, self.arch, config.lora, self._requests_using_slot
             )
             self.notifications.register_snapshot_provider("lora", self._lora_snapshot)
+            self.notifications.observers.append(self.loras.observe)
             for name, path in config.lora.lora_modules:
                 self.loras.add(name, path)
         logger.info(
@@ -136,10 +137,13 @@ class EngineCore:
         world = self.config.parallel.world_size
         return {
             "world_size": world,
+            "max_loras": self.config.lora.max_loras,
             "adapters": [
                 {"name": a["name"], "ranks": [[rank, "device"] for rank in range(world)]}
                 for a in self.loras.list()
             ],
+            "events": [[n, e, r, c] for (n, e, r), c in sorted(self.loras.events.items())],
+            "loads": [list(load) for load in self.loras.loads],
         }
 
     def _lora_registry(self) -> LoRARegistry:
@@ -212,6 +216,12 @@ class EngineCore:
         stats = self.scheduler.stats()
         stats.notification_gathers = self.notifications.gathers
         stats.notification_gather_seconds = self.notifications.gather_seconds
+        if self.loras is not None:
+            names = self.loras.name_of
+            running = {names(r.lora_slot) for r in self.scheduler.running if r.lora_slot >= 0}
+            waiting = {names(r.lora_slot) for r in self.scheduler.waiting if r.lora_slot >= 0}
+            stats.running_lora_adapters = sorted(n for n in running if n)
+            stats.waiting_lora_adapters = sorted(n for n in waiting if n)
         return stats
 
     def step(self) -> EngineCoreOutputs:

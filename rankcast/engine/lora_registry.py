@@ -7,6 +7,7 @@ touched: a bad one changes nothing.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,15 @@ from rankcast.config import LoRAConfig
 from rankcast.executor.base import Executor
 from rankcast.lora.peft_adapter import load_peft_adapter
 from rankcast.model.arch import ArchConfig
+from rankcast.notifications import (
+    LoRAAdapterEvicted,
+    LoRAAdapterLoaded,
+    LoRAAdapterLoadFailed,
+    Notification,
+)
+
+# Load-time observations kept for a late API server's histogram (oldest forgotten first).
+_LOADS_KEPT = 10_000
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,21 @@ class LoRARegistry:
         self.adapters: dict[str, RegisteredAdapter] = {}
         roots = config.allowed_lora_paths
         self.allowed_roots = None if roots is None else [Path(r) for r in roots]
+        self.events: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.loads: collections.deque[tuple[str, float]] = collections.deque(maxlen=_LOADS_KEPT)
+
+    def observe(self, n: Notification) -> None:
+        """Count lifecycle events as they leave the engine (for the catch-up snapshot)."""
+        if isinstance(n, LoRAAdapterLoaded):
+            self.events[(n.adapter_name, "loaded", "")] += 1
+            self.loads.append((f"disk_to_{n.tier}", n.seconds))
+        elif isinstance(n, LoRAAdapterEvicted):
+            self.events[(n.adapter_name, "evicted", n.reason)] += 1
+        elif isinstance(n, LoRAAdapterLoadFailed):
+            self.events[(n.adapter_name, "load_failed", "")] += 1
+
+    def name_of(self, slot: int) -> str | None:
+        return next((a.name for a in self.adapters.values() if a.slot == slot), None)
 
     def add(self, name: str, path: str) -> dict[str, Any]:
         """Validate, then load into a free slot on every rank (same name and path: a no-op)."""

@@ -93,6 +93,8 @@ class EngineNotificationChannel:
         self.gather_seconds = 0.0
         self.ledger = NotificationLedger()
         self.providers: dict[str, Callable[[], Any]] = {"notifications": self.ledger.snapshot}
+        # Called with each notification as it leaves, so snapshot providers can keep state.
+        self.observers: list[Callable[[Notification], None]] = [self.ledger.record]
         self.encoder = msgspec.msgpack.Encoder()
 
     # ---- gathering ----
@@ -169,7 +171,8 @@ class EngineNotificationChannel:
         for n in items:
             n.engine_seq = self.next_engine_seq
             self.next_engine_seq += 1
-            self.ledger.record(n)
+            for observe in self.observers:
+                observe(n)
             raws.append(msgspec.Raw(self.encoder.encode(n)))
         return raws
 

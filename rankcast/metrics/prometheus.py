@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from rankcast.metrics.lora_metrics import LoRAMetrics
 from rankcast.notifications import (
     WEIGHTS_LOADED_KEY,
     CustomNotification,
@@ -155,6 +156,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._cache_labels: dict[int, tuple[str, str]] = {}
+        # The LoRA series, when the API server serves adapters (set by the API server).
+        self.lora: LoRAMetrics | None = None
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
         labels = (self.model_name, str(engine_index))
@@ -162,6 +165,8 @@ class ServerMetrics:
         self.waiting.labels(*labels).set(stats.num_waiting_reqs)
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
         self.preemptions.labels(*labels).set(stats.num_preemptions)
+        if self.lora is not None:
+            self.lora.record_scheduler_stats(engine_index, stats)
         self.gathers.labels(str(engine_index)).set(stats.notification_gathers)
         self.gather_seconds.labels(str(engine_index)).set(stats.notification_gather_seconds)
         config = (str(stats.block_size), str(stats.num_blocks))

@@ -142,3 +142,74 @@ def test_runtime_load_and_unload_reach_every_server_with_events_from_every_rank(
             reader.close()
     for response in _each(server.url, "/v1/lora_adapters").values():
         assert [a["name"] for a in response.json()["data"]] == ["static"]
+
+
+def _lines(text: str, prefix: str) -> list[str]:
+    return sorted(
+        line for line in text.splitlines() if line.startswith(prefix) and "_created" not in line
+    )
+
+
+def _requests_info(text: str) -> dict[str, list[str]]:
+    """What a router reads: of the `vllm:lora_requests_info` series, the largest value wins;
+    adapter lists are comma-separated."""
+    import re
+
+    best, labels = -1.0, {}
+    for line in text.splitlines():
+        if line.startswith("vllm:lora_requests_info{"):
+            value = float(line.rsplit(" ", 1)[1])
+            if value > best:
+                best = value
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    return {
+        key: [a for a in labels.get(f"{key}_lora_adapters", "").split(",") if a]
+        for key in ("running", "waiting")
+    }
+
+
+def test_residency_metrics_agree_on_every_server_and_running_adapters_show(
+    server: ServerProcess,
+) -> None:
+    import threading
+    import time
+
+    views = {}
+    for index, response in _each(server.url, "/metrics").items():
+        text = response.text
+        loaded = _lines(text, "vllm:lora_adapter_loaded{")
+        assert [line.split("rank=")[1][:3] for line in loaded] == ['"0"', '"1"']
+        assert all('adapter_name="static"' in line and 'level="gpu"' in line for line in loaded)
+        assert _lines(text, "vllm:max_gpu_lora_adapters")[0].endswith(" 2.0")
+        assert _lines(text, "vllm:num_gpu_loaded_lora_adapters")[0].endswith(" 1.0")
+        events = _lines(text, 'rankcast:lora_adapter_events_total{adapter_name="static"')
+        assert events == [
+            'rankcast:lora_adapter_events_total{adapter_name="static",event="loaded",reason=""} 2.0'
+        ]
+        views[index] = (
+            loaded,
+            events,
+            _lines(text, "vllm:lora_adapter_load_seconds_count"),
+            _lines(text, "rankcast:lora_adapter_events_total"),
+        )
+    assert len(set(map(str, views.values()))) == 1, "every server reports the same series"
+
+    body = {"model": "static", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+    worker = threading.Thread(
+        target=lambda: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    )
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            info = _requests_info(httpx.get(f"{server.url}/metrics").text)
+            if info["running"] == ["static"]:
+                break
+            assert time.monotonic() < deadline, f"running adapters never showed: {info}"
+            time.sleep(0.05)
+    finally:
+        worker.join()
+    deadline = time.monotonic() + 30
+    while _requests_info(httpx.get(f"{server.url}/metrics").text)["running"]:
+        assert time.monotonic() < deadline, "the finished request still counts as running"
+        time.sleep(0.1)

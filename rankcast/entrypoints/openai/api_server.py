@@ -28,7 +28,6 @@ from rankcast.engine.async_llm import AsyncLLM
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.entrypoints.openai.errors import APIError, error_response
 from rankcast.entrypoints.openai.events import EventFilter, EventHub, parse_event_id
-from rankcast.entrypoints.openai.lora_state import LoRAResidency
 from rankcast.entrypoints.openai.schema import (
     ChatCompletionRequest,
     CollectiveRpcRequest,
@@ -42,6 +41,8 @@ from rankcast.entrypoints.openai.serving import (
     create_completion,
 )
 from rankcast.logger import init_logging
+from rankcast.lora.residency import LoRAResidency
+from rankcast.metrics.lora_metrics import LoRAMetrics
 from rankcast.metrics.prometheus import ServerMetrics
 from rankcast.process import die_with_parent, set_process_title
 from rankcast.tokenizer import load_tokenizer
@@ -244,9 +245,11 @@ def run_api_server(
         metrics = ServerMetrics(config.model_name)
         events = EventHub()
         loras = LoRAResidency()
+        metrics.lora = LoRAMetrics(metrics.registry, config.model_name, loras)
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
         clients = [AsyncMPClient(addresses, index) for addresses in engines]
-        engine = AsyncLLM(clients, tokenizer, metrics, sinks=[metrics, events, loras])
+        sinks = [metrics, events, loras, metrics.lora]
+        engine = AsyncLLM(clients, tokenizer, metrics, sinks=sinks)
         try:
             await engine.start()
         except Exception as exc:

@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rankcast.engine.async_llm import AsyncLLM
 from rankcast.engine.mp_client import EngineDeadError
 from rankcast.entrypoints.openai.errors import APIError, error_body
-from rankcast.entrypoints.openai.lora_state import LoRAResidency
 from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
+from rankcast.lora.residency import LoRAResidency
 from rankcast.outputs import Logprob, RequestOutput
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import apply_chat_template

@@ -1,5 +1,6 @@
-"""What each API server knows about LoRA adapters: built only from the engine's notifications
-and its catch-up snapshot, so every API server agrees without asking the engine per request."""
+"""What an API server knows about LoRA adapter residency: built only from the engine's
+lifecycle notifications and its catch-up snapshot, so every API server agrees without asking
+the engine per request."""
 
 from __future__ import annotations
 

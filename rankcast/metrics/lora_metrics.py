@@ -1,0 +1,141 @@
+"""LoRA series of one API server, under the names routers read (DESIGN.md section 4).
+
+Residency (`vllm:lora_adapter_loaded` and the counts) is read at scrape time from the
+`LoRAResidency` state that lifecycle events and the engine's snapshot keep, so a series
+disappears the moment its eviction arrives. Event counts and load times start from the
+snapshot's totals, so a late API server reports what its siblings report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from rankcast.lora.residency import LoRAResidency
+from rankcast.notifications import (
+    LoRAAdapterEvicted,
+    LoRAAdapterLoaded,
+    LoRAAdapterLoadFailed,
+    Notification,
+)
+from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+
+_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# The metric's `level` label: vLLM calls the device tier "gpu" whatever the device is.
+_LEVEL = {"device": "gpu", "cpu": "cpu"}
+
+
+class _ResidencyCollector(Collector):
+    def __init__(self, metrics: LoRAMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        m = self.metrics
+        if not m.max_loras:
+            return  # the engine serves no adapters (no LoRA section in its snapshot)
+        loaded = GaugeMetricFamily(
+            "vllm:lora_adapter_loaded",
+            "1 while the adapter is resident on the rank (series removed on eviction).",
+            labels=["adapter_name", "level", "pinned", "rank", "model_name", "engine"],
+        )
+        counts = {"gpu": set(), "cpu": set()}
+        for engine, adapters in sorted(m.residency.resident.items()):
+            for name, ranks in sorted(adapters.items()):
+                for rank, tier in sorted(ranks.items()):
+                    level = _LEVEL.get(tier, tier)
+                    counts.setdefault(level, set()).add((engine, name))
+                    labels = [name, level, "false", str(rank), m.model_name, str(engine)]
+                    loaded.add_metric(labels, 1)
+        yield loaded
+        for level in ("gpu", "cpu"):
+            gauge = GaugeMetricFamily(
+                f"vllm:num_{level}_loaded_lora_adapters",
+                f"Adapters resident in the {level} tier (per engine, counted once).",
+                labels=["model_name"],
+            )
+            gauge.add_metric([m.model_name], len(counts[level]))
+            yield gauge
+        slots = GaugeMetricFamily(
+            "vllm:max_gpu_lora_adapters",
+            "Adapter slots per rank (--max-loras).",
+            labels=["model_name"],
+        )
+        slots.add_metric([m.model_name], m.max_loras)
+        yield slots
+        partial = GaugeMetricFamily(
+            "rankcast:lora_adapter_partial",
+            "1 when some rank of an engine that holds the adapter does not.",
+            labels=["adapter_name"],
+        )
+        for adapter in m.residency.describe():
+            partial.add_metric([adapter["name"]], 1 if adapter["partial"] else 0)
+        yield partial
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Adapters of running and of waiting requests; value: unix time of the last change.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        running = sorted({a for names in m.running.values() for a in names})
+        waiting = sorted({a for names in m.waiting.values() for a in names})
+        info.add_metric([str(m.max_loras), ",".join(running), ",".join(waiting)], m.changed_at)
+        yield info
+
+
+class LoRAMetrics:
+    """A NotificationSink and scheduler-stats consumer that owns the LoRA series."""
+
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, residency: LoRAResidency
+    ) -> None:
+        self.model_name = model_name
+        self.residency = residency
+        self.max_loras = 0
+        self.running: dict[int, list[str]] = {}
+        self.waiting: dict[int, list[str]] = {}
+        self.changed_at = time.time()
+        self.events = Counter(
+            "rankcast:lora_adapter_events",
+            "Adapter lifecycle events from every rank, by adapter, event and reason.",
+            ["adapter_name", "event", "reason"],
+            registry=registry,
+        )
+        self.load_seconds = Histogram(
+            "vllm:lora_adapter_load_seconds",
+            "Seconds a rank took to load an adapter, per transition (one per rank per load).",
+            ["transition"],
+            buckets=_LOAD_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_ResidencyCollector(self))
+
+    def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
+        section: dict[str, Any] = snapshot.sections.get("lora", {})
+        if not section:
+            return
+        self.max_loras = max(self.max_loras, int(section.get("max_loras", 0)))
+        for name, event, reason, count in section.get("events", []):
+            self.events.labels(name, event, reason).inc(count)
+        for transition, seconds in section.get("loads", []):
+            self.load_seconds.labels(transition).observe(seconds)
+
+    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
+        for n in notifications:
+            if isinstance(n, LoRAAdapterLoaded):
+                self.events.labels(n.adapter_name, "loaded", "").inc()
+                self.load_seconds.labels(f"disk_to_{n.tier}").observe(n.seconds)
+            elif isinstance(n, LoRAAdapterEvicted):
+                self.events.labels(n.adapter_name, "evicted", n.reason).inc()
+            elif isinstance(n, LoRAAdapterLoadFailed):
+                self.events.labels(n.adapter_name, "load_failed", "").inc()
+
+    def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
+        running, waiting = stats.running_lora_adapters, stats.waiting_lora_adapters
+        if self.running.get(engine_index) != running or self.waiting.get(engine_index) != waiting:
+            self.running[engine_index] = running
+            self.waiting[engine_index] = waiting
+            self.changed_at = time.time()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rankcast import platform
 from rankcast.config import EngineConfig
 from rankcast.distributed import PipelineStage, TensorParallelGroup
+from rankcast.lora.peft_adapter import load_peft_adapter
 from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.model.source import ModelSource
@@ -102,8 +103,6 @@ class Worker:
         shipping tensors) keeps adapter bytes off the control channel.
         """
         assert self.runner is not None
-        from rankcast.lora.peft_adapter import load_peft_adapter
-
         start = time.perf_counter()
         try:
             adapter = load_peft_adapter(

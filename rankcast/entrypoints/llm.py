@@ -82,7 +82,8 @@ class LLM:
             adapters = list(lora_request)
             if len(adapters) != len(prompts):
                 raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} prompts")
-        for adapter in {a for a in adapters if a is not None}:
+        # First use order, so slots are assigned the same way every run.
+        for adapter in dict.fromkeys(a for a in adapters if a is not None):
             self.engine.add_lora(adapter.name, adapter.path)
         order: dict[str, int] = {}
         try:

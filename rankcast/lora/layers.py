@@ -1,11 +1,12 @@
 """Batched multi-LoRA on the tensor-parallel projections, without merging weights.
 
 Each LoRA-enabled projection holds `max_loras` adapter slots: per sub-projection (q, k, v of a
-fused QKV; gate, up of a fused gate/up; or the one output of o/down), stacked A [slots, r, in]
-and B [slots, out, r], the scaling folded into B and empty slots zero. A step's tokens are
-grouped by the slot their request uses; each group adds `B_s (A_s x)` to its rows of the base
-output. Row-parallel projections add their partial delta before the all-reduce, which then sums
-it with the partial outputs, so no extra collective is needed.
+fused QKV; gate, up of a fused gate/up; or the one output of o/down), every slot's A stacked as
+[slots * r, in] and B (transposed, scaling folded in) as [slots * r, out], empty slots zero. A
+step computes `x A^T` for all slots at once, masks each token's row to its own slot's columns,
+and multiplies by B: two matmuls per projection whatever the mix of adapters in the batch.
+Row-parallel projections add their partial delta before the all-reduce, which then sums it with
+the partial outputs, so no extra collective is needed.
 
 Each layer cuts its own shard from the whole adapter the way its `weight_loader` cuts the base
 weight (including KV heads replicated across ranks), so the adapter file is read once per rank
@@ -23,32 +24,39 @@ from rankcast.lora.peft_adapter import LoRAAdapter
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """Which adapter slot each token of a step uses, as (slot, token indices) groups; tokens of
-    requests without an adapter are in no group."""
+    """Which adapter slot each token of a step uses, as a mask over the stacked adapters.
 
-    groups: list[tuple[int, torch.Tensor]]
+    `mask[t, s * max_rank + j]` is 1 when token t uses slot s, so one pair of matmuls against
+    all slots at once, masked, applies every token's own adapter: far fewer, larger matmuls
+    than one pair per adapter group. Tokens without an adapter have an all-zero row.
+    """
+
+    mask: torch.Tensor  # [tokens, max_loras * max_rank]
 
     @classmethod
-    def from_token_slots(cls, slots: list[int], device: torch.device) -> LoRABatch | None:
-        by_slot: dict[int, list[int]] = {}
-        for index, slot in enumerate(slots):
-            if slot >= 0:
-                by_slot.setdefault(slot, []).append(index)
-        if not by_slot:
+    def from_token_slots(
+        cls,
+        slots: list[int],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LoRABatch | None:
+        if all(slot < 0 for slot in slots):
             return None
-        return cls(
-            [
-                (slot, torch.tensor(indices, dtype=torch.long, device=device))
-                for slot, indices in by_slot.items()
-            ]
-        )
+        token_slots = torch.tensor(slots, dtype=torch.long, device=device)
+        columns = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
+        mask = (token_slots[:, None] == columns[None, :]).to(dtype)
+        return cls(mask)
 
 
 class LoRAContext:
     """The current step's `LoRABatch`, shared by every LoRA layer of one model; the model runner
-    sets it before the forward pass and clears it after."""
+    sets it before the forward pass."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_loras: int, max_rank: int) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
         self.batch: LoRABatch | None = None
 
 
@@ -82,13 +90,15 @@ class LoRALinear:
         self.context = context
         self.subs = subs
         self.in_size = in_size
+        # A as [slots * rank, in] and B transposed as [slots * rank, out]: all slots in one matmul.
         self.a = [
-            torch.zeros(max_loras, max_rank, in_size, dtype=dtype, device=device) for _ in subs
+            torch.zeros(max_loras * max_rank, in_size, dtype=dtype, device=device) for _ in subs
         ]
         self.b = [
-            torch.zeros(max_loras, sub.out_size, max_rank, dtype=dtype, device=device)
+            torch.zeros(max_loras * max_rank, sub.out_size, dtype=dtype, device=device)
             for sub in subs
         ]
+        self.max_rank = max_rank
         self.active = [set[int]() for _ in subs]
 
     def set_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
@@ -103,29 +113,28 @@ class LoRALinear:
                 b = b.narrow(0, sub.shard_index * sub.out_size, sub.out_size)
             else:
                 a = a.narrow(1, sub.in_shard * self.in_size, self.in_size)
-            rank = a.shape[0]
-            self.a[i][slot, :rank].copy_(a)
-            self.b[i][slot, :, :rank].copy_(b)
+            rank, first = a.shape[0], slot * self.max_rank
+            self.a[i][first : first + rank].copy_(a)
+            self.b[i][first : first + rank].copy_(b.T)
             self.active[i].add(slot)
 
     def clear_slot(self, slot: int) -> None:
+        first = slot * self.max_rank
         for i in range(len(self.subs)):
-            self.a[i][slot].zero_()
-            self.b[i][slot].zero_()
+            self.a[i][first : first + self.max_rank].zero_()
+            self.b[i][first : first + self.max_rank].zero_()
             self.active[i].discard(slot)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Add each token group's adapter delta to its rows of `out` (in place)."""
+        """Add every token's own adapter delta to its row of `out` (in place)."""
         batch = self.context.batch
         if batch is None:
             return
-        for slot, rows in batch.groups:
-            xs = x.index_select(0, rows)
-            for i, sub in enumerate(self.subs):
-                if slot not in self.active[i]:
-                    continue
-                delta = (xs @ self.a[i][slot].T) @ self.b[i][slot].T
-                out.narrow(1, sub.out_offset, sub.out_size).index_add_(0, rows, delta)
+        for i, sub in enumerate(self.subs):
+            if not self.active[i]:
+                continue
+            delta = ((x @ self.a[i].T) * batch.mask) @ self.b[i]
+            out.narrow(1, sub.out_offset, sub.out_size).add_(delta)
 
 
 def attach_lora(
@@ -138,7 +147,7 @@ def attach_lora(
     tp = model.tp
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
-    context = LoRAContext()
+    context = LoRAContext(max_loras, max_rank)
     per_layer: dict[int, list[LoRALinear]] = {}
     for key, layer in model.layers.items():
         qkv = layer.self_attn.qkv_proj

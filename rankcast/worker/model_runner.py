@@ -140,9 +140,12 @@ class ModelRunner:
             meta.attn_bias = bias.masked_fill_(beyond, float("-inf"))[:, None, None, :]
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        if self.lora_context is not None:
+        context = self.lora_context
+        if context is not None:
             token_slots = [s.lora_slot for s in batch.sequences for _ in s.token_ids]
-            self.lora_context.batch = LoRABatch.from_token_slots(token_slots, dev)
+            context.batch = LoRABatch.from_token_slots(
+                token_slots, context.max_loras, context.max_rank, self.dtype, dev
+            )
         return ids, pos, meta, last_indices
 
     @torch.inference_mode()

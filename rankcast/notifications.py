@@ -111,6 +111,11 @@ _WORKER_TYPES = (
 )
 
 
+def notification_type(n: Notification) -> str:
+    """The wire tag of a notification ("custom", "lora_adapter_loaded", ...)."""
+    return n.__struct_config__.tag  # type: ignore[return-value]
+
+
 class _TypeOnly(msgspec.Struct):
     """Just the tag, to name a notification type this process does not know."""
 

@@ -26,6 +26,7 @@ from rankcast.notifications import (
     CustomNotification,
     Notification,
     NotificationsDropped,
+    notification_type,
 )
 from rankcast.protocol import EngineStateSnapshot
 
@@ -35,10 +36,6 @@ logger = logging.getLogger(__name__)
 # bounds how long an event published while no request runs waits to leave.
 DOORBELL_IDLE_CHECK_S = 0.02
 ENGINE_RANK = -1
-
-
-def notification_type(n: Notification) -> str:
-    return n.__struct_config__.tag  # type: ignore[return-value]
 
 
 class GatherError(ExecutorError):

@@ -35,28 +35,24 @@ class LoRABatch:
 
     @classmethod
     def from_token_slots(
-        cls,
-        slots: list[int],
-        max_loras: int,
-        max_rank: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        cls, slots: list[int], column_slots: torch.Tensor, dtype: torch.dtype
     ) -> LoRABatch | None:
+        """`column_slots[c]`: the slot stacked column c belongs to (see LoRAContext)."""
         if all(slot < 0 for slot in slots):
             return None
-        token_slots = torch.tensor(slots, dtype=torch.long, device=device)
-        columns = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
-        mask = (token_slots[:, None] == columns[None, :]).to(dtype)
-        return cls(mask)
+        token_slots = torch.tensor(slots, dtype=torch.long, device=column_slots.device)
+        return cls((token_slots[:, None] == column_slots[None, :]).to(dtype))
 
 
 class LoRAContext:
     """The current step's `LoRABatch`, shared by every LoRA layer of one model; the model runner
     sets it before the forward pass."""
 
-    def __init__(self, max_loras: int, max_rank: int) -> None:
+    def __init__(self, max_loras: int, max_rank: int, device: torch.device) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
+        # Which slot each stacked rank column belongs to: fixed, so built once, not per step.
+        self.column_slots = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
         self.batch: LoRABatch | None = None
 
 
@@ -147,7 +143,7 @@ def attach_lora(
     tp = model.tp
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
-    context = LoRAContext(max_loras, max_rank)
+    context = LoRAContext(max_loras, max_rank, device)
     per_layer: dict[int, list[LoRALinear]] = {}
     for key, layer in model.layers.items():
         qkv = layer.self_attn.qkv_proj

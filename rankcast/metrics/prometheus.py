@@ -18,6 +18,7 @@ from rankcast.notifications import (
     CustomNotification,
     Notification,
     NotificationsDropped,
+    notification_type,
 )
 from rankcast.protocol import EngineStateSnapshot, SchedulerStats
 
@@ -215,7 +216,7 @@ class ServerMetrics:
         for n in notifications:
             is_custom = isinstance(n, CustomNotification)
             key = n.key if is_custom else ""
-            self.notifications_total.labels(n.__struct_config__.tag, key).inc()
+            self.notifications_total.labels(notification_type(n), key).inc()
             self.notification_lag.observe(max(0.0, now - n.timestamp))
             if isinstance(n, NotificationsDropped):
                 self.notifications_dropped.labels(str(n.engine_index), rank_label(n.rank)).inc(

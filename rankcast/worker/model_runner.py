@@ -144,7 +144,7 @@ class ModelRunner:
         if context is not None:
             token_slots = [s.lora_slot for s in batch.sequences for _ in s.token_ids]
             context.batch = LoRABatch.from_token_slots(
-                token_slots, context.max_loras, context.max_rank, self.dtype, dev
+                token_slots, context.column_slots, self.dtype
             )
         return ids, pos, meta, last_indices
 

@@ -36,10 +36,18 @@ def _llm(model: Path, **kwargs: object) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def tp2(tiny_llama_dir: Path) -> Iterator[LLM]:
+def tp2_started(tiny_llama_dir: Path) -> Iterator[tuple[LLM, list[Notification]]]:
+    """A TP=2 engine and the notifications it had right after start-up."""
     llm = _llm(tiny_llama_dir, tensor_parallel_size=2)
-    yield llm
-    llm.shutdown()
+    try:
+        yield llm, llm.take_notifications()
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp2(tp2_started: tuple[LLM, list[Notification]]) -> LLM:
+    return tp2_started[0]
 
 
 def _calls(llm: LLM) -> dict[str, int]:
@@ -61,12 +69,10 @@ def _wait_for(llm: LLM, count: int, key: str = KEY, timeout_s: float = 30) -> li
     return got
 
 
-def test_each_rank_reports_its_weight_load_stamped_with_its_place(tp2: LLM) -> None:
-    # The fixture may have been used already; weight loads were the first events, kept for us
-    # only if nobody took them, so check on a fresh engine's first take.
-    loads = _custom(tp2.take_notifications() or [], WEIGHTS_LOADED_KEY)
-    if not loads:
-        pytest.skip("an earlier test took the load-time events")
+def test_each_rank_reports_its_weight_load_stamped_with_its_place(
+    tp2_started: tuple[LLM, list[Notification]],
+) -> None:
+    loads = _custom(tp2_started[1], WEIGHTS_LOADED_KEY)
     assert [(n.rank, n.pp_rank, n.tp_rank, n.engine_index) for n in loads] == [
         (0, 0, 0, 0),
         (1, 0, 1, 0),

@@ -106,6 +106,13 @@ def test_events_from_every_rank_reach_every_api_server_in_the_same_order(
             reader.close()
 
 
+def _running_line(url: str) -> str:
+    """The running-requests series of one scrape, if it shows a request running."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    lines = series(text, "vllm:num_requests_running{")
+    return next((line for line in lines if not line.endswith(" 0.0")), "")
+
+
 def test_an_event_published_mid_generation_arrives_before_the_request_ends(
     server: ServerProcess,
 ) -> None:
@@ -123,7 +130,10 @@ def test_an_event_published_mid_generation_arrives_before_the_request_ends(
     worker = threading.Thread(target=generate)
     try:
         worker.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while "vllm:num_requests_running" not in _running_line(server.url):
+            assert time.monotonic() < deadline, "the request never started running"
+            time.sleep(0.02)
         worker_rpc(server.url, "publish_later", 0.2, "test.mid", [1])
         for reader in readers.values():
             (_, event), *_ = reader.wait_for(1, timeout_s=60)

@@ -99,8 +99,8 @@ def test_tensor_parallel_slots_add_up_to_the_whole_delta(
 
     arch = ArchConfig.from_model_dir(tiny_llama_dir)
     adapter = load_peft_adapter("a", mixed_adapters[0], arch, max_lora_rank=8)
-    context = LoRAContext(1, 8)
-    context.batch = LoRABatch.from_token_slots([0, 0, 0], 1, 8, torch.float32, torch.device("cpu"))
+    context = LoRAContext(1, 8, torch.device("cpu"))
+    context.batch = LoRABatch.from_token_slots([0, 0, 0], context.column_slots, torch.float32)
     hidden, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
 
     def linear(subs: list[SubProjection], in_size: int) -> LoRALinear:

@@ -48,27 +48,6 @@ class EventProducer:
             threading.Thread(target=later, daemon=True).start()
         return self.rank
 
-    def start_event_load(self, rate: float, seconds: float, key: str = "bench.load") -> int:
-        """Publish `rate` events per second for `seconds` from a background thread."""
-
-        def load() -> None:
-            interval = 1.0 / rate
-            next_at = time.perf_counter()
-            end = next_at + seconds
-            i = 0
-            while next_at < end:
-                publish_worker_notification(
-                    CustomNotification(key=key, payload={"i": i, "rank": self.rank})
-                )
-                i += 1
-                next_at += interval
-                pause = next_at - time.perf_counter()
-                if pause > 0:
-                    time.sleep(pause)
-
-        threading.Thread(target=load, daemon=True).start()
-        return self.rank
-
     def break_notification_drain(self, rank: int) -> int:
         """Fault injection: make this rank's next drains raise, as a broken rank would."""
         if self.rank == rank:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from rankcast.notifications import CustomNotification, Notification
+from rankcast.notifications import CustomNotification, Notification, notification_type
 from rankcast.protocol import EngineStateSnapshot
 
 DEFAULT_RING_SIZE = 4096
@@ -97,7 +97,7 @@ class EventHub:
         for n in notifications:
             key = n.key if isinstance(n, CustomNotification) else ""
             event = Event(
-                n.engine_index, n.engine_seq, n.__struct_config__.tag, key, self.encoder.encode(n)
+                n.engine_index, n.engine_seq, notification_type(n), key, self.encoder.encode(n)
             )
             self.ring.append(event)
             self.last_seq[event.engine] = event.seq

@@ -154,10 +154,21 @@ class LoRAConfig:
     allowed_lora_paths: tuple[str, ...] | None = None
     # Adapters every engine core loads at start: (name, path) pairs from --lora-modules.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Host-tier capacity per rank (a superset of the device slots); None: --max-loras.
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_loras >= 1, f"--max-loras must be >= 1, got {self.max_loras}")
         _require(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras}): "
+            "the host tier holds every adapter the device slots hold",
+        )
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,10 @@ class NotificationsDropped(Notification, tag="notifications_dropped"):
 
 
 class LoRAAdapterLoaded(Notification, tag="lora_adapter_loaded"):
-    """A rank loaded an adapter into `tier` ("device" or "cpu") in `seconds`."""
+    """A rank read an adapter from disk into `tier` ("cpu": its host tier) in `seconds`.
+
+    `adapter_id` is the engine's id for the adapter, stable while it stays registered.
+    """
 
     adapter_name: str
     adapter_id: int
@@ -79,8 +82,22 @@ class LoRAAdapterLoaded(Notification, tag="lora_adapter_loaded"):
     seconds: float
 
 
+class LoRAAdapterActivated(Notification, tag="lora_adapter_activated"):
+    """A rank copied a host-tier adapter into device `slot` in `seconds`; requests may use it."""
+
+    adapter_name: str
+    adapter_id: int
+    tier: str
+    seconds: float
+    slot: int
+
+
 class LoRAAdapterEvicted(Notification, tag="lora_adapter_evicted"):
-    """A rank dropped an adapter from `tier`; `reason` is "lru", "unload" or "capacity"."""
+    """A rank dropped an adapter from `tier`.
+
+    `reason`: "lru" (its device slot went to another adapter), "capacity" (the host tier was
+    full), "unload" (a user unloaded it), "load_failed" (rolled back after another rank failed).
+    """
 
     adapter_name: str
     adapter_id: int
@@ -88,27 +105,63 @@ class LoRAAdapterEvicted(Notification, tag="lora_adapter_evicted"):
     reason: str
 
 
+class LoRAAdapterPinned(Notification, tag="lora_adapter_pinned"):
+    """A rank pinned an adapter: it stays in the device tier until unpinned or unloaded."""
+
+    adapter_name: str
+    adapter_id: int
+    tier: str = "device"
+
+
+class LoRAAdapterUnpinned(Notification, tag="lora_adapter_unpinned"):
+    """A rank unpinned an adapter: it may be evicted again (least recently used first)."""
+
+    adapter_name: str
+    adapter_id: int
+    tier: str = "device"
+
+
 class LoRAAdapterLoadFailed(Notification, tag="lora_adapter_load_failed"):
     """A rank could not load an adapter; nothing it held changed."""
 
     adapter_name: str
     error: str
+    adapter_id: int = -1
 
 
-WorkerNotification = (
-    CustomNotification
-    | NotificationsDropped
-    | LoRAAdapterLoaded
+LoRAEvent = (
+    LoRAAdapterLoaded
+    | LoRAAdapterActivated
     | LoRAAdapterEvicted
+    | LoRAAdapterPinned
+    | LoRAAdapterUnpinned
     | LoRAAdapterLoadFailed
 )
-_WORKER_TYPES = (
-    CustomNotification,
-    NotificationsDropped,
+WorkerNotification = CustomNotification | NotificationsDropped | LoRAEvent
+_LORA_TYPES = (
     LoRAAdapterLoaded,
+    LoRAAdapterActivated,
     LoRAAdapterEvicted,
+    LoRAAdapterPinned,
+    LoRAAdapterUnpinned,
     LoRAAdapterLoadFailed,
 )
+_WORKER_TYPES = (CustomNotification, NotificationsDropped, *_LORA_TYPES)
+
+
+def lora_event_name(n: Notification) -> str | None:
+    """ "loaded", "activated", "evicted", ... for a LoRA lifecycle event; None for other types."""
+    if not isinstance(n, _LORA_TYPES):
+        return None
+    return notification_type(n).removeprefix("lora_adapter_")
+
+
+def load_transition(n: LoRAAdapterLoaded | LoRAAdapterActivated) -> str:
+    """The `transition` label of `vllm:lora_adapter_load_seconds`: disk_to_cpu or cpu_to_gpu
+    (vLLM's metric names call the device tier "gpu" whatever the device is)."""
+    if isinstance(n, LoRAAdapterActivated):
+        return "cpu_to_gpu"
+    return f"disk_to_{'gpu' if n.tier == 'device' else n.tier}"
 
 
 def notification_type(n: Notification) -> str:

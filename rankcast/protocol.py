@@ -38,7 +38,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 # Bump whenever any struct below changes its field list; peers refuse a mismatch at handshake.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -107,6 +107,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Adapters of the requests that run, and of those that wait (what routers read).
     running_lora_adapters: list[str] = msgspec.field(default_factory=list)
     waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    # Per adapter, how many requests run on it and how many wait for it.
+    running_lora_requests: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_requests: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

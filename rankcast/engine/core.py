@@ -6,6 +6,7 @@ wraps it in a busy loop with ZMQ threads. It speaks only protocol structs.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any
@@ -60,16 +61,21 @@ class EngineCore:
             config.notifications,
         )
         self.extension_methods = self._extension_methods()
-        self.scheduler = Scheduler(
-            config.scheduler, BlockManager(num_blocks, block_size), self.max_model_len
-        )
         self.loras = None
         if config.lora.enable_lora:
             self.loras = LoRARegistry(
-                self.executor, self.arch, config.lora, self._requests_using_slot
+                self.executor,
+                self.arch,
+                config.lora,
+                self._requests_using_adapter,
+                self._running_adapters,
             )
             self.notifications.register_snapshot_provider("lora", self._lora_snapshot)
             self.notifications.observers.append(self.loras.observe)
+        self.scheduler = Scheduler(
+            config.scheduler, BlockManager(num_blocks, block_size), self.max_model_len, self.loras
+        )
+        if self.loras is not None:
             for name, path in config.lora.lora_modules:
                 self.loras.add(name, path)
         logger.info(
@@ -106,13 +112,12 @@ class EngineCore:
                 f"the prompt has {prompt_len} tokens, but the maximum context length is "
                 f"{self.max_model_len} tokens (prompt plus at least one generated token)"
             )
-        lora_slot = -1
         if request.lora_name is not None:
             if self.loras is None:
                 raise ValueError(
                     f"request names LoRA adapter {request.lora_name!r}, but LoRA is not enabled"
                 )
-            lora_slot = self.loras.slot_of(request.lora_name)
+            self.loras.check_servable(request.lora_name)
         room = self.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.scheduler.add_request(
@@ -124,22 +129,32 @@ class EngineCore:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=request.arrival_time or time.time(),
                 client_index=request.client_index,
-                lora_slot=lora_slot,
+                lora_name=request.lora_name,
             )
         )
 
-    def _requests_using_slot(self, slot: int) -> int:
-        return sum(1 for r in self.scheduler.unfinished_requests() if r.lora_slot == slot)
+    def _requests_using_adapter(self, name: str) -> int:
+        return sum(1 for r in self.scheduler.unfinished_requests() if r.lora_name == name)
+
+    def _running_adapters(self) -> set[str]:
+        return {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
 
     def _lora_snapshot(self) -> dict[str, Any]:
-        """Residency for a late API server: every registered adapter is on every rank."""
+        """Residency for a late API server: the registry's tiers hold on every rank (a rank
+        that failed a move raised, and the move was undone or the engine stopped)."""
         assert self.loras is not None
         world = self.config.parallel.world_size
         return {
             "world_size": world,
             "max_loras": self.config.lora.max_loras,
+            "max_cpu_loras": self.config.lora.host_capacity,
             "adapters": [
-                {"name": a["name"], "ranks": [[rank, "device"] for rank in range(world)]}
+                {
+                    "name": a["name"],
+                    "id": a["id"],
+                    "pinned": a["pinned"],
+                    "ranks": [[rank, tier] for rank in range(world) for tier in a["tiers"]],
+                }
                 for a in self.loras.list()
             ],
             "events": [[n, e, r, c] for (n, e, r), c in sorted(self.loras.events.items())],
@@ -193,9 +208,10 @@ class EngineCore:
             "collective_rpc": self.collective_rpc,
             "add_lora": lambda name, path: self._lora_registry().add(name, path),
             "remove_lora": lambda name: self._lora_registry().remove(name),
+            "pin_lora": lambda name, pinned=True: self._lora_registry().pin(name, pinned),
             "list_loras": lambda: self._lora_registry().list(),
         }
-        changes_producers = {"collective_rpc", "add_lora", "remove_lora"}
+        changes_producers = {"collective_rpc", "add_lora", "remove_lora", "pin_lora"}
         if method not in utilities:
             raise ValueError(f"unknown utility {method!r}")
         try:
@@ -217,11 +233,14 @@ class EngineCore:
         stats.notification_gathers = self.notifications.gathers
         stats.notification_gather_seconds = self.notifications.gather_seconds
         if self.loras is not None:
-            names = self.loras.name_of
-            running = {names(r.lora_slot) for r in self.scheduler.running if r.lora_slot >= 0}
-            waiting = {names(r.lora_slot) for r in self.scheduler.waiting if r.lora_slot >= 0}
-            stats.running_lora_adapters = sorted(n for n in running if n)
-            stats.waiting_lora_adapters = sorted(n for n in waiting if n)
+            running = collections.Counter(r.lora_name for r in self.scheduler.running)
+            waiting = collections.Counter(r.lora_name for r in self.scheduler.waiting)
+            running.pop(None, None)
+            waiting.pop(None, None)
+            stats.running_lora_requests = dict(sorted(running.items()))  # type: ignore[arg-type]
+            stats.waiting_lora_requests = dict(sorted(waiting.items()))  # type: ignore[arg-type]
+            stats.running_lora_adapters = list(stats.running_lora_requests)
+            stats.waiting_lora_adapters = list(stats.waiting_lora_requests)
         return stats
 
     def step(self) -> EngineCoreOutputs:
@@ -233,6 +252,7 @@ class EngineCore:
             result = self.executor.execute_model(batch)
             if result is not None:
                 outputs = self.scheduler.update_from_output(result)
+        outputs.extend(self.scheduler.take_rejected())
         self.notifications.collect()
         return EngineCoreOutputs(
             engine_index=self.engine_index,

@@ -95,12 +95,19 @@ class LLMEngine:
         return self.client.call_utility("collective_rpc", method, args, timeout)  # type: ignore[no-any-return]
 
     def add_lora(self, name: str, path: str) -> dict[str, Any]:
-        """Load an adapter into a slot on every rank (validated first; a bad one changes
-        nothing)."""
+        """Register an adapter and read it into every rank's host tier (and a device slot if
+        one is free); validated first, so a bad one changes nothing."""
         return self.client.call_utility("add_lora", name, path)  # type: ignore[no-any-return]
 
     def remove_lora(self, name: str) -> None:
         self.client.call_utility("remove_lora", name)
+
+    def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
+        """Keep an adapter in the device tier (never evicted) until unpinned."""
+        return self.client.call_utility("pin_lora", name, pinned)  # type: ignore[no-any-return]
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        return self.client.call_utility("list_loras")  # type: ignore[no-any-return]
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         from rankcast.tokenizer import apply_chat_template

@@ -1,40 +1,68 @@
-"""Which LoRA adapters the engine serves and which slot each holds on every rank.
+"""Which LoRA adapters the engine serves, and where each one is on every rank.
 
 The engine core owns this, not an API server, so adapters added through any API server (or the
-offline `LLM`) are the same for all. An adapter is validated here, in full, before any rank is
-touched: a bad one changes nothing.
+offline `LLM`) are the same for all. Three places an adapter can be, per rank:
+
+- registered only: known by name and path, read from disk again when a request needs it;
+- the host tier (`--max-cpu-loras`): read and kept in host memory, ready to copy to a slot;
+- a device slot (`--max-loras`): requests can run on it. Every device adapter is also in the
+  host tier.
+
+Every move is decided here and made by each rank's `LoRAManager` through one collective call,
+so all ranks make the same moves and each reports its own. Nothing is evicted before the
+incoming adapter has been validated in full, and an adapter a running request uses, or a pinned
+one, is never evicted; among the rest the least recently used goes first.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rankcast.config import LoRAConfig
-from rankcast.executor.base import Executor
+from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import load_peft_adapter
 from rankcast.model.arch import ArchConfig
 from rankcast.notifications import (
+    LoRAAdapterActivated,
     LoRAAdapterEvicted,
     LoRAAdapterLoaded,
-    LoRAAdapterLoadFailed,
     Notification,
+    load_transition,
+    lora_event_name,
 )
 
 # Load-time observations kept for a late API server's histogram (oldest forgotten first).
 _LOADS_KEPT = 10_000
 
 
-@dataclass(frozen=True)
+class LoRACapacityError(ValueError):
+    """No room can be made for an adapter without evicting one that must stay."""
+
+
+class LoRALoadError(ValueError):
+    """A rank could not read an adapter that was valid when registered (the files changed)."""
+
+
+@dataclass
 class RegisteredAdapter:
     name: str
     path: str
-    slot: int
+    adapter_id: int
     rank: int
     nbytes: int
+    in_host: bool = False
+    slot: int | None = None
+    pinned: bool = False
+    last_used: int = 0  # logical clock: larger is more recent
+
+    @property
+    def tiers(self) -> list[str]:
+        return [t for t, held in (("device", self.slot is not None), ("cpu", self.in_host)) if held]
 
 
 class LoRARegistry:
@@ -43,65 +71,186 @@ class LoRARegistry:
         executor: Executor,
         arch: ArchConfig,
         config: LoRAConfig,
-        requests_using: Callable[[int], int],
+        requests_using: Callable[[str], int],
+        running_adapters: Callable[[], set[str]],
     ) -> None:
         self.executor = executor
         self.arch = arch
         self.config = config
+        self.max_loras = config.max_loras
         self.requests_using = requests_using
+        self.running_adapters = running_adapters
         self.adapters: dict[str, RegisteredAdapter] = {}
         roots = config.allowed_lora_paths
         self.allowed_roots = None if roots is None else [Path(r) for r in roots]
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        # (adapter, event, reason) -> count, and (transition, seconds): a late API server's
+        # counters and histogram start from these.
         self.events: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.loads: collections.deque[tuple[str, float]] = collections.deque(maxlen=_LOADS_KEPT)
 
     def observe(self, n: Notification) -> None:
         """Count lifecycle events as they leave the engine (for the catch-up snapshot)."""
-        if isinstance(n, LoRAAdapterLoaded):
-            self.events[(n.adapter_name, "loaded", "")] += 1
-            self.loads.append((f"disk_to_{n.tier}", n.seconds))
-        elif isinstance(n, LoRAAdapterEvicted):
-            self.events[(n.adapter_name, "evicted", n.reason)] += 1
-        elif isinstance(n, LoRAAdapterLoadFailed):
-            self.events[(n.adapter_name, "load_failed", "")] += 1
+        event = lora_event_name(n)
+        if event is None:
+            return
+        reason = n.reason if isinstance(n, LoRAAdapterEvicted) else ""
+        self.events[(n.adapter_name, event, reason)] += 1  # type: ignore[attr-defined]
+        if isinstance(n, LoRAAdapterLoaded | LoRAAdapterActivated):
+            self.loads.append((load_transition(n), n.seconds))
 
-    def name_of(self, slot: int) -> str | None:
-        return next((a.name for a in self.adapters.values() if a.slot == slot), None)
+    # ---- registration ----
 
     def add(self, name: str, path: str) -> dict[str, Any]:
-        """Validate, then load into a free slot on every rank (same name and path: a no-op)."""
+        """Validate, then read into every rank's host tier and, if a slot is free, the device.
+
+        The same name and path again is a no-op. A full host tier makes room by evicting its
+        least recently used idle adapter (reason "capacity"); a full set of device slots does
+        not: the adapter moves to the device when a request needs it.
+        """
         if not name:
             raise ValueError("an adapter needs a name")
-        known = self.adapters.get(name)
         adapter = load_peft_adapter(
             name, path, self.arch, self.config.max_lora_rank, self.allowed_roots
         )
+        known = self.adapters.get(name)
         if known is not None:
             if known.path == str(adapter.path):
-                return self._describe(known)
+                return self.describe(known)
             raise ValueError(f"adapter {name!r} is already loaded from {known.path}")
-        used = {a.slot for a in self.adapters.values()}
-        free = [slot for slot in range(self.config.max_loras) if slot not in used]
-        if not free:
-            raise ValueError(
-                f"all {self.config.max_loras} adapter slots (--max-loras) are in use; "
-                "unload one first"
-            )
-        self.executor.collective_rpc("add_lora", (free[0], name, str(adapter.path)))
-        entry = RegisteredAdapter(name, str(adapter.path), free[0], adapter.rank, adapter.nbytes)
+        entry = RegisteredAdapter(
+            name, str(adapter.path), next(self._ids), adapter.rank, adapter.nbytes
+        )
+        self._make_host_room(self.running_adapters())
+        self._load(entry)
         self.adapters[name] = entry
-        return self._describe(entry)
+        self._touch(entry)
+        free = self._free_slots()
+        if free:
+            self._activate(entry, free[0])
+        return self.describe(entry)
 
     def remove(self, name: str) -> None:
+        """Unload from every tier of every rank; refused while any request still names it."""
         entry = self._entry(name)
-        busy = self.requests_using(entry.slot)
+        busy = self.requests_using(name)
         if busy:
             raise ValueError(f"adapter {name!r} is in use by {busy} request(s)")
-        self.executor.collective_rpc("remove_lora", (entry.slot, name))
+        self.executor.collective_rpc("evict_lora", (entry.adapter_id, "cpu", "unload"))
         del self.adapters[name]
 
-    def slot_of(self, name: str) -> int:
-        return self._entry(name).slot
+    def pin(self, name: str, pinned: bool) -> dict[str, Any]:
+        """Pin: bring the adapter to the device now and keep it there until unpinned."""
+        entry = self._entry(name)
+        if pinned and entry.slot is None:
+            slot = self.acquire(name, self.running_adapters())
+            if slot is None:
+                raise LoRACapacityError(
+                    f"every device slot (--max-loras {self.max_loras}) holds an adapter that "
+                    "running requests use; retry when they finish"
+                )
+        if entry.pinned != pinned:
+            self.executor.collective_rpc("pin_lora", (entry.adapter_id, pinned))
+            entry.pinned = pinned
+        return self.describe(entry)
+
+    # ---- residency on demand ----
+
+    def acquire(self, name: str, busy: set[str]) -> int | None:
+        """The device slot `name` runs on, moving it there if needed; None: not now.
+
+        `busy` are the adapters of running requests and of the batch being formed: they are
+        never evicted. None means every slot holds a busy adapter (the request waits for one to
+        finish). Every slot held by a pinned adapter is a lasting refusal, so it raises.
+        """
+        entry = self._entry(name)
+        self._touch(entry)
+        if entry.slot is not None:
+            return entry.slot
+        if not self._free_slots() and self._device_victim(busy) is None:
+            if all(a.pinned for a in self.adapters.values() if a.slot is not None):
+                raise LoRACapacityError(
+                    f"every device slot (--max-loras {self.max_loras}) holds a pinned adapter; "
+                    f"unpin one to serve {name!r}"
+                )
+            return None
+        if not entry.in_host:
+            self._make_host_room(busy | {name})
+            self._load(entry)
+        free = self._free_slots()
+        if free:
+            slot = free[0]
+        else:
+            victim = self._device_victim(busy | {name})
+            if victim is None:
+                return None
+            slot = self._evict_device(victim, "lru")
+        self._activate(entry, slot)
+        return slot
+
+    def _free_slots(self) -> list[int]:
+        used = {a.slot for a in self.adapters.values()}
+        return [slot for slot in range(self.max_loras) if slot not in used]
+
+    def _device_victim(self, busy: set[str]) -> RegisteredAdapter | None:
+        idle = [
+            a
+            for a in self.adapters.values()
+            if a.slot is not None and not a.pinned and a.name not in busy
+        ]
+        return min(idle, key=lambda a: a.last_used, default=None)
+
+    def _make_host_room(self, busy: set[str]) -> None:
+        """Evict the least recently used idle host adapter (off-device ones first) if full."""
+        held = [a for a in self.adapters.values() if a.in_host]
+        if len(held) < self.config.host_capacity:
+            return
+        idle = [a for a in held if not a.pinned and a.name not in busy]
+        if not idle:
+            raise LoRACapacityError(
+                f"the host tier (--max-cpu-loras {self.config.host_capacity}) holds only "
+                "adapters that requests use or that are pinned"
+            )
+        victim = min(idle, key=lambda a: (a.slot is not None, a.last_used))
+        self.executor.collective_rpc("evict_lora", (victim.adapter_id, "cpu", "capacity"))
+        victim.in_host, victim.slot = False, None
+
+    def _evict_device(self, victim: RegisteredAdapter, reason: str) -> int:
+        assert victim.slot is not None
+        self.executor.collective_rpc("evict_lora", (victim.adapter_id, "device", reason))
+        slot, victim.slot = victim.slot, None
+        return slot
+
+    def _load(self, entry: RegisteredAdapter) -> None:
+        """Disk -> host tier on every rank; a rank that fails is undone on the others."""
+        try:
+            self.executor.collective_rpc("load_lora", (entry.adapter_id, entry.name, entry.path))
+        except ExecutorError as exc:
+            self.executor.collective_rpc("evict_lora", (entry.adapter_id, "cpu", "load_failed"))
+            first_line = str(exc).splitlines()[0]
+            raise LoRALoadError(f"could not load adapter {entry.name!r}: {first_line}") from None
+        entry.in_host = True
+
+    def _activate(self, entry: RegisteredAdapter, slot: int) -> None:
+        self.executor.collective_rpc("activate_lora", (entry.adapter_id, slot))
+        entry.slot = slot
+
+    def _touch(self, entry: RegisteredAdapter) -> None:
+        entry.last_used = next(self._clock)
+
+    # ---- lookups ----
+
+    def check_servable(self, name: str) -> None:
+        """Raise now, at submission, for a request that could never run: an unknown adapter,
+        or every slot pinned by other adapters."""
+        entry = self._entry(name)
+        pinned = [a for a in self.adapters.values() if a.pinned and a.slot is not None]
+        if entry.slot is None and len(pinned) >= self.max_loras:
+            raise LoRACapacityError(
+                f"every device slot (--max-loras {self.max_loras}) holds a pinned adapter "
+                f"({', '.join(sorted(a.name for a in pinned))}); unpin one to serve {name!r}"
+            )
 
     def _entry(self, name: str) -> RegisteredAdapter:
         entry = self.adapters.get(name)
@@ -111,14 +260,18 @@ class LoRARegistry:
         return entry
 
     def list(self) -> list[dict[str, Any]]:
-        return [self._describe(a) for a in sorted(self.adapters.values(), key=lambda a: a.slot)]
+        ordered = sorted(self.adapters.values(), key=lambda a: a.adapter_id)
+        return [self.describe(a) for a in ordered]
 
     @staticmethod
-    def _describe(entry: RegisteredAdapter) -> dict[str, Any]:
+    def describe(entry: RegisteredAdapter) -> dict[str, Any]:
         return {
             "name": entry.name,
             "path": entry.path,
-            "slot": entry.slot,
+            "id": entry.adapter_id,
             "rank": entry.rank,
             "bytes": entry.nbytes,
+            "tiers": entry.tiers,
+            "slot": entry.slot,
+            "pinned": entry.pinned,
         }

@@ -24,6 +24,9 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float = 0.0
     client_index: int = 0
+    # The adapter the request names (None: the base model), and the device slot it was given
+    # when last admitted (-1 until then; a preempted request may get another one).
+    lora_name: str | None = None
     lora_slot: int = -1
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

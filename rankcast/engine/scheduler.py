@@ -4,11 +4,18 @@ Each step is either a prefill of newly admitted requests (admitted while their K
 the batch limits allow) or one decode token for every running request. When a decode step needs a
 block and none is free, the most recently admitted request is preempted: its blocks are freed
 and it goes back to the front of the queue to be recomputed later.
+
+With LoRA, a request is admitted only once its adapter holds a device slot. A batch never runs
+more distinct adapters than there are slots: a request whose adapter would be one too many, or
+whose adapter cannot get a slot because every slot serves running requests, is deferred (it
+keeps its place at the head of the queue) and later requests may go first.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from typing import Protocol
 
 from rankcast.config import SchedulerConfig
 from rankcast.engine.block_manager import BlockManager
@@ -22,12 +29,32 @@ from rankcast.protocol import (
     SchedulerStats,
 )
 
+logger = logging.getLogger(__name__)
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler needs from the engine's LoRA registry."""
+
+    max_loras: int
+
+    def acquire(self, name: str, busy: set[str]) -> int | None:
+        """The adapter's device slot, loading/evicting as needed; None: no slot can be freed
+        now without evicting one of `busy`. Raises ValueError when it can never be served."""
+        ...
+
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.config = config
+        self.adapters = adapters
+        # Requests the scheduler itself ended (their adapter could not be served).
+        self.rejected: list[Request] = []
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -81,6 +108,8 @@ class Scheduler:
 
     def _schedule_prefills(self) -> list[Request]:
         admitted: list[Request] = []
+        deferred: list[Request] = []
+        active = {r.lora_name for r in self.running if r.lora_name is not None}
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -89,11 +118,40 @@ class Scheduler:
             if not self.blocks.can_allocate(request):
                 break
             self.waiting.popleft()
+            if request.lora_name is not None:
+                try:
+                    slot = self._adapter_slot(request.lora_name, active)
+                except ValueError as exc:
+                    self._reject(request, str(exc))
+                    continue
+                if slot is None:
+                    deferred.append(request)
+                    continue
+                request.lora_slot = slot
+                active.add(request.lora_name)
             self.blocks.allocate(request)
             request.status = RequestStatus.RUNNING
             admitted.append(request)
             tokens += request.num_tokens
+        self.waiting.extendleft(reversed(deferred))
         return admitted
+
+    def _adapter_slot(self, name: str, active: set[str]) -> int | None:
+        assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
+        if name not in active and len(active) >= self.adapters.max_loras:
+            return None  # one adapter too many for this batch
+        return self.adapters.acquire(name, active)
+
+    def _reject(self, request: Request, reason: str) -> None:
+        logger.warning("aborting request %s: %s", request.request_id, reason)
+        request.finish_reason = FinishReason.ABORT
+        self._finish(request)
+        self.rejected.append(request)
+
+    def take_rejected(self) -> list[EngineCoreOutput]:
+        """Outputs for the requests the scheduler ended since the last call."""
+        rejected, self.rejected = self.rejected, []
+        return [self._take_output(r) for r in rejected]
 
     def _schedule_decodes(self) -> list[Request]:
         scheduled: list[Request] = []

@@ -85,6 +85,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
     )
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     parser.add_argument("--max-loras", type=int, default=1, help="adapter slots per rank")
+    parser.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in each rank's host tier (>= --max-loras; default: --max-loras)",
+    )
     parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument(
         "--lora-modules",
@@ -141,6 +147,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         notification_events_replay_endpoint=args.notification_events_replay_endpoint,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,
         lora_modules=_lora_modules(args.lora_modules),
         allowed_lora_paths=tuple(args.allowed_lora_paths) if args.allowed_lora_paths else None,
@@ -205,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
-        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter",
+        help="enable /v1/load_lora_adapter, /v1/unload_lora_adapter and /v1/(un)pin_lora_adapter",
     )
 
     chat = commands.add_parser("chat", help="answer one chat message with the offline engine")

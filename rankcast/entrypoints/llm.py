@@ -108,6 +108,14 @@ class LLM:
         """Call a `worker_extension_cls` method on every rank; replies in rank order."""
         return self.engine.collective_rpc(method, args, timeout)
 
+    def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
+        """Keep a registered adapter in the device tier until unpinned (LRU eviction skips it)."""
+        return self.engine.pin_lora(name, pinned)
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """Registered adapters with their tiers, device slot and pin."""
+        return self.engine.list_loras()
+
     def take_notifications(self) -> list[Notification]:
         """The engine notifications gathered so far (weight loads, plugin events, ...), each
         stamped with the rank it came from; oldest first, each returned once."""

@@ -1,66 +1,162 @@
-"""What an API server knows about LoRA adapter residency: built only from the engine's
-lifecycle notifications and its catch-up snapshot, so every API server agrees without asking
-the engine per request."""
+"""What an API server knows about LoRA adapters: built only from the engine's lifecycle
+notifications, its catch-up snapshot and its scheduler stats, so every API server agrees without
+asking the engine per request."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from rankcast.notifications import LoRAAdapterEvicted, LoRAAdapterLoaded, Notification
-from rankcast.protocol import EngineStateSnapshot
+from rankcast.notifications import (
+    LoRAAdapterActivated,
+    LoRAAdapterEvicted,
+    LoRAAdapterLoaded,
+    LoRAAdapterPinned,
+    LoRAAdapterUnpinned,
+    Notification,
+)
+from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+
+# Tier order in replies: the device first, as the one requests run on.
+_TIER_ORDER = {"device": 0, "cpu": 1}
+
+
+@dataclass
+class AdapterOnEngine:
+    """One registered adapter on one engine: the tiers each rank holds it in, and which ranks
+    pinned it. A registered adapter evicted from every tier stays (it loads again on demand)."""
+
+    ranks: dict[int, set[str]] = field(default_factory=dict)
+    pinned: set[int] = field(default_factory=set)
 
 
 class LoRAResidency:
-    """Per engine, per adapter: the ranks that hold it and in which tier (a NotificationSink)."""
+    """Per engine, per adapter, per rank: tiers and pins (a NotificationSink)."""
 
     def __init__(self) -> None:
-        # engine -> adapter name -> rank -> tier
-        self.resident: dict[int, dict[str, dict[int, str]]] = {}
+        self.adapters: dict[int, dict[str, AdapterOnEngine]] = {}
         self.world_size: dict[int, int] = {}
+        self.max_loras = 0
+        self.running: dict[int, dict[str, int]] = {}
+        self.waiting: dict[int, dict[str, int]] = {}
+        self.requests_changed_at = time.time()
+
+    # ---- inputs ----
 
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
         section: dict[str, Any] = snapshot.sections.get("lora", {})
+        if not section:
+            return
         engine = snapshot.engine_index
         self.world_size[engine] = int(section.get("world_size", 1))
-        self.resident[engine] = {
-            a["name"]: {int(rank): tier for rank, tier in a["ranks"]}
-            for a in section.get("adapters", [])
-        }
+        self.max_loras = max(self.max_loras, int(section.get("max_loras", 0)))
+        adapters: dict[str, AdapterOnEngine] = {}
+        for a in section.get("adapters", []):
+            state = AdapterOnEngine()
+            for rank, tier in a["ranks"]:
+                state.ranks.setdefault(int(rank), set()).add(tier)
+            if a.get("pinned"):
+                state.pinned = set(state.ranks)
+            adapters[a["name"]] = state
+        self.adapters[engine] = adapters
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
         for n in notifications:
-            if isinstance(n, LoRAAdapterLoaded):
-                adapters = self.resident.setdefault(n.engine_index, {})
-                adapters.setdefault(n.adapter_name, {})[n.rank] = n.tier
+            if isinstance(n, LoRAAdapterLoaded | LoRAAdapterActivated):
+                state = self._state(n.engine_index, n.adapter_name, create=True)
+                assert state is not None
+                state.ranks.setdefault(n.rank, set()).add(n.tier)
             elif isinstance(n, LoRAAdapterEvicted):
-                ranks = self.resident.get(n.engine_index, {}).get(n.adapter_name)
-                if ranks is not None:
-                    ranks.pop(n.rank, None)
-                    if not ranks:
-                        del self.resident[n.engine_index][n.adapter_name]
+                self._evicted(n)
+            elif isinstance(n, LoRAAdapterPinned | LoRAAdapterUnpinned):
+                state = self._state(n.engine_index, n.adapter_name)
+                if state is not None:
+                    if isinstance(n, LoRAAdapterPinned):
+                        state.pinned.add(n.rank)
+                    else:
+                        state.pinned.discard(n.rank)
+
+    def _evicted(self, n: LoRAAdapterEvicted) -> None:
+        state = self._state(n.engine_index, n.adapter_name)
+        if state is None:
+            return
+        tiers = state.ranks.get(n.rank, set())
+        tiers.discard(n.tier)
+        if n.tier == "cpu":
+            tiers.clear()  # the host tier is a superset: nothing of it is left on the rank
+            state.pinned.discard(n.rank)
+        if not tiers:
+            state.ranks.pop(n.rank, None)
+        if n.reason == "unload" and not state.ranks:
+            del self.adapters[n.engine_index][n.adapter_name]
+
+    def _state(self, engine: int, name: str, create: bool = False) -> AdapterOnEngine | None:
+        adapters = self.adapters.setdefault(engine, {})
+        if create and name not in adapters:
+            adapters[name] = AdapterOnEngine()
+        return adapters.get(name)
+
+    def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
+        running, waiting = stats.running_lora_requests, stats.waiting_lora_requests
+        if self.running.get(engine_index) != running or self.waiting.get(engine_index) != waiting:
+            self.running[engine_index] = running
+            self.waiting[engine_index] = waiting
+            self.requests_changed_at = time.time()
+
+    # ---- views ----
 
     def names(self) -> list[str]:
-        """Adapters some engine holds, in name order."""
-        return sorted({name for adapters in self.resident.values() for name in adapters})
+        """Adapters some engine has registered, in name order (servable by name)."""
+        return sorted({name for adapters in self.adapters.values() for name in adapters})
+
+    def running_adapters(self) -> list[str]:
+        return sorted({a for counts in self.running.values() for a in counts})
+
+    def waiting_adapters(self) -> list[str]:
+        return sorted({a for counts in self.waiting.values() for a in counts})
 
     def describe(self) -> list[dict[str, Any]]:
-        """`/v1/lora_adapters`: per adapter, its residency per engine and rank; `partial` when
-        some rank of an engine that has it does not."""
+        """`/v1/lora_adapters`: per adapter its tiers, whether pinned, residency per engine and
+        rank, request counts, and `partial` when the ranks of one engine disagree."""
         out = []
         for name in self.names():
-            engines = []
-            partial = False
-            for engine, adapters in sorted(self.resident.items()):
-                ranks = adapters.get(name)
-                if ranks is None:
+            engines, tiers, pinned, partial = [], set[str](), False, False
+            for engine, adapters in sorted(self.adapters.items()):
+                state = adapters.get(name)
+                if state is None:
                     continue
-                world = self.world_size.get(engine, len(ranks))
-                partial = partial or len(ranks) < world
+                world = self.world_size.get(engine, max(state.ranks, default=-1) + 1)
+                held = [frozenset(state.ranks.get(rank, ())) for rank in range(world)]
+                partial = partial or len(set(held)) > 1 or 0 < len(state.pinned) < world
+                tiers.update(*held)
+                pinned = pinned or bool(state.pinned)
                 engines.append(
                     {
                         "engine": engine,
-                        "ranks": [{"rank": r, "tier": t} for r, t in sorted(ranks.items())],
+                        "ranks": [
+                            {
+                                "rank": rank,
+                                "tiers": _ordered(t),
+                                "pinned": rank in state.pinned,
+                            }
+                            for rank, t in sorted(state.ranks.items())
+                        ],
                     }
                 )
-            out.append({"name": name, "engines": engines, "partial": partial})
+            out.append(
+                {
+                    "name": name,
+                    "tiers": _ordered(tiers),
+                    "pinned": pinned,
+                    "partial": partial,
+                    "running_requests": sum(c.get(name, 0) for c in self.running.values()),
+                    "waiting_requests": sum(c.get(name, 0) for c in self.waiting.values()),
+                    "engines": engines,
+                }
+            )
         return out
+
+
+def _ordered(tiers: set[str] | frozenset[str]) -> list[str]:
+    return sorted(tiers, key=lambda t: _TIER_ORDER.get(t, len(_TIER_ORDER)))

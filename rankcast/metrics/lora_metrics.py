@@ -8,7 +8,6 @@ snapshot's totals, so a late API server reports what its siblings report.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,10 +17,12 @@ from prometheus_client.registry import Collector
 
 from rankcast.lora.residency import LoRAResidency
 from rankcast.notifications import (
+    LoRAAdapterActivated,
     LoRAAdapterEvicted,
     LoRAAdapterLoaded,
-    LoRAAdapterLoadFailed,
     Notification,
+    load_transition,
+    lora_event_name,
 )
 from rankcast.protocol import EngineStateSnapshot, SchedulerStats
 
@@ -35,22 +36,24 @@ class _ResidencyCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        m = self.metrics
-        if not m.max_loras:
+        m, residency = self.metrics, self.metrics.residency
+        if not residency.max_loras:
             return  # the engine serves no adapters (no LoRA section in its snapshot)
         loaded = GaugeMetricFamily(
             "vllm:lora_adapter_loaded",
             "1 while the adapter is resident on the rank (series removed on eviction).",
             labels=["adapter_name", "level", "pinned", "rank", "model_name", "engine"],
         )
-        counts = {"gpu": set(), "cpu": set()}
-        for engine, adapters in sorted(m.residency.resident.items()):
-            for name, ranks in sorted(adapters.items()):
-                for rank, tier in sorted(ranks.items()):
-                    level = _LEVEL.get(tier, tier)
-                    counts.setdefault(level, set()).add((engine, name))
-                    labels = [name, level, "false", str(rank), m.model_name, str(engine)]
-                    loaded.add_metric(labels, 1)
+        counts: dict[str, set[tuple[int, str]]] = {"gpu": set(), "cpu": set()}
+        for engine, adapters in sorted(residency.adapters.items()):
+            for name, state in sorted(adapters.items()):
+                for rank, tiers in sorted(state.ranks.items()):
+                    pinned = "true" if rank in state.pinned else "false"
+                    for tier in sorted(tiers):
+                        level = _LEVEL.get(tier, tier)
+                        counts.setdefault(level, set()).add((engine, name))
+                        labels = [name, level, pinned, str(rank), m.model_name, str(engine)]
+                        loaded.add_metric(labels, 1)
         yield loaded
         for level in ("gpu", "cpu"):
             gauge = GaugeMetricFamily(
@@ -65,14 +68,14 @@ class _ResidencyCollector(Collector):
             "Adapter slots per rank (--max-loras).",
             labels=["model_name"],
         )
-        slots.add_metric([m.model_name], m.max_loras)
+        slots.add_metric([m.model_name], residency.max_loras)
         yield slots
         partial = GaugeMetricFamily(
             "rankcast:lora_adapter_partial",
-            "1 when some rank of an engine that holds the adapter does not.",
+            "1 when the ranks of an engine that holds the adapter disagree on where it is.",
             labels=["adapter_name"],
         )
-        for adapter in m.residency.describe():
+        for adapter in residency.describe():
             partial.add_metric([adapter["name"]], 1 if adapter["partial"] else 0)
         yield partial
         info = GaugeMetricFamily(
@@ -80,9 +83,9 @@ class _ResidencyCollector(Collector):
             "Adapters of running and of waiting requests; value: unix time of the last change.",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
-        running = sorted({a for names in m.running.values() for a in names})
-        waiting = sorted({a for names in m.waiting.values() for a in names})
-        info.add_metric([str(m.max_loras), ",".join(running), ",".join(waiting)], m.changed_at)
+        running = ",".join(residency.running_adapters())
+        waiting = ",".join(residency.waiting_adapters())
+        info.add_metric([str(residency.max_loras), running, waiting], residency.requests_changed_at)
         yield info
 
 
@@ -94,10 +97,6 @@ class LoRAMetrics:
     ) -> None:
         self.model_name = model_name
         self.residency = residency
-        self.max_loras = 0
-        self.running: dict[int, list[str]] = {}
-        self.waiting: dict[int, list[str]] = {}
-        self.changed_at = time.time()
         self.events = Counter(
             "rankcast:lora_adapter_events",
             "Adapter lifecycle events from every rank, by adapter, event and reason.",
@@ -106,7 +105,7 @@ class LoRAMetrics:
         )
         self.load_seconds = Histogram(
             "vllm:lora_adapter_load_seconds",
-            "Seconds a rank took to load an adapter, per transition (one per rank per load).",
+            "Seconds a rank took to move an adapter, per transition (one per rank per move).",
             ["transition"],
             buckets=_LOAD_BUCKETS,
             registry=registry,
@@ -115,9 +114,6 @@ class LoRAMetrics:
 
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
         section: dict[str, Any] = snapshot.sections.get("lora", {})
-        if not section:
-            return
-        self.max_loras = max(self.max_loras, int(section.get("max_loras", 0)))
         for name, event, reason, count in section.get("events", []):
             self.events.labels(name, event, reason).inc(count)
         for transition, seconds in section.get("loads", []):
@@ -125,17 +121,13 @@ class LoRAMetrics:
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
         for n in notifications:
-            if isinstance(n, LoRAAdapterLoaded):
-                self.events.labels(n.adapter_name, "loaded", "").inc()
-                self.load_seconds.labels(f"disk_to_{n.tier}").observe(n.seconds)
-            elif isinstance(n, LoRAAdapterEvicted):
-                self.events.labels(n.adapter_name, "evicted", n.reason).inc()
-            elif isinstance(n, LoRAAdapterLoadFailed):
-                self.events.labels(n.adapter_name, "load_failed", "").inc()
+            event = lora_event_name(n)
+            if event is None:
+                continue
+            reason = n.reason if isinstance(n, LoRAAdapterEvicted) else ""
+            self.events.labels(n.adapter_name, event, reason).inc()  # type: ignore[attr-defined]
+            if isinstance(n, LoRAAdapterLoaded | LoRAAdapterActivated):
+                self.load_seconds.labels(load_transition(n)).observe(n.seconds)
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
-        running, waiting = stats.running_lora_adapters, stats.waiting_lora_adapters
-        if self.running.get(engine_index) != running or self.waiting.get(engine_index) != waiting:
-            self.running[engine_index] = running
-            self.waiting[engine_index] = waiting
-            self.changed_at = time.time()
+        self.residency.record_scheduler_stats(engine_index, stats)

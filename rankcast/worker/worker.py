@@ -15,7 +15,7 @@ import torch.distributed as dist
 from rankcast import platform
 from rankcast.config import EngineConfig
 from rankcast.distributed import PipelineStage, TensorParallelGroup
-from rankcast.lora.peft_adapter import load_peft_adapter
+from rankcast.lora.manager import LoRAManager
 from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.model.source import ModelSource
@@ -23,9 +23,6 @@ from rankcast.notifications import (
     WEIGHTS_LOADED_KEY,
     CustomNotification,
     Doorbell,
-    LoRAAdapterEvicted,
-    LoRAAdapterLoaded,
-    LoRAAdapterLoadFailed,
     WorkerNotification,
     publish_worker_notification,
     worker_notification_buffer,
@@ -66,6 +63,7 @@ class Worker:
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.runner: ModelRunner | None = None
+        self.loras: LoRAManager | None = None
 
     def init_device(self) -> None:
         """Pick the device and precision, and cap threads so ranks share the cores."""
@@ -88,6 +86,7 @@ class Worker:
         if self.config.lora.enable_lora:
             lora = self.config.lora
             self.runner.enable_lora(lora.max_loras, lora.max_lora_rank)
+            self.loras = LoRAManager(self.runner, arch, lora.max_lora_rank)
         seconds = time.perf_counter() - start
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         logger.info("rank %d loaded its shard in %.2f s (%s)", self.rank, seconds, self.dtype)
@@ -96,34 +95,26 @@ class Worker:
         )
         return seconds
 
-    def add_lora(self, slot: int, name: str, path: str) -> float:
-        """Read the adapter and write this rank's shard of it into `slot`; returns seconds.
+    # ---- LoRA: the engine core decides each move; this rank's manager makes and reports it ----
 
-        The engine core validated the adapter first; reading it again here (rather than
-        shipping tensors) keeps adapter bytes off the control channel.
-        """
-        assert self.runner is not None
-        start = time.perf_counter()
-        try:
-            adapter = load_peft_adapter(
-                name, path, self.runner.arch, self.config.lora.max_lora_rank
-            )
-            self.runner.set_lora(slot, adapter)
-        except Exception as exc:
-            publish_worker_notification(LoRAAdapterLoadFailed(adapter_name=name, error=str(exc)))
-            raise
-        seconds = time.perf_counter() - start
-        publish_worker_notification(
-            LoRAAdapterLoaded(adapter_name=name, adapter_id=slot, tier="device", seconds=seconds)
-        )
-        return seconds
+    def _lora(self) -> LoRAManager:
+        if self.loras is None:
+            raise RuntimeError("LoRA is not enabled on this engine (--enable-lora)")
+        return self.loras
 
-    def remove_lora(self, slot: int, name: str, reason: str = "unload") -> None:
-        assert self.runner is not None
-        self.runner.clear_lora(slot)
-        publish_worker_notification(
-            LoRAAdapterEvicted(adapter_name=name, adapter_id=slot, tier="device", reason=reason)
-        )
+    def load_lora(self, adapter_id: int, name: str, path: str) -> float:
+        """Read an adapter into this rank's host tier; returns seconds. Reading the file on
+        each rank (rather than shipping tensors) keeps adapter bytes off the control channel."""
+        return self._lora().load(adapter_id, name, path)
+
+    def activate_lora(self, adapter_id: int, slot: int) -> float:
+        return self._lora().activate(adapter_id, slot)
+
+    def evict_lora(self, adapter_id: int, tier: str, reason: str) -> None:
+        self._lora().evict(adapter_id, tier, reason)
+
+    def pin_lora(self, adapter_id: int, pinned: bool) -> None:
+        self._lora().pin(adapter_id, pinned)
 
     def take_notifications(self) -> list[WorkerNotification] | None:
         """Drain this process's notification buffer (None, allocating nothing, when empty)."""

@@ -33,6 +33,7 @@ from rankcast.entrypoints.openai.schema import (
     CollectiveRpcRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
+    PinLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
 from rankcast.entrypoints.openai.serving import (
@@ -172,6 +173,23 @@ def build_app(
                 status = 404 if "unknown LoRA adapter" in str(exc) else 400
                 raise APIError(status, str(exc), "lora_name") from None
             return {"object": "lora_adapter", "name": body.lora_name, "unloaded": True}
+
+        async def set_pinned(name: str, pinned: bool) -> dict[str, object]:
+            try:
+                adapter = await ctx().engine.call_utility("pin_lora", name, pinned)
+            except UtilityError as exc:
+                status = 404 if "unknown LoRA adapter" in str(exc) else 409
+                raise APIError(status, str(exc), "lora_name") from None
+            return {"object": "lora_adapter", "data": adapter}
+
+        @app.post("/v1/pin_lora_adapter")
+        async def pin_lora_adapter(body: PinLoRAAdapterRequest) -> dict[str, object]:
+            """Keep an adapter in the device tier (loading it there now) until unpinned."""
+            return await set_pinned(body.lora_name, True)
+
+        @app.post("/v1/unpin_lora_adapter")
+        async def unpin_lora_adapter(body: PinLoRAAdapterRequest) -> dict[str, object]:
+            return await set_pinned(body.lora_name, False)
 
     @app.get("/v1/events")
     async def notification_events(

@@ -121,3 +121,11 @@ class UnloadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     lora_name: str = Field(min_length=1)
+
+
+class PinLoRAAdapterRequest(BaseModel):
+    """`POST /v1/pin_lora_adapter` and `/v1/unpin_lora_adapter` (with runtime updating)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)

@@ -1,0 +1,114 @@
+"""One rank's adapter manager: the host tier, the device slots, and the events they publish.
+
+The engine core decides every move (which adapter to read, which slot to fill, what to evict and
+why) so all ranks make the same moves; this class carries them out on its rank and publishes
+what it did, with its own timings. That is why residency is reported per rank: a rank that
+failed or lagged shows up as itself, not as whatever the engine assumed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rankcast.lora.peft_adapter import LoRAAdapter, load_peft_adapter
+from rankcast.model.arch import ArchConfig
+from rankcast.notifications import (
+    LoRAAdapterActivated,
+    LoRAAdapterEvicted,
+    LoRAAdapterLoaded,
+    LoRAAdapterLoadFailed,
+    LoRAAdapterPinned,
+    LoRAAdapterUnpinned,
+    publish_worker_notification,
+)
+from rankcast.worker.model_runner import ModelRunner
+
+
+class LoRAManager:
+    def __init__(self, runner: ModelRunner, arch: ArchConfig, max_lora_rank: int) -> None:
+        self.runner = runner
+        self.arch = arch
+        self.max_lora_rank = max_lora_rank
+        self.host: dict[int, LoRAAdapter] = {}  # adapter id -> adapter read from disk
+        self.slots: dict[int, int] = {}  # device slot -> adapter id
+        self.pinned: set[int] = set()
+
+    def load(self, adapter_id: int, name: str, path: str) -> float:
+        """Read the adapter from disk into the host tier (the engine validated it already; a
+        file changed since then fails here, is published, and leaves this rank as it was)."""
+        if adapter_id in self.host:
+            return 0.0
+        start = time.perf_counter()
+        try:
+            adapter = load_peft_adapter(name, path, self.arch, self.max_lora_rank)
+        except Exception as exc:
+            publish_worker_notification(
+                LoRAAdapterLoadFailed(adapter_name=name, adapter_id=adapter_id, error=str(exc))
+            )
+            raise
+        self.host[adapter_id] = adapter
+        seconds = time.perf_counter() - start
+        publish_worker_notification(
+            LoRAAdapterLoaded(adapter_name=name, adapter_id=adapter_id, tier="cpu", seconds=seconds)
+        )
+        return seconds
+
+    def activate(self, adapter_id: int, slot: int) -> float:
+        """Copy a host-tier adapter into a free device slot (this rank's shard of it)."""
+        adapter = self.host.get(adapter_id)
+        if adapter is None:
+            raise RuntimeError(f"adapter {adapter_id} is not in this rank's host tier")
+        if slot in self.slots:
+            raise RuntimeError(f"device slot {slot} still holds adapter {self.slots[slot]}")
+        start = time.perf_counter()
+        self.runner.set_lora(slot, adapter)
+        self.slots[slot] = adapter_id
+        seconds = time.perf_counter() - start
+        publish_worker_notification(
+            LoRAAdapterActivated(
+                adapter_name=adapter.name,
+                adapter_id=adapter_id,
+                tier="device",
+                seconds=seconds,
+                slot=slot,
+            )
+        )
+        return seconds
+
+    def evict(self, adapter_id: int, tier: str, reason: str) -> None:
+        """Drop the adapter from `tier` ("device" frees its slot; "cpu" also frees the device
+        slot first, since the host tier is a superset). Absent here: nothing to do."""
+        adapter = self.host.get(adapter_id)
+        if adapter is None:
+            return
+        slot = next((s for s, a in self.slots.items() if a == adapter_id), None)
+        if slot is not None:
+            self.runner.clear_lora(slot)
+            del self.slots[slot]
+            self._publish_evicted(adapter, adapter_id, "device", reason)
+        if tier == "cpu":
+            del self.host[adapter_id]
+            self.pinned.discard(adapter_id)
+            self._publish_evicted(adapter, adapter_id, "cpu", reason)
+
+    def pin(self, adapter_id: int, pinned: bool) -> None:
+        adapter = self.host.get(adapter_id)
+        if adapter is None:
+            raise RuntimeError(f"adapter {adapter_id} is not on this rank")
+        if pinned == (adapter_id in self.pinned):
+            return
+        if pinned:
+            self.pinned.add(adapter_id)
+            event = LoRAAdapterPinned(adapter_name=adapter.name, adapter_id=adapter_id)
+        else:
+            self.pinned.discard(adapter_id)
+            event = LoRAAdapterUnpinned(adapter_name=adapter.name, adapter_id=adapter_id)
+        publish_worker_notification(event)
+
+    @staticmethod
+    def _publish_evicted(adapter: LoRAAdapter, adapter_id: int, tier: str, reason: str) -> None:
+        publish_worker_notification(
+            LoRAAdapterEvicted(
+                adapter_name=adapter.name, adapter_id=adapter_id, tier=tier, reason=reason
+            )
+        )

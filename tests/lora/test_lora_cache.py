@@ -1,0 +1,152 @@
+"""The adapter cache, offline: device slots and the host tier, LRU eviction that spares running
+and pinned adapters, and the scheduler deferring a request whose adapter has no slot yet.
+
+Each check reads the lifecycle events the ranks published, so what is asserted is what an
+operator would see, and the greedy outputs, which a slot overwritten under a running request
+would corrupt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rankcast import LLM, LoRARequest, SamplingParams
+from rankcast.notifications import LoRAAdapterEvicted, lora_event_name
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT = [5, 17, 300, 42, 9]
+
+
+def _llm(model: Path, max_loras: int, max_cpu_loras: int | None = None) -> LLM:
+    return LLM(
+        str(model),
+        dtype="float32",
+        kv_cache_space_gib=0.05,
+        enable_lora=True,
+        max_loras=max_loras,
+        max_cpu_loras=max_cpu_loras,
+        max_lora_rank=8,
+    )
+
+
+def _lifecycle(llm: LLM) -> list[tuple[str, str, str]]:
+    """(event, adapter, tier or reason) of the LoRA events since the last call."""
+    out = []
+    for n in llm.take_notifications():
+        event = lora_event_name(n)
+        if event is not None:
+            detail = n.reason if isinstance(n, LoRAAdapterEvicted) else n.tier  # type: ignore[attr-defined]
+            out.append((event, n.adapter_name, detail))  # type: ignore[attr-defined]
+    return out
+
+
+def _tokens(outputs: list) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def requests(mixed_adapters: list[Path]) -> list[LoRARequest]:
+    return [LoRARequest(name, str(path)) for name, path in zip("abc", mixed_adapters, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_llama_dir: Path, requests: list[LoRARequest]) -> dict[str, list[int]]:
+    """Each adapter's greedy output with a slot of its own: the reference."""
+    with _llm(tiny_llama_dir, max_loras=3) as llm:
+        return {
+            r.name: _tokens(llm.generate([PROMPT], GREEDY, lora_request=r))[0] for r in requests
+        }
+
+
+def test_one_slot_two_adapters_defers_rather_than_evicting_a_running_adapter(
+    tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
+) -> None:
+    a, b = requests[:2]
+    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+        outputs = llm.generate([PROMPT] * 4, GREEDY, lora_request=[a, b, a, b])
+        events = _lifecycle(llm)
+    # Both a-requests ran together, then b took the slot: had b been let in (or a evicted)
+    # while a ran, a's tokens would have come from b's weights.
+    assert _tokens(outputs) == [alone["a"], alone["b"], alone["a"], alone["b"]]
+    assert events == [
+        ("loaded", "a", "cpu"),
+        ("activated", "a", "device"),
+        ("loaded", "b", "cpu"),  # no free slot: b waits in the host tier
+        ("evicted", "a", "lru"),  # only once a's requests finished
+        ("activated", "b", "device"),
+    ]
+
+
+def test_lru_eviction_skips_the_pinned_adapter_and_unpin_releases_it(
+    tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
+) -> None:
+    _, b, c = requests
+    with _llm(tiny_llama_dir, max_loras=2, max_cpu_loras=3) as llm:
+        for r in requests:
+            llm.generate([PROMPT], GREEDY, lora_request=r)
+        _lifecycle(llm)
+        # Device: b, c (a was evicted for c). Pin a: it comes back in place of b, the LRU one.
+        assert llm.pin_lora("a")["pinned"] is True
+        assert _lifecycle(llm) == [
+            ("evicted", "b", "lru"),
+            ("activated", "a", "device"),
+            ("pinned", "a", "device"),
+        ]
+        # a is now the least recently used of the device pair, yet b evicts c, not a.
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=b)) == [alone["b"]]
+        assert _lifecycle(llm) == [("evicted", "c", "lru"), ("activated", "b", "device")]
+        llm.pin_lora("a", pinned=False)
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=c)) == [alone["c"]]
+        assert _lifecycle(llm) == [
+            ("unpinned", "a", "device"),
+            ("evicted", "a", "lru"),
+            ("activated", "c", "device"),
+        ]
+        tiers = {e["name"]: e["tiers"] for e in llm.list_loras()}
+    assert tiers == {"a": ["cpu"], "b": ["device", "cpu"], "c": ["device", "cpu"]}
+
+
+def test_a_full_host_tier_drops_its_least_recently_used_idle_adapter(
+    tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
+) -> None:
+    a, b, c = requests
+    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+        llm.generate([PROMPT], GREEDY, lora_request=a)
+        llm.generate([PROMPT], GREEDY, lora_request=b)
+        _lifecycle(llm)
+        # Host: a (off the device, least recently used), b (on it). c pushes a out of the host.
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=c)) == [alone["c"]]
+        assert _lifecycle(llm) == [
+            ("evicted", "a", "capacity"),
+            ("loaded", "c", "cpu"),
+            ("evicted", "b", "lru"),
+            ("activated", "c", "device"),
+        ]
+        # a is still registered: using it reads it from disk again.
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=a)) == [alone["a"]]
+        assert [e[:2] for e in _lifecycle(llm)] == [
+            ("evicted", "b"),
+            ("loaded", "a"),
+            ("evicted", "c"),
+            ("activated", "a"),
+        ]
+
+
+def test_every_slot_pinned_refuses_other_adapters_at_submission(
+    tiny_llama_dir: Path, requests: list[LoRARequest]
+) -> None:
+    a, b = requests[:2]
+    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+        llm.generate([PROMPT], GREEDY, lora_request=a)
+        llm.pin_lora("a")
+        with pytest.raises(ValueError, match="pinned adapter"):
+            llm.generate([PROMPT], GREEDY, lora_request=b)
+        llm.pin_lora("a", pinned=False)
+        assert len(llm.generate([PROMPT], GREEDY, lora_request=b)) == 1
+
+
+def test_max_cpu_loras_below_max_loras_is_a_config_error(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="--max-cpu-loras"):
+        _llm(tiny_llama_dir, max_loras=2, max_cpu_loras=1)

@@ -110,7 +110,7 @@ class LoRAAdapterPinned(Notification, tag="lora_adapter_pinned"):
 
     adapter_name: str
     adapter_id: int
-    tier: str = "device"
+    tier: str
 
 
 class LoRAAdapterUnpinned(Notification, tag="lora_adapter_unpinned"):
@@ -118,7 +118,7 @@ class LoRAAdapterUnpinned(Notification, tag="lora_adapter_unpinned"):
 
     adapter_name: str
     adapter_id: int
-    tier: str = "device"
+    tier: str
 
 
 class LoRAAdapterLoadFailed(Notification, tag="lora_adapter_load_failed"):

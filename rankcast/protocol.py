@@ -110,6 +110,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Per adapter, how many requests run on it and how many wait for it.
     running_lora_requests: dict[str, int] = msgspec.field(default_factory=dict)
     waiting_lora_requests: dict[str, int] = msgspec.field(default_factory=dict)
+    # Engine clock (unix time) of the last change to those sets: every API server reports the
+    # same `vllm:lora_requests_info` value because it is the engine's, not the server's, time.
+    lora_requests_changed_at: float = 0.0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -42,10 +42,16 @@ def test_current_code_still_writes_the_fixture(name: str) -> None:
 def test_decoder_ignores_unknown_trailing_fields() -> None:
     """A newer peer may append fields; an older decoder must still read what it knows."""
     newer = msgspec.msgpack.encode(
-        ["outputs", 0, [], [1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, "future"], 1.0]
+        [
+            "outputs",
+            0,
+            [],
+            [1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, "future"],
+            1.0,
+        ]
     )
     decoded = msgspec.msgpack.decode(newer, type=EngineCoreMessage)
     assert isinstance(decoded, EngineCoreOutputs)
     assert decoded.scheduler_stats == SchedulerStats(
-        1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}
+        1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5
     )

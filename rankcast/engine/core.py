@@ -62,6 +62,8 @@ class EngineCore:
         )
         self.extension_methods = self._extension_methods()
         self.loras = None
+        self._lora_request_sets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self._lora_requests_changed_at = time.time()
         if config.lora.enable_lora:
             self.loras = LoRARegistry(
                 self.executor,
@@ -241,6 +243,10 @@ class EngineCore:
             stats.waiting_lora_requests = dict(sorted(waiting.items()))  # type: ignore[arg-type]
             stats.running_lora_adapters = list(stats.running_lora_requests)
             stats.waiting_lora_adapters = list(stats.waiting_lora_requests)
+            sets = (tuple(stats.running_lora_adapters), tuple(stats.waiting_lora_adapters))
+            if sets != self._lora_request_sets:
+                self._lora_request_sets, self._lora_requests_changed_at = sets, time.time()
+            stats.lora_requests_changed_at = self._lora_requests_changed_at
         return stats
 
     def step(self) -> EngineCoreOutputs:

@@ -99,10 +99,14 @@ class LoRAManager:
             return
         if pinned:
             self.pinned.add(adapter_id)
-            event = LoRAAdapterPinned(adapter_name=adapter.name, adapter_id=adapter_id)
+            event = LoRAAdapterPinned(
+                adapter_name=adapter.name, adapter_id=adapter_id, tier="device"
+            )
         else:
             self.pinned.discard(adapter_id)
-            event = LoRAAdapterUnpinned(adapter_name=adapter.name, adapter_id=adapter_id)
+            event = LoRAAdapterUnpinned(
+                adapter_name=adapter.name, adapter_id=adapter_id, tier="device"
+            )
         publish_worker_notification(event)
 
     @staticmethod

@@ -4,7 +4,6 @@ asking the engine per request."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +39,7 @@ class LoRAResidency:
         self.max_loras = 0
         self.running: dict[int, dict[str, int]] = {}
         self.waiting: dict[int, dict[str, int]] = {}
-        self.requests_changed_at = time.time()
+        self.changed_at: dict[int, float] = {}
 
     # ---- inputs ----
 
@@ -98,11 +97,14 @@ class LoRAResidency:
         return adapters.get(name)
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
-        running, waiting = stats.running_lora_requests, stats.waiting_lora_requests
-        if self.running.get(engine_index) != running or self.waiting.get(engine_index) != waiting:
-            self.running[engine_index] = running
-            self.waiting[engine_index] = waiting
-            self.requests_changed_at = time.time()
+        self.running[engine_index] = stats.running_lora_requests
+        self.waiting[engine_index] = stats.waiting_lora_requests
+        self.changed_at[engine_index] = stats.lora_requests_changed_at
+
+    @property
+    def requests_changed_at(self) -> float:
+        """When some engine's running or waiting adapter set last changed (engine clock)."""
+        return max(self.changed_at.values(), default=0.0)
 
     # ---- views ----
 

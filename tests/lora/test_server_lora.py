@@ -1,23 +1,36 @@
-"""LoRA through `rankcast serve`: TP=2, two API servers, a static adapter and runtime loads.
+"""LoRA through `rankcast serve`: TP=2, two API servers, a static adapter and runtime loads,
+two device slots and a host tier of three.
 
 The engine owns the registry, so an adapter loaded through one API server is served by both;
-every server learns residency from the lifecycle events of each rank.
+every server learns residency from the lifecycle events of each rank. The tests run in file
+order on one server and build on each other's adapter state, as an operator's session would.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from rankcast import LLM, LoRARequest, SamplingParams
-from tests.entrypoints.notification_clients import open_event_streams
+from tests.entrypoints.notification_clients import open_event_streams, scrape_each, series
 from tests.entrypoints.server_process import ServerProcess
 
 SERVERS = 2
 PROMPT = [5, 17, 300, 42, 9]
+LIFECYCLE = ",".join(
+    f"lora_adapter_{e}" for e in ("loaded", "activated", "evicted", "pinned", "unpinned")
+)
+STATIC_EVENTS = 'rankcast:lora_adapter_events_total{adapter_name="static",'
+LORA_SERIES = ("vllm:lora_", "vllm:num_", "vllm:max_gpu_lora", "rankcast:lora_")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +47,8 @@ def server(tiny_llama_dir: Path, mixed_adapters: list[Path]) -> Iterator[ServerP
         "--enable-lora",
         "--max-loras",
         "2",
+        "--max-cpu-loras",
+        "3",
         "--max-lora-rank",
         "8",
         "--lora-modules",
@@ -48,6 +63,12 @@ def server(tiny_llama_dir: Path, mixed_adapters: list[Path]) -> Iterator[ServerP
         yield proc
     finally:
         assert proc.stop() == []
+
+
+def _event(data: dict[str, Any]) -> tuple[int, str, str, str]:
+    """(rank, event, adapter, tier or tier:reason) of one lifecycle event from /v1/events."""
+    detail = f"{data['tier']}:{data['reason']}" if "reason" in data else data["tier"]
+    return data["rank"], data["type"].removeprefix("lora_adapter_"), data["adapter_name"], detail
 
 
 def _each(url: str, path: str) -> dict[str, httpx.Response]:
@@ -69,7 +90,10 @@ def test_a_static_adapter_is_listed_and_resident_on_every_rank_on_every_server(
     for response in _each(server.url, "/v1/lora_adapters").values():
         (adapter,) = response.json()["data"]
         assert adapter["name"] == "static" and adapter["partial"] is False
-        assert [r["rank"] for r in adapter["engines"][0]["ranks"]] == [0, 1]
+        assert adapter["tiers"] == ["device", "cpu"] and adapter["pinned"] is False
+        assert adapter["engines"][0]["ranks"] == [
+            {"rank": rank, "tiers": ["device", "cpu"], "pinned": False} for rank in (0, 1)
+        ]
 
 
 def test_a_request_naming_an_adapter_is_served_with_it(
@@ -99,9 +123,7 @@ def test_a_request_naming_an_adapter_is_served_with_it(
 def test_runtime_load_and_unload_reach_every_server_with_events_from_every_rank(
     server: ServerProcess, mixed_adapters: list[Path], tmp_path: Path
 ) -> None:
-    readers = open_event_streams(
-        server.url, SERVERS, params={"type": "lora_adapter_loaded,lora_adapter_evicted"}
-    )
+    readers = open_event_streams(server.url, SERVERS, params={"type": LIFECYCLE})
     try:
         with httpx.Client(timeout=60) as http:
             loaded = http.post(
@@ -109,14 +131,13 @@ def test_runtime_load_and_unload_reach_every_server_with_events_from_every_rank(
                 json={"lora_name": "runtime", "lora_path": str(mixed_adapters[1])},
             )
             assert loaded.status_code == 200, loaded.text
+            assert loaded.json()["data"][0]["tiers"] == [
+                "device",
+                "cpu",
+            ]  # a slot was free (engine 0)
             # The server that answered already knows: the events came before the reply.
             models = http.get(f"{server.url}/v1/models").json()["data"]
             assert "runtime" in {m["id"] for m in models}
-            full = http.post(
-                f"{server.url}/v1/load_lora_adapter",
-                json={"lora_name": "third", "lora_path": str(mixed_adapters[2])},
-            )
-            assert full.status_code == 400 and "slots" in full.json()["error"]["message"]
             outside = http.post(
                 f"{server.url}/v1/load_lora_adapter",
                 json={"lora_name": "x", "lora_path": str(tmp_path)},
@@ -130,12 +151,17 @@ def test_runtime_load_and_unload_reach_every_server_with_events_from_every_rank(
             unknown = http.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "zz"})
             assert unknown.status_code == 404
         for reader in readers.values():
-            events = [(d["type"], d["rank"], d.get("reason")) for _, d in reader.wait_for(4)]
+            events = [_event(d) for _, d in reader.wait_for(8)]
+            # One gather per call, ranks in order, each rank's events in the order it made them.
             assert events == [
-                ("lora_adapter_loaded", 0, None),
-                ("lora_adapter_loaded", 1, None),
-                ("lora_adapter_evicted", 0, "unload"),
-                ("lora_adapter_evicted", 1, "unload"),
+                (0, "loaded", "runtime", "cpu"),
+                (0, "activated", "runtime", "device"),
+                (1, "loaded", "runtime", "cpu"),
+                (1, "activated", "runtime", "device"),
+                (0, "evicted", "runtime", "device:unload"),
+                (0, "evicted", "runtime", "cpu:unload"),
+                (1, "evicted", "runtime", "device:unload"),
+                (1, "evicted", "runtime", "cpu:unload"),
             ]
     finally:
         for reader in readers.values():
@@ -153,8 +179,6 @@ def _lines(text: str, prefix: str) -> list[str]:
 def _requests_info(text: str) -> dict[str, list[str]]:
     """What a router reads: of the `vllm:lora_requests_info` series, the largest value wins;
     adapter lists are comma-separated."""
-    import re
-
     best, labels = -1.0, {}
     for line in text.splitlines():
         if line.startswith("vllm:lora_requests_info{"):
@@ -171,20 +195,22 @@ def _requests_info(text: str) -> dict[str, list[str]]:
 def test_residency_metrics_agree_on_every_server_and_running_adapters_show(
     server: ServerProcess,
 ) -> None:
-    import threading
-    import time
-
     views = {}
     for index, response in _each(server.url, "/metrics").items():
         text = response.text
         loaded = _lines(text, "vllm:lora_adapter_loaded{")
-        assert [line.split("rank=")[1][:3] for line in loaded] == ['"0"', '"1"']
-        assert all('adapter_name="static"' in line and 'level="gpu"' in line for line in loaded)
+        where = sorted(
+            (line.split('level="')[1][:3], line.split('rank="')[1][0]) for line in loaded
+        )
+        assert where == [("cpu", "0"), ("cpu", "1"), ("gpu", "0"), ("gpu", "1")]
+        assert all('adapter_name="static"' in line for line in loaded)
         assert _lines(text, "vllm:max_gpu_lora_adapters")[0].endswith(" 2.0")
         assert _lines(text, "vllm:num_gpu_loaded_lora_adapters")[0].endswith(" 1.0")
+        assert _lines(text, "vllm:num_cpu_loaded_lora_adapters")[0].endswith(" 1.0")
         events = _lines(text, 'rankcast:lora_adapter_events_total{adapter_name="static"')
         assert events == [
-            'rankcast:lora_adapter_events_total{adapter_name="static",event="loaded",reason=""} 2.0'
+            f'{STATIC_EVENTS}event="activated",reason=""}} 2.0',
+            f'{STATIC_EVENTS}event="loaded",reason=""}} 2.0',
         ]
         views[index] = (
             loaded,
@@ -213,3 +239,148 @@ def test_residency_metrics_agree_on_every_server_and_running_adapters_show(
     while _requests_info(httpx.get(f"{server.url}/metrics").text)["running"]:
         assert time.monotonic() < deadline, "the finished request still counts as running"
         time.sleep(0.1)
+
+
+def _complete(url: str, model: str, max_tokens: int = 4) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
+    with httpx.Client(timeout=120) as http:
+        return http.post(f"{url}/v1/completions", json=body)
+
+
+def _lora_views(url: str) -> dict[str, list[str]]:
+    return {i: series(text, *LORA_SERIES) for i, text in scrape_each(url, SERVERS).items()}
+
+
+def test_an_eviction_sequence_between_two_scrapes_shows_in_events_with_reasons(
+    server: ServerProcess, mixed_adapters: list[Path]
+) -> None:
+    """Three adapters, two slots: what a scraper alone would miss, the event stream keeps."""
+    with httpx.Client(timeout=60) as http:
+        for name, path in (("b", mixed_adapters[1]), ("c", mixed_adapters[2])):
+            response = http.post(
+                f"{server.url}/v1/load_lora_adapter",
+                json={"lora_name": name, "lora_path": str(path)},
+            )
+            assert response.status_code == 200, response.text
+    assert response.json()["data"][0]["tiers"] == ["cpu"], "both slots taken: c waits in the host"
+    before = _lora_views(server.url)
+    for view in before.values():
+        c_lines = [line for line in view if 'adapter_name="c"' in line and "loaded{" in line]
+        assert c_lines and all('level="cpu"' in line for line in c_lines)
+    readers = open_event_streams(server.url, SERVERS, params={"type": LIFECYCLE})
+    try:
+        # Slots: static (least recently used), b. c takes static's slot; static then takes b's.
+        for model in ("b", "c", "static"):
+            assert _complete(server.url, model).status_code == 200
+        streams = {i: [_event(d) for _, d in r.wait_for(8)] for i, r in readers.items()}
+        ids = {i: [event_id for event_id, _ in r.events] for i, r in readers.items()}
+    finally:
+        for reader in readers.values():
+            reader.close()
+    assert len({tuple(s) for s in streams.values()}) == 1, "every server: same events, same order"
+    assert len({tuple(i) for i in ids.values()}) == 1, "... and the same ids"
+    for rank in (0, 1):
+        assert [e[1:] for e in streams["0"] if e[0] == rank] == [
+            ("evicted", "static", "device:lru"),
+            ("activated", "c", "device"),
+            ("evicted", "b", "device:lru"),
+            ("activated", "static", "device"),
+        ]
+    deadline = time.monotonic() + 30
+    while True:
+        after = _lora_views(server.url)
+        if len({tuple(v) for v in after.values()}) == 1:
+            break
+        assert time.monotonic() < deadline, f"servers disagree: {after}"
+        time.sleep(0.1)
+    view = after["0"]
+    for name in ("static", "b"):
+        counter = f'{{adapter_name="{name}",event="evicted",reason="lru"}} 2.0'
+        assert f"rankcast:lora_adapter_events_total{counter}" in view
+    assert any('"cpu_to_gpu"' in line for line in view if "load_seconds_count" in line)
+    resident = {
+        (line.split('adapter_name="')[1].split('"')[0], line.split('level="')[1].split('"')[0])
+        for line in view
+        if line.startswith("vllm:lora_adapter_loaded{")
+    }
+    assert resident == {
+        ("static", "gpu"),
+        ("static", "cpu"),
+        ("c", "gpu"),
+        ("c", "cpu"),
+        ("b", "cpu"),
+    }
+
+
+def test_eviction_skips_a_pinned_adapter_and_every_server_labels_it(
+    server: ServerProcess,
+) -> None:
+    """Slots: static, c. Pinned, static stays even as the least recently used of the two."""
+    with httpx.Client(timeout=60) as http:
+        pinned = http.post(f"{server.url}/v1/pin_lora_adapter", json={"lora_name": "static"})
+        assert pinned.status_code == 200 and pinned.json()["data"][0]["pinned"] is True
+        missing = http.post(f"{server.url}/v1/pin_lora_adapter", json={"lora_name": "nope"})
+        assert missing.status_code == 404
+    deadline = time.monotonic() + 30
+    while True:
+        loaded = {
+            i: [line for line in v if line.startswith("vllm:lora_adapter_loaded{")]
+            for i, v in _lora_views(server.url).items()
+        }
+        static = [line for line in loaded["0"] if 'adapter_name="static"' in line]
+        if len({tuple(v) for v in loaded.values()}) == 1 and all(
+            'pinned="true"' in line for line in static
+        ):
+            break
+        assert time.monotonic() < deadline, f"pin not seen everywhere: {loaded}"
+        time.sleep(0.1)
+    assert len(static) == 4  # gpu and cpu, ranks 0 and 1
+    readers = open_event_streams(server.url, SERVERS, params={"type": LIFECYCLE})
+    try:
+        for model in ("c", "b"):  # c used last: static is the LRU one, yet c is evicted
+            assert _complete(server.url, model).status_code == 200
+        with httpx.Client(timeout=60) as http:
+            unpinned = http.post(
+                f"{server.url}/v1/unpin_lora_adapter", json={"lora_name": "static"}
+            )
+        assert unpinned.status_code == 200 and unpinned.json()["data"][0]["pinned"] is False
+        for reader in readers.values():
+            events = [_event(d) for _, d in reader.wait_for(6)]
+            assert [e[1:] for e in events if e[0] == 1] == [
+                ("evicted", "c", "device:lru"),
+                ("activated", "b", "device"),
+                ("unpinned", "static", "device"),
+            ]
+    finally:
+        for reader in readers.values():
+            reader.close()
+    listing = {a["name"]: a for a in httpx.get(f"{server.url}/v1/lora_adapters").json()["data"]}
+    assert listing["static"]["pinned"] is False and listing["c"]["tiers"] == ["cpu"]
+    assert listing["b"]["tiers"] == ["device", "cpu"]
+
+
+def test_a_restarted_api_server_agrees_on_adapter_state(server: ServerProcess) -> None:
+    """After evictions, pins and unpins, a fresh API server must rebuild the same residency,
+    event counts and load histogram from the engine's snapshot."""
+    old = server.pid_of("api_server_1")
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "api_server_1 was not restarted"
+        try:
+            if server.pid_of("api_server_1") != old:
+                break
+        except LookupError:
+            pass
+        time.sleep(0.2)
+    server.wait_healthy()
+    deadline = time.monotonic() + 30
+    while True:
+        views = _lora_views(server.url)
+        listings = {i: r.json()["data"] for i, r in _each(server.url, "/v1/lora_adapters").items()}
+        if len({tuple(v) for v in views.values()}) == 1 and listings["0"] == listings["1"]:
+            break
+        assert time.monotonic() < deadline, f"servers disagree: {views} {listings}"
+        time.sleep(0.2)
+    assert {a["name"] for a in listings["1"]} == {"static", "b", "c"}
+    assert any('event="pinned"' in line for line in views["1"]), "history came from the snapshot"

@@ -175,6 +175,7 @@ def build_app(
             return {"object": "lora_adapter", "name": body.lora_name, "unloaded": True}
 
         async def set_pinned(name: str, pinned: bool) -> dict[str, object]:
+            """`data`: the adapter as each engine core holds it, in engine order."""
             try:
                 adapter = await ctx().engine.call_utility("pin_lora", name, pinned)
             except UtilityError as exc:

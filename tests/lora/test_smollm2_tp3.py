@@ -1,0 +1,179 @@
+"""LoRA on the real model at tensor-parallel size 3 (SmolLM2's 9 heads and 3 KV heads split
+three ways), two API servers, one device slot for two adapters.
+
+Real PEFT adapters made here with `peft` on SmolLM2; greedy output must match transformers +
+peft; every server must show every rank's residency; and under load the router view must show
+which adapter runs and which waits for the slot.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.entrypoints.notification_clients import scrape_each
+from tests.entrypoints.server_process import ServerProcess
+from tests.lora.conftest import make_adapter
+
+SERVERS = 2
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def smol_adapters(
+    embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("smol-adapters")
+    paths = {"x": root / "x", "y": root / "y"}
+    for rank, path in zip((8, 4), paths.values(), strict=True):
+        make_adapter(embedded_model_dir, path, rank=rank, alpha=rank)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def server(smol_adapters: dict[str, Path]) -> Iterator[ServerProcess]:
+    proc = ServerProcess(  # no MODEL: the embedded SmolLM2
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.1",
+        "--tensor-parallel-size",
+        "3",
+        "--enable-lora",
+        "--max-loras",
+        "1",
+        "--max-cpu-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        *(f"{name}={path}" for name, path in smol_adapters.items()),
+        api_server_count=SERVERS,
+    )
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        assert proc.stop() == []
+
+
+def _prompt(model_dir: Path) -> list[int]:
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    return tokenizer("The three primary colors are", add_special_tokens=False).input_ids
+
+
+def _each(url: str, path: str) -> dict[str, httpx.Response]:
+    seen: dict[str, httpx.Response] = {}
+    while len(seen) < SERVERS:
+        with httpx.Client(timeout=30) as http:
+            response = http.get(f"{url}{path}")
+        seen[response.headers["x-rankcast-api-server"]] = response
+    return seen
+
+
+def _requests_info(text: str) -> dict[str, list[str]]:
+    """A router's reading: the `vllm:lora_requests_info` series with the largest value wins;
+    adapter lists are comma-separated."""
+    best, labels = -1.0, {}
+    for line in text.splitlines():
+        if line.startswith("vllm:lora_requests_info{"):
+            value = float(line.rsplit(" ", 1)[1])
+            if value > best:
+                best, labels = value, dict(re.findall(r'(\w+)="([^"]*)"', line))
+    return {
+        key: [a for a in labels.get(f"{key}_lora_adapters", "").split(",") if a]
+        for key in ("running", "waiting")
+    }
+
+
+def test_every_server_shows_both_adapters_on_all_three_ranks(server: ServerProcess) -> None:
+    for response in _each(server.url, "/v1/lora_adapters").values():
+        tiers = {
+            a["name"]: [(r["rank"], r["tiers"]) for r in a["engines"][0]["ranks"]]
+            for a in response.json()["data"]
+        }
+        assert tiers == {
+            "x": [(rank, ["device", "cpu"]) for rank in range(3)],  # first in: the one slot
+            "y": [(rank, ["cpu"]) for rank in range(3)],
+        }
+
+
+def test_greedy_output_with_an_adapter_equals_transformers_and_peft(
+    server: ServerProcess, embedded_model_dir: Path, smol_adapters: dict[str, Path]
+) -> None:
+    import peft
+    import transformers
+
+    prompt = _prompt(embedded_model_dir)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(embedded_model_dir), dtype=torch.float32
+    )
+    model = peft.PeftModel.from_pretrained(base, str(smol_adapters["y"]))
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=120) as http:
+        got = http.post(f"{server.url}/v1/completions", json={**body, "model": "y", "logprobs": 1})
+    assert got.status_code == 200, got.text
+    # y had no slot: serving it moved it to the device on all three ranks, evicting x.
+    generated = got.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(generated) == TOKENS
+    want = transformers.AutoTokenizer.from_pretrained(str(embedded_model_dir)).decode(
+        tokens[len(prompt) :]
+    )
+    assert got.json()["choices"][0]["text"] == want
+
+
+def test_under_load_routers_read_which_adapter_runs_and_which_waits(
+    server: ServerProcess, embedded_model_dir: Path
+) -> None:
+    """One slot: while a request on y runs, a request on x waits for it; both show, the same,
+    on every API server, and x runs as soon as y's request is gone."""
+    prompt = _prompt(embedded_model_dir)
+    body = {"model": "y", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    client = httpx.Client(timeout=120)
+    stream = client.send(
+        client.build_request("POST", f"{server.url}/v1/completions", json=body), stream=True
+    )
+    short = {"model": "x", "prompt": prompt, "max_tokens": 2}
+    replies: list[httpx.Response] = []
+    waiter = threading.Thread(
+        target=lambda: replies.append(
+            httpx.post(f"{server.url}/v1/completions", json=short, timeout=300)
+        )
+    )
+    try:
+        assert stream.status_code == 200, stream.read()
+        # Keep the line iterator alive: a dropped one closes the stream, and so aborts y.
+        lines = stream.iter_lines()
+        next(lines)  # y is running
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while True:
+            views = {i: _requests_info(t) for i, t in scrape_each(server.url, SERVERS).items()}
+            if all(v == {"running": ["y"], "waiting": ["x"]} for v in views.values()):
+                break
+            assert time.monotonic() < deadline, f"router views: {views}"
+            time.sleep(0.05)
+        listing = {a["name"]: a for a in httpx.get(f"{server.url}/v1/lora_adapters").json()["data"]}
+        assert listing["y"]["running_requests"] == 1 and listing["x"]["waiting_requests"] == 1
+        assert listing["x"]["tiers"] == ["cpu"], "x must not take the slot while y runs"
+    finally:
+        stream.close()  # the client leaves: y's request is aborted and the slot frees
+        client.close()
+        if waiter.ident is not None:
+            waiter.join()
+    assert replies and replies[0].status_code == 200, replies
+    listing = {a["name"]: a for a in httpx.get(f"{server.url}/v1/lora_adapters").json()["data"]}
+    assert listing["x"]["tiers"] == ["device", "cpu"] and listing["y"]["tiers"] == ["cpu"]

@@ -1,22 +1,36 @@
-"""LoRA cost on offline throughput, SmolLM2-135M, standard workload (32 prompts x 128 tokens).
+"""LoRA serving, SmolLM2-135M, adapters made here with `peft` (r=8, all seven projections).
 
-Side by side, one process, one after another: the base model without LoRA; the base model with
-LoRA enabled (no request uses an adapter); every request on one r=8 adapter; requests spread
-over four r=8 adapters. Adapters are made here with `peft` (random, non-zero weights, all seven
-projections). The Zipf / eviction part of issue 6 waits for the adapter cache.
+Part `overhead` (offline, standard workload: 32 prompts x 128 tokens), one after another in one
+process: the base model without LoRA; with LoRA enabled and no request using an adapter; every
+request on one adapter; requests spread over four adapters.
 
-    python bench/lora.py
+Part `zipf` (a real `rankcast serve`, streaming chat clients): 20 adapters registered at start,
+requests choose one by Zipf popularity (s=1, seeded), `--max-loras 4`, N requests in flight.
+Side by side: the base model (no adapter named), the host tier as small as the device tier
+(`--max-cpu-loras 4`: a miss reads the adapter from disk) and the host tier holding all 20 (a
+miss copies from host memory). Reports throughput, TTFT p50/p99 and, from the server's own
+`rankcast:lora_adapter_events_total`, disk loads, activations and evictions per minute.
+
+    python bench/lora.py [--part overhead|zipf|all] [--requests 96] [--concurrency 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import random
+import re
+import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 WORKLOAD = ROOT.parent / "shared" / "bench" / "prompts.json"
 RESULTS = ROOT / "bench" / "results"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -74,8 +88,188 @@ def run(enable_lora: bool, adapters: list[Path], chats: list, tokens: int) -> di
         llm.shutdown()
 
 
+def overhead_part(adapters: list[Path], chats: list, tokens: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, enable, used in (
+        ("base, LoRA off", False, []),
+        ("base, LoRA on", True, []),
+        ("1 adapter r=8", True, adapters[:1]),
+        ("4 adapters r=8", True, adapters[:4]),
+    ):
+        rows.append({"run": name, **run(enable, used, chats, tokens)})
+    base = rows[0]["tokens_per_s"]
+    print(f"\n{'run':<16} {'tok/s':>8} {'x base':>7}")
+    for row in rows:
+        row["x_base"] = row["tokens_per_s"] / base
+        print(f"{row['run']:<16} {row['tokens_per_s']:8.1f} {row['x_base']:7.2f}")
+    return rows
+
+
+def zipf_choices(count: int, adapters: int, seed: int = 0, s: float = 1.0) -> list[int]:
+    """Adapter index per request: index i is chosen with weight 1 / (i + 1)^s."""
+    weights = [1 / (i + 1) ** s for i in range(adapters)]
+    return random.Random(seed).choices(range(adapters), weights=weights, k=count)
+
+
+async def _stream_one(http: httpx.AsyncClient, model: str | None, prompt: str, tokens: int):
+    """One streaming chat request: (time to first token in s, tokens produced)."""
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model is not None:
+        body["model"] = model
+    start = time.perf_counter()
+    first: float | None = None
+    produced = 0
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                produced = chunk["usage"]["completion_tokens"]
+            elif first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - start
+    return (float("nan") if first is None else first), produced
+
+
+def lifecycle_counts(url: str) -> dict[tuple[str, str], float]:
+    """(event, reason) -> count, summed over adapters, from the server's /metrics."""
+    counts: dict[tuple[str, str], float] = {}
+    pattern = re.compile(r'event="([^"]*)",reason="([^"]*)"\} (\S+)')
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("rankcast:lora_adapter_events_total{"):
+            match = pattern.search(line)
+            if match:
+                key = (match.group(1), match.group(2))
+                counts[key] = counts.get(key, 0.0) + float(match.group(3))
+    return counts
+
+
+async def _load(url: str, models: list[str | None], prompts: list[str], tokens: int, n: int):
+    gate = asyncio.Semaphore(n)
+    limits = httpx.Limits(max_connections=n + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
+
+        async def guarded(i: int, model: str | None) -> tuple[float, int]:
+            async with gate:
+                return await _stream_one(http, model, prompts[i % len(prompts)], tokens)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(guarded(i, m) for i, m in enumerate(models)))
+        return results, time.perf_counter() - start
+
+
+def zipf_run(
+    label: str, adapters: list[Path], cpu_loras: int | None, args: argparse.Namespace, data: dict
+) -> dict[str, Any]:
+    from bench.serve import percentile
+    from tests.entrypoints.server_process import ServerProcess
+
+    names = [f"a{i:02d}" for i in range(len(adapters))]
+    flags = ["--kv-cache-space", "1", "--max-num-seqs", "32"]
+    if cpu_loras is not None:
+        flags += ["--enable-lora", "--max-loras", "4", "--max-cpu-loras", str(cpu_loras)]
+        flags += ["--max-lora-rank", "8", "--lora-modules"]
+        flags += [f"{n}={p}" for n, p in zip(names, adapters, strict=True)]
+    server = ServerProcess(*flags, api_server_count=1)
+    try:
+        server.wait_healthy()
+        choices = zipf_choices(args.requests, len(adapters))
+        models = [names[c] if cpu_loras is not None else None for c in choices]
+        asyncio.run(_load(server.url, models[:4], data["prompts"], 4, 4))  # warm-up
+        before = lifecycle_counts(server.url) if cpu_loras is not None else {}
+        results, seconds = asyncio.run(
+            _load(server.url, models, data["prompts"], args.tokens, args.concurrency)
+        )
+        after = lifecycle_counts(server.url) if cpu_loras is not None else {}
+    finally:
+        server.stop()
+    per_minute = 60 / seconds
+
+    def rate(*keys: tuple[str, str]) -> float:
+        return sum(after.get(k, 0.0) - before.get(k, 0.0) for k in keys) * per_minute
+
+    ttfts = [t for t, _ in results]
+    produced = sum(p for _, p in results)
+    return {
+        "run": label,
+        "requests": len(results),
+        "seconds": seconds,
+        "tokens_per_s": produced / seconds,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1000,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1000,
+        "distinct_adapters": len(set(choices)) if cpu_loras is not None else 0,
+        "disk_loads_per_min": rate(("loaded", "")),
+        "activations_per_min": rate(("activated", "")),
+        "lru_evictions_per_min": rate(("evicted", "lru")),
+        "capacity_evictions_per_min": rate(("evicted", "capacity")),
+    }
+
+
+def zipf_part(adapters: list[Path], args: argparse.Namespace, data: dict) -> list[dict[str, Any]]:
+    rows = [
+        zipf_run("base model", adapters, None, args, data),
+        zipf_run("host tier = 4", adapters, 4, args, data),
+        zipf_run(f"host tier = {len(adapters)}", adapters, len(adapters), args, data),
+    ]
+    base = rows[0]["tokens_per_s"]
+    print(
+        f"\n{args.requests} requests, {args.concurrency} in flight, {args.tokens} tokens, "
+        f"{len(adapters)} adapters (Zipf s=1), --max-loras 4"
+    )
+    header = (
+        f"{'run':<16}{'tok/s':>8}{'x base':>8}{'TTFT p50':>10}{'p99 ms':>8}"
+        f"{'loads/min':>11}{'activ/min':>11}{'lru/min':>9}{'cap/min':>9}"
+    )
+    print(header)
+    for row in rows:
+        row["x_base"] = row["tokens_per_s"] / base
+        print(
+            f"{row['run']:<16}{row['tokens_per_s']:8.1f}{row['x_base']:8.2f}"
+            f"{row['ttft_p50_ms']:10.0f}{row['ttft_p99_ms']:8.0f}"
+            f"{row['disk_loads_per_min']:11.1f}{row['activations_per_min']:11.1f}"
+            f"{row['lru_evictions_per_min']:9.1f}{row['capacity_evictions_per_min']:9.1f}"
+        )
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [r["run"] for r in rows]
+    left.bar(labels, [r["tokens_per_s"] for r in rows], color="#4c72b0")
+    left.set_ylabel("output tokens/s")
+    left.set_title("Zipf over 20 adapters, --max-loras 4: throughput")
+    width = 0.38
+    xs = range(len(rows))
+    right.bar([x - width / 2 for x in xs], [r["ttft_p50_ms"] for r in rows], width, label="p50")
+    right.bar([x + width / 2 for x in xs], [r["ttft_p99_ms"] for r in rows], width, label="p99")
+    right.set_xticks(list(xs), labels)
+    right.set_ylabel("time to first token, ms")
+    right.set_title("TTFT")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--part", choices=("overhead", "zipf", "all"), default="all")
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens per Zipf request")
     parser.add_argument("--out", default=str(RESULTS / "lora.json"))
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
@@ -85,25 +279,19 @@ def main() -> None:
     data = json.loads(WORKLOAD.read_text())
     chats = [[{"role": "user", "content": p}] for p in data["prompts"]]
     tokens = int(data["output_tokens"])
-    adapters = make_adapters(resolve_model(None).model_dir, RESULTS / "adapters", 4, 8)
-    rows = []
-    for name, enable, used in (
-        ("base, LoRA off", False, []),
-        ("base, LoRA on", True, []),
-        ("1 adapter r=8", True, adapters[:1]),
-        ("4 adapters r=8", True, adapters),
-    ):
-        row = {"run": name, **run(enable, used, chats, tokens)}
-        rows.append(row)
-    base = rows[0]["tokens_per_s"]
-    print(f"{'run':<16} {'tok/s':>8} {'x base':>7}")
-    for row in rows:
-        row["x_base"] = row["tokens_per_s"] / base
-        print(f"{row['run']:<16} {row['tokens_per_s']:8.1f} {row['x_base']:7.2f}")
+    count = 20 if args.part != "overhead" else 4
+    adapters = make_adapters(resolve_model(None).model_dir, RESULTS / "adapters", count, 8)
+    results: dict[str, Any] = {}
+    if args.part in ("overhead", "all"):
+        results["overhead"] = overhead_part(adapters, chats, tokens)
+    if args.part in ("zipf", "all"):
+        results["zipf"] = zipf_part(adapters, args, data)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
+    out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
+    if "zipf" in results:
+        plot(results["zipf"], out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

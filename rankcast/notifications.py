@@ -93,7 +93,8 @@ class LoRAAdapterActivated(Notification, tag="lora_adapter_activated"):
 
 
 class LoRAAdapterEvicted(Notification, tag="lora_adapter_evicted"):
-    """A rank dropped an adapter from `tier`.
+    """A rank dropped an adapter from `tier` ("device", "cpu"; "disk" for the unload of one
+    held in no tier, so consumers forget it).
 
     `reason`: "lru" (its device slot went to another adapter), "capacity" (the host tier was
     full), "unload" (a user unloaded it), "load_failed" (rolled back after another rank failed).

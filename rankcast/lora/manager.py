@@ -32,6 +32,9 @@ class LoRAManager:
         self.host: dict[int, LoRAAdapter] = {}  # adapter id -> adapter read from disk
         self.slots: dict[int, int] = {}  # device slot -> adapter id
         self.pinned: set[int] = set()
+        # Every adapter this rank was ever told to load and not yet told to unload, even when
+        # evicted from the host tier: an unload must still be reported for it.
+        self.names: dict[int, str] = {}
 
     def load(self, adapter_id: int, name: str, path: str) -> float:
         """Read the adapter from disk into the host tier (the engine validated it already; a
@@ -47,6 +50,7 @@ class LoRAManager:
             )
             raise
         self.host[adapter_id] = adapter
+        self.names[adapter_id] = name
         seconds = time.perf_counter() - start
         publish_worker_notification(
             LoRAAdapterLoaded(adapter_name=name, adapter_id=adapter_id, tier="cpu", seconds=seconds)
@@ -77,8 +81,17 @@ class LoRAManager:
 
     def evict(self, adapter_id: int, tier: str, reason: str) -> None:
         """Drop the adapter from `tier` ("device" frees its slot; "cpu" also frees the device
-        slot first, since the host tier is a superset). Absent here: nothing to do."""
+        slot first, since the host tier is a superset). An unload of an adapter held in no
+        tier is reported with tier "disk", so consumers forget it too."""
         adapter = self.host.get(adapter_id)
+        if reason in ("unload", "load_failed"):  # the engine forgets it: so does this rank
+            name = self.names.pop(adapter_id, None)
+            if adapter is None and name is not None and reason == "unload":
+                publish_worker_notification(
+                    LoRAAdapterEvicted(
+                        adapter_name=name, adapter_id=adapter_id, tier="disk", reason=reason
+                    )
+                )
         if adapter is None:
             return
         slot = next((s for s, a in self.slots.items() if a == adapter_id), None)

@@ -132,6 +132,10 @@ def test_a_full_host_tier_drops_its_least_recently_used_idle_adapter(
             ("evicted", "c"),
             ("activated", "a"),
         ]
+        # b is now on disk only; unloading it must still reach every API server.
+        llm.engine.remove_lora("b")
+        assert _lifecycle(llm) == [("evicted", "b", "unload")]
+        assert [e["name"] for e in llm.list_loras()] == ["a", "c"]
 
 
 def test_every_slot_pinned_refuses_other_adapters_at_submission(

@@ -252,6 +252,10 @@ class LoRARegistry:
                 f"({', '.join(sorted(a.name for a in pinned))}); unpin one to serve {name!r}"
             )
 
+    def is_pinned(self, name: str) -> bool:
+        entry = self.adapters.get(name)
+        return entry is not None and entry.pinned
+
     def _entry(self, name: str) -> RegisteredAdapter:
         entry = self.adapters.get(name)
         if entry is None:

@@ -8,11 +8,15 @@ and it goes back to the front of the queue to be recomputed later.
 With LoRA, a request is admitted only once its adapter holds a device slot. A batch never runs
 more distinct adapters than there are slots: a request whose adapter would be one too many, or
 whose adapter cannot get a slot because every slot serves running requests, is deferred (it
-keeps its place at the head of the queue) and later requests may go first.
+keeps its place at the head of the queue) and later requests may go first. So that a popular
+adapter cannot hold its slot forever against a deferred one, the scheduler then drains one slot:
+the running adapter with the fewest running requests (not pinned) takes no new requests until
+they finish, and its slot goes to the adapter that waited.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections import deque
 from typing import Protocol
@@ -55,6 +59,8 @@ class Scheduler:
         self.adapters = adapters
         # Requests the scheduler itself ended (their adapter could not be served).
         self.rejected: list[Request] = []
+        # The adapter whose slot is being freed for a deferred request (takes no new requests).
+        self.draining: str | None = None
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -109,7 +115,10 @@ class Scheduler:
     def _schedule_prefills(self) -> list[Request]:
         admitted: list[Request] = []
         deferred: list[Request] = []
-        active = {r.lora_name for r in self.running if r.lora_name is not None}
+        running = collections.Counter(r.lora_name for r in self.running if r.lora_name)
+        if self.draining not in running:
+            self.draining = None  # drained: its slot is free for the request that waited
+        active = set(running)
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -119,6 +128,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.lora_name is not None:
+                if request.lora_name == self.draining:
+                    deferred.append(request)
+                    continue
                 try:
                     slot = self._adapter_slot(request.lora_name, active)
                 except ValueError as exc:
@@ -126,6 +138,8 @@ class Scheduler:
                     continue
                 if slot is None:
                     deferred.append(request)
+                    if self.draining is None:
+                        self.draining = self._drain_target(running)
                     continue
                 request.lora_slot = slot
                 active.add(request.lora_name)
@@ -141,6 +155,12 @@ class Scheduler:
         if name not in active and len(active) >= self.adapters.max_loras:
             return None  # one adapter too many for this batch
         return self.adapters.acquire(name, active)
+
+    def _drain_target(self, running: collections.Counter[str]) -> str | None:
+        """The running adapter that frees a slot soonest: fewest running requests, not pinned."""
+        assert self.adapters is not None
+        candidates = [(n, name) for name, n in running.items() if not self.adapters.is_pinned(name)]
+        return min(candidates, default=(0, None))[1]
 
     def _reject(self, request: Request, reason: str) -> None:
         logger.warning("aborting request %s: %s", request.request_id, reason)

@@ -154,3 +154,33 @@ def test_every_slot_pinned_refuses_other_adapters_at_submission(
 def test_max_cpu_loras_below_max_loras_is_a_config_error(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="--max-cpu-loras"):
         _llm(tiny_llama_dir, max_loras=2, max_cpu_loras=1)
+
+
+def test_a_busy_adapter_is_drained_for_a_deferred_one_instead_of_starving_it(
+    tiny_llama_dir: Path, requests: list[LoRARequest]
+) -> None:
+    """One slot, a's request running, then b's and another a's arrive. Admitting the second a
+    at once would keep the slot busy and b waiting for as long as a's keep coming; instead the
+    slot drains: b runs when the first a finishes, the second a after b."""
+    a, b = requests[:2]
+    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+        llm.generate([PROMPT], GREEDY, lora_request=a)
+        llm.engine.add_lora(b.name, b.path)
+        _lifecycle(llm)
+        engine = llm.engine
+        first = engine.add_request(
+            PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), lora_name="a"
+        )
+        engine.step()  # a's prefill: a runs
+        late_b = engine.add_request(PROMPT, GREEDY, lora_name="b")
+        late_a = engine.add_request(PROMPT, GREEDY, lora_name="a")
+        order = []
+        while engine.has_unfinished_requests():
+            order += [o.request_id for o in engine.step() if o.finished]
+        assert order == [first, late_b, late_a]
+        assert _lifecycle(llm) == [
+            ("evicted", "a", "lru"),
+            ("activated", "b", "device"),
+            ("evicted", "b", "lru"),
+            ("activated", "a", "device"),
+        ]

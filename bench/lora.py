@@ -31,6 +31,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.serve import one_request, percentile  # noqa: E402
+
 WORKLOAD = ROOT.parent / "shared" / "bench" / "prompts.json"
 RESULTS = ROOT / "bench" / "results"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -111,34 +113,6 @@ def zipf_choices(count: int, adapters: int, seed: int = 0, s: float = 1.0) -> li
     return random.Random(seed).choices(range(adapters), weights=weights, k=count)
 
 
-async def _stream_one(http: httpx.AsyncClient, model: str | None, prompt: str, tokens: int):
-    """One streaming chat request: (time to first token in s, tokens produced)."""
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if model is not None:
-        body["model"] = model
-    start = time.perf_counter()
-    first: float | None = None
-    produced = 0
-    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                produced = chunk["usage"]["completion_tokens"]
-            elif first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first = time.perf_counter() - start
-    return (float("nan") if first is None else first), produced
-
-
 def lifecycle_counts(url: str) -> dict[tuple[str, str], float]:
     """(event, reason) -> count, summed over adapters, from the server's /metrics."""
     counts: dict[tuple[str, str], float] = {}
@@ -153,23 +127,25 @@ def lifecycle_counts(url: str) -> dict[tuple[str, str], float]:
 
 
 async def _load(url: str, models: list[str | None], prompts: list[str], tokens: int, n: int):
+    """Send one streaming request per entry of `models`, `n` in flight: (TTFTs, tokens, s)."""
+    ttfts: list[float] = []
     gate = asyncio.Semaphore(n)
     limits = httpx.Limits(max_connections=n + 4)
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
 
-        async def guarded(i: int, model: str | None) -> tuple[float, int]:
+        async def guarded(i: int, model: str | None) -> int:
             async with gate:
-                return await _stream_one(http, model, prompts[i % len(prompts)], tokens)
+                prompt = prompts[i % len(prompts)]
+                return await one_request(http, prompt, tokens, ttfts, [], model)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(guarded(i, m) for i, m in enumerate(models)))
-        return results, time.perf_counter() - start
+        produced = sum(await asyncio.gather(*(guarded(i, m) for i, m in enumerate(models))))
+        return ttfts, produced, time.perf_counter() - start
 
 
 def zipf_run(
     label: str, adapters: list[Path], cpu_loras: int | None, args: argparse.Namespace, data: dict
 ) -> dict[str, Any]:
-    from bench.serve import percentile
     from tests.entrypoints.server_process import ServerProcess
 
     names = [f"a{i:02d}" for i in range(len(adapters))]
@@ -185,7 +161,7 @@ def zipf_run(
         models = [names[c] if cpu_loras is not None else None for c in choices]
         asyncio.run(_load(server.url, models[:4], data["prompts"], 4, 4))  # warm-up
         before = lifecycle_counts(server.url) if cpu_loras is not None else {}
-        results, seconds = asyncio.run(
+        ttfts, produced, seconds = asyncio.run(
             _load(server.url, models, data["prompts"], args.tokens, args.concurrency)
         )
         after = lifecycle_counts(server.url) if cpu_loras is not None else {}
@@ -196,11 +172,9 @@ def zipf_run(
     def rate(*keys: tuple[str, str]) -> float:
         return sum(after.get(k, 0.0) - before.get(k, 0.0) for k in keys) * per_minute
 
-    ttfts = [t for t, _ in results]
-    produced = sum(p for _, p in results)
     return {
         "run": label,
-        "requests": len(results),
+        "requests": len(models),
         "seconds": seconds,
         "tokens_per_s": produced / seconds,
         "ttft_p50_ms": percentile(ttfts, 50) * 1000,

@@ -35,9 +35,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(
-    http: httpx.AsyncClient, prompt: str, tokens: int, ttfts: list[float], itls: list[float]
+    http: httpx.AsyncClient,
+    prompt: str,
+    tokens: int,
+    ttfts: list[float],
+    itls: list[float],
+    model: str | None = None,
 ) -> int:
-    body = {
+    """One streaming chat request (on `model`, e.g. a LoRA adapter, if given); appends its
+    time to first token and inter-token gaps, returns the tokens produced."""
+    body: dict[str, object] = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": tokens,
         "temperature": 0,
@@ -45,6 +52,8 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if model is not None:
+        body["model"] = model
     start = time.perf_counter()
     last = None
     produced = 0

@@ -103,6 +103,20 @@ class ServerProcess:
                 return pid
         raise LookupError(role)
 
+    def kill_and_await_restart(self, role: str, timeout_s: float = 120.0) -> None:
+        """SIGKILL one API server (`api_server_N`), wait for the launcher to start a new one,
+        then for every server to answer /health."""
+        old = self.pid_of(role)
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert time.monotonic() < deadline, f"{role} was not restarted"
+            with contextlib.suppress(LookupError):
+                if self.pid_of(role) != old:
+                    break
+            time.sleep(0.2)
+        self.wait_healthy()
+
     def stop(self, timeout_s: float = 30.0) -> list[int]:
         """SIGTERM the launcher; return those of its processes still alive afterwards."""
         tracked = set(self.pids)

@@ -109,13 +109,17 @@ def test_lru_eviction_skips_the_pinned_adapter_and_unpin_releases_it(
 
 
 def test_a_full_host_tier_drops_its_least_recently_used_idle_adapter(
-    tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
+    tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]], tmp_path: Path
 ) -> None:
     a, b, c = requests
     with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
         llm.generate([PROMPT], GREEDY, lora_request=a)
         llm.generate([PROMPT], GREEDY, lora_request=b)
         _lifecycle(llm)
+        # A broken adapter is refused before anything is evicted to make room for it.
+        with pytest.raises(ValueError, match=r"adapter_config\.json"):
+            llm.engine.add_lora("broken", str(tmp_path))
+        assert _lifecycle(llm) == []
         # Host: a (off the device, least recently used), b (on it). c pushes a out of the host.
         assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=c)) == [alone["c"]]
         assert _lifecycle(llm) == [

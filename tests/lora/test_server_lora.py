@@ -8,9 +8,6 @@ order on one server and build on each other's adapter state, as an operator's se
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +20,7 @@ import pytest
 from rankcast import LLM, LoRARequest, SamplingParams
 from tests.entrypoints.notification_clients import open_event_streams, scrape_each, series
 from tests.entrypoints.server_process import ServerProcess
+from tests.lora.router_view import each_server, requests_info
 
 SERVERS = 2
 PROMPT = [5, 17, 300, 42, 9]
@@ -71,23 +69,14 @@ def _event(data: dict[str, Any]) -> tuple[int, str, str, str]:
     return data["rank"], data["type"].removeprefix("lora_adapter_"), data["adapter_name"], detail
 
 
-def _each(url: str, path: str) -> dict[str, httpx.Response]:
-    seen: dict[str, httpx.Response] = {}
-    while len(seen) < SERVERS:
-        with httpx.Client(timeout=30) as http:
-            response = http.get(f"{url}{path}")
-        seen[response.headers["x-rankcast-api-server"]] = response
-    return seen
-
-
 def test_a_static_adapter_is_listed_and_resident_on_every_rank_on_every_server(
     server: ServerProcess,
 ) -> None:
-    for response in _each(server.url, "/v1/models").values():
+    for response in each_server(server.url, SERVERS, "/v1/models").values():
         data = response.json()["data"]
         (base,) = [m["id"] for m in data if m["parent"] is None]
         assert {m["id"]: m["parent"] for m in data}["static"] == base
-    for response in _each(server.url, "/v1/lora_adapters").values():
+    for response in each_server(server.url, SERVERS, "/v1/lora_adapters").values():
         (adapter,) = response.json()["data"]
         assert adapter["name"] == "static" and adapter["partial"] is False
         assert adapter["tiers"] == ["device", "cpu"] and adapter["pinned"] is False
@@ -166,7 +155,7 @@ def test_runtime_load_and_unload_reach_every_server_with_events_from_every_rank(
     finally:
         for reader in readers.values():
             reader.close()
-    for response in _each(server.url, "/v1/lora_adapters").values():
+    for response in each_server(server.url, SERVERS, "/v1/lora_adapters").values():
         assert [a["name"] for a in response.json()["data"]] == ["static"]
 
 
@@ -176,27 +165,11 @@ def _lines(text: str, prefix: str) -> list[str]:
     )
 
 
-def _requests_info(text: str) -> dict[str, list[str]]:
-    """What a router reads: of the `vllm:lora_requests_info` series, the largest value wins;
-    adapter lists are comma-separated."""
-    best, labels = -1.0, {}
-    for line in text.splitlines():
-        if line.startswith("vllm:lora_requests_info{"):
-            value = float(line.rsplit(" ", 1)[1])
-            if value > best:
-                best = value
-                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-    return {
-        key: [a for a in labels.get(f"{key}_lora_adapters", "").split(",") if a]
-        for key in ("running", "waiting")
-    }
-
-
 def test_residency_metrics_agree_on_every_server_and_running_adapters_show(
     server: ServerProcess,
 ) -> None:
     views = {}
-    for index, response in _each(server.url, "/metrics").items():
+    for index, response in each_server(server.url, SERVERS, "/metrics").items():
         text = response.text
         loaded = _lines(text, "vllm:lora_adapter_loaded{")
         where = sorted(
@@ -228,7 +201,7 @@ def test_residency_metrics_agree_on_every_server_and_running_adapters_show(
     try:
         deadline = time.monotonic() + 60
         while True:
-            info = _requests_info(httpx.get(f"{server.url}/metrics").text)
+            info = requests_info(httpx.get(f"{server.url}/metrics").text)
             if info["running"] == ["static"]:
                 break
             assert time.monotonic() < deadline, f"running adapters never showed: {info}"
@@ -236,7 +209,7 @@ def test_residency_metrics_agree_on_every_server_and_running_adapters_show(
     finally:
         worker.join()
     deadline = time.monotonic() + 30
-    while _requests_info(httpx.get(f"{server.url}/metrics").text)["running"]:
+    while requests_info(httpx.get(f"{server.url}/metrics").text)["running"]:
         assert time.monotonic() < deadline, "the finished request still counts as running"
         time.sleep(0.1)
 
@@ -362,22 +335,14 @@ def test_eviction_skips_a_pinned_adapter_and_every_server_labels_it(
 def test_a_restarted_api_server_agrees_on_adapter_state(server: ServerProcess) -> None:
     """After evictions, pins and unpins, a fresh API server must rebuild the same residency,
     event counts and load histogram from the engine's snapshot."""
-    old = server.pid_of("api_server_1")
-    os.kill(old, signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while True:
-        assert time.monotonic() < deadline, "api_server_1 was not restarted"
-        try:
-            if server.pid_of("api_server_1") != old:
-                break
-        except LookupError:
-            pass
-        time.sleep(0.2)
-    server.wait_healthy()
+    server.kill_and_await_restart("api_server_1")
     deadline = time.monotonic() + 30
     while True:
         views = _lora_views(server.url)
-        listings = {i: r.json()["data"] for i, r in _each(server.url, "/v1/lora_adapters").items()}
+        listings = {
+            i: r.json()["data"]
+            for i, r in each_server(server.url, SERVERS, "/v1/lora_adapters").items()
+        }
         if len({tuple(v) for v in views.values()}) == 1 and listings["0"] == listings["1"]:
             break
         assert time.monotonic() < deadline, f"servers disagree: {views} {listings}"

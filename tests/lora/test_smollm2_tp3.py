@@ -8,7 +8,6 @@ which adapter runs and which waits for the slot.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import torch
 from tests.entrypoints.notification_clients import scrape_each
 from tests.entrypoints.server_process import ServerProcess
 from tests.lora.conftest import make_adapter
+from tests.lora.router_view import each_server, requests_info
 
 SERVERS = 2
 TOKENS = 8
@@ -71,32 +71,8 @@ def _prompt(model_dir: Path) -> list[int]:
     return tokenizer("The three primary colors are", add_special_tokens=False).input_ids
 
 
-def _each(url: str, path: str) -> dict[str, httpx.Response]:
-    seen: dict[str, httpx.Response] = {}
-    while len(seen) < SERVERS:
-        with httpx.Client(timeout=30) as http:
-            response = http.get(f"{url}{path}")
-        seen[response.headers["x-rankcast-api-server"]] = response
-    return seen
-
-
-def _requests_info(text: str) -> dict[str, list[str]]:
-    """A router's reading: the `vllm:lora_requests_info` series with the largest value wins;
-    adapter lists are comma-separated."""
-    best, labels = -1.0, {}
-    for line in text.splitlines():
-        if line.startswith("vllm:lora_requests_info{"):
-            value = float(line.rsplit(" ", 1)[1])
-            if value > best:
-                best, labels = value, dict(re.findall(r'(\w+)="([^"]*)"', line))
-    return {
-        key: [a for a in labels.get(f"{key}_lora_adapters", "").split(",") if a]
-        for key in ("running", "waiting")
-    }
-
-
 def test_every_server_shows_both_adapters_on_all_three_ranks(server: ServerProcess) -> None:
-    for response in _each(server.url, "/v1/lora_adapters").values():
+    for response in each_server(server.url, SERVERS, "/v1/lora_adapters").values():
         tiers = {
             a["name"]: [(r["rank"], r["tiers"]) for r in a["engines"][0]["ranks"]]
             for a in response.json()["data"]
@@ -161,7 +137,7 @@ def test_under_load_routers_read_which_adapter_runs_and_which_waits(
         waiter.start()
         deadline = time.monotonic() + 60
         while True:
-            views = {i: _requests_info(t) for i, t in scrape_each(server.url, SERVERS).items()}
+            views = {i: requests_info(t) for i, t in scrape_each(server.url, SERVERS).items()}
             if all(v == {"running": ["y"], "waiting": ["x"]} for v in views.values()):
                 break
             assert time.monotonic() < deadline, f"router views: {views}"

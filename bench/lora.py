@@ -7,9 +7,10 @@ request on one adapter; requests spread over four adapters.
 Part `zipf` (a real `rankcast serve`, streaming chat clients): 20 adapters registered at start,
 requests choose one by Zipf popularity (s=1, seeded), `--max-loras 4`, N requests in flight.
 Side by side: the base model (no adapter named), the host tier as small as the device tier
-(`--max-cpu-loras 4`: a miss reads the adapter from disk) and the host tier holding all 20 (a
-miss copies from host memory). Reports throughput, TTFT p50/p99 and, from the server's own
-`rankcast:lora_adapter_events_total`, disk loads, activations and evictions per minute.
+(`--max-cpu-loras 4`: a miss reads the adapter from disk), the host tier holding all 20 (a
+miss copies from host memory), and the same with 8 device slots. Reports throughput, TTFT
+p50/p99 and, from the server's own `rankcast:lora_adapter_events_total`, disk loads,
+activations and evictions per minute.
 
     python bench/lora.py [--part overhead|zipf|all] [--requests 96] [--concurrency 16]
 """
@@ -144,14 +145,19 @@ async def _load(url: str, models: list[str | None], prompts: list[str], tokens: 
 
 
 def zipf_run(
-    label: str, adapters: list[Path], cpu_loras: int | None, args: argparse.Namespace, data: dict
+    label: str,
+    adapters: list[Path],
+    cpu_loras: int | None,
+    args: argparse.Namespace,
+    data: dict,
+    slots: int = 4,
 ) -> dict[str, Any]:
     from tests.entrypoints.server_process import ServerProcess
 
     names = [f"a{i:02d}" for i in range(len(adapters))]
     flags = ["--kv-cache-space", "1", "--max-num-seqs", "32"]
     if cpu_loras is not None:
-        flags += ["--enable-lora", "--max-loras", "4", "--max-cpu-loras", str(cpu_loras)]
+        flags += ["--enable-lora", "--max-loras", str(slots), "--max-cpu-loras", str(cpu_loras)]
         flags += ["--max-lora-rank", "8", "--lora-modules"]
         flags += [f"{n}={p}" for n, p in zip(names, adapters, strict=True)]
     server = ServerProcess(*flags, api_server_count=1)
@@ -192,21 +198,23 @@ def zipf_part(adapters: list[Path], args: argparse.Namespace, data: dict) -> lis
         zipf_run("base model", adapters, None, args, data),
         zipf_run("host tier = 4", adapters, 4, args, data),
         zipf_run(f"host tier = {len(adapters)}", adapters, len(adapters), args, data),
+        # Not the issue's configuration: what more device slots buy on the same load.
+        zipf_run(f"host {len(adapters)}, 8 slots", adapters, len(adapters), args, data, slots=8),
     ]
     base = rows[0]["tokens_per_s"]
     print(
         f"\n{args.requests} requests, {args.concurrency} in flight, {args.tokens} tokens, "
-        f"{len(adapters)} adapters (Zipf s=1), --max-loras 4"
+        f"{len(adapters)} adapters (Zipf s=1), --max-loras 4 unless stated"
     )
     header = (
-        f"{'run':<16}{'tok/s':>8}{'x base':>8}{'TTFT p50':>10}{'p99 ms':>8}"
+        f"{'run':<20}{'tok/s':>8}{'x base':>8}{'TTFT p50':>10}{'p99 ms':>8}"
         f"{'loads/min':>11}{'activ/min':>11}{'lru/min':>9}{'cap/min':>9}"
     )
     print(header)
     for row in rows:
         row["x_base"] = row["tokens_per_s"] / base
         print(
-            f"{row['run']:<16}{row['tokens_per_s']:8.1f}{row['x_base']:8.2f}"
+            f"{row['run']:<20}{row['tokens_per_s']:8.1f}{row['x_base']:8.2f}"
             f"{row['ttft_p50_ms']:10.0f}{row['ttft_p99_ms']:8.0f}"
             f"{row['disk_loads_per_min']:11.1f}{row['activations_per_min']:11.1f}"
             f"{row['lru_evictions_per_min']:9.1f}{row['capacity_evictions_per_min']:9.1f}"
@@ -220,7 +228,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4))
     labels = [r["run"] for r in rows]
     left.bar(labels, [r["tokens_per_s"] for r in rows], color="#4c72b0")
     left.set_ylabel("output tokens/s")

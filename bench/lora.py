@@ -232,7 +232,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     labels = [r["run"] for r in rows]
     left.bar(labels, [r["tokens_per_s"] for r in rows], color="#4c72b0")
     left.set_ylabel("output tokens/s")
-    left.set_title("Zipf over 20 adapters, --max-loras 4: throughput")
+    left.set_title("Zipf over 20 adapters, 16 in flight: throughput")
     width = 0.38
     xs = range(len(rows))
     right.bar([x - width / 2 for x in xs], [r["ttft_p50_ms"] for r in rows], width, label="p50")

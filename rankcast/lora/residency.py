@@ -112,6 +112,31 @@ class LoRAResidency:
         """Adapters some engine has registered, in name order (servable by name)."""
         return sorted({name for adapters in self.adapters.values() for name in adapters})
 
+    def refusal(self, name: str) -> str | None:
+        """Why a request on `name` could not run on any engine until someone unpins: on each
+        engine that has it, every device slot holds another pinned adapter. None: it can run.
+        (The engine core checks the same at submission; this gives the client a 400.)"""
+        blocked: list[str] = []
+        for adapters in self.adapters.values():
+            if name not in adapters:
+                continue
+            pinned = sorted(
+                other
+                for other, state in adapters.items()
+                if other != name
+                and state.pinned
+                and any("device" in t for t in state.ranks.values())
+            )
+            if len(pinned) < self.max_loras:
+                return None
+            blocked = pinned
+        if not blocked:
+            return None
+        return (
+            f"every device slot (--max-loras {self.max_loras}) holds a pinned adapter "
+            f"({', '.join(blocked)}); unpin one to serve {name!r}"
+        )
+
     def running_adapters(self) -> list[str]:
         return sorted({a for counts in self.running.values() for a in counts})
 

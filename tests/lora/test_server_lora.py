@@ -330,6 +330,24 @@ def test_eviction_skips_a_pinned_adapter_and_every_server_labels_it(
     listing = {a["name"]: a for a in httpx.get(f"{server.url}/v1/lora_adapters").json()["data"]}
     assert listing["static"]["pinned"] is False and listing["c"]["tiers"] == ["cpu"]
     assert listing["b"]["tiers"] == ["device", "cpu"]
+    # Both slots pinned: a request for a third adapter could never run, so it is refused.
+    with httpx.Client(timeout=60) as http:
+        for name in ("static", "b"):
+            pin = http.post(f"{server.url}/v1/pin_lora_adapter", json={"lora_name": name})
+            assert pin.status_code == 200
+        deadline = time.monotonic() + 30
+        while not all(  # the next request may reach the other server: wait until it knows
+            {a["name"]: a["pinned"] for a in r.json()["data"]}
+            == {"static": True, "b": True, "c": False}
+            for r in each_server(server.url, SERVERS, "/v1/lora_adapters").values()
+        ):
+            assert time.monotonic() < deadline, "the pins did not reach every API server"
+            time.sleep(0.1)
+        refused = _complete(server.url, "c")
+        assert refused.status_code == 400 and "pinned" in refused.json()["error"]["message"]
+        for name in ("static", "b"):
+            http.post(f"{server.url}/v1/unpin_lora_adapter", json={"lora_name": name})
+    assert _complete(server.url, "c").status_code == 200
 
 
 def test_a_restarted_api_server_agrees_on_adapter_state(server: ServerProcess) -> None:

@@ -39,6 +39,9 @@ def _check_model(ctx: ServingContext, requested: str | None) -> str | None:
     if requested is None or requested == ctx.model_name:
         return None
     if ctx.loras is not None and requested in ctx.loras.names():
+        refusal = ctx.loras.refusal(requested)
+        if refusal is not None:
+            raise APIError(400, refusal, "model")
         return requested
     raise APIError(404, f"The model `{requested}` does not exist.", "model")
 

@@ -26,6 +26,11 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
 
 
+class RequestRejectedError(ValueError):
+    """The engine refused or ended a request (e.g. its adapter could not be loaded); the
+    message says why. The serving layer answers it with a 400."""
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -33,3 +38,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # Why the engine refused or ended the request (finish_reason "abort"); None otherwise.
+    error: str | None = None

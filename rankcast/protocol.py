@@ -38,7 +38,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 # Bump whenever any struct below changes its field list; peers refuse a mismatch at handshake.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -86,6 +86,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_prompt_tokens: int = 0
+    # Why the engine refused or ended the request (with finish_reason "abort"); None otherwise.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

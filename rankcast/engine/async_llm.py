@@ -21,7 +21,7 @@ from rankcast.engine.load_balancer import LoadBalancer
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError
 from rankcast.engine.output_processor import OutputProcessor
 from rankcast.notifications import Notification, NotificationDecoder
-from rankcast.outputs import RequestOutput
+from rankcast.outputs import RequestOutput, RequestRejectedError
 from rankcast.protocol import EngineCoreRequest, EngineStateSnapshot, SchedulerStats
 from rankcast.sampling_params import SamplingParams
 
@@ -136,6 +136,8 @@ class AsyncLLM:
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestRejectedError(item.error)
                 yield item
                 if finished:
                     return

@@ -161,7 +161,10 @@ class EngineCoreProc:
                         self.engine_index,
                         outputs=[
                             EngineCoreOutput(
-                                message.request_id, [], finish_reason=FinishReason.ABORT
+                                message.request_id,
+                                [],
+                                finish_reason=FinishReason.ABORT,
+                                error=str(exc),
                             )
                         ],
                     ),

@@ -117,6 +117,7 @@ class OutputProcessor:
                     prompt_token_ids=state.prompt_token_ids,
                     outputs=[completion],
                     finished=finished,
+                    error=output.error,
                 )
             )
             if finished:

@@ -34,6 +34,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_preemptions: int = 0
+    error: str | None = None  # why the scheduler ended it, if it did
     # Tokens and logprobs sampled since the last output was sent.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)

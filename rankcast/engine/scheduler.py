@@ -165,6 +165,7 @@ class Scheduler:
     def _reject(self, request: Request, reason: str) -> None:
         logger.warning("aborting request %s: %s", request.request_id, reason)
         request.finish_reason = FinishReason.ABORT
+        request.error = reason
         self._finish(request)
         self.rejected.append(request)
 
@@ -240,6 +241,7 @@ class Scheduler:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
+            error=request.error,
         )
         request.pending_token_ids = []
         request.pending_logprobs = []

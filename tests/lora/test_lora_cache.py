@@ -8,6 +8,7 @@ would corrupt.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def _lifecycle(llm: LLM) -> list[tuple[str, str, str]]:
     for n in llm.take_notifications():
         event = lora_event_name(n)
         if event is not None:
-            detail = n.reason if isinstance(n, LoRAAdapterEvicted) else n.tier  # type: ignore[attr-defined]
+            detail = n.reason if isinstance(n, LoRAAdapterEvicted) else getattr(n, "tier", "")
             out.append((event, n.adapter_name, detail))  # type: ignore[attr-defined]
     return out
 
@@ -188,3 +189,28 @@ def test_a_busy_adapter_is_drained_for_a_deferred_one_instead_of_starving_it(
             ("evicted", "b", "lru"),
             ("activated", "a", "device"),
         ]
+
+
+def test_an_adapter_whose_files_vanished_fails_its_request_with_the_reason_and_nothing_else(
+    tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]], tmp_path: Path
+) -> None:
+    a, b = requests[:2]
+    doomed = tmp_path / "doomed"
+    shutil.copytree(a.path, doomed)
+    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=1) as llm:
+        llm.engine.add_lora("doomed", str(doomed))
+        llm.engine.add_lora(b.name, b.path)  # the host tier holds one: doomed is now on disk only
+        (doomed / "adapter_model.safetensors").unlink()
+        _lifecycle(llm)
+        engine = llm.engine  # LLM.generate would re-validate the adapter and fail earlier
+        ids = [engine.add_request(PROMPT, GREEDY, lora_name=n) for n in ("doomed", "b")]
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        failed, served = (finished[i] for i in ids)
+        events = _lifecycle(llm)
+        assert _tokens([served]) == [alone["b"]]
+    assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
+    assert failed.error is not None and "adapter_model.safetensors" in failed.error
+    assert ("load_failed", "doomed", "") in events
+    assert ("evicted", "b", "capacity") in events, "b made room for doomed before its load failed"

@@ -8,6 +8,7 @@ order on one server and build on each other's adapter state, as an operator's se
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -367,3 +368,32 @@ def test_a_restarted_api_server_agrees_on_adapter_state(server: ServerProcess) -
         time.sleep(0.2)
     assert {a["name"] for a in listings["1"]} == {"static", "b", "c"}
     assert any('event="pinned"' in line for line in views["1"]), "history came from the snapshot"
+
+
+def test_an_adapter_whose_files_vanished_fails_its_request_with_a_400_naming_the_file(
+    server: ServerProcess, mixed_adapters: list[Path]
+) -> None:
+    """Last in this module: it unloads the others to set up the host tier exactly."""
+    doomed = mixed_adapters[0].parent / "doomed"
+    shutil.copytree(mixed_adapters[0], doomed)
+    with httpx.Client(timeout=60) as http:
+
+        def call(path: str, **body: str) -> None:
+            response = http.post(f"{server.url}/v1/{path}", json=body)
+            assert response.status_code == 200, response.text
+
+        for name in ("static", "b", "c"):
+            call("unload_lora_adapter", lora_name=name)
+        call("load_lora_adapter", lora_name="doomed", lora_path=str(doomed))  # slot 0
+        call("load_lora_adapter", lora_name="f1", lora_path=str(mixed_adapters[1]))  # slot 1
+        call("load_lora_adapter", lora_name="f2", lora_path=str(mixed_adapters[2]))  # host only
+        assert _complete(server.url, "f2").status_code == 200  # evicts doomed (LRU) from its slot
+        # The host tier (3) is full: f3 pushes out its only adapter off the device, doomed.
+        call("load_lora_adapter", lora_name="f3", lora_path=str(mixed_adapters[0]))
+        listing = {a["name"]: a for a in http.get(f"{server.url}/v1/lora_adapters").json()["data"]}
+        assert listing["doomed"]["tiers"] == []
+    (doomed / "adapter_model.safetensors").unlink()
+    failed = _complete(server.url, "doomed")
+    assert failed.status_code == 400
+    assert "adapter_model.safetensors" in failed.json()["error"]["message"]
+    assert _complete(server.url, "f1").status_code == 200, "the engine serves on"

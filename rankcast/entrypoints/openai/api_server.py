@@ -45,6 +45,7 @@ from rankcast.logger import init_logging
 from rankcast.lora.residency import LoRAResidency
 from rankcast.metrics.lora_metrics import LoRAMetrics
 from rankcast.metrics.prometheus import ServerMetrics
+from rankcast.outputs import RequestRejectedError
 from rankcast.process import die_with_parent, set_process_title
 from rankcast.tokenizer import load_tokenizer
 
@@ -112,6 +113,10 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestRejectedError)
+    async def request_rejected(_: Request, exc: RequestRejectedError) -> JSONResponse:
+        return error_response(400, str(exc))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -19,7 +19,7 @@ from rankcast.engine.mp_client import EngineDeadError
 from rankcast.entrypoints.openai.errors import APIError, error_body
 from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
 from rankcast.lora.residency import LoRAResidency
-from rankcast.outputs import Logprob, RequestOutput
+from rankcast.outputs import Logprob, RequestOutput, RequestRejectedError
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import apply_chat_template
 
@@ -243,6 +243,10 @@ async def _stream_with_tail(
             yield event
     except EngineDeadError:
         yield _sse(_dead_error())
+        yield _sse("[DONE]")
+        return
+    except RequestRejectedError as exc:
+        yield _sse(error_body(400, str(exc)))
         yield _sse("[DONE]")
         return
     if include_usage:

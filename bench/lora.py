@@ -2,7 +2,7 @@
 
 Part `overhead` (offline, standard workload: 32 prompts x 128 tokens), one after another in one
 process: the base model without LoRA; with LoRA enabled and no request using an adapter; every
-request on one adapter; requests spread over four adapters.
+request on one adapter; requests spread over four adapters, with 4 and with 16 device slots.
 
 Part `zipf` (a real `rankcast serve`, streaming chat clients): 20 adapters registered at start,
 requests choose one by Zipf popularity (s=1, seeded), `--max-loras 4`, N requests in flight.
@@ -66,10 +66,12 @@ def make_adapters(model_dir: Path, root: Path, count: int, rank: int) -> list[Pa
     return paths
 
 
-def run(enable_lora: bool, adapters: list[Path], chats: list, tokens: int) -> dict[str, float]:
+def run(
+    enable_lora: bool, adapters: list[Path], chats: list, tokens: int, slots: int = 4
+) -> dict[str, float]:
     from rankcast import LLM, LoRARequest, SamplingParams
 
-    kwargs = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8} if enable_lora else {}
+    kwargs = {"enable_lora": True, "max_loras": slots, "max_lora_rank": 8} if enable_lora else {}
     llm = LLM(kv_cache_space_gib=0.5, **kwargs)
     try:
         requests = None
@@ -93,18 +95,20 @@ def run(enable_lora: bool, adapters: list[Path], chats: list, tokens: int) -> di
 
 def overhead_part(adapters: list[Path], chats: list, tokens: int) -> list[dict[str, Any]]:
     rows = []
-    for name, enable, used in (
-        ("base, LoRA off", False, []),
-        ("base, LoRA on", True, []),
-        ("1 adapter r=8", True, adapters[:1]),
-        ("4 adapters r=8", True, adapters[:4]),
+    for name, enable, used, slots in (
+        ("base, LoRA off", False, [], 4),
+        ("base, LoRA on", True, [], 4),
+        ("1 adapter r=8", True, adapters[:1], 4),
+        ("4 adapters r=8", True, adapters[:4], 4),
+        # What a slot costs: the masked matmuls span every slot, used or not.
+        ("4 adapters, 16 slots", True, adapters[:4], 16),
     ):
-        rows.append({"run": name, **run(enable, used, chats, tokens)})
+        rows.append({"run": name, "max_loras": slots, **run(enable, used, chats, tokens, slots)})
     base = rows[0]["tokens_per_s"]
-    print(f"\n{'run':<16} {'tok/s':>8} {'x base':>7}")
+    print(f"\n{'run':<22} {'tok/s':>8} {'x base':>7}")
     for row in rows:
         row["x_base"] = row["tokens_per_s"] / base
-        print(f"{row['run']:<16} {row['tokens_per_s']:8.1f} {row['x_base']:7.2f}")
+        print(f"{row['run']:<22} {row['tokens_per_s']:8.1f} {row['x_base']:7.2f}")
     return rows
 
 

@@ -97,7 +97,8 @@ class LoRAAdapterEvicted(Notification, tag="lora_adapter_evicted"):
     held in no tier, so consumers forget it).
 
     `reason`: "lru" (its device slot went to another adapter), "capacity" (the host tier was
-    full), "unload" (a user unloaded it), "load_failed" (rolled back after another rank failed).
+    full), "unload" (a user unloaded it), "load_failed" (a rank could not read it; the engine
+    dropped it). After "unload" and "load_failed" the adapter is no longer registered.
     """
 
     adapter_name: str

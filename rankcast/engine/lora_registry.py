@@ -223,13 +223,22 @@ class LoRARegistry:
         return slot
 
     def _load(self, entry: RegisteredAdapter) -> None:
-        """Disk -> host tier on every rank; a rank that fails is undone on the others."""
+        """Disk -> host tier on every rank; a rank that fails is undone on the others.
+
+        A registered adapter that can no longer be read (its files changed) is unregistered:
+        every request for it would fail the same way, and the operator sees why in the
+        `lora_adapter_load_failed` events.
+        """
         try:
             self.executor.collective_rpc("load_lora", (entry.adapter_id, entry.name, entry.path))
         except ExecutorError as exc:
             self.executor.collective_rpc("evict_lora", (entry.adapter_id, "cpu", "load_failed"))
+            dropped = self.adapters.pop(entry.name, None) is not None
             first_line = str(exc).splitlines()[0]
-            raise LoRALoadError(f"could not load adapter {entry.name!r}: {first_line}") from None
+            note = " (unregistered)" if dropped else ""
+            raise LoRALoadError(
+                f"could not load adapter {entry.name!r}{note}: {first_line}"
+            ) from None
         entry.in_host = True
 
     def _activate(self, entry: RegisteredAdapter, slot: int) -> None:

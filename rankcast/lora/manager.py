@@ -81,12 +81,13 @@ class LoRAManager:
 
     def evict(self, adapter_id: int, tier: str, reason: str) -> None:
         """Drop the adapter from `tier` ("device" frees its slot; "cpu" also frees the device
-        slot first, since the host tier is a superset). An unload of an adapter held in no
-        tier is reported with tier "disk", so consumers forget it too."""
+        slot first, since the host tier is a superset). "unload" and "load_failed" mean the
+        engine forgets the adapter; if this rank held it in no tier, that is reported with
+        tier "disk", so consumers forget it too."""
         adapter = self.host.get(adapter_id)
-        if reason in ("unload", "load_failed"):  # the engine forgets it: so does this rank
+        if reason in ("unload", "load_failed"):
             name = self.names.pop(adapter_id, None)
-            if adapter is None and name is not None and reason == "unload":
+            if adapter is None and name is not None:
                 publish_worker_notification(
                     LoRAAdapterEvicted(
                         adapter_name=name, adapter_id=adapter_id, tier="disk", reason=reason

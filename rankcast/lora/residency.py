@@ -87,7 +87,7 @@ class LoRAResidency:
             state.pinned.discard(n.rank)
         if not tiers:
             state.ranks.pop(n.rank, None)
-        if n.reason == "unload" and not state.ranks:
+        if n.reason in ("unload", "load_failed") and not state.ranks:  # the engine forgot it
             del self.adapters[n.engine_index][n.adapter_name]
 
     def _state(self, engine: int, name: str, create: bool = False) -> AdapterOnEngine | None:

@@ -210,7 +210,10 @@ def test_an_adapter_whose_files_vanished_fails_its_request_with_the_reason_and_n
         failed, served = (finished[i] for i in ids)
         events = _lifecycle(llm)
         assert _tokens([served]) == [alone["b"]]
+        assert [e["name"] for e in llm.list_loras()] == ["b"]
     assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
     assert failed.error is not None and "adapter_model.safetensors" in failed.error
-    assert ("load_failed", "doomed", "") in events
+    failed_at = events.index(("load_failed", "doomed", ""))
+    assert events[failed_at + 1] == ("evicted", "doomed", "load_failed")  # tier disk: forgotten
     assert ("evicted", "b", "capacity") in events, "b made room for doomed before its load failed"
+    assert "unregistered" in failed.error

@@ -62,6 +62,13 @@ def test_an_adapter_evicted_from_every_tier_stays_servable_until_unloaded() -> N
     assert residency.names() == []
 
 
+def test_an_adapter_that_failed_to_load_is_forgotten_on_every_rank() -> None:
+    """Rank 1 could not read it; rank 0 had, and rolls back: the engine dropped the adapter."""
+    residency = _residency(_loaded(0))
+    residency.consume([_evicted(0, "cpu", "load_failed")], [], 0.0)
+    assert residency.names() == []
+
+
 def test_unload_from_the_device_forgets_the_adapter_once_every_rank_reported() -> None:
     residency = _residency(*(_loaded(r) for r in (0, 1)), *(_activated(r) for r in (0, 1)))
     for rank in (0, 1):

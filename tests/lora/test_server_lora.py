@@ -397,3 +397,14 @@ def test_an_adapter_whose_files_vanished_fails_its_request_with_a_400_naming_the
     assert failed.status_code == 400
     assert "adapter_model.safetensors" in failed.json()["error"]["message"]
     assert _complete(server.url, "f1").status_code == 200, "the engine serves on"
+    deadline = time.monotonic() + 30
+    while True:  # the engine dropped it: every API server stops offering it
+        offered = [
+            {m["id"] for m in r.json()["data"]}
+            for r in each_server(server.url, SERVERS, "/v1/models").values()
+        ]
+        if all("doomed" not in ids and "f1" in ids for ids in offered):
+            break
+        assert time.monotonic() < deadline, f"doomed still offered: {offered}"
+        time.sleep(0.1)
+    assert _complete(server.url, "doomed").status_code == 404

@@ -122,8 +122,7 @@ class LoRARegistry:
         entry = RegisteredAdapter(
             name, str(adapter.path), next(self._ids), adapter.rank, adapter.nbytes
         )
-        self._make_host_room(self.running_adapters())
-        self._load(entry)
+        self._read_into_host(entry, self.running_adapters())
         self.adapters[name] = entry
         self._touch(entry)
         free = self._free_slots()
@@ -176,8 +175,7 @@ class LoRARegistry:
                 )
             return None
         if not entry.in_host:
-            self._make_host_room(busy | {name})
-            self._load(entry)
+            self._read_into_host(entry, busy | {name})
         free = self._free_slots()
         if free:
             slot = free[0]
@@ -201,20 +199,29 @@ class LoRARegistry:
         ]
         return min(idle, key=lambda a: a.last_used, default=None)
 
-    def _make_host_room(self, busy: set[str]) -> None:
-        """Evict the least recently used idle host adapter (off-device ones first) if full."""
+    def _read_into_host(self, entry: RegisteredAdapter, busy: set[str]) -> None:
+        """Disk -> host tier; if the tier is full, its least recently used idle adapter
+        (off-device ones first) is evicted, but only after the read succeeded, so an adapter
+        that cannot be read costs no other adapter its place (the tier holds one more for the
+        moment in between)."""
+        victim = self._host_victim(busy)
+        self._load(entry)
+        if victim is not None:
+            self.executor.collective_rpc("evict_lora", (victim.adapter_id, "cpu", "capacity"))
+            victim.in_host, victim.slot = False, None
+
+    def _host_victim(self, busy: set[str]) -> RegisteredAdapter | None:
+        """Who leaves the host tier to make room (None: room left); raises when nobody may."""
         held = [a for a in self.adapters.values() if a.in_host]
         if len(held) < self.config.host_capacity:
-            return
+            return None
         idle = [a for a in held if not a.pinned and a.name not in busy]
         if not idle:
             raise LoRACapacityError(
                 f"the host tier (--max-cpu-loras {self.config.host_capacity}) holds only "
                 "adapters that requests use or that are pinned"
             )
-        victim = min(idle, key=lambda a: (a.slot is not None, a.last_used))
-        self.executor.collective_rpc("evict_lora", (victim.adapter_id, "cpu", "capacity"))
-        victim.in_host, victim.slot = False, None
+        return min(idle, key=lambda a: (a.slot is not None, a.last_used))
 
     def _evict_device(self, victim: RegisteredAdapter, reason: str) -> int:
         assert victim.slot is not None

@@ -27,14 +27,7 @@ from rankcast.config import LoRAConfig
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import load_peft_adapter
 from rankcast.model.arch import ArchConfig
-from rankcast.notifications import (
-    LoRAAdapterActivated,
-    LoRAAdapterEvicted,
-    LoRAAdapterLoaded,
-    Notification,
-    load_transition,
-    lora_event_name,
-)
+from rankcast.notifications import Notification, lora_event_key, lora_load_time
 
 # Load-time observations kept for a late API server's histogram (oldest forgotten first).
 _LOADS_KEPT = 10_000
@@ -92,13 +85,12 @@ class LoRARegistry:
 
     def observe(self, n: Notification) -> None:
         """Count lifecycle events as they leave the engine (for the catch-up snapshot)."""
-        event = lora_event_name(n)
-        if event is None:
-            return
-        reason = n.reason if isinstance(n, LoRAAdapterEvicted) else ""
-        self.events[(n.adapter_name, event, reason)] += 1  # type: ignore[attr-defined]
-        if isinstance(n, LoRAAdapterLoaded | LoRAAdapterActivated):
-            self.loads.append((load_transition(n), n.seconds))
+        key = lora_event_key(n)
+        if key is not None:
+            self.events[key] += 1
+        load = lora_load_time(n)
+        if load is not None:
+            self.loads.append(load)
 
     # ---- registration ----
 

@@ -115,7 +115,9 @@ class Scheduler:
     def _schedule_prefills(self) -> list[Request]:
         admitted: list[Request] = []
         deferred: list[Request] = []
-        running = collections.Counter(r.lora_name for r in self.running if r.lora_name)
+        running: collections.Counter[str] = collections.Counter()
+        if self.adapters is not None:  # the base-model path does no per-adapter work
+            running.update(r.lora_name for r in self.running if r.lora_name)
         if self.draining not in running:
             self.draining = None  # drained: its slot is free for the request that waited
         active = set(running)

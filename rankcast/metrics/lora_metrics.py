@@ -16,14 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rankcast.lora.residency import LoRAResidency
-from rankcast.notifications import (
-    LoRAAdapterActivated,
-    LoRAAdapterEvicted,
-    LoRAAdapterLoaded,
-    Notification,
-    load_transition,
-    lora_event_name,
-)
+from rankcast.notifications import Notification, lora_event_key, lora_load_time
 from rankcast.protocol import EngineStateSnapshot, SchedulerStats
 
 _LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -121,13 +114,12 @@ class LoRAMetrics:
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
         for n in notifications:
-            event = lora_event_name(n)
-            if event is None:
-                continue
-            reason = n.reason if isinstance(n, LoRAAdapterEvicted) else ""
-            self.events.labels(n.adapter_name, event, reason).inc()  # type: ignore[attr-defined]
-            if isinstance(n, LoRAAdapterLoaded | LoRAAdapterActivated):
-                self.load_seconds.labels(load_transition(n)).observe(n.seconds)
+            key = lora_event_key(n)
+            if key is not None:
+                self.events.labels(*key).inc()
+            load = lora_load_time(n)
+            if load is not None:
+                self.load_seconds.labels(load[0]).observe(load[1])
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
         self.residency.record_scheduler_stats(engine_index, stats)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -102,6 +103,17 @@ class ServerProcess:
             if process_title(pid) == f"rankcast::{role}":
                 return pid
         raise LookupError(role)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[ServerProcess]:
+        """Wait until every API server is healthy and hand the server over; afterwards stop
+        it and fail if that left any of its processes behind."""
+        try:
+            self.wait_healthy()
+            yield self
+        finally:
+            leftovers = self.stop()
+        assert leftovers == [], f"shutdown left processes behind: {leftovers}"
 
     def kill_and_await_restart(self, role: str, timeout_s: float = 120.0) -> None:
         """SIGKILL one API server (`api_server_N`), wait for the launcher to start a new one,

@@ -36,12 +36,8 @@ def server() -> Iterator[ServerProcess]:
         "--max-num-seqs",
         "16",
     )
-    try:
-        proc.wait_healthy()
+    with proc.running():
         yield proc
-    finally:
-        leftovers = proc.stop()
-    assert leftovers == [], f"shutdown left processes behind: {leftovers}"
 
 
 @pytest.fixture()

@@ -55,11 +55,8 @@ def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     )
     proc.pub_endpoint = f"tcp://127.0.0.1:{pub}"  # type: ignore[attr-defined]
     proc.replay_endpoint = f"tcp://127.0.0.1:{replay}"  # type: ignore[attr-defined]
-    try:
-        proc.wait_healthy()
+    with proc.running():
         yield proc
-    finally:
-        assert proc.stop() == []
 
 
 def test_every_api_server_reports_each_ranks_weight_load(server: ServerProcess) -> None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from rankcast import LLM
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MIXED_RANKS = (4, 8, 2)
@@ -31,6 +35,20 @@ def make_adapter(model_dir: Path, out: Path, rank: int = 4, alpha: int = 8, **ex
     model = peft.get_peft_model(base, config)
     model.save_pretrained(str(out))
     return model
+
+
+def lora_llm(model_dir: Path, **overrides: Any) -> LLM:
+    """An offline engine on the tiny model with LoRA on (float32, r <= 8); `overrides` set
+    slots, tiers, layout."""
+    from rankcast import LLM
+
+    options: dict[str, Any] = {
+        "dtype": "float32",
+        "kv_cache_space_gib": 0.05,
+        "enable_lora": True,
+        "max_lora_rank": 8,
+    }
+    return LLM(str(model_dir), **{**options, **overrides})
 
 
 @pytest.fixture(scope="session")

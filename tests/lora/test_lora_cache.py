@@ -15,21 +15,10 @@ import pytest
 
 from rankcast import LLM, LoRARequest, SamplingParams
 from rankcast.notifications import LoRAAdapterEvicted, lora_event_name
+from tests.lora.conftest import lora_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = [5, 17, 300, 42, 9]
-
-
-def _llm(model: Path, max_loras: int, max_cpu_loras: int | None = None) -> LLM:
-    return LLM(
-        str(model),
-        dtype="float32",
-        kv_cache_space_gib=0.05,
-        enable_lora=True,
-        max_loras=max_loras,
-        max_cpu_loras=max_cpu_loras,
-        max_lora_rank=8,
-    )
 
 
 def _lifecycle(llm: LLM) -> list[tuple[str, str, str]]:
@@ -55,7 +44,7 @@ def requests(mixed_adapters: list[Path]) -> list[LoRARequest]:
 @pytest.fixture(scope="module")
 def alone(tiny_llama_dir: Path, requests: list[LoRARequest]) -> dict[str, list[int]]:
     """Each adapter's greedy output with a slot of its own: the reference."""
-    with _llm(tiny_llama_dir, max_loras=3) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=3) as llm:
         return {
             r.name: _tokens(llm.generate([PROMPT], GREEDY, lora_request=r))[0] for r in requests
         }
@@ -65,7 +54,7 @@ def test_one_slot_two_adapters_defers_rather_than_evicting_a_running_adapter(
     tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
 ) -> None:
     a, b = requests[:2]
-    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
         outputs = llm.generate([PROMPT] * 4, GREEDY, lora_request=[a, b, a, b])
         events = _lifecycle(llm)
     # Both a-requests ran together, then b took the slot: had b been let in (or a evicted)
@@ -84,7 +73,7 @@ def test_lru_eviction_skips_the_pinned_adapter_and_unpin_releases_it(
     tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
 ) -> None:
     _, b, c = requests
-    with _llm(tiny_llama_dir, max_loras=2, max_cpu_loras=3) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=3) as llm:
         for r in requests:
             llm.generate([PROMPT], GREEDY, lora_request=r)
         _lifecycle(llm)
@@ -113,7 +102,7 @@ def test_a_full_host_tier_drops_its_least_recently_used_idle_adapter(
     tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]], tmp_path: Path
 ) -> None:
     a, b, c = requests
-    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
         llm.generate([PROMPT], GREEDY, lora_request=a)
         llm.generate([PROMPT], GREEDY, lora_request=b)
         _lifecycle(llm)
@@ -147,7 +136,7 @@ def test_every_slot_pinned_refuses_other_adapters_at_submission(
     tiny_llama_dir: Path, requests: list[LoRARequest]
 ) -> None:
     a, b = requests[:2]
-    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
         llm.generate([PROMPT], GREEDY, lora_request=a)
         llm.pin_lora("a")
         with pytest.raises(ValueError, match="pinned adapter"):
@@ -158,7 +147,7 @@ def test_every_slot_pinned_refuses_other_adapters_at_submission(
 
 def test_max_cpu_loras_below_max_loras_is_a_config_error(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="--max-cpu-loras"):
-        _llm(tiny_llama_dir, max_loras=2, max_cpu_loras=1)
+        lora_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=1)
 
 
 def test_a_busy_adapter_is_drained_for_a_deferred_one_instead_of_starving_it(
@@ -168,7 +157,7 @@ def test_a_busy_adapter_is_drained_for_a_deferred_one_instead_of_starving_it(
     at once would keep the slot busy and b waiting for as long as a's keep coming; instead the
     slot drains: b runs when the first a finishes, the second a after b."""
     a, b = requests[:2]
-    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
         llm.generate([PROMPT], GREEDY, lora_request=a)
         llm.engine.add_lora(b.name, b.path)
         _lifecycle(llm)
@@ -197,7 +186,7 @@ def test_an_adapter_whose_files_vanished_fails_its_request_with_the_reason_and_n
     a, b = requests[:2]
     doomed = tmp_path / "doomed"
     shutil.copytree(a.path, doomed)
-    with _llm(tiny_llama_dir, max_loras=1, max_cpu_loras=1) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=1) as llm:
         llm.engine.add_lora("doomed", str(doomed))
         llm.engine.add_lora(b.name, b.path)  # the host tier holds one: doomed is now on disk only
         (doomed / "adapter_model.safetensors").unlink()

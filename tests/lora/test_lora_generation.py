@@ -9,24 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rankcast import LLM, LoRARequest, SamplingParams
+from rankcast import LoRARequest, SamplingParams
 from rankcast.lora.peft_adapter import LoRAAdapterError
+from tests.lora.conftest import lora_llm
 
 TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 42, 9], [1, 2, 3], [900, 800, 700, 600, 500, 400], [77, 78]]
-
-
-def _llm(model: Path, **kwargs: object) -> LLM:
-    return LLM(
-        str(model),
-        dtype="float32",
-        kv_cache_space_gib=0.05,
-        enable_lora=True,
-        max_loras=4,
-        max_lora_rank=8,
-        **kwargs,
-    )
 
 
 def _requests(adapters: list[Path]) -> list[LoRARequest | None]:
@@ -53,7 +42,7 @@ def _peft_greedy(model_dir: Path, adapter: Path, prompt: list[int]) -> list[int]
 @pytest.fixture(scope="module")
 def alone(tiny_llama_dir: Path, mixed_adapters: list[Path]) -> Iterator[list[list[int]]]:
     """Each prompt generated on its own with its adapter (TP=1): the reference for batches."""
-    with _llm(tiny_llama_dir) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=4) as llm:
         yield [
             _tokens(llm.generate([prompt], GREEDY, lora_request=request))[0]
             for prompt, request in zip(PROMPTS, _requests(mixed_adapters), strict=True)
@@ -72,7 +61,7 @@ def test_an_adapter_generates_what_transformers_and_peft_generate(
 def test_a_mixed_batch_equals_each_alone(
     tp: int, tiny_llama_dir: Path, mixed_adapters: list[Path], alone: list[list[int]]
 ) -> None:
-    with _llm(tiny_llama_dir, tensor_parallel_size=tp) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=4, tensor_parallel_size=tp) as llm:
         got = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=_requests(mixed_adapters)))
         assert got == alone
         assert [a["name"] for a in llm.engine.client.call_utility("list_loras")] == [
@@ -83,7 +72,7 @@ def test_a_mixed_batch_equals_each_alone(
 def test_a_bad_adapter_changes_nothing(
     tiny_llama_dir: Path, mixed_adapters: list[Path], tmp_path: Path
 ) -> None:
-    with _llm(tiny_llama_dir) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=4) as llm:
         llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("good", str(mixed_adapters[0])))
         with pytest.raises(LoRAAdapterError, match=r"adapter_config\.json: missing"):
             llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("bad", str(tmp_path)))

@@ -18,9 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from rankcast import LLM, LoRARequest, SamplingParams
+from rankcast import LoRARequest, SamplingParams
 from tests.entrypoints.notification_clients import open_event_streams, scrape_each, series
 from tests.entrypoints.server_process import ServerProcess
+from tests.lora.conftest import lora_llm
 from tests.lora.router_view import each_server, requests_info
 
 SERVERS = 2
@@ -57,11 +58,8 @@ def server(tiny_llama_dir: Path, mixed_adapters: list[Path]) -> Iterator[ServerP
         "--allow-runtime-lora-updating",
         api_server_count=SERVERS,
     )
-    try:
-        proc.wait_healthy()
+    with proc.running():
         yield proc
-    finally:
-        assert proc.stop() == []
 
 
 def _event(data: dict[str, Any]) -> tuple[int, str, str, str]:
@@ -89,13 +87,7 @@ def test_a_static_adapter_is_listed_and_resident_on_every_rank_on_every_server(
 def test_a_request_naming_an_adapter_is_served_with_it(
     server: ServerProcess, tiny_llama_dir: Path, mixed_adapters: list[Path]
 ) -> None:
-    with LLM(
-        str(tiny_llama_dir),
-        dtype="float32",
-        kv_cache_space_gib=0.05,
-        enable_lora=True,
-        max_lora_rank=8,
-    ) as llm:
+    with lora_llm(tiny_llama_dir) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         request = LoRARequest("static", str(mixed_adapters[0]))
         want = llm.generate([PROMPT], params, lora_request=request)[0].outputs[0].text

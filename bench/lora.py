@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.serve import one_request, percentile  # noqa: E402
 
-WORKLOAD = ROOT.parent / "shared" / "bench" / "prompts.json"
+WORKLOAD = ROOT / "bench" / "prompts.json"
 RESULTS = ROOT / "bench" / "results"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

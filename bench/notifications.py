@@ -31,7 +31,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-WORKLOAD = ROOT.parent / "shared" / "bench" / "prompts.json"
+WORKLOAD = ROOT / "bench" / "prompts.json"
 RESULTS = ROOT / "bench" / "results"
 EXTENSION = "bench.event_load:EventLoad"
 

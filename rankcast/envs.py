@@ -61,3 +61,12 @@ def worker_notification_poll_interval() -> float | None:
             f"RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL must be >= 0 seconds, got {value!r}"
         )
     return seconds or None
+
+
+def kernels_mode() -> str:
+    """Whether the model uses rankcast's built CPU kernels: `auto` (when built), `off` (plain
+    torch, e.g. to compare), or `require` (fail instead of falling back)."""
+    value = os.environ.get("RANKCAST_KERNELS", "auto").lower() or "auto"
+    if value not in ("auto", "off", "require"):
+        raise ValueError(f"RANKCAST_KERNELS must be auto, off or require, got {value!r}")
+    return value

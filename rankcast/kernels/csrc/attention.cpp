@@ -1,0 +1,349 @@
+// Attention that reads the paged KV cache where it lies, and the rotary + cache-write step that
+// fills it.
+//
+// Cache layout, per layer (see rankcast/model/attention.py, which documents it for the Python side):
+//   key_cache   [num_blocks, kv_heads, head_dim, block_size]   keys transposed within a block
+//   value_cache [num_blocks, kv_heads, block_size, head_dim]
+// Keys are stored dimension-major so that one vector load gives sixteen tokens' values of one
+// dimension: a query row's scores for sixteen tokens are then head_dim fused multiply-adds with no
+// horizontal sums. Values stay token-major, so the weighted sum adds whole rows.
+//
+// A step may mix sequences that decode one token with sequences that prefill a chunk after a
+// cached prefix: sequence b has query tokens [query_start[b], query_start[b+1]) at the last
+// positions of its seq_lens[b] tokens, and each query sees the keys up to its own position.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+
+namespace rankcast {
+namespace {
+
+constexpr int kMaxRows = 8;  // query rows (heads x positions) attended together in registers
+
+struct Geometry {
+  int kv_heads;
+  int head_dim;
+  int block_size;
+  int64_t max_blocks;  // block table row stride
+};
+
+inline void prefetch(const void* p, int64_t bytes) {
+#if defined(__GNUC__)
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+#endif
+}
+
+// Scores of R query rows against up to 16 tokens of a transposed key block (kt[d * bs + t]).
+// Each row keeps U partial sums over interleaved dimensions, so R * U independent FMA chains
+// hide the FMA latency that a single chain per row would expose.
+template <typename T, int R>
+inline void key_scores(const float* qf, int D, const T* kt, int bs, int n, Vec16* s) {
+  constexpr int U = R <= 3 ? 4 : (R <= 4 ? 2 : 1);
+  Vec16 part[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) part[r][u] = zero16();
+  for (int d = 0; d < D; d += U) {
+    for (int u = 0; u < U; ++u) {
+      const Vec16 k = n == 16 ? load16(kt + (d + u) * bs) : load16(kt + (d + u) * bs, n);
+      for (int r = 0; r < R; ++r) part[r][u] = fma(splat(qf[r * D + d + u]), k, part[r][u]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Vec16 total = part[r][0];
+    for (int u = 1; u < U; ++u) total = total + part[r][u];
+    s[r] = total;
+  }
+}
+
+// out[r, d0 + c*16 ..] = sum_t p[r, t] * v[t, d0 + c*16 ..] over every visible token, block by
+// block, with R * C accumulators held in registers for the whole context.
+template <typename T, int R, int C>
+inline void weighted_values(float* acc, int D, const float* p, int64_t p_stride, int reach,
+                            const T* value_cache, const int64_t* offsets, int bs, int d0) {
+  Vec16 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = zero16();
+  for (int j = 0, base = 0; base < reach; ++j, base += bs) {
+    const int ntok = std::min(bs, reach - base);
+    const T* vb = value_cache + offsets[j] + d0;
+    for (int t = 0; t < ntok; ++t) {
+      const T* row = vb + static_cast<int64_t>(t) * D;
+      for (int c = 0; c < C; ++c) {
+        const Vec16 v = load16(row + c * 16);
+        for (int r = 0; r < R; ++r) a[r][c] = fma(splat(p[r * p_stride + base + t]), v, a[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store16(acc + r * D + d0 + c * 16, a[r][c]);
+}
+
+// One tile: R query rows sharing a sequence and a KV head; row r sees keys [0, limit[r]).
+// Two passes over the context: every score first (so the softmax is exact and done once per
+// row), then the weighted sum of values with the accumulators in registers throughout.
+template <typename T, int R>
+void attend_tile(const T* const* q, T* const* out, const int* limit, const T* key_cache,
+                 const T* value_cache, const int* table, int kv_head, const Geometry& g,
+                 float scale, float* scratch, int64_t p_stride) {
+  const int D = g.head_dim, bs = g.block_size;
+  float* qf = scratch;      // [R, D] scaled queries
+  float* acc = qf + R * D;  // [R, D] weighted sums
+  float* p = acc + R * D;   // [R, p_stride] scores, then probabilities
+  int reach = 0;
+  for (int r = 0; r < R; ++r) {
+    for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[r][d]) * scale;
+    reach = std::max(reach, limit[r]);
+  }
+  const int num_blocks = (reach + bs - 1) / bs;
+  const int64_t block_elems = static_cast<int64_t>(D) * bs;
+  int64_t offsets_small[64];
+  std::vector<int64_t> offsets_large;
+  int64_t* offsets = offsets_small;
+  if (num_blocks > 64) {
+    offsets_large.resize(num_blocks);
+    offsets = offsets_large.data();
+  }
+  for (int j = 0; j < num_blocks; ++j) {
+    offsets[j] = (static_cast<int64_t>(table[j]) * g.kv_heads + kv_head) * block_elems;
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int j = 0, base = 0; base < reach; ++j, base += bs) {
+    const int ntok = std::min(bs, reach - base);
+    if (j + 1 < num_blocks) {  // blocks are scattered: fetch the next one while this one runs
+      prefetch(key_cache + offsets[j + 1], block_elems * static_cast<int64_t>(sizeof(T)));
+    }
+    const T* kb = key_cache + offsets[j];
+    for (int t0 = 0; t0 < ntok; t0 += 16) {
+      const int n = std::min(16, ntok - t0);
+      Vec16 s[R];
+      key_scores<T, R>(qf, D, kb + t0, bs, n, s);
+      for (int r = 0; r < R; ++r) {
+        const int visible = std::clamp(limit[r] - base - t0, 0, n);
+        store16(p + r * p_stride + base + t0, keep_first(s[r], visible, neg_inf), n);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* pr = p + r * p_stride;
+    Vec16 mx = splat(neg_inf);
+    for (int t = 0; t < reach; t += 16) mx = max(mx, keep_first(load16(pr + t, std::min(16, reach - t)), reach - t, neg_inf));
+    const float row_max = reduce_max(mx);
+    Vec16 sum = zero16();
+    for (int t = 0; t < reach; t += 16) {
+      const int n = std::min(16, reach - t);
+      const Vec16 e = keep_first(exp16(load16(pr + t, n) - splat(row_max)), n, 0.0f);
+      store16(pr + t, e, n);
+      sum = sum + e;
+    }
+    const float inv = 1.0f / reduce_add(sum);
+    for (int t = 0; t < reach; t += 16) {
+      const int n = std::min(16, reach - t);
+      store16(pr + t, load16(pr + t, n) * splat(inv), n);
+    }
+  }
+  int d0 = 0;
+  constexpr int C = R <= 3 ? 4 : 2;
+  for (; d0 + C * 16 <= D; d0 += C * 16) {
+    weighted_values<T, R, C>(acc, D, p, p_stride, reach, value_cache, offsets, bs, d0);
+  }
+  for (; d0 < D; d0 += 16) {
+    weighted_values<T, R, 1>(acc, D, p, p_stride, reach, value_cache, offsets, bs, d0);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int d = 0; d < D; d += 16) store16(out[r] + d, load16(acc + r * D + d));
+  }
+}
+
+template <typename T>
+using TileFn = void (*)(const T* const*, T* const*, const int*, const T*, const T*, const int*,
+                        int, const Geometry&, float, float*, int64_t);
+
+template <typename T, int... Rs>
+constexpr auto tile_table(std::integer_sequence<int, Rs...>) {
+  return std::array<TileFn<T>, sizeof...(Rs)>{&attend_tile<T, Rs + 1>...};
+}
+
+// A unit of parallel work: some query positions of one sequence against one KV head.
+struct WorkItem {
+  int seq;
+  int kv_head;
+  int first_token;  // index into the step's tokens
+  int num_tokens;
+};
+
+template <typename T>
+void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start,
+                          double scale) {
+  const int num_seqs = static_cast<int>(seq_lens.size(0));
+  const int heads = static_cast<int>(query.size(1));
+  const Geometry g{static_cast<int>(key_cache.size(1)), static_cast<int>(key_cache.size(2)),
+                   static_cast<int>(key_cache.size(3)), block_tables.size(1)};
+  const int group = heads / g.kv_heads;
+  const int* lens = seq_lens.data_ptr<int>();
+  const int* starts = query_start.data_ptr<int>();
+  const int* tables = block_tables.data_ptr<int>();
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  const T* kc = key_cache.data_ptr<T>();
+  const T* vc = value_cache.data_ptr<T>();
+
+  // Positions per item: enough rows (positions x heads in the group) to fill kMaxRows.
+  const int positions = std::max(1, kMaxRows / group);
+  std::vector<WorkItem> items;
+  for (int b = 0; b < num_seqs; ++b) {
+    for (int t = starts[b]; t < starts[b + 1]; t += positions) {
+      const int n = std::min(positions, starts[b + 1] - t);
+      for (int h = 0; h < g.kv_heads; ++h) items.push_back({b, h, t, n});
+    }
+  }
+  static constexpr auto tiles = tile_table<T>(std::make_integer_sequence<int, kMaxRows>{});
+  int longest = 0;
+  for (int b = 0; b < num_seqs; ++b) longest = std::max(longest, lens[b]);
+  // Scores for a whole context per row, padded to whole blocks and vectors.
+  const int64_t p_stride = (longest + g.block_size + 15) / 16 * 16;
+  const int64_t scratch_floats = kMaxRows * (2 * g.head_dim + p_stride);
+  const int threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch(scratch_floats);
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < items.size(); ++i) {
+      const WorkItem& item = items[i];
+      const int seq_len = lens[item.seq];
+      const int first_pos = seq_len - (starts[item.seq + 1] - starts[item.seq]);
+      const T* qrow[kMaxRows];
+      T* orow[kMaxRows];
+      int limit[kMaxRows];
+      int rows = 0;
+      auto flush = [&]() {
+        if (rows > 0) {
+          tiles[rows - 1](qrow, orow, limit, kc, vc, tables + item.seq * g.max_blocks, item.kv_head,
+                          g, static_cast<float>(scale), scratch.data(), p_stride);
+        }
+        rows = 0;
+      };
+      for (int t = item.first_token; t < item.first_token + item.num_tokens; ++t) {
+        const int position = first_pos + (t - starts[item.seq]);
+        for (int hh = 0; hh < group; ++hh) {
+          const int head = item.kv_head * group + hh;
+          qrow[rows] = q + t * q_tok + head * q_head;
+          orow[rows] = o + t * o_tok + head * o_head;
+          limit[rows] = position + 1;
+          if (++rows == kMaxRows) flush();
+        }
+      }
+      flush();
+    }
+  }
+}
+
+template <typename T>
+void rotary_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                       const c10::optional<at::Tensor>& key_cache,
+                       const c10::optional<at::Tensor>& value_cache,
+                       const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads) {
+  const int64_t tokens = qkv.size(0);
+  const int64_t D = cos_sin.size(1), half = D / 2;
+  const int64_t row = qkv.stride(0);
+  T* x = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  const bool cache = key_cache.has_value();
+  T* kc = cache ? key_cache->data_ptr<T>() : nullptr;
+  T* vc = cache ? value_cache->data_ptr<T>() : nullptr;
+  const int64_t bs = cache ? key_cache->size(3) : 1;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = table + pos[t] * D;
+      const float* s = c + half;
+      T* tok = x + t * row;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        T* v = tok + h * D;
+        for (int64_t i = 0; i < half; i += 16) {
+          const int n = static_cast<int>(std::min<int64_t>(16, half - i));
+          const Vec16 x1 = load16(v + i, n), x2 = load16(v + half + i, n);
+          const Vec16 cv = load16(c + i, n), sv = load16(s + i, n);
+          store16(v + i, x1 * cv - x2 * sv, n);
+          store16(v + half + i, x2 * cv + x1 * sv, n);
+        }
+      }
+      if (!cache || slots[t] < 0) continue;
+      const int64_t block = slots[t] / bs, offset = slots[t] % bs;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const T* k = tok + (heads + h) * D;
+        const T* val = tok + (heads + kv_heads + h) * D;
+        T* kdst = kc + ((block * kv_heads + h) * D) * bs + offset;
+        for (int64_t d = 0; d < D; ++d) kdst[d * bs] = k[d];
+        T* vdst = vc + ((block * kv_heads + h) * bs + offset) * D;
+        std::copy(val, val + D, vdst);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [tokens, heads, head_dim]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(key_cache.size(2) == query.size(2) && key_cache.size(2) % 16 == 0,
+              "head_dim must match the cache and be a multiple of 16");
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start.scalar_type() == at::kInt,
+              "block_tables, seq_lens and query_start must be int32");
+  TORCH_CHECK(block_tables.is_contiguous(), "block_tables must be contiguous");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, cache and out must share a dtype");
+  if (query.scalar_type() == at::kFloat) {
+    paged_attention_impl<float>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                query_start, scale);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    paged_attention_impl<bf16>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                               query_start, scale);
+  } else {
+    TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+void rotary_embedding_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                            const c10::optional<at::Tensor>& key_cache,
+                            const c10::optional<at::Tensor>& value_cache,
+                            const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width] with unit stride");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "cos_sin: float32");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
+              "positions and slot_mapping must be int64");
+  TORCH_CHECK(qkv.size(1) >= (heads + 2 * kv_heads) * cos_sin.size(1), "qkv is too narrow");
+  TORCH_CHECK(key_cache.has_value() == value_cache.has_value(), "both caches or neither");
+  if (key_cache.has_value()) {
+    TORCH_CHECK(key_cache->is_contiguous() && value_cache->is_contiguous(), "caches: contiguous");
+    TORCH_CHECK(key_cache->scalar_type() == qkv.scalar_type(), "cache dtype must match qkv");
+  }
+  if (qkv.scalar_type() == at::kFloat) {
+    rotary_cache_impl<float>(qkv, positions, cos_sin, key_cache, value_cache, slot_mapping, heads,
+                             kv_heads);
+  } else if (qkv.scalar_type() == at::kBFloat16) {
+    rotary_cache_impl<bf16>(qkv, positions, cos_sin, key_cache, value_cache, slot_mapping, heads,
+                            kv_heads);
+  } else {
+    TORCH_CHECK(false, "rotary_embedding_cache: unsupported dtype ", qkv.scalar_type());
+  }
+}
+
+}  // namespace rankcast

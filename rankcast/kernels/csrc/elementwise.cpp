@@ -1,0 +1,146 @@
+// Fused element-wise steps of a decoder layer: (residual add +) RMSNorm, and SiLU-and-multiply.
+//
+// Each replaces three to five separate torch ops (and their temporaries) with one pass over the
+// rows. Rounding follows the Hugging Face reference in reduced precision: the normalised row is
+// rounded to the activation dtype before the weight multiplies it, and SiLU(gate) is rounded
+// before it multiplies `up`, so bfloat16 results match transformers' own bfloat16 model.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "simd.h"
+
+namespace rankcast {
+namespace {
+
+// Rows per parallel chunk: small batches (a decode step) run on one thread, where waking the
+// others would cost more than the work.
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
+
+template <typename T>
+Vec16 round_trip(Vec16 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    T tmp[16];
+    store16(tmp, x);
+    return load16(tmp);
+  }
+}
+
+template <typename T>
+void rms_norm_impl(T* out, T* x, const T* residual_in, T* residual_out, const T* weight,
+                   int64_t rows, int64_t width, int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* src = x + r * x_stride;
+      T* h = residual_out ? residual_out + r * width : nullptr;
+      Vec16 squares = zero16();
+      for (int64_t i = 0; i < width; i += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, width - i));
+        Vec16 v = load16(src + i, n);
+        if (residual_in) {
+          // The residual stream is kept in the activation dtype, as the reference keeps it.
+          v = round_trip<T>(v + load16(residual_in + r * width + i, n));
+          store16(h + i, v, n);
+        }
+        squares = fma(v, v, squares);
+      }
+      const float inv = 1.0f / std::sqrt(reduce_add(squares) / static_cast<float>(width) + eps);
+      const T* normed_src = residual_in ? h : src;
+      T* dst = out + r * width;
+      for (int64_t i = 0; i < width; i += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, width - i));
+        const Vec16 normed = round_trip<T>(load16(normed_src + i, n) * splat(inv));
+        store16(dst + i, normed * load16(weight + i, n), n);
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t width, int64_t x_stride) {
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * x_stride;
+      const T* up = gate + width;
+      T* dst = out + r * width;
+      for (int64_t i = 0; i < width; i += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, width - i));
+        const Vec16 g = load16(gate + i, n);
+        const Vec16 silu = round_trip<T>(g / (splat(1.0f) + exp16(zero16() - g)));
+        store16(dst + i, silu * load16(up + i, n), n);
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, " must be [rows, width] with unit stride");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what,
+              ": float32 or bfloat16 only, got ", x.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm input");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be contiguous, [width], and of the input's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
+                     AT_DISPATCH_CASE(at::kFloat, [&] {
+                       rms_norm_impl<float>(out.data_ptr<float>(), x.data_ptr<float>(), nullptr,
+                                            nullptr, weight.data_ptr<float>(), x.size(0),
+                                            x.size(1), x.stride(0), static_cast<float>(eps));
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       rms_norm_impl<bf16>(out.data_ptr<bf16>(), x.data_ptr<bf16>(), nullptr,
+                                           nullptr, weight.data_ptr<bf16>(), x.size(0), x.size(1),
+                                           x.stride(0), static_cast<float>(eps));
+                     }));
+  return out;
+}
+
+// residual <- x + residual (in place); returns rms_norm(residual) * weight.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  check_rows(x, "add_rms_norm input");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must be contiguous and shaped like the input");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be contiguous, [width], and of the input's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm",
+                     AT_DISPATCH_CASE(at::kFloat, [&] {
+                       rms_norm_impl<float>(out.data_ptr<float>(), x.data_ptr<float>(),
+                                            residual.data_ptr<float>(), residual.data_ptr<float>(),
+                                            weight.data_ptr<float>(), x.size(0), x.size(1),
+                                            x.stride(0), static_cast<float>(eps));
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       rms_norm_impl<bf16>(out.data_ptr<bf16>(), x.data_ptr<bf16>(),
+                                           residual.data_ptr<bf16>(), residual.data_ptr<bf16>(),
+                                           weight.data_ptr<bf16>(), x.size(0), x.size(1),
+                                           x.stride(0), static_cast<float>(eps));
+                     }));
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul input");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the width must be even (gate | up)");
+  const int64_t width = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), width}, x.options());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "silu_and_mul",
+                     AT_DISPATCH_CASE(at::kFloat, [&] {
+                       silu_and_mul_impl<float>(out.data_ptr<float>(), x.data_ptr<float>(),
+                                                x.size(0), width, x.stride(0));
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       silu_and_mul_impl<bf16>(out.data_ptr<bf16>(), x.data_ptr<bf16>(), x.size(0),
+                                               width, x.stride(0));
+                     }));
+  return out;
+}
+
+}  // namespace rankcast

@@ -1,0 +1,74 @@
+// Registers rankcast's CPU kernels as torch operators (torch.ops.rankcast.*), and binds the
+// OpenMP threads of a process to cores.
+//
+// Registering through the dispatcher rather than a Python module keeps the library free of
+// pybind11 (faster to build) and lets the operators be called from Python and C++ alike.
+#include <ATen/ATen.h>
+#include <omp.h>
+#include <sched.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace rankcast {
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale);
+void rotary_embedding_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                            const c10::optional<at::Tensor>& key_cache,
+                            const c10::optional<at::Tensor>& value_cache,
+                            const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+namespace {
+
+// Pin OpenMP thread i of this process to cpus[i]. Each thread of one parallel region sets its
+// own affinity, which is the only way to reach the pool's threads from outside the runtime.
+// Returns how many threads were bound.
+int64_t bind_threads(at::IntArrayRef cpus) {
+  const int n = static_cast<int>(cpus.size());
+  TORCH_CHECK(n > 0, "bind_threads: no CPUs given");
+  std::vector<int> failures(n, 0);
+  omp_set_num_threads(n);
+#pragma omp parallel num_threads(n)
+  {
+    const int i = omp_get_thread_num();
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<int>(cpus[i]), &set);
+    failures[i] = sched_setaffinity(0, sizeof(set), &set) != 0;
+  }
+  int64_t bound = 0;
+  for (int f : failures) bound += f == 0;
+  return bound;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rankcast, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale) -> ()");
+  m.def(
+      "rotary_embedding_cache(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, "
+      "Tensor(b!)? key_cache, Tensor(c!)? value_cache, Tensor slot_mapping, int heads, "
+      "int kv_heads) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("bind_threads(int[] cpus) -> int", &bind_threads);
+}
+
+TORCH_LIBRARY_IMPL(rankcast, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("rotary_embedding_cache", &rotary_embedding_cache);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
+
+}  // namespace rankcast

@@ -1,0 +1,162 @@
+// Sixteen-lane float32 vectors over float32 or bfloat16 memory, for the CPU kernels.
+//
+// Every kernel computes in float32 and rounds once when it stores, whatever the tensor dtype, so
+// bfloat16 results are as close to the float32 ones as one rounding allows. With AVX-512 each
+// Vec16 is one zmm register; elsewhere it is a plain array the compiler vectorizes as it can, so
+// the same kernel source builds (more slowly) on AVX2-only and non-x86 machines.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace rankcast {
+
+using bf16 = c10::BFloat16;
+
+#if defined(__AVX512F__)
+
+struct Vec16 {
+  __m512 v;
+};
+
+inline __mmask16 tail_mask(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+inline Vec16 zero16() { return {_mm512_setzero_ps()}; }
+inline Vec16 splat(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vec16 load16(const float* p, int n) { return {_mm512_maskz_loadu_ps(tail_mask(n), p)}; }
+inline Vec16 widen(__m256i h) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline Vec16 load16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec16 load16(const bf16* p, int n) {
+  return widen(_mm256_maskz_loadu_epi16(tail_mask(n), p));
+}
+
+inline __m256i narrow(__m512 x) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#else
+  // Round to nearest even, as the hardware instruction and c10::BFloat16 do (NaN stays NaN).
+  __m512i bits = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+inline void store16(float* p, Vec16 x) { _mm512_storeu_ps(p, x.v); }
+inline void store16(float* p, Vec16 x, int n) { _mm512_mask_storeu_ps(p, tail_mask(n), x.v); }
+inline void store16(bf16* p, Vec16 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(x.v));
+}
+inline void store16(bf16* p, Vec16 x, int n) { _mm256_mask_storeu_epi16(p, tail_mask(n), narrow(x.v)); }
+
+inline Vec16 operator+(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec16 operator-(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec16 operator*(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec16 operator/(Vec16 a, Vec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float reduce_add(Vec16 a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(Vec16 a) { return _mm512_reduce_max_ps(a.v); }
+// Lanes at or beyond `n` become `fill`.
+inline Vec16 keep_first(Vec16 a, int n, float fill) {
+  return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), tail_mask(n), a.v)};
+}
+
+// exp(x) for float32 lanes: 2^k * P(r) after range reduction, ~2 ulp; exp(-inf) is exactly 0,
+// which the masked softmax relies on.
+inline Vec16 exp16(Vec16 x) {
+  __m512 v = _mm512_max_ps(x.v, _mm512_set1_ps(-104.0f));
+  v = _mm512_min_ps(v, _mm512_set1_ps(88.7f));
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), v);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512 result = _mm512_scalef_ps(p, k);
+  __mmask16 under = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
+  return {_mm512_mask_mov_ps(result, under, _mm512_setzero_ps())};
+}
+
+#else  // portable fallback: the same interface over plain arrays
+
+struct Vec16 {
+  float v[16];
+};
+
+inline Vec16 splat(float x) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = x;
+  return r;
+}
+inline Vec16 zero16() { return splat(0.0f); }
+template <typename T>
+inline Vec16 load16(const T* p, int n = 16) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = i < n ? static_cast<float>(p[i]) : 0.0f;
+  return r;
+}
+template <typename T>
+inline void store16(T* p, Vec16 x, int n = 16) {
+  for (int i = 0; i < n && i < 16; ++i) p[i] = static_cast<T>(x.v[i]);
+}
+#define RANKCAST_LANEWISE(op)                          \
+  inline Vec16 operator op(Vec16 a, Vec16 b) {         \
+    Vec16 r;                                           \
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] op b.v[i]; \
+    return r;                                          \
+  }
+RANKCAST_LANEWISE(+)
+RANKCAST_LANEWISE(-)
+RANKCAST_LANEWISE(*)
+RANKCAST_LANEWISE(/)
+#undef RANKCAST_LANEWISE
+inline Vec16 fma(Vec16 a, Vec16 b, Vec16 c) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return r;
+}
+inline Vec16 max(Vec16 a, Vec16 b) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+  return r;
+}
+inline float reduce_add(Vec16 a) {
+  float s = 0.0f;
+  for (float x : a.v) s += x;
+  return s;
+}
+inline float reduce_max(Vec16 a) {
+  float m = a.v[0];
+  for (float x : a.v) m = x > m ? x : m;
+  return m;
+}
+inline Vec16 keep_first(Vec16 a, int n, float fill) {
+  for (int i = n; i < 16; ++i) a.v[i] = fill;
+  return a;
+}
+inline Vec16 exp16(Vec16 x) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = std::exp(x.v[i]);
+  return r;
+}
+
+#endif
+
+}  // namespace rankcast

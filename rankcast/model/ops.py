@@ -1,0 +1,154 @@
+"""The fused steps of a decoder layer: rankcast's CPU kernels where they apply, plain torch
+elsewhere (CUDA, float16, or a machine where the kernels are not built).
+
+Both paths compute the same thing; the torch one is the reference the kernels are tested against,
+and the kernels are what make a CPU decode step cheap (no per-layer gather of the KV history, one
+pass instead of several ops for each element-wise step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rankcast import kernels
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, rounded to x's dtype before the weight scales it (as HF does)."""
+    if kernels.available(x) and x.dim() == 2 and x.stride(1) == 1:
+        return torch.ops.rankcast.rms_norm(x, weight, eps)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the kernel adds into `residual` in place."""
+    if kernels.available(x) and x.dim() == 2 and x.stride(1) == 1 and residual.is_contiguous():
+        return torch.ops.rankcast.add_rms_norm(x, residual, weight, eps), residual
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for x = [gate | up] along the last dimension."""
+    if kernels.available(x) and x.dim() == 2 and x.stride(1) == 1:
+        return torch.ops.rankcast.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    key_cache: torch.Tensor | None,
+    value_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> None:
+    """Rotate the query and key heads of `qkv` [T, (H + 2 Hkv) D] in place (rotate-half RoPE),
+    then write each token's key and value into its cache slot (slot -1: not written).
+
+    Caches are laid out as `key_cache [blocks, Hkv, D, block_size]` (keys transposed within a
+    block) and `value_cache [blocks, Hkv, block_size, D]`; see `attention.py`.
+    """
+    if kernels.available(qkv) and qkv.stride(1) == 1:
+        torch.ops.rankcast.rotary_embedding_cache(
+            qkv, positions, cos_sin, key_cache, value_cache, slot_mapping, heads, kv_heads
+        )
+        return
+    head_dim = cos_sin.shape[1]
+    half = head_dim // 2
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(-1, heads + kv_heads, head_dim)
+    table = cos_sin[positions].to(qkv.dtype)
+    cos = table[:, None, :half].repeat(1, 1, 2)
+    sin = table[:, None, half:].repeat(1, 1, 2)
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    qk.copy_(qk * cos + rotated * sin)
+    if key_cache is None or value_cache is None:
+        return
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = key_cache.shape[-1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k = qk[keep][:, heads:]
+    v = qkv[keep][:, (heads + kv_heads) * head_dim :].view(-1, kv_heads, head_dim)
+    key_cache[blocks, :, :, offsets] = k
+    value_cache[blocks, :, offsets] = v
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    query_lens: list[int],
+) -> None:
+    """Causal attention of each sequence's new queries over its whole cached context, into `out`
+    [T, H, D]. Sequence b's queries are rows `query_start[b]:query_start[b+1]` and are its last
+    positions among `seq_lens[b]` cached tokens (the current step's K/V already written).
+
+    The kernel reads the cache blocks in place; the torch path gathers each sequence's context.
+    """
+    if (
+        kernels.available(query)
+        and query.stride(2) == 1
+        and key_cache.dtype == query.dtype
+        and query.shape[2] % 16 == 0
+    ):
+        torch.ops.rankcast.paged_attention(
+            out, query, key_cache, value_cache, block_tables, seq_lens, query_start, scale
+        )
+        return
+    if all(n == 1 for n in query_lens):
+        out.copy_(_decode_reference(query, key_cache, value_cache, block_tables, seq_lens, scale))
+        return
+    kv_heads, head_dim, block_size = key_cache.shape[1:]
+    start = 0
+    for b, n in enumerate(query_lens):
+        length = int(seq_lens[b])
+        blocks = block_tables[b, : -(-length // block_size)].long()
+        keys = key_cache[blocks].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)[:, :length]
+        values = value_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        q = query[start : start + n].transpose(0, 1)
+        # Query i sits at position length - n + i and sees keys up to there.
+        visible = torch.arange(length, device=q.device) <= (
+            torch.arange(n, device=q.device)[:, None] + length - n
+        )
+        out[start : start + n] = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+        start += n
+
+
+def _decode_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per sequence: one gather and one SDPA call for the whole batch."""
+    batch, heads, head_dim = query.shape
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
+    context = int(seq_lens.max())
+    tables = block_tables[:, : -(-context // block_size)].long()
+    keys = key_cache[tables].permute(0, 2, 1, 4, 3).flatten(2, 3)[:, :, :context]
+    values = value_cache[tables].transpose(1, 2).flatten(2, 3)[:, :, :context]
+    beyond = torch.arange(context, device=query.device) >= seq_lens[:, None]
+    bias = torch.zeros(beyond.shape, dtype=query.dtype, device=query.device)
+    bias = bias.masked_fill_(beyond, float("-inf"))[:, None, None, :]
+    # Fold the query heads that share a KV head into the query length: no KV repetition.
+    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias, scale=scale)
+    return out.reshape(batch, heads, head_dim)

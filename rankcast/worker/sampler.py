@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from rankcast.model import ops
 from rankcast.protocol import TokenLogprobs
 from rankcast.sampling_params import SamplingParams
 
@@ -59,8 +60,11 @@ def sample(
     generators: list[torch.Generator | None],
 ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
     """Pick one token per row of `logits` [batch, vocab]; logprobs come from the raw model."""
-    logits = logits.float()
     wants_logprobs = any(p.logprobs is not None for p in params)
+    if not wants_logprobs and all(p.greedy for p in params):
+        # The common greedy step: one pass over the logits in their own dtype, no copies.
+        return ops.argmax(logits).tolist(), None
+    logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
     greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):

@@ -182,7 +182,9 @@ def test_the_poll_is_off_by_default_and_its_interval_gates_the_gather(
         before = _calls(polled).get("take_notifications", 0)
         steps_before = _calls(polled).get("execute_model", 0)
         long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        polled.generate(PROMPTS, long)
+        # Busy for several intervals however fast the machine steps.
+        while time.monotonic() - start < 3 * interval:
+            polled.generate(PROMPTS, long)
         elapsed = time.monotonic() - start
         gathers = _calls(polled)["take_notifications"] - before
         steps = _calls(polled).get("execute_model", 0) - steps_before

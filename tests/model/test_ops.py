@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rankcast import kernels
 from rankcast.model import ops
@@ -62,6 +63,35 @@ def test_silu_and_mul_matches_torch(
     torch.testing.assert_close(
         ops.silu_and_mul(x), reference(monkeypatch, ops.silu_and_mul, x), **tolerance(dtype)
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 8, 33])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (40, 24), (16, 7)])
+def test_packed_linear_matches_f_linear(
+    dtype: torch.dtype, rows: int, out_features: int, in_features: int
+) -> None:
+    # Row counts around the 8-row register tile, widths with partial panels and an odd K.
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None
+    for b in (None, bias):
+        want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        torch.testing.assert_close(
+            ops.packed_linear(x, packed, b).float(), want, **tolerance(dtype)
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_takes_the_first_of_equal_maxima(dtype: torch.dtype) -> None:
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(6)).to(dtype)
+    logits[1, 17] = logits[1, 900] = 50.0  # a tie: the first index wins, as torch's
+    logits[2, -1] = 60.0  # the very last column (past the last whole vector)
+    logits[3, 5] = float("nan")  # a NaN is the maximum, as torch.argmax has it
+    assert ops.argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
 
 
 def _caches(blocks: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):

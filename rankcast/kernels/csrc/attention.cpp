@@ -25,6 +25,7 @@ namespace rankcast {
 namespace {
 
 constexpr int kMaxRows = 8;  // query rows (heads x positions) attended together in registers
+constexpr int kAheadBlocks = 6;  // cache blocks prefetched ahead of the one being read
 
 struct Geometry {
   int kv_heads;
@@ -114,11 +115,14 @@ void attend_tile(const T* const* q, T* const* out, const int* limit, const T* ke
     offsets[j] = (static_cast<int64_t>(table[j]) * g.kv_heads + kv_head) * block_elems;
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // Blocks are scattered, so the hardware cannot guess the next one: keep kAheadBlocks key blocks
+  // in flight, and fetch each value block while the scores of its key block are computed.
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
+  for (int j = 0; j < std::min(num_blocks, kAheadBlocks); ++j) prefetch(key_cache + offsets[j], block_bytes);
   for (int j = 0, base = 0; base < reach; ++j, base += bs) {
     const int ntok = std::min(bs, reach - base);
-    if (j + 1 < num_blocks) {  // blocks are scattered: fetch the next one while this one runs
-      prefetch(key_cache + offsets[j + 1], block_elems * static_cast<int64_t>(sizeof(T)));
-    }
+    if (j + kAheadBlocks < num_blocks) prefetch(key_cache + offsets[j + kAheadBlocks], block_bytes);
+    prefetch(value_cache + offsets[j], block_bytes);
     const T* kb = key_cache + offsets[j];
     for (int t0 = 0; t0 < ntok; t0 += 16) {
       const int n = std::min(16, ntok - t0);

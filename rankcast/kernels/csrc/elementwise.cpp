@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <limits>
+
 #include "simd.h"
 
 namespace rankcast {
@@ -70,6 +72,56 @@ void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t width, int64_t 
         const Vec16 silu = round_trip<T>(g / (splat(1.0f) + exp16(zero16() - g)));
         store16(dst + i, silu * load16(up + i, n), n);
       }
+    }
+  });
+}
+
+// First index of `target` in row[0, width), or of the first NaN when `target` is NaN.
+template <typename T>
+int64_t first_index(const T* row, int64_t width, float target) {
+  const bool nan = target != target;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 t = _mm512_set1_ps(target);
+  for (; i + 16 <= width; i += 16) {
+    const __m512 v = load16(row + i).v;
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, t, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < width; ++i) {
+    const float v = static_cast<float>(row[i]);
+    if (nan ? v != v : v == target) return i;
+  }
+  return 0;
+}
+
+template <typename T>
+void argmax_impl(const T* x, int64_t rows, int64_t width, int64_t stride, int64_t* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * stride;
+      // One pass finds the largest value (NaN wins, as in torch.argmax); a second its first index.
+      float top = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 best = _mm512_set1_ps(top);
+      __mmask16 unordered = 0;
+      for (; i + 16 <= width; i += 16) {
+        const __m512 v = load16(row + i).v;
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        best = _mm512_max_ps(best, v);
+      }
+      top = _mm512_reduce_max_ps(best);
+      nan = unordered != 0;
+#endif
+      for (; i < width; ++i) {
+        const float v = static_cast<float>(row[i]);
+        nan |= v != v;
+        top = std::max(top, v);
+      }
+      out[r] = first_index(row, width, nan ? std::numeric_limits<float>::quiet_NaN() : top);
     }
   });
 }
@@ -140,6 +192,22 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
                        silu_and_mul_impl<bf16>(out.data_ptr<bf16>(), x.data_ptr<bf16>(), x.size(0),
                                                width, x.stride(0));
                      }));
+  return out;
+}
+
+// Index of each row's largest value (the first, on ties, as torch.argmax), without first
+// converting a bfloat16 row of logits to float32: greedy sampling reads the logits once.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "argmax_rows input");
+  const int64_t rows = x.size(0), width = x.size(1);
+  TORCH_CHECK(width > 0, "argmax_rows: empty rows");
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* idx = out.data_ptr<int64_t>();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "argmax_rows", AT_DISPATCH_CASE(at::kFloat, [&] {
+    argmax_impl(x.data_ptr<float>(), rows, width, x.stride(0), idx);
+  }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+    argmax_impl(x.data_ptr<bf16>(), rows, width, x.stride(0), idx);
+  }));
   return out;
 }
 

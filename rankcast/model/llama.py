@@ -127,10 +127,61 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, self.tp)
             if arch.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
+        # This stage's layers as one C++ call, for steps that read the paged cache (fuse_layers).
+        self.fused_layers: torch.ScriptObject | None = None
 
     def attention_layers(self) -> list[PagedAttention]:
         """This stage's attention modules, in layer order, for the runner to hand caches to."""
         return [layer.self_attn.attn for layer in self.layers.values()]  # type: ignore[union-attr]
+
+    def fuse_layers(self) -> bool:
+        """Hand this stage's layers to the C++ decoder stack, where it can run them all: one
+        rank (no all-reduce between layers), no LoRA, rankcast's packed linears, caches set.
+        Returns whether it could; the module path stays in use for everything else."""
+        self.fused_layers = None
+        layers = [layer for layer in self.layers.values() if isinstance(layer, LlamaDecoderLayer)]
+        if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
+            return False
+        projections = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            group = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            packed = [p.packed_weight for p in group]
+            if attn.attn.key_cache is None or any(
+                p.lora is not None or w is None or w.backend != "rankcast"
+                for p, w in zip(group, packed, strict=True)
+            ):
+                return False
+            projections.append(packed)
+        first = layers[0].self_attn.attn
+        stack = torch.classes.rankcast.DecoderStack(
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            self.arch.rms_norm_eps,
+            first.scale,
+            self.rope.cos_sin,
+        )
+        for layer, (qkv, o, gate_up, down) in zip(layers, projections, strict=True):
+            attn = layer.self_attn
+            stack.add_layer(
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                qkv.tensor,
+                attn.qkv_proj.bias,
+                qkv.out_features,
+                o.tensor,
+                attn.o_proj.bias,
+                o.out_features,
+                gate_up.tensor,
+                gate_up.out_features,
+                down.tensor,
+                down.out_features,
+                attn.attn.key_cache,
+                attn.attn.value_cache,
+            )
+        self.fused_layers = stack
+        return True
 
     def forward(
         self,
@@ -146,8 +197,19 @@ class LlamaForCausalLM(nn.Module):
             assert intermediate is not None
             hidden, residual = intermediate
         meta.cos_sin = self.rope.cos_sin
-        for layer in self.layers.values():
-            hidden, residual = layer(hidden, residual, meta)
+        if self.fused_layers is not None and not meta.from_scratch:
+            hidden, residual = self.fused_layers.forward(
+                hidden,
+                residual,
+                meta.positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start,
+            )
+        else:
+            for layer in self.layers.values():
+                hidden, residual = layer(hidden, residual, meta)
         if self.norm is None:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

@@ -57,6 +57,14 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight.tensor, bias, "none", [], "")
 
 
+def can_fuse_layers(attention: torch.nn.Module) -> bool:
+    """Whether the C++ decoder stack can run layers shaped like this attention's: the kernels
+    are built and take the cache's dtype, and the head size suits the attention kernel."""
+    cache = getattr(attention, "key_cache", None)
+    head_dim = getattr(attention, "head_dim", 0)
+    return cache is not None and kernels.available(cache) and head_dim % 16 == 0
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's largest logit's index (greedy sampling), without a float32 copy on CPU."""
     if kernels.available(logits) and logits.dim() == 2 and logits.stride(1) == 1:

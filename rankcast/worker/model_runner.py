@@ -50,6 +50,7 @@ class ModelRunner:
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Give the projections `max_loras` adapter slots (done once, before serving)."""
         self.lora_context, self.lora_layers = attach_lora(self.model, max_loras, max_rank)
+        self.model.fuse_layers()  # adapters need the module path
 
     def set_lora(self, slot: int, adapter: LoRAAdapter) -> None:
         """Write `adapter` (whole; each layer cuts its own shard) into `slot` on this rank."""
@@ -92,6 +93,7 @@ class ModelRunner:
             attn.key_cache = cache[0].view(*shape, attn.head_dim, self.block_size)
             attn.value_cache = cache[1].view(*shape, self.block_size, attn.head_dim)
             self.kv_caches.append(cache)
+        self.model.fuse_layers()
 
     # ---- one step ----
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rankcast import kernels
 from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
@@ -45,10 +46,17 @@ def _reference(model_dir: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "module-path"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_prefill_and_decode_logits_match_transformers(tmp_path: Path, variant: str) -> None:
+def test_prefill_and_decode_logits_match_transformers(
+    tmp_path: Path, variant: str, fused: bool
+) -> None:
+    """Decode steps run the C++ decoder stack when it is built, or the modules; both match."""
     model_dir = write_tiny_model(tmp_path / variant, vocab_size=256, seed=3, **VARIANTS[variant])
     runner = _runner(model_dir)
+    assert (runner.model.fused_layers is not None) == kernels.load()
+    if not fused:
+        runner.model.fused_layers = None
     reference = _reference(model_dir)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 13, 1)]
@@ -103,3 +111,29 @@ def test_tensor_parallel_shards_reassemble(tmp_path: Path) -> None:
     q_full = dict(full.named_parameters())[f"{layer}.self_attn.qkv_proj.weight"][: arch.hidden_size]
     q_size = shards[0].layers["0"].self_attn.qkv_proj.q_size
     torch.testing.assert_close(torch.cat([p[:q_size] for p in qkv]), q_full)
+
+
+def test_bfloat16_decode_through_fused_layers_matches_the_modules(tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "bf16", vocab_size=256, seed=4)
+    arch = ArchConfig.from_model_dir(model_dir)
+    model = load_model(model_dir, arch, torch.bfloat16, torch.device("cpu"))
+    runner = ModelRunner(model, arch, 16, torch.device("cpu"), torch.bfloat16)
+    runner.initialize_cache(16)
+    if not kernels.load():
+        pytest.skip("the C++ decoder stack needs the built kernels")
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 61))]
+    tables = [[3, 8], [0, 12]]
+    runner.compute_logits(
+        SchedulerOutput(
+            True, [ScheduledSequence("r", p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+        )
+    )
+    step = SchedulerOutput(
+        False,
+        [ScheduledSequence("r", [11], len(p), t) for p, t in zip(prompts, tables, strict=True)],
+    )
+    fused = runner.compute_logits(step)
+    stack, runner.model.fused_layers = runner.model.fused_layers, None
+    modules = runner.compute_logits(step)
+    assert stack is not None
+    torch.testing.assert_close(fused, modules, atol=2e-2, rtol=2e-2)

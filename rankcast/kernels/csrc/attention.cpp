@@ -19,6 +19,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace rankcast {

@@ -9,6 +9,7 @@
 
 #include <limits>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace rankcast {

@@ -17,6 +17,7 @@
 
 #include <cstring>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace rankcast {

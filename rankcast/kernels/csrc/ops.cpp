@@ -10,24 +10,11 @@
 
 #include <vector>
 
+#include "kernels.h"
+
 namespace rankcast {
 
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale);
-void rotary_embedding_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
-                            const c10::optional<at::Tensor>& key_cache,
-                            const c10::optional<at::Tensor>& value_cache,
-                            const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
-                        double eps);
-at::Tensor silu_and_mul(const at::Tensor& x);
-at::Tensor argmax_rows(const at::Tensor& x);
-bool gemm_supported(at::ScalarType dtype);
-at::Tensor pack_linear_weight(const at::Tensor& weight);
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias);
+void register_decoder_stack(torch::Library& m);
 
 namespace {
 
@@ -70,6 +57,7 @@ TORCH_LIBRARY(rankcast, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("packed_linear_supported(ScalarType dtype) -> bool", &gemm_supported);
   m.def("bind_threads(int[] cpus) -> int", &bind_threads);
+  register_decoder_stack(m);
 }
 
 TORCH_LIBRARY_IMPL(rankcast, CPU, m) {

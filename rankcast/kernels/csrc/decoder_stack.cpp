@@ -1,0 +1,97 @@
+// A pipeline stage's Llama decoder layers run back to back in C++, for steps whose attention
+// reads the paged cache (decodes, and chunks after a cached prefix).
+//
+// Why: once the kernels are fused, what is left of a single-stream decode step on a 2-core CPU
+// is largely the Python between them: module calls and ~10 operator dispatches per layer, about
+// 50 us a layer. Here one call runs every layer of the stage. It holds references to the very
+// tensors the Python modules own (packed weights, norms, caches), so nothing is copied and the
+// module path stays the reference; the model uses this only where nothing it cannot do is needed
+// (one tensor-parallel rank, no LoRA adapters, rankcast's packed linears).
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace rankcast {
+namespace {
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  at::Tensor qkv, o, gate_up, down;  // packed weights
+  c10::optional<at::Tensor> qkv_bias, o_bias;
+  int64_t qkv_n, o_n, gate_up_n, down_n;
+  at::Tensor key_cache, value_cache;
+};
+
+}  // namespace
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+               at::Tensor cos_sin)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        cos_sin_(std::move(cos_sin)) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv,
+                 c10::optional<at::Tensor> qkv_bias, int64_t qkv_n, at::Tensor o,
+                 c10::optional<at::Tensor> o_bias, int64_t o_n, at::Tensor gate_up,
+                 int64_t gate_up_n, at::Tensor down, int64_t down_n, at::Tensor key_cache,
+                 at::Tensor value_cache) {
+    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
+                       std::move(gate_up), std::move(down), std::move(qkv_bias),
+                       std::move(o_bias), qkv_n, o_n, gate_up_n, down_n, std::move(key_cache),
+                       std::move(value_cache)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // (hidden, residual) in, (hidden, residual) out, as the module path passes them between
+  // layers; `residual` is undefined before the first layer of the first stage.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, c10::optional<at::Tensor> residual,
+                                            at::Tensor positions, at::Tensor slot_mapping,
+                                            at::Tensor block_tables, at::Tensor seq_lens,
+                                            at::Tensor query_start) {
+    const int64_t tokens = hidden.size(0);
+    at::Tensor res = residual.has_value() ? *residual : at::Tensor();
+    for (Layer& layer : layers_) {
+      at::Tensor x;
+      if (!res.defined()) {
+        res = hidden;
+        x = rms_norm(hidden, layer.input_norm, eps_);
+      } else {
+        x = add_rms_norm(hidden, res, layer.input_norm, eps_);
+      }
+      at::Tensor qkv = packed_linear(x, layer.qkv, layer.qkv_n, layer.qkv_bias);
+      rotary_embedding_cache(qkv, positions, cos_sin_, layer.key_cache, layer.value_cache,
+                             slot_mapping, heads_, kv_heads_);
+      at::Tensor q = qkv.narrow(1, 0, heads_ * head_dim_).view({tokens, heads_, head_dim_});
+      at::Tensor attn = at::empty({tokens, heads_, head_dim_}, hidden.options());
+      paged_attention(attn, q, layer.key_cache, layer.value_cache, block_tables, seq_lens,
+                      query_start, scale_);
+      at::Tensor h = packed_linear(attn.view({tokens, heads_ * head_dim_}), layer.o, layer.o_n,
+                                   layer.o_bias);
+      x = add_rms_norm(h, res, layer.post_norm, eps_);
+      hidden = packed_linear(silu_and_mul(packed_linear(x, layer.gate_up, layer.gate_up_n, {})),
+                             layer.down, layer.down_n, {});
+    }
+    return {hidden, res};
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+  at::Tensor cos_sin_;
+  std::vector<Layer> layers_;
+};
+
+void register_decoder_stack(torch::Library& m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward);
+}
+
+}  // namespace rankcast

@@ -1,0 +1,26 @@
+// The kernels one translation unit offers another (ops.cpp registers them; decoder_stack.cpp
+// chains them for a whole decoder stage without returning to Python between them).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace rankcast {
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale);
+void rotary_embedding_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                            const c10::optional<at::Tensor>& key_cache,
+                            const c10::optional<at::Tensor>& value_cache,
+                            const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor argmax_rows(const at::Tensor& x);
+bool gemm_supported(at::ScalarType dtype);
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias);
+
+}  // namespace rankcast

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -28,6 +29,7 @@ from rankcast.engine.async_llm import AsyncLLM
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.entrypoints.openai.errors import APIError, error_response
 from rankcast.entrypoints.openai.events import EventFilter, EventHub, parse_event_id
+from rankcast.entrypoints.openai.middleware import TagAndAuthenticate
 from rankcast.entrypoints.openai.schema import (
     ChatCompletionRequest,
     CollectiveRpcRequest,
@@ -88,19 +90,7 @@ def build_app(
             raise APIError(503, f"The engine core is not running: {serving.engine.dead}")
         return serving
 
-    @app.middleware("http")
-    async def tag_and_authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if (
-            config.api_key
-            and request.url.path.startswith(("/v1", "/collective_rpc"))
-            and request.headers.get("authorization") != f"Bearer {config.api_key}"
-        ):
-            response = error_response(401, "Invalid or missing API key.")
-            response.headers["x-rankcast-api-server"] = str(index)
-            return response
-        response = await call_next(request)
-        response.headers["x-rankcast-api-server"] = str(index)
-        return response
+    app.add_middleware(TagAndAuthenticate, index=index, api_key=config.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -307,4 +297,15 @@ def run_api_server(
             watcher.cancel()
             engine.shutdown()
 
-    asyncio.run(serve())
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        runner.run(serve())
+
+
+def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed: the API server's loop handles every streamed token, and
+    uvloop (with uvicorn's httptools parser, picked up by itself) roughly halves its cost."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

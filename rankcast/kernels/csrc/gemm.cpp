@@ -15,6 +15,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "kernels.h"
@@ -39,6 +41,7 @@ constexpr int kPanel = 16;  // output columns per packed panel (one zmm of float
 constexpr int kRows = 8;    // rows of x per register tile
 constexpr int kPanels = 3;  // panels per register tile: 8 x 3 accumulators + 3 loads + 1 broadcast
 constexpr int kAhead = 1024;  // bytes of each panel stream prefetched ahead of use
+constexpr int64_t kRunBytes = 512 * 1024;  // packed weight one thread works through per run
 
 inline void prefetch_ahead(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kAhead); }
 
@@ -140,24 +143,42 @@ void packed_linear_impl(const In* x, int64_t m, int64_t lda, const In* packed, i
   static constexpr auto tiles = Tiles<In, Out>::table();
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t groups = (panels + kPanels - 1) / kPanels;
-  // One contiguous stretch of column groups per thread: each streams its own part of the weight.
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t grain = std::max<int64_t>(1, (groups + threads - 1) / threads);
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p0 = g * kPanels;
-      const int np = static_cast<int>(std::min<int64_t>(kPanels, panels - p0));
-      const int64_t col0 = p0 * kPanel;
-      const int last_cols = static_cast<int>(std::min<int64_t>(kPanel, n - (p0 + np - 1) * kPanel));
-      const In* b = packed + p0 * panel_elems;
+  // Threads take contiguous runs of column groups from a shared counter, a few runs each: every
+  // run streams its own stretch of the weight, and a thread that the OS preempts (an API server
+  // or the engine's I/O wanting the core) leaves its remaining runs to the others instead of
+  // holding the whole step at the join. A run is at most what fits in half the L2 cache, so
+  // that with many rows (a prompt) each 8-row tile of x is reused across the whole run while
+  // the run's panels stay in L2.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  const int64_t group_bytes = kPanels * panel_elems * static_cast<int64_t>(sizeof(In));
+  const int64_t fits = std::max<int64_t>(1, kRunBytes / group_bytes);
+  const int64_t run = std::clamp<int64_t>(groups / (threads * 4), 1, fits);
+  std::atomic<int64_t> next{0};
+  auto work = [&]() {
+    for (int64_t begin = next.fetch_add(run); begin < groups; begin = next.fetch_add(run)) {
+      const int64_t end = std::min(groups, begin + run);
       for (int64_t r = 0; r < m; r += kRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kRows, m - r));
-        // The first row tile reads the panels from memory: it prefetches; the others hit cache.
-        tiles[mr - 1][np - 1](x + r * lda, lda, b, panel_elems, k_steps, y + r * n + col0, n,
-                              bias ? bias + col0 : nullptr, last_cols, r == 0);
+        for (int64_t g = begin; g < end; ++g) {
+          const int64_t p0 = g * kPanels;
+          const int np = static_cast<int>(std::min<int64_t>(kPanels, panels - p0));
+          const int64_t col0 = p0 * kPanel;
+          const int last_cols =
+              static_cast<int>(std::min<int64_t>(kPanel, n - (p0 + np - 1) * kPanel));
+          // The first row tile reads the panels from memory and prefetches; later ones hit L2.
+          tiles[mr - 1][np - 1](x + r * lda, lda, packed + p0 * panel_elems, panel_elems,
+                                k_steps, y + r * n + col0, n, bias ? bias + col0 : nullptr,
+                                last_cols, r == 0);
+        }
       }
     }
-  });
+  };
+  if (threads == 1) {
+    work();
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  work();
 }
 
 }  // namespace

@@ -29,7 +29,7 @@ class AttentionMetadata:
 
     Sequence b contributes `query_lens[b]` tokens at the end of its `seq_lens[b]` tokens of
     context. When every sequence starts at position 0 (`from_scratch`), a prompt's attention
-    needs nothing from the cache and runs on the step's own K/V.
+    needs nothing from the cache: without the CPU kernel it runs on the step's own K/V.
     """
 
     positions: torch.Tensor  # [T] int64 position of each token
@@ -70,7 +70,11 @@ class PagedAttention(nn.Module):
             kv_heads,
         )
         q = qkv[:, : heads * d].view(-1, heads, d)
-        if meta.from_scratch or self.key_cache is None or self.value_cache is None:
+        if (
+            self.key_cache is None
+            or self.value_cache is None
+            or (meta.from_scratch and not ops.paged_kernel_applies(q, self.key_cache))
+        ):
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)
             return self._prompts(q, k, v, meta.query_lens)

@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, self.tp)
             if arch.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
-        # This stage's layers as one C++ call, for steps that read the paged cache (fuse_layers).
+        # This stage's layers as one C++ call where it can run them (fuse_layers).
         self.fused_layers: torch.ScriptObject | None = None
 
     def attention_layers(self) -> list[PagedAttention]:
@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
             assert intermediate is not None
             hidden, residual = intermediate
         meta.cos_sin = self.rope.cos_sin
-        if self.fused_layers is not None and not meta.from_scratch:
+        if self.fused_layers is not None:
             hidden, residual = self.fused_layers.forward(
                 hidden,
                 residual,

@@ -140,6 +140,19 @@ def rotary_embedding_cache(
     value_cache[blocks, :, offsets] = v
 
 
+def paged_kernel_applies(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether `paged_attention` runs the CPU kernel for these tensors. Where it does it is
+    also the faster way to attend whole prompts (measured on 2 cores: 32 prompts of 38 tokens
+    0.4 ms a layer against 2.4 ms for a causal SDPA per prompt; one of 1,100 tokens 5 against
+    12 ms), so the model uses it for every step."""
+    return (
+        kernels.available(query)
+        and query.stride(2) == 1
+        and key_cache.dtype == query.dtype
+        and query.shape[2] % 16 == 0
+    )
+
+
 def paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -157,12 +170,7 @@ def paged_attention(
 
     The kernel reads the cache blocks in place; the torch path gathers each sequence's context.
     """
-    if (
-        kernels.available(query)
-        and query.stride(2) == 1
-        and key_cache.dtype == query.dtype
-        and query.shape[2] % 16 == 0
-    ):
+    if paged_kernel_applies(query, key_cache):
         torch.ops.rankcast.paged_attention(
             out, query, key_cache, value_cache, block_tables, seq_lens, query_start, scale
         )

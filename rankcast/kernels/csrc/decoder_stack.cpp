@@ -1,5 +1,5 @@
-// A pipeline stage's Llama decoder layers run back to back in C++, for steps whose attention
-// reads the paged cache (decodes, and chunks after a cached prefix).
+// A pipeline stage's Llama decoder layers run back to back in C++, every kernel chained without
+// returning to Python (prompts, decodes and chunks alike: the paged kernel takes them all).
 //
 // Why: once the kernels are fused, what is left of a single-stream decode step on a 2-core CPU
 // is largely the Python between them: module calls and ~10 operator dispatches per layer, about

@@ -63,6 +63,13 @@ def worker_notification_poll_interval() -> float | None:
     return seconds or None
 
 
+def cpu_bind() -> str:
+    """How each rank's OpenMP threads are pinned to cores: `auto` (the default: a rank in a
+    process rankcast started gets its own slice of the allowed cores), `off`, or one CPU list per
+    machine-local rank, `|`-separated (`0-3|4-7`), which also applies in the caller's process."""
+    return os.environ.get("RANKCAST_CPU_BIND", "").strip() or "auto"
+
+
 def kernels_mode() -> str:
     """Whether the model uses rankcast's built CPU kernels: `auto` (when built), `off` (plain
     torch, e.g. to compare), or `require` (fail instead of falling back)."""

@@ -37,6 +37,45 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """`0-3,6` -> [0, 1, 2, 3, 6]."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"RANKCAST_CPU_BIND: {text!r} is not a CPU list like 0-3,6")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def cpus_for_rank(
+    local_rank: int, ranks_on_this_machine: int, own_process: bool
+) -> list[int] | None:
+    """The cores this rank's threads are bound to, or None to leave them to the OS.
+
+    Automatic binding gives machine-local rank i the i-th equal slice of the allowed cores, and
+    only in a process rankcast started: binding the threads of a caller's own process (the
+    offline engine runs in it) would pin the caller's code too.
+    """
+    setting = envs.cpu_bind()
+    if setting == "off":
+        return None
+    if setting != "auto":
+        lists = setting.split("|")
+        if len(lists) < ranks_on_this_machine:
+            raise ValueError(
+                f"RANKCAST_CPU_BIND gives {len(lists)} CPU list(s) for "
+                f"{ranks_on_this_machine} ranks on this machine"
+            )
+        return parse_cpu_list(lists[local_rank])
+    if not own_process:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    per = threads_per_rank(ranks_on_this_machine)
+    first = local_rank * per
+    return cores[first : first + per] if first + per <= len(cores) else None
+
+
 def threads_per_rank(ranks_on_this_machine: int) -> int:
     """Share the cores evenly so ranks do not oversubscribe them."""
     explicit = envs.num_threads()

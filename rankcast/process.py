@@ -19,6 +19,13 @@ def set_process_title(role: str) -> None:
     setproctitle.setproctitle(f"rankcast::{role}")
 
 
+def is_rankcast_process() -> bool:
+    """Whether rankcast started this process (it named itself), rather than a caller's."""
+    import setproctitle
+
+    return setproctitle.getproctitle().startswith("rankcast::")
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies, so a killed launcher leaves none."""
     if sys.platform.startswith("linux"):

@@ -66,6 +66,9 @@ class EngineCoreProc:
         addresses: EngineAddresses,
         engine_index: int = 0,
     ) -> None:
+        # The cores this process may use, taken before an in-process rank binds this (its main)
+        # thread to its own: the I/O threads run anywhere in the set, not on the rank's core.
+        self.io_cpus = os.sched_getaffinity(0)
         self.core = EngineCore(config, source, engine_index)
         self.engine_index = engine_index
         self.addresses = addresses
@@ -98,6 +101,7 @@ class EngineCoreProc:
     # ---- I/O threads ----
 
     def _input_thread(self) -> None:
+        os.sched_setaffinity(0, self.io_cpus)
         decoder = msgspec.msgpack.Decoder(EngineCoreInput)
         poller = zmq.Poller()
         for sock in self.input_sockets:
@@ -116,6 +120,7 @@ class EngineCoreProc:
                 self.inputs.put((index_of[sock], message))
 
     def _output_thread(self) -> None:
+        os.sched_setaffinity(0, self.io_cpus)
         encoder = msgspec.msgpack.Encoder()
         dropped = 0
         while True:

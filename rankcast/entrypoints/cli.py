@@ -23,6 +23,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens one step may prefill (default: the engine's)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--kv-cache-space",
@@ -131,6 +137,11 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        **(
+            {"max_num_batched_tokens": args.max_num_batched_tokens}
+            if args.max_num_batched_tokens is not None
+            else {}
+        ),
         block_size=args.block_size,
         kv_cache_space_gib=args.kv_cache_space_gib,
         num_blocks=args.num_blocks,

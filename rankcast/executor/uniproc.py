@@ -20,7 +20,9 @@ class UniProcExecutor(Executor):
         # The buffer is this process's; events left by an earlier engine here are not ours.
         worker_notification_buffer().take()
         self.doorbell = Doorbell.create(1)
-        self.worker = start_worker(config, source, doorbell=self.doorbell)
+        # Data-parallel engine cores share the machine: each rank's local index is machine-wide.
+        local_rank = engine_index * config.parallel.world_size
+        self.worker = start_worker(config, source, 0, local_rank, doorbell=self.doorbell)
 
     def collective_rpc(
         self,

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from rankcast import platform
+from rankcast import kernels, platform
 from rankcast.config import EngineConfig
 from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.lora.manager import LoRAManager
@@ -27,6 +27,7 @@ from rankcast.notifications import (
     publish_worker_notification,
     worker_notification_buffer,
 )
+from rankcast.process import is_rankcast_process
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.worker.extension import load_worker_plugins, worker_class
 from rankcast.worker.model_runner import ModelRunner
@@ -64,14 +65,28 @@ class Worker:
         self.dtype = torch.float32
         self.runner: ModelRunner | None = None
         self.loras: LoRAManager | None = None
+        self.cpus: list[int] | None = None  # the cores this rank's threads are bound to
 
     def init_device(self) -> None:
-        """Pick the device and precision, and cap threads so ranks share the cores."""
+        """Pick the device and precision, and give this rank its share of the cores: threads
+        capped so ranks do not oversubscribe them, and bound to them where that applies
+        (`platform.cpus_for_rank`)."""
         self.device = platform.device_for_rank(self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = platform.resolve_dtype(self.config.model.dtype, self.device)
-        torch.set_num_threads(platform.threads_per_rank(self.ranks_on_this_machine))
+        cpus = None
+        if self.device.type == "cpu" and kernels.load():
+            cpus = platform.cpus_for_rank(
+                self.local_rank, self.ranks_on_this_machine, is_rankcast_process()
+            )
+        if cpus:
+            torch.set_num_threads(len(cpus))
+            torch.ops.rankcast.bind_threads(cpus)
+            logger.info("rank %d: %d threads bound to CPUs %s", self.rank, len(cpus), cpus)
+        else:
+            torch.set_num_threads(platform.threads_per_rank(self.ranks_on_this_machine))
+        self.cpus = cpus
         torch.manual_seed(self.config.model.seed)
 
     def load_model(self) -> float:

@@ -112,7 +112,9 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         group = init_distributed(config, rank, init_method)
-        worker = start_worker(config, source, rank, rank, tp_group=group, doorbell=doorbell)
+        # Data-parallel engine cores share the machine: each rank's local index is machine-wide.
+        local_rank = engine_index * config.parallel.world_size + rank
+        worker = start_worker(config, source, rank, local_rank, tp_group=group, doorbell=doorbell)
     except Exception as exc:
         logger.exception("rank %d failed to start", rank)
         ready.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rankcast import LLM, SamplingParams
+from rankcast import LLM, SamplingParams, kernels, platform
 from rankcast.executor.base import ExecutorError
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from tests.executor.helpers import fail_on_rank, sleep_on_rank
@@ -108,3 +108,21 @@ def test_pp2_matches_pp1_on_smollm2(smollm_fp32: LLM) -> None:
     want = [o.outputs[0].token_ids for o in smollm_fp32.generate(PROMPTS, GREEDY)]
     with LLM(dtype="float32", pipeline_parallel_size=2, kv_cache_space_gib=0.1) as pp2:
         assert [o.outputs[0].token_ids for o in pp2.generate(PROMPTS, GREEDY)] == want
+
+
+def _allowed_cpus(pid: int) -> list[int]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return platform.parse_cpu_list(line.split(":", 1)[1].strip())
+    raise AssertionError(f"no Cpus_allowed_list for {pid}")
+
+
+def test_each_rank_runs_its_threads_on_its_own_cores(tp2: LLM) -> None:
+    """Automatic binding: rank i's threads on the i-th equal slice of the allowed cores."""
+    if not kernels.load():
+        pytest.skip("thread binding comes with the built kernels")
+    cores = sorted(os.sched_getaffinity(0))
+    per = platform.threads_per_rank(2)
+    for rank, proc in enumerate(_executor(tp2).procs):
+        assert _allowed_cpus(proc.pid) == cores[rank * per : (rank + 1) * per]
+    assert _allowed_cpus(os.getpid()) == cores, "the caller's own process is never bound"

@@ -1,0 +1,48 @@
+"""What the machine gives each rank: CPU lists, thread binding choices, dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rankcast import platform
+
+
+def test_cpu_lists_parse_ranges_and_singles() -> None:
+    assert platform.parse_cpu_list("0-3,6") == [0, 1, 2, 3, 6]
+    assert platform.parse_cpu_list("5") == [5]
+    with pytest.raises(ValueError, match="RANKCAST_CPU_BIND"):
+        platform.parse_cpu_list("0-x")
+
+
+def test_automatic_binding_only_in_rankcasts_own_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RANKCAST_CPU_BIND", raising=False)
+    monkeypatch.delenv("RANKCAST_NUM_THREADS", raising=False)
+    monkeypatch.setattr(platform.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert platform.cpus_for_rank(0, 1, own_process=False) is None
+    assert platform.cpus_for_rank(0, 2, own_process=True) == [0, 1]
+    assert platform.cpus_for_rank(1, 2, own_process=True) == [2, 3]
+    # More ranks than cores: the ones that get no core of their own are left unbound.
+    assert platform.cpus_for_rank(4, 5, own_process=True) is None
+
+
+def test_explicit_lists_apply_everywhere_and_off_binds_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RANKCAST_CPU_BIND", "2-3|0,1")
+    assert platform.cpus_for_rank(0, 2, own_process=False) == [2, 3]
+    assert platform.cpus_for_rank(1, 2, own_process=True) == [0, 1]
+    with pytest.raises(ValueError, match="2 CPU list"):
+        platform.cpus_for_rank(0, 3, own_process=True)
+    monkeypatch.setenv("RANKCAST_CPU_BIND", "off")
+    assert platform.cpus_for_rank(0, 1, own_process=True) is None
+
+
+def test_auto_dtype_is_float32_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: False)
+    assert platform.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: True)
+    assert platform.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert platform.resolve_dtype("float32", torch.device("cpu")) == torch.float32

@@ -8,6 +8,7 @@
 // module path stays the reference; the model uses this only where nothing it cannot do is needed
 // (one tensor-parallel rank, no LoRA adapters, rankcast's packed linears).
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 
 #include <vector>
@@ -55,26 +56,60 @@ class DecoderStack : public torch::CustomClassHolder {
                                             at::Tensor query_start) {
     const int64_t tokens = hidden.size(0);
     at::Tensor res = residual.has_value() ? *residual : at::Tensor();
+    // Each kernel is a named range for torch.profiler (a thread-local check when not profiling),
+    // so a profile of a fused step still shows where its time goes.
     for (Layer& layer : layers_) {
       at::Tensor x;
-      if (!res.defined()) {
-        res = hidden;
-        x = rms_norm(hidden, layer.input_norm, eps_);
-      } else {
-        x = add_rms_norm(hidden, res, layer.input_norm, eps_);
+      {
+        RECORD_FUNCTION("rankcast::add_rms_norm", std::vector<c10::IValue>());
+        if (!res.defined()) {
+          res = hidden;
+          x = rms_norm(hidden, layer.input_norm, eps_);
+        } else {
+          x = add_rms_norm(hidden, res, layer.input_norm, eps_);
+        }
       }
-      at::Tensor qkv = packed_linear(x, layer.qkv, layer.qkv_n, layer.qkv_bias);
-      rotary_embedding_cache(qkv, positions, cos_sin_, layer.key_cache, layer.value_cache,
-                             slot_mapping, heads_, kv_heads_);
-      at::Tensor q = qkv.narrow(1, 0, heads_ * head_dim_).view({tokens, heads_, head_dim_});
+      at::Tensor qkv;
+      {
+        RECORD_FUNCTION("rankcast::packed_linear[qkv]", std::vector<c10::IValue>());
+        qkv = packed_linear(x, layer.qkv, layer.qkv_n, layer.qkv_bias);
+      }
+      {
+        RECORD_FUNCTION("rankcast::rotary_embedding_cache", std::vector<c10::IValue>());
+        rotary_embedding_cache(qkv, positions, cos_sin_, layer.key_cache, layer.value_cache,
+                               slot_mapping, heads_, kv_heads_);
+      }
       at::Tensor attn = at::empty({tokens, heads_, head_dim_}, hidden.options());
-      paged_attention(attn, q, layer.key_cache, layer.value_cache, block_tables, seq_lens,
-                      query_start, scale_);
-      at::Tensor h = packed_linear(attn.view({tokens, heads_ * head_dim_}), layer.o, layer.o_n,
-                                   layer.o_bias);
-      x = add_rms_norm(h, res, layer.post_norm, eps_);
-      hidden = packed_linear(silu_and_mul(packed_linear(x, layer.gate_up, layer.gate_up_n, {})),
-                             layer.down, layer.down_n, {});
+      {
+        RECORD_FUNCTION("rankcast::paged_attention", std::vector<c10::IValue>());
+        at::Tensor q = qkv.narrow(1, 0, heads_ * head_dim_).view({tokens, heads_, head_dim_});
+        paged_attention(attn, q, layer.key_cache, layer.value_cache, block_tables, seq_lens,
+                        query_start, scale_);
+      }
+      at::Tensor h;
+      {
+        RECORD_FUNCTION("rankcast::packed_linear[o]", std::vector<c10::IValue>());
+        h = packed_linear(attn.view({tokens, heads_ * head_dim_}), layer.o, layer.o_n,
+                          layer.o_bias);
+      }
+      {
+        RECORD_FUNCTION("rankcast::add_rms_norm", std::vector<c10::IValue>());
+        x = add_rms_norm(h, res, layer.post_norm, eps_);
+      }
+      at::Tensor gate_up;
+      {
+        RECORD_FUNCTION("rankcast::packed_linear[gate_up]", std::vector<c10::IValue>());
+        gate_up = packed_linear(x, layer.gate_up, layer.gate_up_n, {});
+      }
+      at::Tensor act;
+      {
+        RECORD_FUNCTION("rankcast::silu_and_mul", std::vector<c10::IValue>());
+        act = silu_and_mul(gate_up);
+      }
+      {
+        RECORD_FUNCTION("rankcast::packed_linear[down]", std::vector<c10::IValue>());
+        hidden = packed_linear(act, layer.down, layer.down_n, {});
+      }
     }
     return {hidden, res};
   }

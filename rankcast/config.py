@@ -79,16 +79,28 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batch limits for continuous batching."""
+    """Batch limits for continuous batching.
+
+    A step computes at most `max_num_batched_tokens` tokens: every running decode, then prompt
+    tokens. With chunked prefill a prompt longer than what is left is split across steps, so
+    running requests keep decoding while it is computed; without, prompts are taken whole (one
+    longer than the budget runs in a step of its own).
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens > 0,
             f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+            f"--max-num-seqs ({self.max_num_seqs}): every running request decodes each step",
         )
 
 

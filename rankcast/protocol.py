@@ -171,10 +171,12 @@ EngineCoreMessage = EngineCoreOutputs | EngineReady
 
 
 class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One sequence's work in a step.
+    """One sequence's work in a step: `token_ids` at positions `start_position...`, whose K/V
+    the step computes after the `start_position` tokens already cached.
 
-    A prefill computes `token_ids` from position 0 (new or resumed after preemption) and carries
-    the sampling parameters; a decode computes the single newest token at `start_position`.
+    A decode is its single newest token; a prompt may come whole or in chunks over several
+    steps. The first chunk of a request (position 0: new, or resumed after preemption) carries
+    the sampling parameters.
     """
 
     request_id: str
@@ -184,12 +186,15 @@ class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams | None = None
     # The LoRA slot this sequence's tokens use on every rank (-1: the base model).
     lora_slot: int = -1
+    # Whether the step reaches the sequence's newest token, so a token is sampled from it;
+    # False for a chunk of a prompt that continues in a later step.
+    sample: bool = True
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The batch for one step and the requests every rank may forget."""
+    """The batch for one step (decodes and prompt chunks together) and the requests every rank
+    may forget."""
 
-    is_prefill: bool
     sequences: list[ScheduledSequence]
     finished_request_ids: list[str] = msgspec.field(default_factory=list)
 

@@ -16,16 +16,16 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _missing(self, request: Request) -> int:
-        # A step computes K/V for every token up to and including the newest one.
-        return self.blocks_for(request.num_tokens) - len(request.block_ids)
+    def _missing(self, request: Request, num_tokens: int) -> int:
+        return max(0, self.blocks_for(num_tokens) - len(request.block_ids))
 
-    def can_allocate(self, request: Request) -> bool:
-        return self._missing(request) <= len(self.free_blocks)
+    def can_allocate(self, request: Request, num_tokens: int) -> bool:
+        """Whether the request can hold K/V for its first `num_tokens` tokens."""
+        return self._missing(request, num_tokens) <= len(self.free_blocks)
 
-    def allocate(self, request: Request) -> None:
-        """Give the request every block its next step needs (caller checked `can_allocate`)."""
-        for _ in range(self._missing(request)):
+    def allocate(self, request: Request, num_tokens: int) -> None:
+        """Give the request the blocks for its first `num_tokens` tokens (caller checked)."""
+        for _ in range(self._missing(request, num_tokens)):
             request.block_ids.append(self.free_blocks.popleft())
 
     def free(self, request: Request) -> None:

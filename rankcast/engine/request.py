@@ -29,6 +29,9 @@ class Request:
     lora_name: str | None = None
     lora_slot: int = -1
     output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V the cache holds: the prompt is computed in one or more steps, then one
+    # token per step; back to 0 when the request is preempted.
+    num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -46,6 +49,14 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, count: int) -> list[int]:
+        """all_token_ids[start:start + count] without building the whole list (a decode step
+        takes one token of a long sequence)."""
+        prompt = len(self.prompt_token_ids)
+        if start >= prompt:
+            return self.output_token_ids[start - prompt : start - prompt + count]
+        return self.all_token_ids[start : start + count]
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         self.output_token_ids.append(token_id)

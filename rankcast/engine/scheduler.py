@@ -1,9 +1,12 @@
-"""Continuous batching with admission control and recompute preemption.
+"""Continuous batching with chunked prefill, admission control and recompute preemption.
 
-Each step is either a prefill of newly admitted requests (admitted while their KV blocks fit and
-the batch limits allow) or one decode token for every running request. When a decode step needs a
-block and none is free, the most recently admitted request is preempted: its blocks are freed
-and it goes back to the front of the queue to be recomputed later.
+Each step computes up to `max_num_batched_tokens` tokens: first every running request's next
+token (or the next chunk of a prompt still being computed), then prompt tokens of requests
+admitted from the queue, while their KV blocks fit and the batch limits allow. With chunked
+prefill a prompt that does not fit what is left of the budget is split, so decodes never wait
+behind a long prompt. When a running request needs a block and none is free, the most recently
+admitted request is preempted: its blocks are freed and it goes back to the front of the queue
+to be recomputed later.
 
 With LoRA, a request is admitted only once its adapter holds a device slot. A batch never runs
 more distinct adapters than there are slots: a request whose adapter would be one too many, or
@@ -68,6 +71,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        # What the last `schedule()` gave each request, applied by `update_from_output`.
+        self.scheduled: list[tuple[Request, int]] = []
 
     # ---- queue management ----
 
@@ -105,6 +110,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request)
+        request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -112,8 +118,20 @@ class Scheduler:
 
     # ---- one step ----
 
-    def _schedule_prefills(self) -> list[Request]:
-        admitted: list[Request] = []
+    def _chunk(self, request: Request, budget: int, first: bool) -> int:
+        """How many of the request's uncomputed tokens this step takes (0: none).
+
+        Without chunking a prompt is taken whole; the step's `first` prompt is taken even when
+        it is longer than what is left of the budget (as it would be by itself), so a long
+        prompt is never starved by decodes.
+        """
+        remaining = request.num_tokens - request.num_computed_tokens
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget or first else 0
+
+    def _schedule_waiting(self, budget: int) -> list[tuple[Request, int]]:
+        admitted: list[tuple[Request, int]] = []
         deferred: list[Request] = []
         running: collections.Counter[str] = collections.Counter()
         if self.adapters is not None:  # the base-model path does no per-adapter work
@@ -121,12 +139,10 @@ class Scheduler:
         if self.draining not in running:
             self.draining = None  # drained: its slot is free for the request that waited
         active = set(running)
-        tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if admitted and tokens + request.num_tokens > self.config.max_num_batched_tokens:
-                break
-            if not self.blocks.can_allocate(request):
+            count = self._chunk(request, budget, not admitted)
+            if count == 0 or not self.blocks.can_allocate(request, count):
                 break
             self.waiting.popleft()
             if request.lora_name is not None:
@@ -145,10 +161,10 @@ class Scheduler:
                     continue
                 request.lora_slot = slot
                 active.add(request.lora_name)
-            self.blocks.allocate(request)
+            self.blocks.allocate(request, count)
             request.status = RequestStatus.RUNNING
-            admitted.append(request)
-            tokens += request.num_tokens
+            admitted.append((request, count))
+            budget -= count
         self.waiting.extendleft(reversed(deferred))
         return admitted
 
@@ -176,50 +192,63 @@ class Scheduler:
         rejected, self.rejected = self.rejected, []
         return [self._take_output(r) for r in rejected]
 
-    def _schedule_decodes(self) -> list[Request]:
-        scheduled: list[Request] = []
+    def _schedule_running(self, budget: int) -> tuple[list[tuple[Request, int]], int, bool]:
+        """Every running request's next token or prompt chunk, oldest first; preempts the
+        newest when blocks run out. Returns what was scheduled, the budget left, and whether
+        anything was preempted (then nothing new is admitted this step)."""
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
         queue = list(self.running)
         while queue:
             request = queue.pop(0)
-            while not self.blocks.can_allocate(request):
+            count = self._chunk(request, budget, False)
+            if count == 0:
+                continue  # the budget is spent: it goes on next step
+            need = request.num_computed_tokens + count
+            while not self.blocks.can_allocate(request, need):
                 victim = queue.pop() if queue else request
                 self._preempt(victim)
                 self.running.remove(victim)
+                preempted = True
                 if victim is request:
                     break
             else:
-                self.blocks.allocate(request)
-                scheduled.append(request)
-        return scheduled
+                self.blocks.allocate(request, need)
+                scheduled.append((request, count))
+                budget -= count
+        return scheduled, budget, preempted
 
     def schedule(self) -> SchedulerOutput:
         finished = self.finished_since_last_step
         self.finished_since_last_step = []
-        admitted = self._schedule_prefills()
-        if admitted:
-            self.running.extend(admitted)
-            sequences = [
+        scheduled, budget, preempted = self._schedule_running(self.config.max_num_batched_tokens)
+        if not preempted:
+            admitted = self._schedule_waiting(budget)
+            self.running.extend(request for request, _ in admitted)
+            scheduled += admitted
+        self.scheduled = scheduled
+        sequences = []
+        for request, count in scheduled:
+            start = request.num_computed_tokens
+            sequences.append(
                 ScheduledSequence(
-                    r.request_id, r.all_token_ids, 0, list(r.block_ids), r.params, r.lora_slot
+                    request.request_id,
+                    request.token_slice(start, count),
+                    start,
+                    list(request.block_ids),
+                    request.params if start == 0 else None,
+                    request.lora_slot,
+                    sample=start + count == request.num_tokens,
                 )
-                for r in admitted
-            ]
-            return SchedulerOutput(True, sequences, finished)
-        decodes = self._schedule_decodes()
-        sequences = [
-            ScheduledSequence(
-                r.request_id,
-                [r.output_token_ids[-1]],
-                r.num_tokens - 1,
-                list(r.block_ids),
-                lora_slot=r.lora_slot,
             )
-            for r in decodes
-        ]
-        return SchedulerOutput(False, sequences, finished)
+        return SchedulerOutput(sequences, finished)
 
     def update_from_output(self, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, finish requests that stop, and describe what changed."""
+        """Count the step's computed tokens, append sampled ones, finish requests that stop,
+        and describe what changed."""
+        for request, count in self.scheduled:
+            request.num_computed_tokens += count
+        self.scheduled = []
         outputs: list[EngineCoreOutput] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)
         for request_id, token, lp in zip(

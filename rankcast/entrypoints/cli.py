@@ -27,7 +27,13 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="prompt tokens one step may prefill (default: the engine's)",
+        help="tokens one step computes: running decodes, then prompt tokens (default: 8192)",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split prompts longer than what is left of a step's budget across steps",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
@@ -137,6 +143,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         **(
             {"max_num_batched_tokens": args.max_num_batched_tokens}
             if args.max_num_batched_tokens is not None

@@ -6,6 +6,7 @@ request, its sampling parameters and random generator.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -152,7 +153,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor | None:
-        """Logits [num_sequences, vocab] at each sequence's newest position.
+        """Logits [sampling sequences, vocab] at the newest position of each sequence that
+        samples this step (a prompt chunk that continues later has none).
 
         Every pipeline stage builds the same inputs from the shared batch; a non-first stage
         receives the previous stage's (hidden, residual), a non-last one passes its own on and
@@ -170,8 +172,13 @@ class ModelRunner:
             assert residual is not None
             pp.send((hidden, residual))
             return None
-        if hidden.shape[0] != len(batch.sequences):
-            hidden = hidden[meta.query_start[1:].long() - 1]
+        if hidden.shape[0] != len(batch.sequences) or not all(s.sample for s in batch.sequences):
+            # Each sampling sequence's last token: the end of its slice of the step's tokens.
+            ends = itertools.accumulate(meta.query_lens)
+            rows = [end - 1 for end, seq in zip(ends, batch.sequences, strict=True) if seq.sample]
+            if not rows:
+                return hidden.new_empty((0, self.arch.vocab_size))
+            hidden = hidden[rows]
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -185,12 +192,15 @@ class ModelRunner:
         logits = self.compute_logits(batch)
         if logits is None or not sample:
             return None
-        states = [self.requests[seq.request_id] for seq in batch.sequences]
+        sampling = [seq for seq in batch.sequences if seq.sample]
+        if not sampling:
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+        states = [self.requests[seq.request_id] for seq in sampling]
         tokens, logprobs = sampler.sample(
             logits, [s.params for s in states], [s.generator for s in states]
         )
         return ModelRunnerOutput(
-            request_ids=[seq.request_id for seq in batch.sequences],
+            request_ids=[seq.request_id for seq in sampling],
             sampled_token_ids=tokens,
             logprobs=logprobs,
         )

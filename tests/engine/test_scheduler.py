@@ -20,33 +20,37 @@ def _request(rid: str, prompt_len: int, max_tokens: int = 100) -> Request:
     )
 
 
-def _run(scheduler: Scheduler) -> tuple[bool, list[str]]:
+def _run(scheduler: Scheduler) -> list[str]:
+    """One step with every sampling sequence given token 7; the ids that sampled."""
     batch = scheduler.schedule()
-    ids = [s.request_id for s in batch.sequences]
+    ids = [s.request_id for s in batch.sequences if s.sample]
     scheduler.update_from_output(ModelRunnerOutput(ids, [7] * len(ids)))
-    return batch.is_prefill, ids
+    return ids
 
 
 def test_requests_join_and_leave_a_running_batch() -> None:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8), BlockManager(64, 4), 1024)
     scheduler.add_request(_request("a", 5, max_tokens=3))
     scheduler.add_request(_request("b", 6, max_tokens=10))
-    assert _run(scheduler) == (True, ["a", "b"])
-    assert _run(scheduler) == (False, ["a", "b"])
+    assert _run(scheduler) == ["a", "b"]
+    assert _run(scheduler) == ["a", "b"]
     scheduler.add_request(_request("c", 3, max_tokens=10))
-    assert _run(scheduler) == (True, ["c"]), "a new request joins between steps"
-    # "a" hit max_tokens=3 at its third token (the step that prefilled c did not run a or b).
-    assert _run(scheduler) == (False, ["a", "b", "c"])
-    assert "a" not in scheduler.requests, "a finished request leaves the batch"
-    assert _run(scheduler) == (False, ["b", "c"])
+    batch = scheduler.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in batch.sequences] == [
+        ("a", 1),
+        ("b", 1),
+        ("c", 3),
+    ], "a new prompt joins the running decodes in the same step"
+    scheduler.update_from_output(ModelRunnerOutput(["a", "b", "c"], [7, 7, 7]))
+    assert "a" not in scheduler.requests, "a finished at its third token and left the batch"
+    assert _run(scheduler) == ["b", "c"]
 
 
 def test_admission_waits_for_free_blocks_and_max_num_seqs() -> None:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=2), BlockManager(6, 4), 1024)
     for rid in "abc":
         scheduler.add_request(_request(rid, 8))
-    prefill, ids = _run(scheduler)
-    assert prefill and ids == ["a", "b"], "max_num_seqs caps the batch"
+    assert _run(scheduler) == ["a", "b"], "max_num_seqs caps the batch"
     assert scheduler.waiting[0].request_id == "c"
     assert scheduler.stats().num_waiting_reqs == 1 and scheduler.stats().num_running_reqs == 2
 
@@ -62,11 +66,52 @@ def test_full_cache_preempts_the_newest_and_recomputes_it_later() -> None:
     preempted = scheduler.waiting[0]
     assert preempted.request_id == "new" and preempted.status == RequestStatus.WAITING
     assert preempted.block_ids == [] and len(preempted.output_token_ids) == 1
+    assert preempted.num_computed_tokens == 0
     # When "old" finishes, "new" is prefilled again with its prompt and generated tokens.
     scheduler.abort_requests(["old"])
     batch = scheduler.schedule()
-    assert batch.is_prefill and batch.sequences[0].token_ids == preempted.all_token_ids
+    assert batch.sequences[0].token_ids == preempted.all_token_ids
+    assert batch.sequences[0].start_position == 0 and batch.sequences[0].sample
     assert "old" in batch.finished_request_ids
+
+
+def test_a_long_prompt_is_chunked_while_running_requests_keep_decoding() -> None:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler = Scheduler(config, BlockManager(64, 4), 1024)
+    scheduler.add_request(_request("a", 3))
+    assert _run(scheduler) == ["a"]
+    scheduler.add_request(_request("long", 20))
+    steps = []
+    for _ in range(3):
+        batch = scheduler.schedule()
+        steps.append(
+            [(s.request_id, s.start_position, len(s.token_ids), s.sample) for s in batch.sequences]
+        )
+        ids = [s.request_id for s in batch.sequences if s.sample]
+        scheduler.update_from_output(ModelRunnerOutput(ids, [7] * len(ids)))
+    # "a" decodes every step; the prompt takes what is left of the 8-token budget each time.
+    assert steps == [
+        [("a", 3, 1, True), ("long", 0, 7, False)],
+        [("a", 4, 1, True), ("long", 7, 7, False)],
+        [("a", 5, 1, True), ("long", 14, 6, True)],
+    ]
+    long = scheduler.requests["long"]
+    assert long.num_computed_tokens == 20 and long.output_token_ids == [7]
+    assert len(long.block_ids) == 5, "blocks cover what was computed; the next step adds one"
+    for step in steps[:2]:
+        assert sum(n for _, _, n, _ in step) == 8, "the budget is used to the token"
+
+
+def test_without_chunking_a_prompt_is_taken_whole_even_beyond_the_budget() -> None:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    scheduler = Scheduler(config, BlockManager(64, 4), 1024)
+    scheduler.add_request(_request("a", 3))
+    _run(scheduler)
+    scheduler.add_request(_request("long", 20))
+    scheduler.add_request(_request("short", 4))
+    batch = scheduler.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in batch.sequences] == [("a", 1), ("long", 20)]
+    assert scheduler.waiting[0].request_id == "short", "the next prompt waits for a later step"
 
 
 def test_usage_is_a_fraction() -> None:

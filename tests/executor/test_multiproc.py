@@ -97,7 +97,7 @@ def test_pipeline_layouts_match_a_single_rank(tiny_llama_dir: Path, tp: int, pp:
         assert [o.outputs[0].token_ids for o in split.generate(PROMPTS, GREEDY)] == want
         # Every rank runs the step; only the output rank (TP rank 0, last stage) answers.
         batch = SchedulerOutput(
-            True, [ScheduledSequence("probe", [5, 6, 7], 0, [0], SamplingParams(temperature=0))]
+            [ScheduledSequence("probe", [5, 6, 7], 0, [0], SamplingParams(temperature=0))]
         )
         replies = executor.collective_rpc("execute_model", (batch,))
         output_rank = (pp - 1) * tp

@@ -79,3 +79,16 @@ def test_a_bad_adapter_changes_nothing(
         assert [a["name"] for a in llm.engine.client.call_utility("list_loras")] == ["good"]
         with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
             llm.engine.add_request(PROMPTS[0], GREEDY, lora_name="nope")
+
+
+def test_chunked_prefill_changes_no_adapter_output(
+    tiny_llama_dir: Path, mixed_adapters: list[Path]
+) -> None:
+    """Prompts split across 16-token steps give what whole prompts give, adapter by adapter."""
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((1, 16, 23, 61))]
+    requests = _requests(mixed_adapters)
+    outputs = []
+    for options in ({"enable_chunked_prefill": False}, {"max_num_batched_tokens": 16}):
+        with lora_llm(tiny_llama_dir, max_loras=3, max_num_seqs=8, **options) as llm:
+            outputs.append(_tokens(llm.generate(prompts, GREEDY, lora_request=requests)))
+    assert outputs[0] == outputs[1]

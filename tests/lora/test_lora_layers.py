@@ -46,7 +46,6 @@ def test_a_mixed_batch_matches_each_adapter_alone(
     slots = [0, 1, 2, -1]
     blocks = [[0, 1], [2, 3, 4], [5], [6, 7]]
     batch = SchedulerOutput(
-        True,
         [
             ScheduledSequence(f"r{i}", p, 0, b, lora_slot=s)
             for i, (p, b, s) in enumerate(zip(prompts, blocks, slots, strict=True))
@@ -64,7 +63,6 @@ def test_a_mixed_batch_matches_each_adapter_alone(
     for prompt, row in zip(prompts, got, strict=True):
         prompt.append(int(row.argmax()))
     decode = SchedulerOutput(
-        False,
         [
             ScheduledSequence(f"r{i}", p[-1:], len(p) - 1, b, lora_slot=s)
             for i, (p, b, s) in enumerate(zip(prompts, blocks, slots, strict=True))
@@ -85,7 +83,7 @@ def test_a_mixed_batch_matches_each_adapter_alone(
     # A cleared slot is the base model again.
     runner.clear_lora(0)
     again = runner.compute_logits(
-        SchedulerOutput(True, [ScheduledSequence("x", prompts[0], 0, [8, 9], lora_slot=0)])
+        SchedulerOutput([ScheduledSequence("x", prompts[0], 0, [8, 9], lora_slot=0)])
     )
     torch.testing.assert_close(again[0], base, atol=1e-4, rtol=0)
 

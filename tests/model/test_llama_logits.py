@@ -70,7 +70,7 @@ def test_prefill_and_decode_logits_match_transformers(
                 scheduled.append(ScheduledSequence("r", tokens, 0, table))
             else:
                 scheduled.append(ScheduledSequence("r", tokens[-1:], len(tokens) - 1, table))
-        return runner.compute_logits(SchedulerOutput(is_prefill, scheduled))
+        return runner.compute_logits(SchedulerOutput(scheduled))
 
     def theirs(seqs: list[list[int]]) -> torch.Tensor:
         with torch.no_grad():
@@ -125,11 +125,10 @@ def test_bfloat16_decode_through_fused_layers_matches_the_modules(tmp_path: Path
     tables = [[3, 8], [0, 12]]
     runner.compute_logits(
         SchedulerOutput(
-            True, [ScheduledSequence("r", p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+            [ScheduledSequence("r", p, 0, t) for p, t in zip(prompts, tables, strict=True)]
         )
     )
     step = SchedulerOutput(
-        False,
         [ScheduledSequence("r", [11], len(p), t) for p, t in zip(prompts, tables, strict=True)],
     )
     fused = runner.compute_logits(step)

@@ -88,7 +88,10 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
+    # Measured serving 32 concurrent streams on 2 cores: 512 gave TTFT p50 ~270-350 ms against
+    # ~540 ms at 8192 (a burst's prompts no longer wait behind one long prefill step) with the
+    # same or better throughput; offline batch throughput is the same either way.
+    max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:

@@ -27,7 +27,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="tokens one step computes: running decodes, then prompt tokens (default: 8192)",
+        help="tokens one step computes: running decodes, then prompt tokens (default: 512)",
     )
     parser.add_argument(
         "--enable-chunked-prefill",

@@ -185,3 +185,42 @@ def test_paged_attention_matches_torch_on_a_mixed_step(
     batched = torch.empty_like(rows)
     reference(monkeypatch, ops.paged_attention, batched, rows, *sub)
     torch.testing.assert_close(batched, want[[starts[i] for i in decodes]], **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_token_attends_bit_identically_alone_or_inside_a_prompt(dtype: torch.dtype) -> None:
+    """Chunking and prefix caching may compute a token in a decode, a chunk or a whole prompt;
+    its attention output must not depend on which other rows shared the kernel's tile."""
+    if not kernels.load():
+        pytest.skip("kernel property")
+    heads, kv_heads, head_dim, block_size, length = 9, 3, 64, 16, 37
+    keys, values = _caches(8, kv_heads, head_dim, block_size, dtype)
+    table = torch.tensor([[5, 1, 7]], dtype=torch.int32)
+    query = torch.randn(length, heads, head_dim, generator=torch.Generator().manual_seed(7))
+    query = query.to(dtype)
+    whole = torch.empty_like(query)
+    ops.paged_attention(
+        whole,
+        query,
+        keys,
+        values,
+        table,
+        torch.tensor([length], dtype=torch.int32),
+        torch.tensor([0, length], dtype=torch.int32),
+        head_dim**-0.5,
+        [length],
+    )
+    for position in (0, 17, length - 1):
+        alone = torch.empty_like(query[:1])
+        ops.paged_attention(
+            alone,
+            query[position : position + 1],
+            keys,
+            values,
+            table,
+            torch.tensor([position + 1], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+            head_dim**-0.5,
+            [1],
+        )
+        assert torch.equal(alone[0], whole[position])

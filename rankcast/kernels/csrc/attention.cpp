@@ -25,7 +25,7 @@
 namespace rankcast {
 namespace {
 
-constexpr int kMaxRows = 8;  // query rows (heads x positions) attended together in registers
+constexpr int kMaxRows = 6;  // query rows (heads x positions) attended together in registers
 constexpr int kAheadBlocks = 6;  // cache blocks prefetched ahead of the one being read
 
 struct Geometry {
@@ -44,10 +44,15 @@ inline void prefetch(const void* p, int64_t bytes) {
 
 // Scores of R query rows against up to 16 tokens of a transposed key block (kt[d * bs + t]).
 // Each row keeps U partial sums over interleaved dimensions, so R * U independent FMA chains
-// hide the FMA latency that a single chain per row would expose.
+// hide the FMA latency that a single chain per row would expose. U is the same for every R:
+// a row's result must not depend on which rows share its tile, or a token attended in a decode
+// step, in a chunk or in a whole prompt (or over a prefix another request cached) would differ
+// in its last bits.
+constexpr int kPartialSums = 4;
+
 template <typename T, int R>
 inline void key_scores(const float* qf, int D, const T* kt, int bs, int n, Vec16* s) {
-  constexpr int U = R <= 3 ? 4 : (R <= 4 ? 2 : 1);
+  constexpr int U = kPartialSums;
   Vec16 part[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) part[r][u] = zero16();

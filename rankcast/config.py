@@ -55,6 +55,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_space_gib: float | None = None
     num_blocks: int | None = None
+    # Reuse the K/V of full blocks another request already computed (engine/block_manager.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require(

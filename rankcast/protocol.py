@@ -38,7 +38,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 # Bump whenever any struct below changes its field list; peers refuse a mismatch at handshake.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -115,6 +115,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Engine clock (unix time) of the last change to those sets: every API server reports the
     # same `vllm:lora_requests_info` value because it is the engine's, not the server's, time.
     lora_requests_changed_at: float = 0.0
+    # Prompt tokens looked up in the prefix cache since the engine started, and found there.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -175,8 +178,8 @@ class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     the step computes after the `start_position` tokens already cached.
 
     A decode is its single newest token; a prompt may come whole or in chunks over several
-    steps. The first chunk of a request (position 0: new, or resumed after preemption) carries
-    the sampling parameters.
+    steps, after a prefix the cache already held. A request's first step after admission (new,
+    or resumed after preemption) carries the sampling parameters.
     """
 
     request_id: str

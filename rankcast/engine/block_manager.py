@@ -1,17 +1,53 @@
-"""Accounting of the paged KV cache: which blocks are free and which request owns which."""
+"""Accounting of the paged KV cache: free blocks, which request owns which, and the prefix cache.
+
+With prefix caching, each full block a request computes is named by a hash chain over (the
+previous block's hash, the block's token ids, the adapter that computed it), so equal prefixes
+have equal names while a different adapter or a different earlier token gives another. A freed
+block keeps its name and its K/V until the allocator needs the memory: free blocks queue in
+least-recently-used order, and a request that starts with a cached prefix takes those blocks
+instead of recomputing them. Full blocks are never written again, so sharing them is safe.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
 
 from rankcast.engine.request import Request
 
+_HASH_MASK = (1 << 63) - 1  # non-negative 64-bit: every msgpack peer reads it as an integer
+
+
+def block_hash(parent: int | None, token_ids: list[int], adapter_id: int) -> int:
+    """The name of a full block: stable across processes and runs, so that KV-cache events
+    mean the same thing to every subscriber."""
+    data = msgspec.msgpack.encode((parent, token_ids, adapter_id))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HASH_MASK
+
+
+@dataclass
+class Block:
+    ref_count: int = 0
+    block_hash: int | None = None
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block() for _ in range(num_blocks)]
+        # Free blocks, least recently used first: allocation takes from the front.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        # Prompt tokens looked up in the cache, and found, since start (what routers chart).
+        self.queried_tokens = 0
+        self.hit_tokens = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -24,16 +60,81 @@ class BlockManager:
         return self._missing(request, num_tokens) <= len(self.free_blocks)
 
     def allocate(self, request: Request, num_tokens: int) -> None:
-        """Give the request the blocks for its first `num_tokens` tokens (caller checked)."""
+        """Give the request the blocks for its first `num_tokens` tokens (caller checked),
+        reusing the least recently used free blocks; a reused block loses its cached name."""
         for _ in range(self._missing(request, num_tokens)):
-            request.block_ids.append(self.free_blocks.popleft())
+            block_id, _ = self.free_blocks.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            request.block_ids.append(block_id)
 
     def free(self, request: Request) -> None:
-        self.free_blocks.extend(request.block_ids)
+        """Release the request's blocks; its last blocks become the first to be reused, so a
+        shared prefix outlives the tails that followed it."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
         request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def _hashes(self, request: Request, full_blocks: int) -> list[int]:
+        """The request's block names for its first `full_blocks` blocks, computed once."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < full_blocks:
+            i = len(hashes)
+            tokens = request.token_slice(i * bs, bs)
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens, request.lora_id))
+        return hashes[:full_blocks]
+
+    def match_prefix(self, request: Request) -> int:
+        """Give a request that holds no blocks the longest cached run of its leading full blocks
+        (never its last token: that one is computed, to sample from). Returns the tokens found;
+        the request counts them as computed."""
+        if not self.enable_prefix_caching or request.block_ids:
+            return 0
+        for name in self._hashes(request, (request.num_tokens - 1) // self.block_size):
+            block_id = self.cached.get(name)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            request.block_ids.append(block_id)
+        request.num_cached_blocks = len(request.block_ids)
+        request.num_computed_tokens = len(request.block_ids) * self.block_size
+        return request.num_computed_tokens
+
+    def record_lookup(self, queried: int, hit: int) -> None:
+        self.queried_tokens += queried
+        self.hit_tokens += hit
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Name the request's blocks that have become full of computed tokens, so that later
+        requests find them (a block another request named first stays unnamed)."""
+        if not self.enable_prefix_caching:
+            return
+        full = request.num_computed_tokens // self.block_size
+        if full <= request.num_cached_blocks:
+            return
+        hashes = self._hashes(request, full)
+        for i in range(request.num_cached_blocks, full):
+            block_id = request.block_ids[i]
+            if hashes[i] not in self.cached:
+                self.cached[hashes[i]] = block_id
+                self.blocks[block_id].block_hash = hashes[i]
+        request.num_cached_blocks = full
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1, as routers read `kv_cache_usage_perc`."""
+        """Fraction of blocks held by requests, 0..1, as routers read `kv_cache_usage_perc`
+        (cached blocks no request holds count as free: they are reused on demand)."""
         used = self.num_blocks - len(self.free_blocks)
         return used / self.num_blocks if self.num_blocks else 0.0

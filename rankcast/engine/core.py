@@ -75,7 +75,10 @@ class EngineCore:
             self.notifications.register_snapshot_provider("lora", self._lora_snapshot)
             self.notifications.observers.append(self.loras.observe)
         self.scheduler = Scheduler(
-            config.scheduler, BlockManager(num_blocks, block_size), self.max_model_len, self.loras
+            config.scheduler,
+            BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching),
+            self.max_model_len,
+            self.loras,
         )
         if self.loras is not None:
             for name, path in config.lora.lora_modules:
@@ -120,6 +123,9 @@ class EngineCore:
                     f"request names LoRA adapter {request.lora_name!r}, but LoRA is not enabled"
                 )
             self.loras.check_servable(request.lora_name)
+            lora_id = self.loras.adapters[request.lora_name].adapter_id
+        else:
+            lora_id = 0
         room = self.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.scheduler.add_request(
@@ -132,6 +138,7 @@ class EngineCore:
                 arrival_time=request.arrival_time or time.time(),
                 client_index=request.client_index,
                 lora_name=request.lora_name,
+                lora_id=lora_id,
             )
         )
 

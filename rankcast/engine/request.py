@@ -29,9 +29,16 @@ class Request:
     lora_name: str | None = None
     lora_slot: int = -1
     output_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose K/V the cache holds: the prompt is computed in one or more steps, then one
-    # token per step; back to 0 when the request is preempted.
+    # Tokens whose K/V the cache holds: a cached prefix, then the prompt in one or more steps,
+    # then one token per step; back to 0 when the request is preempted.
     num_computed_tokens: int = 0
+    # The registration of the adapter it runs on (0: the base model): part of every block's
+    # prefix-cache name, so no adapter ever reuses another's (or the base model's) K/V.
+    lora_id: int = 0
+    # Prefix-cache names of its full blocks (computed once), and how many of its blocks have
+    # been named in the cache.
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None

@@ -108,9 +108,13 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self.finished_since_last_step.append(request.request_id)
 
-    def _preempt(self, request: Request) -> None:
+    def _release(self, request: Request) -> None:
+        """Give back what a request that stays waiting holds (a cached prefix it matched)."""
         self.blocks.free(request)
         request.num_computed_tokens = 0
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -141,12 +145,16 @@ class Scheduler:
         active = set(running)
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
+            cached = self.blocks.match_prefix(request)
             count = self._chunk(request, budget, not admitted)
-            if count == 0 or not self.blocks.can_allocate(request, count):
+            need = request.num_computed_tokens + count
+            if count == 0 or not self.blocks.can_allocate(request, need):
+                self._release(request)
                 break
             self.waiting.popleft()
             if request.lora_name is not None:
                 if request.lora_name == self.draining:
+                    self._release(request)
                     deferred.append(request)
                     continue
                 try:
@@ -155,13 +163,15 @@ class Scheduler:
                     self._reject(request, str(exc))
                     continue
                 if slot is None:
+                    self._release(request)
                     deferred.append(request)
                     if self.draining is None:
                         self.draining = self._drain_target(running)
                     continue
                 request.lora_slot = slot
                 active.add(request.lora_name)
-            self.blocks.allocate(request, count)
+            self.blocks.allocate(request, need)
+            self.blocks.record_lookup(request.num_tokens, cached)
             request.status = RequestStatus.RUNNING
             admitted.append((request, count))
             budget -= count
@@ -222,13 +232,11 @@ class Scheduler:
         finished = self.finished_since_last_step
         self.finished_since_last_step = []
         scheduled, budget, preempted = self._schedule_running(self.config.max_num_batched_tokens)
-        if not preempted:
-            admitted = self._schedule_waiting(budget)
-            self.running.extend(request for request, _ in admitted)
-            scheduled += admitted
-        self.scheduled = scheduled
+        admitted = [] if preempted else self._schedule_waiting(budget)
+        self.running.extend(request for request, _ in admitted)
+        self.scheduled = scheduled + admitted
         sequences = []
-        for request, count in scheduled:
+        for i, (request, count) in enumerate(self.scheduled):
             start = request.num_computed_tokens
             sequences.append(
                 ScheduledSequence(
@@ -236,7 +244,8 @@ class Scheduler:
                     request.token_slice(start, count),
                     start,
                     list(request.block_ids),
-                    request.params if start == 0 else None,
+                    # Ranks learn a request's parameters when it is admitted (or readmitted).
+                    request.params if i >= len(scheduled) else None,
                     request.lora_slot,
                     sample=start + count == request.num_tokens,
                 )
@@ -248,6 +257,7 @@ class Scheduler:
         and describe what changed."""
         for request, count in self.scheduled:
             request.num_computed_tokens += count
+            self.blocks.cache_computed_blocks(request)
         self.scheduled = []
         outputs: list[EngineCoreOutput] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)
@@ -286,4 +296,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_blocks=self.blocks.num_blocks,
             block_size=self.blocks.block_size,
+            prefix_cache_queries=self.blocks.queried_tokens,
+            prefix_cache_hits=self.blocks.hit_tokens,
         )

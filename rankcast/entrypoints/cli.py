@@ -30,6 +30,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         help="tokens one step computes: running decodes, then prompt tokens (default: 512)",
     )
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes earlier requests computed",
+    )
+    parser.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -144,6 +150,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         **(
             {"max_num_batched_tokens": args.max_num_batched_tokens}
             if args.max_num_batched_tokens is not None

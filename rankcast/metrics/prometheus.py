@@ -8,9 +8,11 @@ values. Request latency and token series, and notification delivery lag, are thi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from rankcast.metrics.lora_metrics import LoRAMetrics
 from rankcast.notifications import (
@@ -28,6 +30,30 @@ _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 def rank_label(rank: int) -> str:
     """The `rank` label: a worker rank, or `engine_core` for the engine's own pending list."""
     return "engine_core" if rank < 0 else str(rank)
+
+
+class EngineCounter:
+    """A Prometheus counter whose value is the engine core's own running total, as broadcast in
+    its stats: every API server exposes the same number, and a restarted one does not reset it
+    (a counter each server kept would differ between servers behind one port)."""
+
+    def __init__(
+        self, name: str, documentation: str, model_name: str, registry: CollectorRegistry
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.model_name = model_name
+        self.values: dict[str, float] = {}
+        registry.register(self)  # type: ignore[arg-type]
+
+    def set(self, engine: str, value: float) -> None:
+        self.values[engine] = value
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=["model_name", "engine"])
+        for engine, value in sorted(self.values.items()):
+            family.add_metric([self.model_name, engine], value)
+        yield family
 
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0, 120.0)
@@ -68,6 +94,18 @@ class ServerMetrics:
             "Requests preempted by the engine since it started (recomputed later).",
             engine_labels,
             registry=self.registry,
+        )
+        self.prefix_cache_queries = EngineCounter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens the engine looked up in its prefix cache.",
+            model_name,
+            self.registry,
+        )
+        self.prefix_cache_hits = EngineCounter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens the engine found in its prefix cache (not recomputed).",
+            model_name,
+            self.registry,
         )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens",
@@ -166,6 +204,8 @@ class ServerMetrics:
         self.waiting.labels(*labels).set(stats.num_waiting_reqs)
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
         self.preemptions.labels(*labels).set(stats.num_preemptions)
+        self.prefix_cache_queries.set(str(engine_index), stats.prefix_cache_queries)
+        self.prefix_cache_hits.set(str(engine_index), stats.prefix_cache_hits)
         if self.lora is not None:
             self.lora.record_scheduler_stats(engine_index, stats)
         self.gathers.labels(str(engine_index)).set(stats.notification_gathers)

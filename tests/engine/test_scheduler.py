@@ -56,7 +56,7 @@ def test_admission_waits_for_free_blocks_and_max_num_seqs() -> None:
 
 
 def test_full_cache_preempts_the_newest_and_recomputes_it_later() -> None:
-    blocks = BlockManager(5, 4)
+    blocks = BlockManager(5, 4, enable_prefix_caching=False)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8), blocks, 1024)
     scheduler.add_request(_request("old", 8))
     scheduler.add_request(_request("new", 8))
@@ -120,3 +120,79 @@ def test_usage_is_a_fraction() -> None:
     scheduler.add_request(_request("a", 10))
     _run(scheduler)
     assert scheduler.stats().kv_cache_usage == 0.3
+
+
+def _prompt_request(rid: str, tokens: list[int], lora_id: int = 0) -> Request:
+    request = _request(rid, 0, max_tokens=4)
+    request.prompt_token_ids = list(tokens)
+    request.lora_id = lora_id
+    return request
+
+
+def _finish(scheduler: Scheduler, rid: str) -> None:
+    while rid in scheduler.requests:
+        _run(scheduler)
+
+
+def test_a_shared_prefix_is_reused_and_only_the_rest_computed() -> None:
+    blocks = BlockManager(32, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), blocks, 1024)
+    system = list(range(100, 112))  # three full blocks
+    scheduler.add_request(_prompt_request("first", [*system, 1, 2]))
+    _finish(scheduler, "first")
+    scheduler.add_request(_prompt_request("second", [*system, 5, 6, 7]))
+    batch = scheduler.schedule()
+    seq = batch.sequences[0]
+    assert (seq.start_position, seq.token_ids) == (12, [5, 6, 7]), "only the new suffix runs"
+    assert seq.block_ids[:3] == scheduler.requests["second"].block_ids[:3]
+    assert (blocks.queried_tokens, blocks.hit_tokens) == (14 + 15, 12)
+
+
+def test_the_cache_never_mixes_adapters_or_positions() -> None:
+    blocks = BlockManager(32, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), blocks, 1024)
+    prompt = list(range(200, 209))
+    scheduler.add_request(_prompt_request("base", prompt))
+    _finish(scheduler, "base")
+    scheduler.add_request(_prompt_request("adapter", prompt, lora_id=3))
+    assert scheduler.schedule().sequences[0].start_position == 0, "base K/V is not an adapter's"
+    _finish(scheduler, "adapter")
+    # The same tokens one position later are another prefix.
+    scheduler.add_request(_prompt_request("shifted", [0, *prompt]))
+    assert scheduler.schedule().sequences[0].start_position == 0
+
+
+def test_freed_blocks_stay_cached_until_needed_least_recently_used_first() -> None:
+    blocks = BlockManager(6, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), blocks, 1024)
+    old, recent = list(range(300, 309)), list(range(400, 409))
+    for rid, prompt in (("old", old), ("recent", recent)):
+        scheduler.add_request(_prompt_request(rid, prompt))
+        _finish(scheduler, rid)
+    assert blocks.usage == 0.0, "cached blocks no request holds count as free"
+    # A new prompt needing three blocks takes the free blocks least recently used: "old"'s.
+    scheduler.add_request(_prompt_request("other", list(range(500, 511))))
+    _finish(scheduler, "other")
+    scheduler.add_request(_prompt_request("recent again", recent))
+    assert scheduler.schedule().sequences[0].start_position == 8, "recent's prefix survived"
+    _finish(scheduler, "recent again")
+    scheduler.add_request(_prompt_request("old again", old))
+    assert scheduler.schedule().sequences[0].start_position == 0, "old's was evicted"
+
+
+def test_an_aborted_or_preempted_request_releases_shared_blocks_correctly() -> None:
+    blocks = BlockManager(8, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), blocks, 1024)
+    prompt = list(range(600, 609))
+    scheduler.add_request(_prompt_request("a", prompt))
+    _run(scheduler)
+    scheduler.add_request(_prompt_request("b", prompt))
+    _run(scheduler)
+    shared = scheduler.requests["a"].block_ids[:2]
+    assert scheduler.requests["b"].block_ids[:2] == shared
+    assert [blocks.blocks[i].ref_count for i in shared] == [2, 2]
+    scheduler.abort_requests(["a"])
+    assert [blocks.blocks[i].ref_count for i in shared] == [1, 1]
+    scheduler.abort_requests(["b"])
+    assert [blocks.blocks[i].ref_count for i in shared] == [0, 0]
+    assert len(blocks.free_blocks) == 8 and blocks.usage == 0.0

@@ -279,3 +279,33 @@ def test_engine_death_makes_every_api_server_answer_503() -> None:
     finally:
         leftovers = proc.stop()
     assert leftovers == []
+
+
+def test_prefix_cache_counters_are_the_engines_on_every_api_server(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    """A shared prefix is found in the cache, and both API servers report the engine's own
+    totals (not counts of their own), so Prometheus sees one counter whichever answers."""
+    system = "You are a terse assistant who answers in one word. " * 6
+    for question in ("Sky color?", "Grass color?", "Snow color?"):
+        client.completions.create(model=MODEL, prompt=system + question, max_tokens=2)
+
+    def totals(text: str) -> tuple[float, float]:
+        values = {}
+        for line in text.splitlines():
+            for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+                if line.startswith(name + "{"):
+                    values[name] = float(line.rsplit(" ", 1)[1])
+        return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+
+    deadline = time.monotonic() + 60
+    samples: dict[str, tuple[float, float]] = {}
+    while time.monotonic() < deadline:
+        response = _fresh_get(server.url, "/metrics")
+        samples[response.headers["x-rankcast-api-server"]] = totals(response.text)
+        if len(samples) == 2 and len(set(samples.values())) == 1:
+            break
+    assert len(samples) == 2 and len(set(samples.values())) == 1, samples
+    queries, hits = samples["0"]
+    assert hits >= 2 * 64, "the second and third prompts found the shared prefix"
+    assert queries > hits

@@ -82,7 +82,14 @@ def run_offline(model_dir: Path, dtype: str, runs: int, prompts: int | None = No
 class AnchorServer:
     """vLLM's OpenAI server on `model_dir`, serving the model name "anchor"."""
 
-    def __init__(self, model_dir: Path, port: int, dtype: str, log: Path | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        port: int,
+        dtype: str,
+        log: Path | None = None,
+        max_model_len: int = 1024,
+    ) -> None:
         python = anchor_python()
         assert python is not None, missing_message()
         self.url = f"http://127.0.0.1:{port}"
@@ -104,7 +111,7 @@ class AnchorServer:
                 "--dtype",
                 dtype,
                 "--max-model-len",
-                "1024",
+                str(max_model_len),
             ],
             env=anchor_env(),
             stdout=sink,

@@ -47,11 +47,17 @@ async def one_request(
     ttfts: list[float],
     itls: list[float],
     model: str | None = None,
+    system: str | None = None,
+    stamps: list[float] | None = None,
 ) -> int:
-    """One streaming chat request (on `model`, e.g. a LoRA adapter, if given); appends its
-    time to first token and inter-token gaps, returns the tokens produced."""
+    """One streaming chat request (on `model`, e.g. a LoRA adapter, if given; after a `system`
+    message, if given); appends its time to first token and inter-token gaps (and, given
+    `stamps`, the clock time of every token), returns the tokens produced."""
+    messages = [{"role": "user", "content": prompt}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     body: dict[str, object] = {
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": messages,
         "max_tokens": tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -75,6 +81,8 @@ async def one_request(
             if not chunk["choices"] or not chunk["choices"][0]["delta"].get("content"):
                 continue
             now = time.perf_counter()
+            if stamps is not None:
+                stamps.append(now)
             if last is None:
                 ttfts.append(now - start)
             else:

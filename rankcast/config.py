@@ -57,6 +57,8 @@ class CacheConfig:
     num_blocks: int | None = None
     # Reuse the K/V of full blocks another request already computed (engine/block_manager.py).
     enable_prefix_caching: bool = True
+    # Publish block stored/removed/cleared events through the notification channel.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         _require(

@@ -139,7 +139,38 @@ LoRAEvent = (
     | LoRAAdapterUnpinned
     | LoRAAdapterLoadFailed
 )
+
+
+class KVBlocksStored(Notification, tag="kv_blocks_stored"):
+    """The engine cached full blocks of one sequence, in order: `block_hashes[i]` names block i,
+    whose `block_size` tokens are `token_ids[i * block_size:(i + 1) * block_size]`; each name is
+    chained to the one before it, the first to `parent_block_hash` (None at a sequence's start).
+    `lora_id` is the adapter registration that computed them (0: the base model), so equal tokens
+    under another adapter are other blocks. A subscriber that applies every stored and removed
+    event in order holds exactly the engine's cache index."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int = 0
+    lora_name: str | None = None
+
+
+class KVBlocksRemoved(Notification, tag="kv_blocks_removed"):
+    """The engine reused the memory of these cached blocks: their K/V is gone."""
+
+    block_hashes: list[int]
+
+
+class KVCacheCleared(Notification, tag="kv_cache_cleared"):
+    """Every cached block was forgotten at once (the prefix cache was reset)."""
+
+
+KVCacheEvent = KVBlocksStored | KVBlocksRemoved | KVCacheCleared
 WorkerNotification = CustomNotification | NotificationsDropped | LoRAEvent
+# Everything a frontend may receive: what ranks publish, and the engine core's own events.
+AnyNotification = WorkerNotification | KVCacheEvent
 _LORA_TYPES = (
     LoRAAdapterLoaded,
     LoRAAdapterActivated,
@@ -198,7 +229,7 @@ class NotificationDecoder:
     """Decodes notifications one by one, so one unknown type never spoils a batch."""
 
     def __init__(self) -> None:
-        self._decoder = msgspec.msgpack.Decoder(WorkerNotification)
+        self._decoder = msgspec.msgpack.Decoder(AnyNotification)
         self._tag_decoder = msgspec.msgpack.Decoder(_TypeOnly)
 
     def decode(self, raws: list[msgspec.Raw]) -> tuple[list[Notification], list[str]]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import msgspec
 
 from rankcast.engine.request import Request
+from rankcast.notifications import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
 
 _HASH_MASK = (1 << 63) - 1  # non-negative 64-bit: every msgpack peer reads it as an integer
 
@@ -36,7 +37,11 @@ class Block:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_events: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -48,6 +53,10 @@ class BlockManager:
         # Prompt tokens looked up in the cache, and found, since start (what routers chart).
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # With KV-cache events on: names dropped and blocks named since the last take, in order.
+        self.kv_events = kv_events and enable_prefix_caching
+        self._removed: list[int] = []
+        self._events: list[Notification] = []
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -68,6 +77,8 @@ class BlockManager:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
+                    if self.kv_events:
+                        self._removed.append(block.block_hash)
                 block.block_hash = None
             block.ref_count = 1
             request.block_ids.append(block_id)
@@ -125,12 +136,57 @@ class BlockManager:
         if full <= request.num_cached_blocks:
             return
         hashes = self._hashes(request, full)
+        named: list[int] = []  # blocks of this request named now (a run; flushed on a gap)
         for i in range(request.num_cached_blocks, full):
             block_id = request.block_ids[i]
             if hashes[i] not in self.cached:
                 self.cached[hashes[i]] = block_id
                 self.blocks[block_id].block_hash = hashes[i]
+                named.append(i)
+            elif named:
+                self._stored(request, hashes, named)
+                named = []
+        if named:
+            self._stored(request, hashes, named)
         request.num_cached_blocks = full
+
+    def _stored(self, request: Request, hashes: list[int], run: list[int]) -> None:
+        if not self.kv_events:
+            return
+        first, bs = run[0], self.block_size
+        self._events.append(
+            KVBlocksStored(
+                block_hashes=[hashes[i] for i in run],
+                parent_block_hash=hashes[first - 1] if first else None,
+                token_ids=request.token_slice(first * bs, len(run) * bs),
+                block_size=bs,
+                lora_id=request.lora_id,
+                lora_name=request.lora_name,
+            )
+        )
+
+    def take_kv_events(self) -> list[Notification]:
+        """This step's cache changes, removals first (a step evicts while it schedules and
+        names blocks after it ran), then each run of newly named blocks."""
+        events: list[Notification] = []
+        if self._removed:
+            events.append(KVBlocksRemoved(block_hashes=self._removed))
+            self._removed = []
+        events += self._events
+        self._events = []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; only while no request holds a block (False otherwise),
+        so no running request loses a name it is about to publish."""
+        if len(self.free_blocks) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        self._removed = []
+        self._events = [KVCacheCleared()] if self.kv_events else []
+        return True
 
     @property
     def usage(self) -> float:

@@ -15,6 +15,7 @@ import msgspec
 
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine.block_manager import BlockManager
+from rankcast.engine.kv_cache_index import KVCacheIndex
 from rankcast.engine.lora_registry import LoRARegistry
 from rankcast.engine.notification_channel import EngineNotificationChannel
 from rankcast.engine.request import Request
@@ -76,13 +77,24 @@ class EngineCore:
             self.notifications.observers.append(self.loras.observe)
         self.scheduler = Scheduler(
             config.scheduler,
-            BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching),
+            BlockManager(
+                num_blocks,
+                block_size,
+                config.cache.enable_prefix_caching,
+                config.cache.kv_events,
+            ),
             self.max_model_len,
             self.loras,
         )
         if self.loras is not None:
             for name, path in config.lora.lora_modules:
                 self.loras.add(name, path)
+        # The prefix-cache index as the KV-cache events that left the engine describe it.
+        self.kv_index: KVCacheIndex | None = None
+        if self.scheduler.blocks.kv_events:
+            self.kv_index = KVCacheIndex()
+            self.notifications.observers.append(self.kv_index.apply)
+            self.notifications.register_snapshot_provider("kv_cache", self._kv_snapshot)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
             num_blocks,
@@ -219,6 +231,7 @@ class EngineCore:
             "remove_lora": lambda name: self._lora_registry().remove(name),
             "pin_lora": lambda name, pinned=True: self._lora_registry().pin(name, pinned),
             "list_loras": lambda: self._lora_registry().list(),
+            "reset_prefix_cache": self.reset_prefix_cache,
         }
         changes_producers = {"collective_rpc", "add_lora", "remove_lora", "pin_lora"}
         if method not in utilities:
@@ -266,6 +279,7 @@ class EngineCore:
             if result is not None:
                 outputs = self.scheduler.update_from_output(result)
         outputs.extend(self.scheduler.take_rejected())
+        self._publish_kv_events()
         self.notifications.collect()
         return EngineCoreOutputs(
             engine_index=self.engine_index,
@@ -275,6 +289,20 @@ class EngineCore:
             finished_requests=[o.request_id for o in outputs if o.finished] or None,
             engine_notifications=self.notifications.flush(),
         )
+
+    def _publish_kv_events(self) -> None:
+        for event in self.scheduler.blocks.take_kv_events():
+            self.notifications.publish_engine_event(event)
+
+    def _kv_snapshot(self) -> dict[str, Any]:
+        assert self.kv_index is not None
+        return {"block_size": self.scheduler.blocks.block_size, **self.kv_index.snapshot()}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (refused while requests hold blocks)."""
+        reset = self.scheduler.blocks.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -106,6 +106,9 @@ class LLMEngine:
         """Keep an adapter in the device tier (never evicted) until unpinned."""
         return self.client.call_utility("pin_lora", name, pinned)  # type: ignore[no-any-return]
 
+    def reset_prefix_cache(self) -> bool:
+        return self.client.call_utility("reset_prefix_cache")  # type: ignore[no-any-return]
+
     def list_loras(self) -> list[dict[str, Any]]:
         return self.client.call_utility("list_loras")  # type: ignore[no-any-return]
 

@@ -120,6 +120,14 @@ class EngineNotificationChannel:
         self.gather_seconds += time.perf_counter() - start
         return arrived
 
+    def publish_engine_event(self, n: Notification) -> None:
+        """Hold an event the engine core itself produced (KV-cache events): source `engine_core`
+        (rank -1), then the same sequence, flush and broadcast as every rank's events."""
+        n.timestamp = n.timestamp or time.time()
+        n.engine_index = n.dp_rank = self.engine_index
+        n.rank = ENGINE_RANK
+        self._hold(n)
+
     def _hold(self, n: Notification) -> None:
         if len(self.pending) >= self.capacity:
             self.pending.popleft()

@@ -36,6 +36,11 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
         help="reuse the KV of prompt prefixes earlier requests computed",
     )
     parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish KV-cache block stored/removed/cleared events (notification channel)",
+    )
+    parser.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -151,6 +156,7 @@ def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_events=args.kv_events,
         **(
             {"max_num_batched_tokens": args.max_num_batched_tokens}
             if args.max_num_batched_tokens is not None

@@ -116,6 +116,10 @@ class LLM:
         """Registered adapters with their tiers, device slot and pin."""
         return self.engine.list_loras()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def take_notifications(self) -> list[Notification]:
         """The engine notifications gathered so far (weight loads, plugin events, ...), each
         stamped with the rank it came from; oldest first, each returned once."""

@@ -144,6 +144,13 @@ def build_app(
         ]
         return {"object": "list", "data": [base, *adapters]}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Forget every engine's cached prefix blocks (409 while requests hold blocks)."""
+        done = await ctx().engine.call_utility("reset_prefix_cache")
+        status = 200 if all(done) else 409
+        return JSONResponse({"reset": done}, status_code=status)
+
     @app.get("/v1/lora_adapters")
     async def lora_adapters() -> dict[str, object]:
         """Adapter residency per engine and rank, as every API server sees it."""

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rankcast.entrypoints.openai.errors import error_response
 
 # Routes that need the API key when one is set.
-PROTECTED_PREFIXES = ("/v1", "/collective_rpc")
+PROTECTED_PREFIXES = ("/v1", "/collective_rpc", "/reset_prefix_cache")
 
 
 class TagAndAuthenticate:

@@ -1,0 +1,70 @@
+"""An engine's prefix-cache index rebuilt from its KV-cache events: what a router keeps.
+
+The engine core keeps one too, built from the events as they leave it, so the catch-up snapshot
+carries exactly the state the stream has described up to the snapshot's `engine_seq`: a late
+subscriber starts from it and applies what follows, with no replay from the start.
+
+A router scores a request by walking the request's blocks with `block_hash` (the engine's own
+naming, documented and stable) until a name is missing: that many leading tokens are cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rankcast.engine.block_manager import block_hash
+from rankcast.notifications import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
+
+
+@dataclass(frozen=True)
+class IndexedBlock:
+    parent: int | None
+    token_ids: tuple[int, ...]
+    lora_id: int
+
+
+class KVCacheIndex:
+    def __init__(self) -> None:
+        self.blocks: dict[int, IndexedBlock] = {}
+
+    def apply(self, n: Notification) -> None:
+        """Apply one event (other notification types are ignored)."""
+        if isinstance(n, KVBlocksStored):
+            bs = n.block_size
+            for i, name in enumerate(n.block_hashes):
+                parent = n.parent_block_hash if i == 0 else n.block_hashes[i - 1]
+                tokens = tuple(n.token_ids[i * bs : (i + 1) * bs])
+                self.blocks[name] = IndexedBlock(parent, tokens, n.lora_id)
+        elif isinstance(n, KVBlocksRemoved):
+            for name in n.block_hashes:
+                self.blocks.pop(name, None)
+        elif isinstance(n, KVCacheCleared):
+            self.blocks.clear()
+
+    def cached_prefix(self, token_ids: list[int], block_size: int, lora_id: int = 0) -> int:
+        """How many leading tokens of a prompt the engine holds (whole blocks)."""
+        parent: int | None = None
+        found = 0
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            name = block_hash(parent, token_ids[start : start + block_size], lora_id)
+            if name not in self.blocks:
+                break
+            parent, found = name, found + block_size
+        return found
+
+    def snapshot(self) -> dict[str, Any]:
+        """The snapshot section: every block as [name, parent, token_ids, lora_id]."""
+        return {
+            "blocks": [
+                [name, b.parent, list(b.token_ids), b.lora_id]
+                for name, b in sorted(self.blocks.items())
+            ]
+        }
+
+    @classmethod
+    def from_snapshot(cls, section: dict[str, Any]) -> KVCacheIndex:
+        index = cls()
+        for name, parent, tokens, lora_id in section.get("blocks", []):
+            index.blocks[name] = IndexedBlock(parent, tuple(tokens), lora_id)
+        return index

@@ -6,6 +6,7 @@ process starts or any weight is read.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from rankcast import envs
@@ -266,7 +267,7 @@ class EngineConfig:
         }
         for key, value in kwargs.items():
             for section, owner in owners.items():
-                if key in owner.__dataclass_fields__:
+                if key in {f.name for f in dataclasses.fields(owner)}:
                     sections[section][key] = value
                     break
             else:

@@ -193,11 +193,11 @@ class AsyncLLM:
             processed = self.output_processor.process_outputs(outputs.outputs)
             now = time.time()
             for output in processed.request_outputs:
-                stream = self.streams.get(output.request_id)
-                if stream is None:
+                owner = self.streams.get(output.request_id)
+                if owner is None:
                     continue
-                self._record_timing(stream, output, now)
-                stream.queue.put_nowait(output)
+                self._record_timing(owner, output, now)
+                owner.queue.put_nowait(output)
             if processed.requests_to_abort:
                 await client.abort_requests(processed.requests_to_abort)
 

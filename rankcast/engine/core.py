@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -222,7 +223,7 @@ class EngineCore:
         Utilities that can change what a producer publishes are followed by a gather, so their
         events leave before (or with) the utility's answer.
         """
-        utilities = {
+        utilities: dict[str, Callable[..., Any]] = {
             "ping": lambda: "pong",
             "get_stats": lambda: msgspec.structs.asdict(self.stats()),
             "snapshot": lambda: msgspec.to_builtins(self.snapshot()),

@@ -92,25 +92,25 @@ class LLMEngine:
         self, method: str, args: list[Any] | None = None, timeout: float | None = None
     ) -> list[Any]:
         """Call a worker-extension method on every rank; what it publishes is gathered at once."""
-        return self.client.call_utility("collective_rpc", method, args, timeout)  # type: ignore[no-any-return]
+        return self.client.call_utility("collective_rpc", method, args, timeout)
 
     def add_lora(self, name: str, path: str) -> dict[str, Any]:
         """Register an adapter and read it into every rank's host tier (and a device slot if
         one is free); validated first, so a bad one changes nothing."""
-        return self.client.call_utility("add_lora", name, path)  # type: ignore[no-any-return]
+        return self.client.call_utility("add_lora", name, path)
 
     def remove_lora(self, name: str) -> None:
         self.client.call_utility("remove_lora", name)
 
     def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
         """Keep an adapter in the device tier (never evicted) until unpinned."""
-        return self.client.call_utility("pin_lora", name, pinned)  # type: ignore[no-any-return]
+        return self.client.call_utility("pin_lora", name, pinned)
 
     def reset_prefix_cache(self) -> bool:
-        return self.client.call_utility("reset_prefix_cache")  # type: ignore[no-any-return]
+        return self.client.call_utility("reset_prefix_cache")
 
     def list_loras(self) -> list[dict[str, Any]]:
-        return self.client.call_utility("list_loras")  # type: ignore[no-any-return]
+        return self.client.call_utility("list_loras")
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         from rankcast.tokenizer import apply_chat_template

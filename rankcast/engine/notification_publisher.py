@@ -53,7 +53,8 @@ class NotificationPublisher:
         )
         self.engine_index = engine_index
         self.encoder = msgspec.msgpack.Encoder()
-        self.queue: queue.Queue[tuple[bytes, bytes | None] | None] = queue.Queue()
+        # (batch, state after it); a batch of None carries only the initial state.
+        self.queue: queue.Queue[tuple[bytes | None, bytes | None] | None] = queue.Queue()
         self.context = zmq.Context()
         # Bind now, so a bad endpoint fails the engine's start-up with its name.
         self.pub = self.context.socket(zmq.PUB)
@@ -100,17 +101,16 @@ class NotificationPublisher:
             try:
                 item = self.queue.get(timeout=0.01 if self.router is not None else None)
             except queue.Empty:
-                item = ()
+                item = (None, None)  # nothing new: only look at the replay socket
             if item is None:
                 return
-            if item:
-                payload, state_now = item
-                if payload is not None:
-                    seq += 1
-                    self.pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload])
-                    held.append((seq, payload))
-                if state_now is not None:
-                    state = state_now
+            payload, state_now = item
+            if payload is not None:
+                seq += 1
+                self.pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload])
+                held.append((seq, payload))
+            if state_now is not None:
+                state = state_now
             if self.router is not None and self.router.poll(0):
                 self._answer(held, seq, state)
 

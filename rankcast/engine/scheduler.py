@@ -49,6 +49,10 @@ class AdapterSlots(Protocol):
         now without evicting one of `busy`. Raises ValueError when it can never be served."""
         ...
 
+    def is_pinned(self, name: str) -> bool:
+        """Whether the adapter is pinned to its device slot (never drained for another)."""
+        ...
+
 
 class Scheduler:
     def __init__(
@@ -255,9 +259,9 @@ class Scheduler:
     def update_from_output(self, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Count the step's computed tokens, append sampled ones, finish requests that stop,
         and describe what changed."""
-        for request, count in self.scheduled:
-            request.num_computed_tokens += count
-            self.blocks.cache_computed_blocks(request)
+        for computed, count in self.scheduled:
+            computed.num_computed_tokens += count
+            self.blocks.cache_computed_blocks(computed)
         self.scheduled = []
         outputs: list[EngineCoreOutput] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)

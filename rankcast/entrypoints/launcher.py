@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.context import BaseContext
+from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -71,7 +71,7 @@ def _wait_ready(name: str, proc: BaseProcess, conn: Connection, timeout_s: float
 
 
 def _start_all(
-    spawn: BaseContext,
+    spawn: SpawnContext,
     specs: list[tuple[str, Callable[..., None], tuple[Any, ...]]],
     timeout_s: float,
 ) -> list[BaseProcess]:
@@ -85,10 +85,10 @@ def _start_all(
         write.close()
         started.append((proc, read))
     try:
-        for proc, read in started:
-            _wait_ready(proc.name.replace("_", " "), proc, read, timeout_s)
+        for child, pipe in started:
+            _wait_ready(child.name.replace("_", " "), child, pipe, timeout_s)
     except LaunchError:
-        _stop([proc for proc, _ in started])
+        _stop([child for child, _ in started])
         raise
     return [proc for proc, _ in started]
 

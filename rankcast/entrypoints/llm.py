@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from rankcast.config import EngineConfig
 from rankcast.engine.llm_engine import LLMEngine
@@ -48,9 +48,8 @@ class LLM:
         `lora_request` serves every prompt (or each prompt, given a list) with an adapter,
         loaded on first use; needs `enable_lora=True`.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        return self._run(list(prompts), params, lora_request)
+        batch: list[str | list[int]] = [prompts] if isinstance(prompts, str) else [*prompts]
+        return self._run(batch, params, lora_request)
 
     def chat(
         self,
@@ -58,15 +57,18 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or several, then generate."""
-        conversations: list[list[Message]] = (
-            [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
-        )
-        prompts = [self.engine.apply_chat_template(conv) for conv in conversations]
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(list[Message], messages)]
+        else:
+            conversations = [list(conv) for conv in cast(Sequence[list[Message]], messages)]
+        prompts: list[str | list[int]] = [
+            self.engine.apply_chat_template(conv) for conv in conversations
+        ]
         return self._run(prompts, params)
 
     def _run(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: list[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
@@ -83,8 +85,8 @@ class LLM:
             if len(adapters) != len(prompts):
                 raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} prompts")
         # First use order, so slots are assigned the same way every run.
-        for adapter in dict.fromkeys(a for a in adapters if a is not None):
-            self.engine.add_lora(adapter.name, adapter.path)
+        for first_use in dict.fromkeys(a for a in adapters if a is not None):
+            self.engine.add_lora(first_use.name, first_use.path)
         order: dict[str, int] = {}
         try:
             for index, (prompt, p, adapter) in enumerate(

@@ -90,7 +90,10 @@ class RayExecutor(Executor):
         self.remote_doorbell = False
         # No CPU reservation: ranks share a node's cores the way the mp executor's do.
         actor_class = ray.remote(num_cpus=0)(RayRank)
-        self.actors = [actor_class.remote(config, source, rank) for rank in range(self.world_size)]
+        # Ray actor handles: their methods are called as `.remote(...)` (untyped by Ray).
+        self.actors: list[Any] = [
+            actor_class.remote(config, source, rank) for rank in range(self.world_size)
+        ]
         try:
             host, port = ray.get(self.actors[0].address.remote())
             init_method = f"tcp://{host}:{port}"

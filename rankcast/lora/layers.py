@@ -16,10 +16,14 @@ and never pre-sharded by hand.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rankcast.lora.peft_adapter import LoRAAdapter
+
+if TYPE_CHECKING:
+    from rankcast.model.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ class LoRALinear:
 
 
 def attach_lora(
-    model: torch.nn.Module, max_loras: int, max_rank: int
+    model: LlamaForCausalLM, max_loras: int, max_rank: int
 ) -> tuple[LoRAContext, dict[int, list[LoRALinear]]]:
     """Give every targetable projection of this stage's layers `max_loras` empty slots.
 
@@ -145,7 +149,8 @@ def attach_lora(
     dtype, device = param.dtype, param.device
     context = LoRAContext(max_loras, max_rank, device)
     per_layer: dict[int, list[LoRALinear]] = {}
-    for key, layer in model.layers.items():
+    indices = range(model.start_layer, model.end_layer)
+    for index, layer in zip(indices, model.decoder_layers(), strict=True):
         qkv = layer.self_attn.qkv_proj
         q, kv = qkv.q_size, qkv.kv_size
         kv_index = tp.rank // qkv.kv_replicas
@@ -179,5 +184,5 @@ def attach_lora(
             [SubProjection("down_proj", 0, down.weight.shape[0], in_shard=tp.rank)],
             down.input_size_per_rank,
         )
-        per_layer[int(key)] = [qkv.lora, gate_up.lora, o_proj.lora, down.lora]
+        per_layer[index] = [qkv.lora, gate_up.lora, o_proj.lora, down.lora]
     return context, per_layer

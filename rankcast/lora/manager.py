@@ -111,6 +111,7 @@ class LoRAManager:
             raise RuntimeError(f"adapter {adapter_id} is not on this rank")
         if pinned == (adapter_id in self.pinned):
             return
+        event: LoRAAdapterPinned | LoRAAdapterUnpinned
         if pinned:
             self.pinned.add(adapter_id)
             event = LoRAAdapterPinned(

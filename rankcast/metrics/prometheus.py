@@ -44,7 +44,7 @@ class EngineCounter:
         self.documentation = documentation
         self.model_name = model_name
         self.values: dict[str, float] = {}
-        registry.register(self)  # type: ignore[arg-type]
+        registry.register(self)
 
     def set(self, engine: str, value: float) -> None:
         self.values[engine] = value
@@ -254,15 +254,14 @@ class ServerMetrics:
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
         for n in notifications:
-            is_custom = isinstance(n, CustomNotification)
-            key = n.key if is_custom else ""
+            key = n.key if isinstance(n, CustomNotification) else ""
             self.notifications_total.labels(notification_type(n), key).inc()
             self.notification_lag.observe(max(0.0, now - n.timestamp))
             if isinstance(n, NotificationsDropped):
                 self.notifications_dropped.labels(str(n.engine_index), rank_label(n.rank)).inc(
                     n.count
                 )
-            elif is_custom and n.key == WEIGHTS_LOADED_KEY:
+            elif isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY:
                 self._record_weights(str(n.engine_index), n.rank, n.payload)
         for kind in unknown:
             self.notifications_total.labels(kind, "").inc()

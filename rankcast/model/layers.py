@@ -47,6 +47,7 @@ class PackedLinearMixin:
     products on every call would cost more than the multiplication."""
 
     packed_weight: ops.PackedWeight | None = None
+    weight: nn.Parameter  # the plain weight, which each layer defines
 
     def prepack(self, weight: torch.Tensor) -> None:
         self.packed_weight = ops.pack_linear_weight(weight.detach())
@@ -248,4 +249,4 @@ def prepack_linears(model: nn.Module) -> None:
     """Prepack every linear-like layer's weight after loading (a no-op where it does not help)."""
     for module in model.modules():
         if isinstance(module, PackedLinearMixin):
-            module.prepack(module.weight)  # type: ignore[attr-defined]
+            module.prepack(module.weight)

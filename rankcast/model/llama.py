@@ -7,7 +7,8 @@ Parameter names follow HF checkpoints except where projections are stacked (`qkv
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -127,32 +128,37 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, self.tp)
             if arch.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
-        # This stage's layers as one C++ call where it can run them (fuse_layers).
-        self.fused_layers: torch.ScriptObject | None = None
+        # This stage's layers as one C++ call where it can run them (fuse_layers): a
+        # torch.classes.rankcast.DecoderStack.
+        self.fused_layers: Any = None
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """This stage's layers, in order."""
+        return [layer for layer in self.layers.values() if isinstance(layer, LlamaDecoderLayer)]
 
     def attention_layers(self) -> list[PagedAttention]:
         """This stage's attention modules, in layer order, for the runner to hand caches to."""
-        return [layer.self_attn.attn for layer in self.layers.values()]  # type: ignore[union-attr]
+        return [layer.self_attn.attn for layer in self.decoder_layers()]
 
     def fuse_layers(self) -> bool:
         """Hand this stage's layers to the C++ decoder stack, where it can run them all: one
         rank (no all-reduce between layers), no LoRA, rankcast's packed linears, caches set.
         Returns whether it could; the module path stays in use for everything else."""
         self.fused_layers = None
-        layers = [layer for layer in self.layers.values() if isinstance(layer, LlamaDecoderLayer)]
+        layers = self.decoder_layers()
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
             return False
-        projections = []
+        projections: list[list[ops.PackedWeight]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             group = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             packed = [p.packed_weight for p in group]
-            if attn.attn.key_cache is None or any(
-                p.lora is not None or w is None or w.backend != "rankcast"
-                for p, w in zip(group, packed, strict=True)
-            ):
+            if attn.attn.key_cache is None or any(p.lora is not None for p in group):
                 return False
-            projections.append(packed)
+            ready = [w for w in packed if w is not None and w.backend == "rankcast"]
+            if len(ready) != len(group):
+                return False
+            projections.append(ready)
         first = layers[0].self_attn.attn
         stack = torch.classes.rankcast.DecoderStack(
             first.num_heads,
@@ -208,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
                 meta.query_start,
             )
         else:
-            for layer in self.layers.values():
+            for layer in self.decoder_layers():
                 hidden, residual = layer(hidden, residual, meta)
         if self.norm is None:
             return hidden, residual
@@ -244,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 continue  # belongs to another stage (embedding, norm, head)
             param = params[target]
-            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
             with torch.no_grad():
                 if shard is None:
                     loader(param, tensor)

@@ -44,6 +44,8 @@ class RotaryEmbedding(nn.Module):
     """The rotate-half RoPE table that HF checkpoints assume, as one float32 `cos_sin` buffer:
     row p is `cos(p * inv_freq) | sin(p * inv_freq)`, so a kernel reads one row per token."""
 
+    cos_sin: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rankcast
 from rankcast.engine.addresses import ClientAddresses
-from rankcast.engine.async_llm import AsyncLLM
+from rankcast.engine.async_llm import AsyncLLM, NotificationSink
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.entrypoints.openai.errors import APIError, error_response
 from rankcast.entrypoints.openai.events import EventFilter, EventHub, parse_event_id
@@ -269,7 +269,7 @@ def run_api_server(
         metrics.lora = LoRAMetrics(metrics.registry, config.model_name, loras)
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
         clients = [AsyncMPClient(addresses, index) for addresses in engines]
-        sinks = [metrics, events, loras, metrics.lora]
+        sinks: list[NotificationSink] = [metrics, events, loras, metrics.lora]
         engine = AsyncLLM(clients, tokenizer, metrics, sinks=sinks)
         try:
             await engine.start()

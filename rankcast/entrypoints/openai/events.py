@@ -168,13 +168,13 @@ class EventHub:
                     )
                     return
                 try:
-                    event = await asyncio.wait_for(subscriber.queue.get(), _KEEPALIVE_S)
+                    live = await asyncio.wait_for(subscriber.queue.get(), _KEEPALIVE_S)
                 except TimeoutError:
                     yield b": keepalive\n\n"
                     continue
-                if event is None:
+                if live is None:
                     return
-                if event_filter.matches(event):
-                    yield event.frame()
+                if event_filter.matches(live):
+                    yield live.frame()
         finally:
             self.subscribers.discard(subscriber)

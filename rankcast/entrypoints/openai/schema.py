@@ -7,7 +7,7 @@ accepted too.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -86,7 +86,7 @@ class CompletionRequest(_SamplingFields):
             return value[0]
         if isinstance(value, list) and not value:
             raise ValueError("the prompt is empty")
-        return value
+        return cast(str | list[int], value)  # a list of strings returned above
 
     @field_validator("echo")
     @classmethod

@@ -299,7 +299,7 @@ async def create_completion(
         prompt_text: str | None = body.prompt
         prompt_ids = list(ctx.tokenizer(body.prompt)["input_ids"])
     else:
-        prompt_text, prompt_ids = None, list(body.prompt)  # type: ignore[arg-type]
+        prompt_text, prompt_ids = None, list(body.prompt)
         vocab = len(ctx.tokenizer)
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")

@@ -32,7 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.serve import one_request, percentile  # noqa: E402
+from bench.serve import client_session, one_request, percentile  # noqa: E402
 
 WORKLOAD = ROOT / "bench" / "prompts.json"
 RESULTS = ROOT / "bench" / "results"
@@ -135,8 +135,7 @@ async def _load(url: str, models: list[str | None], prompts: list[str], tokens: 
     """Send one streaming request per entry of `models`, `n` in flight: (TTFTs, tokens, s)."""
     ttfts: list[float] = []
     gate = asyncio.Semaphore(n)
-    limits = httpx.Limits(max_connections=n + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
+    async with client_session(url, n + 4) as http:
 
         async def guarded(i: int, model: str | None) -> int:
             async with gate:

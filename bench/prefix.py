@@ -28,12 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve import one_request, percentile  # noqa: E402
+from bench.serve import client_session, one_request, percentile  # noqa: E402
 from bench.workload import describe, load_prompts, machine_info  # noqa: E402
 
 MAX_MODEL_LEN = 4096
@@ -61,8 +59,7 @@ def long_prompt(i: int, sentences: int = 67) -> str:
 async def _burst(url: str, model: str | None, prompts: list[str], system: str, tokens: int):
     ttfts: list[float] = []
     itls: list[float] = []
-    limits = httpx.Limits(max_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
+    async with client_session(url, len(prompts) + 4) as http:
         start = time.perf_counter()
         produced = await asyncio.gather(
             *(one_request(http, p, tokens, ttfts, itls, model, system) for p in prompts)
@@ -88,8 +85,7 @@ def shared_part(url: str, model: str | None, questions: list[str]) -> dict[str, 
 
 
 async def _arrival(url: str, model: str | None, questions: list[str]) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=32)
-    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
+    async with client_session(url, 32) as http:
         stamps: list[list[float]] = [[] for _ in range(16)]
         scratch: list[float] = []
         streams = [

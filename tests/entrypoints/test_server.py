@@ -309,3 +309,35 @@ def test_prefix_cache_counters_are_the_engines_on_every_api_server(
     queries, hits = samples["0"]
     assert hits >= 2 * 64, "the second and third prompts found the shared prefix"
     assert queries > hits
+
+
+def test_reset_prefix_cache_needs_the_key_and_empties_the_cache(server: ServerProcess) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/reset_prefix_cache").status_code == 401
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        response = http.post("/reset_prefix_cache", headers=headers)
+        assert response.status_code == 200 and response.json() == {"reset": [True]}
+        prompt = "Repeat after me: the quick brown fox jumps over the lazy dog. " * 4
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        for _ in range(2):
+            assert http.post("/v1/completions", json=body, headers=headers).status_code == 200
+
+    def totals() -> tuple[float, float]:
+        text = _fresh_get(server.url, "/metrics").text
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for name in ("vllm:prefix_cache_queries_total{", "vllm:prefix_cache_hits_total{")
+            for line in text.splitlines()
+            if line.startswith(name)
+        ]
+        return values[0], values[1]
+
+    queries, hits = totals()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        http.post("/reset_prefix_cache", headers=headers)
+        assert http.post("/v1/completions", json=body, headers=headers).status_code == 200
+    deadline = time.monotonic() + 30
+    while totals()[0] == queries:  # until this server has the stats of that request
+        assert time.monotonic() < deadline, "the request's lookup never showed in the metrics"
+        time.sleep(0.1)
+    assert totals()[1] == hits, "after a reset the same prompt finds nothing cached"

@@ -84,7 +84,10 @@ def test_lru_eviction_skips_the_pinned_adapter_and_unpin_releases_it(
             ("activated", "a", "device"),
             ("pinned", "a", "device"),
         ]
-        # a is now the least recently used of the device pair, yet b evicts c, not a.
+        # Pinning used a just now; use c after it, so that a is certainly the least recently
+        # used of the device pair: only the pin can explain b evicting c rather than a.
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=c)) == [alone["c"]]
+        assert _lifecycle(llm) == []
         assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=b)) == [alone["b"]]
         assert _lifecycle(llm) == [("evicted", "c", "lru"), ("activated", "b", "device")]
         llm.pin_lora("a", pinned=False)
@@ -206,3 +209,32 @@ def test_an_adapter_whose_files_vanished_fails_its_request_with_the_reason_and_n
     assert events[failed_at + 1] == ("evicted", "doomed", "load_failed")  # tier disk: forgotten
     assert ("evicted", "b", "capacity") not in events, "a failed read evicts nobody"
     assert "unregistered" in failed.error
+
+
+def test_with_two_slots_the_running_adapter_is_never_the_victim_even_when_least_recent(
+    tiny_llama_dir: Path, requests: list[LoRARequest]
+) -> None:
+    """Two slots: a runs a long request, x is used (and finishes) after a started, so a is the
+    least recently used; a request on b must then evict the idle x, never the running a. With
+    one slot the scheduler defers before the registry is asked, so only two slots test the
+    registry's own rule."""
+    a, x, b = requests
+    long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with lora_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=3) as llm:
+        want = _tokens(llm.generate([PROMPT], long, lora_request=a))[0]
+        for r in (x, b):
+            llm.engine.add_lora(r.name, r.path)
+        engine = llm.engine
+        running = engine.add_request(PROMPT, long, lora_name="a")
+        engine.step()
+        quick = engine.add_request(PROMPT, GREEDY, lora_name=x.name)
+        outputs: dict[str, object] = {}
+        while quick not in outputs:
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        _lifecycle(llm)
+        late = engine.add_request(PROMPT, GREEDY, lora_name=b.name)
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert _lifecycle(llm) == [("evicted", x.name, "lru"), ("activated", b.name, "device")]
+        assert _tokens([outputs[running]]) == [want], "a kept its slot while it ran"
+        assert late in outputs

@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench lint format kernels
+.PHONY: serve test bench lint format kernels mutants
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,3 +35,8 @@ format: $(STAMP)
 
 bench: kernels
 	$(PY) bench/offline_throughput.py
+
+# One small mutation per rule of the notification contract and the adapter cache; each must make
+# its mapped tests fail (docs/rules-and-tests.md). Not part of `make test`: ~10 minutes.
+mutants: kernels
+	$(PY) -m tests.mutation.run

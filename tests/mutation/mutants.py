@@ -1,0 +1,216 @@
+"""One small mutation per rule of the notification contract and of the adapter cache (and a few
+engine rules they rest on), each with the tests that must fail when it is applied.
+
+docs/rules-and-tests.md is the same list as a table; `make mutants` (tests/mutation/run.py)
+applies each mutation, runs only its tests, reverts it and says CAUGHT or SURVIVED.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    rule: str
+    path: str
+    original: str  # must occur exactly once in the file
+    mutated: str
+    tests: tuple[str, ...]
+
+
+NOTIFY = "tests/test_notifications.py"
+GATHER = "tests/engine/test_notification_gather.py"
+SERVED = "tests/entrypoints/test_server_notifications.py"
+CACHE = "tests/lora/test_lora_cache.py"
+
+MUTANTS = [
+    # ---- the notification contract (docs/architecture.md, rules 1-10) ----
+    Mutant(
+        "publish-skips-payload-check",
+        "1 Publish validates the payload at the producer",
+        "rankcast/notifications.py",
+        '        _check_value(n.payload, "payload")',
+        "        pass",
+        (NOTIFY,),
+    ),
+    Mutant(
+        "buffer-drops-newest",
+        "2 A full buffer drops the oldest event",
+        "rankcast/notifications.py",
+        "        lost = self._items.popleft()",
+        "        lost = self._items.pop()",
+        (NOTIFY,),
+    ),
+    Mutant(
+        "drop-marker-last",
+        "3 Drops are reported at the head of the drained batch",
+        "rankcast/notifications.py",
+        "            items.insert(0, marker)",
+        "            items.append(marker)",
+        (NOTIFY,),
+    ),
+    Mutant(
+        "gather-first-rank-only",
+        "4 Gather keeps every rank's events",
+        "rankcast/engine/notification_channel.py",
+        "        for rank, batch in enumerate(batches):",
+        "        for rank, batch in enumerate(batches[:1]):",
+        (GATHER,),
+    ),
+    Mutant(
+        "gather-swaps-rank-stamps",
+        "4 Gather stamps each event with its source ranks",
+        "rankcast/engine/notification_channel.py",
+        "                n.pp_rank, n.tp_rank, n.rank = pp_rank, tp_rank, rank",
+        "                n.pp_rank, n.tp_rank, n.rank = tp_rank, pp_rank, rank",
+        (GATHER,),
+    ),
+    Mutant(
+        "gather-reverses-rank-order",
+        "4 Gather concatenates in rank order",
+        "rankcast/engine/notification_channel.py",
+        "        for rank, batch in enumerate(batches):",
+        "        for rank, batch in reversed(list(enumerate(batches))):",
+        (GATHER,),
+    ),
+    Mutant(
+        "doorbell-ignored",
+        "5 A rank's doorbell triggers a gather after the step",
+        "rankcast/engine/notification_channel.py",
+        "if self.poll_due() or (self.use_doorbell and self.executor.notifications_pending()):",
+        "if self.poll_due():",
+        (GATHER,),
+    ),
+    Mutant(
+        "engine-list-unbounded",
+        "6 The engine's pending list is bounded, drops counted",
+        "rankcast/engine/notification_channel.py",
+        "            self.pending.popleft()",
+        "            pass",
+        (GATHER,),
+    ),
+    Mutant(
+        "engine-seq-gaps",
+        "6 Flush stamps a gap-free engine_seq",
+        "rankcast/engine/notification_channel.py",
+        "            self.next_engine_seq += 1",
+        "            self.next_engine_seq += 2",
+        (GATHER, SERVED),
+    ),
+    Mutant(
+        "broadcast-to-one-server",
+        "7 Every API server receives every notification",
+        "rankcast/engine/core_proc.py",
+        "engine_notifications=step.engine_notifications,",
+        "engine_notifications=step.engine_notifications if client == 0 else None,",
+        (SERVED,),
+    ),
+    Mutant(
+        "snapshot-seq-off-by-one",
+        "8 A late API server continues exactly after its snapshot",
+        "rankcast/engine/notification_channel.py",
+        "            self.next_engine_seq - 1,",
+        "            self.next_engine_seq,",
+        (SERVED,),
+    ),
+    Mutant(
+        "unknown-type-fatal",
+        "9 Unknown notification types are counted and skipped",
+        "rankcast/notifications.py",
+        "                    unknown.append(self._tag_decoder.decode(raw).type)",
+        "                    raise",
+        (NOTIFY,),
+    ),
+    Mutant(
+        "kv-removals-unpublished",
+        "10 Engine-level producers: KV-cache events describe the cache exactly",
+        "rankcast/engine/block_manager.py",
+        "                        self._removed.append(block.block_hash)",
+        "                        pass",
+        ("tests/engine/test_kv_events.py",),
+    ),
+    # ---- the adapter cache ----
+    Mutant(
+        "evicts-running-adapter",
+        "An adapter a running request uses is never evicted",
+        "rankcast/engine/lora_registry.py",
+        "            if a.slot is not None and not a.pinned and a.name not in busy",
+        "            if a.slot is not None and not a.pinned",
+        (CACHE,),
+    ),
+    Mutant(
+        "evicts-pinned-adapter",
+        "A pinned adapter is never evicted",
+        "rankcast/engine/lora_registry.py",
+        "            if a.slot is not None and not a.pinned and a.name not in busy",
+        "            if a.slot is not None and a.name not in busy",
+        (CACHE,),
+    ),
+    Mutant(
+        "evicts-most-recent",
+        "The least recently used idle adapter leaves a device slot",
+        "rankcast/engine/lora_registry.py",
+        "        return min(idle, key=lambda a: a.last_used, default=None)",
+        "        return max(idle, key=lambda a: a.last_used, default=None)",
+        (CACHE,),
+    ),
+    Mutant(
+        "host-tier-unbounded",
+        "A full host tier drops its least recently used idle adapter",
+        "rankcast/engine/lora_registry.py",
+        "        if len(held) < self.config.host_capacity:",
+        "        if True:",
+        (CACHE,),
+    ),
+    Mutant(
+        "batch-adapters-untracked",
+        "A batch never holds more distinct adapters than slots",
+        "rankcast/engine/scheduler.py",
+        "                active.add(request.lora_name)",
+        "                pass",
+        (CACHE,),
+    ),
+    Mutant(
+        "no-drain",
+        "A deferred adapter gets a slot drained for it",
+        "rankcast/engine/scheduler.py",
+        "                        self.draining = self._drain_target(running)",
+        "                        self.draining = None",
+        (CACHE,),
+    ),
+    Mutant(
+        "lora-scaling-ignores-rank",
+        "Adapter deltas are scaled by alpha / r",
+        "rankcast/lora/peft_adapter.py",
+        'alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank',
+        'alpha / math.sqrt(rank) if config.get("use_rslora") else alpha',
+        ("tests/lora/test_peft_adapter.py",),
+    ),
+    # ---- engine rules the two rest on ----
+    Mutant(
+        "greedy-picks-argmin",
+        "Greedy sampling takes the most likely token",
+        "rankcast/worker/sampler.py",
+        "        return ops.argmax(logits).tolist(), None",
+        "        return logits.argmin(dim=-1).tolist(), None",
+        ("tests/engine/test_llm.py",),
+    ),
+    Mutant(
+        "kv-slot-shifted",
+        "Each token's K/V goes to its own cache slot",
+        "rankcast/worker/model_runner.py",
+        "slots.extend(blocks[p // bs] * bs + p % bs for p in range(first, first + n))",
+        "slots.extend(blocks[p // bs] * bs + (p + 1) % bs for p in range(first, first + n))",
+        ("tests/model/test_llama_logits.py",),
+    ),
+    Mutant(
+        "prefix-cache-ignores-adapter",
+        "A cached block is reused only under the adapter that computed it",
+        "rankcast/engine/block_manager.py",
+        "block_hash(hashes[-1] if hashes else None, tokens, request.lora_id)",
+        "block_hash(hashes[-1] if hashes else None, tokens, 0)",
+        ("tests/engine/test_scheduler.py",),
+    ),
+]

@@ -58,6 +58,22 @@ def write_tiny_model(
     return path
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The suite runs in random order (pytest-randomly, seed printed at the top); a module
+    marked `scenario` is one session told in steps, so its tests keep their file order (the
+    module itself still lands anywhere in the run)."""
+    start = 0
+    while start < len(items):
+        end = start
+        module = items[start].nodeid.split("::")[0]
+        while end < len(items) and items[end].nodeid.split("::")[0] == module:
+            end += 1
+        if items[start].get_closest_marker("scenario") is not None:
+            items[start:end] = sorted(items[start:end], key=lambda item: item.reportinfo()[1] or 0)
+        start = end
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind() -> Iterator[None]:
     """Fail the run if any test left a child process (engine core, rank, API server) alive."""

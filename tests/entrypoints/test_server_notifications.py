@@ -264,29 +264,3 @@ def test_a_restarted_api_server_resumes_exactly_after_its_snapshot(server: Serve
         time.sleep(0.2)
     assert any('key="test.after"' in line for line in views["2"])
     assert any('key="test.before"' in line for line in views["2"]), "history came from snapshot"
-
-
-def test_a_rank_failing_under_a_gather_stops_the_engine_and_servers_answer_503(
-    server: ServerProcess,
-) -> None:
-    """Last in this module: it ends the engine core on purpose."""
-    response = worker_rpc(server.url, "break_notification_drain", 1)
-    assert response.status_code in (400, 503)  # the call's own gather is the one that fails
-    deadline = time.monotonic() + 60
-    unhealthy: set[str] = set()
-    while len(unhealthy) < SERVERS:
-        assert time.monotonic() < deadline, f"only API servers {sorted(unhealthy)} answer 503"
-        with httpx.Client(timeout=10) as http:
-            health = http.get(f"{server.url}/health")
-        if health.status_code == 503:
-            unhealthy.add(health.headers["x-rankcast-api-server"])
-        time.sleep(0.1)
-    # The engine core exits (after stopping its ranks), not just its sockets.
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            server.pid_of("engine_core_dp0")
-        except LookupError:
-            break
-        assert time.monotonic() < deadline, "the engine core process did not exit"
-        time.sleep(0.2)

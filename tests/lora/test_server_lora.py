@@ -24,6 +24,10 @@ from tests.entrypoints.server_process import ServerProcess
 from tests.lora.conftest import lora_llm
 from tests.lora.router_view import each_server, requests_info
 
+# An operator's session, step by step: each test starts from the adapter state the one above
+# left, so the module keeps its file order when the suite runs in random order (conftest.py).
+pytestmark = pytest.mark.scenario
+
 SERVERS = 2
 PROMPT = [5, 17, 300, 42, 9]
 LIFECYCLE = ",".join(

@@ -1,0 +1,52 @@
+"""A rank that fails while its notifications are gathered: the engine core stops (after its ranks)
+and every API server answers 503, with no hang. A module of its own: it ends its server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.entrypoints.notification_clients import producer_server_args, worker_rpc
+from tests.entrypoints.server_process import ServerProcess
+
+SERVERS = 2
+
+
+@pytest.fixture()
+def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        *producer_server_args(tiny_llama_dir, "--tensor-parallel-size", "2"),
+        api_server_count=SERVERS,
+    )
+    with proc.running():
+        yield proc
+
+
+def test_a_rank_failing_under_a_gather_stops_the_engine_and_servers_answer_503(
+    server: ServerProcess,
+) -> None:
+    """It ends the engine core on purpose, so it has a server of its own."""
+    response = worker_rpc(server.url, "break_notification_drain", 1)
+    assert response.status_code in (400, 503)  # the call's own gather is the one that fails
+    deadline = time.monotonic() + 60
+    unhealthy: set[str] = set()
+    while len(unhealthy) < SERVERS:
+        assert time.monotonic() < deadline, f"only API servers {sorted(unhealthy)} answer 503"
+        with httpx.Client(timeout=10) as http:
+            health = http.get(f"{server.url}/health")
+        if health.status_code == 503:
+            unhealthy.add(health.headers["x-rankcast-api-server"])
+        time.sleep(0.1)
+    # The engine core exits (after stopping its ranks), not just its sockets.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            server.pid_of("engine_core_dp0")
+        except LookupError:
+            break
+        assert time.monotonic() < deadline, "the engine core process did not exit"
+        time.sleep(0.2)

@@ -72,15 +72,20 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def ray_tp2(ray_cluster: str, tiny_llama_dir: Path) -> Iterator[LLM]:
-    llm = LLM(
-        str(tiny_llama_dir),
+def _ray_tp2_llm(model_dir: Path) -> LLM:
+    return LLM(
+        str(model_dir),
         dtype="float32",
         tensor_parallel_size=2,
         distributed_executor_backend="ray",
         kv_cache_space_gib=0.05,
     )
+
+
+@pytest.fixture(scope="module")
+def ray_tp2(ray_cluster: str, tiny_llama_dir: Path) -> Iterator[LLM]:
+    """Shared by the tests that leave both ranks alive (they run in any order)."""
+    llm = _ray_tp2_llm(tiny_llama_dir)
     yield llm
     llm.shutdown()
 
@@ -134,14 +139,16 @@ def test_ray_ranks_deliver_events_without_shared_memory(ray_tp2: LLM) -> None:
     assert ray_tp2.config.notifications.poll_interval is None
 
 
-def test_ray_dead_actor_fails_the_engine(ray_tp2: LLM) -> None:
-    executor = ray_tp2.engine.client.core.executor
-    pid = executor.collective_rpc(own_pid)[1]
-    os.kill(pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(ExecutorError, match=r"rank 1 \(Ray actor"):
-        ray_tp2.generate(["hello"], SamplingParams(max_tokens=20, ignore_eos=True))
-    assert time.monotonic() - start < 30
+def test_ray_dead_actor_fails_the_engine(ray_cluster: str, tiny_llama_dir: Path) -> None:
+    """Kills a rank, so it has an engine of its own."""
+    with _ray_tp2_llm(tiny_llama_dir) as llm:
+        executor = llm.engine.client.core.executor
+        pid = executor.collective_rpc(own_pid)[1]
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"rank 1 \(Ray actor"):
+            llm.generate(["hello"], SamplingParams(max_tokens=20, ignore_eos=True))
+        assert time.monotonic() - start < 30
 
 
 def test_ray_ranks_reach_every_api_server(ray_cluster: str, tiny_llama_dir: Path) -> None:

@@ -66,23 +66,41 @@ def test_silu_and_mul_matches_torch(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 8, 33])
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (40, 24), (16, 7)])
+@pytest.mark.parametrize("rows", [1, 5, 8, 33, 70])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (40, 24), (16, 7), (200, 301)])
 def test_packed_linear_matches_f_linear(
     dtype: torch.dtype, rows: int, out_features: int, in_features: int
 ) -> None:
-    # Row counts around the 8-row register tile, widths with partial panels and an odd K.
+    # Row counts around the 8-row register tile and the 64-row block, widths with partial
+    # panels, an odd K, and a K that spans several of the kernel's k-blocks.
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     packed = ops.pack_linear_weight(weight)
     assert packed is not None
+    # Outputs reach ~sqrt(K) in size: float32 rounding of a sum that long is ~1e-5 absolute,
+    # while a kernel that drops or repeats a k-block is off by whole units.
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else tolerance(dtype)
     for b in (None, bias):
-        want = F.linear(x.float(), weight.float(), None if b is None else b.float())
-        torch.testing.assert_close(
-            ops.packed_linear(x, packed, b).float(), want, **tolerance(dtype)
-        )
+        want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        torch.testing.assert_close(ops.packed_linear(x, packed, b).double(), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """Prefix caching reuses K/V computed in another batch: a row's output must not depend on
+    which rows share its step (tiles, row blocks and k-blocks may only change the order of work,
+    never the order of a sum)."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(200, 301, generator=gen).to(dtype)
+    x = torch.randn(70, 301, generator=gen).to(dtype)
+    packed = ops.pack_linear_weight(weight)
+    assert packed is not None
+    batch = ops.packed_linear(x, packed, None)
+    for row in (0, 9, 63, 64, 69):
+        alone = ops.packed_linear(x[row : row + 1].contiguous(), packed, None)
+        assert torch.equal(batch[row : row + 1], alone), f"row {row} differs"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

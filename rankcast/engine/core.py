@@ -1,13 +1,25 @@
-"""The engine core: owns the scheduler and the executor, and runs one step at a time.
+"""The engine core: owns the scheduler, the executor and the notification channel's sequence.
 
-This class is process-agnostic: the offline `LLM` drives it in-process, and the serving layer
-wraps it in a busy loop with ZMQ threads. It speaks only protocol structs.
+Every rule of the channel (docs/architecture.md, "The notification contract") is carried out
+here and nowhere else, whichever process drives the core:
+
+    rule 4/5a  gather at start          `start()`
+    rule 5b    gather after a utility   `call_utility()`
+    rule 5c/d  collect after a step     `step()`; when idle, `idle_outputs()`
+    rule 6     flush with the next message, or a notification-only one when idle
+    rule 7     every connected client gets every batch, in the same order; request outputs go
+               only to the client whose request they are (`Request.client_index`)
+    catch-up   `ready_info()` carries the snapshot the stream continues after
+
+The offline `LLM` drives it in-process (client 0); the engine-core process wraps it in ZMQ
+threads that only move bytes: each call here returns the messages to send, per client.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,21 +30,36 @@ from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine.block_manager import BlockManager
 from rankcast.engine.kv_cache_index import KVCacheIndex
 from rankcast.engine.lora_registry import LoRARegistry
-from rankcast.engine.notification_channel import EngineNotificationChannel
+from rankcast.engine.notification_channel import EngineNotificationChannel, GatherError
 from rankcast.engine.request import Request
 from rankcast.engine.scheduler import Scheduler
 from rankcast.executor.base import Executor
 from rankcast.model.arch import ArchConfig
 from rankcast.model.source import ModelSource
 from rankcast.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    ClientHello,
+    EngineCoreInput,
+    EngineCoreMessage,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineReady,
     EngineStateSnapshot,
+    FinishReason,
     SchedulerStats,
+    UtilityOutput,
+    UtilityRequest,
 )
 from rankcast.worker.extension import import_class
 
 logger = logging.getLogger(__name__)
+
+# Messages for clients, in the order they must be sent: (client index, message).
+Outbox = list[tuple[int, EngineCoreMessage]]
+# The longest an idle engine waits for input before it looks at its ranks again.
+IDLE_WAIT_S = 1.0
 
 
 class EngineCore:
@@ -90,6 +117,11 @@ class EngineCore:
         if self.loras is not None:
             for name, path in config.lora.lora_modules:
                 self.loras.add(name, path)
+        # Clients that completed the handshake: each gets every notification batch and stats.
+        self.clients: set[int] = set()
+        self.last_stats: SchedulerStats | None = None
+        # Called with every flushed batch (the ZMQ event stream publishes from here).
+        self.flush_sinks: list[Callable[[list[msgspec.Raw]], None]] = []
         # The prefix-cache index as the KV-cache events that left the engine describe it.
         self.kv_index: KVCacheIndex | None = None
         if self.scheduler.blocks.kv_events:
@@ -119,8 +151,173 @@ class EngineCore:
             )
         return wanted or min(self.arch.max_position_embeddings, cache_tokens)
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a tokenized request; length limits were checked by the frontend."""
+    # ---- the sequence ----
+
+    def start(self) -> None:
+        """Rule 5a: load-time events (each rank's weight-load figure) were published before any
+        client could ask; gather them once, they leave with the first message."""
+        self.gather_worker_notifications()
+
+    def ready_info(self, client: int, hello: ClientHello) -> EngineReady:
+        """Answer a client's hello: refuse another protocol version naming both; otherwise
+        connect it (aborting what it sent before a restart) and hand it the snapshot its
+        stream continues after."""
+        if hello.protocol_version != PROTOCOL_VERSION:
+            error = (
+                f"protocol version mismatch: engine core speaks {PROTOCOL_VERSION}, "
+                f"API server {client} speaks {hello.protocol_version}; run the same rankcast "
+                "version on both"
+            )
+            logger.error(error)
+            return EngineReady(PROTOCOL_VERSION, self.engine_index, pid=os.getpid(), error=error)
+        self._forget_client_requests(client)
+        self.clients.add(client)
+        blocks = self.scheduler.blocks
+        return EngineReady(
+            PROTOCOL_VERSION,
+            self.engine_index,
+            self.max_model_len,
+            blocks.num_blocks,
+            blocks.block_size,
+            pid=os.getpid(),
+            # Taken between flushes: the stream that follows starts exactly where it ends.
+            snapshot=self.snapshot(),
+        )
+
+    def _forget_client_requests(self, client: int) -> None:
+        """A (re)connecting client has no stream for requests it sent before: abort them."""
+        orphans = [
+            r.request_id for r in self.scheduler.unfinished_requests() if r.client_index == client
+        ]
+        if orphans:
+            logger.warning(
+                "API server %d reconnected; aborting its %d old requests", client, len(orphans)
+            )
+            self.abort_requests(orphans)
+
+    def handle(self, client: int, message: EngineCoreInput) -> Outbox:
+        """One message from client `client`; returns what must be sent because of it."""
+        if isinstance(message, ClientHello):
+            ready = self.ready_info(client, message)
+            if ready.error:
+                return [(client, ready)]
+            return [(client, ready), (client, self._stats_message(self.stats()))]
+        if client not in self.clients:
+            return []  # not connected: nowhere to answer
+        if isinstance(message, EngineCoreRequest):
+            try:
+                self.add_request(message, client)
+            except ValueError as exc:
+                # The frontend validates first; if it did not, end the request with the error.
+                logger.warning("rejected request %s: %s", message.request_id, exc)
+                rejected = EngineCoreOutput(
+                    message.request_id, [], finish_reason=FinishReason.ABORT, error=str(exc)
+                )
+                return [(client, EngineCoreOutputs(self.engine_index, outputs=[rejected]))]
+            return []
+        if isinstance(message, AbortRequests):
+            self.abort_requests(message.request_ids)
+            return []
+        reply = self._run_utility(message)
+        # Events the utility caused reach every client before the caller hears back.
+        outbox: Outbox = [*self._to_every_client(self._flush(), None)]
+        outbox.append((client, EngineCoreOutputs(self.engine_index, utility_output=reply)))
+        return outbox
+
+    def _run_utility(self, request: UtilityRequest) -> UtilityOutput:
+        try:
+            result = self.call_utility(request.method, *request.args)
+            return UtilityOutput(request.call_id, result=result)
+        except GatherError:
+            raise  # a rank failed under the channel: the engine stops, loudly
+        except ValueError as exc:
+            return UtilityOutput(request.call_id, error=str(exc))
+        except Exception as exc:
+            logger.exception("utility %s failed", request.method)
+            return UtilityOutput(request.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """Schedule, execute and account for one step (rule 5c: collect if a rank rang); each
+        client gets its own requests' outputs, and all of them the stats and the same batch."""
+        batch = self.scheduler.schedule()
+        outputs: list[tuple[int, EngineCoreOutput]] = []
+        if batch.sequences or batch.finished_request_ids:
+            # Finished ids must reach the ranks even on an otherwise empty step.
+            result = self.executor.execute_model(batch)
+            if result is not None:
+                outputs = self.scheduler.update_from_output(result)
+        outputs.extend(self.scheduler.take_rejected())
+        self._publish_kv_events()
+        self.notifications.collect()
+        flushed = self._flush()
+        stats = self.last_stats = self.stats()
+        now = time.time()
+        per_client: dict[int, list[EngineCoreOutput]] = {client: [] for client in self.clients}
+        for client, output in outputs:
+            mine = per_client.get(client)
+            if mine is not None:  # a client that went away has no stream to write to
+                mine.append(output)
+        return {
+            client: EngineCoreOutputs(
+                self.engine_index,
+                outputs=mine,
+                scheduler_stats=stats,
+                timestamp=now,
+                finished_requests=[o.request_id for o in mine if o.finished] or None,
+                engine_notifications=flushed,
+            )
+            for client, mine in per_client.items()
+        }
+
+    def idle_outputs(self) -> dict[int, EngineCoreOutputs] | None:
+        """No step ran: rule 5c/d (doorbell, poll), then rule 6: a notification-only message
+        to every client if anything was gathered, with the stats if they changed."""
+        self.notifications.collect()
+        stats = self.stats()
+        changed = stats != self.last_stats
+        self.last_stats = stats
+        outbox = self._to_every_client(self._flush(), stats if changed else None)
+        return dict(outbox) or None
+
+    def idle_timeout(self) -> float:
+        """How long an idle driver may wait for input before calling `idle_outputs` again."""
+        return self.notifications.idle_wait(IDLE_WAIT_S)
+
+    def _flush(self) -> list[msgspec.Raw] | None:
+        raws = self.notifications.flush()
+        if raws:
+            for sink in self.flush_sinks:
+                sink(raws)
+        return raws
+
+    def _to_every_client(
+        self, notifications: list[msgspec.Raw] | None, stats: SchedulerStats | None
+    ) -> list[tuple[int, EngineCoreOutputs]]:
+        """Rule 7: the same batch (and stats) for every connected client; nothing if neither."""
+        if notifications is None and stats is None:
+            return []
+        now = time.time()
+        return [
+            (
+                client,
+                EngineCoreOutputs(
+                    self.engine_index,
+                    scheduler_stats=stats,
+                    timestamp=now,
+                    engine_notifications=notifications,
+                ),
+            )
+            for client in sorted(self.clients)
+        ]
+
+    def _stats_message(self, stats: SchedulerStats) -> EngineCoreOutputs:
+        return EngineCoreOutputs(self.engine_index, scheduler_stats=stats, timestamp=time.time())
+
+    # ---- requests ----
+
+    def add_request(self, request: EngineCoreRequest, client: int | None = None) -> None:
+        """Queue a tokenized request for `client` (by default the one the request names);
+        length limits were checked by the frontend."""
         params = request.sampling_params
         prompt_len = len(request.prompt_token_ids)
         if prompt_len == 0:
@@ -149,7 +346,7 @@ class EngineCore:
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=request.arrival_time or time.time(),
-                client_index=request.client_index,
+                client_index=request.client_index if client is None else client,
                 lora_name=request.lora_name,
                 lora_id=lora_id,
             )
@@ -269,27 +466,6 @@ class EngineCore:
                 self._lora_request_sets, self._lora_requests_changed_at = sets, time.time()
             stats.lora_requests_changed_at = self._lora_requests_changed_at
         return stats
-
-    def step(self) -> EngineCoreOutputs:
-        """Schedule, execute and account for one step; notifications gathered so far ride along."""
-        batch = self.scheduler.schedule()
-        outputs = []
-        if batch.sequences or batch.finished_request_ids:
-            # Finished ids must reach the ranks even on an otherwise empty step.
-            result = self.executor.execute_model(batch)
-            if result is not None:
-                outputs = self.scheduler.update_from_output(result)
-        outputs.extend(self.scheduler.take_rejected())
-        self._publish_kv_events()
-        self.notifications.collect()
-        return EngineCoreOutputs(
-            engine_index=self.engine_index,
-            outputs=outputs,
-            scheduler_stats=self.stats(),
-            timestamp=time.time(),
-            finished_requests=[o.request_id for o in outputs if o.finished] or None,
-            engine_notifications=self.notifications.flush(),
-        )
 
     def _publish_kv_events(self) -> None:
         for event in self.scheduler.blocks.take_kv_events():

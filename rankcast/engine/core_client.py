@@ -13,7 +13,7 @@ from typing import Any
 from rankcast.config import EngineConfig
 from rankcast.engine.core import EngineCore
 from rankcast.model.source import ModelSource
-from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest
+from rankcast.protocol import PROTOCOL_VERSION, ClientHello, EngineCoreOutputs, EngineCoreRequest
 
 
 class EngineCoreClient(ABC):
@@ -61,11 +61,20 @@ class AsyncEngineCoreClient(ABC):
 
 
 class InprocClient(EngineCoreClient):
-    """Drives an `EngineCore` in the caller's thread; used by the offline `LLM`."""
+    """Drives an `EngineCore` in the caller's thread, as its only client; used by the offline
+    `LLM`. The core runs the same sequence as in its own process."""
+
+    CLIENT_INDEX = 0
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.core = EngineCore(config, source)
-        self.max_model_len = self.core.max_model_len
+        try:
+            ready = self.core.ready_info(self.CLIENT_INDEX, ClientHello(PROTOCOL_VERSION, 0))
+            self.core.start()
+        except BaseException:
+            self.core.shutdown()
+            raise
+        self.max_model_len = ready.max_model_len
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.core.add_request(request)
@@ -74,7 +83,15 @@ class InprocClient(EngineCoreClient):
         self.core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.core.step()
+        """One step's outputs, or (nothing to run) what the idle engine has to say."""
+        if self.core.has_unfinished_requests():
+            return self.core.step()[self.CLIENT_INDEX]
+        return self.idle_output()
+
+    def idle_output(self) -> EngineCoreOutputs:
+        """Between steps: what a rank published since (doorbell, poll), without stepping."""
+        idle = self.core.idle_outputs() or {}
+        return idle.get(self.CLIENT_INDEX) or EngineCoreOutputs(self.core.engine_index)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

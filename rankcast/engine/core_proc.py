@@ -1,13 +1,12 @@
 """The engine core as its own process: ZMQ I/O threads around the busy loop.
 
     input thread  : polls every API server's input socket, decodes, queues (client, message)
-    busy loop     : admits requests, runs utility calls, steps the core, routes outputs
+    busy loop     : hands each message to `EngineCore.handle`, then steps the core (or asks it
+                    for its idle outputs) and queues what the core says to send, per client
     output thread : encodes and sends each message on its API server's output socket
 
-Request outputs go only to the API server that sent the request; scheduler stats and engine
-notifications go to all of them, in the same order, so every frontend reports the same
-engine-wide figures. A notification never waits for traffic: when no step runs, it leaves in a
-notification-only message.
+This module decides nothing about the channel or routing: who gets which output, when
+notifications are gathered and flushed, is `EngineCore`'s (rankcast/engine/core.py).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import os
 import queue
 import signal
 import threading
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -26,32 +24,16 @@ import zmq
 
 from rankcast.config import EngineConfig
 from rankcast.engine.addresses import EngineAddresses
-from rankcast.engine.core import EngineCore
-from rankcast.engine.notification_channel import GatherError
+from rankcast.engine.core import EngineCore, Outbox
 from rankcast.engine.notification_publisher import NotificationPublisher
 from rankcast.executor.base import ExecutorError
 from rankcast.logger import init_logging
 from rankcast.model.source import ModelSource
 from rankcast.process import die_with_parent, set_process_title
-from rankcast.protocol import (
-    PROTOCOL_VERSION,
-    AbortRequests,
-    ClientHello,
-    EngineCoreInput,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineReady,
-    FinishReason,
-    SchedulerStats,
-    UtilityOutput,
-    UtilityRequest,
-)
+from rankcast.protocol import EngineCoreInput, EngineCoreOutputs, EngineReady
 
 logger = logging.getLogger(__name__)
 
-# How long an idle busy loop waits for input before looking around again.
-_IDLE_WAIT_S = 1.0
 # How long the handshake reply waits for the client's output connection to come up.
 _HANDSHAKE_WAIT_MS = 10_000
 # Outputs queued for one API server before further ones are dropped (a dead or stuck peer).
@@ -74,9 +56,6 @@ class EngineCoreProc:
         self.addresses = addresses
         self.inputs: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.outputs: queue.Queue[tuple[int, Any] | None] = queue.Queue()
-        self.connected: set[int] = set()
-        self.owners: dict[str, int] = {}
-        self.last_stats: SchedulerStats | None = None
         self.stopping = threading.Event()
         self.context = zmq.Context()
         # Bind before the threads start so an early client's messages are not lost.
@@ -93,6 +72,9 @@ class EngineCoreProc:
             self.output_sockets.append(push)
         self.core.executor.failure_callback = self._on_executor_failure
         self.publisher = NotificationPublisher.create(config.notifications, engine_index)
+        if self.publisher is not None:
+            publisher = self.publisher
+            self.core.flush_sinks.append(lambda raws: publisher.publish(raws, self.core.snapshot))
         self.threads = [
             threading.Thread(target=self._input_thread, name="engine-input", daemon=True),
             threading.Thread(target=self._output_thread, name="engine-output", daemon=True),
@@ -148,181 +130,29 @@ class EngineCoreProc:
 
     # ---- busy loop ----
 
-    def _handle(self, client: int, message: Any) -> None:
-        if isinstance(message, ExecutorError):
-            raise message
-        if isinstance(message, EngineCoreRequest):
-            if client not in self.connected:
-                return
-            try:
-                self.core.add_request(message)
-                self.owners[message.request_id] = client
-            except ValueError as exc:
-                # The frontend validates first; if it did not, finish the request with an error.
-                logger.warning("rejected request %s: %s", message.request_id, exc)
-                self._send(
-                    client,
-                    EngineCoreOutputs(
-                        self.engine_index,
-                        outputs=[
-                            EngineCoreOutput(
-                                message.request_id,
-                                [],
-                                finish_reason=FinishReason.ABORT,
-                                error=str(exc),
-                            )
-                        ],
-                    ),
-                )
-        elif isinstance(message, AbortRequests):
-            self.core.abort_requests(message.request_ids)
-            for request_id in message.request_ids:
-                self.owners.pop(request_id, None)
-        elif isinstance(message, UtilityRequest):
-            reply = self._run_utility(message)
-            # Events the utility caused reach every API server before the caller hears back.
-            self._broadcast(None)
-            self._send(client, EngineCoreOutputs(self.engine_index, utility_output=reply))
-        elif isinstance(message, ClientHello):
-            self._hello(client, message)
-
-    def _hello(self, client: int, hello: ClientHello) -> None:
-        error = ""
-        if hello.protocol_version != PROTOCOL_VERSION:
-            error = (
-                f"protocol version mismatch: engine core speaks {PROTOCOL_VERSION}, "
-                f"API server {client} speaks {hello.protocol_version}; run the same rankcast "
-                "version on both"
-            )
-            logger.error(error)
-        else:
-            self._forget_client_requests(client)
-            self.connected.add(client)
-        blocks = self.core.scheduler.blocks
-        self._send(
-            client,
-            EngineReady(
-                PROTOCOL_VERSION,
-                self.engine_index,
-                self.core.max_model_len,
-                blocks.num_blocks,
-                blocks.block_size,
-                pid=os.getpid(),
-                error=error,
-                # Taken on this thread between flushes: the stream that follows starts exactly
-                # where the snapshot ends.
-                snapshot=None if error else self.core.snapshot(),
-            ),
-        )
-        if not error:
-            self._send(
-                client,
-                EngineCoreOutputs(
-                    self.engine_index,
-                    scheduler_stats=self.core.stats(),
-                    timestamp=time.time(),
-                ),
-            )
-
-    def _forget_client_requests(self, client: int) -> None:
-        """A (re)connecting API server has no stream for requests it sent before: abort them."""
-        orphans = [rid for rid, owner in self.owners.items() if owner == client]
-        if orphans:
-            logger.warning(
-                "API server %d reconnected; aborting its %d old requests", client, len(orphans)
-            )
-            self.core.abort_requests(orphans)
-            for request_id in orphans:
-                del self.owners[request_id]
-
-    def _run_utility(self, request: UtilityRequest) -> UtilityOutput:
-        try:
-            return UtilityOutput(
-                request.call_id, result=self.core.call_utility(request.method, *request.args)
-            )
-        except GatherError:
-            raise  # a rank failed under the channel: the engine stops, loudly
-        except ValueError as exc:
-            return UtilityOutput(request.call_id, error=str(exc))
-        except Exception as exc:
-            logger.exception("utility %s failed", request.method)
-            return UtilityOutput(request.call_id, error=f"{type(exc).__name__}: {exc}")
-
-    def _send(self, client: int, message: Any) -> None:
-        self.outputs.put((client, message))
-
-    def _route(self, step: EngineCoreOutputs) -> None:
-        """Each API server gets its own requests' outputs; every one gets the stats and the
-        same notification batch (encoded once)."""
-        per_client: dict[int, list[EngineCoreOutput]] = {}
-        for output in step.outputs:
-            owner = self.owners.get(output.request_id)
-            if owner is None:
-                continue
-            per_client.setdefault(owner, []).append(output)
-            if output.finished:
-                del self.owners[output.request_id]
-        self._publish(step.engine_notifications)
-        for client in self.connected:
-            mine = per_client.get(client, [])
-            self._send(
-                client,
-                EngineCoreOutputs(
-                    self.engine_index,
-                    outputs=mine,
-                    scheduler_stats=step.scheduler_stats,
-                    timestamp=step.timestamp,
-                    finished_requests=[o.request_id for o in mine if o.finished] or None,
-                    engine_notifications=step.engine_notifications,
-                ),
-            )
-        self.last_stats = step.scheduler_stats
-
-    def _broadcast(self, stats: SchedulerStats | None) -> None:
-        """Send pending notifications (and `stats`, if given) to every API server, if any."""
-        notifications = self.core.notifications.flush()
-        if notifications is None and stats is None:
+    def _send_all(self, outbox: Outbox | dict[int, EngineCoreOutputs] | None) -> None:
+        if not outbox:
             return
-        self._publish(notifications)
-        for client in self.connected:
-            self._send(
-                client,
-                EngineCoreOutputs(
-                    self.engine_index,
-                    scheduler_stats=stats,
-                    timestamp=time.time(),
-                    engine_notifications=notifications,
-                ),
-            )
-
-    def _publish(self, notifications: list[msgspec.Raw] | None) -> None:
-        if notifications and self.publisher is not None:
-            self.publisher.publish(notifications, self.core.snapshot)
-
-    def _idle_tick(self) -> None:
-        """No step ran: look at the doorbell (and poll), then send what changed."""
-        self.core.notifications.collect()
-        stats = self.core.stats()
-        changed = stats != self.last_stats
-        self.last_stats = stats
-        self._broadcast(stats if changed else None)
+        for client, message in outbox.items() if isinstance(outbox, dict) else outbox:
+            self.outputs.put((client, message))
 
     def _drain_inputs(self, block: bool) -> None:
         try:
             client, message = (
-                self.inputs.get(timeout=self.core.notifications.idle_wait(_IDLE_WAIT_S))
+                self.inputs.get(timeout=self.core.idle_timeout())
                 if block
                 else self.inputs.get_nowait()
             )
         except queue.Empty:
             return
-        self._handle(client, message)
         while True:
+            if isinstance(message, ExecutorError):
+                raise message
+            self._send_all(self.core.handle(client, message))
             try:
                 client, message = self.inputs.get_nowait()
             except queue.Empty:
                 return
-            self._handle(client, message)
 
     def run(self) -> None:
         """Serve until told to stop; any failure (a dead rank, say) ends the process loudly, so
@@ -332,15 +162,13 @@ class EngineCoreProc:
         if self.publisher is not None:
             self.publisher.start(self.core.snapshot)
         try:
-            # Load-time events (each rank's weight-load figure) were published before any
-            # client could ask: gather them once, they leave with the first message.
-            self.core.gather_worker_notifications()
+            self.core.start()
             while not self.stopping.is_set():
                 self._drain_inputs(block=not self.core.has_unfinished_requests())
                 if self.core.has_unfinished_requests():
-                    self._route(self.core.step())
+                    self._send_all(self.core.step())
                 else:
-                    self._idle_tick()
+                    self._send_all(self.core.idle_outputs())
         except Exception:
             logger.exception("engine core failed; exiting")
             self.close()

@@ -27,8 +27,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.notification_decoder = NotificationDecoder()
         self.notifications: list[Notification] = []
-        # Load-time events (each rank's weight-load figure) are the caller's too.
-        self.client.core.gather_worker_notifications()
 
     @property
     def max_model_len(self) -> int:
@@ -80,9 +78,7 @@ class LLMEngine:
         Looks at the doorbell (and the poll) first, so an event published since the last step
         is here even if no step runs again.
         """
-        core = self.client.core
-        core.notifications.collect()
-        raws = core.notifications.flush()
+        raws = self.client.idle_output().engine_notifications
         if raws:
             self._keep(raws)
         taken, self.notifications = self.notifications, []

@@ -201,10 +201,10 @@ class Scheduler:
         self._finish(request)
         self.rejected.append(request)
 
-    def take_rejected(self) -> list[EngineCoreOutput]:
-        """Outputs for the requests the scheduler ended since the last call."""
+    def take_rejected(self) -> list[tuple[int, EngineCoreOutput]]:
+        """(client index, output) for the requests the scheduler ended since the last call."""
         rejected, self.rejected = self.rejected, []
-        return [self._take_output(r) for r in rejected]
+        return [(r.client_index, self._take_output(r)) for r in rejected]
 
     def _schedule_running(self, budget: int) -> tuple[list[tuple[Request, int]], int, bool]:
         """Every running request's next token or prompt chunk, oldest first; preempts the
@@ -256,14 +256,14 @@ class Scheduler:
             )
         return SchedulerOutput(sequences, finished)
 
-    def update_from_output(self, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(self, result: ModelRunnerOutput) -> list[tuple[int, EngineCoreOutput]]:
         """Count the step's computed tokens, append sampled ones, finish requests that stop,
-        and describe what changed."""
+        and describe what changed: (client index, output), the client that owns the request."""
         for computed, count in self.scheduled:
             computed.num_computed_tokens += count
             self.blocks.cache_computed_blocks(computed)
         self.scheduled = []
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[tuple[int, EngineCoreOutput]] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)
         for request_id, token, lp in zip(
             result.request_ids, result.sampled_token_ids, logprobs, strict=True
@@ -275,7 +275,7 @@ class Scheduler:
             if request.check_stop(self.max_model_len):
                 self.running.remove(request)
                 self._finish(request)
-            outputs.append(self._take_output(request))
+            outputs.append((request.client_index, self._take_output(request)))
         return outputs
 
     def _take_output(self, request: Request) -> EngineCoreOutput:

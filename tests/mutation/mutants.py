@@ -102,9 +102,9 @@ MUTANTS = [
     Mutant(
         "broadcast-to-one-server",
         "7 Every API server receives every notification",
-        "rankcast/engine/core_proc.py",
-        "engine_notifications=step.engine_notifications,",
-        "engine_notifications=step.engine_notifications if client == 0 else None,",
+        "rankcast/engine/core.py",
+        "engine_notifications=flushed,",
+        "engine_notifications=flushed if client == 0 else None,",
         (SERVED,),
     ),
     Mutant(

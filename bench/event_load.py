@@ -9,7 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
-from rankcast.notifications import CustomNotification, publish_worker_notification
+from rankcast.notifications import CustomNotification
+from rankcast.worker.notification_buffer import publish_worker_notification
 
 
 class EventLoad:

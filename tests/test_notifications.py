@@ -10,15 +10,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rankcast.notifications import (
-    CustomNotification,
-    Doorbell,
-    Notification,
-    NotificationBuffer,
-    NotificationDecoder,
-    NotificationsDropped,
-)
+from rankcast.engine.notification_decoder import NotificationDecoder
+from rankcast.notifications import CustomNotification, Notification, NotificationsDropped
 from rankcast.protocol import EngineCoreMessage, EngineCoreOutputs
+from rankcast.worker.notification_buffer import Doorbell, NotificationBuffer
 
 WIRE = Path(__file__).parent / "fixtures" / "wire"
 
@@ -85,9 +80,8 @@ def test_empty_drain_is_none_and_drain_empties() -> None:
 def test_overflow_drops_the_oldest_reports_the_gap_first_and_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    buffer = NotificationBuffer()
-    buffer.configure(capacity=3)
-    with caplog.at_level(logging.WARNING, logger="rankcast.notifications"):
+    buffer = NotificationBuffer(capacity=3)
+    with caplog.at_level(logging.WARNING, logger="rankcast.worker.notification_buffer"):
         for i in range(5):
             buffer.publish(_event(i))
         first = buffer.take()
@@ -105,8 +99,7 @@ def test_overflow_drops_the_oldest_reports_the_gap_first_and_warns_once(
 
 
 def test_concurrent_publish_and_drain_lose_nothing_but_counted_drops() -> None:
-    buffer = NotificationBuffer()
-    buffer.configure(capacity=64)
+    buffer = NotificationBuffer(capacity=64)
     threads, per_thread = 4, 3000
     received: list[Notification] = []
     done = threading.Event()
@@ -143,8 +136,7 @@ def test_concurrent_publish_and_drain_lose_nothing_but_counted_drops() -> None:
 
 def test_doorbell_rings_on_publish_and_take_clears_it() -> None:
     doorbell = Doorbell.create(2)
-    buffer = NotificationBuffer()
-    buffer.configure(capacity=8, doorbell=doorbell, rank=1)
+    buffer = NotificationBuffer(capacity=8, doorbell=doorbell, rank=1)
     assert doorbell.take() is False
     buffer.publish(_event(0))
     assert list(doorbell.flags) == [0, 1]

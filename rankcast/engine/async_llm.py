@@ -19,8 +19,9 @@ from typing import Any, Protocol
 
 from rankcast.engine.load_balancer import LoadBalancer
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError
+from rankcast.engine.notification_decoder import NotificationDecoder
 from rankcast.engine.output_processor import OutputProcessor
-from rankcast.notifications import Notification, NotificationDecoder
+from rankcast.notifications import Notification
 from rankcast.outputs import RequestOutput, RequestRejectedError
 from rankcast.protocol import EngineCoreRequest, EngineStateSnapshot, SchedulerStats
 from rankcast.sampling_params import SamplingParams

@@ -8,9 +8,10 @@ from typing import Any
 
 from rankcast.config import EngineConfig
 from rankcast.engine.core_client import InprocClient
+from rankcast.engine.notification_decoder import NotificationDecoder
 from rankcast.engine.output_processor import OutputProcessor
 from rankcast.model.source import resolve_model
-from rankcast.notifications import Notification, NotificationDecoder
+from rankcast.notifications import Notification
 from rankcast.outputs import RequestOutput
 from rankcast.protocol import EngineCoreRequest
 from rankcast.sampling_params import SamplingParams

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from rankcast.config import LoRAConfig
+from rankcast.engine.lora_events import lora_event_key, lora_load_time
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import load_peft_adapter
 from rankcast.model.arch import ArchConfig
-from rankcast.notifications import Notification, lora_event_key, lora_load_time
+from rankcast.notifications import Notification
 
 # Load-time observations kept for a late API server's histogram (oldest forgotten first).
 _LOADS_KEPT = 10_000

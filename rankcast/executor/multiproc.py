@@ -27,9 +27,9 @@ import zmq
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError, method_name, return_type
 from rankcast.model.source import ModelSource
-from rankcast.notifications import Doorbell
 from rankcast.process import private_ipc_dir
 from rankcast.protocol import WorkerCall, WorkerReply
+from rankcast.worker.notification_buffer import Doorbell
 from rankcast.worker.worker_proc import SHUTDOWN, run_worker
 
 logger = logging.getLogger(__name__)

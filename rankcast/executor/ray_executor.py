@@ -66,9 +66,7 @@ class RayRank:
 
     def ping(self) -> bool:
         """Alive; and True when this rank has notifications waiting (the idle doorbell)."""
-        from rankcast.notifications import worker_notification_buffer
-
-        return worker_notification_buffer().pending
+        return self.worker.notifications.pending
 
 
 class RayExecutor(Executor):

@@ -9,16 +9,14 @@ from typing import Any
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError, method_name
 from rankcast.model.source import ModelSource
-from rankcast.notifications import Doorbell, worker_notification_buffer
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+from rankcast.worker.notification_buffer import Doorbell
 from rankcast.worker.worker import start_worker
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
         super().__init__(config, source, engine_index)
-        # The buffer is this process's; events left by an earlier engine here are not ours.
-        worker_notification_buffer().take()
         self.doorbell = Doorbell.create(1)
         # Data-parallel engine cores share the machine: each rank's local index is machine-wide.
         local_rank = engine_index * config.parallel.world_size
@@ -35,10 +33,11 @@ class UniProcExecutor(Executor):
         self.rpc_counts[method_name(method)] += 1
         fn = getattr(self.worker, method) if isinstance(method, str) else method
         try:
-            if isinstance(method, str):
-                result = fn(*args, **(kwargs or {}))
-            else:
-                result = fn(self.worker, *args, **(kwargs or {}))
+            with self.worker.notifications.current():
+                if isinstance(method, str):
+                    result = fn(*args, **(kwargs or {}))
+                else:
+                    result = fn(self.worker, *args, **(kwargs or {}))
         except Exception as exc:
             raise ExecutorError(
                 f"rank 0 failed in {getattr(method, '__name__', method)}: {exc}\n"
@@ -49,10 +48,12 @@ class UniProcExecutor(Executor):
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         # The only rank is the output rank; skip the generic RPC wrapper on the hot path.
         self.rpc_counts["execute_model"] += 1
-        return self.worker.execute_model(batch)
+        with self.worker.notifications.current():
+            return self.worker.execute_model(batch)
 
     def notifications_pending(self) -> bool:
         return self.doorbell.take()
 
     def shutdown(self) -> None:
+        self.worker.notifications.unregister()
         self.worker.runner = None

@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from rankcast.engine.lora_events import lora_event_key, lora_load_time
 from rankcast.lora.residency import LoRAResidency
-from rankcast.notifications import Notification, lora_event_key, lora_load_time
+from rankcast.notifications import Notification
 from rankcast.protocol import EngineStateSnapshot, SchedulerStats
 
 _LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -15,22 +15,16 @@ import torch.distributed as dist
 from rankcast import kernels, platform
 from rankcast.config import EngineConfig
 from rankcast.distributed import PipelineStage, TensorParallelGroup
-from rankcast.lora.manager import LoRAManager
 from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.model.source import ModelSource
-from rankcast.notifications import (
-    WEIGHTS_LOADED_KEY,
-    CustomNotification,
-    Doorbell,
-    WorkerNotification,
-    publish_worker_notification,
-    worker_notification_buffer,
-)
+from rankcast.notifications import WEIGHTS_LOADED_KEY, CustomNotification, WorkerNotification
 from rankcast.process import is_rankcast_process
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.worker.extension import load_worker_plugins, worker_class
+from rankcast.worker.lora_manager import LoRAManager
 from rankcast.worker.model_runner import ModelRunner
+from rankcast.worker.notification_buffer import Doorbell, NotificationBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +38,13 @@ class Worker:
         local_rank: int = 0,
         ranks_on_this_machine: int = 1,
         tp_group: dist.ProcessGroup | None = None,
+        notifications: NotificationBuffer | None = None,
     ) -> None:
         self.config = config
+        # This rank's own buffer: what producers publish during its calls lands here only.
+        self.notifications = notifications or NotificationBuffer(
+            config.notifications.worker_notification_buffer_size, rank=rank
+        )
         self.source = source
         self.rank = rank
         self.local_rank = local_rank
@@ -101,11 +100,13 @@ class Worker:
         if self.config.lora.enable_lora:
             lora = self.config.lora
             self.runner.enable_lora(lora.max_loras, lora.max_lora_rank)
-            self.loras = LoRAManager(self.runner, arch, lora.max_lora_rank)
+            self.loras = LoRAManager(
+                self.runner, arch, lora.max_lora_rank, self.notifications.publish
+            )
         seconds = time.perf_counter() - start
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         logger.info("rank %d loaded its shard in %.2f s (%s)", self.rank, seconds, self.dtype)
-        publish_worker_notification(
+        self.notifications.publish(
             CustomNotification(key=WEIGHTS_LOADED_KEY, payload={"bytes": size, "seconds": seconds})
         )
         return seconds
@@ -132,8 +133,8 @@ class Worker:
         self._lora().pin(adapter_id, pinned)
 
     def take_notifications(self) -> list[WorkerNotification] | None:
-        """Drain this process's notification buffer (None, allocating nothing, when empty)."""
-        return worker_notification_buffer().take()  # type: ignore[return-value]
+        """Drain this rank's notification buffer (None, allocating nothing, when empty)."""
+        return self.notifications.take()
 
     def num_available_blocks(self) -> int:
         """How many KV blocks this rank's budget holds (the engine takes the minimum over ranks)."""
@@ -166,17 +167,29 @@ def start_worker(
 ) -> Worker:
     """Build this rank's worker (with any extension), load its shard, run the plugins.
 
-    The notification buffer is configured first, so load-time events are kept and ring the
-    doorbell like any other.
+    The notification buffer comes first, so load-time events are kept and ring the doorbell
+    like any other; it is the current one while the plugins run.
     """
-    worker_notification_buffer().configure(
+    notifications = NotificationBuffer(
         config.notifications.worker_notification_buffer_size, doorbell, rank
     )
-    cls = worker_class(Worker, config.parallel.worker_extension_cls)
-    worker: Worker = cls(
-        config, source, rank, local_rank, config.parallel.ranks_on_this_machine, tp_group=tp_group
-    )
-    worker.init_device()
-    worker.load_model()
-    load_worker_plugins(worker)
+    notifications.register()
+    try:
+        with notifications.current():
+            cls = worker_class(Worker, config.parallel.worker_extension_cls)
+            worker: Worker = cls(
+                config,
+                source,
+                rank,
+                local_rank,
+                config.parallel.ranks_on_this_machine,
+                tp_group=tp_group,
+                notifications=notifications,
+            )
+            worker.init_device()
+            worker.load_model()
+            load_worker_plugins(worker)
+    except BaseException:
+        notifications.unregister()
+        raise
     return worker

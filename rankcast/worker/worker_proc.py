@@ -24,9 +24,9 @@ import zmq
 from rankcast.config import EngineConfig
 from rankcast.logger import init_logging
 from rankcast.model.source import ModelSource
-from rankcast.notifications import Doorbell, worker_notification_buffer
 from rankcast.process import die_with_parent, set_process_title
 from rankcast.protocol import WorkerCall, WorkerReply
+from rankcast.worker.notification_buffer import Doorbell
 from rankcast.worker.worker import Worker, start_worker
 
 logger = logging.getLogger(__name__)
@@ -63,14 +63,15 @@ def dispatch(worker: Worker, call: WorkerCall) -> WorkerReply:
     """Run one call on this rank; any exception becomes an error reply with its traceback."""
     reply = WorkerReply(call.call_id, worker.rank)
     try:
-        if ":" in call.method:
-            reply.result = resolve_callable(call.method)(worker, *call.args, **call.kwargs)
-        else:
-            fn = getattr(worker, call.method)
-            reply.result = fn(*_convert_args(fn, call.args), **call.kwargs)
+        with worker.notifications.current():
+            if ":" in call.method:
+                reply.result = resolve_callable(call.method)(worker, *call.args, **call.kwargs)
+            else:
+                fn = getattr(worker, call.method)
+                reply.result = fn(*_convert_args(fn, call.args), **call.kwargs)
     except Exception as exc:
         reply.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    reply.notifications_pending = worker_notification_buffer().pending
+    reply.notifications_pending = worker.notifications.pending
     return reply
 
 

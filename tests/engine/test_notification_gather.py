@@ -3,6 +3,7 @@ never swallowing a failure, and never stranding an event (the offline engine inc
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from rankcast.notifications import (
     Notification,
     NotificationsDropped,
 )
+from rankcast.worker.notification_buffer import publish_worker_notification
 from tests.worker.producers import KEY
 
 EXTENSION = "tests.worker.producers:EventProducer"
@@ -220,3 +222,34 @@ def test_with_the_doorbell_off_an_idle_engine_hears_events_only_on_the_poll(
         assert _custom(llm.take_notifications()) == [], "the poll was not due yet"
         _wait_for(llm, 1)
         assert time.monotonic() - start >= interval * 0.5
+
+
+def test_two_in_process_engines_keep_their_notifications_apart(tiny_llama_dir: Path) -> None:
+    """Each worker owns its buffer: what one engine's rank publishes reaches that engine only,
+    and a thread that cannot tell which engine it means is refused rather than guessed."""
+    with _llm(tiny_llama_dir) as first, _llm(tiny_llama_dir) as second:
+        first.take_notifications()
+        second.take_notifications()
+        first.collective_rpc("publish_events", [3, "test.first"])
+        second.collective_rpc("publish_events", [2, "test.second"])
+        got_first, got_second = first.take_notifications(), second.take_notifications()
+        assert [n.payload["i"] for n in _custom(got_first, "test.first")] == [0, 1, 2]
+        assert [n.payload["i"] for n in _custom(got_second, "test.second")] == [0, 1]
+        assert not _custom(got_first, "test.second") and not _custom(got_second, "test.first")
+        # A plain thread of this process, with two workers alive, has no worker of its own.
+        errors: list[BaseException] = []
+
+        def stray() -> None:
+            try:
+                publish_worker_notification(CustomNotification(key="test.stray", payload={}))
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=stray)
+        thread.start()
+        thread.join()
+        assert len(errors) == 1 and "current_notification_buffer()" in str(errors[0])
+        # Captured during a call, the buffer takes a thread's events to its own engine.
+        second.collective_rpc("publish_from_own_thread", ["test.captured"])
+        assert _custom(second.take_notifications(), "test.captured")
+        assert not _custom(first.take_notifications(), "test.captured")

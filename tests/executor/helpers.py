@@ -31,7 +31,8 @@ def own_pid(worker: Worker) -> int:
 
 def publish_on_rank(worker: Worker, rank: int, count: int) -> int:
     """Publish `count` test events from `rank` now (no gather follows a plain collective)."""
-    from rankcast.notifications import CustomNotification, publish_worker_notification
+    from rankcast.notifications import CustomNotification
+    from rankcast.worker.notification_buffer import publish_worker_notification
 
     if worker.rank == rank:
         for i in range(count):
@@ -43,7 +44,8 @@ def publish_later_on_rank(worker: Worker, rank: int, delay_s: float) -> int:
     """Publish one test event from `rank` on a thread after the call has returned."""
     import threading
 
-    from rankcast.notifications import CustomNotification, publish_worker_notification
+    from rankcast.notifications import CustomNotification
+    from rankcast.worker.notification_buffer import publish_worker_notification
 
     def later() -> None:
         time.sleep(delay_s)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from rankcast import LLM, LoRARequest, SamplingParams
-from rankcast.notifications import LoRAAdapterEvicted, lora_event_name
+from rankcast.engine.lora_events import lora_event_name
+from rankcast.notifications import LoRAAdapterEvicted
 from tests.lora.conftest import lora_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

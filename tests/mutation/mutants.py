@@ -30,7 +30,7 @@ MUTANTS = [
     Mutant(
         "publish-skips-payload-check",
         "1 Publish validates the payload at the producer",
-        "rankcast/notifications.py",
+        "rankcast/worker/notification_buffer.py",
         '        _check_value(n.payload, "payload")',
         "        pass",
         (NOTIFY,),
@@ -38,7 +38,7 @@ MUTANTS = [
     Mutant(
         "buffer-drops-newest",
         "2 A full buffer drops the oldest event",
-        "rankcast/notifications.py",
+        "rankcast/worker/notification_buffer.py",
         "        lost = self._items.popleft()",
         "        lost = self._items.pop()",
         (NOTIFY,),
@@ -46,7 +46,7 @@ MUTANTS = [
     Mutant(
         "drop-marker-last",
         "3 Drops are reported at the head of the drained batch",
-        "rankcast/notifications.py",
+        "rankcast/worker/notification_buffer.py",
         "            items.insert(0, marker)",
         "            items.append(marker)",
         (NOTIFY,),
@@ -118,7 +118,7 @@ MUTANTS = [
     Mutant(
         "unknown-type-fatal",
         "9 Unknown notification types are counted and skipped",
-        "rankcast/notifications.py",
+        "rankcast/engine/notification_decoder.py",
         "                    unknown.append(self._tag_decoder.decode(raw).type)",
         "                    raise",
         (NOTIFY,),

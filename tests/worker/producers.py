@@ -10,7 +10,11 @@ import threading
 import time
 from typing import Any
 
-from rankcast.notifications import CustomNotification, publish_worker_notification
+from rankcast.notifications import CustomNotification
+from rankcast.worker.notification_buffer import (
+    current_notification_buffer,
+    publish_worker_notification,
+)
 
 KEY = "test.event"
 
@@ -46,6 +50,17 @@ class EventProducer:
                 )
 
             threading.Thread(target=later, daemon=True).start()
+        return self.rank
+
+    def publish_from_own_thread(self, key: str = KEY) -> int:
+        """Publish from a thread of this producer's own, through the buffer captured during
+        the call: the way to reach the right engine where one process holds several."""
+        buffer = current_notification_buffer()
+        thread = threading.Thread(
+            target=lambda: buffer.publish(CustomNotification(key=key, payload={"rank": self.rank}))
+        )
+        thread.start()
+        thread.join()
         return self.rank
 
     def break_notification_drain(self, rank: int) -> int:

@@ -9,6 +9,7 @@ failed or lagged shows up as itself, not as whatever the engine assumed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from rankcast.lora.peft_adapter import LoRAAdapter, load_peft_adapter
 from rankcast.model.arch import ArchConfig
@@ -19,14 +20,21 @@ from rankcast.notifications import (
     LoRAAdapterLoadFailed,
     LoRAAdapterPinned,
     LoRAAdapterUnpinned,
-    publish_worker_notification,
+    Notification,
 )
 from rankcast.worker.model_runner import ModelRunner
 
 
 class LoRAManager:
-    def __init__(self, runner: ModelRunner, arch: ArchConfig, max_lora_rank: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        arch: ArchConfig,
+        max_lora_rank: int,
+        publish: Callable[[Notification], None],
+    ) -> None:
         self.runner = runner
+        self.publish = publish  # the owning worker's notification buffer
         self.arch = arch
         self.max_lora_rank = max_lora_rank
         self.host: dict[int, LoRAAdapter] = {}  # adapter id -> adapter read from disk
@@ -45,14 +53,14 @@ class LoRAManager:
         try:
             adapter = load_peft_adapter(name, path, self.arch, self.max_lora_rank)
         except Exception as exc:
-            publish_worker_notification(
+            self.publish(
                 LoRAAdapterLoadFailed(adapter_name=name, adapter_id=adapter_id, error=str(exc))
             )
             raise
         self.host[adapter_id] = adapter
         self.names[adapter_id] = name
         seconds = time.perf_counter() - start
-        publish_worker_notification(
+        self.publish(
             LoRAAdapterLoaded(adapter_name=name, adapter_id=adapter_id, tier="cpu", seconds=seconds)
         )
         return seconds
@@ -68,7 +76,7 @@ class LoRAManager:
         self.runner.set_lora(slot, adapter)
         self.slots[slot] = adapter_id
         seconds = time.perf_counter() - start
-        publish_worker_notification(
+        self.publish(
             LoRAAdapterActivated(
                 adapter_name=adapter.name,
                 adapter_id=adapter_id,
@@ -88,7 +96,7 @@ class LoRAManager:
         if reason in ("unload", "load_failed"):
             name = self.names.pop(adapter_id, None)
             if adapter is None and name is not None:
-                publish_worker_notification(
+                self.publish(
                     LoRAAdapterEvicted(
                         adapter_name=name, adapter_id=adapter_id, tier="disk", reason=reason
                     )
@@ -122,11 +130,12 @@ class LoRAManager:
             event = LoRAAdapterUnpinned(
                 adapter_name=adapter.name, adapter_id=adapter_id, tier="device"
             )
-        publish_worker_notification(event)
+        self.publish(event)
 
-    @staticmethod
-    def _publish_evicted(adapter: LoRAAdapter, adapter_id: int, tier: str, reason: str) -> None:
-        publish_worker_notification(
+    def _publish_evicted(
+        self, adapter: LoRAAdapter, adapter_id: int, tier: str, reason: str
+    ) -> None:
+        self.publish(
             LoRAAdapterEvicted(
                 adapter_name=adapter.name, adapter_id=adapter_id, tier=tier, reason=reason
             )

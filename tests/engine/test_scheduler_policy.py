@@ -1,0 +1,348 @@
+"""The scheduler's LoRA policy against a fake adapter-slot table (no registry, no executor).
+
+The scheduler needs three things of the engine's LoRARegistry (the `AdapterSlots` protocol in
+rankcast/engine/scheduler.py): `max_loras`, `acquire(name, busy)` and `is_pinned(name)`.
+`FakeSlots` implements them with plain dicts and records every move it is asked to make. Its
+eviction choice is deliberately naive: the idle adapter on the LOWEST slot goes, whatever its
+age. The tests place adapters of running requests on low slots, so a scheduler that leaves one
+out of `busy` gets it evicted under a running request, and `_check` fails.
+
+The rules (scheduler.py's docstring): a request is admitted only once its adapter holds a device
+slot; a request that cannot get one is deferred, keeps its place at the head of the queue, and
+later requests may go first; the scheduler then drains one slot: the running adapter with the
+fewest running requests, not pinned, takes no new requests until they finish, and its slot goes
+to the adapter that waited.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import pytest
+
+from rankcast.config import SchedulerConfig
+from rankcast.engine.block_manager import BlockManager
+from rankcast.engine.request import Request, RequestStatus
+from rankcast.engine.scheduler import Scheduler
+from rankcast.protocol import FinishReason, ModelRunnerOutput, ScheduledSequence
+from rankcast.sampling_params import SamplingParams
+
+
+class FakeSlots:
+    """An adapter-slot table: which adapters hold which device slot, which are pinned."""
+
+    def __init__(
+        self,
+        max_loras: int,
+        resident: dict[str, int] | None = None,
+        known: Iterable[str] = (),
+        pinned: Iterable[str] = (),
+    ) -> None:
+        self.max_loras = max_loras
+        self.slots: dict[str, int] = dict(resident or {})  # adapter -> device slot
+        self.known = set(known) | set(self.slots)  # registered adapters
+        self.pinned = set(pinned)
+        self.moves: list[tuple[str, str, int]] = []  # ("evict" | "load", adapter, slot)
+        self.calls: list[tuple[str, frozenset[str]]] = []  # acquire(name, busy)
+        self.evicted: list[str] = []
+
+    def acquire(self, name: str, busy: set[str]) -> int | None:
+        self.calls.append((name, frozenset(busy)))
+        if name not in self.known:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        if name in self.slots:
+            return self.slots[name]
+        free = sorted(set(range(self.max_loras)) - set(self.slots.values()))
+        if free:
+            slot = free[0]
+        else:
+            idle = sorted(
+                (slot, held)
+                for held, slot in self.slots.items()
+                if held not in busy and held not in self.pinned
+            )
+            if not idle:
+                if all(held in self.pinned for held in self.slots):
+                    raise ValueError(f"every device slot holds a pinned adapter; {name!r} waits")
+                return None
+            slot, victim = idle[0]
+            del self.slots[victim]
+            self.moves.append(("evict", victim, slot))
+            self.evicted.append(victim)
+        self.slots[name] = slot
+        self.moves.append(("load", name, slot))
+        return slot
+
+    def is_pinned(self, name: str) -> bool:
+        return name in self.pinned
+
+
+_prompts = itertools.count()
+
+
+def _request(rid: str, lora: str | None = None, max_tokens: int = 100) -> Request:
+    base = 1000 * next(_prompts)  # distinct prompts: no prefix-cache sharing between requests
+    return Request(
+        rid,
+        [base + i for i in range(4)],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        max_tokens=max_tokens,
+        eos_token_ids=frozenset({-1}),
+        lora_name=lora,
+    )
+
+
+def _scheduler(slots: FakeSlots, max_num_seqs: int = 16) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs), BlockManager(256, 4), 1024, slots)
+
+
+def _check(scheduler: Scheduler, slots: FakeSlots) -> None:
+    """What must hold after every step, whatever the fake was asked."""
+    adapters = {r.lora_name for r in scheduler.running if r.lora_name is not None}
+    assert len(adapters) <= slots.max_loras, f"more adapters than slots run: {adapters}"
+    for request in scheduler.running:
+        if request.lora_name is not None:
+            assert slots.slots.get(request.lora_name) == request.lora_slot, (
+                f"{request.request_id} runs on slot {request.lora_slot}, but its adapter "
+                f"{request.lora_name!r} is at {slots.slots.get(request.lora_name)}: evicted "
+                f"under a running request (moves: {slots.moves})"
+            )
+    assert not set(slots.evicted) & slots.pinned, f"a pinned adapter was evicted: {slots.moves}"
+
+
+def _step(scheduler: Scheduler, slots: FakeSlots) -> dict[str, ScheduledSequence]:
+    """One step, every sampling sequence given token 7; what ran, by request id."""
+    batch = scheduler.schedule()
+    _check(scheduler, slots)
+    ids = [s.request_id for s in batch.sequences if s.sample]
+    scheduler.update_from_output(ModelRunnerOutput(ids, [7] * len(ids)))
+    return {s.request_id: s for s in batch.sequences}
+
+
+def _start(scheduler: Scheduler, slots: FakeSlots, *requests: Request) -> None:
+    """Add the requests and run one step that admits all of them."""
+    for request in requests:
+        scheduler.add_request(request)
+    ran = _step(scheduler, slots)
+    assert set(ran) >= {r.request_id for r in requests}
+
+
+def _waiting(scheduler: Scheduler) -> list[str]:
+    return [r.request_id for r in scheduler.waiting]
+
+
+# ---- residency ----
+
+
+def test_a_request_runs_on_its_adapters_slot_and_a_base_request_on_none() -> None:
+    slots = FakeSlots(2, resident={"a": 1}, known={"b"})
+    scheduler = _scheduler(slots)
+    for request in (_request("on-a", "a"), _request("base"), _request("on-b", "b")):
+        scheduler.add_request(request)
+    ran = _step(scheduler, slots)
+    assert {rid: s.lora_slot for rid, s in ran.items()} == {"on-a": 1, "base": -1, "on-b": 0}
+    # "a" was already there: nothing moved for it; "b" took the free slot, evicting nobody.
+    assert slots.moves == [("load", "b", 0)]
+    assert [name for name, _ in slots.calls] == ["a", "b"], "the base request needs no slot"
+    # Decodes keep the slot they were admitted with.
+    ran = _step(scheduler, slots)
+    assert {rid: s.lora_slot for rid, s in ran.items()} == {"on-a": 1, "base": -1, "on-b": 0}
+
+
+def test_without_a_free_slot_the_request_waits_while_base_requests_keep_running() -> None:
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("on-a", "a"))
+    scheduler.add_request(_request("on-b", "b"))
+    for i in range(3):
+        scheduler.add_request(_request(f"base{i}", max_tokens=1))
+        ran = _step(scheduler, slots)
+        assert set(ran) == {"on-a", f"base{i}"}, "a deferred request does not block the queue"
+        assert _waiting(scheduler) == ["on-b"]
+    waiting = scheduler.requests["on-b"]
+    assert waiting.status == RequestStatus.WAITING and waiting.block_ids == []
+    assert waiting.num_computed_tokens == 0, "a deferred request holds no blocks"
+    assert slots.moves == [], "the only slot serves a running request"
+
+
+def test_a_deferred_request_keeps_its_place_at_the_head_of_the_queue() -> None:
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _scheduler(slots, max_num_seqs=2)
+    _start(scheduler, slots, _request("on-a", "a", max_tokens=3))
+    for request in (_request("on-b", "b"), _request("base0", max_tokens=2), _request("base1")):
+        scheduler.add_request(request)
+    # "on-b" is deferred, "base0" fills the batch, "base1" waits for room.
+    assert set(_step(scheduler, slots)) == {"on-a", "base0"}
+    assert _waiting(scheduler) == ["on-b", "base1"]
+    # Both finish together; "on-b" goes first, and "base1" only as far as room allows.
+    assert set(_step(scheduler, slots)) == {"on-a", "base0"}
+    assert set(_step(scheduler, slots)) == {"on-b", "base1"}
+
+
+def test_the_deferred_request_takes_the_slot_when_its_holder_finishes() -> None:
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("on-a", "a", max_tokens=3))  # token 1
+    scheduler.add_request(_request("on-b", "b"))
+    assert set(_step(scheduler, slots)) == {"on-a"}  # token 2
+    assert set(_step(scheduler, slots)) == {"on-a"}  # token 3: finished
+    assert "on-a" not in scheduler.requests and slots.moves == []
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"on-b"} and ran["on-b"].lora_slot == 0
+    assert slots.moves == [("evict", "a", 0), ("load", "b", 0)]
+    assert not scheduler.waiting
+
+
+def test_aborting_the_holders_request_frees_the_slot_for_the_deferred_one() -> None:
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("on-a", "a"))
+    scheduler.add_request(_request("on-b", "b"))
+    assert set(_step(scheduler, slots)) == {"on-a"}
+    scheduler.abort_requests(["on-a"])
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"on-b"} and ran["on-b"].lora_slot == 0
+
+
+def test_an_adapter_that_a_running_request_uses_is_never_evicted() -> None:
+    # "a" (running) is on slot 0, the naive fake's first choice: only `busy` protects it.
+    slots = FakeSlots(2, resident={"a": 0, "idle": 1}, known={"c"})
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("on-a", "a"))
+    scheduler.add_request(_request("on-c", "c"))
+    ran = _step(scheduler, slots)
+    assert ran["on-c"].lora_slot == 1 and ran["on-a"].lora_slot == 0
+    assert slots.moves == [("evict", "idle", 1), ("load", "c", 1)]
+    assert "a" in slots.calls[-1][1], "running adapters are passed as busy"
+
+
+def test_an_adapter_admitted_earlier_in_the_same_step_is_not_evicted() -> None:
+    slots = FakeSlots(2, resident={"x": 0, "y": 1}, known={"c", "d", "e"})
+    scheduler = _scheduler(slots)
+    for rid, lora in (("on-c", "c"), ("on-d", "d"), ("on-e", "e"), ("base", None)):
+        scheduler.add_request(_request(rid, lora))
+    ran = _step(scheduler, slots)
+    # "c" takes slot 0 from idle "x"; "d" must not take it back from "c" (just admitted).
+    assert slots.moves == [("evict", "x", 0), ("load", "c", 0), ("evict", "y", 1), ("load", "d", 1)]
+    assert {rid: s.lora_slot for rid, s in ran.items()} == {"on-c": 0, "on-d": 1, "base": -1}
+    # A third adapter is one too many for a two-slot batch: it waits, base still runs.
+    assert _waiting(scheduler) == ["on-e"]
+
+
+# ---- pins and draining ----
+
+
+def test_the_drained_adapter_takes_no_new_requests_until_its_running_ones_finish() -> None:
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("a1", "a", max_tokens=4))  # token 1
+    scheduler.add_request(_request("on-b", "b"))
+    assert set(_step(scheduler, slots)) == {"a1"}  # token 2; "on-b" deferred, "a" drains
+    assert scheduler.draining == "a"
+    # New requests for the resident adapter would keep its slot busy forever: they wait too,
+    # behind "on-b", while base requests still run.
+    scheduler.add_request(_request("a2", "a"))
+    scheduler.add_request(_request("base", max_tokens=1))
+    assert set(_step(scheduler, slots)) == {"a1", "base"}  # token 3
+    assert _waiting(scheduler) == ["on-b", "a2"]
+    assert set(_step(scheduler, slots)) == {"a1"}  # token 4: "a1" finished, "a" drained
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"on-b"}, "the drained slot goes to the adapter that waited"
+    assert slots.moves == [("evict", "a", 0), ("load", "b", 0)]
+    assert _waiting(scheduler) == ["a2"]
+    # The drain is over: once "b" is done, "a" takes requests again.
+    scheduler.abort_requests(["on-b"])
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"a2"} and ran["a2"].lora_slot == 0
+
+
+def test_the_drained_adapter_is_the_unpinned_one_with_fewest_running_requests() -> None:
+    # "alpha" (3 running) is first by name and first admitted; "zeta" has 1 running.
+    slots = FakeSlots(2, resident={"alpha": 0, "zeta": 1}, known={"c"})
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, *(_request(f"alpha{i}", "alpha") for i in range(3)))
+    _start(scheduler, slots, _request("zeta0", "zeta"))
+    scheduler.add_request(_request("on-c", "c"))
+    _step(scheduler, slots)
+    assert scheduler.draining == "zeta"
+    scheduler.add_request(_request("alpha-new", "alpha"))
+    scheduler.add_request(_request("zeta-new", "zeta"))
+    ran = _step(scheduler, slots)
+    assert "alpha-new" in ran and "zeta-new" not in ran
+    scheduler.abort_requests(["zeta0"])
+    ran = _step(scheduler, slots)
+    assert ran["on-c"].lora_slot == 1
+    assert slots.moves == [("evict", "zeta", 1), ("load", "c", 1)]
+    assert _waiting(scheduler) == ["zeta-new"]
+
+
+def test_a_drain_once_chosen_is_not_moved_to_another_adapter() -> None:
+    slots = FakeSlots(2, resident={"alpha": 0, "zeta": 1}, known={"c"})
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("alpha0", "alpha"), _request("alpha1", "alpha"))
+    _start(scheduler, slots, _request("zeta0", "zeta"))
+    scheduler.add_request(_request("on-c", "c"))
+    _step(scheduler, slots)
+    assert scheduler.draining == "zeta"
+    # Now both have one running request: "alpha" would win a fresh choice (by name); switching
+    # would start draining a second slot while the first one is half drained.
+    scheduler.abort_requests(["alpha1"])
+    scheduler.add_request(_request("alpha-new", "alpha"))
+    ran = _step(scheduler, slots)
+    assert scheduler.draining == "zeta" and "alpha-new" in ran
+    scheduler.abort_requests(["zeta0"])
+    assert _step(scheduler, slots)["on-c"].lora_slot == 1
+
+
+def test_a_pinned_adapter_is_never_drained_even_with_the_fewest_requests() -> None:
+    slots = FakeSlots(2, resident={"pinned": 0, "other": 1}, known={"c"}, pinned={"pinned"})
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("p0", "pinned"))
+    _start(scheduler, slots, _request("o0", "other"), _request("o1", "other"))
+    scheduler.add_request(_request("on-c", "c"))
+    _step(scheduler, slots)
+    assert scheduler.draining == "other"
+    scheduler.add_request(_request("p-new", "pinned"))
+    assert "p-new" in _step(scheduler, slots), "the pinned adapter keeps taking requests"
+    # Its requests finishing leaves it idle on slot 0 (the naive fake's first choice), but a
+    # pinned adapter is no victim: "c" waits for "other"'s slot.
+    scheduler.abort_requests(["p0", "p-new"])
+    assert "on-c" not in _step(scheduler, slots)
+    scheduler.abort_requests(["o0", "o1"])
+    assert _step(scheduler, slots)["on-c"].lora_slot == 1
+    assert "pinned" not in slots.evicted
+
+
+def test_with_only_pinned_adapters_running_nothing_drains_and_pinned_requests_go_on() -> None:
+    slots = FakeSlots(1, resident={"pinned": 0}, known={"c"}, pinned={"pinned"})
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("p0", "pinned"))
+    scheduler.add_request(_request("on-c", "c"))
+    scheduler.add_request(_request("p1", "pinned"))
+    ran = _step(scheduler, slots)
+    assert "p1" in ran and "on-c" not in ran
+    assert scheduler.draining is None
+
+
+# ---- requests that can never run ----
+
+
+@pytest.mark.parametrize("case", ["unknown adapter", "every slot pinned"])
+def test_a_request_the_slots_refuse_for_good_is_ended_and_the_rest_go_on(case: str) -> None:
+    if case == "unknown adapter":
+        slots = FakeSlots(1, resident={}, known=set())
+        name = "nope"
+    else:
+        slots = FakeSlots(1, resident={"pinned": 0}, known={"c"}, pinned={"pinned"})
+        name = "c"
+    scheduler = _scheduler(slots)
+    scheduler.add_request(_request("doomed", name))
+    scheduler.add_request(_request("base"))
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"base"} and "doomed" not in scheduler.requests
+    assert not scheduler.waiting
+    [(_, output)] = scheduler.take_rejected()
+    assert output.request_id == "doomed" and output.finish_reason == FinishReason.ABORT
+    assert output.error and name in output.error
+    assert scheduler.take_rejected() == [], "reported once"

@@ -4,6 +4,13 @@ from rankcast.entrypoints.llm import LLM
 from rankcast.lora.request import LoRARequest
 from rankcast.outputs import CompletionOutput, RequestOutput
 from rankcast.sampling_params import SamplingParams
+from rankcast.version import __version__
 
-__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]

@@ -1,18 +1,31 @@
 """The configuration tree: frozen dataclasses built once from CLI flags or keyword arguments.
 
 Validation happens here, at construction, so that a bad flag is reported with its name before any
-process starts or any weight is read.
+process starts or any weight is read. The environment variables that shape an engine are read
+here too, once, for the same reason: a bad value names its variable at start, and every process
+the configuration is handed to sees the value the engine was started with.
+
+The field defaults below are the only defaults: `rankcast serve`/`chat` take theirs from here
+(`rankcast/entrypoints/cli.py`), and so does the offline `LLM`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from rankcast import envs
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_BACKENDS = ("uni", "mp", "ray")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# The KV cache budget when neither --kv-cache-space nor RANKCAST_KV_CACHE_SPACE says otherwise:
+# enough for a 2-core machine's batches of the embedded model.
+DEFAULT_KV_CACHE_SPACE_GIB = 2.0
+
+_T = TypeVar("_T")
 
 
 class ConfigError(ValueError):
@@ -22,6 +35,14 @@ class ConfigError(ValueError):
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _from_env(read: Callable[[], _T]) -> _T:
+    """Read a variable through `envs`, whose errors name it, as a configuration error."""
+    try:
+        return read()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -38,7 +59,7 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.dtype in _DTYPES, f"--dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(
             self.max_model_len is None or self.max_model_len > 0,
             f"--max-model-len must be positive, got {self.max_model_len}",
@@ -50,7 +71,9 @@ class CacheConfig:
     """The KV cache budget: paged blocks of `block_size` tokens.
 
     `num_blocks` overrides the budget outright (tests use it to force preemption); otherwise the
-    budget is `kv_cache_space_gib` of host memory, as CPU builds of production engines size it.
+    budget is `kv_cache_space_gib` of host memory, as CPU builds of production engines size it;
+    unset, it is RANKCAST_KV_CACHE_SPACE, else DEFAULT_KV_CACHE_SPACE_GIB. `space_gib` is the
+    budget that applies, settled at construction.
     """
 
     block_size: int = 16
@@ -60,6 +83,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Publish block stored/removed/cleared events through the notification channel.
     kv_events: bool = False
+    # The budget in GiB that applies: the flag, then the environment, then the default.
+    space_gib: float = field(init=False)
 
     def __post_init__(self) -> None:
         _require(
@@ -73,13 +98,10 @@ class CacheConfig:
             self.kv_cache_space_gib is None or self.kv_cache_space_gib > 0,
             f"--kv-cache-space must be positive, got {self.kv_cache_space_gib}",
         )
-
-    @property
-    def space_gib(self) -> float:
-        """The budget in GiB: the flag, then the environment, then a 2-core-friendly default."""
-        if self.kv_cache_space_gib is not None:
-            return self.kv_cache_space_gib
-        return envs.kv_cache_space_gib() or 2.0
+        space = self.kv_cache_space_gib
+        if space is None:
+            space = _from_env(envs.kv_cache_space_gib) or DEFAULT_KV_CACHE_SPACE_GIB
+        object.__setattr__(self, "space_gib", space)
 
 
 @dataclass(frozen=True)
@@ -132,8 +154,8 @@ class ParallelConfig:
             value = getattr(self, name)
             _require(value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
         _require(
-            self.distributed_executor_backend in (None, *_BACKENDS),
-            f"--distributed-executor-backend must be one of {_BACKENDS}, "
+            self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
+            f"--distributed-executor-backend must be one of {EXECUTOR_BACKENDS}, "
             f"got {self.distributed_executor_backend!r}",
         )
 
@@ -196,7 +218,9 @@ class NotificationConfig:
     """The engine notification channel: buffer bounds, the optional poll, the ZMQ event stream.
 
     The poll is off by default because the doorbell already covers every in-tree producer; it
-    exists for producers that must be heard on a fixed cadence regardless.
+    exists for producers that must be heard on a fixed cadence regardless. Unset, the interval is
+    RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL; `poll_interval` is the one that applies, settled
+    at construction.
     """
 
     worker_notification_buffer_size: int = 1024
@@ -207,6 +231,8 @@ class NotificationConfig:
     worker_notification_doorbell: bool = True
     notification_events_endpoint: str | None = None
     notification_events_replay_endpoint: str | None = None
+    # Seconds between polls that apply: the flag, then the environment; None: no poll.
+    poll_interval: float | None = field(init=False)
 
     def __post_init__(self) -> None:
         for name in ("worker_notification_buffer_size", "engine_notification_buffer_size"):
@@ -223,13 +249,10 @@ class NotificationConfig:
             or self.notification_events_endpoint is not None,
             "--notification-events-replay-endpoint needs --notification-events-endpoint",
         )
-
-    @property
-    def poll_interval(self) -> float | None:
-        """Seconds between polls: the flag, then RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL."""
-        if self.worker_notification_poll_interval is not None:
-            return self.worker_notification_poll_interval
-        return envs.worker_notification_poll_interval()
+        interval = self.worker_notification_poll_interval
+        if interval is None:
+            interval = _from_env(envs.worker_notification_poll_interval)
+        object.__setattr__(self, "poll_interval", interval)
 
 
 @dataclass(frozen=True)
@@ -243,40 +266,76 @@ class EngineConfig:
     notifications: NotificationConfig = field(default_factory=NotificationConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
+    def __post_init__(self) -> None:
+        _check_rank_environment(self.parallel)
+
+    @classmethod
+    def sections(cls) -> dict[str, type[Any]]:
+        """Each section's attribute name and class, in declaration order."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def options(cls) -> dict[str, tuple[str, dataclasses.Field[Any]]]:
+        """Every keyword `from_kwargs` takes: its section and its field (default, type).
+
+        The CLI builds its flags' defaults from these, so a default is written only once.
+        """
+        return {
+            f.name: (section, f)
+            for section, owner in cls.sections().items()
+            for f in dataclasses.fields(owner)
+            if f.init
+        }
+
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
         """Build the tree from flat keyword arguments named like the CLI flags.
 
         Unknown names are an error rather than silently ignored, so a typo cannot pass unnoticed.
         """
-        sections: dict[str, dict[str, object]] = {
-            "model": {},
-            "cache": {},
-            "scheduler": {},
-            "parallel": {},
-            "notifications": {},
-            "lora": {},
-        }
-        owners = {
-            "model": ModelConfig,
-            "cache": CacheConfig,
-            "scheduler": SchedulerConfig,
-            "parallel": ParallelConfig,
-            "notifications": NotificationConfig,
-            "lora": LoRAConfig,
-        }
+        options = cls.options()
+        sections: dict[str, dict[str, object]] = {name: {} for name in cls.sections()}
         for key, value in kwargs.items():
-            for section, owner in owners.items():
-                if key in {f.name for f in dataclasses.fields(owner)}:
-                    sections[section][key] = value
-                    break
-            else:
+            if key not in options:
                 raise ConfigError(f"unknown engine option {key!r}")
-        return cls(
-            model=ModelConfig(**sections["model"]),  # type: ignore[arg-type]
-            cache=CacheConfig(**sections["cache"]),  # type: ignore[arg-type]
-            scheduler=SchedulerConfig(**sections["scheduler"]),  # type: ignore[arg-type]
-            parallel=ParallelConfig(**sections["parallel"]),  # type: ignore[arg-type]
-            notifications=NotificationConfig(**sections["notifications"]),  # type: ignore[arg-type]
-            lora=LoRAConfig(**sections["lora"]),  # type: ignore[arg-type]
+            sections[options[key][0]][key] = value
+        return cls(**{name: owner(**sections[name]) for name, owner in cls.sections().items()})
+
+
+def _check_rank_environment(parallel: ParallelConfig) -> None:
+    """Check RANKCAST_KERNELS, RANKCAST_NUM_THREADS and RANKCAST_CPU_BIND now.
+
+    Each rank reads them where it starts (`rankcast/kernels/__init__.py`, `rankcast/platform.py`),
+    after the engine core and its executor are up; a bad value would surface there, late and
+    far from its cause. Checked here, it stops the start with the variable's name.
+    """
+    _from_env(envs.kernels_mode)
+    _from_env(envs.num_threads)
+    setting = _from_env(envs.cpu_bind)
+    if setting in ("auto", "off"):
+        return
+    lists, ranks = len(setting.split("|")), parallel.ranks_on_this_machine
+    _require(
+        lists >= ranks,
+        f"RANKCAST_CPU_BIND gives {lists} CPU list(s) for {ranks} ranks on this machine",
+    )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `rankcast serve` adds around the engines: where to listen, how many API servers
+    share the port, and what the HTTP API allows."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_server_count: int = 1
+    api_key: str | None = None
+    allow_runtime_lora_updating: bool = False
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, f"--port must be 1..65535, got {self.port}")
+        _require(
+            self.api_server_count >= 1,
+            f"--api-server-count must be >= 1, got {self.api_server_count}",
         )

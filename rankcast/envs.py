@@ -2,12 +2,39 @@
 
 Reading the environment anywhere else would hide configuration from a newcomer; this module is
 the single list of knobs that do not come from CLI flags.
+
+Each reader validates its variable and raises `ValueError` naming it, so that a bad value is
+reported as "RANKCAST_X must be ..." rather than as a bare parse error. The variables that
+configure an engine are read when its configuration is built (`rankcast/config.py`), so a bad
+value stops `rankcast serve` at start instead of a worker after the model has loaded.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import re
 from pathlib import Path
+
+# One element of a CPU list (`0-3,6` has two): a CPU or a range, as `platform.parse_cpu_list`
+# reads them.
+_CPU_RANGE = re.compile(r"\d+(-\d+)?")
+
+
+def _non_negative(name: str, kind: type[int] | type[float]) -> int | float | None:
+    """The variable as a finite number >= 0; None when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        number = kind(value)
+    except ValueError:
+        number = -1
+    if number < 0 or not math.isfinite(number):
+        noun = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {noun} >= 0, got {value!r}")
+    return number
 
 
 def cache_dir() -> Path:
@@ -22,19 +49,24 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     """Root log level for rankcast's loggers (INFO unless told otherwise)."""
-    return os.environ.get("RANKCAST_LOG_LEVEL", "INFO").upper()
+    value = os.environ.get("RANKCAST_LOG_LEVEL", "INFO").upper()
+    if value not in logging.getLevelNamesMapping():
+        raise ValueError(f"RANKCAST_LOG_LEVEL must be a logging level like INFO, got {value!r}")
+    return value
 
 
 def num_threads() -> int | None:
-    """Torch intra-op threads per process; None means "let rankcast choose from the core count"."""
-    value = os.environ.get("RANKCAST_NUM_THREADS")
-    return int(value) if value else None
+    """Torch intra-op threads per rank; None (unset, empty or 0) means "let rankcast choose
+    from the core count"."""
+    count = _non_negative("RANKCAST_NUM_THREADS", int)
+    return int(count) if count else None
 
 
 def kv_cache_space_gib() -> float | None:
-    """CPU KV-cache budget override in GiB, as production engines' CPU builds accept it."""
-    value = os.environ.get("RANKCAST_KV_CACHE_SPACE")
-    return float(value) if value else None
+    """CPU KV-cache budget override in GiB, as production engines' CPU builds accept it; None
+    (unset, empty or 0) means rankcast's default."""
+    gib = _non_negative("RANKCAST_KV_CACHE_SPACE", float)
+    return float(gib) if gib else None
 
 
 def disable_progress() -> bool:
@@ -52,22 +84,26 @@ def worker_notification_poll_interval() -> float | None:
 
     Unset, empty or 0 means no polling (the doorbell alone decides when to gather).
     """
-    value = os.environ.get("RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL")
-    if not value:
-        return None
-    seconds = float(value)
-    if seconds < 0:
-        raise ValueError(
-            f"RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL must be >= 0 seconds, got {value!r}"
-        )
-    return seconds or None
+    seconds = _non_negative("RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL", float)
+    return float(seconds) if seconds else None
 
 
 def cpu_bind() -> str:
     """How each rank's OpenMP threads are pinned to cores: `auto` (the default: a rank in a
     process rankcast started gets its own slice of the allowed cores), `off`, or one CPU list per
-    machine-local rank, `|`-separated (`0-3|4-7`), which also applies in the caller's process."""
-    return os.environ.get("RANKCAST_CPU_BIND", "").strip() or "auto"
+    machine-local rank, `|`-separated (`0-3|4-7`), which also applies in the caller's process.
+
+    Only the syntax is checked here; whether there is a list for every rank is checked against
+    the configuration (`rankcast/config.py`)."""
+    value = os.environ.get("RANKCAST_CPU_BIND", "").strip() or "auto"
+    if value in ("auto", "off"):
+        return value
+    for cpus in value.split("|"):
+        if not all(_CPU_RANGE.fullmatch(part.strip()) for part in cpus.split(",")):
+            raise ValueError(
+                f"RANKCAST_CPU_BIND must be auto, off or CPU lists like 0-3|4-7, got {value!r}"
+            )
+    return value
 
 
 def kernels_mode() -> str:

@@ -38,7 +38,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 # Bump whenever any struct below changes its field list; peers refuse a mismatch at handshake.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -120,12 +120,41 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0
 
 
+class ErrorKind(enum.StrEnum):
+    """Why a utility call failed, for the caller to act on (an API server maps each kind to an
+    HTTP status in one table): the client's doing, or the engine's (`internal`)."""
+
+    BAD_ARGUMENT = "bad_argument"
+    UNKNOWN_ADAPTER = "unknown_adapter"
+    NO_CAPACITY = "no_capacity"
+    ADAPTER_BUSY = "adapter_busy"
+    UNKNOWN_METHOD = "unknown_method"
+    EXTENSION_FAILED = "extension_failed"
+    INTERNAL = "internal"
+
+
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The answer to one `UtilityRequest`: a msgpack-able result or an error message."""
+    """The answer to one `UtilityRequest`: a msgpack-able result, or an error message with its
+    kind (appended in protocol 6; a peer that does not know a kind treats it as `internal`)."""
 
     call_id: int
     result: Any = None
     error: str | None = None
+    error_kind: str = ""
+
+
+class LoRAAdapterInfo(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One registered adapter as the engine sees it: the reply of `add_lora`, `pin_lora` and
+    (one per adapter) `list_loras`. `tiers` are where it is on every rank ("device", "cpu")."""
+
+    name: str
+    path: str
+    id: int
+    rank: int
+    bytes: int
+    tiers: list[str] = msgspec.field(default_factory=list)
+    slot: int | None = None
+    pinned: bool = False
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
@@ -142,16 +171,107 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
     engine_notifications: list[msgspec.Raw] | None = None
 
 
+# ---- the catch-up snapshot: one declared struct per section ----
+
+
+class NotificationTotal(msgspec.Struct, array_like=True):
+    """How many notifications of one type (and, for `custom`, one key) have left the engine."""
+
+    type: str
+    key: str
+    count: int
+
+
+class RankCount(msgspec.Struct, array_like=True):
+    rank: int
+    count: int
+
+
+class RankWeightsLoaded(msgspec.Struct, array_like=True):
+    """A rank's last `rankcast.weights_loaded` payload (bytes, seconds)."""
+
+    rank: int
+    payload: dict[str, Any]
+
+
+class NotificationLedgerState(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The channel's own totals: what every API server's notification counters start from."""
+
+    totals: list[NotificationTotal] = msgspec.field(default_factory=list)
+    dropped: list[RankCount] = msgspec.field(default_factory=list)
+    weights_loaded: list[RankWeightsLoaded] = msgspec.field(default_factory=list)
+
+
+class RankTier(msgspec.Struct, array_like=True):
+    rank: int
+    tier: str
+
+
+class AdapterResidency(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Where one adapter is, rank by rank."""
+
+    name: str
+    id: int
+    pinned: bool = False
+    ranks: list[RankTier] = msgspec.field(default_factory=list)
+
+
+class LoRAEventCount(msgspec.Struct, array_like=True):
+    """The LoRA lifecycle event counter's value for one (adapter, event, reason)."""
+
+    adapter: str
+    event: str
+    reason: str
+    count: int
+
+
+class LoRALoadTime(msgspec.Struct, array_like=True):
+    """One observation of the adapter load-time histogram."""
+
+    transition: str
+    seconds: float
+
+
+class LoRAState(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Adapter residency per rank, the slot limits, and the event totals so far."""
+
+    world_size: int
+    max_loras: int
+    max_cpu_loras: int
+    adapters: list[AdapterResidency] = msgspec.field(default_factory=list)
+    events: list[LoRAEventCount] = msgspec.field(default_factory=list)
+    loads: list[LoRALoadTime] = msgspec.field(default_factory=list)
+
+
+class KVCacheBlock(msgspec.Struct, array_like=True):
+    """One cached block as the KV-cache events described it."""
+
+    block_hash: int
+    parent: int | None
+    token_ids: list[int]
+    lora_id: int
+
+
+class KVCacheState(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The prefix-cache index as of the snapshot (present with --kv-events)."""
+
+    block_size: int
+    blocks: list[KVCacheBlock] = msgspec.field(default_factory=list)
+
+
 class EngineStateSnapshot(msgspec.Struct, array_like=True, omit_defaults=True):
     """What a late or restarted API server needs to agree with its siblings.
 
-    `sections` maps a snapshot provider's name to its state; `engine_seq` is the last
-    notification the state includes, so the stream that follows continues from there.
+    `engine_seq` is the last notification the state includes, so the stream that follows
+    continues from there. `lora` is present when the engine serves adapters, `kv_cache` when it
+    publishes KV-cache events.
     """
 
     engine_index: int = 0
     engine_seq: int = -1
-    sections: dict[str, Any] = msgspec.field(default_factory=dict)
+    notifications: NotificationLedgerState = msgspec.field(default_factory=NotificationLedgerState)
+    lora: LoRAState | None = None
+    kv_cache: KVCacheState | None = None
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True, omit_defaults=True):
@@ -220,7 +340,6 @@ class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
     method: str
     args: list[Any] = msgspec.field(default_factory=list)
-    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     reply_rank: int = -1
 
 

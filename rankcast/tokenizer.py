@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rankcast.model.arch import ModelFormatError
+from rankcast.errors import ModelFormatError
 
 
 def load_tokenizer(model_dir: Path) -> Any:

@@ -58,15 +58,6 @@ LAYERS = [
 # remove as issue 12 item 4/5 fixes them: the test fails if an entry here no longer occurs.
 ALLOWED_TODAY: frozenset[tuple[str, str, str]] = frozenset(
     {
-        # Entry points import the facade (`from rankcast import SamplingParams`,
-        # `rankcast.__version__`), which imports rankcast.entrypoints.llm.
-        ("layer", "rankcast.entrypoints.cli", "rankcast"),
-        ("layer", "rankcast.entrypoints.openai.api_server", "rankcast"),
-        ("unit-cycle", "rankcast", "rankcast.entrypoints.llm"),
-        ("unit-cycle", "rankcast.entrypoints.cli", "rankcast"),
-        ("unit-cycle", "rankcast.entrypoints.openai.api_server", "rankcast"),
-        # A leaf module needs the model layer for ModelFormatError.
-        ("layer", "rankcast.tokenizer", "rankcast.model.arch"),
         # model.layers names lora.layers.LoRALinear (under TYPE_CHECKING), closing
         # model <-> lora and model.layers -> lora.layers -> model.llama -> model.layers.
         ("layer", "rankcast.model.layers", "rankcast.lora.layers"),
@@ -76,14 +67,6 @@ ALLOWED_TODAY: frozenset[tuple[str, str, str]] = frozenset(
         ("module-cycle", "rankcast.model.layers", "rankcast.lora.layers"),
         ("module-cycle", "rankcast.lora.layers", "rankcast.model.llama"),
         ("module-cycle", "rankcast.model.llama", "rankcast.model.layers"),
-        # Executor.create (executor/base.py) imports each backend inside the function; each
-        # backend imports base.
-        ("module-cycle", "rankcast.executor.base", "rankcast.executor.multiproc"),
-        ("module-cycle", "rankcast.executor.base", "rankcast.executor.ray_executor"),
-        ("module-cycle", "rankcast.executor.base", "rankcast.executor.uniproc"),
-        ("module-cycle", "rankcast.executor.multiproc", "rankcast.executor.base"),
-        ("module-cycle", "rankcast.executor.ray_executor", "rankcast.executor.base"),
-        ("module-cycle", "rankcast.executor.uniproc", "rankcast.executor.base"),
     }
 )
 

@@ -4,7 +4,7 @@ Every rule of the channel (docs/architecture.md, "The notification contract") is
 here and nowhere else, whichever process drives the core:
 
     rule 4/5a  gather at start          `start()`
-    rule 5b    gather after a utility   `call_utility()`
+    rule 5b    gather after a utility   `call_utility()` (PRODUCER_UTILITIES)
     rule 5c/d  collect after a step     `step()`; when idle, `idle_outputs()`
     rule 6     flush with the next message, or a notification-only one when idle
     rule 7     every connected client gets every batch, in the same order; request outputs go
@@ -33,12 +33,15 @@ from rankcast.engine.lora_registry import LoRARegistry
 from rankcast.engine.notification_channel import EngineNotificationChannel, GatherError
 from rankcast.engine.request import Request
 from rankcast.engine.scheduler import Scheduler
-from rankcast.executor.base import Executor
+from rankcast.errors import ClientError, ExtensionCallError, UnknownMethodError
+from rankcast.executor.base import ExecutorError
+from rankcast.executor.factory import create_executor
 from rankcast.model.arch import ArchConfig
 from rankcast.model.source import ModelSource
 from rankcast.protocol import (
     PROTOCOL_VERSION,
     AbortRequests,
+    AdapterResidency,
     ClientHello,
     EngineCoreInput,
     EngineCoreMessage,
@@ -47,7 +50,13 @@ from rankcast.protocol import (
     EngineCoreRequest,
     EngineReady,
     EngineStateSnapshot,
+    ErrorKind,
     FinishReason,
+    LoRAAdapterInfo,
+    LoRAEventCount,
+    LoRALoadTime,
+    LoRAState,
+    RankTier,
     SchedulerStats,
     UtilityOutput,
     UtilityRequest,
@@ -68,7 +77,7 @@ class EngineCore:
         self.engine_index = engine_index
         self.arch = ArchConfig.from_model_dir(source.model_dir)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
-        self.executor = Executor.create(config, source, engine_index)
+        self.executor = create_executor(config, source, engine_index)
         try:
             self._start()
         except BaseException:
@@ -79,10 +88,10 @@ class EngineCore:
     def _start(self) -> None:
         """Everything after the ranks are up: cache, scheduler, notification channel."""
         config = self.config
-        num_blocks = min(self.executor.collective_rpc("num_available_blocks"))
+        num_blocks = min(self.executor.num_available_blocks())
         block_size = config.cache.block_size
         self.max_model_len = self._resolve_max_model_len(num_blocks * block_size)
-        self.executor.collective_rpc("initialize_cache", (num_blocks,))
+        self.executor.initialize_cache(num_blocks)
         self.notifications = EngineNotificationChannel(
             self.executor,
             self.engine_index,
@@ -101,7 +110,6 @@ class EngineCore:
                 self._requests_using_adapter,
                 self._running_adapters,
             )
-            self.notifications.register_snapshot_provider("lora", self._lora_snapshot)
             self.notifications.observers.append(self.loras.observe)
         self.scheduler = Scheduler(
             config.scheduler,
@@ -127,7 +135,6 @@ class EngineCore:
         if self.scheduler.blocks.kv_events:
             self.kv_index = KVCacheIndex()
             self.notifications.observers.append(self.kv_index.apply)
-            self.notifications.register_snapshot_provider("kv_cache", self._kv_snapshot)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
             num_blocks,
@@ -225,16 +232,22 @@ class EngineCore:
         return outbox
 
     def _run_utility(self, request: UtilityRequest) -> UtilityOutput:
+        """A client's error comes back with its kind; anything else is the engine's own bug:
+        logged with its traceback and answered as `internal`."""
         try:
             result = self.call_utility(request.method, *request.args)
             return UtilityOutput(request.call_id, result=result)
         except GatherError:
             raise  # a rank failed under the channel: the engine stops, loudly
-        except ValueError as exc:
-            return UtilityOutput(request.call_id, error=str(exc))
+        except ClientError as exc:
+            return UtilityOutput(request.call_id, error=str(exc), error_kind=exc.kind)
         except Exception as exc:
             logger.exception("utility %s failed", request.method)
-            return UtilityOutput(request.call_id, error=f"{type(exc).__name__}: {exc}")
+            return UtilityOutput(
+                request.call_id,
+                error=f"{type(exc).__name__}: {exc}",
+                error_kind=ErrorKind.INTERNAL,
+            )
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute and account for one step (rule 5c: collect if a rank rang); each
@@ -358,31 +371,33 @@ class EngineCore:
     def _running_adapters(self) -> set[str]:
         return {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
 
-    def _lora_snapshot(self) -> dict[str, Any]:
+    def _lora_state(self) -> LoRAState:
         """Residency for a late API server: the registry's tiers hold on every rank (a rank
         that failed a move raised, and the move was undone or the engine stopped)."""
         assert self.loras is not None
         world = self.config.parallel.world_size
-        return {
-            "world_size": world,
-            "max_loras": self.config.lora.max_loras,
-            "max_cpu_loras": self.config.lora.host_capacity,
-            "adapters": [
-                {
-                    "name": a["name"],
-                    "id": a["id"],
-                    "pinned": a["pinned"],
-                    "ranks": [[rank, tier] for rank in range(world) for tier in a["tiers"]],
-                }
+        return LoRAState(
+            world_size=world,
+            max_loras=self.config.lora.max_loras,
+            max_cpu_loras=self.config.lora.host_capacity,
+            adapters=[
+                AdapterResidency(
+                    a.name,
+                    a.id,
+                    a.pinned,
+                    [RankTier(rank, tier) for rank in range(world) for tier in a.tiers],
+                )
                 for a in self.loras.list()
             ],
-            "events": [[n, e, r, c] for (n, e, r), c in sorted(self.loras.events.items())],
-            "loads": [list(load) for load in self.loras.loads],
-        }
+            events=[
+                LoRAEventCount(n, e, r, c) for (n, e, r), c in sorted(self.loras.events.items())
+            ],
+            loads=[LoRALoadTime(t, seconds) for t, seconds in self.loras.loads],
+        )
 
     def _lora_registry(self) -> LoRARegistry:
         if self.loras is None:
-            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
+            raise ClientError("LoRA is not enabled on this engine (--enable-lora)")
         return self.loras
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -401,51 +416,89 @@ class EngineCore:
             name for name in vars(cls) if not name.startswith("_") and callable(getattr(cls, name))
         )
 
+    # ---- utilities: what any client may call, by name (UTILITIES), answered on its socket ----
+
+    UTILITIES = frozenset(
+        {
+            "ping",
+            "get_stats",
+            "snapshot",
+            "collective_rpc",
+            "add_lora",
+            "remove_lora",
+            "pin_lora",
+            "list_loras",
+            "reset_prefix_cache",
+        }
+    )
+    # Utilities that can change what a producer publishes: a gather follows each (rule 5b).
+    PRODUCER_UTILITIES = frozenset({"collective_rpc", "add_lora", "remove_lora", "pin_lora"})
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run the utility `method`; an unknown name is the caller's error, not a crash. Events
+        a producer utility caused are gathered before it returns, so they leave before (or
+        with) its answer."""
+        if method not in self.UTILITIES:
+            known = ", ".join(sorted(self.UTILITIES))
+            raise UnknownMethodError(f"unknown utility {method!r} (known: {known})")
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            if method in self.PRODUCER_UTILITIES:
+                self.gather_worker_notifications()
+
+    def ping(self) -> str:
+        return "pong"
+
+    def get_stats(self) -> SchedulerStats:
+        return self.stats()
+
     def collective_rpc(
         self, method: str, args: list[Any] | None = None, timeout: float | None = None
     ) -> list[Any]:
-        """Call a worker-extension method on every rank; replies in rank order.
+        """Call a worker-extension method on every rank; replies in rank order, as the method
+        declares them.
 
         Only the extension's methods are reachable this way: the engine's own worker methods
         (stepping, cache set-up) would corrupt its state if a client called them.
         """
         if method not in self.extension_methods:
             known = ", ".join(sorted(self.extension_methods)) or "none: no --worker-extension-cls"
-            raise ValueError(f"{method!r} is not a worker extension method (available: {known})")
-        return self.executor.collective_rpc(method, tuple(args or ()), timeout=timeout)
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Named operations any client may invoke; unknown names are an error, not a crash.
-
-        Utilities that can change what a producer publishes are followed by a gather, so their
-        events leave before (or with) the utility's answer.
-        """
-        utilities: dict[str, Callable[..., Any]] = {
-            "ping": lambda: "pong",
-            "get_stats": lambda: msgspec.structs.asdict(self.stats()),
-            "snapshot": lambda: msgspec.to_builtins(self.snapshot()),
-            "collective_rpc": self.collective_rpc,
-            "add_lora": lambda name, path: self._lora_registry().add(name, path),
-            "remove_lora": lambda name: self._lora_registry().remove(name),
-            "pin_lora": lambda name, pinned=True: self._lora_registry().pin(name, pinned),
-            "list_loras": lambda: self._lora_registry().list(),
-            "reset_prefix_cache": self.reset_prefix_cache,
-        }
-        changes_producers = {"collective_rpc", "add_lora", "remove_lora", "pin_lora"}
-        if method not in utilities:
-            raise ValueError(f"unknown utility {method!r}")
+            raise UnknownMethodError(
+                f"{method!r} is not a worker extension method (available: {known})"
+            )
         try:
-            return utilities[method](*args)
-        finally:
-            if method in changes_producers:
-                self.gather_worker_notifications()
+            return self.executor.collective_rpc(method, tuple(args or ()), timeout=timeout)
+        except ExecutorError as exc:
+            raise ExtensionCallError(str(exc)) from exc
+
+    def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
+        return self._lora_registry().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self._lora_registry().remove(name)
+
+    def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
+        return self._lora_registry().pin(name, pinned)
+
+    def list_loras(self) -> list[LoRAAdapterInfo]:
+        return self._lora_registry().list()
 
     def gather_worker_notifications(self) -> int:
         """Collect every rank's notifications now (they leave with the next output)."""
         return self.notifications.gather()
 
     def snapshot(self) -> EngineStateSnapshot:
-        return self.notifications.snapshot()
+        """State as of the last flushed event (rule 8): the stream continues after it."""
+        return EngineStateSnapshot(
+            self.engine_index,
+            self.notifications.last_engine_seq(),
+            self.notifications.ledger.state(),
+            lora=None if self.loras is None else self._lora_state(),
+            kv_cache=None
+            if self.kv_index is None
+            else self.kv_index.state(self.scheduler.blocks.block_size),
+        )
 
     def stats(self) -> SchedulerStats:
         """The scheduler's load figures plus what the notification channel has cost so far."""
@@ -470,10 +523,6 @@ class EngineCore:
     def _publish_kv_events(self) -> None:
         for event in self.scheduler.blocks.take_kv_events():
             self.notifications.publish_engine_event(event)
-
-    def _kv_snapshot(self) -> dict[str, Any]:
-        assert self.kv_index is not None
-        return {"block_size": self.scheduler.blocks.block_size, **self.kv_index.snapshot()}
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused while requests hold blocks)."""

@@ -10,14 +10,30 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import msgspec
+
 from rankcast.config import EngineConfig
 from rankcast.engine.core import EngineCore
 from rankcast.model.source import ModelSource
-from rankcast.protocol import PROTOCOL_VERSION, ClientHello, EngineCoreOutputs, EngineCoreRequest
+from rankcast.protocol import (
+    PROTOCOL_VERSION,
+    ClientHello,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStateSnapshot,
+    LoRAAdapterInfo,
+    SchedulerStats,
+)
+
+
+def _as(reply: Any, kind: Any) -> Any:
+    """A utility's reply as its declared type (over a socket a struct arrives as plain data)."""
+    return msgspec.convert(reply, kind)
 
 
 class EngineCoreClient(ABC):
-    """The frontend's handle on an engine core."""
+    """The frontend's handle on an engine core. The typed calls below are the utilities
+    `EngineCore.UTILITIES` names, each with its reply type."""
 
     max_model_len: int
 
@@ -37,6 +53,32 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
+        return _as(self.call_utility("add_lora", name, path), LoRAAdapterInfo)
+
+    def remove_lora(self, name: str) -> None:
+        self.call_utility("remove_lora", name)
+
+    def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
+        return _as(self.call_utility("pin_lora", name, pinned), LoRAAdapterInfo)
+
+    def list_loras(self) -> list[LoRAAdapterInfo]:
+        return _as(self.call_utility("list_loras"), list[LoRAAdapterInfo])
+
+    def collective_rpc(
+        self, method: str, args: list[Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        return list(self.call_utility("collective_rpc", method, args, timeout))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call_utility("reset_prefix_cache"))
+
+    def get_stats(self) -> SchedulerStats:
+        return _as(self.call_utility("get_stats"), SchedulerStats)
+
+    def snapshot(self) -> EngineStateSnapshot:
+        return _as(self.call_utility("snapshot"), EngineStateSnapshot)
 
 
 class AsyncEngineCoreClient(ABC):
@@ -58,6 +100,26 @@ class AsyncEngineCoreClient(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    async def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
+        return _as(await self.call_utility("add_lora", name, path), LoRAAdapterInfo)
+
+    async def remove_lora(self, name: str) -> None:
+        await self.call_utility("remove_lora", name)
+
+    async def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
+        return _as(await self.call_utility("pin_lora", name, pinned), LoRAAdapterInfo)
+
+    async def list_loras(self) -> list[LoRAAdapterInfo]:
+        return _as(await self.call_utility("list_loras"), list[LoRAAdapterInfo])
+
+    async def collective_rpc(
+        self, method: str, args: list[Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        return list(await self.call_utility("collective_rpc", method, args, timeout))
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.call_utility("reset_prefix_cache"))
 
 
 class InprocClient(EngineCoreClient):

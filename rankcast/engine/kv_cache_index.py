@@ -11,10 +11,10 @@ naming, documented and stable) until a name is missing: that many leading tokens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from rankcast.engine.block_manager import block_hash
 from rankcast.notifications import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
+from rankcast.protocol import KVCacheBlock, KVCacheState
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,21 @@ class KVCacheIndex:
             parent, found = name, found + block_size
         return found
 
-    def snapshot(self) -> dict[str, Any]:
-        """The snapshot section: every block as [name, parent, token_ids, lora_id]."""
-        return {
-            "blocks": [
-                [name, b.parent, list(b.token_ids), b.lora_id]
+    def state(self, block_size: int) -> KVCacheState:
+        """The snapshot section: every block, in name order."""
+        return KVCacheState(
+            block_size,
+            [
+                KVCacheBlock(name, b.parent, list(b.token_ids), b.lora_id)
                 for name, b in sorted(self.blocks.items())
-            ]
-        }
+            ],
+        )
 
     @classmethod
-    def from_snapshot(cls, section: dict[str, Any]) -> KVCacheIndex:
+    def from_state(cls, state: KVCacheState) -> KVCacheIndex:
         index = cls()
-        for name, parent, tokens, lora_id in section.get("blocks", []):
-            index.blocks[name] = IndexedBlock(parent, tuple(tokens), lora_id)
+        for block in state.blocks:
+            index.blocks[block.block_hash] = IndexedBlock(
+                block.parent, tuple(block.token_ids), block.lora_id
+            )
         return index

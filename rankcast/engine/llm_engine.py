@@ -13,7 +13,7 @@ from rankcast.engine.output_processor import OutputProcessor
 from rankcast.model.source import resolve_model
 from rankcast.notifications import Notification
 from rankcast.outputs import RequestOutput
-from rankcast.protocol import EngineCoreRequest
+from rankcast.protocol import EngineCoreRequest, LoRAAdapterInfo
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import load_tokenizer
 
@@ -89,25 +89,25 @@ class LLMEngine:
         self, method: str, args: list[Any] | None = None, timeout: float | None = None
     ) -> list[Any]:
         """Call a worker-extension method on every rank; what it publishes is gathered at once."""
-        return self.client.call_utility("collective_rpc", method, args, timeout)
+        return self.client.collective_rpc(method, args, timeout)
 
-    def add_lora(self, name: str, path: str) -> dict[str, Any]:
+    def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
         """Register an adapter and read it into every rank's host tier (and a device slot if
         one is free); validated first, so a bad one changes nothing."""
-        return self.client.call_utility("add_lora", name, path)
+        return self.client.add_lora(name, path)
 
     def remove_lora(self, name: str) -> None:
-        self.client.call_utility("remove_lora", name)
+        self.client.remove_lora(name)
 
-    def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
+    def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
         """Keep an adapter in the device tier (never evicted) until unpinned."""
-        return self.client.call_utility("pin_lora", name, pinned)
+        return self.client.pin_lora(name, pinned)
 
     def reset_prefix_cache(self) -> bool:
-        return self.client.call_utility("reset_prefix_cache")
+        return self.client.reset_prefix_cache()
 
-    def list_loras(self) -> list[dict[str, Any]]:
-        return self.client.call_utility("list_loras")
+    def list_loras(self) -> list[LoRAAdapterInfo]:
+        return self.client.list_loras()
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         from rankcast.tokenizer import apply_chat_template

@@ -21,24 +21,25 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rankcast.config import LoRAConfig
 from rankcast.engine.lora_events import lora_event_key, lora_load_time
+from rankcast.errors import AdapterBusyError, CapacityError, ClientError, UnknownAdapterError
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import load_peft_adapter
 from rankcast.model.arch import ArchConfig
 from rankcast.notifications import Notification
+from rankcast.protocol import LoRAAdapterInfo
 
 # Load-time observations kept for a late API server's histogram (oldest forgotten first).
 _LOADS_KEPT = 10_000
 
 
-class LoRACapacityError(ValueError):
+class LoRACapacityError(CapacityError):
     """No room can be made for an adapter without evicting one that must stay."""
 
 
-class LoRALoadError(ValueError):
+class LoRALoadError(ClientError):
     """A rank could not read an adapter that was valid when registered (the files changed)."""
 
 
@@ -95,7 +96,7 @@ class LoRARegistry:
 
     # ---- registration ----
 
-    def add(self, name: str, path: str) -> dict[str, Any]:
+    def add(self, name: str, path: str) -> LoRAAdapterInfo:
         """Validate, then read into every rank's host tier and, if a slot is free, the device.
 
         The same name and path again is a no-op. A full host tier makes room by evicting its
@@ -103,7 +104,7 @@ class LoRARegistry:
         not: the adapter moves to the device when a request needs it.
         """
         if not name:
-            raise ValueError("an adapter needs a name")
+            raise ClientError("an adapter needs a name")
         adapter = load_peft_adapter(
             name, path, self.arch, self.config.max_lora_rank, self.allowed_roots
         )
@@ -111,7 +112,7 @@ class LoRARegistry:
         if known is not None:
             if known.path == str(adapter.path):
                 return self.describe(known)
-            raise ValueError(f"adapter {name!r} is already loaded from {known.path}")
+            raise ClientError(f"adapter {name!r} is already loaded from {known.path}")
         entry = RegisteredAdapter(
             name, str(adapter.path), next(self._ids), adapter.rank, adapter.nbytes
         )
@@ -128,11 +129,11 @@ class LoRARegistry:
         entry = self._entry(name)
         busy = self.requests_using(name)
         if busy:
-            raise ValueError(f"adapter {name!r} is in use by {busy} request(s)")
-        self.executor.collective_rpc("evict_lora", (entry.adapter_id, "cpu", "unload"))
+            raise AdapterBusyError(f"adapter {name!r} is in use by {busy} request(s)")
+        self.executor.evict_lora(entry.adapter_id, "cpu", "unload")
         del self.adapters[name]
 
-    def pin(self, name: str, pinned: bool) -> dict[str, Any]:
+    def pin(self, name: str, pinned: bool) -> LoRAAdapterInfo:
         """Pin: bring the adapter to the device now and keep it there until unpinned."""
         entry = self._entry(name)
         if pinned and entry.slot is None:
@@ -143,7 +144,7 @@ class LoRARegistry:
                     "running requests use; retry when they finish"
                 )
         if entry.pinned != pinned:
-            self.executor.collective_rpc("pin_lora", (entry.adapter_id, pinned))
+            self.executor.pin_lora(entry.adapter_id, pinned)
             entry.pinned = pinned
         return self.describe(entry)
 
@@ -200,7 +201,7 @@ class LoRARegistry:
         victim = self._host_victim(busy)
         self._load(entry)
         if victim is not None:
-            self.executor.collective_rpc("evict_lora", (victim.adapter_id, "cpu", "capacity"))
+            self.executor.evict_lora(victim.adapter_id, "cpu", "capacity")
             victim.in_host, victim.slot = False, None
 
     def _host_victim(self, busy: set[str]) -> RegisteredAdapter | None:
@@ -218,7 +219,7 @@ class LoRARegistry:
 
     def _evict_device(self, victim: RegisteredAdapter, reason: str) -> int:
         assert victim.slot is not None
-        self.executor.collective_rpc("evict_lora", (victim.adapter_id, "device", reason))
+        self.executor.evict_lora(victim.adapter_id, "device", reason)
         slot, victim.slot = victim.slot, None
         return slot
 
@@ -230,9 +231,9 @@ class LoRARegistry:
         `lora_adapter_load_failed` events.
         """
         try:
-            self.executor.collective_rpc("load_lora", (entry.adapter_id, entry.name, entry.path))
+            self.executor.load_lora(entry.adapter_id, entry.name, entry.path)
         except ExecutorError as exc:
-            self.executor.collective_rpc("evict_lora", (entry.adapter_id, "cpu", "load_failed"))
+            self.executor.evict_lora(entry.adapter_id, "cpu", "load_failed")
             dropped = self.adapters.pop(entry.name, None) is not None
             first_line = str(exc).splitlines()[0]
             note = " (unregistered)" if dropped else ""
@@ -242,7 +243,7 @@ class LoRARegistry:
         entry.in_host = True
 
     def _activate(self, entry: RegisteredAdapter, slot: int) -> None:
-        self.executor.collective_rpc("activate_lora", (entry.adapter_id, slot))
+        self.executor.activate_lora(entry.adapter_id, slot)
         entry.slot = slot
 
     def _touch(self, entry: RegisteredAdapter) -> None:
@@ -269,22 +270,22 @@ class LoRARegistry:
         entry = self.adapters.get(name)
         if entry is None:
             known = ", ".join(sorted(self.adapters)) or "none"
-            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {known})")
+            raise UnknownAdapterError(f"unknown LoRA adapter {name!r} (loaded: {known})")
         return entry
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self) -> list[LoRAAdapterInfo]:
         ordered = sorted(self.adapters.values(), key=lambda a: a.adapter_id)
         return [self.describe(a) for a in ordered]
 
     @staticmethod
-    def describe(entry: RegisteredAdapter) -> dict[str, Any]:
-        return {
-            "name": entry.name,
-            "path": entry.path,
-            "id": entry.adapter_id,
-            "rank": entry.rank,
-            "bytes": entry.nbytes,
-            "tiers": entry.tiers,
-            "slot": entry.slot,
-            "pinned": entry.pinned,
-        }
+    def describe(entry: RegisteredAdapter) -> LoRAAdapterInfo:
+        return LoRAAdapterInfo(
+            name=entry.name,
+            path=entry.path,
+            id=entry.adapter_id,
+            rank=entry.rank,
+            bytes=entry.nbytes,
+            tiers=entry.tiers,
+            slot=entry.slot,
+            pinned=entry.pinned,
+        )

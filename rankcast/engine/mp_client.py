@@ -29,6 +29,7 @@ from rankcast.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
+    ErrorKind,
     UtilityOutput,
     UtilityRequest,
 )
@@ -45,7 +46,13 @@ class ProtocolMismatchError(RuntimeError):
 
 
 class UtilityError(RuntimeError):
-    """A utility call reached the engine core and failed there."""
+    """A utility call reached the engine core and failed there; `kind` says whose fault
+    (`ErrorKind`: a client's, or `internal`), for the caller to choose its answer by."""
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        known = {k.value for k in ErrorKind}
+        self.kind = ErrorKind(kind) if kind in known else ErrorKind.INTERNAL
 
 
 def _check_ready(ready: EngineReady) -> EngineReady:
@@ -121,7 +128,7 @@ class SyncMPClient(EngineCoreClient):
             reply = message.utility_output
             if reply is not None and reply.call_id == call_id:
                 if reply.error:
-                    raise UtilityError(reply.error)
+                    raise UtilityError(reply.error, reply.error_kind)
                 return reply.result
             if (
                 message.outputs
@@ -248,7 +255,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
         if future is None or future.done():
             return
         if reply.error:
-            future.set_exception(UtilityError(reply.error))
+            future.set_exception(UtilityError(reply.error, reply.error_kind))
         else:
             future.set_result(reply.result)
 

@@ -28,7 +28,12 @@ from rankcast.notifications import (
     NotificationsDropped,
     notification_type,
 )
-from rankcast.protocol import EngineStateSnapshot
+from rankcast.protocol import (
+    NotificationLedgerState,
+    NotificationTotal,
+    RankCount,
+    RankWeightsLoaded,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +65,14 @@ class NotificationLedger:
         elif isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY:
             self.weights_loaded[n.rank] = dict(n.payload)
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "totals": [[t, k, c] for (t, k), c in sorted(self.totals.items())],
-            "dropped": [[rank, c] for rank, c in sorted(self.dropped.items())],
-            "weights_loaded": [[rank, p] for rank, p in sorted(self.weights_loaded.items())],
-        }
+    def state(self) -> NotificationLedgerState:
+        return NotificationLedgerState(
+            totals=[NotificationTotal(t, k, c) for (t, k), c in sorted(self.totals.items())],
+            dropped=[RankCount(rank, c) for rank, c in sorted(self.dropped.items())],
+            weights_loaded=[
+                RankWeightsLoaded(rank, p) for rank, p in sorted(self.weights_loaded.items())
+            ],
+        )
 
 
 class EngineNotificationChannel:
@@ -89,8 +96,7 @@ class EngineNotificationChannel:
         self.gathers = 0
         self.gather_seconds = 0.0
         self.ledger = NotificationLedger()
-        self.providers: dict[str, Callable[[], Any]] = {"notifications": self.ledger.snapshot}
-        # Called with each notification as it leaves, so snapshot providers can keep state.
+        # Called with each notification as it leaves, so the snapshot's sections keep state.
         self.observers: list[Callable[[Notification], None]] = [self.ledger.record]
         self.encoder = msgspec.msgpack.Encoder()
 
@@ -103,7 +109,7 @@ class EngineNotificationChannel:
         # This gather drains whatever rang so far; only a ring from now on means more.
         self.executor.notifications_pending()
         try:
-            batches = self.executor.collective_rpc("take_notifications")
+            batches = self.executor.take_notifications()
         except ExecutorError as exc:
             raise GatherError(f"notification gather failed: {exc}") from exc
         arrived = 0
@@ -181,16 +187,7 @@ class EngineNotificationChannel:
             raws.append(msgspec.Raw(self.encoder.encode(n)))
         return raws
 
-    def register_snapshot_provider(self, name: str, provider: Callable[[], Any]) -> None:
-        """Add a section to the catch-up snapshot (e.g. adapter residency per rank)."""
-        if name in self.providers:
-            raise ValueError(f"snapshot provider {name!r} is already registered")
-        self.providers[name] = provider
-
-    def snapshot(self) -> EngineStateSnapshot:
-        """State as of the last flushed event; the stream continues after `engine_seq`."""
-        return EngineStateSnapshot(
-            self.engine_index,
-            self.next_engine_seq - 1,
-            {name: provider() for name, provider in self.providers.items()},
-        )
+    def last_engine_seq(self) -> int:
+        """The `engine_seq` of the last event flushed: a snapshot taken now includes it, and the
+        stream continues after it."""
+        return self.next_engine_seq - 1

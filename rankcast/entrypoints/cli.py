@@ -1,144 +1,59 @@
-"""The `rankcast` command: `serve` (HTTP API) and `chat` (one answer from the offline engine)."""
+"""The `rankcast` command: `serve` (HTTP API) and `chat` (one answer from the offline engine).
+
+Every flag is one `Flag` in `FLAGS`: its name, the option it sets and its help. Its default and
+its type come from that option's dataclass field (`EngineConfig`'s sections, `ServeConfig`,
+`ChatArgs`), so a default is written in one place only. The argparse parsers, the keyword
+arguments handed to `EngineConfig.from_kwargs` and the README's flag table
+(`--markdown-flags`) are all generated from `FLAGS`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 import time
-from typing import Any
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from rankcast.config import ConfigError, EngineConfig
+from rankcast.config import (
+    DEFAULT_KV_CACHE_SPACE_GIB,
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    ConfigError,
+    EngineConfig,
+    ServeConfig,
+)
 from rankcast.logger import init_logging
 from rankcast.model.arch import ModelFormatError
 
+Target = Literal["engine", "serve", "chat"]
+Command = Literal["serve", "chat"]
 
-def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool) -> None:
-    help_model = "GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct)"
-    if model_flag:
-        parser.add_argument("--model", default=None, help=help_model)
-    else:
-        parser.add_argument("model", nargs="?", default=None, help=help_model)
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens one step computes: running decodes, then prompt tokens (default: 512)",
-    )
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of prompt prefixes earlier requests computed",
-    )
-    parser.add_argument(
-        "--kv-events",
-        action="store_true",
-        help="publish KV-cache block stored/removed/cleared events (notification channel)",
-    )
-    parser.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split prompts longer than what is left of a step's budget across steps",
-    )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument(
-        "--kv-cache-space",
-        dest="kv_cache_space_gib",
-        type=float,
-        default=None,
-        help="KV cache budget in GiB (default 2, or RANKCAST_KV_CACHE_SPACE)",
-    )
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
-    parser.add_argument("--data-parallel-size", type=int, default=1)
-    parser.add_argument(
-        "--distributed-executor-backend",
-        default=None,
-        choices=["uni", "mp", "ray"],
-        help="uni: one rank in the engine process; mp: a process per rank (default for "
-        "several ranks); ray: ranks as Ray actors (pip install 'rankcast[ray]')",
-    )
-    parser.add_argument(
-        "--worker-extension-cls",
-        default=None,
-        help="module:Class mixed into every worker; its methods run on every rank "
-        "(POST /collective_rpc, LLM.collective_rpc) and may publish notifications",
-    )
-    parser.add_argument(
-        "--worker-notification-poll-interval",
-        type=float,
-        default=None,
-        help="also gather worker notifications every N seconds (default: off, the doorbell "
-        "suffices; or RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL)",
-    )
-    parser.add_argument(
-        "--no-worker-notification-doorbell",
-        dest="worker_notification_doorbell",
-        action="store_false",
-        help="ignore the doorbell, so events wait for the poll (for measuring the two)",
-    )
-    parser.add_argument(
-        "--worker-notification-buffer-size",
-        type=int,
-        default=1024,
-        help="notifications each worker holds before dropping the oldest",
-    )
-    parser.add_argument(
-        "--engine-notification-buffer-size",
-        type=int,
-        default=65536,
-        help="gathered notifications the engine core holds before dropping the oldest",
-    )
-    parser.add_argument(
-        "--notification-events-endpoint",
-        default=None,
-        help="ZMQ PUB endpoint for the notification stream, e.g. tcp://*:5557 "
-        "(data-parallel engine i uses port + i)",
-    )
-    parser.add_argument(
-        "--notification-events-replay-endpoint",
-        default=None,
-        help="ZMQ ROUTER endpoint answering replay (8-byte start seq) and snapshot requests",
-    )
-    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
-    parser.add_argument("--max-loras", type=int, default=1, help="adapter slots per rank")
-    parser.add_argument(
-        "--max-cpu-loras",
-        type=int,
-        default=None,
-        help="adapters kept in each rank's host tier (>= --max-loras; default: --max-loras)",
-    )
-    parser.add_argument("--max-lora-rank", type=int, default=16)
-    parser.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="PEFT adapters every engine core loads at start",
-    )
-    parser.add_argument(
-        "--allowed-lora-paths",
-        nargs="+",
-        default=None,
-        metavar="DIR",
-        help="adapters load only from under these directories (default: anywhere)",
-    )
-    parser.add_argument(
-        "--num-gpu-blocks-override",
-        dest="num_blocks",
-        type=int,
-        default=None,
-        help="exact number of KV cache blocks, overriding the budget",
-    )
+# Which commands a flag belongs to when its entry does not say.
+_COMMANDS_OF: dict[Target, tuple[Command, ...]] = {
+    "engine": ("serve", "chat"),
+    "serve": ("serve",),
+    "chat": ("chat",),
+}
 
 
-def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
+@dataclass(frozen=True)
+class ChatArgs:
+    """What `rankcast chat` asks the engine: one message and how to sample the answer."""
+
+    message: str
+    max_tokens: int = 128
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+def _lora_modules(specs: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """`NAME=PATH` specs as the (name, path) pairs `LoRAConfig.lora_modules` holds."""
     modules = []
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -148,56 +63,413 @@ def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(modules)
 
 
-def _engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
-    return EngineConfig.from_kwargs(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        kv_events=args.kv_events,
-        **(
-            {"max_num_batched_tokens": args.max_num_batched_tokens}
-            if args.max_num_batched_tokens is not None
-            else {}
-        ),
-        block_size=args.block_size,
-        kv_cache_space_gib=args.kv_cache_space_gib,
-        num_blocks=args.num_blocks,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-        worker_extension_cls=args.worker_extension_cls,
-        worker_notification_poll_interval=args.worker_notification_poll_interval,
-        worker_notification_doorbell=args.worker_notification_doorbell,
-        worker_notification_buffer_size=args.worker_notification_buffer_size,
-        engine_notification_buffer_size=args.engine_notification_buffer_size,
-        notification_events_endpoint=args.notification_events_endpoint,
-        notification_events_replay_endpoint=args.notification_events_replay_endpoint,
-        enable_lora=args.enable_lora,
-        max_loras=args.max_loras,
-        max_cpu_loras=args.max_cpu_loras,
-        max_lora_rank=args.max_lora_rank,
-        lora_modules=_lora_modules(args.lora_modules),
-        allowed_lora_paths=tuple(args.allowed_lora_paths) if args.allowed_lora_paths else None,
-        **extra,
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag.
+
+    `field` names the option it sets in `target`: an `EngineConfig.from_kwargs` keyword, a
+    `ServeConfig` field or a `ChatArgs` field. The default and the kind of value (a number, a
+    switch with a `--no-` form, a list) are that field's. Help for a flag whose default is None
+    says what unset means, in the form "(unset: ...)".
+    """
+
+    name: str
+    field: str
+    help: str
+    target: Target = "engine"
+    # The commands that take it; empty: those of its target.
+    only: tuple[Command, ...] = ()
+    # The commands in which it is positional (`rankcast serve MODEL`).
+    positional_in: tuple[Command, ...] = ()
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    # Turns what argparse parsed into the option's value; lists become tuples without it.
+    parse: Callable[[Any], Any] | None = None
+
+    @property
+    def commands(self) -> tuple[Command, ...]:
+        return self.only or _COMMANDS_OF[self.target]
+
+
+FLAGS: tuple[Flag, ...] = (
+    # `rankcast serve` around the engines.
+    Flag("--host", "host", "address the API servers listen on", target="serve"),
+    Flag("--port", "port", "port the API servers share (SO_REUSEPORT)", target="serve"),
+    Flag(
+        "--api-server-count",
+        "api_server_count",
+        "API server processes behind the port, each with its own engine connection",
+        target="serve",
+    ),
+    Flag("--api-key", "api_key", "bearer token /v1 requires (unset: none)", target="serve"),
+    Flag(
+        "--allow-runtime-lora-updating",
+        "allow_runtime_lora_updating",
+        "enable /v1/load_lora_adapter, /v1/unload_lora_adapter and /v1/(un)pin_lora_adapter",
+        target="serve",
+    ),
+    # `rankcast chat`'s question and sampling.
+    Flag("message", "message", "the user message to answer", target="chat"),
+    Flag("--max-tokens", "max_tokens", "tokens to generate at most", target="chat"),
+    Flag("--temperature", "temperature", "sampling temperature; 0 is greedy", target="chat"),
+    Flag("--seed", "seed", "sampling seed, for reproducible draws (unset: none)", target="chat"),
+    # The engine: model, batching, KV cache.
+    Flag(
+        "--model",
+        "model",
+        "GGUF file or HF directory (unset: the embedded SmolLM2-135M-Instruct)",
+        positional_in=("serve",),
+        metavar="MODEL",
+    ),
+    Flag(
+        "--served-model-name",
+        "served_model_name",
+        "the model name /v1/models lists and requests use (unset: the model's own name)",
+        only=("serve",),
+    ),
+    Flag(
+        "--dtype",
+        "dtype",
+        "weight and activation precision; auto: bfloat16 where the CPU computes it natively, "
+        "float32 elsewhere",
+        choices=DTYPES,
+    ),
+    Flag(
+        "--max-model-len",
+        "max_model_len",
+        "longest prompt plus output in tokens (unset: the model's context, capped by what the "
+        "KV cache holds)",
+    ),
+    Flag("--max-num-seqs", "max_num_seqs", "requests that decode together in one step, at most"),
+    Flag(
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        "tokens one step computes: running decodes, then prompt tokens",
+    ),
+    Flag(
+        "--enable-chunked-prefill",
+        "enable_chunked_prefill",
+        "split prompts longer than what is left of a step's budget across steps",
+    ),
+    Flag(
+        "--enable-prefix-caching",
+        "enable_prefix_caching",
+        "reuse the KV of prompt prefixes earlier requests computed",
+    ),
+    Flag(
+        "--kv-events",
+        "kv_events",
+        "publish KV-cache block stored/removed/cleared events (notification channel)",
+    ),
+    Flag("--block-size", "block_size", "tokens per KV cache block: 8..128, a power of 2"),
+    Flag(
+        "--kv-cache-space",
+        "kv_cache_space_gib",
+        "KV cache budget in GiB (unset: RANKCAST_KV_CACHE_SPACE, else "
+        f"{DEFAULT_KV_CACHE_SPACE_GIB:g})",
+        metavar="GIB",
+    ),
+    Flag(
+        "--num-gpu-blocks-override",
+        "num_blocks",
+        "exact number of KV cache blocks, overriding the budget (unset: from the budget)",
+    ),
+    # The engine: ranks and executors.
+    Flag("--tensor-parallel-size", "tensor_parallel_size", "ranks each layer is split across"),
+    Flag("--pipeline-parallel-size", "pipeline_parallel_size", "stages the layers are split into"),
+    Flag(
+        "--data-parallel-size",
+        "data_parallel_size",
+        "engine cores, each with its own ranks; API servers balance requests between them",
+    ),
+    Flag(
+        "--distributed-executor-backend",
+        "distributed_executor_backend",
+        "uni: one rank in the engine process; mp: a process per rank; ray: ranks as Ray actors "
+        "(pip install 'rankcast[ray]') (unset: uni for one rank, mp for several)",
+        choices=EXECUTOR_BACKENDS,
+    ),
+    Flag(
+        "--worker-extension-cls",
+        "worker_extension_cls",
+        "module:Class mixed into every worker; its methods run on every rank "
+        "(POST /collective_rpc, LLM.collective_rpc) and may publish notifications (unset: none)",
+    ),
+    # The engine: the notification channel.
+    Flag(
+        "--worker-notification-poll-interval",
+        "worker_notification_poll_interval",
+        "also gather worker notifications every N seconds (unset: "
+        "RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL, else no poll: the doorbell suffices)",
+        metavar="SECONDS",
+    ),
+    Flag(
+        "--worker-notification-doorbell",
+        "worker_notification_doorbell",
+        "gather when a rank rings its doorbell; --no-worker-notification-doorbell leaves events "
+        "to the poll (for measuring the two)",
+    ),
+    Flag(
+        "--worker-notification-buffer-size",
+        "worker_notification_buffer_size",
+        "notifications each worker holds before dropping the oldest",
+    ),
+    Flag(
+        "--engine-notification-buffer-size",
+        "engine_notification_buffer_size",
+        "gathered notifications the engine core holds before dropping the oldest",
+    ),
+    Flag(
+        "--notification-events-endpoint",
+        "notification_events_endpoint",
+        "ZMQ PUB endpoint for the notification stream, e.g. tcp://*:5557; data-parallel engine "
+        "i uses port + i (unset: no stream)",
+    ),
+    Flag(
+        "--notification-events-replay-endpoint",
+        "notification_events_replay_endpoint",
+        "ZMQ ROUTER endpoint answering replay (8-byte start seq) and snapshot requests "
+        "(unset: no replay)",
+    ),
+    # The engine: LoRA adapters.
+    Flag("--enable-lora", "enable_lora", "serve LoRA adapters"),
+    Flag("--max-loras", "max_loras", "adapter slots per rank"),
+    Flag(
+        "--max-cpu-loras",
+        "max_cpu_loras",
+        "adapters kept in each rank's host tier, >= --max-loras (unset: --max-loras)",
+    ),
+    Flag("--max-lora-rank", "max_lora_rank", "largest adapter rank served"),
+    Flag(
+        "--lora-modules",
+        "lora_modules",
+        "PEFT adapters every engine core loads at start",
+        metavar="NAME=PATH",
+        parse=_lora_modules,
+    ),
+    Flag(
+        "--allowed-lora-paths",
+        "allowed_lora_paths",
+        "adapters load only from under these directories (unset: anywhere)",
+        metavar="DIR",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class _Option:
+    """What a flag's field declares: where it lives (for the README), its default, its type."""
+
+    owner: str
+    default: Any
+    hint: Any
+
+
+def _dataclass_options(cls: type[Any], owner: str) -> dict[str, _Option]:
+    """The fields of `cls` a caller may set (settled fields, `init=False`, are not options)."""
+    hints = typing.get_type_hints(cls)
+    options = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        factory = f.default_factory
+        default = f.default if factory is dataclasses.MISSING else factory()
+        options[f.name] = _Option(owner, default, hints[f.name])
+    return options
+
+
+@functools.cache
+def _options() -> dict[Target, dict[str, _Option]]:
+    """Every option a flag may set, by target; computed once, on the first parser built."""
+    engine: dict[str, _Option] = {}
+    for section, owner in EngineConfig.sections().items():
+        engine.update(_dataclass_options(owner, section))
+    return {
+        "engine": engine,
+        "serve": _dataclass_options(ServeConfig, "ServeConfig"),
+        "chat": _dataclass_options(ChatArgs, "ChatArgs"),
+    }
+
+
+def option_of(flag: Flag) -> _Option:
+    """The field `flag` sets; a flag naming no field is a bug in `FLAGS`."""
+    try:
+        return _options()[flag.target][flag.field]
+    except KeyError:
+        raise LookupError(f"{flag.name} sets {flag.field!r}, which {flag.target} lacks") from None
+
+
+def _value_type(hint: Any) -> Any:
+    """The type a field holds when it is set: `int | None` -> int."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint
+
+
+def _is_list(flag: Flag) -> bool:
+    return typing.get_origin(_value_type(option_of(flag).hint)) is tuple
+
+
+def _argparse_options(flag: Flag, command: Command) -> tuple[list[str], dict[str, Any]]:
+    """`add_argument`'s positional and keyword arguments for `flag` in `command`."""
+    option = option_of(flag)
+    kind = _value_type(option.hint)
+    kwargs: dict[str, Any] = {"help": _help(flag).replace("%", "%%"), "metavar": flag.metavar}
+    if flag.choices is not None:
+        kwargs["choices"] = flag.choices
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(kind) is tuple:
+        kwargs["nargs"] = "+"
+    elif kind in (int, float):
+        kwargs["type"] = kind
+    if command in flag.positional_in or not flag.name.startswith("-"):
+        if option.default is not dataclasses.MISSING:
+            kwargs["nargs"] = "?"
+            kwargs["default"] = option.default
+        kwargs["metavar"] = flag.metavar or flag.field
+        return [flag.field], kwargs
+    kwargs["dest"] = flag.field
+    kwargs["default"] = option.default
+    return [flag.name], kwargs
+
+
+def _is_unset(default: Any) -> bool:
+    """No default value to show: required, None (the help says what unset means) or empty."""
+    return default is dataclasses.MISSING or default is None or default == ()
+
+
+def _help(flag: Flag) -> str:
+    """The flag's help with its default appended, unless there is none to show."""
+    if _is_unset(option_of(flag).default):
+        return flag.help
+    return f"{flag.help} (default: {render_default(flag)})"
+
+
+def render_default(flag: Flag) -> str:
+    """The default as a user would type it: `on`/`off` for switches, `unset` for None."""
+    default = option_of(flag).default
+    if default is dataclasses.MISSING:
+        return "required"
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if default == ():
+        return "none"
+    return str(default)
+
+
+def flags_for(command: Command) -> list[Flag]:
+    """The flags `command` takes, in `FLAGS` order (the order of --help and of the README)."""
+    return [flag for flag in FLAGS if command in flag.commands]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `rankcast` parser, every flag generated from `FLAGS`."""
+    parser = argparse.ArgumentParser(prog="rankcast", description="rankcast LLM serving engine")
+    parser.add_argument(
+        "--markdown-flags",
+        action=_PrintFlagTable,
+        help="print the README's table of flags (Markdown) and exit",
     )
+    commands = parser.add_subparsers(dest="command", required=True)
+    helps: dict[Command, str] = {
+        "serve": "serve the OpenAI-compatible HTTP API",
+        "chat": "answer one chat message with the offline engine",
+    }
+    for command, text in helps.items():
+        sub = commands.add_parser(command, help=text)
+        for flag in flags_for(command):
+            names, kwargs = _argparse_options(flag, command)
+            sub.add_argument(*names, **kwargs)
+    return parser
+
+
+def _config_value(flag: Flag, parsed: Any) -> Any:
+    """What argparse parsed for `flag`, as its option holds it (lists become tuples)."""
+    if parsed is None:
+        return None
+    if flag.parse is not None:
+        return flag.parse(parsed)
+    return tuple(parsed) if _is_list(flag) else parsed
+
+
+def options_from_args(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+    """The keyword arguments for `target` (`EngineConfig.from_kwargs`, `ServeConfig`,
+    `ChatArgs`) that the parsed command line gives: one per flag of the command."""
+    return {
+        flag.field: _config_value(flag, getattr(args, flag.field))
+        for flag in flags_for(args.command)
+        if flag.target == target
+    }
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration the parsed command line asks for, validated."""
+    return EngineConfig.from_kwargs(**options_from_args(args, "engine"))
+
+
+def flag_table_markdown() -> str:
+    """The README's table of flags; `tests/entrypoints/test_cli_flags.py` keeps the two equal."""
+    rows = [
+        "| flag | commands | default | sets | what it does |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for flag in FLAGS:
+        value, default = option_of(flag).default, render_default(flag)
+        if not isinstance(value, bool) and not _is_unset(value):
+            default = f"`{default}`"  # a value to type, not a word about one
+        what = flag.help.replace("|", "\\|")
+        rows.append(
+            f"| {_markdown_names(flag)} | {', '.join(flag.commands)} | {default} | "
+            f"`{option_of(flag).owner}.{flag.field}` | {what} |"
+        )
+    return "\n".join(rows)
+
+
+def _markdown_names(flag: Flag) -> str:
+    """Every spelling of the flag: `--x` and `--no-x` for switches, the positional form."""
+    if not flag.name.startswith("-"):
+        return f"`{flag.field.upper()}`"
+    names = [f"`{flag.name}`"]
+    if _value_type(option_of(flag).hint) is bool:
+        names.append(f"`--no-{flag.name[2:]}`")
+    for command in flag.positional_in:
+        names.append(f"`{flag.metavar or flag.field}` ({command})")
+    return ", ".join(names)
+
+
+class _PrintFlagTable(argparse.Action):
+    """`--markdown-flags`: print the table and exit, like `--version`, whatever else is given."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(flag_table_markdown())
+        parser.exit()
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from rankcast import SamplingParams
     from rankcast.engine.llm_engine import LLMEngine
     from rankcast.entrypoints.llm import LLM
+    from rankcast.sampling_params import SamplingParams
 
+    chat = ChatArgs(**options_from_args(args, "chat"))
     started = time.perf_counter()
-    llm = LLM.from_engine(LLMEngine(_engine_config(args)))
+    llm = LLM.from_engine(LLMEngine(engine_config(args)))
     loaded = time.perf_counter()
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+        temperature=chat.temperature, max_tokens=chat.max_tokens, seed=chat.seed
     )
-    output = llm.chat([{"role": "user", "content": args.message}], params)[0]
+    output = llm.chat([{"role": "user", "content": chat.message}], params)[0]
     done = time.perf_counter()
     print(output.outputs[0].text.strip(), flush=True)
     print(
@@ -210,52 +482,21 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from rankcast.entrypoints.launcher import LaunchError, ServeArgs, serve
+    from rankcast.entrypoints.launcher import LaunchError, serve
 
-    if args.api_server_count < 1:
-        raise ConfigError("--api-server-count must be >= 1")
-    config = _engine_config(args, served_model_name=args.served_model_name)
+    server = ServeConfig(**options_from_args(args, "serve"))
+    config = engine_config(args)
     try:
-        serve_args = ServeArgs(
-            args.host,
-            args.port,
-            args.api_server_count,
-            args.api_key,
-            args.allow_runtime_lora_updating,
-        )
-        return serve(config, serve_args)
+        return serve(config, server)
     except LaunchError as exc:
         print(f"rankcast: error: {exc}", file=sys.stderr)
         return 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rankcast", description="rankcast LLM serving engine")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    _add_engine_args(serve, model_flag=False)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-server-count", type=int, default=1)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", default=None, help="require this bearer token on /v1")
-    serve.add_argument(
-        "--allow-runtime-lora-updating",
-        action="store_true",
-        help="enable /v1/load_lora_adapter, /v1/unload_lora_adapter and /v1/(un)pin_lora_adapter",
-    )
-
-    chat = commands.add_parser("chat", help="answer one chat message with the offline engine")
-    chat.add_argument("message")
-    chat.add_argument("--max-tokens", type=int, default=128)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--seed", type=int, default=None)
-    _add_engine_args(chat, model_flag=True)
-
-    args = parser.parse_args(argv)
-    init_logging("launcher" if args.command == "serve" else "cli")
+    args = build_parser().parse_args(argv)
     try:
+        init_logging("launcher" if args.command == "serve" else "cli")
         if args.command == "serve":
             return _serve(args)
         return _chat(args)

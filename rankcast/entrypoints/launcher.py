@@ -18,28 +18,28 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from rankcast.config import EngineConfig
+from rankcast.config import EngineConfig, ServeConfig
 from rankcast.engine.addresses import EngineAddresses
 from rankcast.engine.core_proc import run_engine_core
 from rankcast.entrypoints.openai.api_server import ApiServerConfig, run_api_server
-from rankcast.model.source import resolve_model
+from rankcast.model.source import ModelSource, resolve_model
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ServeArgs:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_server_count: int = 1
-    api_key: str | None = None
-    allow_runtime_lora_updating: bool = False
+# How long a child may take to report ready: an engine core loads (and may first convert) the
+# model; an API server only loads the tokenizer and connects.
+ENGINE_START_TIMEOUT_S = 900.0
+API_SERVER_START_TIMEOUT_S = 300.0
+
+# (process name, target, args): a child to start; `_start_all` appends its readiness pipe.
+ChildSpec = tuple[str, Callable[..., None], tuple[Any, ...]]
 
 
 class LaunchError(RuntimeError):
@@ -70,11 +70,7 @@ def _wait_ready(name: str, proc: BaseProcess, conn: Connection, timeout_s: float
     raise LaunchError(f"{name} did not become ready in {timeout_s:.0f} s")
 
 
-def _start_all(
-    spawn: SpawnContext,
-    specs: list[tuple[str, Callable[..., None], tuple[Any, ...]]],
-    timeout_s: float,
-) -> list[BaseProcess]:
+def _start_all(spawn: SpawnContext, specs: list[ChildSpec], timeout_s: float) -> list[BaseProcess]:
     """Start every (name, target, args) child with a readiness pipe appended to its args, then
     wait until each reports ready. If one fails, all of this group are stopped before raising."""
     started: list[tuple[BaseProcess, Connection]] = []
@@ -94,6 +90,7 @@ def _start_all(
 
 
 def _stop(processes: list[BaseProcess], timeout_s: float = 10.0) -> None:
+    """Terminate, wait up to `timeout_s` for all together, then kill whatever is left."""
     for proc in processes:
         if proc.is_alive():
             proc.terminate()
@@ -107,15 +104,45 @@ def _stop(processes: list[BaseProcess], timeout_s: float = 10.0) -> None:
             proc.join(2)
 
 
-def serve(config: EngineConfig, args: ServeArgs) -> int:
-    _check_port_free(args.host, args.port)
+@dataclass
+class _Children:
+    """The processes `serve` started, as they are now (a restarted API server replaces its
+    predecessor), so that shutting down stops exactly these."""
+
+    engines: list[BaseProcess] = field(default_factory=list)
+    api_servers: list[BaseProcess] = field(default_factory=list)
+
+
+def serve(config: EngineConfig, server: ServeConfig) -> int:
+    """Run engine cores and API servers until SIGTERM/SIGINT; the exit code for the command."""
+    _check_port_free(server.host, server.port)
     source = resolve_model(config.model.model)
     model_name = config.model.served_model_name or source.name
-    data_parallel = config.parallel.data_parallel_size
     engine_addresses = [
-        EngineAddresses.ipc(args.api_server_count, engine_index=dp) for dp in range(data_parallel)
+        EngineAddresses.ipc(server.api_server_count, engine_index=dp)
+        for dp in range(config.parallel.data_parallel_size)
     ]
     spawn = multiprocessing.get_context("spawn")
+    stop_requested = _stop_on_signals()
+    children = _Children()
+    try:
+        children.engines = _start_all(
+            spawn, _engine_specs(config, source, engine_addresses), ENGINE_START_TIMEOUT_S
+        )
+        api_server_specs = _api_server_specs(server, model_name, source, engine_addresses)
+        children.api_servers = _start_all(spawn, api_server_specs, API_SERVER_START_TIMEOUT_S)
+        _print_banner(server, model_name)
+        return _supervise(spawn, api_server_specs, children, stop_requested)
+    finally:
+        _stop(children.api_servers)
+        _stop(children.engines)
+        for addresses in engine_addresses:
+            addresses.cleanup()
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event SIGTERM and SIGINT set: the supervision loop ends on it, and the `finally` of
+    `serve` then stops every child in order instead of the signal killing the launcher."""
     stop_requested = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -123,75 +150,109 @@ def serve(config: EngineConfig, args: ServeArgs) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop_requested
 
-    engines: list[BaseProcess] = []
-    api_servers: list[BaseProcess] = []
-    try:
-        # Data-parallel engine cores load side by side; each has its own executor and ranks.
-        engines = _start_all(
-            spawn,
-            [
-                (f"engine_core_dp{dp}", run_engine_core, (config, source, addresses, dp))
-                for dp, addresses in enumerate(engine_addresses)
-            ],
-            timeout_s=900,
+
+def _engine_specs(
+    config: EngineConfig, source: ModelSource, engine_addresses: list[EngineAddresses]
+) -> list[ChildSpec]:
+    """One engine core per data-parallel rank; they load side by side, each with its own
+    executor and ranks."""
+    return [
+        (f"engine_core_dp{dp}", run_engine_core, (config, source, addresses, dp))
+        for dp, addresses in enumerate(engine_addresses)
+    ]
+
+
+def _api_server_specs(
+    server: ServeConfig,
+    model_name: str,
+    source: ModelSource,
+    engine_addresses: list[EngineAddresses],
+) -> list[ChildSpec]:
+    """One API server per index; every API server connects to every engine core. Kept by
+    `serve`, so that a dead API server is started again with the same arguments."""
+    server_config = ApiServerConfig(
+        server.host,
+        server.port,
+        model_name,
+        source.model_dir,
+        str(source.origin),
+        server.api_key,
+        server.allow_runtime_lora_updating,
+    )
+    return [
+        (
+            f"api_server_{index}",
+            run_api_server,
+            (server_config, index, [addresses.clients[index] for addresses in engine_addresses]),
         )
-        server_config = ApiServerConfig(
-            args.host,
-            args.port,
-            model_name,
-            source.model_dir,
-            str(source.origin),
-            args.api_key,
-            args.allow_runtime_lora_updating,
-        )
-        # Every API server connects to every engine core.
-        server_specs = [
-            (
-                f"api_server_{index}",
-                run_api_server,
-                (server_config, index, [a.clients[index] for a in engine_addresses]),
+        for index in range(server.api_server_count)
+    ]
+
+
+def _supervise(
+    spawn: SpawnContext,
+    api_server_specs: list[ChildSpec],
+    children: _Children,
+    stop_requested: threading.Event,
+) -> int:
+    """Watch the children twice a second until a stop is requested (exit code 0) or every API
+    server is gone (1). A dead API server is started again, unless an engine core has died (it
+    could not connect) or a restart already failed; a dead engine core is logged once and left
+    dead, so its API servers answer 503."""
+    dead_engines: set[int] = set()
+    given_up: set[int] = set()
+    while not stop_requested.wait(0.5):
+        if all(not proc.is_alive() for proc in children.api_servers):
+            logger.error("every API server has exited; shutting down")
+            return 1
+        if not dead_engines:
+            _restart_api_servers(
+                spawn, api_server_specs, children.api_servers, given_up, stop_requested
             )
-            for index in range(args.api_server_count)
-        ]
-        api_servers = _start_all(spawn, server_specs, timeout_s=300)
-        _print_banner(args, model_name)
-        reported: set[int] = set()
-        given_up: set[int] = set()
-        while not stop_requested.wait(0.5):
-            if all(not proc.is_alive() for proc in api_servers):
-                logger.error("every API server has exited; shutting down")
-                return 1
-            for index, proc in enumerate(api_servers):
-                if proc.is_alive() or index in given_up or stop_requested.is_set() or reported:
-                    continue
-                logger.error(
-                    "API server %d exited (code %s); starting it again", index, proc.exitcode
-                )
-                try:
-                    api_servers[index] = _start_all(spawn, [server_specs[index]], timeout_s=300)[0]
-                except LaunchError as exc:
-                    given_up.add(index)
-                    logger.error("%s; not trying again", exc)
-            for dp, engine in enumerate(engines):
-                if not engine.is_alive() and dp not in reported:
-                    reported.add(dp)
-                    logger.error(
-                        "engine core %d exited (code %s); API servers answer 503 until restarted",
-                        dp,
-                        engine.exitcode,
-                    )
-        return 0
-    finally:
-        _stop(api_servers)
-        _stop(engines)
-        for addresses in engine_addresses:
-            addresses.cleanup()
+        _report_dead_engines(children.engines, dead_engines)
+    return 0
 
 
-def _print_banner(args: ServeArgs, model_name: str) -> None:
-    url = f"http://{args.host}:{args.port}"
-    auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+def _restart_api_servers(
+    spawn: SpawnContext,
+    api_server_specs: list[ChildSpec],
+    api_servers: list[BaseProcess],
+    given_up: set[int],
+    stop_requested: threading.Event,
+) -> None:
+    """Start each dead API server again under its index, in place in `api_servers`; one whose
+    restart fails joins `given_up` and is not tried again."""
+    for index, proc in enumerate(api_servers):
+        if proc.is_alive() or index in given_up or stop_requested.is_set():
+            continue
+        logger.error("API server %d exited (code %s); starting it again", index, proc.exitcode)
+        try:
+            api_servers[index] = _start_all(
+                spawn, [api_server_specs[index]], API_SERVER_START_TIMEOUT_S
+            )[0]
+        except LaunchError as exc:
+            given_up.add(index)
+            logger.error("%s; not trying again", exc)
+
+
+def _report_dead_engines(engines: list[BaseProcess], reported: set[int]) -> None:
+    """Log each engine core that has exited, once (its index joins `reported`)."""
+    for dp, engine in enumerate(engines):
+        if not engine.is_alive() and dp not in reported:
+            reported.add(dp)
+            logger.error(
+                "engine core %d exited (code %s); API servers answer 503 until restarted",
+                dp,
+                engine.exitcode,
+            )
+
+
+def _print_banner(server: ServeConfig, model_name: str) -> None:
+    """Tell whoever started `rankcast serve` where it listens and how to try it."""
+    url = f"http://{server.host}:{server.port}"
+    auth = f' -H "Authorization: Bearer {server.api_key}"' if server.api_key else ""
     body = (
         f'{{"model": "{model_name}", '
         '"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
@@ -199,13 +260,13 @@ def _print_banner(args: ServeArgs, model_name: str) -> None:
     lines = [
         "",
         f"rankcast is serving {model_name} on {url} "
-        f"with {args.api_server_count} API server(s). Try:",
+        f"with {server.api_server_count} API server(s). Try:",
         "",
         f"  curl {url}/v1/chat/completions{auth} \\",
         f"    -H 'Content-Type: application/json' -d '{body}'",
         "",
         "  or, with the openai client:",
-        f"    OpenAI(base_url='{url}/v1', api_key='{args.api_key or 'none'}')",
+        f"    OpenAI(base_url='{url}/v1', api_key='{server.api_key or 'none'}')",
         "",
         f"  metrics: {url}/metrics    health: {url}/health    stop: Ctrl-C",
         "",

@@ -10,6 +10,7 @@ from rankcast.engine.llm_engine import LLMEngine
 from rankcast.lora.request import LoRARequest
 from rankcast.notifications import Notification
 from rankcast.outputs import RequestOutput
+from rankcast.protocol import LoRAAdapterInfo
 from rankcast.sampling_params import SamplingParams
 
 Message = dict[str, Any]
@@ -110,11 +111,11 @@ class LLM:
         """Call a `worker_extension_cls` method on every rank; replies in rank order."""
         return self.engine.collective_rpc(method, args, timeout)
 
-    def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
+    def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
         """Keep a registered adapter in the device tier until unpinned (LRU eviction skips it)."""
         return self.engine.pin_lora(name, pinned)
 
-    def list_loras(self) -> list[dict[str, Any]]:
+    def list_loras(self) -> list[LoRAAdapterInfo]:
         """Registered adapters with their tiers, device slot and pin."""
         return self.engine.list_loras()
 

@@ -13,9 +13,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from rankcast.config import EngineConfig
 from rankcast.model.source import ModelSource
+from rankcast.notifications import WorkerNotification
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+from rankcast.worker.extension import worker_class
+from rankcast.worker.worker import Worker
 
 
 def method_name(method: str | Callable[..., Any]) -> str:
@@ -25,17 +30,27 @@ def method_name(method: str | Callable[..., Any]) -> str:
     return f"{method.__module__}:{method.__qualname__}"
 
 
-def return_type(method: str) -> Any:
-    """The Worker method's declared return type, so struct replies come back as structs."""
-    from rankcast.worker.worker import Worker
-
-    fn = getattr(Worker, method, None)
+def declared_reply_type(worker_cls: type, method: str | Callable[..., Any]) -> Any:
+    """What `method` says it returns (a Worker or extension method, or a module-level
+    function called with the worker); Any when it does not say."""
+    fn = getattr(worker_cls, method, None) if isinstance(method, str) else method
     if fn is None:
         return Any
     try:
         return typing.get_type_hints(fn).get("return", Any)
     except Exception:
         return Any
+
+
+def convert_reply(reply: Any, reply_type: Any) -> Any:
+    """A rank's reply as the caller sees it, whichever executor carried it: first as the wire
+    would carry it (plain msgpack data: a struct becomes its array or map, a tuple a list), then
+    into the declared type. An in-process reply goes through the same steps as one that crossed
+    a socket, so `uni`, `mp` and `ray` give equal results."""
+    plain = msgspec.to_builtins(reply, builtin_types=(bytes, bytearray, memoryview))
+    if reply_type is Any or reply_type is None or reply_type is type(None):
+        return plain
+    return msgspec.convert(plain, reply_type)
 
 
 class ExecutorError(RuntimeError):
@@ -51,42 +66,83 @@ class Executor(ABC):
         self.failure_callback: Callable[[str], None] | None = None
         # Collective calls made, by method: what "a quiet step makes no RPC" is checked against.
         self.rpc_counts: collections.Counter[str] = collections.Counter()
+        self._worker_cls: type | None = None
 
-    @classmethod
-    def create(cls, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> Executor:
-        backend = config.parallel.backend
-        if backend == "uni":
-            from rankcast.executor.uniproc import UniProcExecutor
+    # ---- the calls the engine makes, one typed method each ----
 
-            return UniProcExecutor(config, source, engine_index)
-        if backend == "ray":
-            from rankcast.executor.ray_executor import RayExecutor
+    def num_available_blocks(self) -> list[int]:
+        """Each rank's KV-block budget (the engine takes the minimum)."""
+        return self.collective_rpc("num_available_blocks", reply_type=int)
 
-            return RayExecutor(config, source, engine_index)
-        if backend == "mp":
-            from rankcast.executor.multiproc import MultiprocExecutor
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks,), reply_type=None)
 
-            return MultiprocExecutor(config, source, engine_index)
-        raise ValueError(f"unknown executor backend {backend!r}")
+    def take_notifications(self) -> list[list[WorkerNotification] | None]:
+        """Drain every rank's notification buffer: one batch (or None) per rank, in rank order."""
+        return self.collective_rpc("take_notifications", reply_type=list[WorkerNotification] | None)
 
-    @abstractmethod
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-    ) -> list[Any]:
-        """Call `method` on every rank; replies come back in rank order.
+    def load_lora(self, adapter_id: int, name: str, path: str) -> list[float]:
+        """Read an adapter into every rank's host tier; each rank's seconds."""
+        return self.collective_rpc("load_lora", (adapter_id, name, path), reply_type=float)
 
-        With `unique_reply_rank`, only that rank's reply is returned (as a one-element list).
-        """
+    def activate_lora(self, adapter_id: int, slot: int) -> list[float]:
+        return self.collective_rpc("activate_lora", (adapter_id, slot), reply_type=float)
+
+    def evict_lora(self, adapter_id: int, tier: str, reason: str) -> None:
+        self.collective_rpc("evict_lora", (adapter_id, tier, reason), reply_type=None)
+
+    def pin_lora(self, adapter_id: int, pinned: bool) -> None:
+        self.collective_rpc("pin_lora", (adapter_id, pinned), reply_type=None)
 
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step on every rank and return the output rank's result."""
         output_rank = self.config.parallel.output_rank
-        return self.collective_rpc("execute_model", (batch,), unique_reply_rank=output_rank)[0]
+        return self.collective_rpc(
+            "execute_model",
+            (batch,),
+            unique_reply_rank=output_rank,
+            reply_type=ModelRunnerOutput | None,
+        )[0]
+
+    # ---- the generic call ----
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        reply_type: Any = ...,
+    ) -> list[Any]:
+        """Call `method` on every rank; replies in rank order, converted once, here, to
+        `reply_type` (by default what the method declares it returns on this engine's worker
+        class, extension included).
+
+        With `unique_reply_rank`, only that rank's reply is returned (as a one-element list).
+        """
+        if reply_type is ...:
+            reply_type = declared_reply_type(self.worker_cls, method)
+        replies = self._collective(method_name(method), method, args, timeout, unique_reply_rank)
+        return [convert_reply(reply, reply_type) for reply in replies]
+
+    @property
+    def worker_cls(self) -> type:
+        """The class every rank runs: `Worker` with the configured extension mixed in."""
+        if self._worker_cls is None:
+            self._worker_cls = worker_class(Worker, self.config.parallel.worker_extension_cls)
+        return self._worker_cls
+
+    @abstractmethod
+    def _collective(
+        self,
+        name: str,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...],
+        timeout: float | None,
+        unique_reply_rank: int | None,
+    ) -> list[Any]:
+        """Carry one call to the ranks and bring back each reply as it arrived (a backend's
+        only job); `name` is how the call is named on the wire."""
 
     def notifications_pending(self) -> bool:
         """Whether any rank rang the notification doorbell since the last look (and forget it).

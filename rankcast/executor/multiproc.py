@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError, method_name, return_type
+from rankcast.executor.base import Executor, ExecutorError
 from rankcast.model.source import ModelSource
 from rankcast.process import private_ipc_dir
 from rankcast.protocol import WorkerCall, WorkerReply
@@ -129,21 +129,20 @@ class MultiprocExecutor(Executor):
         if self.failure_callback is not None:
             self.failure_callback(self.failure)
 
-    def collective_rpc(
+    def _collective(
         self,
+        name: str,
         method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        unique_reply_rank: int | None,
     ) -> list[Any]:
         if self.failure is not None:
             raise ExecutorError(self.failure)
-        name = method_name(method)
         self.rpc_counts[name] += 1
         call_id = next(self.call_ids)
         reply_rank = -1 if unique_reply_rank is None else unique_reply_rank
-        frame = self.encoder.encode(WorkerCall(call_id, name, list(args), kwargs or {}, reply_rank))
+        frame = self.encoder.encode(WorkerCall(call_id, name, list(args), reply_rank))
         for sock in self.calls:
             sock.send(frame, copy=False)
         expected = set(range(self.world_size)) if unique_reply_rank is None else {unique_reply_rank}
@@ -168,11 +167,7 @@ class MultiprocExecutor(Executor):
                 cause = f"{dead}; " if dead else ""
                 raise ExecutorError(f"{cause}rank {reply.rank} failed in {name}: {reply.error}")
             results[reply.rank] = reply.result
-        wanted = return_type(name)
-        return [
-            msgspec.convert(results[r], wanted) if wanted is not Any else results[r]
-            for r in sorted(expected)
-        ]
+        return [results[r] for r in sorted(expected)]
 
     def notifications_pending(self) -> bool:
         return self.doorbell.take()

@@ -20,7 +20,7 @@ import msgspec
 
 from rankcast import envs
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError, method_name, return_type
+from rankcast.executor.base import Executor, ExecutorError
 from rankcast.model.source import ModelSource
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerReply
 
@@ -133,26 +133,21 @@ class RayExecutor(Executor):
                 continue
         return None
 
-    def collective_rpc(
+    def _collective(
         self,
+        name: str,
         method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        unique_reply_rank: int | None,
     ) -> list[Any]:
-        name = method_name(method)
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
-        kind = return_type(name)
-        return [
-            reply.result if kind is Any else msgspec.convert(reply.result, kind)
-            for reply in self._call(name, args, kwargs, timeout, ranks)
-        ]
+        return [reply.result for reply in self._call(name, args, timeout, ranks)]
 
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank's reply is read (they finish the step together), so each one's doorbell
         flag is seen with no extra call; the output rank's result is the step's."""
-        replies = self._call("execute_model", (batch,), None, None, range(self.world_size))
+        replies = self._call("execute_model", (batch,), None, range(self.world_size))
         result = replies[self.config.parallel.output_rank].result
         return None if result is None else msgspec.convert(result, ModelRunnerOutput)
 
@@ -164,7 +159,6 @@ class RayExecutor(Executor):
         self,
         name: str,
         args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
         timeout: float | None,
         ranks: range | list[int],
     ) -> list[WorkerReply]:
@@ -172,7 +166,7 @@ class RayExecutor(Executor):
             raise ExecutorError(self.failure)
         self.rpc_counts[name] += 1
         self.call_ids += 1
-        frame = msgspec.msgpack.encode(WorkerCall(self.call_ids, name, list(args), kwargs or {}))
+        frame = msgspec.msgpack.encode(WorkerCall(self.call_ids, name, list(args)))
         refs = [actor.call.remote(frame) for actor in self.actors]
         wanted = [refs[r] for r in ranks]
         ready, _ = self.ray.wait(wanted, num_returns=len(wanted), timeout=timeout)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError, method_name
+from rankcast.executor.base import Executor, ExecutorError
 from rankcast.model.source import ModelSource
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.worker.notification_buffer import Doorbell
@@ -22,26 +22,22 @@ class UniProcExecutor(Executor):
         local_rank = engine_index * config.parallel.world_size
         self.worker = start_worker(config, source, 0, local_rank, doorbell=self.doorbell)
 
-    def collective_rpc(
+    def _collective(
         self,
+        name: str,
         method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        unique_reply_rank: int | None,
     ) -> list[Any]:
-        self.rpc_counts[method_name(method)] += 1
+        self.rpc_counts[name] += 1
         fn = getattr(self.worker, method) if isinstance(method, str) else method
         try:
             with self.worker.notifications.current():
-                if isinstance(method, str):
-                    result = fn(*args, **(kwargs or {}))
-                else:
-                    result = fn(self.worker, *args, **(kwargs or {}))
+                result = fn(*args) if isinstance(method, str) else fn(self.worker, *args)
         except Exception as exc:
             raise ExecutorError(
-                f"rank 0 failed in {getattr(method, '__name__', method)}: {exc}\n"
-                f"{traceback.format_exc()}"
+                f"rank 0 failed in {name}: {exc}\n{traceback.format_exc()}"
             ) from exc
         return [result]
 

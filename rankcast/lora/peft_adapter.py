@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rankcast.errors import ClientError
 from rankcast.model.arch import ArchConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -24,7 +25,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class LoRAAdapterError(ValueError):
+class LoRAAdapterError(ClientError):
     """An adapter cannot be used; the message names the file and what is wrong."""
 
 

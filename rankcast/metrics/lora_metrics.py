@@ -9,14 +9,13 @@ snapshot's totals, so a late API server reports what its siblings report.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rankcast.engine.lora_events import lora_event_key, lora_load_time
-from rankcast.lora.residency import LoRAResidency
+from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.notifications import Notification
 from rankcast.protocol import EngineStateSnapshot, SchedulerStats
 
@@ -107,11 +106,12 @@ class LoRAMetrics:
         registry.register(_ResidencyCollector(self))
 
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
-        section: dict[str, Any] = snapshot.sections.get("lora", {})
-        for name, event, reason, count in section.get("events", []):
-            self.events.labels(name, event, reason).inc(count)
-        for transition, seconds in section.get("loads", []):
-            self.load_seconds.labels(transition).observe(seconds)
+        if snapshot.lora is None:
+            return
+        for c in snapshot.lora.events:
+            self.events.labels(c.adapter, c.event, c.reason).inc(c.count)
+        for load in snapshot.lora.loads:
+            self.load_seconds.labels(load.transition).observe(load.seconds)
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
         for n in notifications:

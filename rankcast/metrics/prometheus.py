@@ -244,13 +244,13 @@ class ServerMetrics:
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
         """Start from the engine's totals, so a late server counts what its siblings count."""
         engine = str(snapshot.engine_index)
-        ledger: dict[str, Any] = snapshot.sections.get("notifications", {})
-        for kind, key, count in ledger.get("totals", []):
-            self.notifications_total.labels(kind, key).inc(count)
-        for rank, count in ledger.get("dropped", []):
-            self.notifications_dropped.labels(engine, rank_label(rank)).inc(count)
-        for rank, payload in ledger.get("weights_loaded", []):
-            self._record_weights(engine, rank, payload)
+        ledger = snapshot.notifications
+        for total in ledger.totals:
+            self.notifications_total.labels(total.type, total.key).inc(total.count)
+        for dropped in ledger.dropped:
+            self.notifications_dropped.labels(engine, rank_label(dropped.rank)).inc(dropped.count)
+        for weights in ledger.weights_loaded:
+            self._record_weights(engine, weights.rank, weights.payload)
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
         for n in notifications:

@@ -8,11 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rankcast.errors import ModelFormatError
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-
-
-class ModelFormatError(ValueError):
-    """A model file is missing, damaged or unsupported; the message names the file."""
 
 
 @dataclass(frozen=True)

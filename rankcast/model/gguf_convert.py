@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from rankcast import envs
-from rankcast.model.arch import ModelFormatError
+from rankcast.errors import ModelFormatError
 
 logger = logging.getLogger(__name__)
 

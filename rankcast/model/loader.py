@@ -11,7 +11,8 @@ from tqdm import tqdm
 
 from rankcast import envs
 from rankcast.distributed import PipelineStage, TensorParallelGroup
-from rankcast.model.arch import ArchConfig, ModelFormatError
+from rankcast.errors import ModelFormatError
+from rankcast.model.arch import ArchConfig
 from rankcast.model.layers import prepack_linears
 from rankcast.model.llama import LlamaForCausalLM
 

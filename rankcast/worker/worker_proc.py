@@ -65,10 +65,10 @@ def dispatch(worker: Worker, call: WorkerCall) -> WorkerReply:
     try:
         with worker.notifications.current():
             if ":" in call.method:
-                reply.result = resolve_callable(call.method)(worker, *call.args, **call.kwargs)
+                reply.result = resolve_callable(call.method)(worker, *call.args)
             else:
                 fn = getattr(worker, call.method)
-                reply.result = fn(*_convert_args(fn, call.args), **call.kwargs)
+                reply.result = fn(*_convert_args(fn, call.args))
     except Exception as exc:
         reply.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     reply.notifications_pending = worker.notifications.pending

@@ -19,7 +19,7 @@ from rankcast.engine.mp_client import (
     UtilityError,
 )
 from rankcast.model.source import resolve_model
-from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest
+from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest, ErrorKind
 from rankcast.sampling_params import SamplingParams
 
 
@@ -79,9 +79,10 @@ def test_outputs_go_to_their_owner_and_stats_to_everyone(engine) -> None:
             seen_stats |= message.scheduler_stats is not None
         assert seen_stats
         assert first.call_utility("ping") == "pong"
-        assert second.call_utility("get_stats")["num_running_reqs"] == 0
-        with pytest.raises(UtilityError, match="unknown utility 'nope'"):
+        assert second.get_stats().num_running_reqs == 0
+        with pytest.raises(UtilityError, match="unknown utility 'nope'") as refused:
             first.call_utility("nope")
+        assert refused.value.kind is ErrorKind.UNKNOWN_METHOD
     finally:
         first.shutdown()
         second.shutdown()

@@ -49,8 +49,9 @@ def test_the_event_stream_rebuilds_the_engines_index_through_evictions(
         assert set(index.blocks) == set(blocks.cached), "the stream describes the cache exactly"
         for name, block_id in blocks.cached.items():
             assert blocks.blocks[block_id].block_hash == name
-        snapshot = llm.engine.client.core.snapshot().sections["kv_cache"]
-        assert KVCacheIndex.from_snapshot(snapshot).blocks == index.blocks
+        snapshot = llm.engine.client.core.snapshot().kv_cache
+        assert snapshot is not None and snapshot.block_size == 16
+        assert KVCacheIndex.from_state(snapshot).blocks == index.blocks
         # A router's view: the longest cached prefix of a prompt the engine has seen.
         last = prompts[-1]
         assert index.cached_prefix(last, 16) == 16 * (len(last) // 16)
@@ -67,4 +68,4 @@ def test_no_events_unless_asked(tiny_llama_dir: Path) -> None:
         llm.generate(random_workload(seed=2, count=4), GREEDY)
         kv_types = (KVBlocksStored, KVBlocksRemoved, KVCacheCleared)
         assert not [n for n in llm.take_notifications() if isinstance(n, kv_types)]
-        assert "kv_cache" not in llm.engine.client.core.snapshot().sections
+        assert llm.engine.client.core.snapshot().kv_cache is None

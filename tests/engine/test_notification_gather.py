@@ -12,13 +12,14 @@ import pytest
 
 from rankcast import LLM, SamplingParams
 from rankcast.engine.notification_channel import GatherError
-from rankcast.executor.base import ExecutorError
+from rankcast.errors import ExtensionCallError
 from rankcast.notifications import (
     WEIGHTS_LOADED_KEY,
     CustomNotification,
     Notification,
     NotificationsDropped,
 )
+from rankcast.protocol import ErrorKind
 from rankcast.worker.notification_buffer import publish_worker_notification
 from tests.worker.producers import KEY
 
@@ -135,8 +136,9 @@ def test_the_offline_engine_strands_nothing_without_a_step(tp2: LLM) -> None:
 
 
 def test_a_bad_payload_fails_at_the_producer_and_the_engine_keeps_going(tp2: LLM) -> None:
-    with pytest.raises(ExecutorError, match=r"payload\['ok'\]\[1\]\['bad'\]"):
+    with pytest.raises(ExtensionCallError, match=r"payload\['ok'\]\[1\]\['bad'\]") as failed:
         tp2.collective_rpc("publish_bad_payload")
+    assert failed.value.kind is ErrorKind.EXTENSION_FAILED  # the caller's doing: a 400 served
     out = tp2.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
 

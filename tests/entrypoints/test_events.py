@@ -16,7 +16,13 @@ from rankcast.engine.async_llm import AsyncLLM
 from rankcast.entrypoints.openai.events import EventFilter, EventHub
 from rankcast.metrics.prometheus import ServerMetrics
 from rankcast.notifications import CustomNotification
-from rankcast.protocol import EngineStateSnapshot
+from rankcast.protocol import (
+    EngineStateSnapshot,
+    NotificationLedgerState,
+    NotificationTotal,
+    RankCount,
+    RankWeightsLoaded,
+)
 
 
 def _raw(value: object) -> msgspec.Raw:
@@ -59,13 +65,14 @@ def test_a_snapshot_starts_the_counters_where_the_engine_is() -> None:
         EngineStateSnapshot(
             1,
             41,
-            {
-                "notifications": {
-                    "totals": [["custom", "k", 40], ["notifications_dropped", "", 2]],
-                    "dropped": [[3, 17], [-1, 5]],
-                    "weights_loaded": [[3, {"bytes": 10, "seconds": 0.5}]],
-                }
-            },
+            NotificationLedgerState(
+                totals=[
+                    NotificationTotal("custom", "k", 40),
+                    NotificationTotal("notifications_dropped", "", 2),
+                ],
+                dropped=[RankCount(3, 17), RankCount(-1, 5)],
+                weights_loaded=[RankWeightsLoaded(3, {"bytes": 10, "seconds": 0.5})],
+            ),
         )
     )
     text = metrics.exposition().decode()

@@ -73,7 +73,8 @@ def test_both_api_servers_rebuild_the_engines_index(server: ServerProcess) -> No
         deadline = time.monotonic() + 30
         while True:
             snapshot = _engine_snapshot(server.replay_endpoint)  # type: ignore[attr-defined]
-            want = KVCacheIndex.from_snapshot(snapshot.sections["kv_cache"])
+            assert snapshot.kv_cache is not None
+            want = KVCacheIndex.from_state(snapshot.kv_cache)
             got = {}
             for name, reader in readers.items():
                 index = KVCacheIndex()

@@ -223,7 +223,7 @@ def test_zmq_stream_publishes_replays_and_snapshots(server: ServerProcess) -> No
         assert replay.poll(10_000)
         _, _, state = replay.recv_multipart()
         snapshot = msgspec.msgpack.decode(state, type=EngineStateSnapshot)
-        totals = {(t, k): c for t, k, c in snapshot.sections["notifications"]["totals"]}
+        totals = {(t.type, t.key): t.count for t in snapshot.notifications.totals}
         assert totals[("custom", "rankcast.weights_loaded")] == 2
         assert totals[("custom", "test.zmq")] >= 1
     finally:

@@ -79,7 +79,7 @@ def test_lru_eviction_skips_the_pinned_adapter_and_unpin_releases_it(
             llm.generate([PROMPT], GREEDY, lora_request=r)
         _lifecycle(llm)
         # Device: b, c (a was evicted for c). Pin a: it comes back in place of b, the LRU one.
-        assert llm.pin_lora("a")["pinned"] is True
+        assert llm.pin_lora("a").pinned is True
         assert _lifecycle(llm) == [
             ("evicted", "b", "lru"),
             ("activated", "a", "device"),
@@ -98,7 +98,7 @@ def test_lru_eviction_skips_the_pinned_adapter_and_unpin_releases_it(
             ("evicted", "a", "lru"),
             ("activated", "c", "device"),
         ]
-        tiers = {e["name"]: e["tiers"] for e in llm.list_loras()}
+        tiers = {e.name: e.tiers for e in llm.list_loras()}
     assert tiers == {"a": ["cpu"], "b": ["device", "cpu"], "c": ["device", "cpu"]}
 
 
@@ -133,7 +133,7 @@ def test_a_full_host_tier_drops_its_least_recently_used_idle_adapter(
         # b is now on disk only; unloading it must still reach every API server.
         llm.engine.remove_lora("b")
         assert _lifecycle(llm) == [("evicted", "b", "unload")]
-        assert [e["name"] for e in llm.list_loras()] == ["a", "c"]
+        assert [e.name for e in llm.list_loras()] == ["a", "c"]
 
 
 def test_every_slot_pinned_refuses_other_adapters_at_submission(
@@ -203,7 +203,7 @@ def test_an_adapter_whose_files_vanished_fails_its_request_with_the_reason_and_n
         failed, served = (finished[i] for i in ids)
         events = _lifecycle(llm)
         assert _tokens([served]) == [alone["b"]]
-        assert [e["name"] for e in llm.list_loras()] == ["b"]
+        assert [e.name for e in llm.list_loras()] == ["b"]
     assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
     assert failed.error is not None and "adapter_model.safetensors" in failed.error
     failed_at = events.index(("load_failed", "doomed", ""))

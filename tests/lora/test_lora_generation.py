@@ -64,9 +64,7 @@ def test_a_mixed_batch_equals_each_alone(
     with lora_llm(tiny_llama_dir, max_loras=4, tensor_parallel_size=tp) as llm:
         got = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=_requests(mixed_adapters)))
         assert got == alone
-        assert [a["name"] for a in llm.engine.client.call_utility("list_loras")] == [
-            p.name for p in mixed_adapters
-        ]
+        assert [a.name for a in llm.list_loras()] == [p.name for p in mixed_adapters]
 
 
 def test_a_bad_adapter_changes_nothing(
@@ -76,7 +74,7 @@ def test_a_bad_adapter_changes_nothing(
         llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("good", str(mixed_adapters[0])))
         with pytest.raises(LoRAAdapterError, match=r"adapter_config\.json: missing"):
             llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("bad", str(tmp_path)))
-        assert [a["name"] for a in llm.engine.client.call_utility("list_loras")] == ["good"]
+        assert [a.name for a in llm.list_loras()] == ["good"]
         with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
             llm.engine.add_request(PROMPTS[0], GREEDY, lora_name="nope")
 

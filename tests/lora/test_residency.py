@@ -3,7 +3,7 @@ relies on (an evicted adapter stays servable, `partial` when ranks disagree, unl
 
 from __future__ import annotations
 
-from rankcast.lora.residency import LoRAResidency
+from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.notifications import (
     LoRAAdapterActivated,
     LoRAAdapterEvicted,

@@ -111,8 +111,8 @@ MUTANTS = [
         "snapshot-seq-off-by-one",
         "8 A late API server continues exactly after its snapshot",
         "rankcast/engine/notification_channel.py",
-        "            self.next_engine_seq - 1,",
-        "            self.next_engine_seq,",
+        "        return self.next_engine_seq - 1",
+        "        return self.next_engine_seq",
         (SERVED,),
     ),
     Mutant(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,7 +24,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import rankcast
 from rankcast.engine.addresses import ClientAddresses
 from rankcast.engine.async_llm import AsyncLLM, NotificationSink
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError, UtilityError
@@ -44,12 +44,14 @@ from rankcast.entrypoints.openai.serving import (
     create_completion,
 )
 from rankcast.logger import init_logging
-from rankcast.lora.residency import LoRAResidency
 from rankcast.metrics.lora_metrics import LoRAMetrics
+from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.metrics.prometheus import ServerMetrics
 from rankcast.outputs import RequestRejectedError
 from rankcast.process import die_with_parent, set_process_title
+from rankcast.protocol import ErrorKind, LoRAAdapterInfo
 from rankcast.tokenizer import load_tokenizer
+from rankcast.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +85,29 @@ def build_app(
     events: EventHub,
 ) -> FastAPI:
     """The HTTP surface over an engine connection that is already established."""
-    app = FastAPI(title="rankcast", version=rankcast.__version__)
-
-    def ctx() -> ServingContext:
-        if serving.engine.dead is not None:
-            raise APIError(503, f"The engine core is not running: {serving.engine.dead}")
-        return serving
-
+    app = FastAPI(title="rankcast", version=__version__)
     app.add_middleware(TagAndAuthenticate, index=index, api_key=config.api_key)
+    _add_error_handlers(app)
+    _add_probe_routes(app, serving, metrics)
+    _add_model_routes(app, config, serving)
+    _add_prefix_cache_routes(app, serving)
+    _add_lora_routes(app, serving, config.allow_runtime_lora_updating)
+    _add_event_routes(app, events)
+    _add_collective_rpc_route(app, serving)
+    _add_completion_routes(app, serving)
+    return app
+
+
+def _live(serving: ServingContext) -> ServingContext:
+    """`serving`, or a 503 when the engine core has died: every engine-backed route starts
+    here, so a dead engine is reported instead of a request hanging on it."""
+    if serving.engine.dead is not None:
+        raise APIError(503, f"The engine core is not running: {serving.engine.dead}")
+    return serving
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in the OpenAI error shape (`error_response`), whatever raised it."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -112,22 +129,31 @@ def build_app(
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, f"The engine core is not running: {exc}")
 
+
+def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetrics) -> None:
+    """What load balancers and scrapers ask: /health (503 once the engine died), /version,
+    /metrics."""
+
     @app.get("/health")
     async def health() -> Response:
-        ctx()
+        _live(serving)
         return Response(status_code=200)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": rankcast.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_model_routes(app: FastAPI, config: ApiServerConfig, serving: ServingContext) -> None:
+    """/v1/models: the base model, then every registered adapter as a model of its own."""
+
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
-        serving = ctx()
+        live = _live(serving)
         created = int(time.time())
         base = {
             "id": config.model_name,
@@ -136,64 +162,95 @@ def build_app(
             "owned_by": "rankcast",
             "root": config.model_origin,
             "parent": None,
-            "max_model_len": serving.engine.max_model_len,
+            "max_model_len": live.engine.max_model_len,
         }
         adapters = [
             {**base, "id": name, "root": name, "parent": config.model_name}
-            for name in (serving.loras.names() if serving.loras is not None else [])
+            for name in (live.loras.names() if live.loras is not None else [])
         ]
         return {"object": "list", "data": [base, *adapters]}
 
+
+def _add_prefix_cache_routes(app: FastAPI, serving: ServingContext) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         """Forget every engine's cached prefix blocks (409 while requests hold blocks)."""
-        done = await ctx().engine.call_utility("reset_prefix_cache")
+        done = await _live(serving).engine.reset_prefix_cache()
         status = 200 if all(done) else 409
         return JSONResponse({"reset": done}, status_code=status)
+
+
+def _add_lora_routes(app: FastAPI, serving: ServingContext, allow_updating: bool) -> None:
+    """/v1/lora_adapters always; loading, unloading and pinning only when the operator allowed
+    runtime updates (--allow-runtime-lora-updating), since they change what every client gets."""
 
     @app.get("/v1/lora_adapters")
     async def lora_adapters() -> dict[str, object]:
         """Adapter residency per engine and rank, as every API server sees it."""
-        serving = ctx()
-        return {"data": serving.loras.describe() if serving.loras is not None else []}
+        live = _live(serving)
+        return {"data": live.loras.describe() if live.loras is not None else []}
 
-    if config.allow_runtime_lora_updating:
+    if allow_updating:
+        _add_lora_update_routes(app, serving)
 
-        @app.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, object]:
-            try:
-                loaded = await ctx().engine.call_utility("add_lora", body.lora_name, body.lora_path)
-            except UtilityError as exc:
-                raise APIError(400, str(exc), "lora_path") from None
-            return {"object": "lora_adapter", "data": loaded}
 
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, object]:
-            try:
-                await ctx().engine.call_utility("remove_lora", body.lora_name)
-            except UtilityError as exc:
-                status = 404 if "unknown LoRA adapter" in str(exc) else 400
-                raise APIError(status, str(exc), "lora_name") from None
-            return {"object": "lora_adapter", "name": body.lora_name, "unloaded": True}
+# The HTTP status of a failed engine utility, by the kind the engine gave its error (never by
+# its text). `internal` is the engine's own bug: a 500, its traceback in the engine's log.
+UTILITY_ERROR_STATUS: dict[ErrorKind, int] = {
+    ErrorKind.BAD_ARGUMENT: 400,
+    ErrorKind.UNKNOWN_ADAPTER: 404,
+    ErrorKind.NO_CAPACITY: 409,
+    ErrorKind.ADAPTER_BUSY: 409,
+    ErrorKind.UNKNOWN_METHOD: 400,
+    ErrorKind.EXTENSION_FAILED: 400,
+    ErrorKind.INTERNAL: 500,
+}
 
-        async def set_pinned(name: str, pinned: bool) -> dict[str, object]:
-            """`data`: the adapter as each engine core holds it, in engine order."""
-            try:
-                adapter = await ctx().engine.call_utility("pin_lora", name, pinned)
-            except UtilityError as exc:
-                status = 404 if "unknown LoRA adapter" in str(exc) else 409
-                raise APIError(status, str(exc), "lora_name") from None
-            return {"object": "lora_adapter", "data": adapter}
 
-        @app.post("/v1/pin_lora_adapter")
-        async def pin_lora_adapter(body: PinLoRAAdapterRequest) -> dict[str, object]:
-            """Keep an adapter in the device tier (loading it there now) until unpinned."""
-            return await set_pinned(body.lora_name, True)
+def _utility_error(exc: UtilityError, param: str) -> APIError:
+    return APIError(UTILITY_ERROR_STATUS[exc.kind], str(exc), param)
 
-        @app.post("/v1/unpin_lora_adapter")
-        async def unpin_lora_adapter(body: PinLoRAAdapterRequest) -> dict[str, object]:
-            return await set_pinned(body.lora_name, False)
 
+def _adapters_json(adapters: list[LoRAAdapterInfo]) -> list[dict[str, object]]:
+    return [msgspec.structs.asdict(a) for a in adapters]
+
+
+def _add_lora_update_routes(app: FastAPI, serving: ServingContext) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, object]:
+        try:
+            loaded = await _live(serving).engine.add_lora(body.lora_name, body.lora_path)
+        except UtilityError as exc:
+            raise _utility_error(exc, "lora_path") from None
+        return {"object": "lora_adapter", "data": _adapters_json(loaded)}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, object]:
+        try:
+            await _live(serving).engine.remove_lora(body.lora_name)
+        except UtilityError as exc:
+            raise _utility_error(exc, "lora_name") from None
+        return {"object": "lora_adapter", "name": body.lora_name, "unloaded": True}
+
+    async def set_pinned(name: str, pinned: bool) -> dict[str, object]:
+        """`data`: the adapter as each engine core holds it, in engine order."""
+        try:
+            adapters = await _live(serving).engine.pin_lora(name, pinned)
+        except UtilityError as exc:
+            raise _utility_error(exc, "lora_name") from None
+        return {"object": "lora_adapter", "data": _adapters_json(adapters)}
+
+    @app.post("/v1/pin_lora_adapter")
+    async def pin_lora_adapter(body: PinLoRAAdapterRequest) -> dict[str, object]:
+        """Keep an adapter in the device tier (loading it there now) until unpinned."""
+        return await set_pinned(body.lora_name, True)
+
+    @app.post("/v1/unpin_lora_adapter")
+    async def unpin_lora_adapter(body: PinLoRAAdapterRequest) -> dict[str, object]:
+        return await set_pinned(body.lora_name, False)
+
+
+def _add_event_routes(app: FastAPI, events: EventHub) -> None:
     @app.get("/v1/events")
     async def notification_events(
         request: Request,
@@ -215,26 +272,28 @@ def build_app(
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
 
+
+def _add_collective_rpc_route(app: FastAPI, serving: ServingContext) -> None:
     @app.post("/collective_rpc")
     async def collective_rpc(body: CollectiveRpcRequest) -> dict[str, object]:
         """Call a --worker-extension-cls method on every rank of every engine core."""
         try:
-            results = await ctx().engine.call_utility(
-                "collective_rpc", body.method, body.args, body.timeout
+            results = await _live(serving).engine.collective_rpc(
+                body.method, body.args, body.timeout
             )
         except UtilityError as exc:
-            raise APIError(400, str(exc), "method") from None
-        return {"results": results}
+            raise _utility_error(exc, "method") from None
+        return {"results": msgspec.to_builtins(results)}
 
+
+def _add_completion_routes(app: FastAPI, serving: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(ctx(), body, request)
+        return await create_chat_completion(_live(serving), body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(ctx(), body, request)
-
-    return app
+        return await create_completion(_live(serving), body, request)
 
 
 def bind_shared_port(host: str, port: int) -> socket.socket:

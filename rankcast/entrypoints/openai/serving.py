@@ -18,7 +18,7 @@ from rankcast.engine.async_llm import AsyncLLM
 from rankcast.engine.mp_client import EngineDeadError
 from rankcast.entrypoints.openai.errors import APIError, error_body
 from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
-from rankcast.lora.residency import LoRAResidency
+from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.outputs import Logprob, RequestOutput, RequestRejectedError
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import apply_chat_template

@@ -44,20 +44,20 @@ class LoRAResidency:
     # ---- inputs ----
 
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
-        section: dict[str, Any] = snapshot.sections.get("lora", {})
-        if not section:
+        lora = snapshot.lora
+        if lora is None:
             return
         engine = snapshot.engine_index
-        self.world_size[engine] = int(section.get("world_size", 1))
-        self.max_loras = max(self.max_loras, int(section.get("max_loras", 0)))
+        self.world_size[engine] = lora.world_size
+        self.max_loras = max(self.max_loras, lora.max_loras)
         adapters: dict[str, AdapterOnEngine] = {}
-        for a in section.get("adapters", []):
+        for a in lora.adapters:
             state = AdapterOnEngine()
-            for rank, tier in a["ranks"]:
-                state.ranks.setdefault(int(rank), set()).add(tier)
-            if a.get("pinned"):
+            for held in a.ranks:
+                state.ranks.setdefault(held.rank, set()).add(held.tier)
+            if a.pinned:
                 state.pinned = set(state.ranks)
-            adapters[a["name"]] = state
+            adapters[a.name] = state
         self.adapters[engine] = adapters
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:

@@ -314,12 +314,30 @@ class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     sample: bool = True
 
 
+class LoRAMove(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One adapter move the engine decided; every rank makes the same ones, in order.
+
+    `action`: "read" (disk -> host tier, before the call returns), "read_async" (the same on
+    the rank's own thread: the rank reports the result as a notification), "activate" (host ->
+    device `slot`), "evict" (from `tier`, for `reason`), "pin", "unpin".
+    """
+
+    action: str
+    adapter_id: int
+    name: str = ""
+    path: str = ""
+    slot: int = -1
+    tier: str = ""
+    reason: str = ""
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The batch for one step (decodes and prompt chunks together) and the requests every rank
-    may forget."""
+    """The batch for one step (decodes and prompt chunks together), the requests every rank
+    may forget, and the adapter moves every rank makes before the step runs."""
 
     sequences: list[ScheduledSequence]
     finished_request_ids: list[str] = msgspec.field(default_factory=list)
+    lora_moves: list[LoRAMove] = msgspec.field(default_factory=list)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):

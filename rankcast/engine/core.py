@@ -109,6 +109,7 @@ class EngineCore:
                 config.lora,
                 self._requests_using_adapter,
                 self._running_adapters,
+                config.parallel.world_size,
             )
             self.notifications.observers.append(self.loras.observe)
         self.scheduler = Scheduler(
@@ -125,6 +126,7 @@ class EngineCore:
         if self.loras is not None:
             for name, path in config.lora.lora_modules:
                 self.loras.add(name, path)
+        self.stalled = False
         # Clients that completed the handshake: each gets every notification batch and stats.
         self.clients: set[int] = set()
         self.last_stats: SchedulerStats | None = None
@@ -253,9 +255,12 @@ class EngineCore:
         """Schedule, execute and account for one step (rule 5c: collect if a rank rang); each
         client gets its own requests' outputs, and all of them the stats and the same batch."""
         batch = self.scheduler.schedule()
+        # Nothing could run (requests wait for an adapter being read): the driver may wait for
+        # input or the doorbell instead of stepping again at once.
+        self.stalled = not batch.sequences
         outputs: list[tuple[int, EngineCoreOutput]] = []
-        if batch.sequences or batch.finished_request_ids:
-            # Finished ids must reach the ranks even on an otherwise empty step.
+        if batch.sequences or batch.finished_request_ids or batch.lora_moves:
+            # Finished ids and adapter moves must reach the ranks even on an empty step.
             result = self.executor.execute_model(batch)
             if result is not None:
                 outputs = self.scheduler.update_from_output(result)

@@ -7,8 +7,9 @@ operations.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -25,8 +26,10 @@ from rankcast.protocol import (
     SchedulerStats,
 )
 
+_T = TypeVar("_T")
 
-def _as(reply: Any, kind: Any) -> Any:
+
+def _as(reply: Any, kind: type[_T]) -> _T:
     """A utility's reply as its declared type (over a socket a struct arrives as plain data)."""
     return msgspec.convert(reply, kind)
 
@@ -147,6 +150,8 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         """One step's outputs, or (nothing to run) what the idle engine has to say."""
         if self.core.has_unfinished_requests():
+            if self.core.stalled:  # waiting on an adapter read: let the rank's thread run
+                time.sleep(min(self.core.idle_timeout(), 0.005))
             return self.core.step()[self.CLIENT_INDEX]
         return self.idle_output()
 

@@ -164,7 +164,8 @@ class EngineCoreProc:
         try:
             self.core.start()
             while not self.stopping.is_set():
-                self._drain_inputs(block=not self.core.has_unfinished_requests())
+                busy = self.core.has_unfinished_requests() and not self.core.stalled
+                self._drain_inputs(block=not busy)
                 if self.core.has_unfinished_requests():
                     self._send_all(self.core.step())
                 else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from rankcast.sampling_params import SamplingParams
@@ -21,7 +22,7 @@ _PROMPT_CONTEXT_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
-        self.backend = tokenizer.backend_tokenizer
+        self.backend: Tokenizer = tokenizer.backend_tokenizer
         self.stream = DecodeStream(
             ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
             skip_special_tokens=params.skip_special_tokens,

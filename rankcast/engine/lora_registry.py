@@ -8,10 +8,15 @@ offline `LLM`) are the same for all. Three places an adapter can be, per rank:
 - a device slot (`--max-loras`): requests can run on it. Every device adapter is also in the
   host tier.
 
-Every move is decided here and made by each rank's `LoRAManager` through one collective call,
-so all ranks make the same moves and each reports its own. Nothing is evicted before the
-incoming adapter has been validated in full, and an adapter a running request uses, or a pinned
-one, is never evicted; among the rest the least recently used goes first.
+Every move is decided here and made by each rank's `LoRAManager`, so all ranks make the same
+moves and each reports its own. Moves the scheduler needs ride the next step
+(`SchedulerOutput.lora_moves`, taken with `take_moves`); a read from disk that a request needs
+runs on each rank's own thread, and the adapter counts as in the host tier once every rank has
+reported it loaded (observed as the events leave the engine), so running requests keep decoding
+meanwhile. An operator's utility (add, remove, pin) makes its moves at once. The engine checks
+an adapter from its config and tensor header; only the ranks read its tensors. Nothing is
+evicted before the incoming adapter has been read, and an adapter a running request uses, or a
+pinned one, is never evicted; among the rest the least recently used goes first.
 """
 
 from __future__ import annotations
@@ -19,17 +24,17 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankcast.config import LoRAConfig
 from rankcast.engine.lora_events import lora_event_key, lora_load_time
 from rankcast.errors import AdapterBusyError, CapacityError, ClientError, UnknownAdapterError
 from rankcast.executor.base import Executor, ExecutorError
-from rankcast.lora.peft_adapter import load_peft_adapter
+from rankcast.lora.peft_adapter import inspect_peft_adapter
 from rankcast.model.arch import ArchConfig
-from rankcast.notifications import Notification
-from rankcast.protocol import LoRAAdapterInfo
+from rankcast.notifications import LoRAAdapterLoaded, LoRAAdapterLoadFailed, Notification
+from rankcast.protocol import LoRAAdapterInfo, LoRAMove
 
 # Load-time observations kept for a late API server's histogram (oldest forgotten first).
 _LOADS_KEPT = 10_000
@@ -54,6 +59,9 @@ class RegisteredAdapter:
     slot: int | None = None
     pinned: bool = False
     last_used: int = 0  # logical clock: larger is more recent
+    # A background read is in flight; the ranks that have reported it done so far.
+    loading: bool = False
+    loaded_ranks: set[int] = field(default_factory=set)
 
     @property
     def tiers(self) -> list[str]:
@@ -68,8 +76,14 @@ class LoRARegistry:
         config: LoRAConfig,
         requests_using: Callable[[str], int],
         running_adapters: Callable[[], set[str]],
+        world_size: int = 1,
     ) -> None:
         self.executor = executor
+        self.world_size = world_size
+        # Moves decided for the next step, and why adapters whose background read failed
+        # were dropped (the requests that waited for them are told).
+        self.planned: list[LoRAMove] = []
+        self.failed: dict[str, str] = {}
         self.arch = arch
         self.config = config
         self.max_loras = config.max_loras
@@ -86,18 +100,68 @@ class LoRARegistry:
         self.loads: collections.deque[tuple[str, float]] = collections.deque(maxlen=_LOADS_KEPT)
 
     def observe(self, n: Notification) -> None:
-        """Count lifecycle events as they leave the engine (for the catch-up snapshot)."""
+        """Count lifecycle events as they leave the engine (for the catch-up snapshot), and
+        follow background reads: done when every rank reported, dropped when one failed."""
         key = lora_event_key(n)
         if key is not None:
             self.events[key] += 1
         load = lora_load_time(n)
         if load is not None:
             self.loads.append(load)
+        if isinstance(n, LoRAAdapterLoaded | LoRAAdapterLoadFailed):
+            entry = self.adapters.get(n.adapter_name)
+            if entry is None or not entry.loading or entry.adapter_id != n.adapter_id:
+                return
+            if isinstance(n, LoRAAdapterLoadFailed):
+                self._read_failed(entry, n.error)
+            elif n.tier == "cpu":
+                entry.loaded_ranks.add(n.rank)
+                if len(entry.loaded_ranks) >= self.world_size:
+                    self._read_done(entry)
+
+    def _read_done(self, entry: RegisteredAdapter) -> None:
+        entry.loading, entry.in_host = False, True
+        held = [a for a in self.adapters.values() if a.in_host]
+        if len(held) > self.config.host_capacity:
+            busy = self.running_adapters() | {entry.name}
+            idle = [a for a in held if not a.pinned and a.name not in busy]
+            if idle:  # otherwise the tier stays one over until one goes idle
+                victim = min(idle, key=lambda a: (a.slot is not None, a.last_used))
+                self._move(LoRAMove("evict", victim.adapter_id, tier="cpu", reason="capacity"))
+                victim.in_host, victim.slot = False, None
+
+    def _read_failed(self, entry: RegisteredAdapter, error: str) -> None:
+        """A rank could not read it (the files changed since it was registered): every request
+        for it would fail the same way, so it is unregistered, undone on every rank, and the
+        requests waiting for it are refused with the rank's error."""
+        entry.loading = False
+        self._move(LoRAMove("evict", entry.adapter_id, tier="cpu", reason="load_failed"))
+        del self.adapters[entry.name]
+        first_line = error.splitlines()[0] if error else "unknown error"
+        self.failed[entry.name] = (
+            f"could not load adapter {entry.name!r} (unregistered): {first_line}"
+        )
+
+    # ---- moves ----
+
+    def _move(self, move: LoRAMove) -> None:
+        self.planned.append(move)
+
+    def take_moves(self) -> list[LoRAMove]:
+        """The moves decided since the last call, for the next step to carry."""
+        moves, self.planned = self.planned, []
+        return moves
+
+    def _send_now(self) -> None:
+        """A utility's moves go at once, not with a step."""
+        moves = self.take_moves()
+        if moves:
+            self.executor.apply_lora_moves(moves)
 
     # ---- registration ----
 
     def add(self, name: str, path: str) -> LoRAAdapterInfo:
-        """Validate, then read into every rank's host tier and, if a slot is free, the device.
+        """Check, then read into every rank's host tier now and, if a slot is free, the device.
 
         The same name and path again is a no-op. A full host tier makes room by evicting its
         least recently used idle adapter (reason "capacity"); a full set of device slots does
@@ -105,38 +169,42 @@ class LoRARegistry:
         """
         if not name:
             raise ClientError("an adapter needs a name")
-        adapter = load_peft_adapter(
-            name, path, self.arch, self.config.max_lora_rank, self.allowed_roots
-        )
+        meta = inspect_peft_adapter(path, self.arch, self.config.max_lora_rank, self.allowed_roots)
         known = self.adapters.get(name)
         if known is not None:
-            if known.path == str(adapter.path):
+            if known.path == str(meta.path):
                 return self.describe(known)
             raise ClientError(f"adapter {name!r} is already loaded from {known.path}")
-        entry = RegisteredAdapter(
-            name, str(adapter.path), next(self._ids), adapter.rank, adapter.nbytes
-        )
+        self._send_now()
+        entry = RegisteredAdapter(name, str(meta.path), next(self._ids), meta.rank, meta.nbytes)
+        self.failed.pop(name, None)
         self._read_into_host(entry, self.running_adapters())
         self.adapters[name] = entry
         self._touch(entry)
         free = self._free_slots()
         if free:
             self._activate(entry, free[0])
+        self._send_now()
         return self.describe(entry)
 
     def remove(self, name: str) -> None:
-        """Unload from every tier of every rank; refused while any request still names it."""
+        """Unload from every tier of every rank (a read in flight is dropped); refused while
+        any request still names it."""
         entry = self._entry(name)
         busy = self.requests_using(name)
         if busy:
             raise AdapterBusyError(f"adapter {name!r} is in use by {busy} request(s)")
-        self.executor.evict_lora(entry.adapter_id, "cpu", "unload")
+        self._move(LoRAMove("evict", entry.adapter_id, tier="cpu", reason="unload"))
         del self.adapters[name]
+        self._send_now()
 
     def pin(self, name: str, pinned: bool) -> LoRAAdapterInfo:
         """Pin: bring the adapter to the device now and keep it there until unpinned."""
         entry = self._entry(name)
+        self._send_now()
         if pinned and entry.slot is None:
+            if not entry.in_host:
+                self._read_into_host(entry, self.running_adapters())
             slot = self.acquire(name, self.running_adapters())
             if slot is None:
                 raise LoRACapacityError(
@@ -144,14 +212,33 @@ class LoRARegistry:
                     "running requests use; retry when they finish"
                 )
         if entry.pinned != pinned:
-            self.executor.pin_lora(entry.adapter_id, pinned)
+            self._move(LoRAMove("pin" if pinned else "unpin", entry.adapter_id))
             entry.pinned = pinned
+        self._send_now()
         return self.describe(entry)
 
-    # ---- residency on demand ----
+    # ---- residency on demand (the scheduler's side) ----
+
+    def prepare(self, name: str) -> bool:
+        """Whether `name` is in every rank's host tier; if not, its read is started (on each
+        rank's own thread) and the request waits. Raises for an adapter that cannot be served:
+        unknown, or dropped because a rank could not read it."""
+        entry = self.adapters.get(name)
+        if entry is None:
+            if name in self.failed:
+                raise LoRALoadError(self.failed[name])
+            entry = self._entry(name)
+        if entry.in_host:
+            return True
+        if not entry.loading:
+            entry.loading = True
+            entry.loaded_ranks = set()
+            self._move(LoRAMove("read_async", entry.adapter_id, entry.name, entry.path))
+        return False
 
     def acquire(self, name: str, busy: set[str]) -> int | None:
-        """The device slot `name` runs on, moving it there if needed; None: not now.
+        """The device slot `name` (in the host tier: `prepare`) runs on, moving it there if
+        needed; None: not now.
 
         `busy` are the adapters of running requests and of the batch being formed: they are
         never evicted. None means every slot holds a busy adapter (the request waits for one to
@@ -161,6 +248,8 @@ class LoRARegistry:
         self._touch(entry)
         if entry.slot is not None:
             return entry.slot
+        if not entry.in_host:
+            return None
         if not self._free_slots() and self._device_victim(busy) is None:
             if all(a.pinned for a in self.adapters.values() if a.slot is not None):
                 raise LoRACapacityError(
@@ -168,8 +257,6 @@ class LoRARegistry:
                     f"unpin one to serve {name!r}"
                 )
             return None
-        if not entry.in_host:
-            self._read_into_host(entry, busy | {name})
         free = self._free_slots()
         if free:
             slot = free[0]
@@ -194,14 +281,14 @@ class LoRARegistry:
         return min(idle, key=lambda a: a.last_used, default=None)
 
     def _read_into_host(self, entry: RegisteredAdapter, busy: set[str]) -> None:
-        """Disk -> host tier; if the tier is full, its least recently used idle adapter
-        (off-device ones first) is evicted, but only after the read succeeded, so an adapter
-        that cannot be read costs no other adapter its place (the tier holds one more for the
-        moment in between)."""
+        """Disk -> host tier on every rank, now (a utility's read); if the tier is full, its
+        least recently used idle adapter (off-device ones first) is evicted, but only after
+        the read succeeded, so an adapter that cannot be read costs no other adapter its place
+        (the tier holds one more for the moment in between)."""
         victim = self._host_victim(busy)
         self._load(entry)
         if victim is not None:
-            self.executor.evict_lora(victim.adapter_id, "cpu", "capacity")
+            self._move(LoRAMove("evict", victim.adapter_id, tier="cpu", reason="capacity"))
             victim.in_host, victim.slot = False, None
 
     def _host_victim(self, busy: set[str]) -> RegisteredAdapter | None:
@@ -219,21 +306,26 @@ class LoRARegistry:
 
     def _evict_device(self, victim: RegisteredAdapter, reason: str) -> int:
         assert victim.slot is not None
-        self.executor.evict_lora(victim.adapter_id, "device", reason)
+        self._move(LoRAMove("evict", victim.adapter_id, tier="device", reason=reason))
         slot, victim.slot = victim.slot, None
         return slot
 
     def _load(self, entry: RegisteredAdapter) -> None:
-        """Disk -> host tier on every rank; a rank that fails is undone on the others.
+        """Disk -> host tier on every rank, before returning; a rank that fails is undone on
+        the others.
 
         A registered adapter that can no longer be read (its files changed) is unregistered:
         every request for it would fail the same way, and the operator sees why in the
         `lora_adapter_load_failed` events.
         """
         try:
-            self.executor.load_lora(entry.adapter_id, entry.name, entry.path)
+            self.executor.apply_lora_moves(
+                [LoRAMove("read", entry.adapter_id, entry.name, entry.path)]
+            )
         except ExecutorError as exc:
-            self.executor.evict_lora(entry.adapter_id, "cpu", "load_failed")
+            self.executor.apply_lora_moves(
+                [LoRAMove("evict", entry.adapter_id, tier="cpu", reason="load_failed")]
+            )
             dropped = self.adapters.pop(entry.name, None) is not None
             first_line = str(exc).splitlines()[0]
             note = " (unregistered)" if dropped else ""
@@ -243,7 +335,7 @@ class LoRARegistry:
         entry.in_host = True
 
     def _activate(self, entry: RegisteredAdapter, slot: int) -> None:
-        self.executor.activate_lora(entry.adapter_id, slot)
+        self._move(LoRAMove("activate", entry.adapter_id, slot=slot))
         entry.slot = slot
 
     def _touch(self, entry: RegisteredAdapter) -> None:

@@ -60,7 +60,7 @@ class NotificationPublisher:
         self.pub = self.context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(self.endpoint)
-        self.router: zmq.Socket | None = None
+        self.router: zmq.Socket[bytes] | None = None
         if self.replay_endpoint:
             self.router = self.context.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)

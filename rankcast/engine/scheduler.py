@@ -30,6 +30,7 @@ from rankcast.engine.request import Request, RequestStatus
 from rankcast.protocol import (
     EngineCoreOutput,
     FinishReason,
+    LoRAMove,
     ModelRunnerOutput,
     ScheduledSequence,
     SchedulerOutput,
@@ -51,6 +52,16 @@ class AdapterSlots(Protocol):
 
     def is_pinned(self, name: str) -> bool:
         """Whether the adapter is pinned to its device slot (never drained for another)."""
+        ...
+
+    def prepare(self, name: str) -> bool:
+        """Whether the adapter is ready for a slot (read into every rank's host tier); if not,
+        its read is started and the request waits, draining nothing. Raises ValueError when
+        it can never be served."""
+        ...
+
+    def take_moves(self) -> list[LoRAMove]:
+        """The adapter moves decided since the last call: the step carries them."""
         ...
 
 
@@ -162,9 +173,14 @@ class Scheduler:
                     deferred.append(request)
                     continue
                 try:
-                    slot = self._adapter_slot(request.lora_name, active)
+                    ready = self._adapter_ready(request.lora_name)
+                    slot = self._adapter_slot(request.lora_name, active) if ready else None
                 except ValueError as exc:
                     self._reject(request, str(exc))
+                    continue
+                if not ready:  # being read from disk: wait without taking a slot from anyone
+                    self._release(request)
+                    deferred.append(request)
                     continue
                 if slot is None:
                     self._release(request)
@@ -181,6 +197,10 @@ class Scheduler:
             budget -= count
         self.waiting.extendleft(reversed(deferred))
         return admitted
+
+    def _adapter_ready(self, name: str) -> bool:
+        assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
+        return self.adapters.prepare(name)
 
     def _adapter_slot(self, name: str, active: set[str]) -> int | None:
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
@@ -254,7 +274,8 @@ class Scheduler:
                     sample=start + count == request.num_tokens,
                 )
             )
-        return SchedulerOutput(sequences, finished)
+        moves = self.adapters.take_moves() if self.adapters is not None else []
+        return SchedulerOutput(sequences, finished, moves)
 
     def update_from_output(self, result: ModelRunnerOutput) -> list[tuple[int, EngineCoreOutput]]:
         """Count the step's computed tokens, append sampled ones, finish requests that stop,

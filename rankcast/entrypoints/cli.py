@@ -28,8 +28,8 @@ from rankcast.config import (
     EngineConfig,
     ServeConfig,
 )
+from rankcast.errors import ModelFormatError
 from rankcast.logger import init_logging
-from rankcast.model.arch import ModelFormatError
 
 Target = Literal["engine", "serve", "chat"]
 Command = Literal["serve", "chat"]

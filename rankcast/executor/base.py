@@ -18,7 +18,7 @@ import msgspec
 from rankcast.config import EngineConfig
 from rankcast.model.source import ModelSource
 from rankcast.notifications import WorkerNotification
-from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+from rankcast.protocol import LoRAMove, ModelRunnerOutput, SchedulerOutput
 from rankcast.worker.extension import worker_class
 from rankcast.worker.worker import Worker
 
@@ -81,28 +81,20 @@ class Executor(ABC):
         """Drain every rank's notification buffer: one batch (or None) per rank, in rank order."""
         return self.collective_rpc("take_notifications", reply_type=list[WorkerNotification] | None)
 
-    def load_lora(self, adapter_id: int, name: str, path: str) -> list[float]:
-        """Read an adapter into every rank's host tier; each rank's seconds."""
-        return self.collective_rpc("load_lora", (adapter_id, name, path), reply_type=float)
-
-    def activate_lora(self, adapter_id: int, slot: int) -> list[float]:
-        return self.collective_rpc("activate_lora", (adapter_id, slot), reply_type=float)
-
-    def evict_lora(self, adapter_id: int, tier: str, reason: str) -> None:
-        self.collective_rpc("evict_lora", (adapter_id, tier, reason), reply_type=None)
-
-    def pin_lora(self, adapter_id: int, pinned: bool) -> None:
-        self.collective_rpc("pin_lora", (adapter_id, pinned), reply_type=None)
+    def apply_lora_moves(self, moves: list[LoRAMove]) -> None:
+        """Make adapter moves on every rank now (a utility's; a step's ride the step)."""
+        self.collective_rpc("apply_lora_moves", (moves,), reply_type=None)
 
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step on every rank and return the output rank's result."""
         output_rank = self.config.parallel.output_rank
-        return self.collective_rpc(
+        result: ModelRunnerOutput | None = self.collective_rpc(
             "execute_model",
             (batch,),
             unique_reply_rank=output_rank,
             reply_type=ModelRunnerOutput | None,
         )[0]
+        return result
 
     # ---- the generic call ----
 

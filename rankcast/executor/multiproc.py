@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import msgspec
@@ -40,7 +40,8 @@ _START_TIMEOUT_S = 900.0
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 class MultiprocExecutor(Executor):
@@ -98,7 +99,7 @@ class MultiprocExecutor(Executor):
         self.monitor = threading.Thread(target=self._watch_ranks, name="rank-monitor", daemon=True)
         self.monitor.start()
 
-    def _wait_ready(self, pipes: list) -> None:
+    def _wait_ready(self, pipes: list[Connection]) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
         for rank, (proc, pipe) in enumerate(zip(self.procs, pipes, strict=True)):
             while not pipe.poll(0.2):

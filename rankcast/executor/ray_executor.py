@@ -42,7 +42,9 @@ class RayRank:
         """An address on this actor's node for torch.distributed's rendezvous (rank 0 hosts it)."""
         import ray
 
-        host = ray.util.get_node_ip_address()
+        # Ray's own helper is untyped; it returns the node's address as a string.
+        node_address: Callable[[], str] = ray.util.get_node_ip_address
+        host = node_address()
         with socket.socket() as sock:
             sock.bind(("", 0))
             return host, sock.getsockname()[1]
@@ -66,7 +68,8 @@ class RayRank:
 
     def ping(self) -> bool:
         """Alive; and True when this rank has notifications waiting (the idle doorbell)."""
-        return self.worker.notifications.pending
+        pending: bool = self.worker.notifications.pending
+        return pending
 
 
 class RayExecutor(Executor):

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,7 +82,9 @@ def load() -> bool:
             raise RuntimeError(message)
         logger.warning(message)
         return False
-    torch.ops.load_library(str(path))
+    # torch.ops.load_library has no annotations; it takes the library's path and returns None.
+    load_library: Callable[[str], None] = torch.ops.load_library
+    load_library(str(path))
     return True
 
 

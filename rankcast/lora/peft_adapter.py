@@ -143,16 +143,28 @@ def _parse_key(key: str) -> tuple[int, str, str] | None:
     return layer, parts[-3], parts[-2][-1]
 
 
-def load_peft_adapter(
-    name: str,
+@dataclass(frozen=True)
+class AdapterMetadata:
+    """What an adapter is, read from its config and the safetensors header alone: enough for the
+    engine to accept or refuse it without reading its tensors (each rank reads those once)."""
+
+    path: Path
+    rank: int
+    scaling: float
+    nbytes: int  # as the ranks hold it (float32)
+    # Checkpoint key -> (layer, module, half "A" or "B").
+    keys: dict[str, tuple[int, str, str]]
+
+
+def inspect_peft_adapter(
     path: str | Path,
     arch: ArchConfig,
     max_lora_rank: int,
     allowed_roots: list[Path] | None = None,
-) -> LoRAAdapter:
-    """Read and check a PEFT LoRA adapter; raises LoRAAdapterError naming the file and problem."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+) -> AdapterMetadata:
+    """Check a PEFT LoRA adapter against the model from its config and tensor header; raises
+    LoRAAdapterError naming the file and the problem."""
+    from safetensors import SafetensorError, safe_open
 
     directory = check_allowed(Path(path), allowed_roots)
     config_path = directory / CONFIG_FILE
@@ -166,13 +178,17 @@ def load_peft_adapter(
         )
         raise LoRAAdapterError(f"{weights_path}: missing{hint}")
     try:
-        tensors = load_file(str(weights_path))
+        with safe_open(str(weights_path), framework="pt") as f:
+            names = f.keys()  # safe_open is not iterable: keys() is its listing
+            shapes_in_file = {key: tuple(f.get_slice(key).get_shape()) for key in names}
     except (SafetensorError, OSError) as exc:
         raise LoRAAdapterError(f"{weights_path}: unreadable: {exc}") from None
 
     shapes = module_shapes(arch)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    keys: dict[str, tuple[int, str, str]] = {}
+    halves: dict[tuple[int, str], set[str]] = {}
+    nbytes = 0
+    for key, shape in shapes_in_file.items():
         parsed = _parse_key(key)
         if parsed is None:
             raise LoRAAdapterError(f"{weights_path}: unexpected tensor {key!r}")
@@ -189,20 +205,50 @@ def load_peft_adapter(
             )
         in_features, out_features = shapes[module]
         want = (rank, in_features) if half == "A" else (out_features, rank)
-        if tuple(tensor.shape) != want:
+        if shape != want:
             raise LoRAAdapterError(
-                f"{weights_path}: {key!r} has shape {tuple(tensor.shape)}, expected {want} "
+                f"{weights_path}: {key!r} has shape {shape}, expected {want} "
                 f"(rank {rank}, {module} of this model)"
             )
-        halves.setdefault((layer, module), {})[half] = tensor.to(torch.float32)
+        keys[key] = parsed
+        halves.setdefault((layer, module), set()).add(half)
+        nbytes += 4 * math.prod(shape)
     if not halves:
         raise LoRAAdapterError(f"{weights_path}: holds no LoRA tensors")
-    weights = {}
     for (layer, module), pair in sorted(halves.items()):
-        if set(pair) != {"A", "B"}:
+        if pair != {"A", "B"}:
             missing = "lora_B" if "A" in pair else "lora_A"
             raise LoRAAdapterError(
                 f"{weights_path}: layer {layer} {module} has no {missing} weight"
             )
-        weights[(layer, module)] = LoRAWeights(pair["A"].contiguous(), pair["B"].contiguous())
-    return LoRAAdapter(name, directory, rank, scaling, weights)
+    return AdapterMetadata(directory, rank, scaling, nbytes, keys)
+
+
+def load_peft_adapter(
+    name: str,
+    path: str | Path,
+    arch: ArchConfig,
+    max_lora_rank: int,
+    allowed_roots: list[Path] | None = None,
+) -> LoRAAdapter:
+    """Check and read a PEFT LoRA adapter; raises LoRAAdapterError naming the file and problem
+    (the files may have changed since the engine inspected them)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    meta = inspect_peft_adapter(path, arch, max_lora_rank, allowed_roots)
+    weights_path = meta.path / WEIGHTS_FILE
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError) as exc:
+        raise LoRAAdapterError(f"{weights_path}: unreadable: {exc}") from None
+    if set(tensors) != set(meta.keys):
+        raise LoRAAdapterError(f"{weights_path}: changed while it was being read")
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, (layer, module, half) in meta.keys.items():
+        halves.setdefault((layer, module), {})[half] = tensors[key].to(torch.float32)
+    weights = {
+        (layer, module): LoRAWeights(pair["A"].contiguous(), pair["B"].contiguous())
+        for (layer, module), pair in sorted(halves.items())
+    }
+    return LoRAAdapter(name, meta.path, meta.rank, meta.scaling, weights)

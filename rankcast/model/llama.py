@@ -58,7 +58,9 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attn(self.qkv_proj(hidden), meta))
+        # nn.Module.__call__ is typed as returning Any; o_proj's forward returns a Tensor.
+        out: torch.Tensor = self.o_proj(self.attn(self.qkv_proj(hidden), meta))
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -70,7 +72,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -17,6 +18,15 @@ from rankcast.model.layers import prepack_linears
 from rankcast.model.llama import LlamaForCausalLM
 
 
+class _SafetensorsFile(Protocol):
+    """What this module uses of `safe_open(..., framework="pt")`, whose stub has no
+    annotations: the tensor names, and each tensor by name."""
+
+    def keys(self) -> list[str]: ...
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+
 def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of every *.safetensors file, memory-mapped, in file order."""
     files = sorted(model_dir.glob("*.safetensors"))
@@ -24,7 +34,7 @@ def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelFormatError(f"{model_dir}: no *.safetensors weights found")
     for file in files:
         try:
-            handle = safe_open(str(file), framework="pt")
+            handle: _SafetensorsFile = safe_open(str(file), framework="pt")
             names = list(handle.keys())
         except Exception as exc:
             raise ModelFormatError(f"{file}: cannot be read as safetensors ({exc})") from None

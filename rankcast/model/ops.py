@@ -8,12 +8,17 @@ pass instead of several ops for each element-wise step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from rankcast import kernels
+
+# `torch.ops.*` ops are looked up at run time, so mypy sees their results as Any; each op whose
+# result is cast below is declared `-> Tensor` by its schema (csrc/*.cpp, or oneDNN's).
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,9 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
     ):
         packed = torch.ops.rankcast.pack_linear_weight(weight)
         return PackedWeight(packed, "rankcast", weight.shape[0])
-    if torch.backends.mkldnn.is_available():
+    # torch.backends.mkldnn.is_available has no annotations; it returns a bool.
+    mkldnn_available: Callable[[], bool] = torch.backends.mkldnn.is_available
+    if mkldnn_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         return PackedWeight(packed, "onednn", weight.shape[0])
     return None
@@ -51,10 +58,16 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] times a packed weight (+ bias)."""
     if weight.backend == "rankcast":
-        return torch.ops.rankcast.packed_linear(
-            x.contiguous(), weight.tensor, weight.out_features, bias
+        return cast(
+            torch.Tensor,
+            torch.ops.rankcast.packed_linear(
+                x.contiguous(), weight.tensor, weight.out_features, bias
+            ),
         )
-    return torch.ops.mkldnn._linear_pointwise(x, weight.tensor, bias, "none", [], "")
+    return cast(
+        torch.Tensor,
+        torch.ops.mkldnn._linear_pointwise(x, weight.tensor, bias, "none", [], ""),
+    )
 
 
 def can_fuse_layers(attention: torch.nn.Module) -> bool:
@@ -68,14 +81,14 @@ def can_fuse_layers(attention: torch.nn.Module) -> bool:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's largest logit's index (greedy sampling), without a float32 copy on CPU."""
     if kernels.available(logits) and logits.dim() == 2 and logits.stride(1) == 1:
-        return torch.ops.rankcast.argmax_rows(logits)
+        return cast(torch.Tensor, torch.ops.rankcast.argmax_rows(logits))
     return logits.argmax(dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, rounded to x's dtype before the weight scales it (as HF does)."""
     if kernels.available(x) and x.dim() == 2 and x.stride(1) == 1:
-        return torch.ops.rankcast.rms_norm(x, weight, eps)
+        return cast(torch.Tensor, torch.ops.rankcast.rms_norm(x, weight, eps))
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
@@ -94,7 +107,7 @@ def add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for x = [gate | up] along the last dimension."""
     if kernels.available(x) and x.dim() == 2 and x.stride(1) == 1:
-        return torch.ops.rankcast.silu_and_mul(x)
+        return cast(torch.Tensor, torch.ops.rankcast.silu_and_mul(x))
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rankcast.model.arch import ModelFormatError
+from rankcast.errors import ModelFormatError
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

@@ -8,6 +8,7 @@ failed or lagged shows up as itself, not as whatever the engine assumed.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from rankcast.notifications import (
     LoRAAdapterUnpinned,
     Notification,
 )
+from rankcast.protocol import LoRAMove
 from rankcast.worker.model_runner import ModelRunner
 
 
@@ -43,6 +45,68 @@ class LoRAManager:
         # Every adapter this rank was ever told to load and not yet told to unload, even when
         # evicted from the host tier: an unload must still be reported for it.
         self.names: dict[int, str] = {}
+        # Background reads: the host tier is shared with them, and one evicted while being
+        # read is dropped when the read ends.
+        self.lock = threading.Lock()
+        self.reading: set[int] = set()
+        self.cancelled: set[int] = set()
+
+    def apply(self, moves: list[LoRAMove]) -> None:
+        """Make the engine's moves, in order (at the start of a step, or from a utility)."""
+        for move in moves:
+            if move.action == "read":
+                self.load(move.adapter_id, move.name, move.path)
+            elif move.action == "read_async":
+                self.load_in_background(move.adapter_id, move.name, move.path)
+            elif move.action == "activate":
+                self.activate(move.adapter_id, move.slot)
+            elif move.action == "evict":
+                self.evict(move.adapter_id, move.tier, move.reason)
+            elif move.action in ("pin", "unpin"):
+                self.pin(move.adapter_id, move.action == "pin")
+            else:
+                raise ValueError(f"unknown LoRA move {move.action!r}")
+
+    def load_in_background(self, adapter_id: int, name: str, path: str) -> None:
+        """Start reading the adapter on a thread of its own, so the rank keeps stepping; the
+        result (loaded, or load failed) is published as it would be by `load`."""
+        with self.lock:
+            if adapter_id in self.host or adapter_id in self.reading:
+                return
+            self.reading.add(adapter_id)
+            self.cancelled.discard(adapter_id)
+            self.names[adapter_id] = name
+        threading.Thread(
+            target=self._read, args=(adapter_id, name, path), name=f"lora-read-{name}", daemon=True
+        ).start()
+
+    def _read(self, adapter_id: int, name: str, path: str) -> None:
+        start = time.perf_counter()
+        try:
+            adapter = load_peft_adapter(name, path, self.arch, self.max_lora_rank)
+        except Exception as exc:
+            with self.lock:
+                self.reading.discard(adapter_id)
+                dropped = adapter_id in self.cancelled
+            if not dropped:
+                self.publish(
+                    LoRAAdapterLoadFailed(adapter_name=name, adapter_id=adapter_id, error=str(exc))
+                )
+            return
+        with self.lock:
+            self.reading.discard(adapter_id)
+            if adapter_id in self.cancelled:
+                self.cancelled.discard(adapter_id)
+                return
+            self.host[adapter_id] = adapter
+        self.publish(
+            LoRAAdapterLoaded(
+                adapter_name=name,
+                adapter_id=adapter_id,
+                tier="cpu",
+                seconds=time.perf_counter() - start,
+            )
+        )
 
     def load(self, adapter_id: int, name: str, path: str) -> float:
         """Read the adapter from disk into the host tier (the engine validated it already; a
@@ -57,7 +121,8 @@ class LoRAManager:
                 LoRAAdapterLoadFailed(adapter_name=name, adapter_id=adapter_id, error=str(exc))
             )
             raise
-        self.host[adapter_id] = adapter
+        with self.lock:
+            self.host[adapter_id] = adapter
         self.names[adapter_id] = name
         seconds = time.perf_counter() - start
         self.publish(
@@ -67,7 +132,8 @@ class LoRAManager:
 
     def activate(self, adapter_id: int, slot: int) -> float:
         """Copy a host-tier adapter into a free device slot (this rank's shard of it)."""
-        adapter = self.host.get(adapter_id)
+        with self.lock:
+            adapter = self.host.get(adapter_id)
         if adapter is None:
             raise RuntimeError(f"adapter {adapter_id} is not in this rank's host tier")
         if slot in self.slots:
@@ -92,7 +158,10 @@ class LoRAManager:
         slot first, since the host tier is a superset). "unload" and "load_failed" mean the
         engine forgets the adapter; if this rank held it in no tier, that is reported with
         tier "disk", so consumers forget it too."""
-        adapter = self.host.get(adapter_id)
+        with self.lock:
+            adapter = self.host.get(adapter_id)
+            if adapter_id in self.reading and tier == "cpu":
+                self.cancelled.add(adapter_id)  # dropped when its read ends
         if reason in ("unload", "load_failed"):
             name = self.names.pop(adapter_id, None)
             if adapter is None and name is not None:
@@ -109,7 +178,8 @@ class LoRAManager:
             del self.slots[slot]
             self._publish_evicted(adapter, adapter_id, "device", reason)
         if tier == "cpu":
-            del self.host[adapter_id]
+            with self.lock:
+                del self.host[adapter_id]
             self.pinned.discard(adapter_id)
             self._publish_evicted(adapter, adapter_id, "cpu", reason)
 

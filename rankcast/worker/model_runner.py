@@ -177,9 +177,11 @@ class ModelRunner:
             ends = itertools.accumulate(meta.query_lens)
             rows = [end - 1 for end, seq in zip(ends, batch.sequences, strict=True) if seq.sample]
             if not rows:
-                return hidden.new_empty((0, self.arch.vocab_size))
+                empty: torch.Tensor = hidden.new_empty((0, self.arch.vocab_size))
+                return empty
             hidden = hidden[rows]
-        return self.model.compute_logits(hidden)
+        logits: torch.Tensor = self.model.compute_logits(hidden)
+        return logits
 
     @torch.inference_mode()
     def execute_model(

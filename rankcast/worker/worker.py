@@ -20,7 +20,7 @@ from rankcast.model.loader import load_model
 from rankcast.model.source import ModelSource
 from rankcast.notifications import WEIGHTS_LOADED_KEY, CustomNotification, WorkerNotification
 from rankcast.process import is_rankcast_process
-from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+from rankcast.protocol import LoRAMove, ModelRunnerOutput, SchedulerOutput
 from rankcast.worker.extension import load_worker_plugins, worker_class
 from rankcast.worker.lora_manager import LoRAManager
 from rankcast.worker.model_runner import ModelRunner
@@ -111,26 +111,17 @@ class Worker:
         )
         return seconds
 
-    # ---- LoRA: the engine core decides each move; this rank's manager makes and reports it ----
+    # ---- LoRA: the engine core decides each move; this rank's manager makes and reports it.
+    # Moves ride the step (SchedulerOutput.lora_moves) or a utility's call (apply_lora_moves).
 
     def _lora(self) -> LoRAManager:
         if self.loras is None:
             raise RuntimeError("LoRA is not enabled on this engine (--enable-lora)")
         return self.loras
 
-    def load_lora(self, adapter_id: int, name: str, path: str) -> float:
-        """Read an adapter into this rank's host tier; returns seconds. Reading the file on
-        each rank (rather than shipping tensors) keeps adapter bytes off the control channel."""
-        return self._lora().load(adapter_id, name, path)
-
-    def activate_lora(self, adapter_id: int, slot: int) -> float:
-        return self._lora().activate(adapter_id, slot)
-
-    def evict_lora(self, adapter_id: int, tier: str, reason: str) -> None:
-        self._lora().evict(adapter_id, tier, reason)
-
-    def pin_lora(self, adapter_id: int, pinned: bool) -> None:
-        self._lora().pin(adapter_id, pinned)
+    def apply_lora_moves(self, moves: list[LoRAMove]) -> None:
+        """Make the engine's adapter moves on this rank, in order (a utility's, at once)."""
+        self._lora().apply(moves)
 
     def take_notifications(self) -> list[WorkerNotification] | None:
         """Drain this rank's notification buffer (None, allocating nothing, when empty)."""
@@ -149,7 +140,13 @@ class Worker:
         self.runner.initialize_cache(num_blocks)
 
     def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's adapter moves first (a request admitted this step may need the slot),
+        then the batch; a step may carry only moves."""
         assert self.runner is not None
+        if batch.lora_moves:
+            self._lora().apply(batch.lora_moves)
+        if not batch.sequences and not batch.finished_request_ids:
+            return None
         return self.runner.execute_model(batch, sample=self.is_output_rank)
 
     def rank_info(self) -> tuple[int, int, int]:

@@ -7,6 +7,7 @@ stale one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import signal
@@ -40,11 +41,15 @@ def resolve_callable(name: str) -> Callable[..., Any]:
     target: Any = importlib.import_module(module)
     for part in qualname.split("."):
         target = getattr(target, part)
-    return target
+    if not callable(target):
+        raise TypeError(f"{name} is not callable")
+    function: Callable[..., Any] = target
+    return function
 
 
 def _convert_args(fn: Callable[..., Any], args: list[Any]) -> list[Any]:
-    """Give struct-typed parameters their struct back (msgpack carries them as arrays)."""
+    """Give typed parameters their declared types back (msgpack carries a struct as an array,
+    a list of structs as a list of arrays)."""
     try:
         hints = typing.get_type_hints(fn)
     except Exception:
@@ -52,9 +57,11 @@ def _convert_args(fn: Callable[..., Any], args: list[Any]) -> list[Any]:
     names = [n for n in fn.__code__.co_varnames[: fn.__code__.co_argcount] if n != "self"]
     converted = []
     for name, value in zip(names, args, strict=False):
-        hint = hints.get(name)
-        if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
-            value = msgspec.convert(value, hint)
+        hint = hints.get(name, Any)
+        if hint is not Any:
+            # A type msgspec cannot build (a callable, say) is passed as it came.
+            with contextlib.suppress(TypeError):
+                value = msgspec.convert(value, hint)
         converted.append(value)
     return converted + args[len(converted) :]
 
@@ -82,7 +89,7 @@ def init_distributed(config: EngineConfig, rank: int, init_method: str) -> dist.
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=parallel.world_size
     )
-    mine = None
+    mine: dist.ProcessGroup | None = None
     tp = parallel.tensor_parallel_size
     for stage in range(parallel.pipeline_parallel_size):
         ranks = list(range(stage * tp, (stage + 1) * tp))

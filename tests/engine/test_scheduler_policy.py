@@ -25,7 +25,7 @@ from rankcast.config import SchedulerConfig
 from rankcast.engine.block_manager import BlockManager
 from rankcast.engine.request import Request, RequestStatus
 from rankcast.engine.scheduler import Scheduler
-from rankcast.protocol import FinishReason, ModelRunnerOutput, ScheduledSequence
+from rankcast.protocol import FinishReason, LoRAMove, ModelRunnerOutput, ScheduledSequence
 from rankcast.sampling_params import SamplingParams
 
 
@@ -46,6 +46,24 @@ class FakeSlots:
         self.moves: list[tuple[str, str, int]] = []  # ("evict" | "load", adapter, slot)
         self.calls: list[tuple[str, frozenset[str]]] = []  # acquire(name, busy)
         self.evicted: list[str] = []
+        self.reading = set()
+        self.reads_started = []
+
+    # Adapters still being read from disk (not ready for a slot), and reads started.
+    reading: set[str]
+    reads_started: list[str]
+
+    def prepare(self, name: str) -> bool:
+        if name not in self.known:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        if name in self.reading:
+            if name not in self.reads_started:
+                self.reads_started.append(name)
+            return False
+        return True
+
+    def take_moves(self) -> list[LoRAMove]:
+        return []
 
     def acquire(self, name: str, busy: set[str]) -> int | None:
         self.calls.append((name, frozenset(busy)))
@@ -148,6 +166,28 @@ def test_a_request_runs_on_its_adapters_slot_and_a_base_request_on_none() -> Non
     # Decodes keep the slot they were admitted with.
     ran = _step(scheduler, slots)
     assert {rid: s.lora_slot for rid, s in ran.items()} == {"on-a": 1, "base": -1, "on-b": 0}
+
+
+def test_a_request_whose_adapter_is_being_read_waits_and_drains_no_one() -> None:
+    """The read runs on the ranks' own threads: meanwhile the request keeps its place, running
+    adapters keep their slots and new requests keep being admitted; once read, it runs."""
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    slots.reading.add("b")
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("on-a", "a"))
+    scheduler.add_request(_request("on-b", "b"))
+    scheduler.add_request(_request("more-a", "a"))
+    ran = _step(scheduler, slots)
+    assert "on-b" not in ran and "more-a" in ran, "a request behind the read is admitted"
+    assert slots.reads_started == ["b"] and _waiting(scheduler) == ["on-b"]
+    assert scheduler.draining is None, "a read in flight is no reason to drain a slot"
+    assert not [name for name, _ in slots.calls if name == "b"], "no slot asked for before"
+    for _ in range(2):
+        assert set(_step(scheduler, slots)) == {"on-a", "more-a"}
+    slots.reading.discard("b")  # every rank reported it read
+    ran = _step(scheduler, slots)
+    assert "on-b" not in ran, "its slot is still taken by running requests on a"
+    assert scheduler.draining == "a", "now that it is ready, a slot is drained for it"
 
 
 def test_without_a_free_slot_the_request_waits_while_base_requests_keep_running() -> None:

@@ -23,7 +23,9 @@ class APIError(Exception):
         self.param = param
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None
+) -> dict[str, dict[str, str | int | None]]:
     return {
         "error": {
             "message": message,

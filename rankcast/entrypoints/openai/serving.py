@@ -129,7 +129,9 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
-def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int) -> dict:
+def _chat_logprobs(
+    entries: list[dict[int, Logprob]], token_ids: list[int], top: int
+) -> dict[str, Any]:
     content = []
     for token_id, entry in zip(token_ids, entries, strict=False):
         chosen = entry[token_id]
@@ -152,7 +154,9 @@ def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top:
     return {"content": content}
 
 
-def _completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int) -> dict:
+def _completion_logprobs(
+    entries: list[dict[int, Logprob]], token_ids: list[int], top: int
+) -> dict[str, Any]:
     tokens, token_logprobs, tops = [], [], []
     for token_id, entry in zip(token_ids, entries, strict=False):
         chosen = entry[token_id]
@@ -163,7 +167,7 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int]
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops}
 
 
-def _dead_error() -> dict:
+def _dead_error() -> dict[str, dict[str, str | int | None]]:
     return error_body(503, "The engine core is not running; the request cannot complete.")
 
 
@@ -256,8 +260,10 @@ async def _stream_with_tail(
 
 
 def _delta_logprobs(
-    output: RequestOutput, top: int | None, render: Callable[..., dict]
-) -> dict | None:
+    output: RequestOutput,
+    top: int | None,
+    render: Callable[[list[dict[int, Logprob]], list[int], int], dict[str, Any]],
+) -> dict[str, Any] | None:
     completion = output.outputs[0]
     if top is None or completion.logprobs is None or not completion.delta_token_ids:
         return None
@@ -273,7 +279,9 @@ def _chat_stream(
 ) -> AsyncIterator[bytes]:
     header = state.header
 
-    def chunk(delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> bytes:
+    def chunk(
+        delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None
+    ) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return _sse({**header, "choices": [choice]})
 

@@ -13,6 +13,7 @@ p50/p99 and, from the server's own `rankcast:lora_adapter_events_total`, disk lo
 activations and evictions per minute.
 
     python bench/lora.py [--part overhead|zipf|all] [--requests 96] [--concurrency 16]
+                         [--baseline DIR]  # Zipf runs of an earlier checkout, side by side
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def zipf_run(
     args: argparse.Namespace,
     data: dict,
     slots: int = 4,
+    tree: Path | None = None,
 ) -> dict[str, Any]:
     from tests.entrypoints.server_process import ServerProcess
 
@@ -163,7 +165,7 @@ def zipf_run(
         flags += ["--enable-lora", "--max-loras", str(slots), "--max-cpu-loras", str(cpu_loras)]
         flags += ["--max-lora-rank", "8", "--lora-modules"]
         flags += [f"{n}={p}" for n, p in zip(names, adapters, strict=True)]
-    server = ServerProcess(*flags, api_server_count=1)
+    server = ServerProcess(*flags, api_server_count=1, cwd=tree)
     try:
         server.wait_healthy()
         choices = zipf_choices(args.requests, len(adapters))
@@ -204,6 +206,20 @@ def zipf_part(adapters: list[Path], args: argparse.Namespace, data: dict) -> lis
         # Not the issue's configuration: what more device slots buy on the same load.
         zipf_run(f"host {len(adapters)}, 8 slots", adapters, len(adapters), args, data, slots=8),
     ]
+    if args.baseline is not None:
+        # The same adapter runs served by an earlier checkout, for before/after in one run.
+        tree = Path(args.baseline).resolve()
+        rows += [
+            zipf_run("host tier = 4 (baseline)", adapters, 4, args, data, tree=tree),
+            zipf_run(
+                f"host tier = {len(adapters)} (baseline)",
+                adapters,
+                len(adapters),
+                args,
+                data,
+                tree=tree,
+            ),
+        ]
     base = rows[0]["tokens_per_s"]
     print(
         f"\n{args.requests} requests, {args.concurrency} in flight, {args.tokens} tokens, "
@@ -256,6 +272,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per Zipf request")
     parser.add_argument("--out", default=str(RESULTS / "lora.json"))
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="a checkout of an earlier rankcast (its kernels built): the Zipf adapter runs are "
+        "repeated with its server, side by side",
+    )
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
     os.environ.setdefault("RANKCAST_LOG_LEVEL", "WARNING")

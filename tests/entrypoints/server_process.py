@@ -56,8 +56,14 @@ class ServerProcess:
     """`rankcast serve` in its own session; `stop()` checks that shutdown left nothing behind."""
 
     def __init__(
-        self, *args: str, api_server_count: int = 2, env: dict[str, str] | None = None
+        self,
+        *args: str,
+        api_server_count: int = 2,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
+        """`cwd`: run the rankcast found there (`python -m` looks in its directory first): a
+        benchmark's way to serve an older checkout side by side."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_server_count = api_server_count
@@ -75,6 +81,7 @@ class ServerProcess:
                 *args,
             ],
             env=env,
+            cwd=cwd,
             start_new_session=True,
         )
         self.pids: list[int] = []

@@ -41,7 +41,6 @@ from rankcast.model.source import ModelSource
 from rankcast.protocol import (
     PROTOCOL_VERSION,
     AbortRequests,
-    AdapterResidency,
     ClientHello,
     EngineCoreInput,
     EngineCoreMessage,
@@ -53,10 +52,6 @@ from rankcast.protocol import (
     ErrorKind,
     FinishReason,
     LoRAAdapterInfo,
-    LoRAEventCount,
-    LoRALoadTime,
-    LoRAState,
-    RankTier,
     SchedulerStats,
     UtilityOutput,
     UtilityRequest,
@@ -376,30 +371,6 @@ class EngineCore:
     def _running_adapters(self) -> set[str]:
         return {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
 
-    def _lora_state(self) -> LoRAState:
-        """Residency for a late API server: the registry's tiers hold on every rank (a rank
-        that failed a move raised, and the move was undone or the engine stopped)."""
-        assert self.loras is not None
-        world = self.config.parallel.world_size
-        return LoRAState(
-            world_size=world,
-            max_loras=self.config.lora.max_loras,
-            max_cpu_loras=self.config.lora.host_capacity,
-            adapters=[
-                AdapterResidency(
-                    a.name,
-                    a.id,
-                    a.pinned,
-                    [RankTier(rank, tier) for rank in range(world) for tier in a.tiers],
-                )
-                for a in self.loras.list()
-            ],
-            events=[
-                LoRAEventCount(n, e, r, c) for (n, e, r), c in sorted(self.loras.events.items())
-            ],
-            loads=[LoRALoadTime(t, seconds) for t, seconds in self.loras.loads],
-        )
-
     def _lora_registry(self) -> LoRARegistry:
         if self.loras is None:
             raise ClientError("LoRA is not enabled on this engine (--enable-lora)")
@@ -499,7 +470,7 @@ class EngineCore:
             self.engine_index,
             self.notifications.last_engine_seq(),
             self.notifications.ledger.state(),
-            lora=None if self.loras is None else self._lora_state(),
+            lora=None if self.loras is None else self.loras.state(),
             kv_cache=None
             if self.kv_index is None
             else self.kv_index.state(self.scheduler.blocks.block_size),

@@ -34,7 +34,15 @@ from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import inspect_peft_adapter
 from rankcast.model.arch import ArchConfig
 from rankcast.notifications import LoRAAdapterLoaded, LoRAAdapterLoadFailed, Notification
-from rankcast.protocol import LoRAAdapterInfo, LoRAMove
+from rankcast.protocol import (
+    AdapterResidency,
+    LoRAAdapterInfo,
+    LoRAEventCount,
+    LoRALoadTime,
+    LoRAMove,
+    LoRAState,
+    RankTier,
+)
 
 # Load-time observations kept for a late API server's histogram (oldest forgotten first).
 _LOADS_KEPT = 10_000
@@ -368,6 +376,28 @@ class LoRARegistry:
     def list(self) -> list[LoRAAdapterInfo]:
         ordered = sorted(self.adapters.values(), key=lambda a: a.adapter_id)
         return [self.describe(a) for a in ordered]
+
+    def state(self) -> LoRAState:
+        """The snapshot's LoRA section, for a late API server: the registry's tiers hold on
+        every rank (a rank that failed a move raised, and the move was undone or the engine
+        stopped), and the event totals so far."""
+        world = self.world_size
+        return LoRAState(
+            world_size=world,
+            max_loras=self.max_loras,
+            max_cpu_loras=self.config.host_capacity,
+            adapters=[
+                AdapterResidency(
+                    a.name,
+                    a.id,
+                    a.pinned,
+                    [RankTier(rank, tier) for rank in range(world) for tier in a.tiers],
+                )
+                for a in self.list()
+            ],
+            events=[LoRAEventCount(n, e, r, c) for (n, e, r), c in sorted(self.events.items())],
+            loads=[LoRALoadTime(t, seconds) for t, seconds in self.loads],
+        )
 
     @staticmethod
     def describe(entry: RegisteredAdapter) -> LoRAAdapterInfo:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from rankcast.config import LoRAConfig
 from rankcast.engine.lora_events import lora_event_key, lora_load_time
+from rankcast.engine.scheduler import AdapterState
 from rankcast.errors import AdapterBusyError, CapacityError, ClientError, UnknownAdapterError
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import inspect_peft_adapter
@@ -67,9 +68,12 @@ class RegisteredAdapter:
     slot: int | None = None
     pinned: bool = False
     last_used: int = 0  # logical clock: larger is more recent
-    # A background read is in flight; the ranks that have reported it done so far.
+    # A background read is in flight; the ranks that have reported it done so far; the
+    # adapter that leaves the host tier when it is done (its place was reserved at the start).
     loading: bool = False
     loaded_ranks: set[int] = field(default_factory=set)
+    makes_room_from: str | None = None
+    leaving: bool = False  # reserved to leave the host tier when a read in flight ends
 
     @property
     def tiers(self) -> list[str]:
@@ -128,21 +132,29 @@ class LoRARegistry:
                     self._read_done(entry)
 
     def _read_done(self, entry: RegisteredAdapter) -> None:
+        """Read on every rank: only now does the adapter whose place it took leave (unless a
+        request started on it meanwhile: then the tier holds one more until it goes idle)."""
         entry.loading, entry.in_host = False, True
-        held = [a for a in self.adapters.values() if a.in_host]
-        if len(held) > self.config.host_capacity:
-            busy = self.running_adapters() | {entry.name}
-            idle = [a for a in held if not a.pinned and a.name not in busy]
-            if idle:  # otherwise the tier stays one over until one goes idle
-                victim = min(idle, key=lambda a: (a.slot is not None, a.last_used))
-                self._move(LoRAMove("evict", victim.adapter_id, tier="cpu", reason="capacity"))
-                victim.in_host, victim.slot = False, None
+        self._touch(entry)
+        victim = self._release_reservation(entry)
+        if victim is not None and victim.name not in self.running_adapters():
+            self._move(LoRAMove("evict", victim.adapter_id, tier="cpu", reason="capacity"))
+            victim.in_host, victim.slot = False, None
+
+    def _release_reservation(self, entry: RegisteredAdapter) -> RegisteredAdapter | None:
+        name, entry.makes_room_from = entry.makes_room_from, None
+        victim = self.adapters.get(name) if name is not None else None
+        if victim is None or not victim.leaving:
+            return None
+        victim.leaving = False
+        return None if victim.pinned else victim
 
     def _read_failed(self, entry: RegisteredAdapter, error: str) -> None:
         """A rank could not read it (the files changed since it was registered): every request
         for it would fail the same way, so it is unregistered, undone on every rank, and the
         requests waiting for it are refused with the rank's error."""
         entry.loading = False
+        self._release_reservation(entry)  # the adapter it would have replaced stays
         self._move(LoRAMove("evict", entry.adapter_id, tier="cpu", reason="load_failed"))
         del self.adapters[entry.name]
         first_line = error.splitlines()[0] if error else "unknown error"
@@ -227,22 +239,38 @@ class LoRARegistry:
 
     # ---- residency on demand (the scheduler's side) ----
 
-    def prepare(self, name: str) -> bool:
+    def prepare(self, name: str, protected: set[str]) -> AdapterState:
         """Whether `name` is in every rank's host tier; if not, its read is started (on each
         rank's own thread) and the request waits. Raises for an adapter that cannot be served:
-        unknown, or dropped because a rank could not read it."""
+        unknown, or dropped because a rank could not read it.
+
+        A read holds its place in the host tier from the start: in a full tier it reserves the
+        least recently used idle adapter, never one of `protected` (those of running requests,
+        of the batch being formed and of requests ahead in the queue), which leaves only when
+        the read is done; with no such adapter the read waits ("no_room"), so reads never push
+        out each other's adapters before they are used."""
         entry = self.adapters.get(name)
         if entry is None:
             if name in self.failed:
                 raise LoRALoadError(self.failed[name])
             entry = self._entry(name)
         if entry.in_host:
-            return True
-        if not entry.loading:
-            entry.loading = True
-            entry.loaded_ranks = set()
-            self._move(LoRAMove("read_async", entry.adapter_id, entry.name, entry.path))
-        return False
+            return "ready"
+        if entry.loading:
+            return "reading"
+        held = [a for a in self.adapters.values() if (a.in_host or a.loading) and not a.leaving]
+        if len(held) >= self.config.host_capacity:
+            keep = protected | {name}
+            idle = [a for a in held if a.in_host and not a.pinned and a.name not in keep]
+            if not idle:
+                return "no_room"
+            victim = min(idle, key=lambda a: (a.slot is not None, a.last_used))
+            victim.leaving = True  # leaves once the read is done, not before
+            entry.makes_room_from = victim.name
+        entry.loading = True
+        entry.loaded_ranks = set()
+        self._move(LoRAMove("read_async", entry.adapter_id, entry.name, entry.path))
+        return "reading"
 
     def acquire(self, name: str, busy: set[str]) -> int | None:
         """The device slot `name` (in the host tier: `prepare`) runs on, moving it there if
@@ -301,10 +329,11 @@ class LoRARegistry:
 
     def _host_victim(self, busy: set[str]) -> RegisteredAdapter | None:
         """Who leaves the host tier to make room (None: room left); raises when nobody may."""
-        held = [a for a in self.adapters.values() if a.in_host]
+        # Reads in flight hold their places; adapters already promised to one are not taken.
+        held = [a for a in self.adapters.values() if (a.in_host or a.loading) and not a.leaving]
         if len(held) < self.config.host_capacity:
             return None
-        idle = [a for a in held if not a.pinned and a.name not in busy]
+        idle = [a for a in held if a.in_host and not a.pinned and a.name not in busy]
         if not idle:
             raise LoRACapacityError(
                 f"the host tier (--max-cpu-loras {self.config.host_capacity}) holds only "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections import deque
-from typing import Protocol
+from typing import Literal, Protocol
 
 from rankcast.config import SchedulerConfig
 from rankcast.engine.block_manager import BlockManager
@@ -40,6 +40,9 @@ from rankcast.protocol import (
 logger = logging.getLogger(__name__)
 
 
+AdapterState = Literal["ready", "reading", "no_room"]
+
+
 class AdapterSlots(Protocol):
     """What the scheduler needs from the engine's LoRA registry."""
 
@@ -54,10 +57,12 @@ class AdapterSlots(Protocol):
         """Whether the adapter is pinned to its device slot (never drained for another)."""
         ...
 
-    def prepare(self, name: str) -> bool:
-        """Whether the adapter is ready for a slot (read into every rank's host tier); if not,
-        its read is started and the request waits, draining nothing. Raises ValueError when
-        it can never be served."""
+    def prepare(self, name: str, protected: set[str]) -> AdapterState:
+        """ "ready": in every rank's host tier, a slot may be asked for. "reading": its read
+        is under way (started now if need be, making room without evicting any of
+        `protected`); the request waits, draining nothing. "no_room": the host tier holds only
+        adapters that must stay; like a missing slot, a running adapter is drained. Raises
+        ValueError when it can never be served."""
         ...
 
     def take_moves(self) -> list[LoRAMove]:
@@ -173,12 +178,15 @@ class Scheduler:
                     deferred.append(request)
                     continue
                 try:
-                    ready = self._adapter_ready(request.lora_name)
+                    # Adapters running, in this batch, or wanted by requests ahead stay put.
+                    wanted = {r.lora_name for r in deferred if r.lora_name is not None}
+                    state = self._adapter_ready(request.lora_name, active | wanted)
+                    ready = state == "ready"
                     slot = self._adapter_slot(request.lora_name, active) if ready else None
                 except ValueError as exc:
                     self._reject(request, str(exc))
                     continue
-                if not ready:  # being read from disk: wait without taking a slot from anyone
+                if state == "reading":  # from disk: wait without taking a slot from anyone
                     self._release(request)
                     deferred.append(request)
                     continue
@@ -198,9 +206,9 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return admitted
 
-    def _adapter_ready(self, name: str) -> bool:
+    def _adapter_ready(self, name: str, protected: set[str]) -> AdapterState:
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
-        return self.adapters.prepare(name)
+        return self.adapters.prepare(name, protected)
 
     def _adapter_slot(self, name: str, active: set[str]) -> int | None:
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"

@@ -48,19 +48,23 @@ class FakeSlots:
         self.evicted: list[str] = []
         self.reading = set()
         self.reads_started = []
+        self.no_room: set[str] = set()
 
-    # Adapters still being read from disk (not ready for a slot), and reads started.
+    # Adapters still being read from disk (not ready for a slot), and reads started;
+    # adapters whose read cannot start (the host tier holds only adapters that must stay).
     reading: set[str]
     reads_started: list[str]
 
-    def prepare(self, name: str) -> bool:
+    def prepare(self, name: str, protected: set[str]) -> str:
         if name not in self.known:
             raise ValueError(f"unknown LoRA adapter {name!r}")
+        if name in self.no_room:
+            return "no_room"
         if name in self.reading:
             if name not in self.reads_started:
                 self.reads_started.append(name)
-            return False
-        return True
+            return "reading"
+        return "ready"
 
     def take_moves(self) -> list[LoRAMove]:
         return []
@@ -188,6 +192,18 @@ def test_a_request_whose_adapter_is_being_read_waits_and_drains_no_one() -> None
     ran = _step(scheduler, slots)
     assert "on-b" not in ran, "its slot is still taken by running requests on a"
     assert scheduler.draining == "a", "now that it is ready, a slot is drained for it"
+
+
+def test_no_room_in_the_host_tier_drains_a_running_adapter_like_a_missing_slot() -> None:
+    """Otherwise popular adapters could keep the host tier forever and the request starve."""
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    slots.no_room.add("b")
+    scheduler = _scheduler(slots)
+    _start(scheduler, slots, _request("on-a", "a"))
+    scheduler.add_request(_request("on-b", "b"))
+    ran = _step(scheduler, slots)
+    assert "on-b" not in ran and _waiting(scheduler) == ["on-b"]
+    assert scheduler.draining == "a"
 
 
 def test_without_a_free_slot_the_request_waits_while_base_requests_keep_running() -> None:

@@ -68,6 +68,10 @@ class Executor(ABC):
         self.rpc_counts: collections.Counter[str] = collections.Counter()
         self._worker_cls: type | None = None
 
+    # Whether `_collective` brings replies back as decoded msgpack (mp, ray) or as the objects
+    # the ranks returned (uni): those take the wire's plain form first, for equal results.
+    replies_crossed_the_wire = True
+
     # ---- the calls the engine makes, one typed method each ----
 
     def num_available_blocks(self) -> list[int]:
@@ -115,6 +119,10 @@ class Executor(ABC):
         if reply_type is ...:
             reply_type = declared_reply_type(self.worker_cls, method)
         replies = self._collective(method_name(method), method, args, timeout, unique_reply_rank)
+        if self.replies_crossed_the_wire:  # already plain data: only the typing step is left
+            if reply_type is Any or reply_type is None or reply_type is type(None):
+                return list(replies)
+            return [msgspec.convert(reply, reply_type) for reply in replies]
         return [convert_reply(reply, reply_type) for reply in replies]
 
     @property

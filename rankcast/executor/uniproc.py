@@ -15,6 +15,8 @@ from rankcast.worker.worker import start_worker
 
 
 class UniProcExecutor(Executor):
+    replies_crossed_the_wire = False
+
     def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
         super().__init__(config, source, engine_index)
         self.doorbell = Doorbell.create(1)

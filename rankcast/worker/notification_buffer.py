@@ -233,17 +233,19 @@ class NotificationBuffer:
 
     def register(self) -> None:
         """Count this buffer among the process's live workers' (see the module docstring)."""
-        _live.add(self)
+        _live[:] = [ref for ref in _live if ref() is not None] + [weakref.ref(self)]
 
     def unregister(self) -> None:
-        _live.discard(self)
+        _live[:] = [ref for ref in _live if ref() not in (None, self)]
 
 
 # Which buffer a producer means: the one of the worker call in progress, else the only live one.
 _current: contextvars.ContextVar[NotificationBuffer | None] = contextvars.ContextVar(
     "rankcast_worker_notification_buffer", default=None
 )
-_live: weakref.WeakSet[NotificationBuffer] = weakref.WeakSet()
+# Weak references, so an engine dropped without shutdown does not count; a list, so the common
+# case (one worker in the process) costs one lookup per publish.
+_live: list[weakref.ref[NotificationBuffer]] = []
 
 
 def current_notification_buffer() -> NotificationBuffer:
@@ -251,7 +253,11 @@ def current_notification_buffer() -> NotificationBuffer:
     buffer = _current.get()
     if buffer is not None:
         return buffer
-    live = list(_live)
+    if len(_live) == 1:
+        only = _live[0]()
+        if only is not None:
+            return only
+    live = [b for b in (ref() for ref in _live) if b is not None]
     if len(live) == 1:
         return live[0]
     if not live:

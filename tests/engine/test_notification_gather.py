@@ -21,7 +21,7 @@ from rankcast.notifications import (
 )
 from rankcast.protocol import ErrorKind
 from rankcast.worker.notification_buffer import publish_worker_notification
-from tests.worker.producers import KEY
+from tests.worker.producers import KEY, RankReport
 
 EXTENSION = "tests.worker.producers:EventProducer"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -255,3 +255,17 @@ def test_two_in_process_engines_keep_their_notifications_apart(tiny_llama_dir: P
         second.collective_rpc("publish_from_own_thread", ["test.captured"])
         assert _custom(second.take_notifications(), "test.captured")
         assert not _custom(first.take_notifications(), "test.captured")
+
+
+def test_an_extension_struct_reply_is_the_same_struct_on_uni_and_mp(
+    tiny_llama_dir: Path, tp2: LLM
+) -> None:
+    """Replies are converted once, the same way whichever executor carried them: an in-process
+    struct and one that crossed a socket come back equal (tuple fields included)."""
+    with _llm(tiny_llama_dir) as single:
+        (uni,) = single.collective_rpc("report")
+    assert uni == RankReport(0, (0, 0), ["a", "b"])
+    assert tp2.collective_rpc("report") == [
+        RankReport(0, (0, 0), ["a", "b"]),
+        RankReport(1, (1, 0), ["a", "b"]),
+    ]

@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from rankcast.notifications import CustomNotification
 from rankcast.worker.notification_buffer import (
     current_notification_buffer,
@@ -17,6 +19,14 @@ from rankcast.worker.notification_buffer import (
 )
 
 KEY = "test.event"
+
+
+class RankReport(msgspec.Struct, array_like=True):
+    """A struct an extension method returns: it must come back as itself on every executor."""
+
+    rank: int
+    layout: tuple[int, int]
+    tags: list[str]
 
 
 class EventProducer:
@@ -30,6 +40,9 @@ class EventProducer:
                     CustomNotification(key=key, payload={"i": i, "rank": self.rank})
                 )
         return self.rank
+
+    def report(self) -> RankReport:
+        return RankReport(self.rank, (self.rank, 0), ["a", "b"])
 
     def publish_bad_payload(self) -> int:
         """A payload msgpack cannot carry: must fail here, at the producer."""

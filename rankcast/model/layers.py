@@ -8,7 +8,7 @@ model definition never changes with the layout.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +17,14 @@ from torch import nn
 from rankcast.distributed import TensorParallelGroup
 from rankcast.model import ops
 
-if TYPE_CHECKING:
-    from rankcast.lora.layers import LoRALinear
-
 WeightLoader = Callable[..., None]
+
+
+class LinearDelta(Protocol):
+    """What a linear layer adds to its output when adapters are on (rankcast/lora/layers.py's
+    `LoRALinear`): named by its shape here so the model layer does not import the LoRA one."""
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -91,7 +95,7 @@ class ColumnParallelLinear(PackedLinearMixin, nn.Module):
     """y = x W^T with W split by output rows; each rank produces its slice of the output."""
 
     # Adapter slots, when LoRA is enabled (rankcast/lora/layers.py attaches them).
-    lora: LoRALinear | None = None
+    lora: LinearDelta | None = None
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup
@@ -178,7 +182,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(PackedLinearMixin, nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
 
-    lora: LoRALinear | None = None
+    lora: LinearDelta | None = None
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup

@@ -258,13 +258,11 @@ class LoRARegistry:
             return "ready"
         if entry.loading:
             return "reading"
-        held = [a for a in self.adapters.values() if (a.in_host or a.loading) and not a.leaving]
-        if len(held) >= self.config.host_capacity:
-            keep = protected | {name}
-            idle = [a for a in held if a.in_host and not a.pinned and a.name not in keep]
-            if not idle:
-                return "no_room"
-            victim = min(idle, key=lambda a: (a.slot is not None, a.last_used))
+        try:
+            victim = self._host_victim(protected | {name})
+        except LoRACapacityError:
+            return "no_room"
+        if victim is not None:
             victim.leaving = True  # leaves once the read is done, not before
             entry.makes_room_from = victim.name
         entry.loading = True
@@ -328,7 +326,8 @@ class LoRARegistry:
             victim.in_host, victim.slot = False, None
 
     def _host_victim(self, busy: set[str]) -> RegisteredAdapter | None:
-        """Who leaves the host tier to make room (None: room left); raises when nobody may."""
+        """Who leaves the host tier to make room for one more (None: room left): its least
+        recently used idle adapter, off-device ones first; raises when nobody may leave."""
         # Reads in flight hold their places; adapters already promised to one are not taken.
         held = [a for a in self.adapters.values() if (a.in_host or a.loading) and not a.leaving]
         if len(held) < self.config.host_capacity:

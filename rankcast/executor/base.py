@@ -42,15 +42,16 @@ def declared_reply_type(worker_cls: type, method: str | Callable[..., Any]) -> A
         return Any
 
 
-def convert_reply(reply: Any, reply_type: Any) -> Any:
+def convert_reply(reply: Any, reply_type: Any, plain: bool = False) -> Any:
     """A rank's reply as the caller sees it, whichever executor carried it: first as the wire
     would carry it (plain msgpack data: a struct becomes its array or map, a tuple a list), then
     into the declared type. An in-process reply goes through the same steps as one that crossed
     a socket, so `uni`, `mp` and `ray` give equal results."""
-    plain = msgspec.to_builtins(reply, builtin_types=(bytes, bytearray, memoryview))
+    if not plain:  # `plain`: it crossed the wire already (decoded msgpack), skip this step
+        reply = msgspec.to_builtins(reply, builtin_types=(bytes, bytearray, memoryview))
     if reply_type is Any or reply_type is None or reply_type is type(None):
-        return plain
-    return msgspec.convert(plain, reply_type)
+        return reply
+    return msgspec.convert(reply, reply_type)
 
 
 class ExecutorError(RuntimeError):
@@ -119,11 +120,8 @@ class Executor(ABC):
         if reply_type is ...:
             reply_type = declared_reply_type(self.worker_cls, method)
         replies = self._collective(method_name(method), method, args, timeout, unique_reply_rank)
-        if self.replies_crossed_the_wire:  # already plain data: only the typing step is left
-            if reply_type is Any or reply_type is None or reply_type is type(None):
-                return list(replies)
-            return [msgspec.convert(reply, reply_type) for reply in replies]
-        return [convert_reply(reply, reply_type) for reply in replies]
+        plain = self.replies_crossed_the_wire
+        return [convert_reply(reply, reply_type, plain) for reply in replies]
 
     @property
     def worker_cls(self) -> type:

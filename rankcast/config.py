@@ -144,6 +144,13 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     # `module:Class` mixed into every worker, so user code runs (and publishes) inside each rank.
     worker_extension_cls: str | None = None
+    # How each rank uses the CPU, settled at construction from RANKCAST_KERNELS,
+    # RANKCAST_NUM_THREADS and RANKCAST_CPU_BIND (rankcast/envs.py says what each means): a bad
+    # value stops the start naming its variable, and every rank applies what the engine was
+    # started with instead of reading its own environment.
+    kernels: str = field(init=False)
+    num_threads: int | None = field(init=False)
+    cpu_bind: str = field(init=False)
 
     def __post_init__(self) -> None:
         _require(
@@ -158,6 +165,16 @@ class ParallelConfig:
             f"--distributed-executor-backend must be one of {EXECUTOR_BACKENDS}, "
             f"got {self.distributed_executor_backend!r}",
         )
+        object.__setattr__(self, "kernels", _from_env(envs.kernels_mode))
+        object.__setattr__(self, "num_threads", _from_env(envs.num_threads))
+        cpu_bind = _from_env(envs.cpu_bind)
+        if cpu_bind not in ("auto", "off"):
+            lists, ranks = len(cpu_bind.split("|")), self.ranks_on_this_machine
+            _require(
+                lists >= ranks,
+                f"RANKCAST_CPU_BIND gives {lists} CPU list(s) for {ranks} ranks on this machine",
+            )
+        object.__setattr__(self, "cpu_bind", cpu_bind)
 
     @property
     def world_size(self) -> int:
@@ -266,9 +283,6 @@ class EngineConfig:
     notifications: NotificationConfig = field(default_factory=NotificationConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
-    def __post_init__(self) -> None:
-        _check_rank_environment(self.parallel)
-
     @classmethod
     def sections(cls) -> dict[str, type[Any]]:
         """Each section's attribute name and class, in declaration order."""
@@ -301,25 +315,6 @@ class EngineConfig:
                 raise ConfigError(f"unknown engine option {key!r}")
             sections[options[key][0]][key] = value
         return cls(**{name: owner(**sections[name]) for name, owner in cls.sections().items()})
-
-
-def _check_rank_environment(parallel: ParallelConfig) -> None:
-    """Check RANKCAST_KERNELS, RANKCAST_NUM_THREADS and RANKCAST_CPU_BIND now.
-
-    Each rank reads them where it starts (`rankcast/kernels/__init__.py`, `rankcast/platform.py`),
-    after the engine core and its executor are up; a bad value would surface there, late and
-    far from its cause. Checked here, it stops the start with the variable's name.
-    """
-    _from_env(envs.kernels_mode)
-    _from_env(envs.num_threads)
-    setting = _from_env(envs.cpu_bind)
-    if setting in ("auto", "off"):
-        return
-    lists, ranks = len(setting.split("|")), parallel.ranks_on_this_machine
-    _require(
-        lists >= ranks,
-        f"RANKCAST_CPU_BIND gives {lists} CPU list(s) for {ranks} ranks on this machine",
-    )
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,6 @@ import os
 
 import torch
 
-from rankcast import envs
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,15 +47,19 @@ def parse_cpu_list(text: str) -> list[int]:
 
 
 def cpus_for_rank(
-    local_rank: int, ranks_on_this_machine: int, own_process: bool
+    local_rank: int,
+    ranks_on_this_machine: int,
+    own_process: bool,
+    setting: str = "auto",
+    num_threads: int | None = None,
 ) -> list[int] | None:
     """The cores this rank's threads are bound to, or None to leave them to the OS.
 
-    Automatic binding gives machine-local rank i the i-th equal slice of the allowed cores, and
-    only in a process rankcast started: binding the threads of a caller's own process (the
-    offline engine runs in it) would pin the caller's code too.
+    `setting` is the engine's RANKCAST_CPU_BIND (`ParallelConfig.cpu_bind`): automatic binding
+    gives machine-local rank i the i-th equal slice of the allowed cores, and only in a process
+    rankcast started: binding the threads of a caller's own process (the offline engine runs in
+    it) would pin the caller's code too.
     """
-    setting = envs.cpu_bind()
     if setting == "off":
         return None
     if setting != "auto":
@@ -71,14 +73,14 @@ def cpus_for_rank(
     if not own_process:
         return None
     cores = sorted(os.sched_getaffinity(0))
-    per = threads_per_rank(ranks_on_this_machine)
+    per = threads_per_rank(ranks_on_this_machine, num_threads)
     first = local_rank * per
     return cores[first : first + per] if first + per <= len(cores) else None
 
 
-def threads_per_rank(ranks_on_this_machine: int) -> int:
-    """Share the cores evenly so ranks do not oversubscribe them."""
-    explicit = envs.num_threads()
+def threads_per_rank(ranks_on_this_machine: int, explicit: int | None = None) -> int:
+    """Share the cores evenly so ranks do not oversubscribe them (unless the engine was told
+    how many each rank takes: `ParallelConfig.num_threads`)."""
     if explicit:
         return explicit
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from rankcast.notifications import WorkerNotification
 from rankcast.sampling_params import SamplingParams
 
 
@@ -346,6 +347,18 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+
+
+class StepReply(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Every rank's answer to a step: the output rank's sampled tokens (None from the others)
+    and the rank's notifications drained as the step ended (None when its buffer was empty).
+
+    Carrying the events on the reply every rank sends anyway is what keeps a busy channel
+    from costing a gather round trip per step (rule 5c).
+    """
+
+    output: ModelRunnerOutput | None = None
+    notifications: list[WorkerNotification] | None = None
 
 
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -97,17 +97,28 @@ def test_the_engine_keeps_the_values_it_was_built_with(monkeypatch: pytest.Monke
     process that inherits another environment) cannot reach a running engine."""
     monkeypatch.setenv("RANKCAST_KV_CACHE_SPACE", "0.5")
     monkeypatch.setenv("RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL", "3")
+    monkeypatch.setenv("RANKCAST_KERNELS", "off")
+    monkeypatch.setenv("RANKCAST_NUM_THREADS", "3")
+    monkeypatch.setenv("RANKCAST_CPU_BIND", "0|1")
     config = EngineConfig.from_kwargs()
-    monkeypatch.setenv("RANKCAST_KV_CACHE_SPACE", "abc")
-    monkeypatch.setenv("RANKCAST_WORKER_NOTIFICATION_POLL_INTERVAL", "-1")
+    for name in ENGINE_VARIABLES:
+        monkeypatch.setenv(name, "garbage")
     for seen in (config, pickle.loads(pickle.dumps(config))):
         assert seen.cache.space_gib == 0.5
         assert seen.notifications.poll_interval == 3.0
+        assert seen.parallel.kernels == "off"
+        assert seen.parallel.num_threads == 3
+        assert seen.parallel.cpu_bind == "0|1"
+
+
+def test_rank_settings_default_to_rankcasts_choice() -> None:
+    parallel = EngineConfig.from_kwargs().parallel
+    assert (parallel.kernels, parallel.num_threads, parallel.cpu_bind) == ("auto", None, "auto")
 
 
 def test_settled_values_are_not_options() -> None:
-    """`space_gib` and `poll_interval` are derived; passing them is an unknown option."""
-    for name in ("space_gib", "poll_interval"):
+    """Values settled from the environment are derived; passing one is an unknown option."""
+    for name in ("space_gib", "poll_interval", "kernels", "num_threads", "cpu_bind"):
         with pytest.raises(ConfigError, match=f"unknown engine option {name!r}"):
             EngineConfig.from_kwargs(**{name: 1.0})
 

@@ -18,26 +18,35 @@ def test_cpu_lists_parse_ranges_and_singles() -> None:
 def test_automatic_binding_only_in_rankcasts_own_processes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("RANKCAST_CPU_BIND", raising=False)
-    monkeypatch.delenv("RANKCAST_NUM_THREADS", raising=False)
     monkeypatch.setattr(platform.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert platform.cpus_for_rank(0, 1, own_process=False) is None
     assert platform.cpus_for_rank(0, 2, own_process=True) == [0, 1]
     assert platform.cpus_for_rank(1, 2, own_process=True) == [2, 3]
     # More ranks than cores: the ones that get no core of their own are left unbound.
     assert platform.cpus_for_rank(4, 5, own_process=True) is None
+    # A thread count the engine was given sets each rank's slice.
+    assert platform.cpus_for_rank(1, 2, own_process=True, num_threads=1) == [1]
 
 
-def test_explicit_lists_apply_everywhere_and_off_binds_nothing(
+def test_explicit_lists_apply_everywhere_and_off_binds_nothing() -> None:
+    lists = "2-3|0,1"
+    assert platform.cpus_for_rank(0, 2, own_process=False, setting=lists) == [2, 3]
+    assert platform.cpus_for_rank(1, 2, own_process=True, setting=lists) == [0, 1]
+    with pytest.raises(ValueError, match="2 CPU list"):
+        platform.cpus_for_rank(0, 3, own_process=True, setting=lists)
+    assert platform.cpus_for_rank(0, 1, own_process=True, setting="off") is None
+
+
+def test_a_rank_applies_its_engines_settings_not_its_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("RANKCAST_CPU_BIND", "2-3|0,1")
-    assert platform.cpus_for_rank(0, 2, own_process=False) == [2, 3]
-    assert platform.cpus_for_rank(1, 2, own_process=True) == [0, 1]
-    with pytest.raises(ValueError, match="2 CPU list"):
-        platform.cpus_for_rank(0, 3, own_process=True)
-    monkeypatch.setenv("RANKCAST_CPU_BIND", "off")
-    assert platform.cpus_for_rank(0, 1, own_process=True) is None
+    """The rank reads nothing from its environment: what the engine settled is what counts."""
+    monkeypatch.setenv("RANKCAST_CPU_BIND", "garbage")
+    monkeypatch.setenv("RANKCAST_NUM_THREADS", "garbage")
+    monkeypatch.setattr(platform.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert platform.cpus_for_rank(0, 2, own_process=True) == [0, 1]
+    assert platform.threads_per_rank(2) == 2
+    assert platform.threads_per_rank(2, 3) == 3
 
 
 def test_auto_dtype_is_float32_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -247,21 +247,25 @@ class EngineCore:
             )
 
     def step(self) -> dict[int, EngineCoreOutputs]:
-        """Schedule, execute and account for one step (rule 5c: collect if a rank rang); each
-        client gets its own requests' outputs, and all of them the stats and the same batch."""
+        """Schedule, execute and account for one step (rule 5c: the ranks' events ride their
+        step replies); each client gets its own requests' outputs, and all of them the stats
+        and the same batch of events."""
         batch = self.scheduler.schedule()
         # Nothing could run (requests wait for an adapter being read): the driver may wait for
         # input or the doorbell instead of stepping again at once.
         self.stalled = not batch.sequences
         outputs: list[tuple[int, EngineCoreOutput]] = []
-        if batch.sequences or batch.finished_request_ids or batch.lora_moves:
+        stepped = bool(batch.sequences or batch.finished_request_ids or batch.lora_moves)
+        if stepped:
             # Finished ids and adapter moves must reach the ranks even on an empty step.
             result = self.executor.execute_model(batch)
-            if result is not None:
-                outputs = self.scheduler.update_from_output(result)
+            # Rule 5c: each rank's events came back with its reply to the step.
+            self.notifications.receive(result.notifications)
+            if result.output is not None:
+                outputs = self.scheduler.update_from_output(result.output)
         outputs.extend(self.scheduler.take_rejected())
         self._publish_kv_events()
-        self.notifications.collect()
+        self.notifications.collect(stepped)
         flushed = self._flush()
         stats = self.last_stats = self.stats()
         now = time.time()

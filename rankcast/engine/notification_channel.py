@@ -1,9 +1,11 @@
 """The engine core's half of the notification channel: gather from every rank, hold, flush.
 
-Gathering is one `take_notifications` collective over every rank, and it happens only when
-there is a reason: once at start (load-time events), after a utility that changes producer
-state, after a step in which a rank rang the doorbell, and on the optional poll interval. A
-quiet channel therefore costs no RPC at all. What was gathered waits in a bounded pending list
+While the engine steps, every rank's events come back on its step reply (each rank drains its
+buffer as it ends the step), so a busy channel costs no call of its own. Otherwise gathering
+is one `take_notifications` collective over every rank, and it happens only when there is a
+reason: once at start (load-time events), after a utility that changes producer state, when an
+idle engine finds a rank's doorbell rung, and on the optional poll interval. A quiet channel
+therefore costs no RPC at all. What was gathered waits in a bounded pending list
 until the next message leaves the engine; `flush` stamps each event with its gap-free
 `engine_seq`, records it in the ledger that late API servers catch up from, and encodes it once
 for every API server.
@@ -26,6 +28,7 @@ from rankcast.notifications import (
     CustomNotification,
     Notification,
     NotificationsDropped,
+    WorkerNotification,
     notification_type,
 )
 from rankcast.protocol import (
@@ -112,6 +115,14 @@ class EngineNotificationChannel:
             batches = self.executor.take_notifications()
         except ExecutorError as exc:
             raise GatherError(f"notification gather failed: {exc}") from exc
+        arrived = self.receive(batches)
+        self.gathers += 1
+        self.gather_seconds += time.perf_counter() - start
+        return arrived
+
+    def receive(self, batches: list[list[WorkerNotification] | None]) -> int:
+        """Hold one drained batch per rank (from a gather, or from a step's replies), in rank
+        order, each event stamped with its source; returns how many there were."""
         arrived = 0
         for rank, batch in enumerate(batches):
             if not batch:
@@ -122,8 +133,6 @@ class EngineNotificationChannel:
                 n.pp_rank, n.tp_rank, n.rank = pp_rank, tp_rank, rank
                 self._hold(n)
             arrived += len(batch)
-        self.gathers += 1
-        self.gather_seconds += time.perf_counter() - start
         return arrived
 
     def publish_engine_event(self, n: Notification) -> None:
@@ -145,9 +154,16 @@ class EngineNotificationChannel:
             return False
         return (now or time.monotonic()) - self.last_gather >= self.poll_interval
 
-    def collect(self) -> int:
-        """Gather if a rank rang the doorbell or the poll is due; otherwise cost nothing."""
-        if self.poll_due() or (self.use_doorbell and self.executor.notifications_pending()):
+    def collect(self, stepped: bool = False) -> int:
+        """Gather if a rank rang the doorbell or the poll is due; otherwise cost nothing.
+
+        After a step (`stepped`) the doorbell is not looked at: each rank's events came back
+        with its step reply, and what it published since rides the next step, or the
+        doorbell's gather once the engine goes idle.
+        """
+        if self.poll_due() or (
+            not stepped and self.use_doorbell and self.executor.notifications_pending()
+        ):
             return self.gather()
         return 0
 

@@ -206,8 +206,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--worker-notification-doorbell",
         "worker_notification_doorbell",
-        "gather when a rank rings its doorbell; --no-worker-notification-doorbell leaves events "
-        "to the poll (for measuring the two)",
+        "an idle engine gathers when a rank rings its doorbell (a busy one gets events with "
+        "each step); --no-worker-notification-doorbell leaves idle-time events to the poll "
+        "(for measuring the two)",
     ),
     Flag(
         "--worker-notification-buffer-size",

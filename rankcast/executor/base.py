@@ -8,6 +8,7 @@ interchangeable.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import msgspec
 from rankcast.config import EngineConfig
 from rankcast.model.source import ModelSource
 from rankcast.notifications import WorkerNotification
-from rankcast.protocol import LoRAMove, ModelRunnerOutput, SchedulerOutput
+from rankcast.protocol import LoRAMove, ModelRunnerOutput, SchedulerOutput, StepReply
 from rankcast.worker.extension import worker_class
 from rankcast.worker.worker import Worker
 
@@ -52,6 +53,19 @@ def convert_reply(reply: Any, reply_type: Any, plain: bool = False) -> Any:
     if reply_type is Any or reply_type is None or reply_type is type(None):
         return reply
     return msgspec.convert(reply, reply_type)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One step as the engine sees it: the output rank's tokens, and each rank's events (in
+    rank order; None for a rank that had none) drained as it ended the step."""
+
+    output: ModelRunnerOutput | None
+    notifications: list[list[WorkerNotification] | None]
+
+
+def step_result(replies: list[StepReply], output_rank: int) -> StepResult:
+    return StepResult(replies[output_rank].output, [reply.notifications for reply in replies])
 
 
 class ExecutorError(RuntimeError):
@@ -90,16 +104,13 @@ class Executor(ABC):
         """Make adapter moves on every rank now (a utility's; a step's ride the step)."""
         self.collective_rpc("apply_lora_moves", (moves,), reply_type=None)
 
-    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step on every rank and return the output rank's result."""
-        output_rank = self.config.parallel.output_rank
-        result: ModelRunnerOutput | None = self.collective_rpc(
-            "execute_model",
-            (batch,),
-            unique_reply_rank=output_rank,
-            reply_type=ModelRunnerOutput | None,
-        )[0]
-        return result
+    def execute_model(self, batch: SchedulerOutput) -> StepResult:
+        """Run one step on every rank; every rank answers, so each one's events come back
+        with the step (stage 0 of a pipeline answers while the later stages still run)."""
+        replies: list[StepReply] = self.collective_rpc(
+            "execute_model", (batch,), reply_type=StepReply
+        )
+        return step_result(replies, self.config.parallel.output_rank)
 
     # ---- the generic call ----
 

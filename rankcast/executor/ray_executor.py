@@ -20,9 +20,9 @@ import msgspec
 
 from rankcast import envs
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError
+from rankcast.executor.base import Executor, ExecutorError, StepResult, step_result
 from rankcast.model.source import ModelSource
-from rankcast.protocol import ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerReply
+from rankcast.protocol import SchedulerOutput, StepReply, WorkerCall, WorkerReply
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +147,12 @@ class RayExecutor(Executor):
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
         return [reply.result for reply in self._call(name, args, timeout, ranks)]
 
-    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Every rank's reply is read (they finish the step together), so each one's doorbell
-        flag is seen with no extra call; the output rank's result is the step's."""
+    def execute_model(self, batch: SchedulerOutput) -> StepResult:
+        """Every rank's reply is read (they finish the step together): each carries its
+        rank's events, and its doorbell flag for what was published after the drain."""
         replies = self._call("execute_model", (batch,), None, range(self.world_size))
-        result = replies[self.config.parallel.output_rank].result
-        return None if result is None else msgspec.convert(result, ModelRunnerOutput)
+        steps = [msgspec.convert(reply.result, StepReply) for reply in replies]
+        return step_result(steps, self.config.parallel.output_rank)
 
     def notifications_pending(self) -> bool:
         pending, self.remote_doorbell = self.remote_doorbell, False

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError
+from rankcast.executor.base import Executor, ExecutorError, StepResult
 from rankcast.model.source import ModelSource
-from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
+from rankcast.protocol import SchedulerOutput
 from rankcast.worker.notification_buffer import Doorbell
 from rankcast.worker.worker import start_worker
 
@@ -43,11 +43,12 @@ class UniProcExecutor(Executor):
             ) from exc
         return [result]
 
-    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, batch: SchedulerOutput) -> StepResult:
         # The only rank is the output rank; skip the generic RPC wrapper on the hot path.
         self.rpc_counts["execute_model"] += 1
         with self.worker.notifications.current():
-            return self.worker.execute_model(batch)
+            reply = self.worker.execute_model(batch)
+        return StepResult(reply.output, [reply.notifications])
 
     def notifications_pending(self) -> bool:
         return self.doorbell.take()

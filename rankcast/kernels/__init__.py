@@ -12,7 +12,6 @@ which is also what CUDA uses; `python -m rankcast.kernels.build` builds it.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import platform
@@ -66,10 +65,33 @@ def library_path() -> Path:
     return build_dir() / f"{LIBRARY_NAME}.so"
 
 
-@functools.cache
-def load() -> bool:
-    """Load the built library into torch once per process; False where it cannot be used."""
-    mode = envs.kernels_mode()
+# The process's one decision (a loaded library cannot be unloaded): made by the first `load`.
+_decision: list[tuple[str, bool]] = []
+
+
+def load(mode: str | None = None) -> bool:
+    """Whether the kernels are used in this process, loading them into torch the first time.
+
+    `mode` is the engine's RANKCAST_KERNELS as settled in its configuration
+    (`ParallelConfig.kernels`); every rank passes it before its model is built, so the first
+    call, which decides for the process, is the engine's. Code outside an engine that asks first
+    (the kernels' own tests) gets the environment's setting.
+    """
+    if not _decision:
+        chosen = envs.kernels_mode() if mode is None else mode
+        _decision.append((chosen, _load(chosen)))
+    decided, loaded = _decision[0]
+    if mode is not None and mode != decided:
+        logger.warning(
+            "RANKCAST_KERNELS=%s asked for, but this process already decided %s (loaded: %s)",
+            mode,
+            decided,
+            loaded,
+        )
+    return loaded
+
+
+def _load(mode: str) -> bool:
     if mode == "off":
         return False
     path = library_path()

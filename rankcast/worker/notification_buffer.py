@@ -145,6 +145,10 @@ class Doorbell:
     def ring(self, rank: int) -> None:
         self.flags[rank] = 1
 
+    def clear(self, rank: int) -> None:
+        """The rank drained its own buffer (into a step's reply): nothing left to gather."""
+        self.flags[rank] = 0
+
     def take(self) -> bool:
         """True if any rank rang since the last take; clears them first, so a ring that lands
         during the gather that follows is seen next time rather than lost."""
@@ -217,6 +221,9 @@ class NotificationBuffer:
             self._items.clear()
             dropped, self._dropped = self._dropped, 0
             last_lost = self._last_dropped_seq
+            # Under the lock: a publish after this drain rings again after this clear.
+            if self._doorbell is not None:
+                self._doorbell.clear(self._rank)
         if dropped:
             marker = NotificationsDropped(count=dropped, seq=last_lost, timestamp=time.time())
             items.insert(0, marker)

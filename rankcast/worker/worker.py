@@ -20,7 +20,7 @@ from rankcast.model.loader import load_model
 from rankcast.model.source import ModelSource
 from rankcast.notifications import WEIGHTS_LOADED_KEY, CustomNotification, WorkerNotification
 from rankcast.process import is_rankcast_process
-from rankcast.protocol import LoRAMove, ModelRunnerOutput, SchedulerOutput
+from rankcast.protocol import LoRAMove, SchedulerOutput, StepReply
 from rankcast.worker.extension import load_worker_plugins, worker_class
 from rankcast.worker.lora_manager import LoRAManager
 from rankcast.worker.model_runner import ModelRunner
@@ -74,17 +74,23 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = platform.resolve_dtype(self.config.model.dtype, self.device)
+        parallel = self.config.parallel
         cpus = None
-        if self.device.type == "cpu" and kernels.load():
+        if self.device.type == "cpu" and kernels.load(parallel.kernels):
             cpus = platform.cpus_for_rank(
-                self.local_rank, self.ranks_on_this_machine, is_rankcast_process()
+                self.local_rank,
+                self.ranks_on_this_machine,
+                is_rankcast_process(),
+                parallel.cpu_bind,
+                parallel.num_threads,
             )
         if cpus:
             torch.set_num_threads(len(cpus))
             torch.ops.rankcast.bind_threads(cpus)
             logger.info("rank %d: %d threads bound to CPUs %s", self.rank, len(cpus), cpus)
         else:
-            torch.set_num_threads(platform.threads_per_rank(self.ranks_on_this_machine))
+            threads = platform.threads_per_rank(self.ranks_on_this_machine, parallel.num_threads)
+            torch.set_num_threads(threads)
         self.cpus = cpus
         torch.manual_seed(self.config.model.seed)
 
@@ -139,15 +145,17 @@ class Worker:
         assert self.runner is not None
         self.runner.initialize_cache(num_blocks)
 
-    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, batch: SchedulerOutput) -> StepReply:
         """The step's adapter moves first (a request admitted this step may need the slot),
-        then the batch; a step may carry only moves."""
+        then the batch (a step may carry only moves); the reply carries what this rank
+        published so far, so a busy engine needs no gather call of its own."""
         assert self.runner is not None
         if batch.lora_moves:
             self._lora().apply(batch.lora_moves)
-        if not batch.sequences and not batch.finished_request_ids:
-            return None
-        return self.runner.execute_model(batch, sample=self.is_output_rank)
+        output = None
+        if batch.sequences or batch.finished_request_ids:
+            output = self.runner.execute_model(batch, sample=self.is_output_rank)
+        return StepReply(output, self.notifications.take())
 
     def rank_info(self) -> tuple[int, int, int]:
         """(rank, pp_rank, tp_rank): lets the engine and tests see the layout each rank holds."""

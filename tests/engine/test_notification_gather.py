@@ -110,7 +110,7 @@ def test_quiet_steps_make_no_gather_rpc(tp2: LLM) -> None:
     assert sum(after.values()) - sum(before.values()) == steps, "only the steps made RPCs"
 
 
-def test_an_event_published_mid_generation_rides_a_step_via_the_doorbell(tp2: LLM) -> None:
+def test_an_event_published_mid_generation_rides_a_step_reply(tp2: LLM) -> None:
     tp2.take_notifications()
     tp2.collective_rpc("publish_later", [0.05, KEY, [1]])
     before = _calls(tp2).get("take_notifications", 0)
@@ -124,8 +124,10 @@ def test_an_event_published_mid_generation_rides_a_step_via_the_doorbell(tp2: LL
     (event,) = _custom(engine.notifications)
     assert event.rank == 1 and event.payload["later"] is True
     gathers = _calls(tp2)["take_notifications"] - before
-    assert gathers == 1, "one doorbell, one gather"
-    tp2.take_notifications()
+    assert gathers == 0, "the event came back with rank 1's step reply: no gather call"
+    # The drain into the reply cleared rank 1's doorbell: going idle gathers nothing again.
+    assert _custom(tp2.take_notifications()) == [event]
+    assert _calls(tp2)["take_notifications"] == before, "no gather for events already delivered"
 
 
 def test_the_offline_engine_strands_nothing_without_a_step(tp2: LLM) -> None:
@@ -163,7 +165,7 @@ def test_pipeline_stages_that_return_no_output_still_deliver(tiny_llama_dir: Pat
             (2, 1, 0),
             (3, 1, 1),
         ]
-        # Ranks 0 and 1 (stage 0) never answer execute_model; the doorbell still brings them.
+        # Ranks 0 and 1 (stage 0) return no output: their events still ride their replies.
         llm.collective_rpc("publish_later", [0.05, KEY, [0, 1]])
         engine = llm.engine
         long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

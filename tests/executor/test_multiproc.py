@@ -95,13 +95,16 @@ def test_pipeline_layouts_match_a_single_rank(tiny_llama_dir: Path, tp: int, pp:
     ) as split:
         executor = _executor(split)
         assert [o.outputs[0].token_ids for o in split.generate(PROMPTS, GREEDY)] == want
-        # Every rank runs the step; only the output rank (TP rank 0, last stage) answers.
+        # Every rank runs the step and answers; only the output rank (TP rank 0, last stage)
+        # answers with tokens.
         batch = SchedulerOutput(
             [ScheduledSequence("probe", [5, 6, 7], 0, [0], SamplingParams(temperature=0))]
         )
         replies = executor.collective_rpc("execute_model", (batch,))
         output_rank = (pp - 1) * tp
-        assert [r is not None for r in replies] == [rank == output_rank for rank in range(tp * pp)]
+        assert [r.output is not None for r in replies] == [
+            rank == output_rank for rank in range(tp * pp)
+        ]
 
 
 def test_pp2_matches_pp1_on_smollm2(smollm_fp32: LLM) -> None:
@@ -122,7 +125,7 @@ def test_each_rank_runs_its_threads_on_its_own_cores(tp2: LLM) -> None:
     if not kernels.load():
         pytest.skip("thread binding comes with the built kernels")
     cores = sorted(os.sched_getaffinity(0))
-    per = platform.threads_per_rank(2)
+    per = platform.threads_per_rank(2, tp2.config.parallel.num_threads)
     for rank, proc in enumerate(_executor(tp2).procs):
         assert _allowed_cpus(proc.pid) == cores[rank * per : (rank + 1) * per]
     assert _allowed_cpus(os.getpid()) == cores, "the caller's own process is never bound"

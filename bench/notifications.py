@@ -219,48 +219,95 @@ def _offline_run(
     try:
         llm.chat(chats[:2], SamplingParams(temperature=0.0, max_tokens=4))
         llm.take_notifications()
+        engine_seconds = _time_engine_side(llm)
         if rate:
             llm.collective_rpc("start_event_load", [rate, 120.0, "bench.overhead", publish])
         start = time.perf_counter()
         outs = llm.chat(chats, params)
         seconds = time.perf_counter() - start
+        rank_seconds = sum(llm.collective_rpc("stop_event_load")) if rate else 0.0
         delivered = sum(
             1 for n in llm.take_notifications() if getattr(n, "key", "") == "bench.overhead"
         )
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"tokens_per_s": tokens / seconds, "events_delivered": delivered, "seconds": seconds}
+        return {
+            "tokens_per_s": tokens / seconds,
+            "events_delivered": delivered,
+            "seconds": seconds,
+            # Time inside the channel's own code during the run, as a share of it: the ranks'
+            # publish calls plus the engine's receive, flush and decode (all on the step's path).
+            "accounted_pct": (rank_seconds + engine_seconds[0]) / seconds * 100,
+            "rank_publish_pct": rank_seconds / seconds * 100,
+        }
     finally:
         llm.shutdown()
+
+
+def _time_engine_side(llm: Any) -> list[float]:
+    """Wrap the engine's channel calls (receive, gather, flush, the offline decode) so their
+    time adds up in the returned cell: a figure that run-to-run noise does not move."""
+    core = llm.engine.client.core
+    spent = [0.0]
+    targets = [(core.notifications, name) for name in ("receive", "gather", "flush")]
+    for owner, name in [*targets, (llm.engine, "_keep")]:
+        call = getattr(owner, name)
+
+        def timed(*args: Any, _call: Any = call) -> Any:
+            began = time.perf_counter()
+            try:
+                return _call(*args)
+            finally:
+                spent[0] += time.perf_counter() - began
+
+        setattr(owner, name, timed)
+    return spent
 
 
 def part_b(rate: float, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for name, world in (("1 rank", {}), ("PP=2", {"pipeline_parallel_size": 2})):
         runs: dict[str, list[dict[str, float]]] = {"quiet": [], "thread": [], "loaded": []}
-        for _ in range(repeats):  # interleave, so drift in the machine hits all alike
-            runs["quiet"].append(_offline_run(world, None))
-            runs["thread"].append(_offline_run(world, rate, publish=False))
-            runs["loaded"].append(_offline_run(world, rate))
-        quiet = statistics.mean(r["tokens_per_s"] for r in runs["quiet"])
-        thread = statistics.mean(r["tokens_per_s"] for r in runs["thread"])
-        loaded = statistics.mean(r["tokens_per_s"] for r in runs["loaded"])
+        kinds = list(runs)
+        for repeat in range(repeats):
+            # Interleaved, and in a rotated order each time: drift in the machine and the cost
+            # of coming right after another engine's shutdown hit every kind alike.
+            for kind in kinds[repeat % 3 :] + kinds[: repeat % 3]:
+                load = {"quiet": None, "thread": rate, "loaded": rate}[kind]
+                runs[kind].append(_offline_run(world, load, publish=kind == "loaded"))
+        quiet, thread, loaded = (
+            statistics.median(r["tokens_per_s"] for r in runs[kind]) for kind in kinds
+        )
+        # Each repeat's own pair (its loaded run against its pacing-thread run), then the
+        # median: one slow run moves one pair, not the figure.
+        pairs = [
+            (1 - a["tokens_per_s"] / b["tokens_per_s"]) * 100
+            for a, b in zip(runs["loaded"], runs["thread"], strict=True)
+        ]
         events_per_s = statistics.mean(r["events_delivered"] / r["seconds"] for r in runs["loaded"])
+        accounted = statistics.median(r["accounted_pct"] for r in runs["loaded"])
+        accounted_control = statistics.median(r["accounted_pct"] for r in runs["thread"])
         row = {
             "layout": name,
             "quiet_tok_s": quiet,
             "pacing_thread_only_tok_s": thread,
             "loaded_tok_s": loaded,
             "overhead_pct": (1 - loaded / quiet) * 100,
-            "channel_overhead_pct": (1 - loaded / thread) * 100,
+            "channel_overhead_pct": statistics.median(pairs),
+            "channel_overhead_pct_per_repeat": pairs,
+            "channel_accounted_pct": accounted,
+            "control_accounted_pct": accounted_control,
             "events_per_s_delivered": events_per_s,
             "runs": runs,
         }
         rows.append(row)
+        spread = ", ".join(f"{p:+.1f}" for p in pairs)
         print(
             f"  (b) {name:<6} quiet {quiet:6.1f} tok/s | pacing thread, no events {thread:6.1f} | "
-            f"{rate:.0f} ev/s/rank {loaded:6.1f} tok/s: overhead {row['overhead_pct']:+5.1f} % "
-            f"(channel alone {row['channel_overhead_pct']:+5.1f} %, "
-            f"{events_per_s:.0f} ev/s delivered)",
+            f"{rate:.0f} ev/s/rank {loaded:6.1f} tok/s (medians): overhead "
+            f"{row['overhead_pct']:+5.1f} % (channel alone {row['channel_overhead_pct']:+5.1f} %, "
+            f"median of repeats {spread}; {events_per_s:.0f} ev/s delivered); time inside the "
+            f"channel's code {accounted:.2f} % of the run "
+            f"(pacing thread alone {accounted_control:.2f} %)",
             flush=True,
         )
     return rows

@@ -15,11 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,7 +31,7 @@ from rankcast.engine.async_llm import AsyncLLM, NotificationSink
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.entrypoints.openai.errors import APIError, error_response
 from rankcast.entrypoints.openai.events import EventFilter, EventHub, parse_event_id
-from rankcast.entrypoints.openai.middleware import TagAndAuthenticate
+from rankcast.entrypoints.openai.middleware import LastResortErrors, TagAndAuthenticate
 from rankcast.entrypoints.openai.schema import (
     ChatCompletionRequest,
     CollectiveRpcRequest,
@@ -67,14 +69,17 @@ class ApiServerConfig:
     allow_runtime_lora_updating: bool = False
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The message of a 400 for a body that failed validation, and the field it names first."""
+    parts, param = [], None
     for error in exc.errors():
         if error.get("type") == "json_invalid":
-            return f"Invalid JSON body: {error.get('ctx', {}).get('error', error.get('msg'))}"
+            return f"Invalid JSON body: {error.get('ctx', {}).get('error', error.get('msg'))}", None
         location = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
-        parts.append(f"{location}: {error.get('msg')}" if location else str(error.get("msg")))
-    return "; ".join(parts) or "invalid request"
+        message = str(error.get("msg")).removeprefix("Value error, ")
+        parts.append(f"{location}: {message}" if location else message)
+        param = param or location or None
+    return "; ".join(parts) or "invalid request", param
 
 
 def build_app(
@@ -86,6 +91,8 @@ def build_app(
 ) -> FastAPI:
     """The HTTP surface over an engine connection that is already established."""
     app = FastAPI(title="rankcast", version=__version__)
+    # The later one added is the outer one: the last resort's 500 is tagged like any answer.
+    app.add_middleware(LastResortErrors)
     app.add_middleware(TagAndAuthenticate, index=index, api_key=config.api_key)
     _add_error_handlers(app)
     _add_probe_routes(app, serving, metrics)
@@ -95,7 +102,47 @@ def build_app(
     _add_event_routes(app, events)
     _add_collective_rpc_route(app, serving)
     _add_completion_routes(app, serving)
+    _document_errors_as_answered(app)
     return app
+
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+
+
+def _document_errors_as_answered(app: FastAPI) -> None:
+    """The OpenAPI schema says what the server does: a body that fails validation is a 400 in
+    the OpenAI error shape (what OpenAI answers and its clients expect), not FastAPI's 422."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses["400"] = {
+                            "description": "Invalid request: the message names the field",
+                            "content": {"application/json": {"schema": _ERROR_SCHEMA}},
+                        }
+            schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+            schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _live(serving: ServingContext) -> ServingContext:
@@ -115,7 +162,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, _validation_message(exc))
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -26,6 +26,11 @@ class APIError(Exception):
 def error_body(
     status: int, message: str, param: str | None = None
 ) -> dict[str, dict[str, str | int | None]]:
+    # A message may quote what the client sent; text that is not valid Unicode is shown escaped
+    # rather than failing the error response itself.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {
         "error": {
             "message": message,

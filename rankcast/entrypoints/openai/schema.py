@@ -7,9 +7,63 @@ accepted too.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# What msgpack (the engine's wire) and torch's seeds can carry.
+INT_MIN, INT_MAX, UINT_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+
+
+def unrepresentable(value: Any, path: str = "body") -> str | None:
+    """Why a parsed JSON body holds something no part of the engine can carry, naming where;
+    None when it is plain data: text that is valid Unicode (JSON's `\\ud800` escapes can make a
+    lone UTF-16 surrogate, which neither the tokenizer nor UTF-8 accepts), integers that fit
+    in 64 bits, finite numbers (Python's JSON parser accepts NaN and Infinity)."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        kind = type(item)
+        if kind is str:
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    bad = item[exc.start]
+                    return (
+                        f"{where}: text is not valid Unicode (a lone UTF-16 surrogate, {bad!a}, "
+                        f"at position {exc.start})"
+                    )
+        elif kind is int:
+            if not INT_MIN <= item <= UINT_MAX:
+                return f"{where}: integer outside the 64-bit range"
+        elif kind is float:
+            if not math.isfinite(item):
+                return f"{where}: {item} is not a finite number (NaN and infinities are refused)"
+        elif kind is list:
+            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(item))))
+        elif kind is dict:
+            for key, v in reversed(list(item.items())):
+                problem = unrepresentable(key, f"{where} key") if type(key) is str else None
+                if problem is not None:
+                    return problem
+                stack.append((v, f"{where}.{key}" if where != "body" else str(key)))
+    return None
+
+
+class RequestBody(BaseModel):
+    """Every request body: checked as plain data before its fields are, so an unrepresentable
+    value anywhere (extra fields and free-form arguments included) is a 400 naming where it is,
+    not an error deep in the tokenizer or the engine's encoder."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_data(cls, data: Any) -> Any:
+        problem = unrepresentable(data)
+        if problem is not None:
+            raise ValueError(problem)
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -34,16 +88,17 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=INT_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    # torch's generators take any seed in [-2**63, 2**64 - 1].
+    seed: int | None = Field(None, ge=INT_MIN, le=UINT_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,7 +118,7 @@ class _SamplingFields(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -73,7 +128,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -96,17 +151,17 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
-class CollectiveRpcRequest(BaseModel):
+class CollectiveRpcRequest(RequestBody):
     """Call a worker-extension method on every rank (`POST /collective_rpc`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     method: str = Field(min_length=1)
     args: list[Any] = Field(default_factory=list)
-    timeout: float | None = Field(default=None, gt=0)
+    timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(RequestBody):
     """`POST /v1/load_lora_adapter` (only with --allow-runtime-lora-updating)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -115,7 +170,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_path: str = Field(min_length=1)
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(RequestBody):
     """`POST /v1/unload_lora_adapter` (only with --allow-runtime-lora-updating)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -123,7 +178,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1)
 
 
-class PinLoRAAdapterRequest(BaseModel):
+class PinLoRAAdapterRequest(RequestBody):
     """`POST /v1/pin_lora_adapter` and `/v1/unpin_lora_adapter` (with runtime updating)."""
 
     model_config = ConfigDict(extra="forbid")

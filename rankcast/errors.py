@@ -31,6 +31,12 @@ class AdapterBusyError(ClientError):
     kind = ErrorKind.ADAPTER_BUSY
 
 
+class AdapterExistsError(ClientError):
+    """The name is taken by an adapter from another path (the same path again is a no-op)."""
+
+    kind = ErrorKind.ADAPTER_EXISTS
+
+
 class UnknownMethodError(ClientError):
     kind = ErrorKind.UNKNOWN_METHOD
 

@@ -129,6 +129,7 @@ class ErrorKind(enum.StrEnum):
     UNKNOWN_ADAPTER = "unknown_adapter"
     NO_CAPACITY = "no_capacity"
     ADAPTER_BUSY = "adapter_busy"
+    ADAPTER_EXISTS = "adapter_exists"
     UNKNOWN_METHOD = "unknown_method"
     EXTENSION_FAILED = "extension_failed"
     INTERNAL = "internal"

@@ -30,7 +30,13 @@ from pathlib import Path
 from rankcast.config import LoRAConfig
 from rankcast.engine.lora_events import lora_event_key, lora_load_time
 from rankcast.engine.scheduler import AdapterState
-from rankcast.errors import AdapterBusyError, CapacityError, ClientError, UnknownAdapterError
+from rankcast.errors import (
+    AdapterBusyError,
+    AdapterExistsError,
+    CapacityError,
+    ClientError,
+    UnknownAdapterError,
+)
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import inspect_peft_adapter
 from rankcast.model.arch import ArchConfig
@@ -194,7 +200,10 @@ class LoRARegistry:
         if known is not None:
             if known.path == str(meta.path):
                 return self.describe(known)
-            raise ClientError(f"adapter {name!r} is already loaded from {known.path}")
+            raise AdapterExistsError(
+                f"adapter {name!r} is already loaded from {known.path}; unload it first to "
+                f"load {meta.path} under that name"
+            )
         self._send_now()
         entry = RegisteredAdapter(name, str(meta.path), next(self._ids), meta.rank, meta.nbytes)
         self.failed.pop(name, None)

@@ -24,7 +24,7 @@ from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from rankcast.config import EngineConfig, ServeConfig
+from rankcast.config import ConfigError, EngineConfig, ServeConfig
 from rankcast.engine.addresses import EngineAddresses
 from rankcast.engine.core_proc import run_engine_core
 from rankcast.entrypoints.openai.api_server import ApiServerConfig, run_api_server
@@ -118,6 +118,13 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
     _check_port_free(server.host, server.port)
     source = resolve_model(config.model.model)
     model_name = config.model.served_model_name or source.name
+    for name, _ in config.lora.lora_modules:
+        if name == model_name:
+            # `model` picks the base model by this name: such an adapter could never be used.
+            raise ConfigError(
+                f"--lora-modules: {name!r} is the base model's served name; "
+                "give the adapter a name of its own"
+            )
     engine_addresses = [
         EngineAddresses.ipc(server.api_server_count, engine_index=dp)
         for dp in range(config.parallel.data_parallel_size)

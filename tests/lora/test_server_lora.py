@@ -8,6 +8,7 @@ order on one server and build on each other's adapter state, as an operator's se
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -66,6 +67,11 @@ def server(tiny_llama_dir: Path, mixed_adapters: list[Path]) -> Iterator[ServerP
         yield proc
 
 
+def http_models(url: str) -> list[str]:
+    """The ids /v1/models lists: the base model first, then the adapters."""
+    return [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
+
+
 def _event(data: dict[str, Any]) -> tuple[int, str, str, str]:
     """(rank, event, adapter, tier or tier:reason) of one lifecycle event from /v1/events."""
     detail = f"{data['tier']}:{data['reason']}" if "reason" in data else data["tier"]
@@ -104,6 +110,45 @@ def test_a_request_naming_an_adapter_is_served_with_it(
     assert got.json()["choices"][0]["text"] == want
     assert plain.json()["choices"][0]["text"] == base != want
     assert missing.status_code == 404
+    # Responses name the model as the request did: the adapter, or the base model.
+    base_name = http_models(server.url)[0]
+    assert got.json()["model"] == "static"
+    assert plain.json()["model"] == base_name
+    streamed = {**body, "model": "static", "stream": True}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{server.url}/v1/completions", json=streamed) as stream,
+    ):
+        assert stream.status_code == 200
+        lines = [line for line in stream.iter_lines() if line.startswith("data: {")]
+        chunks = [json.loads(line[6:]) for line in lines]
+    assert chunks and {c["model"] for c in chunks} == {"static"}
+
+
+def test_an_adapter_cannot_take_the_base_models_name_or_a_taken_one(
+    server: ServerProcess, mixed_adapters: list[Path]
+) -> None:
+    base_name = http_models(server.url)[0]
+    with httpx.Client(timeout=60) as http:
+        as_base = http.post(
+            f"{server.url}/v1/load_lora_adapter",
+            json={"lora_name": base_name, "lora_path": str(mixed_adapters[1])},
+        )
+        taken = http.post(
+            f"{server.url}/v1/load_lora_adapter",
+            json={"lora_name": "static", "lora_path": str(mixed_adapters[1])},
+        )
+        again = http.post(
+            f"{server.url}/v1/load_lora_adapter",
+            json={"lora_name": "static", "lora_path": str(mixed_adapters[0])},
+        )
+    assert as_base.status_code == 400, as_base.text
+    assert as_base.json()["error"]["param"] == "lora_name"
+    assert "name of the base model" in as_base.json()["error"]["message"]
+    assert taken.status_code == 409, taken.text
+    assert "'static' is already loaded from" in taken.json()["error"]["message"]
+    assert again.status_code == 200, "the same name from the same path again changes nothing"
+    assert http_models(server.url).count("static") == 1
 
 
 def test_runtime_load_and_unload_reach_every_server_with_events_from_every_rank(

@@ -98,7 +98,7 @@ def build_app(
     _add_probe_routes(app, serving, metrics)
     _add_model_routes(app, config, serving)
     _add_prefix_cache_routes(app, serving)
-    _add_lora_routes(app, serving, config.allow_runtime_lora_updating)
+    _add_lora_routes(app, serving, config.allow_runtime_lora_updating, config.model_name)
     _add_event_routes(app, events)
     _add_collective_rpc_route(app, serving)
     _add_completion_routes(app, serving)
@@ -228,7 +228,9 @@ def _add_prefix_cache_routes(app: FastAPI, serving: ServingContext) -> None:
         return JSONResponse({"reset": done}, status_code=status)
 
 
-def _add_lora_routes(app: FastAPI, serving: ServingContext, allow_updating: bool) -> None:
+def _add_lora_routes(
+    app: FastAPI, serving: ServingContext, allow_updating: bool, base_model: str
+) -> None:
     """/v1/lora_adapters always; loading, unloading and pinning only when the operator allowed
     runtime updates (--allow-runtime-lora-updating), since they change what every client gets."""
 
@@ -239,7 +241,7 @@ def _add_lora_routes(app: FastAPI, serving: ServingContext, allow_updating: bool
         return {"data": live.loras.describe() if live.loras is not None else []}
 
     if allow_updating:
-        _add_lora_update_routes(app, serving)
+        _add_lora_update_routes(app, serving, base_model)
 
 
 # The HTTP status of a failed engine utility, by the kind the engine gave its error (never by
@@ -249,6 +251,7 @@ UTILITY_ERROR_STATUS: dict[ErrorKind, int] = {
     ErrorKind.UNKNOWN_ADAPTER: 404,
     ErrorKind.NO_CAPACITY: 409,
     ErrorKind.ADAPTER_BUSY: 409,
+    ErrorKind.ADAPTER_EXISTS: 409,
     ErrorKind.UNKNOWN_METHOD: 400,
     ErrorKind.EXTENSION_FAILED: 400,
     ErrorKind.INTERNAL: 500,
@@ -263,9 +266,17 @@ def _adapters_json(adapters: list[LoRAAdapterInfo]) -> list[dict[str, object]]:
     return [msgspec.structs.asdict(a) for a in adapters]
 
 
-def _add_lora_update_routes(app: FastAPI, serving: ServingContext) -> None:
+def _add_lora_update_routes(app: FastAPI, serving: ServingContext, base_model: str) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, object]:
+        if body.lora_name == base_model:
+            # `model` picks the base model by this name: an adapter under it could never be used.
+            raise APIError(
+                400,
+                f"{body.lora_name!r} is the name of the base model this server serves; "
+                "give the adapter a name of its own",
+                "lora_name",
+            )
         try:
             loaded = await _live(serving).engine.add_lora(body.lora_name, body.lora_path)
         except UtilityError as exc:

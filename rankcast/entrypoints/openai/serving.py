@@ -35,7 +35,8 @@ class ServingContext:
 
 
 def _check_model(ctx: ServingContext, requested: str | None) -> str | None:
-    """The LoRA adapter the request names in `model`, or None for the base model."""
+    """The LoRA adapter the request names in `model`, or None for the base model. Responses
+    name the model as the request did (`requested or ctx.model_name`), as OpenAI's do."""
     if requested is None or requested == ctx.model_name:
         return None
     if ctx.loras is not None and requested in ctx.loras.names():
@@ -186,13 +187,14 @@ async def create_chat_completion(
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
+    model = body.model or ctx.model_name
     outputs = ctx.engine.generate(request_id, prompt_ids, params, lora_name=lora_name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _chat_stream(
                 _StreamState(
-                    _header(ctx, request_id, created, "chat.completion.chunk"), len(prompt_ids)
+                    _header(model, request_id, created, "chat.completion.chunk"), len(prompt_ids)
                 ),
                 outputs,
                 include_usage,
@@ -217,16 +219,16 @@ async def create_chat_completion(
             "id": request_id,
             "object": "chat.completion",
             "created": created,
-            "model": ctx.model_name,
+            "model": model,
             "choices": [choice],
             "usage": _usage(len(prompt_ids), len(completion.token_ids)),
         }
     )
 
 
-def _header(ctx: ServingContext, request_id: str, created: int, kind: str) -> dict[str, Any]:
+def _header(model: str, request_id: str, created: int, kind: str) -> dict[str, Any]:
     """The fields every chunk of one streamed response repeats."""
-    return {"id": request_id, "object": kind, "created": created, "model": ctx.model_name}
+    return {"id": request_id, "object": kind, "created": created, "model": model}
 
 
 @dataclass
@@ -316,13 +318,16 @@ async def create_completion(
     params = _sampling_params(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
+    model = body.model or ctx.model_name
     outputs = ctx.engine.generate(request_id, prompt_ids, params, prompt_text, lora_name=lora_name)
     top = body.logprobs
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _completion_stream(
-                _StreamState(_header(ctx, request_id, created, "text_completion"), len(prompt_ids)),
+                _StreamState(
+                    _header(model, request_id, created, "text_completion"), len(prompt_ids)
+                ),
                 outputs,
                 include_usage,
                 top,
@@ -341,7 +346,7 @@ async def create_completion(
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": ctx.model_name,
+            "model": model,
             "choices": [
                 {
                     "index": 0,

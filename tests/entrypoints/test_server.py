@@ -105,10 +105,55 @@ def test_completions_with_max_tokens_and_logprobs(client: openai.OpenAI) -> None
     assert "Paris" in choice.text
     assert response.usage.completion_tokens == 6 and choice.finish_reason == "length"
     assert len(choice.logprobs.tokens) == 6 and len(choice.logprobs.top_logprobs[0]) == 2
+    # text_offset: where each token's text starts in the completion.
+    offsets = choice.logprobs.text_offset
+    assert offsets[0] == 0
+    assert offsets == [sum(map(len, choice.logprobs.tokens[:i])) for i in range(6)]
     stream = client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        logprobs=2,
     )
-    assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    # A stream's offsets go on from chunk to chunk, as if it were one response.
+    streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert streamed == offsets
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    text = "The capital of France is"
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30) as http:
+        prompt = http.post(
+            "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}
+        ).json()
+        back = http.post("/detokenize", json={"model": MODEL, "tokens": prompt["tokens"]})
+        rendered = http.post("/tokenize", json={"messages": chat}).json()
+        refusals = {
+            "bad id": http.post("/detokenize", json={"tokens": [10**9]}),
+            "both inputs": http.post("/tokenize", json={"prompt": "a", "messages": chat}),
+            "unknown model": http.post("/tokenize", json={"model": "nope", "prompt": "a"}),
+        }
+    assert prompt["count"] == len(prompt["tokens"]) == len(prompt["token_strs"])
+    assert prompt["max_model_len"] == 1024 and rendered["token_strs"] is None
+    assert back.json() == {"prompt": text}
+    # The counts are the ones the completions bill as prompt tokens.
+    completion = client.completions.create(model=MODEL, prompt=text, max_tokens=1)
+    assert completion.usage.prompt_tokens == prompt["count"]
+    answer = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1)
+    assert answer.usage.prompt_tokens == rendered["count"]
+    assert refusals["bad id"].status_code == 400
+    assert refusals["bad id"].json()["error"]["param"] == "tokens"
+    assert refusals["both inputs"].status_code == 400
+    assert "either prompt or messages" in refusals["both inputs"].json()["error"]["message"]
+    assert refusals["unknown model"].status_code == 404
 
 
 def test_seeded_sampling_over_http_is_reproducible(client: openai.OpenAI) -> None:
@@ -126,6 +171,9 @@ def test_seeded_sampling_over_http_is_reproducible(client: openai.OpenAI) -> Non
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_requests_land_on_both_api_servers(server: ServerProcess) -> None:

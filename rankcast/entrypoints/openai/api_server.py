@@ -36,8 +36,10 @@ from rankcast.entrypoints.openai.schema import (
     ChatCompletionRequest,
     CollectiveRpcRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
     PinLoRAAdapterRequest,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from rankcast.entrypoints.openai.serving import (
@@ -45,6 +47,7 @@ from rankcast.entrypoints.openai.serving import (
     create_chat_completion,
     create_completion,
 )
+from rankcast.entrypoints.openai.tokenization import detokenize, tokenize
 from rankcast.logger import init_logging
 from rankcast.metrics.lora_metrics import LoRAMetrics
 from rankcast.metrics.lora_residency import LoRAResidency
@@ -199,14 +202,12 @@ def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetr
 def _add_model_routes(app: FastAPI, config: ApiServerConfig, serving: ServingContext) -> None:
     """/v1/models: the base model, then every registered adapter as a model of its own."""
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, object]:
+    def cards() -> list[dict[str, object]]:
         live = _live(serving)
-        created = int(time.time())
-        base = {
+        base: dict[str, object] = {
             "id": config.model_name,
             "object": "model",
-            "created": created,
+            "created": int(time.time()),
             "owned_by": "rankcast",
             "root": config.model_origin,
             "parent": None,
@@ -216,7 +217,19 @@ def _add_model_routes(app: FastAPI, config: ApiServerConfig, serving: ServingCon
             {**base, "id": name, "root": name, "parent": config.model_name}
             for name in (live.loras.names() if live.loras is not None else [])
         ]
-        return {"object": "list", "data": [base, *adapters]}
+        return [base, *adapters]
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, object]:
+        return {"object": "list", "data": cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, object]:
+        """One model by id, as OpenAI's retrieve call asks (an adapter is a model too)."""
+        for card in cards():
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model")
 
 
 def _add_prefix_cache_routes(app: FastAPI, serving: ServingContext) -> None:
@@ -353,6 +366,14 @@ def _add_completion_routes(app: FastAPI, serving: ServingContext) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(_live(serving), body, request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, object]:
+        return tokenize(_live(serving), body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, object]:
+        return detokenize(_live(serving), body)
 
 
 def bind_shared_port(host: str, port: int) -> socket.socket:

@@ -151,6 +151,36 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
+class TokenizeRequest(RequestBody):
+    """`POST /tokenize`, in vLLM's shape: a completion `prompt`, or chat `messages` rendered by
+    the model's template. `add_special_tokens` defaults as vLLM's does: on for a prompt (what a
+    completion request adds), off for messages (the template writes its own)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(RequestBody):
+    """`POST /detokenize`, in vLLM's shape."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class CollectiveRpcRequest(RequestBody):
     """Call a worker-extension method on every rank (`POST /collective_rpc`)."""
 

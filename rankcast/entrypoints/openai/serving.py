@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,7 +35,7 @@ class ServingContext:
     loras: LoRAResidency | None = None
 
 
-def _check_model(ctx: ServingContext, requested: str | None) -> str | None:
+def check_model(ctx: ServingContext, requested: str | None) -> str | None:
     """The LoRA adapter the request names in `model`, or None for the base model. Responses
     name the model as the request did (`requested or ctx.model_name`), as OpenAI's do."""
     if requested is None or requested == ctx.model_name:
@@ -156,16 +157,25 @@ def _chat_logprobs(
 
 
 def _completion_logprobs(
-    entries: list[dict[int, Logprob]], token_ids: list[int], top: int
+    entries: list[dict[int, Logprob]], token_ids: list[int], top: int, offset: int = 0
 ) -> dict[str, Any]:
-    tokens, token_logprobs, tops = [], [], []
+    """The legacy completion shape; `text_offset` is where each token's text starts in the
+    completion (a stream's chunk starts at the length of the text streamed before it)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries, strict=False):
         chosen = entry[token_id]
+        offsets.append(offset)
+        offset += len(chosen.decoded_token)
         tokens.append(chosen.decoded_token)
         token_logprobs.append(chosen.logprob)
         ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
         tops.append({lp.decoded_token: lp.logprob for lp in ranked})
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def _dead_error() -> dict[str, dict[str, str | int | None]]:
@@ -175,7 +185,7 @@ def _dead_error() -> dict[str, dict[str, str | int | None]]:
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, request: Request
 ) -> Response:
-    lora_name = _check_model(ctx, body.model)
+    lora_name = check_model(ctx, body.model)
     try:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = apply_chat_template(ctx.tokenizer, messages)
@@ -304,7 +314,7 @@ def _chat_stream(
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request: Request
 ) -> Response:
-    lora_name = _check_model(ctx, body.model)
+    lora_name = check_model(ctx, body.model)
     if isinstance(body.prompt, str):
         prompt_text: str | None = body.prompt
         prompt_ids = list(ctx.tokenizer(body.prompt)["input_ids"])
@@ -369,10 +379,14 @@ def _completion_stream(
     header = state.header
 
     async def body() -> AsyncIterator[bytes]:
+        offset = 0  # where the next chunk's first token starts in the completion's text
         async for output in outputs:
             completion = output.outputs[0]
             state.completion_tokens = len(completion.token_ids)
-            logprobs = _delta_logprobs(output, top, _completion_logprobs)
+            render = functools.partial(_completion_logprobs, offset=offset)
+            logprobs = _delta_logprobs(output, top, render)
+            if logprobs is not None:
+                offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if completion.delta_text or logprobs or output.finished:
                 choice = {
                     "index": 0,

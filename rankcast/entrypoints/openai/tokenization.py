@@ -1,0 +1,44 @@
+"""`/tokenize` and `/detokenize`: the server's tokenizer, in vLLM's request and response shapes,
+so a client can count or inspect tokens exactly as the engine will see them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rankcast.entrypoints.openai.errors import APIError
+from rankcast.entrypoints.openai.schema import DetokenizeRequest, TokenizeRequest
+from rankcast.entrypoints.openai.serving import ServingContext, check_model
+from rankcast.tokenizer import apply_chat_template
+
+
+def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict[str, Any]:
+    """The prompt's token ids as a completion (or, with `messages`, a chat completion) of the
+    same request would give them to the engine; an adapter shares the base model's tokenizer."""
+    check_model(ctx, body.model)
+    if body.messages is not None:
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = apply_chat_template(ctx.tokenizer, messages, body.add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        if body.add_special_tokens:
+            tokens = list(ctx.tokenizer.build_inputs_with_special_tokens(tokens))
+    else:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = list(ctx.tokenizer(body.prompt, add_special_tokens=special)["input_ids"])
+    return {
+        "count": len(tokens),
+        "max_model_len": ctx.engine.max_model_len,
+        "tokens": tokens,
+        "token_strs": ctx.tokenizer.convert_ids_to_tokens(tokens)
+        if body.return_token_strs
+        else None,
+    }
+
+
+def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> dict[str, Any]:
+    check_model(ctx, body.model)
+    vocab = len(ctx.tokenizer)
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+    return {"prompt": ctx.tokenizer.decode(body.tokens)}

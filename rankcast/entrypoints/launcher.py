@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import shutil
 import signal
 import socket
 import threading
@@ -28,7 +30,9 @@ from rankcast.config import ConfigError, EngineConfig, ServeConfig
 from rankcast.engine.addresses import EngineAddresses
 from rankcast.engine.core_proc import run_engine_core
 from rankcast.entrypoints.openai.api_server import ApiServerConfig, run_api_server
+from rankcast.metrics.fleet import MULTIPROC_DIR_ENV
 from rankcast.model.source import ModelSource, resolve_model
+from rankcast.process import private_ipc_dir
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +136,14 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
     spawn = multiprocessing.get_context("spawn")
     stop_requested = _stop_on_signals()
     children = _Children()
+    metrics_dir = private_ipc_dir("rankcast-metrics")
     try:
         children.engines = _start_all(
             spawn, _engine_specs(config, source, engine_addresses), ENGINE_START_TIMEOUT_S
         )
+        # Every API server (restarted ones too: they inherit it) writes the series it counts
+        # into this one directory, and each scrape sums them (rankcast/metrics/fleet.py).
+        os.environ[MULTIPROC_DIR_ENV] = str(metrics_dir)
         api_server_specs = _api_server_specs(server, model_name, source, engine_addresses)
         children.api_servers = _start_all(spawn, api_server_specs, API_SERVER_START_TIMEOUT_S)
         _print_banner(server, model_name)
@@ -145,6 +153,8 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         _stop(children.engines)
         for addresses in engine_addresses:
             addresses.cleanup()
+        os.environ.pop(MULTIPROC_DIR_ENV, None)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def _stop_on_signals() -> threading.Event:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rankcast.engine.lora_events import lora_event_key, lora_load_time
+from rankcast.metrics.fleet import Fleet, ViewCounter
 from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.notifications import Notification
 from rankcast.protocol import EngineStateSnapshot, SchedulerStats
@@ -86,15 +87,16 @@ class LoRAMetrics:
     """A NotificationSink and scheduler-stats consumer that owns the LoRA series."""
 
     def __init__(
-        self, registry: CollectorRegistry, model_name: str, residency: LoRAResidency
+        self, registry: CollectorRegistry, fleet: Fleet, model_name: str, residency: LoRAResidency
     ) -> None:
         self.model_name = model_name
         self.residency = residency
-        self.events = Counter(
+        self.events = ViewCounter(
+            fleet,
             "rankcast:lora_adapter_events",
             "Adapter lifecycle events from every rank, by adapter, event and reason.",
             ["adapter_name", "event", "reason"],
-            registry=registry,
+            registry,
         )
         self.load_seconds = Histogram(
             "vllm:lora_adapter_load_seconds",
@@ -109,7 +111,7 @@ class LoRAMetrics:
         if snapshot.lora is None:
             return
         for c in snapshot.lora.events:
-            self.events.labels(c.adapter, c.event, c.reason).inc(c.count)
+            self.events.inc((c.adapter, c.event, c.reason), c.count)
         for load in snapshot.lora.loads:
             self.load_seconds.labels(load.transition).observe(load.seconds)
 
@@ -117,7 +119,7 @@ class LoRAMetrics:
         for n in notifications:
             key = lora_event_key(n)
             if key is not None:
-                self.events.labels(*key).inc()
+                self.events.inc(key)
             load = lora_load_time(n)
             if load is not None:
                 self.load_seconds.labels(load[0]).observe(load[1])

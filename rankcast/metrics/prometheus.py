@@ -3,17 +3,18 @@
 Engine-derived series (running, waiting, KV usage, cache configuration, and everything built
 from engine notifications) are set only from what the engine core broadcasts to every API
 server, and a late server starts from the engine's snapshot, so every server reports the same
-values. Request latency and token series, and notification delivery lag, are this server's own.
+values; the counters among them are views of engine totals (`fleet.ViewCounter`). Request
+latency and token series, and notification delivery lag, are counted by each server and summed
+over all of them (`fleet.Fleet`), so every server's `/metrics` shows the fleet's totals.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
 
+from rankcast.metrics.fleet import Fleet, ViewCounter, register_summed
 from rankcast.metrics.lora_metrics import LoRAMetrics
 from rankcast.notifications import (
     WEIGHTS_LOADED_KEY,
@@ -32,38 +33,30 @@ def rank_label(rank: int) -> str:
     return "engine_core" if rank < 0 else str(rank)
 
 
-class EngineCounter:
-    """A Prometheus counter whose value is the engine core's own running total, as broadcast in
-    its stats: every API server exposes the same number, and a restarted one does not reset it
-    (a counter each server kept would differ between servers behind one port)."""
-
-    def __init__(
-        self, name: str, documentation: str, model_name: str, registry: CollectorRegistry
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.model_name = model_name
-        self.values: dict[str, float] = {}
-        registry.register(self)
-
-    def set(self, engine: str, value: float) -> None:
-        self.values[engine] = value
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=["model_name", "engine"])
-        for engine, value in sorted(self.values.items()):
-            family.add_metric([self.model_name, engine], value)
-        yield family
-
-
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
+# The series each API server counts itself, summed over all of them on every `/metrics`.
+SUMMED = (
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:request_success",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "rankcast:notification_delivery_lag_seconds",
+)
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, api_server: int = 0) -> None:
         self.model_name = model_name
-        self.registry = CollectorRegistry()
+        self.api_server = str(api_server)
+        self.registry = CollectorRegistry()  # what a scrape renders
+        own = CollectorRegistry()  # this server's share of the summed series
+        self.fleet = Fleet(own, SUMMED)
+        register_summed(self.fleet, self.registry)
         engine_labels = ["model_name", "engine"]
         self.running = Gauge(
             "vllm:num_requests_running",
@@ -95,56 +88,60 @@ class ServerMetrics:
             engine_labels,
             registry=self.registry,
         )
-        self.prefix_cache_queries = EngineCounter(
+        # The engine core's own running totals, as broadcast in its stats: a restarted API
+        # server does not reset them.
+        self.prefix_cache_queries = ViewCounter(
+            self.fleet,
             "vllm:prefix_cache_queries",
             "Prompt tokens the engine looked up in its prefix cache.",
-            model_name,
+            engine_labels,
             self.registry,
         )
-        self.prefix_cache_hits = EngineCounter(
+        self.prefix_cache_hits = ViewCounter(
+            self.fleet,
             "vllm:prefix_cache_hits",
             "Prompt tokens the engine found in its prefix cache (not recomputed).",
-            model_name,
+            engine_labels,
             self.registry,
         )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens",
-            "Prompt tokens of requests this API server finished.",
+            "Prompt tokens of finished requests (every API server's).",
             ["model_name"],
-            registry=self.registry,
+            registry=own,
         )
         self.generation_tokens = Counter(
             "vllm:generation_tokens",
-            "Tokens generated for requests this API server finished.",
+            "Tokens generated for finished requests (every API server's).",
             ["model_name"],
-            registry=self.registry,
+            registry=own,
         )
         self.request_success = Counter(
             "vllm:request_success",
-            "Requests this API server finished, by the engine that ran them and finish reason.",
+            "Finished requests (every API server's), by the engine that ran them and reason.",
             ["model_name", "engine", "finished_reason"],
-            registry=self.registry,
+            registry=own,
         )
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
             ["model_name"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.itl = Histogram(
             "vllm:inter_token_latency_seconds",
             "Time between consecutive generated tokens.",
             ["model_name"],
             buckets=_ITL_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Time from arrival to the last token.",
             ["model_name"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.gathers = Gauge(
             "rankcast:notification_gathers",
@@ -158,29 +155,33 @@ class ServerMetrics:
             ["engine"],
             registry=self.registry,
         )
-        self.notifications_total = Counter(
+        self.notifications_total = ViewCounter(
+            self.fleet,
             "rankcast:engine_notifications",
             "Engine notifications received, by type and (for custom events) key.",
             ["type", "key"],
-            registry=self.registry,
+            self.registry,
         )
-        self.notifications_skipped = Counter(
+        self.notifications_skipped = ViewCounter(
+            self.fleet,
             "rankcast:engine_notifications_skipped",
-            "Notifications of a type this API server does not know (counted, then skipped).",
+            "Notifications of a type the API servers do not know (counted, then skipped).",
             ["type"],
-            registry=self.registry,
+            self.registry,
         )
-        self.notifications_dropped = Counter(
+        self.notifications_dropped = ViewCounter(
+            self.fleet,
             "rankcast:worker_notifications_dropped",
             "Notifications lost to a full buffer, by engine and rank (engine_core: the engine's).",
             ["engine", "rank"],
-            registry=self.registry,
+            self.registry,
         )
         self.notification_lag = Histogram(
             "rankcast:notification_delivery_lag_seconds",
-            "Time from publish in a worker rank to receipt by this API server.",
+            "Time from publish in a worker rank to receipt by the API server named.",
+            ["api_server"],
             buckets=_LAG_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.weights_load_seconds = Gauge(
             "rankcast:worker_weights_load_seconds",
@@ -204,8 +205,8 @@ class ServerMetrics:
         self.waiting.labels(*labels).set(stats.num_waiting_reqs)
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
         self.preemptions.labels(*labels).set(stats.num_preemptions)
-        self.prefix_cache_queries.set(str(engine_index), stats.prefix_cache_queries)
-        self.prefix_cache_hits.set(str(engine_index), stats.prefix_cache_hits)
+        self.prefix_cache_queries.set(labels, stats.prefix_cache_queries)
+        self.prefix_cache_hits.set(labels, stats.prefix_cache_hits)
         if self.lora is not None:
             self.lora.record_scheduler_stats(engine_index, stats)
         self.gathers.labels(str(engine_index)).set(stats.notification_gathers)
@@ -246,26 +247,25 @@ class ServerMetrics:
         engine = str(snapshot.engine_index)
         ledger = snapshot.notifications
         for total in ledger.totals:
-            self.notifications_total.labels(total.type, total.key).inc(total.count)
+            self.notifications_total.inc((total.type, total.key), total.count)
         for dropped in ledger.dropped:
-            self.notifications_dropped.labels(engine, rank_label(dropped.rank)).inc(dropped.count)
+            self.notifications_dropped.inc((engine, rank_label(dropped.rank)), dropped.count)
         for weights in ledger.weights_loaded:
             self._record_weights(engine, weights.rank, weights.payload)
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
+        lag = self.notification_lag.labels(self.api_server)
         for n in notifications:
             key = n.key if isinstance(n, CustomNotification) else ""
-            self.notifications_total.labels(notification_type(n), key).inc()
-            self.notification_lag.observe(max(0.0, now - n.timestamp))
+            self.notifications_total.inc((notification_type(n), key))
+            lag.observe(max(0.0, now - n.timestamp))
             if isinstance(n, NotificationsDropped):
-                self.notifications_dropped.labels(str(n.engine_index), rank_label(n.rank)).inc(
-                    n.count
-                )
+                self.notifications_dropped.inc((str(n.engine_index), rank_label(n.rank)), n.count)
             elif isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY:
                 self._record_weights(str(n.engine_index), n.rank, n.payload)
         for kind in unknown:
-            self.notifications_total.labels(kind, "").inc()
-            self.notifications_skipped.labels(kind).inc()
+            self.notifications_total.inc((kind, ""))
+            self.notifications_skipped.inc((kind,))
 
     def _record_weights(self, engine: str, rank: int, payload: dict[str, Any]) -> None:
         labels = (engine, rank_label(rank))
@@ -275,4 +275,5 @@ class ServerMetrics:
             self.weights_load_bytes.labels(*labels).set(payload["bytes"])
 
     def exposition(self) -> bytes:
+        self.fleet.read()
         return generate_latest(self.registry)

@@ -402,10 +402,10 @@ def run_api_server(
     die_with_parent()
 
     async def serve() -> None:
-        metrics = ServerMetrics(config.model_name)
+        metrics = ServerMetrics(config.model_name, index)
         events = EventHub()
         loras = LoRAResidency()
-        metrics.lora = LoRAMetrics(metrics.registry, config.model_name, loras)
+        metrics.lora = LoRAMetrics(metrics.registry, metrics.fleet, config.model_name, loras)
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
         clients = [AsyncMPClient(addresses, index) for addresses in engines]
         sinks: list[NotificationSink] = [metrics, events, loras, metrics.lora]

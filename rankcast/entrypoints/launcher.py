@@ -51,9 +51,12 @@ class LaunchError(RuntimeError):
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Fail early, and without SO_REUSEPORT, so we never silently share a port with a stranger."""
+    """Fail early, and without SO_REUSEPORT, so we never silently share a port with a stranger.
+    SO_REUSEADDR, as the API servers' own sockets have it: connections of a previous run still
+    in TIME_WAIT do not hold the port, only a socket listening on it does."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
@@ -65,7 +68,13 @@ def _wait_ready(name: str, proc: BaseProcess, conn: Connection, timeout_s: float
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if conn.poll(0.2):
-            kind, *detail = conn.recv()
+            try:
+                kind, *detail = conn.recv()
+            except EOFError:  # it died before a word: its pipe closed with it
+                proc.join(5)
+                raise LaunchError(
+                    f"{name} exited during start-up (exit code {proc.exitcode})"
+                ) from None
             if kind != "ready":
                 raise LaunchError(f"{name} failed to start: {detail[0] if detail else kind}")
             return

@@ -61,10 +61,11 @@ class ServerProcess:
         api_server_count: int = 2,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        port: int | None = None,
     ) -> None:
         """`cwd`: run the rankcast found there (`python -m` looks in its directory first): a
         benchmark's way to serve an older checkout side by side."""
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_server_count = api_server_count
         env = dict(os.environ, RANKCAST_DISABLE_PROGRESS="1", **(env or {}))

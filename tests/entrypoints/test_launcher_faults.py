@@ -1,0 +1,105 @@
+"""What an operator sees when starting `rankcast serve` goes wrong, or when it is started again.
+
+A child killed during start-up is one clear line naming its role and exit status, and the launcher
+exits non-zero; a restart on the same port right after a stop works although the last run's
+connections are still in TIME_WAIT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.entrypoints.server_process import (
+    ServerProcess,
+    descendants,
+    free_port,
+    process_title,
+)
+
+TIME_WAIT = "06"  # the state column of /proc/net/tcp
+
+
+def _time_wait_sockets(port: int) -> int:
+    """Sockets whose local end is `port` and that are in TIME_WAIT."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port and fields[3] == TIME_WAIT:
+                count += 1
+    return count
+
+
+def test_a_restart_on_the_same_port_works_with_time_wait_sockets_present(
+    tiny_llama_dir: Path,
+) -> None:
+    port = free_port()
+    args = (str(tiny_llama_dir), "--dtype", "float32", "--kv-cache-space", "0.05")
+    first = ServerProcess(*args, api_server_count=1, port=port)
+    with first.running():
+        # Connections the client keeps open: the server closes them when it stops, so the
+        # TIME_WAIT state stays on the server's side, on its listening port.
+        clients = [httpx.Client(timeout=30) for _ in range(4)]
+        for client in clients:
+            assert client.get(f"{first.url}/health").status_code == 200
+    for client in clients:
+        client.close()
+    assert _time_wait_sockets(port) > 0, "the test needs TIME_WAIT sockets on the port"
+    second = ServerProcess(*args, api_server_count=1, port=port)
+    with second.running():
+        assert httpx.get(f"{second.url}/health", timeout=30).status_code == 200
+
+
+def test_a_child_killed_during_start_up_is_one_clear_line_and_a_failed_exit() -> None:
+    # The embedded model takes seconds to load: time to find the engine core and kill it.
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rankcast.entrypoints.cli", "serve", "--port", str(free_port())],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=dict(os.environ, RANKCAST_DISABLE_PROGRESS="1"),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        killed = None
+        while killed is None:
+            assert time.monotonic() < deadline, "no engine core appeared"
+            assert launcher.poll() is None, "the launcher exited before its engine core started"
+            for pid in descendants(launcher.pid):
+                if process_title(pid) == "rankcast::engine_core_dp0":
+                    os.kill(pid, signal.SIGKILL)
+                    killed = pid
+            time.sleep(0.02)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(10)
+    assert launcher.returncode != 0
+    assert "Traceback" not in stderr and "EOFError" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("rankcast: error:")]
+    assert errors == ["rankcast: error: engine core dp0 exited during start-up (exit code -9)"]
+    assert _alive_in_session(launcher.pid) == [], "children left behind"
+
+
+def _alive_in_session(session: int) -> list[int]:
+    """Live processes of the launcher's session (orphans included, wherever they were moved)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[3]) == session:
+            alive.append(int(entry.name))
+    return alive

@@ -39,6 +39,9 @@ class EngineObserver(Protocol):
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None: ...
 
+    def record_engine_up(self, engine_index: int, up: bool) -> None:
+        """Connected (True), or gone (False: nothing it reported is true any more)."""
+
     def record_first_token(self, seconds: float) -> None: ...
 
     def record_inter_token(self, seconds: float, tokens: int) -> None: ...
@@ -91,6 +94,8 @@ class AsyncLLM:
 
     async def start(self) -> None:
         await asyncio.gather(*(client.start() for client in self.clients))
+        for engine in range(len(self.clients)):
+            self.observer.record_engine_up(engine, True)
         for client in self.clients:
             snapshot = client.ready.snapshot if client.ready is not None else None
             if snapshot is not None:
@@ -210,6 +215,7 @@ class AsyncLLM:
             try:
                 outputs = await client.get_output()
             except EngineDeadError as exc:
+                self.observer.record_engine_up(engine, False)
                 for stream in self.streams.values():
                     if stream.engine == engine:
                         stream.queue.put_nowait(exc)

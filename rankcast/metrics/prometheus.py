@@ -82,6 +82,12 @@ class ServerMetrics:
             [*engine_labels, "block_size", "num_gpu_blocks"],
             registry=self.registry,
         )
+        self.engine_up = Gauge(
+            "rankcast:engine_up",
+            "1 while the engine core is connected; 0 once it is gone (its load series read 0).",
+            ["engine"],
+            registry=self.registry,
+        )
         self.preemptions = Gauge(
             "vllm:num_preemptions",
             "Requests preempted by the engine since it started (recomputed later).",
@@ -218,6 +224,16 @@ class ServerMetrics:
                 self.cache_config.remove(*labels, *previous)
             self.cache_config.labels(*labels, *config).set(1)
             self._cache_labels[engine_index] = config
+
+    def record_engine_up(self, engine_index: int, up: bool) -> None:
+        """A dead engine runs nothing, queues nothing and holds no cache: say so at once, so a
+        router does not send traffic by load that no longer exists."""
+        self.engine_up.labels(str(engine_index)).set(1 if up else 0)
+        if not up:
+            labels = (self.model_name, str(engine_index))
+            self.running.labels(*labels).set(0)
+            self.waiting.labels(*labels).set(0)
+            self.kv_usage.labels(*labels).set(0)
 
     def record_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)

@@ -286,6 +286,13 @@ def test_client_disconnect_aborts_the_request(server: ServerProcess) -> None:
     raise AssertionError("the engine kept running a request whose client left")
 
 
+ENGINE_LOAD_SERIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+)
+
+
 def test_engine_death_makes_every_api_server_answer_503() -> None:
     proc = ServerProcess("--max-model-len", "1024", "--kv-cache-space", "0.25")
     try:
@@ -319,6 +326,17 @@ def test_engine_death_makes_every_api_server_answer_503() -> None:
             if response.status_code == 503:
                 unhealthy.add(response.headers["x-rankcast-api-server"])
         assert unhealthy == {"0", "1"}, "both API servers must report the dead engine within 5 s"
+        # Nothing reports load that no longer exists: a router must not send traffic by it.
+        scraped: dict[str, str] = {}
+        while len(scraped) < 2:
+            assert time.monotonic() - killed < 10, f"scraped only {sorted(scraped)}"
+            response = _fresh_get(proc.url, "/metrics")
+            scraped[response.headers["x-rankcast-api-server"]] = response.text
+        for text in scraped.values():
+            assert 'rankcast:engine_up{engine="0"} 0.0' in text
+            for name in ENGINE_LOAD_SERIES:
+                (line,) = [x for x in text.splitlines() if x.startswith(name + "{")]
+                assert line.endswith(" 0.0"), line
         worker.join(10)
         assert not worker.is_alive(), "the in-flight stream must end, not hang"
         assert errors and isinstance(errors[0], openai.APIError)

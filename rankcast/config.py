@@ -327,9 +327,15 @@ class ServeConfig:
     api_server_count: int = 1
     api_key: str | None = None
     allow_runtime_lora_updating: bool = False
+    # Seconds requests in flight get to finish after SIGTERM/SIGINT (new ones get 503 at once).
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, f"--port must be 1..65535, got {self.port}")
+        _require(
+            self.shutdown_timeout >= 0,
+            f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}",
+        )
         _require(
             self.api_server_count >= 1,
             f"--api-server-count must be >= 1, got {self.api_server_count}",

@@ -250,6 +250,18 @@ class AsyncLLM:
         for sink in self.sinks:
             sink.consume(known, unknown, now)
 
+    def fail_all(self, error: Exception) -> None:
+        """End every request in flight with `error` (its stream raises it) and abort them in
+        the engines: what a stopping server does with what did not finish in time."""
+        by_engine: dict[int, list[str]] = {}
+        for request_id, stream in self.streams.items():
+            stream.queue.put_nowait(error)
+            by_engine.setdefault(stream.engine, []).append(request_id)
+        for engine, request_ids in by_engine.items():
+            client = self.clients[engine]
+            if client.dead is None:
+                asyncio.get_running_loop().create_task(client.abort_requests(request_ids))
+
     def shutdown(self) -> None:
         for task in self.output_tasks:
             task.cancel()

@@ -211,7 +211,9 @@ def run_engine_core(
         proc.stopping.set()
 
     signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    # Ctrl-C reaches the whole process group: the launcher stops the engine (SIGTERM) once the
+    # API servers have drained the requests that still need it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ready.send(("ready", proc.core.max_model_len))
     ready.close()
     proc.run()

@@ -108,6 +108,14 @@ FLAGS: tuple[Flag, ...] = (
         "enable /v1/load_lora_adapter, /v1/unload_lora_adapter and /v1/(un)pin_lora_adapter",
         target="serve",
     ),
+    Flag(
+        "--shutdown-timeout",
+        "shutdown_timeout",
+        "on SIGTERM/SIGINT, seconds requests in flight get to finish (new ones get 503 at once); "
+        "then the rest end with an error",
+        metavar="SECONDS",
+        target="serve",
+    ),
     # `rankcast chat`'s question and sampling.
     Flag("message", "message", "the user message to answer", target="chat"),
     Flag("--max-tokens", "max_tokens", "tokens to generate at most", target="chat"),

@@ -50,6 +50,10 @@ class LaunchError(RuntimeError):
     """A process failed to start; the message says which and why."""
 
 
+class StoppedDuringStartUp(LaunchError):
+    """SIGTERM or SIGINT arrived while children were still starting: not a failure."""
+
+
 def _check_port_free(host: str, port: int) -> None:
     """Fail early, and without SO_REUSEPORT, so we never silently share a port with a stranger.
     SO_REUSEADDR, as the API servers' own sockets have it: connections of a previous run still
@@ -63,10 +67,15 @@ def _check_port_free(host: str, port: int) -> None:
             raise LaunchError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def _wait_ready(name: str, proc: BaseProcess, conn: Connection, timeout_s: float) -> None:
-    """Wait for a child's ("ready", ...) message; its ("error", why) or its death is fatal."""
+def _wait_ready(
+    name: str, proc: BaseProcess, conn: Connection, timeout_s: float, stop: threading.Event
+) -> None:
+    """Wait for a child's ("ready", ...) message; its ("error", why) or its death is fatal, and
+    a stop request ends the wait at once (a model can take minutes to load)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stop.is_set():
+            raise StoppedDuringStartUp(f"stopped while {name} was starting")
         if conn.poll(0.2):
             try:
                 kind, *detail = conn.recv()
@@ -83,7 +92,9 @@ def _wait_ready(name: str, proc: BaseProcess, conn: Connection, timeout_s: float
     raise LaunchError(f"{name} did not become ready in {timeout_s:.0f} s")
 
 
-def _start_all(spawn: SpawnContext, specs: list[ChildSpec], timeout_s: float) -> list[BaseProcess]:
+def _start_all(
+    spawn: SpawnContext, specs: list[ChildSpec], timeout_s: float, stop: threading.Event
+) -> list[BaseProcess]:
     """Start every (name, target, args) child with a readiness pipe appended to its args, then
     wait until each reports ready. If one fails, all of this group are stopped before raising."""
     started: list[tuple[BaseProcess, Connection]] = []
@@ -95,9 +106,9 @@ def _start_all(spawn: SpawnContext, specs: list[ChildSpec], timeout_s: float) ->
         started.append((proc, read))
     try:
         for child, pipe in started:
-            _wait_ready(child.name.replace("_", " "), child, pipe, timeout_s)
+            _wait_ready(child.name.replace("_", " "), child, pipe, timeout_s, stop)
     except LaunchError:
-        _stop([child for child, _ in started])
+        _stop([child for child, _ in started], timeout_s=2.0)
         raise
     return [proc for proc, _ in started]
 
@@ -148,17 +159,27 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
     metrics_dir = private_ipc_dir("rankcast-metrics")
     try:
         children.engines = _start_all(
-            spawn, _engine_specs(config, source, engine_addresses), ENGINE_START_TIMEOUT_S
+            spawn,
+            _engine_specs(config, source, engine_addresses),
+            ENGINE_START_TIMEOUT_S,
+            stop_requested,
         )
         # Every API server (restarted ones too: they inherit it) writes the series it counts
         # into this one directory, and each scrape sums them (rankcast/metrics/fleet.py).
         os.environ[MULTIPROC_DIR_ENV] = str(metrics_dir)
         api_server_specs = _api_server_specs(server, model_name, source, engine_addresses)
-        children.api_servers = _start_all(spawn, api_server_specs, API_SERVER_START_TIMEOUT_S)
+        children.api_servers = _start_all(
+            spawn, api_server_specs, API_SERVER_START_TIMEOUT_S, stop_requested
+        )
         _print_banner(server, model_name)
         return _supervise(spawn, api_server_specs, children, stop_requested)
+    except StoppedDuringStartUp as exc:
+        logger.info("%s", exc)
+        return 0
     finally:
-        _stop(children.api_servers)
+        # API servers first, all at once: each drains its requests (--shutdown-timeout), and
+        # the engines they need keep running until they are done.
+        _stop(children.api_servers, timeout_s=server.shutdown_timeout + 10)
         _stop(children.engines)
         for addresses in engine_addresses:
             addresses.cleanup()
@@ -206,6 +227,7 @@ def _api_server_specs(
         str(source.origin),
         server.api_key,
         server.allow_runtime_lora_updating,
+        server.shutdown_timeout,
     )
     return [
         (
@@ -256,7 +278,7 @@ def _restart_api_servers(
         logger.error("API server %d exited (code %s); starting it again", index, proc.exitcode)
         try:
             api_servers[index] = _start_all(
-                spawn, [api_server_specs[index]], API_SERVER_START_TIMEOUT_S
+                spawn, [api_server_specs[index]], API_SERVER_START_TIMEOUT_S, stop_requested
             )[0]
         except LaunchError as exc:
             given_up.add(index)

@@ -29,6 +29,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rankcast.engine.addresses import ClientAddresses
 from rankcast.engine.async_llm import AsyncLLM, NotificationSink
 from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError, UtilityError
+from rankcast.entrypoints.openai.drain import (
+    RETRY_AFTER_S,
+    Drain,
+    DrainGate,
+    DrainingServer,
+    ServerShuttingDownError,
+)
 from rankcast.entrypoints.openai.errors import APIError, error_response
 from rankcast.entrypoints.openai.events import EventFilter, EventHub, parse_event_id
 from rankcast.entrypoints.openai.middleware import LastResortErrors, TagAndAuthenticate
@@ -70,6 +77,7 @@ class ApiServerConfig:
     model_origin: str
     api_key: str | None = None
     allow_runtime_lora_updating: bool = False
+    shutdown_timeout: float = 30.0
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -91,11 +99,14 @@ def build_app(
     serving: ServingContext,
     metrics: ServerMetrics,
     events: EventHub,
+    drain: Drain,
 ) -> FastAPI:
     """The HTTP surface over an engine connection that is already established."""
     app = FastAPI(title="rankcast", version=__version__)
-    # The later one added is the outer one: the last resort's 500 is tagged like any answer.
+    # The later one added is the outer one: the last resort's 500 and a draining server's 503
+    # are tagged like any answer.
     app.add_middleware(LastResortErrors)
+    app.add_middleware(DrainGate, drain=drain)
     app.add_middleware(TagAndAuthenticate, index=index, api_key=config.api_key)
     _add_error_handlers(app)
     _add_probe_routes(app, serving, metrics)
@@ -179,6 +190,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, f"The engine core is not running: {exc}")
+
+    @app.exception_handler(ServerShuttingDownError)
+    async def shutting_down(_: Request, exc: ServerShuttingDownError) -> JSONResponse:
+        response = error_response(503, str(exc))
+        response.headers["retry-after"] = str(RETRY_AFTER_S)
+        return response
 
 
 def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetrics) -> None:
@@ -415,15 +432,18 @@ def run_api_server(
         except Exception as exc:
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
             raise
+        drain = Drain(config.shutdown_timeout)
         app = build_app(
             config,
             index,
             ServingContext(engine, tokenizer, config.model_name, loras),
             metrics,
             events,
+            drain,
         )
-        server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        server = DrainingServer(
+            uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5),
+            drain,
         )
         sock = bind_shared_port(config.host, config.port)
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -431,12 +451,24 @@ def run_api_server(
             await asyncio.sleep(0.05)
         ready.send(("ready",) if server.started else ("error", "uvicorn did not start"))
 
-        async def end_event_streams_on_shutdown() -> None:
-            while not server.should_exit:
-                await asyncio.sleep(0.1)
-            events.close()
+        async def drain_then_exit() -> None:
+            while not drain.requested and not server.should_exit:
+                await asyncio.sleep(0.05)
+            if not server.should_exit:
 
-        watcher = asyncio.create_task(end_event_streams_on_shutdown())
+                def end_the_rest() -> None:
+                    engine.fail_all(
+                        ServerShuttingDownError(
+                            f"The server is shutting down; the request did not finish within "
+                            f"--shutdown-timeout ({config.shutdown_timeout:g} s)."
+                        )
+                    )
+
+                await drain.run(end_the_rest, events.close)
+            events.close()
+            server.should_exit = True
+
+        watcher = asyncio.create_task(drain_then_exit())
         try:
             await task
         finally:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rankcast.engine.async_llm import AsyncLLM
 from rankcast.engine.mp_client import EngineDeadError
+from rankcast.entrypoints.openai.drain import ServerShuttingDownError
 from rankcast.entrypoints.openai.errors import APIError, error_body
 from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
 from rankcast.metrics.lora_residency import LoRAResidency
@@ -204,7 +205,14 @@ async def create_chat_completion(
         return StreamingResponse(
             _chat_stream(
                 _StreamState(
-                    _header(model, request_id, created, "chat.completion.chunk"), len(prompt_ids)
+                    _header(model, request_id, created, "chat.completion.chunk"),
+                    len(prompt_ids),
+                    cut_choice={
+                        "index": 0,
+                        "delta": {},
+                        "logprobs": None,
+                        "finish_reason": "abort",
+                    },
                 ),
                 outputs,
                 include_usage,
@@ -248,6 +256,8 @@ class _StreamState:
     header: dict[str, Any]
     prompt_tokens: int
     completion_tokens: int = 0
+    # The last choice of a stream a stopping server cuts off (its shape differs by endpoint).
+    cut_choice: dict[str, Any] | None = None
 
 
 async def _stream_with_tail(
@@ -263,6 +273,13 @@ async def _stream_with_tail(
         return
     except RequestRejectedError as exc:
         yield _sse(error_body(400, str(exc)))
+        yield _sse("[DONE]")
+        return
+    except ServerShuttingDownError as exc:
+        # A finish reason for clients that read only chunks, the error for those that read it.
+        if state.cut_choice is not None:
+            yield _sse({**state.header, "choices": [state.cut_choice]})
+        yield _sse(error_body(503, str(exc)))
         yield _sse("[DONE]")
         return
     if include_usage:
@@ -336,7 +353,9 @@ async def create_completion(
         return StreamingResponse(
             _completion_stream(
                 _StreamState(
-                    _header(model, request_id, created, "text_completion"), len(prompt_ids)
+                    _header(model, request_id, created, "text_completion"),
+                    len(prompt_ids),
+                    cut_choice={"index": 0, "text": "", "logprobs": None, "finish_reason": "abort"},
                 ),
                 outputs,
                 include_usage,

@@ -1,0 +1,148 @@
+"""Stopping `rankcast serve`: new requests get 503 at once, requests in flight finish (or, past
+`--shutdown-timeout`, end with a finish reason, an error event and [DONE]), and the launcher exits
+0 leaving no process, IPC directory or shared memory behind. A stop during start-up is quick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tests.entrypoints.server_process import (
+    ServerProcess,
+    descendants,
+    free_port,
+    process_title,
+)
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _leftovers() -> set[str]:
+    """What a run can leave on the machine: IPC directories and shared-memory files."""
+    tmp = {str(p) for p in Path(tempfile.gettempdir()).glob("rankcast-*")}
+    return tmp | {str(p) for p in Path("/dev/shm").iterdir()}
+
+
+class _Stream:
+    """A streamed completion read on its own thread, every SSE data line kept."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.events: list[str] = []
+        self.first = threading.Event()
+        body = {
+            "model": MODEL,
+            "prompt": "Tell a long story",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        self.thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _read(self, url: str, body: dict[str, object]) -> None:
+        with (
+            httpx.Client(timeout=120) as http,
+            http.stream("POST", f"{url}/v1/completions", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line[6:])
+                    self.first.set()
+
+    def chunks(self) -> Iterator[dict[str, object]]:
+        for event in self.events:
+            if event != "[DONE]":
+                yield json.loads(event)
+
+
+def _stop_and_wait(server: ServerProcess, stream: _Stream, timeout_s: float) -> int:
+    server.proc.send_signal(signal.SIGTERM)
+    stream.thread.join(timeout_s)
+    assert not stream.thread.is_alive(), "the stream must end, not hang"
+    return server.proc.wait(timeout_s)
+
+
+def test_stop_refuses_new_work_and_cuts_what_outlives_the_timeout() -> None:
+    before = _leftovers()
+    server = ServerProcess("--max-model-len", "1024", "--shutdown-timeout", "2")
+    try:
+        server.wait_healthy()
+        stream = _Stream(server.url, max_tokens=900)  # ~10 s here: longer than the timeout
+        assert stream.first.wait(60), "the stream should be running before the stop"
+        server.proc.send_signal(signal.SIGTERM)
+        # At once: new requests and health checks get 503 with Retry-After, on every server.
+        refused: dict[str, httpx.Response] = {}
+        deadline = time.monotonic() + 1.5
+        while len(refused) < 2 and time.monotonic() < deadline:
+            with httpx.Client(timeout=10) as http:
+                for path in ("/health", "/v1/models"):
+                    response = http.get(f"{server.url}{path}")
+                    if response.status_code == 503:
+                        refused[f"{response.headers['x-rankcast-api-server']}{path}"] = response
+        assert len(refused) >= 2, f"only {sorted(refused)} refused"
+        for response in refused.values():
+            assert response.headers["retry-after"]
+            assert "shutting down" in response.json()["error"]["message"]
+        stream.thread.join(30)
+        assert not stream.thread.is_alive(), "the cut stream must end, not hang"
+        assert server.proc.wait(30) == 0
+    finally:
+        assert server.stop() == []
+    chunks = list(stream.chunks())
+    tokens = [c for c in chunks if c.get("choices")]
+    assert len(tokens) > 1, "tokens flowed until the timeout"
+    assert tokens[-1]["choices"][0]["finish_reason"] == "abort"  # type: ignore[index]
+    error = chunks[-1]["error"]
+    assert error["code"] == 503 and "--shutdown-timeout" in error["message"]  # type: ignore[index]
+    assert stream.events[-1] == "[DONE]"
+    assert _leftovers() <= before, f"left behind: {_leftovers() - before}"
+
+
+def test_requests_in_flight_finish_when_they_can() -> None:
+    server = ServerProcess("--max-model-len", "1024", "--shutdown-timeout", "30")
+    try:
+        server.wait_healthy()
+        stream = _Stream(server.url, max_tokens=48)
+        assert stream.first.wait(60)
+        assert _stop_and_wait(server, stream, 60) == 0
+    finally:
+        assert server.stop() == []
+    chunks = list(stream.chunks())
+    assert not [c for c in chunks if "error" in c]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert stream.events[-1] == "[DONE]"
+
+
+def test_a_stop_during_start_up_ends_it_at_once() -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rankcast.entrypoints.cli", "serve", "--port", str(free_port())],
+        start_new_session=True,
+        env=dict(os.environ, RANKCAST_DISABLE_PROGRESS="1"),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(
+            process_title(pid) == "rankcast::engine_core_dp0" for pid in descendants(launcher.pid)
+        ):
+            assert time.monotonic() < deadline, "no engine core appeared"
+            time.sleep(0.02)
+        stopped = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 0
+        took = time.monotonic() - stopped
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(10)
+    assert took < 2.0, f"the start-up took {took:.1f} s to stop"

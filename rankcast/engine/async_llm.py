@@ -111,8 +111,15 @@ class AsyncLLM:
 
     @property
     def dead(self) -> EngineDeadError | None:
-        """Any dead engine core makes this server unhealthy: the deployment is not whole."""
-        return next((c.dead for c in self.clients if c.dead is not None), None)
+        """Why this server cannot serve: every engine core is gone. While one of several
+        data-parallel engines lives, new requests go to it (the balancer skips the dead)."""
+        if all(c.dead is not None for c in self.clients):
+            return self.clients[0].dead
+        return None
+
+    def engine_health(self) -> list[tuple[int, str | None]]:
+        """(engine index, why it is gone or None while it serves), for every engine core."""
+        return [(i, None if c.dead is None else str(c.dead)) for i, c in enumerate(self.clients)]
 
     async def generate(
         self,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -88,6 +90,46 @@ def test_two_engine_cores_share_the_work(tiny_llama_dir: Path) -> None:
         for text in samples.values():
             for engine in ("0", "1"):
                 assert f'vllm:num_requests_running{{engine="{engine}"' in text
+    finally:
+        leftovers = proc.stop()
+    assert leftovers == []
+
+
+def test_a_dead_engine_is_routed_around_and_named_by_health(tiny_llama_dir: Path) -> None:
+    proc = ServerProcess(
+        str(tiny_llama_dir),
+        "--data-parallel-size",
+        "2",
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.05",
+    )
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    try:
+        proc.wait_healthy()
+        os.kill(proc.pid_of("engine_core_dp1"), signal.SIGKILL)
+        # Both API servers notice (each has its own connection), and stay healthy: one engine
+        # still serves, and the body says which is gone.
+        noticed: set[str] = set()
+        deadline = time.monotonic() + 10
+        while len(noticed) < 2:
+            assert time.monotonic() < deadline, f"only API servers {sorted(noticed)} noticed"
+            with httpx.Client(timeout=10) as http:
+                health = http.get(f"{proc.url}/health")
+            assert health.status_code == 200, health.text
+            engines = health.json()["engines"]
+            if [e["up"] for e in engines] == [True, False]:
+                assert "exited" in engines[1]["error"] or "closed" in engines[1]["error"]
+                noticed.add(health.headers["x-rankcast-api-server"])
+        with ThreadPoolExecutor(4) as pool:
+            statuses = list(
+                pool.map(
+                    lambda _: httpx.post(f"{proc.url}/v1/completions", json=body, timeout=60),
+                    range(12),
+                )
+            )
+        assert [r.status_code for r in statuses] == [200] * 12, [r.text for r in statuses]
     finally:
         leftovers = proc.stop()
     assert leftovers == []

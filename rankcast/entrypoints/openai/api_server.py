@@ -204,8 +204,14 @@ def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetr
 
     @app.get("/health")
     async def health() -> Response:
-        _live(serving)
-        return Response(status_code=200)
+        """200 while any engine core serves (a dead data-parallel sibling is named in the
+        body), 503 once none does."""
+        engines = [
+            {"engine": index, "up": why is None, **({"error": why} if why else {})}
+            for index, why in serving.engine.engine_health()
+        ]
+        status = 503 if serving.engine.dead is not None else 200
+        return JSONResponse({"engines": engines}, status_code=status)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -46,7 +48,14 @@ def process_is_alive(pid: int) -> bool:
 
 
 def private_ipc_dir(prefix: str) -> Path:
-    """A fresh directory only this user can enter, for IPC socket files."""
-    path = Path(tempfile.gettempdir()) / f"{prefix}-{uuid.uuid4().hex[:12]}"
+    """A fresh directory only this user can enter, for IPC socket files. Its name carries the
+    creating process's pid, so a parent can remove what a killed child could not."""
+    path = Path(tempfile.gettempdir()) / f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     path.mkdir(mode=0o700)
     return path
+
+
+def remove_ipc_dirs_of(pid: int, prefix: str = "rankcast") -> None:
+    """Remove the IPC directories process `pid` made (it was killed before it could)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{prefix}*-{pid}-*"):
+        shutil.rmtree(path, ignore_errors=True)

@@ -32,7 +32,7 @@ from rankcast.engine.core_proc import run_engine_core
 from rankcast.entrypoints.openai.api_server import ApiServerConfig, run_api_server
 from rankcast.metrics.fleet import MULTIPROC_DIR_ENV
 from rankcast.model.source import ModelSource, resolve_model
-from rankcast.process import private_ipc_dir
+from rankcast.process import private_ipc_dir, remove_ipc_dirs_of
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +181,9 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         # the engines they need keep running until they are done.
         _stop(children.api_servers, timeout_s=server.shutdown_timeout + 10)
         _stop(children.engines)
+        for engine in children.engines:  # a killed engine core could not remove its own
+            if engine.pid is not None:
+                remove_ipc_dirs_of(engine.pid)
         for addresses in engine_addresses:
             addresses.cleanup()
         os.environ.pop(MULTIPROC_DIR_ENV, None)

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,3 +104,27 @@ def _alive_in_session(session: int) -> list[int]:
         if fields[0] not in ("Z", "X") and int(fields[3]) == session:
             alive.append(int(entry.name))
     return alive
+
+
+def test_a_killed_engine_core_leaves_no_ipc_directory_behind(tiny_llama_dir: Path) -> None:
+    server = ServerProcess(
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.05",
+        "--tensor-parallel-size",
+        "2",
+        api_server_count=1,
+    )
+    with server.running():
+        engine = server.pid_of("engine_core_dp0")
+        workers = list(Path(tempfile.gettempdir()).glob(f"rankcast-workers-{engine}-*"))
+        assert workers, "the engine core's ranks talk through an IPC directory of its own"
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "the API server did not notice"
+            time.sleep(0.1)
+        assert all(path.exists() for path in workers), "killed: it could not clean up itself"
+    assert not any(path.exists() for path in workers), "the launcher removes it on stop"

@@ -14,7 +14,9 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +44,25 @@ def _free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def _spawn_hint() -> str:
+    """What to change when the likely cause of a rank's early death is how the caller's code
+    runs: ranks are spawned, and each re-imports the caller's main module first."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None:  # python -c, or an interactive session: nothing is re-imported
+        return ""
+    if not os.path.isfile(path):
+        return (
+            f"; ranks are spawned processes that re-import the main module, and {path} cannot "
+            "be: run the code from a file, with the LLM created under "
+            '`if __name__ == "__main__":`, or with python -c'
+        )
+    return (
+        f"; ranks are spawned processes that re-import {path}: if it creates the LLM at module "
+        'level, put that code under `if __name__ == "__main__":`'
+    )
 
 
 class MultiprocExecutor(Executor):
@@ -109,7 +130,13 @@ class MultiprocExecutor(Executor):
                     )
                 if time.monotonic() > deadline:
                     raise ExecutorError(f"rank {rank} did not start in {_START_TIMEOUT_S:.0f} s")
-            kind, *detail = pipe.recv()
+            try:
+                kind, *detail = pipe.recv()
+            except EOFError:  # it died before a word
+                proc.join(5)
+                raise ExecutorError(
+                    f"rank {rank} exited during start-up (exit code {proc.exitcode}){_spawn_hint()}"
+                ) from None
             if kind != "ready":
                 raise ExecutorError(f"rank {rank} failed to start: {detail[0] if detail else kind}")
 

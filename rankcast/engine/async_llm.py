@@ -91,6 +91,7 @@ class AsyncLLM:
         self.balancer = LoadBalancer(len(clients))
         self.streams: dict[str, _Stream] = {}
         self.output_tasks: list[asyncio.Task[None]] = []
+        self.background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await asyncio.gather(*(client.start() for client in self.clients))
@@ -267,7 +268,10 @@ class AsyncLLM:
         for engine, request_ids in by_engine.items():
             client = self.clients[engine]
             if client.dead is None:
-                asyncio.get_running_loop().create_task(client.abort_requests(request_ids))
+                # The loop keeps only a weak reference to a task: hold it until it is done.
+                task = asyncio.get_running_loop().create_task(client.abort_requests(request_ids))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
 
     def shutdown(self) -> None:
         for task in self.output_tasks:

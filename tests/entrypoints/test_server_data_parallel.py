@@ -40,8 +40,8 @@ def _scrape_both(url: str) -> dict[str, str]:
     return samples
 
 
-def test_two_engine_cores_share_the_work(tiny_llama_dir: Path) -> None:
-    proc = ServerProcess(
+def _two_engines(tiny_llama_dir: Path) -> ServerProcess:
+    return ServerProcess(
         str(tiny_llama_dir),
         "--data-parallel-size",
         "2",
@@ -50,6 +50,10 @@ def test_two_engine_cores_share_the_work(tiny_llama_dir: Path) -> None:
         "--kv-cache-space",
         "0.05",
     )
+
+
+def test_two_engine_cores_share_the_work(tiny_llama_dir: Path) -> None:
+    proc = _two_engines(tiny_llama_dir)
     try:
         proc.wait_healthy()
         titles = {process_title(pid) for pid in proc.pids}
@@ -96,15 +100,7 @@ def test_two_engine_cores_share_the_work(tiny_llama_dir: Path) -> None:
 
 
 def test_a_dead_engine_is_routed_around_and_named_by_health(tiny_llama_dir: Path) -> None:
-    proc = ServerProcess(
-        str(tiny_llama_dir),
-        "--data-parallel-size",
-        "2",
-        "--dtype",
-        "float32",
-        "--kv-cache-space",
-        "0.05",
-    )
+    proc = _two_engines(tiny_llama_dir)
     body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     try:
         proc.wait_healthy()

@@ -88,8 +88,31 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+# Fields that ask for output of a given shape. Until structured outputs exist they are refused
+# with a 400 saying so: ignoring them would hand a client that asked for JSON plain prose.
+STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _SamplingFields(RequestBody):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_structured_output(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            asked = [f for f in STRUCTURED_OUTPUT_FIELDS if data.get(f) is not None]
+            response_format = data.get("response_format")
+            if isinstance(response_format, dict) and response_format.get("type") != "text":
+                asked.append(f"response_format {response_format.get('type')!r}")
+            tools, choice = data.get("tools"), data.get("tool_choice")
+            if tools and choice != "none":
+                asked.append("tools (with tool_choice other than 'none')")
+            if asked:
+                raise ValueError(
+                    f"{', '.join(asked)}: structured outputs are not supported yet; the output "
+                    "would not follow the requested shape"
+                )
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT_MAX)

@@ -76,12 +76,24 @@ class MultiprocExecutor(Executor):
         self.stale_replies = 0
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(WorkerReply)
-        base = private_ipc_dir("rankcast-workers")
-        self.ipc_dir = base
+        self.ipc_dir = private_ipc_dir("rankcast-workers")
         self.context = zmq.Context()
+        self.calls: list[zmq.Socket[bytes]] = []
+        try:
+            self._start_ranks(config, source, engine_index)
+        except BaseException:
+            # Whatever failed (a rank's start, or spawning itself: a main module without a
+            # __main__ guard re-creates the LLM inside each rank), leave no socket directory.
+            self.shutdown()
+            raise
+        self.monitor = threading.Thread(target=self._watch_ranks, name="rank-monitor", daemon=True)
+        self.monitor.start()
+
+    def _start_ranks(self, config: EngineConfig, source: ModelSource, engine_index: int) -> None:
+        """Bind the call and reply sockets, spawn one process per rank, wait until all load."""
+        base = self.ipc_dir
         self.replies = self.context.socket(zmq.PULL)
         self.replies.bind(f"ipc://{base}/replies")
-        self.calls = []
         for rank in range(self.world_size):
             sock = self.context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
@@ -112,13 +124,7 @@ class MultiprocExecutor(Executor):
             write.close()
             self.procs.append(proc)
             pipes.append(read)
-        try:
-            self._wait_ready(pipes)
-        except Exception:
-            self.shutdown()
-            raise
-        self.monitor = threading.Thread(target=self._watch_ranks, name="rank-monitor", daemon=True)
-        self.monitor.start()
+        self._wait_ready(pipes)
 
     def _wait_ready(self, pipes: list[Connection]) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CODE = """
@@ -16,6 +17,10 @@ llm = LLM({model!r}, dtype="float32", tensor_parallel_size=2, kv_cache_space_gib
 print("generated", len(llm.generate(["hi"])[0].outputs[0].token_ids))
 llm.shutdown()
 """
+
+
+def _ipc_dirs() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("rankcast-*"))
 
 
 def _run(
@@ -43,7 +48,9 @@ def test_a_script_without_a_main_guard_is_told_what_to_add(
 ) -> None:
     script = tmp_path / "unguarded.py"
     script.write_text(CODE.format(model=str(tiny_llama_dir)))
+    before = _ipc_dirs()
     done = _run([str(script)], tiny_llama_dir)
+    assert _ipc_dirs() <= before, "the failed start left socket directories behind"
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "EOFError" not in done.stderr
@@ -51,7 +58,9 @@ def test_a_script_without_a_main_guard_is_told_what_to_add(
 
 
 def test_code_from_stdin_is_told_what_to_do(tiny_llama_dir: Path) -> None:
+    before = _ipc_dirs()
     done = _run(["-"], tiny_llama_dir, stdin=CODE.format(model=str(tiny_llama_dir)))
+    assert _ipc_dirs() <= before, "the failed start left socket directories behind"
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "EOFError" not in done.stderr

@@ -159,3 +159,55 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
+
+
+def tiny_model_args(model_dir: Path, *extra: str) -> tuple[str, ...]:
+    """`rankcast serve` arguments for the tiny random-weight model, float32, a small cache."""
+    return (str(model_dir), "--dtype", "float32", "--kv-cache-space", "0.05", *extra)
+
+
+def alive_in_session(session: int) -> list[int]:
+    """Live processes of a session (orphans included, wherever they were moved)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[3]) == session:
+            alive.append(int(entry.name))
+    return alive
+
+
+@contextlib.contextmanager
+def launcher_while_loading(timeout_s: float = 60.0) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """`rankcast serve` of the embedded model (seconds to load), handed over as soon as its
+    engine core exists, with that process's pid; stderr is piped. The whole session is killed
+    afterwards if the launcher is still running."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rankcast.entrypoints.cli", "serve", "--port", str(free_port())],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=dict(os.environ, RANKCAST_DISABLE_PROGRESS="1"),
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert time.monotonic() < deadline, "no engine core appeared"
+            assert launcher.poll() is None, "the launcher exited before its engine core started"
+            found = [
+                pid
+                for pid in descendants(launcher.pid)
+                if process_title(pid) == "rankcast::engine_core_dp0"
+            ]
+            if found:
+                break
+            time.sleep(0.02)
+        yield launcher, found[0]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate(timeout=10)

@@ -24,23 +24,21 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.generation.modes import GenerationMode
 
 from rankcast.entrypoints.openai.middleware import LastResortErrors
-from tests.entrypoints.server_process import ServerProcess
+from tests.entrypoints.server_process import ServerProcess, tiny_model_args
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     proc = ServerProcess(
-        str(tiny_llama_dir),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "96",
-        "--max-num-seqs",
-        "8",
-        "--kv-cache-space",
-        "0.05",
-        "--enable-lora",
-        "--allow-runtime-lora-updating",
+        *tiny_model_args(
+            tiny_llama_dir,
+            "--max-model-len",
+            "96",
+            "--max-num-seqs",
+            "8",
+            "--enable-lora",
+            "--allow-runtime-lora-updating",
+        ),
         api_server_count=1,
     )
     with proc.running():

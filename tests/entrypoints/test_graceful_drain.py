@@ -6,10 +6,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,9 +17,8 @@ import httpx
 
 from tests.entrypoints.server_process import (
     ServerProcess,
-    descendants,
-    free_port,
-    process_title,
+    alive_in_session,
+    launcher_while_loading,
 )
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -125,24 +121,11 @@ def test_requests_in_flight_finish_when_they_can() -> None:
 
 
 def test_a_stop_during_start_up_ends_it_at_once() -> None:
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "rankcast.entrypoints.cli", "serve", "--port", str(free_port())],
-        start_new_session=True,
-        env=dict(os.environ, RANKCAST_DISABLE_PROGRESS="1"),
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not any(
-            process_title(pid) == "rankcast::engine_core_dp0" for pid in descendants(launcher.pid)
-        ):
-            assert time.monotonic() < deadline, "no engine core appeared"
-            time.sleep(0.02)
+    with launcher_while_loading() as (launcher, _):
         stopped = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(30) == 0
+        launcher.communicate(timeout=30)
         took = time.monotonic() - stopped
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait(10)
+    assert launcher.returncode == 0
     assert took < 2.0, f"the start-up took {took:.1f} s to stop"
+    assert alive_in_session(launcher.pid) == [], "ranks still loading were left behind"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,9 +17,10 @@ import httpx
 
 from tests.entrypoints.server_process import (
     ServerProcess,
-    descendants,
+    alive_in_session,
     free_port,
-    process_title,
+    launcher_while_loading,
+    tiny_model_args,
 )
 
 TIME_WAIT = "06"  # the state column of /proc/net/tcp
@@ -43,7 +42,7 @@ def test_a_restart_on_the_same_port_works_with_time_wait_sockets_present(
     tiny_llama_dir: Path,
 ) -> None:
     port = free_port()
-    args = (str(tiny_llama_dir), "--dtype", "float32", "--kv-cache-space", "0.05")
+    args = tiny_model_args(tiny_llama_dir)
     first = ServerProcess(*args, api_server_count=1, port=port)
     with first.running():
         # Connections the client keeps open: the server closes them when it stops, so the
@@ -60,62 +59,19 @@ def test_a_restart_on_the_same_port_works_with_time_wait_sockets_present(
 
 
 def test_a_child_killed_during_start_up_is_one_clear_line_and_a_failed_exit() -> None:
-    # The embedded model takes seconds to load: time to find the engine core and kill it.
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "rankcast.entrypoints.cli", "serve", "--port", str(free_port())],
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env=dict(os.environ, RANKCAST_DISABLE_PROGRESS="1"),
-    )
-    try:
-        deadline = time.monotonic() + 60
-        killed = None
-        while killed is None:
-            assert time.monotonic() < deadline, "no engine core appeared"
-            assert launcher.poll() is None, "the launcher exited before its engine core started"
-            for pid in descendants(launcher.pid):
-                if process_title(pid) == "rankcast::engine_core_dp0":
-                    os.kill(pid, signal.SIGKILL)
-                    killed = pid
-            time.sleep(0.02)
+    with launcher_while_loading() as (launcher, engine):
+        os.kill(engine, signal.SIGKILL)
         _, stderr = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait(10)
     assert launcher.returncode != 0
     assert "Traceback" not in stderr and "EOFError" not in stderr, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("rankcast: error:")]
     assert errors == ["rankcast: error: engine core dp0 exited during start-up (exit code -9)"]
-    assert _alive_in_session(launcher.pid) == [], "children left behind"
-
-
-def _alive_in_session(session: int) -> list[int]:
-    """Live processes of the launcher's session (orphans included, wherever they were moved)."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X") and int(fields[3]) == session:
-            alive.append(int(entry.name))
-    return alive
+    assert alive_in_session(launcher.pid) == [], "children left behind"
 
 
 def test_a_killed_engine_core_leaves_no_ipc_directory_behind(tiny_llama_dir: Path) -> None:
     server = ServerProcess(
-        str(tiny_llama_dir),
-        "--dtype",
-        "float32",
-        "--kv-cache-space",
-        "0.05",
-        "--tensor-parallel-size",
-        "2",
-        api_server_count=1,
+        *tiny_model_args(tiny_llama_dir, "--tensor-parallel-size", "2"), api_server_count=1
     )
     with server.running():
         engine = server.pid_of("engine_core_dp0")

@@ -13,7 +13,7 @@ import httpx
 
 from rankcast.engine.load_balancer import LoadBalancer
 from rankcast.protocol import SchedulerStats
-from tests.entrypoints.server_process import ServerProcess, process_title
+from tests.entrypoints.server_process import ServerProcess, process_title, tiny_model_args
 
 
 def test_balancer_prefers_the_least_loaded_engine_and_rotates_ties() -> None:
@@ -41,15 +41,7 @@ def _scrape_both(url: str) -> dict[str, str]:
 
 
 def _two_engines(tiny_llama_dir: Path) -> ServerProcess:
-    return ServerProcess(
-        str(tiny_llama_dir),
-        "--data-parallel-size",
-        "2",
-        "--dtype",
-        "float32",
-        "--kv-cache-space",
-        "0.05",
-    )
+    return ServerProcess(*tiny_model_args(tiny_llama_dir, "--data-parallel-size", "2"))
 
 
 def test_two_engine_cores_share_the_work(tiny_llama_dir: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.server_process import ServerProcess
+from tests.entrypoints.server_process import ServerProcess, tiny_model_args
 from tests.lora.router_view import each_server
 
 SERVERS = 3
@@ -27,14 +27,7 @@ COUNTER_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     proc = ServerProcess(
-        str(tiny_llama_dir),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "128",
-        "--kv-cache-space",
-        "0.05",
-        api_server_count=SERVERS,
+        *tiny_model_args(tiny_llama_dir, "--max-model-len", "128"), api_server_count=SERVERS
     )
     with proc.running():
         yield proc

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from rankcast.structured_outputs import StructuredOutputs
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick each next token and when to stop.
@@ -11,6 +13,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     `temperature=0` is greedy. `top_k <= 0` disables top-k. `seed` makes one request's random
     choices reproducible whatever else shares its batch. `logprobs=k` returns the k most likely
     tokens' log-probabilities (from the raw model distribution) with each sampled token.
+    `structured` constrains the output to a shape (a JSON schema, a regex, ...): the output rank
+    masks every token that would leave it, and the output ends (EOS) where the shape does.
     """
 
     temperature: float = 1.0
@@ -26,6 +30,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with messages that name the field."""
@@ -49,6 +54,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"only n=1 is supported, got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError(
+                "ignore_eos cannot be combined with structured outputs: the output ends where "
+                "its shape does"
+            )
 
     @property
     def greedy(self) -> bool:

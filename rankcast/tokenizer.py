@@ -19,13 +19,18 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Render a conversation to prompt token ids; a model without a template is an error."""
+    """Render a conversation to prompt token ids; a model without a template is an error.
+    `tools` (OpenAI's function definitions) reach templates that describe tools to the model;
+    others ignore them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use a plain completion prompt")
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
     )
     # The template already wrote any BOS it wants; do not let encoding add a second one.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

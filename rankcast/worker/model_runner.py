@@ -1,13 +1,14 @@
 """Turns a `SchedulerOutput` into tensors, runs this rank's model slice and samples.
 
 The runner keeps only what must persist across steps on a rank: the KV cache and, for each live
-request, its sampling parameters and random generator.
+request, its sampling parameters, random generator and (structured outputs) grammar matcher.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,12 +20,14 @@ from rankcast.model.llama import LlamaForCausalLM
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.sampling_params import SamplingParams
 from rankcast.worker import sampler
+from rankcast.worker.grammar import GrammarMatchers, TokenMask
 
 
 @dataclass
 class _RequestState:
     params: SamplingParams
     generator: torch.Generator | None
+    matcher: Any = None  # llguidance's, made when a structured request first samples here
 
 
 class ModelRunner:
@@ -35,8 +38,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        grammars: GrammarMatchers | None = None,
     ) -> None:
         self.model = model
+        self.grammars = grammars  # None: this runner refuses structured requests
         self.arch = arch
         self.block_size = block_size
         self.device = device
@@ -198,11 +203,32 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
         states = [self.requests[seq.request_id] for seq in sampling]
+        request_ids = [seq.request_id for seq in sampling]
+        allowed = self._token_mask(request_ids, states)
         tokens, logprobs = sampler.sample(
-            logits, [s.params for s in states], [s.generator for s in states]
+            logits, [s.params for s in states], [s.generator for s in states], allowed
         )
+        if allowed is not None:
+            assert self.grammars is not None
+            for row in allowed.rows:
+                self.grammars.advance(request_ids[row], states[row].matcher, tokens[row])
         return ModelRunnerOutput(
-            request_ids=[seq.request_id for seq in sampling],
+            request_ids=request_ids,
             sampled_token_ids=tokens,
             logprobs=logprobs,
         )
+
+    def _token_mask(self, request_ids: list[str], states: list[_RequestState]) -> TokenMask | None:
+        """The step's mask of structured rows; None when no row is structured (the usual
+        step pays one attribute check per row)."""
+        rows = [row for row, state in enumerate(states) if state.params.structured is not None]
+        if not rows:
+            return None
+        if self.grammars is None:
+            raise RuntimeError("this model runner has no tokenizer for structured outputs")
+        for row in rows:
+            state = states[row]
+            if state.matcher is None:
+                assert state.params.structured is not None
+                state.matcher = self.grammars.matcher(request_ids[row], state.params.structured)
+        return self.grammars.mask(rows, [states[row].matcher for row in rows])

@@ -12,6 +12,7 @@ import torch
 from rankcast.model import ops
 from rankcast.protocol import TokenLogprobs
 from rankcast.sampling_params import SamplingParams
+from rankcast.worker.grammar import TokenMask
 
 
 def _filter_sorted(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -58,14 +59,20 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    allowed: TokenMask | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-    """Pick one token per row of `logits` [batch, vocab]; logprobs come from the raw model."""
+    """Pick one token per row of `logits` [batch, vocab]; logprobs come from the raw model,
+    before `allowed` (structured outputs) masks the constrained rows."""
     wants_logprobs = any(p.logprobs is not None for p in params)
     if not wants_logprobs and all(p.greedy for p in params):
         # The common greedy step: one pass over the logits in their own dtype, no copies.
+        if allowed is not None:
+            allowed.apply(logits)
         return ops.argmax(logits).tolist(), None
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
+    if allowed is not None:
+        allowed.apply(logits)
     greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         tokens = greedy_tokens

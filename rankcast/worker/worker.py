@@ -22,6 +22,7 @@ from rankcast.notifications import WEIGHTS_LOADED_KEY, CustomNotification, Worke
 from rankcast.process import is_rankcast_process
 from rankcast.protocol import LoRAMove, SchedulerOutput, StepReply
 from rankcast.worker.extension import load_worker_plugins, worker_class
+from rankcast.worker.grammar import GrammarMatchers
 from rankcast.worker.lora_manager import LoRAManager
 from rankcast.worker.model_runner import ModelRunner
 from rankcast.worker.notification_buffer import Doorbell, NotificationBuffer
@@ -100,8 +101,9 @@ class Worker:
         start = time.perf_counter()
         arch = ArchConfig.from_model_dir(self.source.model_dir)
         model = load_model(self.source.model_dir, arch, self.dtype, self.device, self.tp, self.pp)
+        grammars = GrammarMatchers(self.source.model_dir, arch.vocab_size, arch.eos_token_ids)
         self.runner = ModelRunner(
-            model, arch, self.config.cache.block_size, self.device, self.dtype
+            model, arch, self.config.cache.block_size, self.device, self.dtype, grammars
         )
         if self.config.lora.enable_lora:
             lora = self.config.lora

@@ -88,31 +88,43 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-# Fields that ask for output of a given shape. Until structured outputs exist they are refused
-# with a 400 saying so: ignoring them would hand a client that asked for JSON plain prose.
-STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema is enforced whatever `strict` says."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        if self.type == "json_schema" and not schema:
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` object (its successor to the `guided_*` fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(RequestBody):
     model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_structured_output(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            asked = [f for f in STRUCTURED_OUTPUT_FIELDS if data.get(f) is not None]
-            response_format = data.get("response_format")
-            if isinstance(response_format, dict) and response_format.get("type") != "text":
-                asked.append(f"response_format {response_format.get('type')!r}")
-            tools, choice = data.get("tools"), data.get("tool_choice")
-            if tools and choice != "none":
-                asked.append("tools (with tool_choice other than 'none')")
-            if asked:
-                raise ValueError(
-                    f"{', '.join(asked)}: structured outputs are not supported yet; the output "
-                    "would not follow the requested shape"
-                )
-        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT_MAX)
@@ -127,6 +139,13 @@ class _SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     ignore_eos: bool = False
+    # Structured outputs: at most one of these (`structured.py` turns it into a grammar).
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @field_validator("stop")
     @classmethod
@@ -139,8 +158,31 @@ class _SamplingFields(RequestBody):
         return stops
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -20,9 +20,11 @@ from rankcast.engine.mp_client import EngineDeadError
 from rankcast.entrypoints.openai.drain import ServerShuttingDownError
 from rankcast.entrypoints.openai.errors import APIError, error_body
 from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
+from rankcast.entrypoints.openai.structured import ToolCallShape, requested_shape
 from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.outputs import Logprob, RequestOutput, RequestRejectedError
 from rankcast.sampling_params import SamplingParams
+from rankcast.structured_outputs import StructuredOutputs
 from rankcast.tokenizer import apply_chat_template
 
 T = TypeVar("T")
@@ -55,6 +57,7 @@ def _sampling_params(
     prompt_len: int,
     max_tokens: int | None,
     logprobs: int | None,
+    structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
     limit = ctx.engine.max_model_len
     if prompt_len >= limit:
@@ -83,6 +86,7 @@ def _sampling_params(
             stop=list(body.stop or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            structured=structured,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -187,14 +191,20 @@ async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, request: Request
 ) -> Response:
     lora_name = check_model(ctx, body.model)
+    structured, tool_calls = requested_shape(body)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = apply_chat_template(ctx.tokenizer, messages)
+        # Fields beyond role and content (an assistant's tool_calls, a tool's tool_call_id)
+        # are the template's to use.
+        messages = [
+            {**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages
+        ]
+        prompt_ids = apply_chat_template(ctx.tokenizer, messages, tools=tools)
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from None
     top = body.top_logprobs or 0
     params = _sampling_params(
-        ctx, body, len(prompt_ids), body.output_limit(), top if body.logprobs else None
+        ctx, body, len(prompt_ids), body.output_limit(), top if body.logprobs else None, structured
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -217,6 +227,7 @@ async def create_chat_completion(
                 outputs,
                 include_usage,
                 top if body.logprobs else None,
+                tool_calls,
             ),
             media_type="text/event-stream",
         )
@@ -224,11 +235,12 @@ async def create_chat_completion(
     if final is None:
         return Response(status_code=499)
     completion = final.outputs[0]
+    message, finish_reason = _chat_message(completion.text, completion.finish_reason, tool_calls)
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": completion.text},
+        "message": message,
         "logprobs": None,
-        "finish_reason": completion.finish_reason,
+        "finish_reason": finish_reason,
     }
     if body.logprobs and completion.logprobs is not None:
         choice["logprobs"] = _chat_logprobs(completion.logprobs, completion.token_ids, top)
@@ -242,6 +254,18 @@ async def create_chat_completion(
             "usage": _usage(len(prompt_ids), len(completion.token_ids)),
         }
     )
+
+
+def _chat_message(
+    text: str, finish_reason: str | None, tool_calls: ToolCallShape | None
+) -> tuple[dict[str, Any], str | None]:
+    """The assistant message and finish reason: tool calls where the request forced them and
+    the output holds them, the text as content otherwise (as when max_tokens cut the JSON)."""
+    calls = tool_calls.calls(text) if tool_calls is not None and finish_reason == "stop" else None
+    if calls is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    assert tool_calls is not None
+    return {"role": "assistant", "content": None, "tool_calls": calls}, tool_calls.finish_reason
 
 
 def _header(model: str, request_id: str, created: int, kind: str) -> dict[str, Any]:
@@ -305,7 +329,10 @@ def _chat_stream(
     outputs: AsyncIterator[RequestOutput],
     include_usage: bool,
     top: int | None,
+    tool_calls: ToolCallShape | None = None,
 ) -> AsyncIterator[bytes]:
+    """Chat chunks; a tool-forcing request's output is held back and sent, once complete, as
+    one `tool_calls` delta (its JSON means nothing to a client until it is whole)."""
     header = state.header
 
     def chunk(
@@ -320,6 +347,19 @@ def _chat_stream(
             completion = output.outputs[0]
             state.completion_tokens = len(completion.token_ids)
             logprobs = _delta_logprobs(output, top, _chat_logprobs)
+            if tool_calls is not None:
+                if output.finished:
+                    message, finish = _chat_message(
+                        completion.text, completion.finish_reason, tool_calls
+                    )
+                    delta = {k: v for k, v in message.items() if k != "role"}
+                    if "tool_calls" in delta:
+                        delta["tool_calls"] = [
+                            {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
+                        ]
+                    yield chunk(delta, None)
+                    yield chunk({}, finish)
+                continue
             if completion.delta_text or logprobs:
                 yield chunk({"content": completion.delta_text}, None, logprobs)
             if output.finished:
@@ -342,7 +382,10 @@ async def create_completion(
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", "prompt")
-    params = _sampling_params(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs)
+    structured, _ = requested_shape(body)
+    params = _sampling_params(
+        ctx, body, len(prompt_ids), body.max_tokens, body.logprobs, structured
+    )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or ctx.model_name

@@ -39,7 +39,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 # Bump whenever any struct below changes its field list; peers refuse a mismatch at handshake.
-PROTOCOL_VERSION = 6
+# 7: SamplingParams.structured (an engine that did not know it would ignore the output's shape).
+PROTOCOL_VERSION = 7
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):

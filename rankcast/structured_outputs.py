@@ -51,8 +51,8 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True, frozen
             raise ValueError(
                 f"structured outputs need exactly one of {', '.join(self._KINDS)} (got {named})"
             )
-        if self.choice is not None and any(not c for c in self.choice):
-            raise ValueError("choice: every choice must be a non-empty string")
+        if self.choice is not None and (not self.choice or not all(self.choice)):
+            raise ValueError("choice: give one or more choices, each a non-empty string")
         from llguidance import LLMatcher
 
         problem = str(LLMatcher.validate_grammar(self.llguidance_grammar())).strip()

@@ -78,18 +78,48 @@ BAD_BODIES = [
     ("/collective_rpc", '{"method":"rank_info","args":["\\ud800"]}', "args[0]"),
     ("/collective_rpc", '{"method":"rank_info","timeout":Infinity}', "timeout"),
     ("/v1/load_lora_adapter", '{"lora_name":"\\ud800","lora_path":"/x"}', "lora_name"),
-    # Asked-for output shapes are refused until structured outputs exist, not ignored.
+    # Output shapes that cannot be built, or that contradict each other, are named.
     (
         "/v1/chat/completions",
-        "{" + CHAT + ',"response_format":{"type":"json_object"}}',
-        "response_format 'json_object': structured outputs are not supported yet",
+        "{" + CHAT + ',"response_format":{"type":"json_schema","json_schema":{"name":"x",'
+        '"schema":{"type":"objekt"}}}}',
+        "response_format: json: Invalid type: objekt",
+    ),
+    (
+        "/v1/chat/completions",
+        "{" + CHAT + ',"response_format":{"type":"json_schema"}}',
+        "json_schema needs json_schema.schema",
     ),
     (
         "/v1/chat/completions",
         "{" + CHAT + ',"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto"}',
-        "tools (with tool_choice other than 'none')",
+        "tool_choice 'auto'",
     ),
-    ("/v1/completions", '{"prompt":"hi","guided_regex":"[0-9]+"}', "guided_regex"),
+    (
+        "/v1/chat/completions",
+        "{" + CHAT + ',"tools":[{"type":"function","function":{"name":"f"}}]}',
+        "tool_choice 'auto' (the default when tools are given)",
+    ),
+    (
+        "/v1/chat/completions",
+        "{" + CHAT + ',"tools":[{"type":"function","function":{"name":"f"}}],'
+        '"tool_choice":{"type":"function","function":{"name":"g"}}}',
+        "tool_choice names 'g', which is not in tools",
+    ),
+    ("/v1/completions", '{"prompt":"hi","guided_regex":"a(b"}', "guided_regex: regex: "),
+    ("/v1/completions", '{"prompt":"hi","guided_grammar":"start: foo"}', 'unknown name: "foo"'),
+    ("/v1/completions", '{"prompt":"hi","guided_json":"{not json"}', "schema is not valid JSON"),
+    ("/v1/completions", '{"prompt":"hi","guided_choice":[]}', "guided_choice"),
+    (
+        "/v1/completions",
+        '{"prompt":"hi","guided_regex":"[0-9]+","guided_choice":["a"]}',
+        "give at most one output shape, got guided_regex, guided_choice",
+    ),
+    (
+        "/v1/completions",
+        '{"prompt":"hi","guided_regex":"[0-9]+","ignore_eos":true}',
+        "ignore_eos cannot be combined with structured outputs",
+    ),
 ]
 
 

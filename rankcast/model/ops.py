@@ -85,6 +85,30 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """In place, -inf for every token whose bit is clear in its row's mask (int32 words, bit t
+    of the row keeps token t; llguidance's layout), on the named rows of `logits` only; tokens
+    beyond the mask's width are blocked."""
+    if kernels.available(logits) and logits.dim() == 2 and logits.stride(1) == 1:
+        index = torch.tensor(rows, dtype=torch.long)
+        torch.ops.rankcast.apply_token_bitmask(logits, index, bitmask.contiguous())
+        return
+    device = logits.device
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    words = bitmask.to(device)
+    blocked = ((words.unsqueeze(-1) >> shifts) & 1 == 0).view(len(rows), -1)
+    vocab = logits.shape[1]
+    if blocked.shape[1] < vocab:
+        blocked = F.pad(blocked, (0, vocab - blocked.shape[1]), value=True)
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill(blocked[:, :vocab], float("-inf"))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, rounded to x's dtype before the weight scales it (as HF does)."""
     if kernels.available(x) and x.dim() == 2 and x.stride(1) == 1:

@@ -83,7 +83,7 @@ BAD_BODIES = [
         "/v1/chat/completions",
         "{" + CHAT + ',"response_format":{"type":"json_schema","json_schema":{"name":"x",'
         '"schema":{"type":"objekt"}}}}',
-        "response_format: json: Invalid type: objekt",
+        'response_format: json: Unsupported type "objekt"',
     ),
     (
         "/v1/chat/completions",
@@ -107,7 +107,7 @@ BAD_BODIES = [
         "tool_choice names 'g', which is not in tools",
     ),
     ("/v1/completions", '{"prompt":"hi","guided_regex":"a(b"}', "guided_regex: regex: "),
-    ("/v1/completions", '{"prompt":"hi","guided_grammar":"start: foo"}', 'unknown name: "foo"'),
+    ("/v1/completions", '{"prompt":"hi","guided_grammar":"start: foo"}', "unknown name 'foo'"),
     ("/v1/completions", '{"prompt":"hi","guided_json":"{not json"}', "schema is not valid JSON"),
     ("/v1/completions", '{"prompt":"hi","guided_choice":[]}', "guided_choice"),
     (

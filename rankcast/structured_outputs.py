@@ -75,21 +75,11 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True, frozen
         JSON object)."""
         from xgrammar import Grammar
 
-        if self.json is not None:
-            schema: Any = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"the schema is not valid JSON ({exc})") from None
-            if not isinstance(schema, dict):
-                raise ValueError("the schema must be a JSON object")
+        if self.json is not None or self.json_object:
+            # strict_mode off: what a schema leaves open (extra properties, items of any type)
+            # stays open, as JSON Schema says; xgrammar's strict mode would close it.
             return Grammar.from_json_schema(
-                schema, any_whitespace=False, separators=JSON_SEPARATORS
-            )
-        if self.json_object:
-            return Grammar.from_json_schema(
-                {"type": "object"}, any_whitespace=False, separators=JSON_SEPARATORS
+                self._schema(), any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False
             )
         if self.regex is not None:
             return Grammar.from_regex(self.regex)
@@ -99,6 +89,19 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True, frozen
             return Grammar.from_lark(f"start: {options}")
         assert self.grammar is not None
         return Grammar.from_lark(self.grammar)
+
+    def _schema(self) -> dict[str, Any]:
+        if self.json is None:
+            return {"type": "object"}  # json_object: any object
+        schema: Any = self.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the schema is not valid JSON ({exc})") from None
+        if not isinstance(schema, dict):
+            raise ValueError("the schema must be a JSON object")
+        return schema
 
 
 def _is_set(value: Any) -> bool:

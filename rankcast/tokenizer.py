@@ -29,8 +29,13 @@ def apply_chat_template(
     others ignore them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use a plain completion prompt")
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
-    )
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+    except TemplateError as exc:  # the template refused the conversation (its own words)
+        raise ValueError(f"the chat template refused the conversation: {exc}") from None
     # The template already wrote any BOS it wants; do not let encoding add a second one.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -15,7 +15,7 @@ import torch
 from rankcast import LLM
 from rankcast.sampling_params import SamplingParams
 from rankcast.structured_outputs import StructuredOutputs
-from rankcast.worker.grammar import TokenMask
+from rankcast.worker.grammar import GrammarMatchers, TokenMask
 
 CITIES = ["Paris", "London", "Rome", "Lagos", "Lima", "Oslo", "Quito", "Hanoi"]
 
@@ -200,3 +200,21 @@ def test_token_mask_masks_the_constrained_rows_bit_by_bit(dtype: torch.dtype) ->
     kept = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert kept == allowed
     assert torch.equal(logits[1, allowed], before[1, allowed])
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [
+        StructuredOutputs(json_object=True),
+        StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    ],
+)
+def test_what_a_schema_leaves_open_stays_open(
+    embedded_model_dir: Path, structured: StructuredOutputs
+) -> None:
+    """JSON Schema's meaning, not a stricter one: unnamed properties are allowed unless the
+    schema says `additionalProperties: false` (any JSON object means any, not only `{}`)."""
+    grammars = GrammarMatchers(embedded_model_dir, 49152, (2,))
+    matcher = grammars.matcher("r", structured)
+    assert matcher.accept_string('{"a": 1, "b": [true, "x"]}')
+    assert matcher.is_completed()

@@ -49,7 +49,7 @@ class ToolCallShape:
         if self.function is not None:
             pairs = [(self.function, value)]
         else:
-            if not isinstance(value, list):
+            if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
                 return None
             pairs = [(call.get("name"), call.get("parameters")) for call in value]
         return [

@@ -74,9 +74,10 @@ def _wait_ready(
     a stop request ends the wait at once (a model can take minutes to load)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if stop.is_set():
-            raise StoppedDuringStartUp(f"stopped while {name} was starting")
-        if conn.poll(0.2):
+        # The pipe first: a child whose "ready" is already waiting there is serving (a busy
+        # machine can delay this loop by seconds), so a stop arriving now must drain it like
+        # any started child, not kill it as one still loading.
+        if conn.poll(0 if stop.is_set() else 0.2):
             try:
                 kind, *detail = conn.recv()
             except EOFError:  # it died before a word: its pipe closed with it
@@ -87,6 +88,8 @@ def _wait_ready(
             if kind != "ready":
                 raise LaunchError(f"{name} failed to start: {detail[0] if detail else kind}")
             return
+        if stop.is_set():
+            raise StoppedDuringStartUp(f"stopped while {name} was starting")
         if not proc.is_alive():
             raise LaunchError(f"{name} exited during start-up (exit code {proc.exitcode})")
     raise LaunchError(f"{name} did not become ready in {timeout_s:.0f} s")

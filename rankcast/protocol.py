@@ -40,7 +40,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 # Bump whenever any struct below changes its field list; peers refuse a mismatch at handshake.
 # 7: SamplingParams.structured (an engine that did not know it would ignore the output's shape).
-PROTOCOL_VERSION = 7
+# 8: EngineStateSnapshot.incarnation (which start of a supervised engine core sent it).
+PROTOCOL_VERSION = 8
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -267,7 +268,8 @@ class EngineStateSnapshot(msgspec.Struct, array_like=True, omit_defaults=True):
 
     `engine_seq` is the last notification the state includes, so the stream that follows
     continues from there. `lora` is present when the engine serves adapters, `kv_cache` when it
-    publishes KV-cache events.
+    publishes KV-cache events. `incarnation` counts the engine core's starts under the
+    launcher (0 first; each restart after a death adds one): its `engine_seq` starts over.
     """
 
     engine_index: int = 0
@@ -275,6 +277,7 @@ class EngineStateSnapshot(msgspec.Struct, array_like=True, omit_defaults=True):
     notifications: NotificationLedgerState = msgspec.field(default_factory=NotificationLedgerState)
     lora: LoRAState | None = None
     kv_cache: KVCacheState | None = None
+    incarnation: int = 0
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True, omit_defaults=True):

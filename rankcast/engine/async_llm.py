@@ -118,6 +118,10 @@ class AsyncLLM:
             return self.clients[0].dead
         return None
 
+    @property
+    def any_dead(self) -> bool:
+        return any(c.dead is not None for c in self.clients)
+
     def engine_health(self) -> list[tuple[int, str | None]]:
         """(engine index, why it is gone or None while it serves), for every engine core."""
         return [(i, None if c.dead is None else str(c.dead)) for i, c in enumerate(self.clients)]
@@ -227,7 +231,8 @@ class AsyncLLM:
                 for stream in self.streams.values():
                     if stream.engine == engine:
                         stream.queue.put_nowait(exc)
-                return
+                await self._reconnect(engine)
+                continue
             if outputs.engine_notifications:
                 self._deliver_notifications(outputs.engine_notifications)
             if outputs.scheduler_stats is not None:
@@ -245,6 +250,23 @@ class AsyncLLM:
                 owner.queue.put_nowait(output)
             if processed.requests_to_abort:
                 await client.abort_requests(processed.requests_to_abort)
+
+    async def _reconnect(self, engine: int) -> None:
+        """Wait for the dead engine core's next incarnation (the launcher restarts it), then
+        serve from it: its snapshot restarts every sink's view of that engine, and the
+        balancer sends it new requests again. Until then this server answers 503 for it."""
+        client = self.clients[engine]
+        await client.reconnect()
+        self.observer.record_engine_up(engine, True)
+        snapshot = client.ready.snapshot if client.ready is not None else None
+        if snapshot is not None:
+            for sink in self.sinks:
+                sink.apply_snapshot(snapshot)
+        logger.info(
+            "engine core %d is back (incarnation %d)",
+            engine,
+            snapshot.incarnation if snapshot is not None else 0,
+        )
 
     def _deliver_notifications(self, raws: list[Any]) -> None:
         known, unknown = self.notification_decoder.decode(raws)

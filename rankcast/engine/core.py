@@ -67,9 +67,16 @@ IDLE_WAIT_S = 1.0
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        engine_index: int = 0,
+        incarnation: int = 0,
+    ) -> None:
         self.config = config
         self.engine_index = engine_index
+        self.incarnation = incarnation  # which start of this engine core, under a supervisor
         self.arch = ArchConfig.from_model_dir(source.model_dir)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self.executor = create_executor(config, source, engine_index)
@@ -478,6 +485,7 @@ class EngineCore:
             kv_cache=None
             if self.kv_index is None
             else self.kv_index.state(self.scheduler.blocks.block_size),
+            incarnation=self.incarnation,
         )
 
     def stats(self) -> SchedulerStats:

@@ -47,11 +47,12 @@ class EngineCoreProc:
         source: ModelSource,
         addresses: EngineAddresses,
         engine_index: int = 0,
+        incarnation: int = 0,
     ) -> None:
         # The cores this process may use, taken before an in-process rank binds this (its main)
         # thread to its own: the I/O threads run anywhere in the set, not on the rank's core.
         self.io_cpus = os.sched_getaffinity(0)
-        self.core = EngineCore(config, source, engine_index)
+        self.core = EngineCore(config, source, engine_index, incarnation)
         self.engine_index = engine_index
         self.addresses = addresses
         self.inputs: queue.Queue[tuple[int, Any]] = queue.Queue()
@@ -193,15 +194,19 @@ def run_engine_core(
     source: ModelSource,
     addresses: EngineAddresses,
     engine_index: int,
+    incarnation: int,
     ready: Connection,
 ) -> None:
-    """Process entry point: build the engine, report readiness (or the error), serve until told."""
+    """Process entry point: build the engine, report readiness (or the error), serve until told.
+    `incarnation` is how many times the launcher has started this engine core before."""
     role = f"engine_core_dp{engine_index}"
     set_process_title(role)
     init_logging(role)
     die_with_parent()
+    if incarnation:
+        logger.info("starting again (incarnation %d)", incarnation)
     try:
-        proc = EngineCoreProc(config, source, addresses, engine_index)
+        proc = EngineCoreProc(config, source, addresses, engine_index, incarnation)
     except Exception as exc:
         logger.exception("engine core failed to start")
         ready.send(("error", f"{type(exc).__name__}: {exc}"))

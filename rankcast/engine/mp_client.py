@@ -156,22 +156,61 @@ class AsyncMPClient(AsyncEngineCoreClient):
         self.tasks: list[asyncio.Task[None]] = []
         self.dead: EngineDeadError | None = None
         self.ready: EngineReady | None = None
+        self.monitor: zmq.asyncio.Socket | None = None
 
     async def start(self, timeout_s: float = 600.0) -> None:
+        await self._connect(timeout_s)
+
+    async def _connect(self, timeout_s: float) -> None:
+        """Fresh sockets, the hello, the engine's `EngineReady`, then the reader and the
+        watchers; a handshake that times out leaves the sockets closed."""
         self.input = self.context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.LINGER, 0)
         self.input.connect(self.addresses.input)
         self.output = self.context.socket(zmq.PULL)
+        self.output.setsockopt(zmq.LINGER, 0)
         monitor = self.output.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.output.connect(self.addresses.output)
-        await self.input.send(self.encoder.encode(ClientHello(PROTOCOL_VERSION, self.client_index)))
-        self.ready = _check_ready(await self._receive_ready(timeout_s))
+        try:
+            await self.input.send(
+                self.encoder.encode(ClientHello(PROTOCOL_VERSION, self.client_index))
+            )
+            self.ready = _check_ready(await self._receive_ready(timeout_s))
+        except BaseException:
+            self._close_sockets(monitor)
+            raise
         self.max_model_len = self.ready.max_model_len
+        self.dead = None
         self.tasks = [
             asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self._watch_disconnect(monitor)),
             asyncio.create_task(self._watch_pid()),
         ]
+        self.monitor = monitor
+
+    def _close_sockets(self, monitor: zmq.asyncio.Socket | None) -> None:
+        if monitor is not None:
+            self.output.disable_monitor()
+            monitor.close(linger=0)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+
+    async def reconnect(self, attempt_s: float = 2.0) -> None:
+        """After the engine core died: say hello until its next incarnation (started by the
+        launcher's supervisor, on the same addresses) answers, then serve from it. Tries until
+        it succeeds or the task is cancelled; the caller fails the dead engine's requests
+        first, so nothing waits on this."""
+        for task in self.tasks:
+            task.cancel()
+        self.tasks = []
+        self._close_sockets(self.monitor)
+        self.queue = asyncio.Queue()
+        while True:
+            try:
+                await self._connect(attempt_s)
+            except TimeoutError:
+                continue
+            return
 
     async def _receive_ready(self, timeout_s: float) -> EngineReady:
         """The handshake reply. A restarted API server may first receive what the engine sent

@@ -3,10 +3,11 @@
 The launcher converts the model once, starts the engine core and waits for it to load, then
 starts the API servers (which share the port through SO_REUSEPORT). An API server that dies is
 started again under the same index; it catches up from the engine core's state snapshot, so its
-`/metrics` agree with its siblings' again. On SIGTERM or SIGINT it stops
-the API servers first (so in-flight HTTP requests end cleanly), then the engine core, and leaves
-no process behind. If the engine core dies, the API servers stay up and answer 503, so a probe
-or an operator sees the failure instead of a refused connection.
+`/metrics` agree with its siblings' again. An engine core that dies (or loses a rank, which ends
+it) is started again under the next incarnation, with back-off and a give-up rule
+(`supervision.py`); meanwhile its API servers answer 503 for it, then reconnect. On SIGTERM or
+SIGINT it stops the API servers first (so in-flight HTTP requests end cleanly), then the engine
+cores, and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from rankcast.config import ConfigError, EngineConfig, ServeConfig
 from rankcast.engine.addresses import EngineAddresses
 from rankcast.engine.core_proc import run_engine_core
 from rankcast.entrypoints.openai.api_server import ApiServerConfig, run_api_server
+from rankcast.entrypoints.supervision import SUPERVISOR_STATE_ENV, EngineSupervision, write_states
 from rankcast.metrics.fleet import MULTIPROC_DIR_ENV
 from rankcast.model.source import ModelSource, resolve_model
 from rankcast.process import private_ipc_dir, remove_ipc_dirs_of
@@ -160,22 +163,30 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
     stop_requested = _stop_on_signals()
     children = _Children()
     metrics_dir = private_ipc_dir("rankcast-metrics")
+    supervision = _Supervision(
+        [EngineSupervision(dp) for dp in range(len(engine_addresses))],
+        metrics_dir / "supervisor.json",
+        lambda dp, incarnation: _engine_spec(config, source, engine_addresses[dp], dp, incarnation),
+    )
     try:
         children.engines = _start_all(
             spawn,
-            _engine_specs(config, source, engine_addresses),
+            [supervision.spec(dp, 0) for dp in range(len(engine_addresses))],
             ENGINE_START_TIMEOUT_S,
             stop_requested,
         )
         # Every API server (restarted ones too: they inherit it) writes the series it counts
-        # into this one directory, and each scrape sums them (rankcast/metrics/fleet.py).
+        # into this one directory, and each scrape sums them (rankcast/metrics/fleet.py); the
+        # supervisor's state file beside them tells their /health whether an engine returns.
         os.environ[MULTIPROC_DIR_ENV] = str(metrics_dir)
+        os.environ[SUPERVISOR_STATE_ENV] = str(supervision.state_path)
+        supervision.write()
         api_server_specs = _api_server_specs(server, model_name, source, engine_addresses)
         children.api_servers = _start_all(
             spawn, api_server_specs, API_SERVER_START_TIMEOUT_S, stop_requested
         )
         _print_banner(server, model_name)
-        return _supervise(spawn, api_server_specs, children, stop_requested)
+        return _supervise(spawn, api_server_specs, children, supervision, stop_requested)
     except StoppedDuringStartUp as exc:
         logger.info("%s", exc)
         return 0
@@ -190,6 +201,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         for addresses in engine_addresses:
             addresses.cleanup()
         os.environ.pop(MULTIPROC_DIR_ENV, None)
+        os.environ.pop(SUPERVISOR_STATE_ENV, None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
@@ -206,15 +218,29 @@ def _stop_on_signals() -> threading.Event:
     return stop_requested
 
 
-def _engine_specs(
-    config: EngineConfig, source: ModelSource, engine_addresses: list[EngineAddresses]
-) -> list[ChildSpec]:
-    """One engine core per data-parallel rank; they load side by side, each with its own
-    executor and ranks."""
-    return [
-        (f"engine_core_dp{dp}", run_engine_core, (config, source, addresses, dp))
-        for dp, addresses in enumerate(engine_addresses)
-    ]
+def _engine_spec(
+    config: EngineConfig,
+    source: ModelSource,
+    addresses: EngineAddresses,
+    dp: int,
+    incarnation: int,
+) -> ChildSpec:
+    """One engine core per data-parallel rank (they load side by side, each with its own
+    executor and ranks), on the same addresses whichever incarnation it is."""
+    return (f"engine_core_dp{dp}", run_engine_core, (config, source, addresses, dp, incarnation))
+
+
+@dataclass
+class _Supervision:
+    """Every engine core's restart bookkeeping, where its state is published, and how to
+    make the spec of one incarnation."""
+
+    engines: list[EngineSupervision]
+    state_path: Path
+    spec: Callable[[int, int], ChildSpec]
+
+    def write(self) -> None:
+        write_states(self.state_path, self.engines)
 
 
 def _api_server_specs(
@@ -249,24 +275,65 @@ def _supervise(
     spawn: SpawnContext,
     api_server_specs: list[ChildSpec],
     children: _Children,
+    supervision: _Supervision,
     stop_requested: threading.Event,
 ) -> int:
-    """Watch the children twice a second until a stop is requested (exit code 0) or every API
-    server is gone (1). A dead API server is started again, unless an engine core has died (it
-    could not connect) or a restart already failed; a dead engine core is logged once and left
-    dead, so its API servers answer 503."""
-    dead_engines: set[int] = set()
+    """Watch the children until a stop is requested (exit code 0) or every API server is gone
+    (1). A dead engine core is started again under its next incarnation (`supervision.py`:
+    back-off, then give up after repeated failures); a dead API server is started again while
+    every engine core lives (it could not connect otherwise), unless its restart already
+    failed."""
     given_up: set[int] = set()
     while not stop_requested.wait(0.5):
         if all(not proc.is_alive() for proc in children.api_servers):
             logger.error("every API server has exited; shutting down")
             return 1
-        if not dead_engines:
+        _restart_engines(spawn, children, supervision, stop_requested)
+        if all(engine.is_alive() for engine in children.engines):
             _restart_api_servers(
                 spawn, api_server_specs, children.api_servers, given_up, stop_requested
             )
-        _report_dead_engines(children.engines, dead_engines)
     return 0
+
+
+def _restart_engines(
+    spawn: SpawnContext,
+    children: _Children,
+    supervision: _Supervision,
+    stop_requested: threading.Event,
+) -> None:
+    """Note each newly dead engine core, and start again those whose back-off has passed."""
+    changed = False
+    for dp, engine in enumerate(children.engines):
+        state = supervision.engines[dp]
+        if engine.is_alive() or state.given_up is not None:
+            continue
+        if state.retry_at is None:  # a death not seen before
+            if engine.pid is not None:
+                remove_ipc_dirs_of(engine.pid)  # what a killed engine core could not remove
+            state.failed(f"exited (code {engine.exitcode})")
+            changed = True
+        if not state.due() or stop_requested.is_set():
+            continue
+        supervision.write()
+        state.incarnation += 1
+        try:
+            children.engines[dp] = _start_all(
+                spawn,
+                [supervision.spec(dp, state.incarnation)],
+                ENGINE_START_TIMEOUT_S,
+                stop_requested,
+            )[0]
+        except StoppedDuringStartUp:
+            return
+        except LaunchError as exc:
+            state.failed(str(exc))
+        else:
+            state.retry_at = None
+            logger.info("engine core %d is serving again (incarnation %d)", dp, state.incarnation)
+        changed = True
+    if changed:
+        supervision.write()
 
 
 def _restart_api_servers(
@@ -289,18 +356,6 @@ def _restart_api_servers(
         except LaunchError as exc:
             given_up.add(index)
             logger.error("%s; not trying again", exc)
-
-
-def _report_dead_engines(engines: list[BaseProcess], reported: set[int]) -> None:
-    """Log each engine core that has exited, once (its index joins `reported`)."""
-    for dp, engine in enumerate(engines):
-        if not engine.is_alive() and dp not in reported:
-            reported.add(dp)
-            logger.error(
-                "engine core %d exited (code %s); API servers answer 503 until restarted",
-                dp,
-                engine.exitcode,
-            )
 
 
 def _print_banner(server: ServeConfig, model_name: str) -> None:

@@ -31,7 +31,7 @@ def engine(tiny_llama_dir: Path) -> Iterator[tuple[multiprocessing.Process, Engi
     read, write = spawn.Pipe(duplex=False)
     proc = spawn.Process(
         target=run_engine_core,
-        args=(config, resolve_model(str(tiny_llama_dir)), addresses, 0, write),
+        args=(config, resolve_model(str(tiny_llama_dir)), addresses, 0, 0, write),
     )
     proc.start()
     try:

@@ -56,7 +56,7 @@ def test_an_unknown_type_is_counted_and_skipped_and_the_rest_delivered() -> None
     text = metrics.exposition().decode()
     assert 'rankcast:engine_notifications_skipped_total{type="teleported"} 1.0' in text
     assert 'rankcast:engine_notifications_total{key="k",type="custom"} 2.0' in text
-    assert [e.id for e in hub.ring] == ["0:0", "0:2"]
+    assert [e.id for e in hub.ring] == ["0:0:0", "0:0:2"]
 
 
 def test_a_snapshot_starts_the_counters_where_the_engine_is() -> None:
@@ -94,9 +94,9 @@ def test_resume_replays_what_was_missed_and_filters_apply() -> None:
             0.0,
         )
         chunks = await _collect(hub, "0:2", 3, EventFilter())
-        assert _frames(chunks) == ["0:3", "0:4", "0:5"]
+        assert _frames(chunks) == ["0:0:3", "0:0:4", "0:0:5"]
         only_a = await _collect(hub, "0:0", 3, EventFilter.parse(None, "a"))
-        assert _frames(only_a) == ["0:1", "0:3", "0:5"]
+        assert _frames(only_a) == ["0:0:1", "0:0:3", "0:0:5"]
 
     asyncio.run(run())
 
@@ -111,11 +111,34 @@ def test_a_resume_point_the_ring_no_longer_holds_gets_a_gap_event() -> None:
         )
         chunks = await _collect(hub, "0:1", 5, EventFilter())
         text = b"".join(chunks).decode()
-        assert "event: replay_gap" in text and '"oldest_event_id": "0:6"' in text
-        assert _frames(chunks) == ["0:6", "0:7", "0:8", "0:9"]
+        assert "event: replay_gap" in text and '"oldest_event_id": "0:0:6"' in text
+        assert _frames(chunks) == ["0:0:6", "0:0:7", "0:0:8", "0:0:9"]
         # Right after the newest known event: nothing is missing, no gap.
         hub.apply_snapshot(EngineStateSnapshot(0, 9))
         assert hub._replay("0:9") == ([], None)
+
+    asyncio.run(run())
+
+
+def test_a_resume_point_from_before_an_engine_restart_gets_a_gap_event() -> None:
+    """Ids carry the incarnation; a reader resuming from the dead incarnation's id is told the
+    engine restarted and gets what the ring holds after its id, both incarnations' events."""
+
+    def decoded(seqs: range) -> list[CustomNotification]:
+        return [msgspec.msgpack.decode(_event(i), type=CustomNotification) for i in seqs]
+
+    async def run() -> None:
+        hub = EventHub()
+        hub.consume(decoded(range(4)), [], 0.0)
+        hub.apply_snapshot(EngineStateSnapshot(0, -1, incarnation=1))  # the restarted engine
+        hub.consume(decoded(range(2)), [], 0.0)
+        assert [e.id for e in hub.ring][-3:] == ["0:0:3", "0:1:0", "0:1:1"]
+        chunks = await _collect(hub, "0:0:1", 5, EventFilter())
+        text = b"".join(chunks).decode()
+        assert "event: replay_gap" in text and "restarted (incarnation 0 -> 1)" in text
+        assert _frames(chunks) == ["0:0:2", "0:0:3", "0:1:0", "0:1:1"]
+        # The current incarnation resumes as before: no gap.
+        assert hub._replay("0:1:0") == (list(hub.ring)[-1:], None)
 
     asyncio.run(run())
 

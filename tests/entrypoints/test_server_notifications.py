@@ -246,8 +246,8 @@ def test_a_restarted_api_server_resumes_exactly_after_its_snapshot(server: Serve
     resumed = open_event_streams(server.url, SERVERS, headers={"Last-Event-ID": last_id})
     try:
         worker_rpc(server.url, "publish_events", 1, "test.after")  # one per rank
-        engine, seq = last_id.split(":")
-        want = [f"{engine}:{int(seq) + 1}", f"{engine}:{int(seq) + 2}"]
+        engine, incarnation, seq = last_id.split(":")
+        want = [f"{engine}:{incarnation}:{int(seq) + i}" for i in (1, 2)]
         for name, stream in resumed.items():
             stream.wait_for(2)
             assert [event_id for event_id, _ in stream.events] == want, f"API server {name}"

@@ -1,5 +1,6 @@
 """A rank that fails while its notifications are gathered: the engine core stops (after its ranks)
-and every API server answers 503, with no hang. A module of its own: it ends its server."""
+and every API server answers 503, with no hang; then the launcher starts the engine core again
+and the servers serve. A module of its own: it ends its server's first engine."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rankcast.process import process_is_alive
 from tests.entrypoints.notification_clients import producer_server_args, worker_rpc
 from tests.entrypoints.server_process import ServerProcess
 
@@ -30,6 +32,7 @@ def test_a_rank_failing_under_a_gather_stops_the_engine_and_servers_answer_503(
     server: ServerProcess,
 ) -> None:
     """It ends the engine core on purpose, so it has a server of its own."""
+    first = server.pid_of("engine_core_dp0")
     response = worker_rpc(server.url, "break_notification_drain", 1)
     assert response.status_code in (400, 503)  # the call's own gather is the one that fails
     deadline = time.monotonic() + 60
@@ -43,10 +46,17 @@ def test_a_rank_failing_under_a_gather_stops_the_engine_and_servers_answer_503(
         time.sleep(0.1)
     # The engine core exits (after stopping its ranks), not just its sockets.
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            server.pid_of("engine_core_dp0")
-        except LookupError:
-            break
+    while process_is_alive(first):
         assert time.monotonic() < deadline, "the engine core process did not exit"
         time.sleep(0.2)
+    # Then its next incarnation serves every API server again.
+    healthy: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(healthy) < SERVERS:
+        assert time.monotonic() < deadline, f"only API servers {sorted(healthy)} serve again"
+        with httpx.Client(timeout=10) as http:
+            health = http.get(f"{server.url}/health")
+        if health.status_code == 200:
+            healthy.add(health.headers["x-rankcast-api-server"])
+        time.sleep(0.1)
+    assert server.pid_of("engine_core_dp0") != first

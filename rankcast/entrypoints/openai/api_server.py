@@ -55,6 +55,7 @@ from rankcast.entrypoints.openai.serving import (
     create_completion,
 )
 from rankcast.entrypoints.openai.tokenization import detokenize, tokenize
+from rankcast.entrypoints.supervision import read_states
 from rankcast.logger import init_logging
 from rankcast.metrics.lora_metrics import LoRAMetrics
 from rankcast.metrics.lora_residency import LoRAResidency
@@ -205,11 +206,18 @@ def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetr
     @app.get("/health")
     async def health() -> Response:
         """200 while any engine core serves (a dead data-parallel sibling is named in the
-        body), 503 once none does."""
-        engines = [
-            {"engine": index, "up": why is None, **({"error": why} if why else {})}
-            for index, why in serving.engine.engine_health()
-        ]
+        body), 503 once none does. A dead engine's entry says whether the launcher is
+        restarting it or has given up, and why."""
+        supervisor = read_states() if serving.engine.any_dead else {}
+        engines = []
+        for index, why in serving.engine.engine_health():
+            entry: dict[str, object] = {"engine": index, "up": why is None}
+            if why is not None:
+                entry["error"] = why
+                state = supervisor.get(index)
+                if state is not None and state.state != "serving":
+                    entry["supervisor"] = {"state": state.state, "message": state.message}
+            engines.append(entry)
         status = 503 if serving.engine.dead is not None else 200
         return JSONResponse({"engines": engines}, status_code=status)
 

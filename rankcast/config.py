@@ -21,6 +21,8 @@ from rankcast import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# How the ray executor places pipeline stages on nodes (Ray's placement-group strategies).
+RAY_PLACEMENTS = ("pack", "spread", "strict-spread")
 # The KV cache budget when neither --kv-cache-space nor RANKCAST_KV_CACHE_SPACE says otherwise:
 # enough for a 2-core machine's batches of the embedded model.
 DEFAULT_KV_CACHE_SPACE_GIB = 2.0
@@ -142,6 +144,10 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # Ray only: one placement-group bundle per pipeline stage, packed onto as few nodes as fit
+    # (pack), spread over nodes where Ray can (spread), or each stage on a node of its own
+    # (strict-spread: the engine waits until the cluster has enough nodes).
+    ray_placement: str = "pack"
     # `module:Class` mixed into every worker, so user code runs (and publishes) inside each rank.
     worker_extension_cls: str | None = None
     # How each rank uses the CPU, settled at construction from RANKCAST_KERNELS,
@@ -164,6 +170,10 @@ class ParallelConfig:
             self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
             f"--distributed-executor-backend must be one of {EXECUTOR_BACKENDS}, "
             f"got {self.distributed_executor_backend!r}",
+        )
+        _require(
+            self.ray_placement in RAY_PLACEMENTS,
+            f"--ray-placement must be one of {RAY_PLACEMENTS}, got {self.ray_placement!r}",
         )
         object.__setattr__(self, "kernels", _from_env(envs.kernels_mode))
         object.__setattr__(self, "num_threads", _from_env(envs.num_threads))

@@ -24,6 +24,7 @@ from rankcast.config import (
     DEFAULT_KV_CACHE_SPACE_GIB,
     DTYPES,
     EXECUTOR_BACKENDS,
+    RAY_PLACEMENTS,
     ConfigError,
     EngineConfig,
     ServeConfig,
@@ -196,6 +197,14 @@ FLAGS: tuple[Flag, ...] = (
         "uni: one rank in the engine process; mp: a process per rank; ray: ranks as Ray actors "
         "(pip install 'rankcast[ray]') (unset: uni for one rank, mp for several)",
         choices=EXECUTOR_BACKENDS,
+    ),
+    Flag(
+        "--ray-placement",
+        "ray_placement",
+        "ray executor: one placement-group bundle (1 CPU) per pipeline stage; pack: on as few "
+        "nodes as fit, spread: over nodes where possible, strict-spread: each stage on a node of "
+        "its own (the engine waits until there are enough)",
+        choices=RAY_PLACEMENTS,
     ),
     Flag(
         "--worker-extension-cls",

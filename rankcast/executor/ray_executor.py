@@ -5,6 +5,11 @@ executor sends; Ray only carries them. Each call gets its own object refs, so a 
 failed call can never be read by the next one. A rank whose actor dies (a `RayActorError`) fails
 the call with the rank's name, and a monitor thread pings idle actors so an idle engine fails
 promptly too. Ray is an optional dependency: `pip install rankcast[ray]`.
+
+Ranks are placed through a placement group with one bundle (1 CPU) per pipeline stage, so a
+stage's tensor-parallel ranks share a node and stages go where `--ray-placement` says: packed on
+as few nodes as fit, spread over nodes, or strictly one node each. The group belongs to the
+engine core (Ray's driver): Ray removes it, and the actors, when that process ends.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from rankcast.protocol import SchedulerOutput, StepReply, WorkerCall, WorkerRepl
 logger = logging.getLogger(__name__)
 
 _PING_INTERVAL_S = 1.0
+# How long the engine waits for the cluster to offer its placement (a strict spread waits for
+# nodes); the launcher's own start-up timeout is longer.
+_PLACEMENT_TIMEOUT_S = 600.0
 
 
 class RayRank:
@@ -89,11 +97,22 @@ class RayExecutor(Executor):
         self.stopping = False
         self.call_ids = 0
         self.remote_doorbell = False
-        # No CPU reservation: ranks share a node's cores the way the mp executor's do.
+        self.actors: list[Any] = []
+        self.placement = self._placement_group()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        # No CPU reservation per actor: a stage's ranks share its bundle's node the way the mp
+        # executor's ranks share cores.
         actor_class = ray.remote(num_cpus=0)(RayRank)
+        tp = config.parallel.tensor_parallel_size
         # Ray actor handles: their methods are called as `.remote(...)` (untyped by Ray).
-        self.actors: list[Any] = [
-            actor_class.remote(config, source, rank) for rank in range(self.world_size)
+        self.actors = [
+            actor_class.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement, placement_group_bundle_index=rank // tp
+                )
+            ).remote(config, source, rank)
+            for rank in range(self.world_size)
         ]
         try:
             host, port = ray.get(self.actors[0].address.remote())
@@ -104,6 +123,23 @@ class RayExecutor(Executor):
             raise ExecutorError(f"Ray ranks failed to start: {exc}") from None
         self.monitor = threading.Thread(target=self._watch_actors, name="ray-monitor", daemon=True)
         self.monitor.start()
+
+    def _placement_group(self) -> Any:
+        """One bundle per pipeline stage, placed as `--ray-placement` says; waits (bounded) for
+        the cluster to offer it, naming what it waited for."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        strategy = self.config.parallel.ray_placement.upper().replace("-", "_")
+        stages = self.config.parallel.pipeline_parallel_size
+        group = placement_group([{"CPU": 1}] * stages, strategy=strategy)
+        ready, _ = self.ray.wait([group.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(group)
+            raise ExecutorError(
+                f"the Ray cluster did not offer {stages} bundle(s) of 1 CPU with strategy "
+                f"{strategy} in {_PLACEMENT_TIMEOUT_S:.0f} s"
+            )
+        return group
 
     def _watch_actors(self) -> None:
         while not self.stopping and self.failure is None:
@@ -199,3 +235,11 @@ class RayExecutor(Executor):
                 self.ray.kill(actor)
             except Exception:
                 logger.debug("actor already gone", exc_info=True)
+        placement = getattr(self, "placement", None)
+        if placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(placement)
+            except Exception:
+                logger.debug("placement group already gone", exc_info=True)

@@ -90,6 +90,7 @@ SERVE_EVERYTHING = (
     "--pipeline-parallel-size=2",
     "--data-parallel-size=2",
     "--distributed-executor-backend=mp",
+    "--ray-placement=strict-spread",
     "--worker-extension-cls=pkg.mod:Cls",
     "--worker-notification-poll-interval=0.5",
     "--no-worker-notification-doorbell",

@@ -41,6 +41,12 @@ class EventProducer:
                 )
         return self.rank
 
+    def ray_node(self) -> str:
+        """The Ray node this rank's actor runs on (ray executor only)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def report(self) -> RankReport:
         return RankReport(self.rank, (self.rank, 0), ["a", "b"])
 

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
@@ -21,6 +20,7 @@ import pytest
 from rankcast.process import process_is_alive
 from tests.entrypoints.notification_clients import open_event_streams, scrape_each, worker_rpc
 from tests.entrypoints.server_process import ServerProcess
+from tests.reliability.fleet import StreamedCompletion, until_every_server
 
 pytestmark = pytest.mark.scenario
 
@@ -43,43 +43,6 @@ def server() -> Iterator[ServerProcess]:
     )
     with proc.running():
         yield proc
-
-
-class _Stream:
-    """A long streamed completion on a thread: its SSE data lines, and whether it ended."""
-
-    def __init__(self, url: str) -> None:
-        self.events: list[str] = []
-        self.started = threading.Event()
-        body = {"prompt": "Tell a long story", "max_tokens": 400, "stream": True}
-        body["ignore_eos"] = True
-        self.thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
-        self.thread.start()
-
-    def _read(self, url: str, body: dict[str, object]) -> None:
-        with (
-            httpx.Client(timeout=120) as http,
-            http.stream("POST", f"{url}/v1/completions", json=body) as response,
-        ):
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    self.events.append(line[6:])
-                    self.started.set()
-
-
-def _until_every_server(url: str, status: int, timeout_s: float) -> float:
-    """Seconds until every API server answers /health with `status` (fails past timeout_s)."""
-    start = time.monotonic()
-    seen: set[str] = set()
-    while len(seen) < SERVERS:
-        elapsed = time.monotonic() - start
-        assert elapsed < timeout_s, f"only API servers {sorted(seen)} answered {status}"
-        with httpx.Client(timeout=5) as http:
-            response = http.get(f"{url}/health")
-        if response.status_code == status:
-            seen.add(response.headers["x-rankcast-api-server"])
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def _counters(url: str) -> dict[str, dict[str, float]]:
@@ -118,8 +81,8 @@ def _kill_and_recover(server: ServerProcess, role: str, incarnation: int) -> Non
             reader.close()
     assert last_id.startswith(f"0:{incarnation - 1}:")
     before = _counters(server.url)
-    stream = _Stream(server.url)
-    assert stream.started.wait(60), "the stream should be running before the kill"
+    stream = StreamedCompletion(server.url, max_tokens=400)
+    assert stream.first.wait(60), "the stream should be running before the kill"
     engine = server.pid_of("engine_core_dp0")
     os.kill(server.pid_of(role), signal.SIGKILL)
     killed = time.monotonic()
@@ -128,9 +91,10 @@ def _kill_and_recover(server: ServerProcess, role: str, incarnation: int) -> Non
     assert not stream.thread.is_alive(), "the stream in flight must end"
     assert stream.events[-1] == "[DONE]"
     assert any("error" in json.loads(e) for e in stream.events[:-1]), stream.events[-3:]
-    detect = _until_every_server(server.url, 503, 10)
+    detect = until_every_server(server.url, SERVERS, 503, 10)
     # Serving again, under the next incarnation, within the bound.
-    again = _until_every_server(server.url, 200, SERVE_AGAIN_S - (time.monotonic() - killed))
+    left = SERVE_AGAIN_S - (time.monotonic() - killed)
+    again = until_every_server(server.url, SERVERS, 200, left)
     print(f"\n{role} killed: every server 503 after {detect:.1f} s, 200 after {again:.1f} s more")
     assert not process_is_alive(engine)
     assert server.pid_of("engine_core_dp0") != engine

@@ -5,12 +5,9 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +17,7 @@ from tests.entrypoints.server_process import (
     alive_in_session,
     launcher_while_loading,
 )
+from tests.reliability.fleet import StreamedCompletion
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -30,39 +28,7 @@ def _leftovers() -> set[str]:
     return tmp | {str(p) for p in Path("/dev/shm").iterdir()}
 
 
-class _Stream:
-    """A streamed completion read on its own thread, every SSE data line kept."""
-
-    def __init__(self, url: str, max_tokens: int) -> None:
-        self.events: list[str] = []
-        self.first = threading.Event()
-        body = {
-            "model": MODEL,
-            "prompt": "Tell a long story",
-            "max_tokens": max_tokens,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        self.thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
-        self.thread.start()
-
-    def _read(self, url: str, body: dict[str, object]) -> None:
-        with (
-            httpx.Client(timeout=120) as http,
-            http.stream("POST", f"{url}/v1/completions", json=body) as response,
-        ):
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    self.events.append(line[6:])
-                    self.first.set()
-
-    def chunks(self) -> Iterator[dict[str, object]]:
-        for event in self.events:
-            if event != "[DONE]":
-                yield json.loads(event)
-
-
-def _stop_and_wait(server: ServerProcess, stream: _Stream, timeout_s: float) -> int:
+def _stop_and_wait(server: ServerProcess, stream: StreamedCompletion, timeout_s: float) -> int:
     server.proc.send_signal(signal.SIGTERM)
     stream.thread.join(timeout_s)
     assert not stream.thread.is_alive(), "the stream must end, not hang"
@@ -74,7 +40,8 @@ def test_stop_refuses_new_work_and_cuts_what_outlives_the_timeout() -> None:
     server = ServerProcess("--max-model-len", "1024", "--shutdown-timeout", "2")
     try:
         server.wait_healthy()
-        stream = _Stream(server.url, max_tokens=900)  # ~10 s here: longer than the timeout
+        # ~10 s here: longer than the timeout.
+        stream = StreamedCompletion(server.url, model=MODEL, max_tokens=900)
         assert stream.first.wait(60), "the stream should be running before the stop"
         server.proc.send_signal(signal.SIGTERM)
         # At once: new requests and health checks get 503 with Retry-After, on every server.
@@ -109,7 +76,7 @@ def test_requests_in_flight_finish_when_they_can() -> None:
     server = ServerProcess("--max-model-len", "1024", "--shutdown-timeout", "30")
     try:
         server.wait_healthy()
-        stream = _Stream(server.url, max_tokens=48)
+        stream = StreamedCompletion(server.url, model=MODEL, max_tokens=48)
         assert stream.first.wait(60)
         assert _stop_and_wait(server, stream, 60) == 0
     finally:

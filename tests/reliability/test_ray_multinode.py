@@ -8,7 +8,6 @@ restarted engine serves again."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 from rankcast import LLM, SamplingParams
 from tests.entrypoints.notification_clients import PRODUCER, open_event_streams, worker_rpc
 from tests.entrypoints.server_process import ServerProcess
+from tests.reliability.fleet import until_every_server
 
 ray = pytest.importorskip("ray")
 SERVERS = 2
@@ -47,19 +47,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def _health_of_every_server(url: str, status: int, timeout_s: float) -> float:
-    start = time.monotonic()
-    seen: set[str] = set()
-    while len(seen) < SERVERS:
-        assert time.monotonic() - start < timeout_s, f"only {sorted(seen)} answered {status}"
-        with httpx.Client(timeout=5) as http:
-            response = http.get(f"{url}/health")
-        if response.status_code == status:
-            seen.add(response.headers["x-rankcast-api-server"])
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def _greedy(url: str) -> str:
@@ -117,8 +104,8 @@ def test_pipeline_stages_on_two_nodes(cluster: Any, smollm_fp32: LLM) -> None:
                 reader.close()
         # Losing the node: every API server says so within 5 s.
         cluster.remove_node(remote)
-        _health_of_every_server(server.url, 503, 5.0)
+        until_every_server(server.url, SERVERS, 503, 5.0)
         # A node comes back: the restarted engine core places its stages again and serves.
         cluster.add_node(num_cpus=1)
-        _health_of_every_server(server.url, 200, 180.0)
+        until_every_server(server.url, SERVERS, 200, 180.0)
         assert _greedy(server.url) == want.outputs[0].text

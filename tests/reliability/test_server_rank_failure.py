@@ -8,12 +8,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from rankcast.process import process_is_alive
 from tests.entrypoints.notification_clients import producer_server_args, worker_rpc
 from tests.entrypoints.server_process import ServerProcess
+from tests.reliability.fleet import until_every_server
 
 SERVERS = 2
 
@@ -35,28 +35,12 @@ def test_a_rank_failing_under_a_gather_stops_the_engine_and_servers_answer_503(
     first = server.pid_of("engine_core_dp0")
     response = worker_rpc(server.url, "break_notification_drain", 1)
     assert response.status_code in (400, 503)  # the call's own gather is the one that fails
-    deadline = time.monotonic() + 60
-    unhealthy: set[str] = set()
-    while len(unhealthy) < SERVERS:
-        assert time.monotonic() < deadline, f"only API servers {sorted(unhealthy)} answer 503"
-        with httpx.Client(timeout=10) as http:
-            health = http.get(f"{server.url}/health")
-        if health.status_code == 503:
-            unhealthy.add(health.headers["x-rankcast-api-server"])
-        time.sleep(0.1)
+    until_every_server(server.url, SERVERS, 503, 60)
     # The engine core exits (after stopping its ranks), not just its sockets.
     deadline = time.monotonic() + 60
     while process_is_alive(first):
         assert time.monotonic() < deadline, "the engine core process did not exit"
         time.sleep(0.2)
     # Then its next incarnation serves every API server again.
-    healthy: set[str] = set()
-    deadline = time.monotonic() + 60
-    while len(healthy) < SERVERS:
-        assert time.monotonic() < deadline, f"only API servers {sorted(healthy)} serve again"
-        with httpx.Client(timeout=10) as http:
-            health = http.get(f"{server.url}/health")
-        if health.status_code == 200:
-            healthy.add(health.headers["x-rankcast-api-server"])
-        time.sleep(0.1)
+    until_every_server(server.url, SERVERS, 200, 60)
     assert server.pid_of("engine_core_dp0") != first

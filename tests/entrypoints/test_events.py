@@ -38,11 +38,14 @@ def _frames(chunks: list[bytes]) -> list[str]:
 
 
 async def _collect(hub: EventHub, last_event_id: str | None, n: int, flt: EventFilter) -> list:
+    """Up to `n` frames (events and control events) of a stream; what arrived when none came
+    for 5 s (so a stream that replays too little fails its test instead of hanging it)."""
     chunks: list[bytes] = []
     stream = hub.stream(flt, last_event_id)
-    async for chunk in stream:
-        chunks.append(chunk)
-        if len(_frames(chunks)) + sum(b"event: " in c for c in chunks) >= n:
+    while len(_frames(chunks)) + sum(b"event: " in c for c in chunks) < n:
+        try:
+            chunks.append(await asyncio.wait_for(anext(stream), 5))
+        except (TimeoutError, StopAsyncIteration):
             break
     await stream.aclose()
     return chunks

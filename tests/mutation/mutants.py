@@ -155,6 +155,30 @@ MUTANTS = [
         "                        pass",
         ("tests/engine/test_kv_events.py",),
     ),
+    Mutant(
+        "event-ids-without-incarnation",
+        "11 Event ids carry the engine core's incarnation",
+        "rankcast/entrypoints/openai/events.py",
+        '        return f"{self.engine}:{self.incarnation}:{self.seq}"',
+        '        return f"{self.engine}:0:{self.seq}"',
+        ("tests/entrypoints/test_events.py",),
+    ),
+    Mutant(
+        "restart-not-announced",
+        "11 A resume from an older incarnation gets a replay_gap",
+        "rankcast/entrypoints/openai/events.py",
+        "        if incarnation != current:",
+        "        if False:",
+        ("tests/entrypoints/test_events.py",),
+    ),
+    Mutant(
+        "dead-engine-not-restarted",
+        "11 A dead engine core is started again under its next incarnation",
+        "rankcast/entrypoints/launcher.py",
+        "        if not state.due() or stop_requested.is_set():",
+        "        if True:",
+        ("tests/reliability/test_engine_give_up.py",),
+    ),
     # ---- the adapter cache ----
     Mutant(
         "evicts-running-adapter",
@@ -236,5 +260,25 @@ MUTANTS = [
         "block_hash(hashes[-1] if hashes else None, tokens, request.lora_id)",
         "block_hash(hashes[-1] if hashes else None, tokens, 0)",
         ("tests/engine/test_scheduler.py",),
+    ),
+    Mutant(
+        "token-mask-not-applied",
+        "A structured request samples only tokens its shape allows",
+        "rankcast/worker/grammar.py",
+        "        ops.apply_token_bitmask(logits, self.rows, self.bitmask)",
+        "        pass",
+        ("tests/worker/test_structured_outputs.py",),
+    ),
+    Mutant(
+        "mask-before-raw-logprobs",
+        "Logprobs are the raw model's, taken before the structured mask",
+        "rankcast/worker/sampler.py",
+        "    raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None\n"
+        "    if allowed is not None:\n"
+        "        allowed.apply(logits)\n",
+        "    if allowed is not None:\n"
+        "        allowed.apply(logits)\n"
+        "    raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None\n",
+        ("tests/worker/test_structured_outputs.py",),
     ),
 ]

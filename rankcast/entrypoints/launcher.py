@@ -84,13 +84,15 @@ def _wait_ready(
             try:
                 kind, *detail = conn.recv()
             except EOFError:  # it died before a word: its pipe closed with it
+                kind, detail = "exited", []
+            if kind == "ready":
+                return
+            if stop.is_set():  # Ctrl-C reaches a loading child too: that is the stop, not a fault
+                raise StoppedDuringStartUp(f"stopped while {name} was starting")
+            if kind == "exited":
                 proc.join(5)
-                raise LaunchError(
-                    f"{name} exited during start-up (exit code {proc.exitcode})"
-                ) from None
-            if kind != "ready":
-                raise LaunchError(f"{name} failed to start: {detail[0] if detail else kind}")
-            return
+                raise LaunchError(f"{name} exited during start-up (exit code {proc.exitcode})")
+            raise LaunchError(f"{name} failed to start: {detail[0] if detail else kind}")
         if stop.is_set():
             raise StoppedDuringStartUp(f"stopped while {name} was starting")
         if not proc.is_alive():

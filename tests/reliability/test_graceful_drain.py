@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import tempfile
 import time
@@ -85,6 +86,20 @@ def test_requests_in_flight_finish_when_they_can() -> None:
     assert not [c for c in chunks if "error" in c]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
     assert stream.events[-1] == "[DONE]"
+
+
+def test_ctrl_c_during_start_up_is_a_stop_not_a_failure() -> None:
+    """Ctrl-C reaches the whole process group, so the loading engine core dies of it too: the
+    launcher must read that as the stop it is (exit 0), not as a child that failed (exit 1)."""
+    with launcher_while_loading() as (launcher, _):
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=30)
+    assert launcher.returncode == 0, stderr
+    assert "exited during start-up" not in stderr
+    deadline = time.monotonic() + 10
+    while alive_in_session(launcher.pid):
+        assert time.monotonic() < deadline, "processes were left behind"
+        time.sleep(0.1)
 
 
 def test_a_stop_during_start_up_ends_it_at_once() -> None:

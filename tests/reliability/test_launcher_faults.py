@@ -7,14 +7,18 @@ connections are still in TIME_WAIT.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
+from rankcast.entrypoints.launcher import LaunchError, StoppedDuringStartUp, _wait_ready
 from tests.entrypoints.server_process import (
     ServerProcess,
     alive_in_session,
@@ -84,3 +88,23 @@ def test_a_killed_engine_core_leaves_no_ipc_directory_behind(tiny_llama_dir: Pat
             time.sleep(0.1)
         assert all(path.exists() for path in workers), "killed: it could not clean up itself"
     assert not any(path.exists() for path in workers), "the launcher removes it on stop"
+
+
+def test_a_child_that_dies_of_the_stop_itself_is_read_as_the_stop() -> None:
+    """Ctrl-C reaches a loading child as well as the launcher: when its death (EOF on its
+    readiness pipe) is seen with the stop already requested, that is the stop (exit 0), not a
+    failed start (exit 1). Deterministic: the pipe is closed before the wait begins."""
+    spawn = multiprocessing.get_context("spawn")
+    child = spawn.Process(target=int)
+    child.start()
+    child.join(30)
+    read, write = spawn.Pipe(duplex=False)
+    write.close()
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(StoppedDuringStartUp):
+        _wait_ready("engine core", child, read, 5.0, stop)
+    # Without a stop, the same death is a failed start naming the role and exit status.
+    with pytest.raises(LaunchError, match="engine core exited during start-up") as failed:
+        _wait_ready("engine core", child, read, 5.0, threading.Event())
+    assert not isinstance(failed.value, StoppedDuringStartUp)

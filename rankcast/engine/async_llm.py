@@ -118,10 +118,6 @@ class AsyncLLM:
             return self.clients[0].dead
         return None
 
-    @property
-    def any_dead(self) -> bool:
-        return any(c.dead is not None for c in self.clients)
-
     def engine_health(self) -> list[tuple[int, str | None]]:
         """(engine index, why it is gone or None while it serves), for every engine core."""
         return [(i, None if c.dead is None else str(c.dead)) for i, c in enumerate(self.clients)]

@@ -122,7 +122,8 @@ def _start_all(
 
 
 def _stop(processes: list[BaseProcess], timeout_s: float = 10.0) -> None:
-    """Terminate, wait up to `timeout_s` for all together, then kill whatever is left."""
+    """Terminate, wait up to `timeout_s` for all together, then kill whatever is left, and
+    remove the IPC directories a killed one could not."""
     for proc in processes:
         if proc.is_alive():
             proc.terminate()
@@ -134,6 +135,9 @@ def _stop(processes: list[BaseProcess], timeout_s: float = 10.0) -> None:
             logger.warning("%s did not stop in time; killing it", proc.name)
             proc.kill()
             proc.join(2)
+    for proc in processes:
+        if proc.pid is not None:
+            remove_ipc_dirs_of(proc.pid)
 
 
 @dataclass
@@ -197,9 +201,6 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         # the engines they need keep running until they are done.
         _stop(children.api_servers, timeout_s=server.shutdown_timeout + 10)
         _stop(children.engines)
-        for engine in children.engines:  # a killed engine core could not remove its own
-            if engine.pid is not None:
-                remove_ipc_dirs_of(engine.pid)
         for addresses in engine_addresses:
             addresses.cleanup()
         os.environ.pop(MULTIPROC_DIR_ENV, None)

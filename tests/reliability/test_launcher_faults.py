@@ -21,7 +21,7 @@ import pytest
 from rankcast.entrypoints.launcher import LaunchError, StoppedDuringStartUp, _wait_ready
 from tests.entrypoints.server_process import (
     ServerProcess,
-    alive_in_session,
+    assert_session_ends,
     free_port,
     launcher_while_loading,
     tiny_model_args,
@@ -70,7 +70,7 @@ def test_a_child_killed_during_start_up_is_one_clear_line_and_a_failed_exit() ->
     assert "Traceback" not in stderr and "EOFError" not in stderr, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("rankcast: error:")]
     assert errors == ["rankcast: error: engine core dp0 exited during start-up (exit code -9)"]
-    assert alive_in_session(launcher.pid) == [], "children left behind"
+    assert_session_ends(launcher.pid)
 
 
 def test_a_killed_engine_core_leaves_no_ipc_directory_behind(tiny_llama_dir: Path) -> None:

@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench lint format kernels mutants
+.PHONY: serve test bench lint format kernels mutants rust-deps rust-build rust-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,8 +21,33 @@ kernels: $(STAMP)
 serve: kernels
 	$(VENV)/bin/rankcast serve --host 127.0.0.1 --port 8000 --max-num-seqs 32 --kv-cache-space 1
 
-test: kernels lint
+test: kernels lint rust-build
 	$(VENV)/bin/pytest
+	$(MAKE) rust-check
+
+# The wire in Rust (rust/): crates come only from Debian's packages (librust-*-dev, built
+# --offline against /usr/share/cargo/registry), installed here when missing.
+CARGO := $(shell command -v cargo || echo $(HOME)/.cargo/bin/cargo)
+RUST_DEBS := librust-rmp-dev librust-zmq-dev libzmq3-dev pkg-config
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+rust-deps:
+	@missing=$$(for p in $(RUST_DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages for rust/: $$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y -q $$missing >/dev/null || \
+		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q $$missing >/dev/null; }; \
+	fi
+
+rust-build: rust-deps
+	cd rust && $(CARGO) build --offline --quiet
+
+# Format, lints with warnings denied, and the Rust tests (the golden fixtures both ways).
+rust-check: rust-deps
+	cd rust && $(CARGO) fmt --check
+	cd rust && $(CARGO) clippy --offline --quiet --all-targets -- -D warnings
+	cd rust && $(CARGO) test --offline --quiet
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -15,7 +15,7 @@ from rankcast.protocol import (
     SchedulerStats,
     UtilityOutput,
 )
-from tests.fixtures.wire.generate import describe, fixtures
+from tests.fixtures.wire.generate import describe, fixtures, schema_lines
 
 WIRE = Path(__file__).parent / "fixtures" / "wire"
 NAMES = sorted(p.stem for p in WIRE.glob("*.msgpack"))
@@ -60,4 +60,12 @@ def test_decoder_ignores_unknown_trailing_fields() -> None:
     assert isinstance(decoded, EngineCoreOutputs)
     assert decoded.scheduler_stats == SchedulerStats(
         1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, 40, 32
+    )
+
+
+def test_the_committed_schema_is_the_current_one() -> None:
+    """`schema.txt` is what the Rust mirror is held to: it must say what the Python side says."""
+    assert (WIRE / "schema.txt").read_text().splitlines() == schema_lines(), (
+        "a wire struct changed: regenerate (python -m tests.fixtures.wire.generate) and move "
+        "rust/wire with it"
     )

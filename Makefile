@@ -28,7 +28,8 @@ test: kernels lint rust-build
 # The wire in Rust (rust/): crates come only from Debian's packages (librust-*-dev, built
 # --offline against /usr/share/cargo/registry), installed here when missing.
 CARGO := $(shell command -v cargo || echo $(HOME)/.cargo/bin/cargo)
-RUST_DEBS := librust-rmp-dev librust-zmq-dev libzmq3-dev pkg-config
+RUST_DEBS := librust-rmp-dev librust-zmq-dev libzmq3-dev pkg-config librust-serde-json-dev \
+	librust-fancy-regex-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 rust-deps:

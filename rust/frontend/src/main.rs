@@ -1,0 +1,169 @@
+//! `rankcast-frontend`: an API server in Rust, one more client of the engine core next to the
+//! Python ones. It speaks the same wire (rust/wire), tokenizes with the model's own BPE
+//! (rust/text), and shares the port with the other API servers through SO_REUSEPORT.
+//!
+//!     rankcast-frontend --model-dir DIR --served-model-name NAME --port N [--host H]
+//!                       --engine-input ADDR --engine-output ADDR --client-index K
+
+mod chat;
+mod engine;
+mod openai;
+
+use std::convert::Infallible;
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::FromRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::{make_service_fn, service_fn};
+use rankcast_client::EngineCoreClient;
+use rankcast_text::Tokenizer;
+
+struct Args {
+    model_dir: PathBuf,
+    model_name: String,
+    host: String,
+    port: u16,
+    engine_input: String,
+    engine_output: String,
+    client_index: i64,
+}
+
+fn fail(message: &str) -> ! {
+    eprintln!("rankcast-frontend: error: {message}");
+    std::process::exit(1);
+}
+
+fn parse() -> Args {
+    let mut values = std::collections::HashMap::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let Some(value) = args.next() else {
+            fail(&format!("{flag} needs a value"))
+        };
+        values.insert(flag, value);
+    }
+    let mut take = |key: &str| {
+        values
+            .remove(key)
+            .unwrap_or_else(|| fail(&format!("{key} is required")))
+    };
+    let model_dir = PathBuf::from(take("--model-dir"));
+    let args = Args {
+        model_name: take("--served-model-name"),
+        port: take("--port")
+            .parse()
+            .unwrap_or_else(|_| fail("--port: a port number")),
+        engine_input: take("--engine-input"),
+        engine_output: take("--engine-output"),
+        client_index: take("--client-index")
+            .parse()
+            .unwrap_or_else(|_| fail("--client-index")),
+        host: values
+            .remove("--host")
+            .unwrap_or_else(|| "127.0.0.1".into()),
+        model_dir,
+    };
+    if let Some(unknown) = values.keys().next() {
+        fail(&format!("unknown option {unknown}"));
+    }
+    args
+}
+
+/// A listening socket on `addr` that shares its port with the other API servers.
+fn shared_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let family = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain socket calls on a descriptor this function owns until it is wrapped.
+    unsafe {
+        let fd = libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let listener = TcpListener::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        for option in [libc::SO_REUSEADDR, libc::SO_REUSEPORT] {
+            let size = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            let value = &one as *const libc::c_int as *const libc::c_void;
+            if libc::setsockopt(fd, libc::SOL_SOCKET, option, value, size) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        let rc = match addr {
+            SocketAddr::V4(v4) => {
+                let sin = libc::sockaddr_in {
+                    sin_family: libc::AF_INET as libc::sa_family_t,
+                    sin_port: v4.port().to_be(),
+                    sin_addr: libc::in_addr {
+                        s_addr: u32::from(*v4.ip()).to_be(),
+                    },
+                    sin_zero: [0; 8],
+                };
+                let size = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+                libc::bind(
+                    fd,
+                    &sin as *const libc::sockaddr_in as *const libc::sockaddr,
+                    size,
+                )
+            }
+            SocketAddr::V6(_) => {
+                return Err(std::io::Error::other("IPv6 hosts are not supported yet"))
+            }
+        };
+        if rc != 0 || libc::listen(fd, 1024) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        listener.set_nonblocking(true)?;
+        Ok(listener)
+    }
+}
+
+fn main() {
+    let args = parse();
+    let tokenizer = Tokenizer::from_file(&args.model_dir.join("tokenizer.json"))
+        .unwrap_or_else(|e| fail(&e.to_string()));
+    let template = chat::ChatTemplate::load(&args.model_dir).unwrap_or_else(|e| fail(&e));
+    let client = EngineCoreClient::connect(
+        &args.engine_input,
+        &args.engine_output,
+        args.client_index,
+        Duration::from_secs(600),
+    )
+    .unwrap_or_else(|e| fail(&e.to_string()));
+    let max_model_len = client.ready.max_model_len;
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .unwrap_or_else(|_| fail("--host: an IP address"));
+    let listener = shared_listener(addr).unwrap_or_else(|e| fail(&format!("binding {addr}: {e}")));
+    let server = Arc::new(openai::Server {
+        engine: engine::Engine::start(client),
+        tokenizer,
+        template,
+        model_name: args.model_name,
+        max_model_len,
+        client_index: args.client_index,
+        counter: AtomicU64::new(0),
+    });
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    runtime.block_on(async move {
+        let make = make_service_fn(move |_| {
+            let server = server.clone();
+            async move {
+                Ok::<_, Infallible>(service_fn(move |request| server.clone().handle(request)))
+            }
+        });
+        let http = hyper::Server::from_tcp(listener).unwrap_or_else(|e| fail(&e.to_string()));
+        eprintln!("rankcast-frontend: serving on http://{addr} as API server {}", args.client_index);
+        if let Err(e) = http.serve(make).await {
+            fail(&e.to_string());
+        }
+    });
+}

@@ -1,0 +1,602 @@
+//! The OpenAI routes: `/v1/completions` and `/v1/chat/completions` (streamed as server-sent
+//! events or whole), `/v1/models`, `/health`. Request fields are checked the way the Python API
+//! server checks them, and a bad one is a 400 in OpenAI's error shape naming it.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use hyper::body::Bytes;
+use hyper::{Body, Method, Request, Response, StatusCode};
+use rankcast_client::wire::protocol::EngineCoreRequest;
+use rankcast_client::wire::sampling::SamplingParams;
+use rankcast_text::{IncrementalDetokenizer, Tokenizer};
+use serde_json::{json, Map, Value};
+
+use crate::chat::ChatTemplate;
+use crate::engine::{Engine, Event};
+
+pub struct Server {
+    pub engine: Engine,
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+    pub model_name: String,
+    pub max_model_len: i64,
+    pub client_index: i64,
+    pub counter: AtomicU64,
+}
+
+type Reply = Response<Body>;
+
+fn json_reply(status: StatusCode, body: &Value) -> Reply {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("a response")
+}
+
+/// OpenAI's error shape, so official clients raise the right exception type.
+fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
+    let kind = match status.as_u16() {
+        400 => "BadRequestError",
+        404 => "NotFoundError",
+        503 => "ServiceUnavailableError",
+        _ => "APIError",
+    };
+    let body = json!({"error": {"message": message, "type": kind, "param": param,
+                                "code": status.as_u16()}});
+    json_reply(status, &body)
+}
+
+struct BadRequest(String, Option<&'static str>);
+
+fn bad<T>(message: impl Into<String>, param: &'static str) -> Result<T, BadRequest> {
+    Err(BadRequest(message.into(), Some(param)))
+}
+
+fn number(body: &Map<String, Value>, key: &'static str, default: f64) -> Result<f64, BadRequest> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => match v.as_f64() {
+            Some(x) if x.is_finite() => Ok(x),
+            _ => bad(format!("{key} must be a finite number"), key),
+        },
+    }
+}
+
+fn integer(body: &Map<String, Value>, key: &'static str) -> Result<Option<i64>, BadRequest> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_i64() {
+            Some(x) => Ok(Some(x)),
+            None => bad(format!("{key} must be an integer within 64 bits"), key),
+        },
+    }
+}
+
+fn flag(body: &Map<String, Value>, key: &'static str, default: bool) -> Result<bool, BadRequest> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => bad(format!("{key} must be a boolean"), key),
+    }
+}
+
+/// The sampling fields both routes share, checked as the engine checks them.
+fn sampling(
+    body: &Map<String, Value>,
+    max_tokens: Option<i64>,
+) -> Result<(SamplingParams, Vec<String>), BadRequest> {
+    let temperature = number(body, "temperature", 1.0)?;
+    if !(0.0..=2.0).contains(&temperature) {
+        return bad("temperature must be in [0, 2]", "temperature");
+    }
+    let top_p = number(body, "top_p", 1.0)?;
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return bad("top_p must be in (0, 1]", "top_p");
+    }
+    let min_p = number(body, "min_p", 0.0)?;
+    if !(0.0..=1.0).contains(&min_p) {
+        return bad("min_p must be in [0, 1]", "min_p");
+    }
+    let top_k = integer(body, "top_k")?.unwrap_or(0);
+    if top_k < -1 {
+        return bad("top_k must be -1, 0 or positive", "top_k");
+    }
+    if let Some(n) = integer(body, "n")? {
+        if n != 1 {
+            return bad("only n=1 is supported", "n");
+        }
+    }
+    if let Some(m) = max_tokens {
+        if m < 1 {
+            return bad("max_tokens must be at least 1", "max_tokens");
+        }
+    }
+    let stop = match body.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            let mut stops = Vec::new();
+            for item in items {
+                match item.as_str() {
+                    Some(s) if !s.is_empty() => stops.push(s.to_string()),
+                    _ => return bad("stop strings must be non-empty strings", "stop"),
+                }
+            }
+            stops
+        }
+        Some(_) => return bad("stop must be a string or a list of strings", "stop"),
+    };
+    let stop_token_ids = match body.get("stop_token_ids") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => {
+            let ids: Option<Vec<i64>> = items.iter().map(Value::as_i64).collect();
+            match ids {
+                Some(ids) => ids,
+                None => return bad("stop_token_ids must be integers", "stop_token_ids"),
+            }
+        }
+        Some(_) => {
+            return bad(
+                "stop_token_ids must be a list of integers",
+                "stop_token_ids",
+            )
+        }
+    };
+    let params = SamplingParams {
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        seed: integer(body, "seed")?,
+        max_tokens,
+        stop: stop.clone(),
+        stop_token_ids,
+        ignore_eos: flag(body, "ignore_eos", false)?,
+        skip_special_tokens: flag(body, "skip_special_tokens", true)?,
+        include_stop_str_in_output: flag(body, "include_stop_str_in_output", false)?,
+        ..SamplingParams::default()
+    };
+    Ok((params, stop))
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn now_f64() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Stop strings over the growing text: what may be shown so far, and where the output ends.
+struct StopStrings {
+    stops: Vec<String>,
+    include: bool,
+    longest: usize,
+}
+
+impl StopStrings {
+    /// (byte length of text safe to show, stopped) for `text` as it stands.
+    fn check(&self, text: &str) -> (usize, bool) {
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| text.find(s.as_str()).map(|at| (at, s.len())))
+            .min();
+        if let Some((at, len)) = first {
+            return (if self.include { at + len } else { at }, true);
+        }
+        // Hold back what could be the start of a stop string, on a character boundary.
+        let mut safe = text.len().saturating_sub(self.longest.saturating_sub(1));
+        while !text.is_char_boundary(safe) {
+            safe -= 1;
+        }
+        (
+            if self.stops.is_empty() {
+                text.len()
+            } else {
+                safe
+            },
+            false,
+        )
+    }
+}
+
+struct Generation {
+    request_id: String,
+    prompt_tokens: usize,
+    object: &'static str,
+    chat: bool,
+    model: String,
+    created: u64,
+}
+
+impl Generation {
+    fn chunk(&self, text: &str, finish: Option<&str>) -> Value {
+        let choice = if self.chat {
+            let delta = if text.is_empty() {
+                json!({})
+            } else {
+                json!({"content": text})
+            };
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+        };
+        json!({"id": self.request_id, "object": self.object, "created": self.created,
+               "model": self.model, "choices": [choice]})
+    }
+
+    fn usage(&self, completion: usize) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+               "total_tokens": self.prompt_tokens + completion})
+    }
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+impl Server {
+    pub async fn handle(self: Arc<Self>, request: Request<Body>) -> Result<Reply, Infallible> {
+        let path = request.uri().path().to_string();
+        Ok(match (request.method(), path.as_str()) {
+            (&Method::GET, "/health") => {
+                if self.engine.alive() {
+                    json_reply(StatusCode::OK, &json!({}))
+                } else {
+                    error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the engine core is not running",
+                        None,
+                    )
+                }
+            }
+            (&Method::GET, "/v1/models") => json_reply(
+                StatusCode::OK,
+                &json!({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                        "created": now(), "owned_by": "rankcast",
+                        "max_model_len": self.max_model_len}]}),
+            ),
+            (&Method::POST, "/v1/completions") => self.generate(request, false).await,
+            (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
+            _ => error(StatusCode::NOT_FOUND, &format!("no route {path}"), None),
+        })
+    }
+
+    async fn generate(self: Arc<Self>, request: Request<Body>, chat: bool) -> Reply {
+        if !self.engine.alive() {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine core is not running",
+                None,
+            );
+        }
+        let bytes = match hyper::body::to_bytes(request.into_body()).await {
+            Ok(b) => b,
+            Err(e) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("reading the body: {e}"),
+                    None,
+                )
+            }
+        };
+        let body: Map<String, Value> = match serde_json::from_slice(&bytes) {
+            Ok(Value::Object(map)) => map,
+            Ok(_) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "the body must be a JSON object",
+                    None,
+                )
+            }
+            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid JSON: {e}"), None),
+        };
+        match self.prepare(&body, chat) {
+            Ok(prepared) => self.run(prepared, chat).await,
+            Err(BadRequest(message, param)) => error(StatusCode::BAD_REQUEST, &message, param),
+        }
+    }
+
+    fn prepare(&self, body: &Map<String, Value>, chat: bool) -> Result<Prepared, BadRequest> {
+        if let Some(model) = body.get("model").and_then(Value::as_str) {
+            if model != self.model_name {
+                return bad(format!("the model {model:?} does not exist"), "model");
+            }
+        }
+        let prompt_ids: Vec<u32> = if chat {
+            let Some(template) = &self.template else {
+                return bad(
+                    "this model has no chat template; use /v1/completions",
+                    "messages",
+                );
+            };
+            let Some(Value::Array(messages)) = body.get("messages") else {
+                return bad("messages must be a non-empty list", "messages");
+            };
+            if messages.is_empty() {
+                return bad("messages must be a non-empty list", "messages");
+            }
+            let mut turns = Vec::new();
+            for message in messages {
+                let role = message.get("role").and_then(Value::as_str);
+                let content = match message.get("content") {
+                    Some(Value::String(s)) => Some(s.clone()),
+                    Some(Value::Array(parts)) => parts
+                        .iter()
+                        .map(|p| p.get("text").and_then(Value::as_str).map(str::to_string))
+                        .collect::<Option<Vec<_>>>()
+                        .map(|texts| texts.concat()),
+                    _ => None,
+                };
+                match (role, content) {
+                    (Some(role), Some(content)) => turns.push((role.to_string(), content)),
+                    _ => return bad("each message needs a role and text content", "messages"),
+                }
+            }
+            self.tokenizer.encode(&template.render(&turns))
+        } else {
+            match body.get("prompt") {
+                Some(Value::String(text)) => self.tokenizer.encode(text),
+                Some(Value::Array(ids)) if !ids.is_empty() && ids.iter().all(Value::is_u64) => {
+                    ids.iter().map(|v| v.as_u64().unwrap_or(0) as u32).collect()
+                }
+                _ => return bad("prompt must be a string or a list of token ids", "prompt"),
+            }
+        };
+        if prompt_ids.is_empty() {
+            return bad(
+                "the prompt is empty",
+                if chat { "messages" } else { "prompt" },
+            );
+        }
+        let room = self.max_model_len - prompt_ids.len() as i64;
+        if room < 1 {
+            return bad(
+                format!(
+                    "the prompt has {} tokens; this model takes {}",
+                    prompt_ids.len(),
+                    self.max_model_len
+                ),
+                if chat { "messages" } else { "prompt" },
+            );
+        }
+        let asked = match integer(body, "max_completion_tokens")? {
+            Some(m) => Some(m),
+            None => integer(body, "max_tokens")?,
+        };
+        let max_tokens = match (asked, chat) {
+            (Some(m), _) if m > room => {
+                return bad(
+                    format!("max_tokens {m} leaves no room: at most {room}"),
+                    "max_tokens",
+                )
+            }
+            (Some(m), _) => Some(m),
+            (None, true) => Some(room),
+            (None, false) => Some(16.min(room)),
+        };
+        if body
+            .get("logprobs")
+            .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
+        {
+            return bad(
+                "logprobs are not served by the Rust frontend yet",
+                "logprobs",
+            );
+        }
+        for unsupported in [
+            "tools",
+            "response_format",
+            "guided_json",
+            "structured_outputs",
+        ] {
+            if body.get(unsupported).is_some_and(|v| !v.is_null()) {
+                return bad(
+                    format!("{unsupported} is not served by the Rust frontend yet"),
+                    unsupported,
+                );
+            }
+        }
+        let (params, stops) = sampling(body, max_tokens)?;
+        let include_usage = body
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        Ok(Prepared {
+            prompt_ids,
+            stop: StopStrings {
+                longest: stops.iter().map(String::len).max().unwrap_or(0),
+                include: params.include_stop_str_in_output,
+                stops,
+            },
+            skip_special: params.skip_special_tokens,
+            params,
+            stream: flag(body, "stream", false)?,
+            include_usage,
+        })
+    }
+
+    async fn run(self: Arc<Self>, prepared: Prepared, chat: bool) -> Reply {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let prefix = if chat { "chatcmpl" } else { "cmpl" };
+        let generation = Generation {
+            request_id: format!(
+                "{prefix}-rs{}-{n}-{:x}",
+                self.client_index,
+                now_f64().to_bits()
+            ),
+            prompt_tokens: prepared.prompt_ids.len(),
+            object: if chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            },
+            chat,
+            model: self.model_name.clone(),
+            created: now(),
+        };
+        let events = self.engine.generate(EngineCoreRequest {
+            request_id: generation.request_id.clone(),
+            prompt_token_ids: prepared.prompt_ids.iter().map(|&t| t as i64).collect(),
+            sampling_params: prepared.params.clone(),
+            arrival_time: now_f64(),
+            client_index: self.client_index,
+            lora_name: None,
+        });
+        if prepared.stream {
+            let (sender, body) = Body::channel();
+            tokio::spawn(self.clone().stream(generation, prepared, events, sender));
+            return Response::builder()
+                .header("content-type", "text/event-stream")
+                .header("cache-control", "no-cache")
+                .body(body)
+                .expect("a response");
+        }
+        let done = self.collect(&generation, &prepared, events, None).await;
+        let (text, finish, tokens) = match done {
+            Ok(done) => done,
+            Err(why) => return error(StatusCode::SERVICE_UNAVAILABLE, &why, None),
+        };
+        let choice = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text},
+                   "logprobs": null, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+        };
+        let object = if chat {
+            "chat.completion"
+        } else {
+            "text_completion"
+        };
+        json_reply(
+            StatusCode::OK,
+            &json!({"id": generation.request_id, "object": object, "created": generation.created,
+                    "model": generation.model, "choices": [choice],
+                    "usage": generation.usage(tokens)}),
+        )
+    }
+
+    /// Drive one request to its end: (text, finish reason, tokens). With `sender`, each piece
+    /// of text that is safe to show is streamed as it comes.
+    async fn collect(
+        &self,
+        generation: &Generation,
+        prepared: &Prepared,
+        mut events: tokio::sync::mpsc::UnboundedReceiver<Event>,
+        mut sender: Option<&mut hyper::body::Sender>,
+    ) -> Result<(String, String, usize), String> {
+        let mut stream = IncrementalDetokenizer::new(&self.tokenizer, prepared.skip_special);
+        let mut text = String::new();
+        let mut shown = 0usize;
+        let mut tokens = 0usize;
+        if let Some(sender) = sender.as_deref_mut() {
+            if generation.chat {
+                let mut first = generation.chunk("", None);
+                first["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+                if sender.send_data(sse(&first)).await.is_err() {
+                    self.engine.abort(&generation.request_id);
+                    return Err("client went away".into());
+                }
+            }
+        }
+        loop {
+            let Some(event) = events.recv().await else {
+                return Err("the engine core stopped answering".into());
+            };
+            let output = match event {
+                Event::Output(output) => output,
+                Event::EngineDead(why) => return Err(why),
+            };
+            if let Some(error) = &output.error {
+                return Err(error.clone());
+            }
+            for &id in &output.new_token_ids {
+                tokens += 1;
+                text.push_str(&stream.push(id as u32));
+            }
+            let mut finish = output.finish_reason.clone();
+            if finish.is_some() {
+                text.push_str(&stream.finish());
+            }
+            let (safe, stopped) = prepared.stop.check(&text);
+            if stopped {
+                text.truncate(safe);
+                if finish.is_none() {
+                    self.engine.abort(&generation.request_id);
+                }
+                finish = Some("stop".into());
+            }
+            let visible = if finish.is_some() { text.len() } else { safe };
+            if let Some(sender) = sender.as_deref_mut() {
+                if visible > shown {
+                    let piece = generation.chunk(&text[shown..visible], None);
+                    shown = visible;
+                    if sender.send_data(sse(&piece)).await.is_err() {
+                        self.engine.abort(&generation.request_id);
+                        return Err("client went away".into());
+                    }
+                }
+            }
+            if let Some(reason) = finish {
+                return Ok((text, reason, tokens));
+            }
+        }
+    }
+
+    async fn stream(
+        self: Arc<Self>,
+        generation: Generation,
+        prepared: Prepared,
+        events: tokio::sync::mpsc::UnboundedReceiver<Event>,
+        mut sender: hyper::body::Sender,
+    ) {
+        let result = self
+            .collect(&generation, &prepared, events, Some(&mut sender))
+            .await;
+        let tail = match result {
+            Ok((_, reason, tokens)) => {
+                let mut out = vec![sse(&generation.chunk("", Some(&reason)))];
+                if prepared.include_usage {
+                    let mut usage = generation.chunk("", None);
+                    usage["choices"] = json!([]);
+                    usage["usage"] = generation.usage(tokens);
+                    out.push(sse(&usage));
+                }
+                out
+            }
+            Err(why) if why == "client went away" => return,
+            Err(why) => {
+                let body = json!({"error": {"message": why, "type": "ServiceUnavailableError",
+                                             "param": null, "code": 503}});
+                vec![sse(&body), sse(&generation.chunk("", Some("abort")))]
+            }
+        };
+        for piece in tail {
+            if sender.send_data(piece).await.is_err() {
+                return;
+            }
+        }
+        let _ = sender
+            .send_data(Bytes::from_static(b"data: [DONE]\n\n"))
+            .await;
+    }
+}
+
+struct Prepared {
+    prompt_ids: Vec<u32>,
+    params: SamplingParams,
+    stop: StopStrings,
+    skip_special: bool,
+    stream: bool,
+    include_usage: bool,
+}

@@ -1,0 +1,233 @@
+"""The Rust API server (`rust/frontend`) as an OpenAI client sees it, in front of a real engine
+core: the same greedy text as the engine gives the Python client, streamed and whole, stop
+strings, usage, 400s in OpenAI's shape naming the field, and 503 once the engine core is gone."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from rankcast.config import EngineConfig
+from rankcast.engine.addresses import EngineAddresses
+from rankcast.engine.core_proc import run_engine_core
+from rankcast.engine.mp_client import SyncMPClient
+from rankcast.model.source import resolve_model
+from rankcast.protocol import EngineCoreRequest
+from rankcast.sampling_params import SamplingParams
+from rankcast.tokenizer import apply_chat_template, load_tokenizer
+from tests.entrypoints.server_process import free_port
+from tests.rust_build import binary
+
+MODEL = "tiny-llama"
+
+
+@dataclass
+class Fleet:
+    engine: multiprocessing.process.BaseProcess
+    addresses: EngineAddresses
+    frontend: subprocess.Popen[str]
+    url: str
+    model_dir: Path
+
+
+def _wait_healthy(url: str, frontend: subprocess.Popen[str], deadline_s: float = 60) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert frontend.poll() is None, frontend.communicate()[1]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the Rust API server did not become healthy")
+
+
+@pytest.fixture()
+def model_dir(tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path: Path) -> Path:
+    """The tiny model with SmolLM2's chat template beside it (links to the rest)."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for item in tiny_llama_dir.iterdir():
+        (directory / item.name).symlink_to(item)
+    template = (embedded_model_dir / "chat_template.jinja").read_text()
+    (directory / "chat_template.jinja").write_text(template)
+    return directory
+
+
+@pytest.fixture()
+def fleet(model_dir: Path) -> Iterator[Fleet]:
+    """An engine core with two client slots: 0 for the Python client, 1 for the Rust server."""
+    config = EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", num_blocks=128)
+    addresses = EngineAddresses.ipc(2)
+    spawn = multiprocessing.get_context("spawn")
+    read, write = spawn.Pipe(duplex=False)
+    engine = spawn.Process(
+        target=run_engine_core,
+        args=(config, resolve_model(str(model_dir)), addresses, 0, 0, write),
+    )
+    engine.start()
+    frontend: subprocess.Popen[str] | None = None
+    try:
+        assert read.poll(120), "engine core did not report readiness"
+        assert read.recv()[0] == "ready"
+        port = free_port()
+        client = addresses.clients[1]
+        frontend = subprocess.Popen(
+            [
+                binary("rankcast-frontend"),
+                "--model-dir", str(model_dir),
+                "--served-model-name", MODEL,
+                "--port", str(port),
+                "--engine-input", client.input,
+                "--engine-output", client.output,
+                "--client-index", "1",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, frontend)
+        yield Fleet(engine, addresses, frontend, url, model_dir)
+    finally:
+        if frontend is not None:
+            frontend.kill()
+            frontend.communicate(timeout=10)
+        engine.terminate()
+        engine.join(10)
+        if engine.is_alive():
+            engine.kill()
+            engine.join()
+        addresses.cleanup()
+
+
+def _python_greedy(fleet: Fleet, prompt_ids: list[int], max_tokens: int) -> str:
+    """What the engine generates for the same prompt through the Python client, as text."""
+    client = SyncMPClient(fleet.addresses.clients[0], 0, timeout_s=60)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        client.add_request(EngineCoreRequest("py", prompt_ids, params, client_index=0))
+        tokens: list[int] = []
+        while True:
+            for output in client.get_output(timeout_s=60).outputs:
+                tokens.extend(output.new_token_ids)
+                if output.finished:
+                    text: str = load_tokenizer(fleet.model_dir).decode(
+                        tokens, skip_special_tokens=True
+                    )
+                    return text
+    finally:
+        client.shutdown()
+
+
+def _client(fleet: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="none", max_retries=0)
+
+
+def test_completions_whole_and_streamed_equal_the_engines_greedy_text(fleet: Fleet) -> None:
+    tokenizer = load_tokenizer(fleet.model_dir)
+    prompt = "The capital of France is"
+    expected = _python_greedy(fleet, tokenizer(prompt, add_special_tokens=False)["input_ids"], 12)
+    client = _client(fleet)
+    whole = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert whole.choices[0].text == expected
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    pieces = []
+    usage = None
+    for chunk in client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == expected
+    assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_renders_the_template_as_python_does(fleet: Fleet) -> None:
+    tokenizer = load_tokenizer(fleet.model_dir)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt_ids = apply_chat_template(tokenizer, messages)  # what the Python API server sends
+    expected = _python_greedy(fleet, prompt_ids, 10)
+    client = _client(fleet)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].message.content == expected
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+            extra_body={"ignore_eos": True},
+        )
+        if chunk.choices
+    )
+    assert streamed == expected
+
+
+def test_a_stop_string_ends_the_text_before_it(fleet: Fleet) -> None:
+    client = _client(fleet)
+    free = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=16, temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    assert stop.strip(), f"the greedy text is too short to cut: {free!r}"
+    cut = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=16, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]  # fmt: skip
+    assert cut.text == free[: free.index(stop)]
+    assert cut.finish_reason == "stop"
+
+
+def test_bad_fields_are_400s_naming_them(fleet: Fleet) -> None:
+    client = _client(fleet)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hi", temperature=3)
+    assert "temperature" in str(caught.value)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="nope", prompt="hi")
+    assert "nope" in str(caught.value)
+    response = httpx.post(f"{fleet.url}/v1/completions", content=b"{not json", timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "BadRequestError"
+    models = httpx.get(f"{fleet.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_a_dead_engine_core_makes_the_rust_server_answer_503(fleet: Fleet) -> None:
+    fleet.engine.kill()
+    fleet.engine.join(10)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{fleet.url}/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "the Rust server did not notice the dead engine"
+        time.sleep(0.05)
+    response = httpx.post(
+        f"{fleet.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10
+    )
+    assert response.status_code == 503

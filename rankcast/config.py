@@ -339,6 +339,8 @@ class ServeConfig:
     allow_runtime_lora_updating: bool = False
     # Seconds requests in flight get to finish after SIGTERM/SIGINT (new ones get 503 at once).
     shutdown_timeout: float = 30.0
+    # Rust API servers (rust/frontend) next to the Python ones, behind the same port.
+    rust_api_server_count: int = 0
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, f"--port must be 1..65535, got {self.port}")
@@ -349,4 +351,8 @@ class ServeConfig:
         _require(
             self.api_server_count >= 1,
             f"--api-server-count must be >= 1, got {self.api_server_count}",
+        )
+        _require(
+            self.rust_api_server_count >= 0,
+            f"--rust-api-server-count must be >= 0, got {self.rust_api_server_count}",
         )

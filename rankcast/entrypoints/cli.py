@@ -102,6 +102,13 @@ FLAGS: tuple[Flag, ...] = (
         "API server processes behind the port, each with its own engine connection",
         target="serve",
     ),
+    Flag(
+        "--rust-api-server-count",
+        "rust_api_server_count",
+        "Rust API servers (rust/frontend) beside the Python ones, behind the same port; "
+        "one engine core only (no data parallelism)",
+        target="serve",
+    ),
     Flag("--api-key", "api_key", "bearer token /v1 requires (unset: none)", target="serve"),
     Flag(
         "--allow-runtime-lora-updating",

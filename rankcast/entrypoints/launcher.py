@@ -32,6 +32,8 @@ from rankcast.config import ConfigError, EngineConfig, ServeConfig
 from rankcast.engine.addresses import EngineAddresses
 from rankcast.engine.core_proc import run_engine_core
 from rankcast.entrypoints.openai.api_server import ApiServerConfig, run_api_server
+from rankcast.entrypoints.rust_api_server import BINARY_ENV as RUST_BINARY_ENV
+from rankcast.entrypoints.rust_api_server import frontend_binary, run_rust_api_server
 from rankcast.entrypoints.supervision import SUPERVISOR_STATE_ENV, EngineSupervision, write_states
 from rankcast.metrics.fleet import MULTIPROC_DIR_ENV
 from rankcast.model.source import ModelSource, resolve_model
@@ -161,8 +163,19 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
                 f"--lora-modules: {name!r} is the base model's served name; "
                 "give the adapter a name of its own"
             )
+    if server.rust_api_server_count and config.parallel.data_parallel_size > 1:
+        raise ConfigError(
+            "--rust-api-server-count: a Rust API server serves one engine core; "
+            "it cannot be combined with --data-parallel-size > 1 yet"
+        )
+    if server.rust_api_server_count and frontend_binary() is None:
+        raise ConfigError(
+            "--rust-api-server-count: rankcast-frontend is not built (make rust-build, or "
+            f"point {RUST_BINARY_ENV} at it)"
+        )
+    clients = server.api_server_count + server.rust_api_server_count
     engine_addresses = [
-        EngineAddresses.ipc(server.api_server_count, engine_index=dp)
+        EngineAddresses.ipc(clients, engine_index=dp)
         for dp in range(config.parallel.data_parallel_size)
     ]
     spawn = multiprocessing.get_context("spawn")
@@ -252,8 +265,9 @@ def _api_server_specs(
     source: ModelSource,
     engine_addresses: list[EngineAddresses],
 ) -> list[ChildSpec]:
-    """One API server per index; every API server connects to every engine core. Kept by
-    `serve`, so that a dead API server is started again with the same arguments."""
+    """One API server per index (the Python ones first, then the Rust ones); every API server
+    connects to every engine core. Kept by `serve`, so that a dead API server is started again
+    with the same arguments."""
     server_config = ApiServerConfig(
         server.host,
         server.port,
@@ -264,7 +278,7 @@ def _api_server_specs(
         server.allow_runtime_lora_updating,
         server.shutdown_timeout,
     )
-    return [
+    python = [
         (
             f"api_server_{index}",
             run_api_server,
@@ -272,6 +286,16 @@ def _api_server_specs(
         )
         for index in range(server.api_server_count)
     ]
+    first = server.api_server_count
+    rust = [
+        (
+            f"rust_api_server_{index}",
+            run_rust_api_server,
+            (server_config, index, [addresses.clients[index] for addresses in engine_addresses]),
+        )
+        for index in range(first, first + server.rust_api_server_count)
+    ]
+    return python + rust
 
 
 def _supervise(
@@ -372,7 +396,13 @@ def _print_banner(server: ServeConfig, model_name: str) -> None:
     lines = [
         "",
         f"rankcast is serving {model_name} on {url} "
-        f"with {server.api_server_count} API server(s). Try:",
+        f"with {server.api_server_count} API server(s)"
+        + (
+            f" and {server.rust_api_server_count} Rust API server(s)"
+            if server.rust_api_server_count
+            else ""
+        )
+        + ". Try:",
         "",
         f"  curl {url}/v1/chat/completions{auth} \\",
         f"    -H 'Content-Type: application/json' -d '{body}'",

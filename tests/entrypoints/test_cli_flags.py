@@ -73,6 +73,7 @@ SERVE_EVERYTHING = (
     "--host=0.0.0.0",
     "--port=9000",
     "--api-server-count=3",
+    "--rust-api-server-count=2",
     "--api-key=k",
     "--allow-runtime-lora-updating",
     "--served-model-name=named",
@@ -129,7 +130,7 @@ def test_every_flag_lands_in_its_option() -> None:
     assert config.lora.lora_modules == (("a", "/adapters/a"), ("b", "/adapters/b"))
     assert config.lora.allowed_lora_paths == ("/adapters", "/more")
     server = ServeConfig(**cli.options_from_args(args, "serve"))
-    assert server == ServeConfig("0.0.0.0", 9000, 3, "k", True)
+    assert server == ServeConfig("0.0.0.0", 9000, 3, "k", True, rust_api_server_count=2)
 
 
 def test_chat_takes_the_model_as_a_flag_and_its_sampling_options() -> None:

@@ -4,6 +4,7 @@
 //!
 //!     rankcast-frontend --model-dir DIR --served-model-name NAME --port N [--host H]
 //!                       --engine-input ADDR --engine-output ADDR --client-index K
+//!                       [--api-key KEY]
 
 mod chat;
 mod engine;
@@ -29,6 +30,7 @@ struct Args {
     engine_input: String,
     engine_output: String,
     client_index: i64,
+    api_key: Option<String>,
 }
 
 fn fail(message: &str) -> ! {
@@ -64,6 +66,7 @@ fn parse() -> Args {
         host: values
             .remove("--host")
             .unwrap_or_else(|| "127.0.0.1".into()),
+        api_key: values.remove("--api-key"),
         model_dir,
     };
     if let Some(unknown) = values.keys().next() {
@@ -147,6 +150,7 @@ fn main() {
         model_name: args.model_name,
         max_model_len,
         client_index: args.client_index,
+        api_key: args.api_key,
         counter: AtomicU64::new(0),
     });
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -24,6 +24,8 @@ pub struct Server {
     pub model_name: String,
     pub max_model_len: i64,
     pub client_index: i64,
+    /// The bearer token every /v1 route requires, when set.
+    pub api_key: Option<String>,
     pub counter: AtomicU64,
 }
 
@@ -41,6 +43,7 @@ fn json_reply(status: StatusCode, body: &Value) -> Reply {
 fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
     let kind = match status.as_u16() {
         400 => "BadRequestError",
+        401 => "AuthenticationError",
         404 => "NotFoundError",
         503 => "ServiceUnavailableError",
         _ => "APIError",
@@ -245,9 +248,31 @@ fn sse(value: &Value) -> Bytes {
 }
 
 impl Server {
+    /// Every response names the API server that gave it, as the Python servers' do.
     pub async fn handle(self: Arc<Self>, request: Request<Body>) -> Result<Reply, Infallible> {
+        let index = self.client_index;
+        let mut reply = self.route(request).await;
+        let tag = hyper::header::HeaderValue::from(index);
+        reply.headers_mut().insert("x-rankcast-api-server", tag);
+        Ok(reply)
+    }
+
+    async fn route(self: Arc<Self>, request: Request<Body>) -> Reply {
         let path = request.uri().path().to_string();
-        Ok(match (request.method(), path.as_str()) {
+        if let (Some(key), true) = (&self.api_key, path.starts_with("/v1")) {
+            let given = request
+                .headers()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok());
+            if given != Some(format!("Bearer {key}").as_str()) {
+                return error(
+                    StatusCode::UNAUTHORIZED,
+                    "a valid API key is required",
+                    None,
+                );
+            }
+        }
+        match (request.method(), path.as_str()) {
             (&Method::GET, "/health") => {
                 if self.engine.alive() {
                     json_reply(StatusCode::OK, &json!({}))
@@ -268,7 +293,7 @@ impl Server {
             (&Method::POST, "/v1/completions") => self.generate(request, false).await,
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
             _ => error(StatusCode::NOT_FOUND, &format!("no route {path}"), None),
-        })
+        }
     }
 
     async fn generate(self: Arc<Self>, request: Request<Body>, chat: bool) -> Reply {

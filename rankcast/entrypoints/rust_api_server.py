@@ -1,0 +1,102 @@
+"""A Rust API server (`rust/frontend`, the `rankcast-frontend` binary) as one of the launcher's
+children, so that it is started, watched, restarted and stopped exactly like a Python one.
+
+This process is a thin keeper: it starts the binary with the engine core's addresses for its
+client index, reports ready to the launcher when the binary says it is serving (it binds the
+shared port only after its engine handshake, as the Python servers do), passes its log lines
+through, and takes the binary down with it on SIGTERM/SIGINT or when the launcher dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from rankcast.engine.addresses import ClientAddresses
+from rankcast.entrypoints.openai.api_server import ApiServerConfig
+from rankcast.process import die_with_parent, set_process_title
+
+BINARY_ENV = "RANKCAST_RUST_FRONTEND"
+_WORKSPACE = Path(__file__).resolve().parents[2] / "rust"
+READY_MARK = "rankcast-frontend: serving on"
+
+
+def frontend_binary() -> Path | None:
+    """`$RANKCAST_RUST_FRONTEND`, else the workspace's release build, else its debug build."""
+    given = os.environ.get(BINARY_ENV)
+    candidates = (
+        [Path(given)]
+        if given
+        else [_WORKSPACE / "target" / kind / "rankcast-frontend" for kind in ("release", "debug")]
+    )
+    return next((path for path in candidates if os.access(path, os.X_OK)), None)
+
+
+def frontend_command(
+    binary: Path, config: ApiServerConfig, index: int, engine: ClientAddresses
+) -> list[str]:
+    command = [
+        str(binary),
+        "--model-dir", str(config.model_dir),
+        "--served-model-name", config.model_name,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--engine-input", engine.input,
+        "--engine-output", engine.output,
+        "--client-index", str(index),
+    ]  # fmt: skip
+    if config.api_key:
+        command += ["--api-key", config.api_key]
+    return command
+
+
+def run_rust_api_server(
+    config: ApiServerConfig, index: int, engines: list[ClientAddresses], ready: Connection
+) -> None:
+    """Process entry point, with the signature of `run_api_server`."""
+    role = f"rust_api_server_{index}"
+    set_process_title(role)
+    die_with_parent()
+    binary = frontend_binary()
+    if binary is None:
+        ready.send(("error", "rankcast-frontend is not built: run `make rust-build` first"))
+        return
+    if len(engines) != 1:
+        ready.send(("error", "a Rust API server serves one engine core (no data parallelism)"))
+        return
+    child = subprocess.Popen(
+        frontend_command(binary, config, index, engines[0]),
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+    )
+
+    def stop(signum: int, _frame: object) -> None:
+        child.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    assert child.stderr is not None
+    stderr = child.stderr
+    reported = False
+    for line in stderr:
+        sys.stderr.write(f"{role}: {line}")
+        if line.startswith(READY_MARK):
+            ready.send(("ready",))
+            reported = True
+            break
+    if not reported:
+        code = child.wait()
+        ready.send(("error", f"rankcast-frontend exited during start-up (exit code {code})"))
+        return
+    relay = threading.Thread(
+        target=lambda: [sys.stderr.write(f"{role}: {line}") for line in stderr], daemon=True
+    )
+    relay.start()
+    code = child.wait()
+    raise SystemExit(0 if code in (0, -signal.SIGTERM) else 1)

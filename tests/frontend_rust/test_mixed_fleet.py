@@ -1,0 +1,60 @@
+"""`rankcast serve --rust-api-server-count`: Rust API servers in the fleet beside the Python
+ones, behind the same port, answering with the same text, and restarted by the launcher when
+they die, like the Python ones."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.entrypoints.server_process import ServerProcess, descendants, tiny_model_args
+
+BODY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def _by_server(url: str, rounds: int) -> dict[str, set[str]]:
+    """Texts of the same greedy completion, by the API server (header) that answered."""
+    seen: dict[str, set[str]] = {}
+    for _ in range(rounds):
+        # A fresh connection each time, so the kernel spreads them over the servers.
+        response = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+        assert response.status_code == 200, response.text
+        server = response.headers["x-rankcast-api-server"]
+        seen.setdefault(server, set()).add(response.json()["choices"][0]["text"])
+    return seen
+
+
+def _frontend_pid(server: ServerProcess) -> int:
+    for pid in descendants(server.proc.pid):
+        if Path(f"/proc/{pid}/exe").resolve().name == "rankcast-frontend":
+            return pid
+    raise LookupError("no rankcast-frontend process")
+
+
+def test_python_and_rust_servers_share_the_port_and_the_answers(tiny_llama_dir: Path) -> None:
+    server = ServerProcess(
+        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"), api_server_count=2
+    )
+    server.api_server_count = 3  # wait for all three to answer /health
+    with server.running():
+        seen = _by_server(server.url, 24)
+        assert set(seen) == {"0", "1", "2"}, f"not every server answered: {seen}"
+        texts = set().union(*seen.values())
+        assert len(texts) == 1, f"the servers disagree: {seen}"
+
+        old = _frontend_pid(server)
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "the Rust API server was not restarted"
+            try:
+                if _frontend_pid(server) != old and "2" in _by_server(server.url, 6):
+                    break
+            except (LookupError, AssertionError, httpx.HTTPError):
+                pass
+            time.sleep(0.2)
+        assert set().union(*_by_server(server.url, 12).values()) == texts

@@ -28,17 +28,23 @@ test: kernels lint rust-build
 # The wire in Rust (rust/): crates come only from Debian's packages (librust-*-dev, built
 # --offline against /usr/share/cargo/registry), installed here when missing.
 CARGO := $(shell command -v cargo || echo $(HOME)/.cargo/bin/cargo)
-RUST_DEBS := librust-rmp-dev librust-zmq-dev libzmq3-dev pkg-config librust-serde-json-dev \
-	librust-fancy-regex-dev
+# The crates rust/ uses, with the features it asks for (Debian names each crate feature as a
+# package of its own, provided by the crate's package, which also brings what the feature needs).
+RUST_DEBS := pkg-config libzmq3-dev librust-rmp-dev librust-zmq-dev librust-serde-json-dev \
+	librust-fancy-regex-dev librust-libc-dev librust-hyper-dev 'librust-hyper+server-dev' \
+	'librust-hyper+http1-dev' 'librust-hyper+tcp-dev' 'librust-hyper+runtime-dev' \
+	'librust-hyper+stream-dev' librust-tokio-dev 'librust-tokio+rt-dev' \
+	'librust-tokio+macros-dev' 'librust-tokio+sync-dev' 'librust-tokio+time-dev'
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
+# Installs the packages only when cargo cannot resolve the workspace offline (or libzmq is absent).
 rust-deps:
-	@missing=$$(for p in $(RUST_DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	if [ -n "$$missing" ]; then \
-		echo "installing Debian packages for rust/: $$missing"; \
+	@if ! (cd rust && $(CARGO) metadata --offline --format-version 1 >/dev/null 2>&1) || \
+		! dpkg -s libzmq3-dev >/dev/null 2>&1; then \
+		echo "installing Debian packages for rust/"; \
 		export DEBIAN_FRONTEND=noninteractive; \
-		$(SUDO) apt-get install -y -q $$missing >/dev/null || \
-		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q $$missing >/dev/null; }; \
+		$(SUDO) apt-get install -y -q $(RUST_DEBS) >/dev/null || \
+		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q $(RUST_DEBS) >/dev/null; }; \
 	fi
 
 rust-build: rust-deps

@@ -49,6 +49,7 @@ def frontend_command(
         "--engine-input", engine.input,
         "--engine-output", engine.output,
         "--client-index", str(index),
+        "--shutdown-timeout", f"{config.shutdown_timeout:g}",
     ]  # fmt: skip
     if config.api_key:
         command += ["--api-key", config.api_key]

@@ -12,6 +12,9 @@ from pathlib import Path
 import httpx
 
 from tests.entrypoints.server_process import ServerProcess, descendants, tiny_model_args
+from tests.reliability.fleet import StreamedCompletion
+
+MODEL = "SmolLM2-135M-Instruct"
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -58,3 +61,44 @@ def test_python_and_rust_servers_share_the_port_and_the_answers(tiny_llama_dir: 
                 pass
             time.sleep(0.2)
         assert set().union(*_by_server(server.url, 12).values()) == texts
+
+
+def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
+    """SIGTERM to the launcher: the Rust server refuses new work with 503 + Retry-After at once,
+    and a stream that outlives --shutdown-timeout ends with finish reason "abort", the error
+    naming the timeout, and [DONE]; the launcher exits 0 with nothing left."""
+    server = ServerProcess(
+        "--max-model-len", "1024", "--shutdown-timeout", "2", "--rust-api-server-count", "1",
+        api_server_count=1,
+    )  # fmt: skip
+    server.api_server_count = 2
+    try:
+        server.wait_healthy()
+        stream = None
+        deadline = time.monotonic() + 60
+        while stream is None or stream.server != "1":
+            assert time.monotonic() < deadline, "no stream landed on the Rust server"
+            stream = StreamedCompletion(server.url, model=MODEL, max_tokens=900)
+            assert stream.first.wait(60), "the stream should be running before the stop"
+        server.proc.send_signal(signal.SIGTERM)
+        refused = None
+        deadline = time.monotonic() + 3
+        while refused is None and time.monotonic() < deadline:
+            response = httpx.get(f"{server.url}/health", timeout=10)
+            if response.status_code == 503 and response.headers["x-rankcast-api-server"] == "1":
+                refused = response
+        assert refused is not None, "the Rust server did not refuse new work"
+        assert refused.headers["retry-after"]
+        assert "shutting down" in refused.json()["error"]["message"]
+        stream.thread.join(30)
+        assert not stream.thread.is_alive(), "the cut stream must end, not hang"
+        assert server.proc.wait(30) == 0
+    finally:
+        assert server.stop() == []
+    chunks = list(stream.chunks())
+    tokens = [c for c in chunks if c.get("choices")]
+    assert len(tokens) > 1, "tokens flowed until the timeout"
+    assert tokens[-1]["choices"][0]["finish_reason"] == "abort"  # type: ignore[index]
+    error = chunks[-1]["error"]
+    assert error["code"] == 503 and "--shutdown-timeout" in error["message"]  # type: ignore[index]
+    assert stream.events[-1] == "[DONE]"

@@ -17,6 +17,7 @@ class StreamedCompletion:
     def __init__(self, url: str, max_tokens: int, model: str | None = None) -> None:
         self.events: list[str] = []
         self.first = threading.Event()
+        self.server: str | None = None  # the x-rankcast-api-server that answered
         body: dict[str, object] = {
             "prompt": "Tell a long story",
             "max_tokens": max_tokens,
@@ -33,6 +34,7 @@ class StreamedCompletion:
             httpx.Client(timeout=120) as http,
             http.stream("POST", f"{url}/v1/completions", json=body) as response,
         ):
+            self.server = response.headers.get("x-rankcast-api-server")
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     self.events.append(line[6:])

@@ -4,9 +4,10 @@
 //!
 //!     rankcast-frontend --model-dir DIR --served-model-name NAME --port N [--host H]
 //!                       --engine-input ADDR --engine-output ADDR --client-index K
-//!                       [--api-key KEY]
+//!                       [--api-key KEY] [--shutdown-timeout SECONDS]
 
 mod chat;
+mod drain;
 mod engine;
 mod openai;
 
@@ -31,6 +32,7 @@ struct Args {
     engine_output: String,
     client_index: i64,
     api_key: Option<String>,
+    shutdown_timeout: Duration,
 }
 
 fn fail(message: &str) -> ! {
@@ -67,6 +69,15 @@ fn parse() -> Args {
             .remove("--host")
             .unwrap_or_else(|| "127.0.0.1".into()),
         api_key: values.remove("--api-key"),
+        shutdown_timeout: values.remove("--shutdown-timeout").map_or(
+            Duration::from_secs(30),
+            |v| {
+                Duration::from_secs_f64(
+                    v.parse()
+                        .unwrap_or_else(|_| fail("--shutdown-timeout: seconds")),
+                )
+            },
+        ),
         model_dir,
     };
     if let Some(unknown) = values.keys().next() {
@@ -127,6 +138,11 @@ fn shared_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
 }
 
 fn main() {
+    // First, before any thread starts: every thread inherits the blocked stop signals.
+    let stop = drain::stop_signals();
+    // A keeper (or launcher) that dies leaves no server behind: SIGTERM, which drains.
+    // SAFETY: prctl with PR_SET_PDEATHSIG only sets this process's parent-death signal.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) };
     let args = parse();
     let tokenizer = Tokenizer::from_file(&args.model_dir.join("tokenizer.json"))
         .unwrap_or_else(|e| fail(&e.to_string()));
@@ -152,12 +168,20 @@ fn main() {
         client_index: args.client_index,
         api_key: args.api_key,
         counter: AtomicU64::new(0),
+        drain: drain::Drain::new(args.shutdown_timeout),
     });
+    let drain = server.drain.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("a tokio runtime");
     runtime.block_on(async move {
+        tokio::spawn(async move {
+            if stop.await.is_ok() {
+                eprintln!("rankcast-frontend: stopping: requests in flight get up to {:?}", drain.timeout);
+                drain.run().await;
+            }
+        });
         let make = make_service_fn(move |_| {
             let server = server.clone();
             async move {

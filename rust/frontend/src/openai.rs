@@ -15,6 +15,7 @@ use rankcast_text::{IncrementalDetokenizer, Tokenizer};
 use serde_json::{json, Map, Value};
 
 use crate::chat::ChatTemplate;
+use crate::drain::{Drain, RETRY_AFTER_S};
 use crate::engine::{Engine, Event};
 
 pub struct Server {
@@ -27,6 +28,14 @@ pub struct Server {
     /// The bearer token every /v1 route requires, when set.
     pub api_key: Option<String>,
     pub counter: AtomicU64,
+    pub drain: Arc<Drain>,
+}
+
+/// Why a request ended without its finish reason.
+enum Failure {
+    ClientGone,
+    Engine(String),
+    Shutdown(String),
 }
 
 type Reply = Response<Body>;
@@ -259,6 +268,16 @@ impl Server {
 
     async fn route(self: Arc<Self>, request: Request<Body>) -> Reply {
         let path = request.uri().path().to_string();
+        if self.drain.draining() {
+            let mut reply = error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "The server is shutting down; retry elsewhere.",
+                None,
+            );
+            let retry = hyper::header::HeaderValue::from(RETRY_AFTER_S);
+            reply.headers_mut().insert("retry-after", retry);
+            return reply;
+        }
         if let (Some(key), true) = (&self.api_key, path.starts_with("/v1")) {
             let given = request
                 .headers()
@@ -452,6 +471,7 @@ impl Server {
     }
 
     async fn run(self: Arc<Self>, prepared: Prepared, chat: bool) -> Reply {
+        let in_flight = self.drain.enter();
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let prefix = if chat { "chatcmpl" } else { "cmpl" };
         let generation = Generation {
@@ -480,7 +500,10 @@ impl Server {
         });
         if prepared.stream {
             let (sender, body) = Body::channel();
-            tokio::spawn(self.clone().stream(generation, prepared, events, sender));
+            tokio::spawn(
+                self.clone()
+                    .stream(generation, prepared, events, sender, in_flight),
+            );
             return Response::builder()
                 .header("content-type", "text/event-stream")
                 .header("cache-control", "no-cache")
@@ -490,8 +513,12 @@ impl Server {
         let done = self.collect(&generation, &prepared, events, None).await;
         let (text, finish, tokens) = match done {
             Ok(done) => done,
-            Err(why) => return error(StatusCode::SERVICE_UNAVAILABLE, &why, None),
+            Err(Failure::Engine(why) | Failure::Shutdown(why)) => {
+                return error(StatusCode::SERVICE_UNAVAILABLE, &why, None)
+            }
+            Err(Failure::ClientGone) => return error(StatusCode::BAD_REQUEST, "client gone", None),
         };
+        drop(in_flight);
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text},
                    "logprobs": null, "finish_reason": finish})
@@ -519,7 +546,7 @@ impl Server {
         prepared: &Prepared,
         mut events: tokio::sync::mpsc::UnboundedReceiver<Event>,
         mut sender: Option<&mut hyper::body::Sender>,
-    ) -> Result<(String, String, usize), String> {
+    ) -> Result<(String, String, usize), Failure> {
         let mut stream = IncrementalDetokenizer::new(&self.tokenizer, prepared.skip_special);
         let mut text = String::new();
         let mut shown = 0usize;
@@ -530,20 +557,28 @@ impl Server {
                 first["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
                 if sender.send_data(sse(&first)).await.is_err() {
                     self.engine.abort(&generation.request_id);
-                    return Err("client went away".into());
+                    return Err(Failure::ClientGone);
                 }
             }
         }
+        let mut cut = self.drain.cut_signal();
         loop {
-            let Some(event) = events.recv().await else {
-                return Err("the engine core stopped answering".into());
+            let event = tokio::select! {
+                event = events.recv() => event,
+                _ = cut.changed() => {
+                    self.engine.abort(&generation.request_id);
+                    return Err(Failure::Shutdown(self.drain.message()));
+                }
+            };
+            let Some(event) = event else {
+                return Err(Failure::Engine("the engine core stopped answering".into()));
             };
             let output = match event {
                 Event::Output(output) => output,
-                Event::EngineDead(why) => return Err(why),
+                Event::EngineDead(why) => return Err(Failure::Engine(why)),
             };
             if let Some(error) = &output.error {
-                return Err(error.clone());
+                return Err(Failure::Engine(error.clone()));
             }
             for &id in &output.new_token_ids {
                 tokens += 1;
@@ -568,7 +603,7 @@ impl Server {
                     shown = visible;
                     if sender.send_data(sse(&piece)).await.is_err() {
                         self.engine.abort(&generation.request_id);
-                        return Err("client went away".into());
+                        return Err(Failure::ClientGone);
                     }
                 }
             }
@@ -584,6 +619,7 @@ impl Server {
         prepared: Prepared,
         events: tokio::sync::mpsc::UnboundedReceiver<Event>,
         mut sender: hyper::body::Sender,
+        _in_flight: crate::drain::InFlight,
     ) {
         let result = self
             .collect(&generation, &prepared, events, Some(&mut sender))
@@ -599,11 +635,12 @@ impl Server {
                 }
                 out
             }
-            Err(why) if why == "client went away" => return,
-            Err(why) => {
+            Err(Failure::ClientGone) => return,
+            // As the Python servers end a cut stream: a finish reason, then the error.
+            Err(Failure::Engine(why) | Failure::Shutdown(why)) => {
                 let body = json!({"error": {"message": why, "type": "ServiceUnavailableError",
                                              "param": null, "code": 503}});
-                vec![sse(&body), sse(&generation.chunk("", Some("abort")))]
+                vec![sse(&generation.chunk("", Some("abort"))), sse(&body)]
             }
         };
         for piece in tail {

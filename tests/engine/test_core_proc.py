@@ -2,49 +2,29 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections.abc import Iterator
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
 
-from rankcast.config import EngineConfig
 from rankcast.engine.addresses import EngineAddresses
-from rankcast.engine.core_proc import run_engine_core
 from rankcast.engine.mp_client import (
     EngineDeadError,
     ProtocolMismatchError,
     SyncMPClient,
     UtilityError,
 )
-from rankcast.model.source import resolve_model
 from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest, ErrorKind
 from rankcast.sampling_params import SamplingParams
+from tests.engine.engine_process import engine_core_process
 
 
 @pytest.fixture()
-def engine(tiny_llama_dir: Path) -> Iterator[tuple[multiprocessing.Process, EngineAddresses]]:
-    config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", num_blocks=64)
-    addresses = EngineAddresses.ipc(2)
-    spawn = multiprocessing.get_context("spawn")
-    read, write = spawn.Pipe(duplex=False)
-    proc = spawn.Process(
-        target=run_engine_core,
-        args=(config, resolve_model(str(tiny_llama_dir)), addresses, 0, 0, write),
-    )
-    proc.start()
-    try:
-        assert read.poll(120), "engine core did not report readiness"
-        assert read.recv()[0] == "ready"
-        yield proc, addresses
-    finally:
-        proc.terminate()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        addresses.cleanup()
+def engine(tiny_llama_dir: Path) -> Iterator[tuple[BaseProcess, EngineAddresses]]:
+    with engine_core_process(tiny_llama_dir) as running:
+        yield running
 
 
 def _collect(client: SyncMPClient, request_id: str, deadline_s: float = 60) -> list[int]:

@@ -4,7 +4,6 @@ another protocol version refused with both versions named, in either direction."
 
 from __future__ import annotations
 
-import multiprocessing
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -14,11 +13,8 @@ import msgspec
 import pytest
 import zmq
 
-from rankcast.config import EngineConfig
 from rankcast.engine.addresses import EngineAddresses
-from rankcast.engine.core_proc import run_engine_core
 from rankcast.engine.mp_client import SyncMPClient
-from rankcast.model.source import resolve_model
 from rankcast.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -27,6 +23,7 @@ from rankcast.protocol import (
     EngineReady,
 )
 from rankcast.sampling_params import SamplingParams
+from tests.engine.engine_process import engine_core_process
 from tests.rust_build import binary
 
 PROMPT = [5, 6, 7, 8]
@@ -35,26 +32,8 @@ PROMPT = [5, 6, 7, 8]
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> Iterator[EngineAddresses]:
     """One engine core with two client slots: 0 for the Python client, 1 for the Rust one."""
-    config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", num_blocks=64)
-    addresses = EngineAddresses.ipc(2)
-    spawn = multiprocessing.get_context("spawn")
-    read, write = spawn.Pipe(duplex=False)
-    proc = spawn.Process(
-        target=run_engine_core,
-        args=(config, resolve_model(str(tiny_llama_dir)), addresses, 0, 0, write),
-    )
-    proc.start()
-    try:
-        assert read.poll(120), "engine core did not report readiness"
-        assert read.recv()[0] == "ready"
+    with engine_core_process(tiny_llama_dir) as (_, addresses):
         yield addresses
-    finally:
-        proc.terminate()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        addresses.cleanup()
 
 
 def _probe(addresses: EngineAddresses, *options: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from tests.entrypoints.server_process import ServerProcess, descendants, tiny_model_args
-from tests.reliability.fleet import StreamedCompletion
+from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -95,10 +95,4 @@ def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
         assert server.proc.wait(30) == 0
     finally:
         assert server.stop() == []
-    chunks = list(stream.chunks())
-    tokens = [c for c in chunks if c.get("choices")]
-    assert len(tokens) > 1, "tokens flowed until the timeout"
-    assert tokens[-1]["choices"][0]["finish_reason"] == "abort"  # type: ignore[index]
-    error = chunks[-1]["error"]
-    assert error["code"] == 503 and "--shutdown-timeout" in error["message"]  # type: ignore[index]
-    assert stream.events[-1] == "[DONE]"
+    assert_cut_by_the_shutdown(stream)

@@ -15,14 +15,12 @@ import httpx
 import openai
 import pytest
 
-from rankcast.config import EngineConfig
 from rankcast.engine.addresses import EngineAddresses
-from rankcast.engine.core_proc import run_engine_core
 from rankcast.engine.mp_client import SyncMPClient
-from rankcast.model.source import resolve_model
 from rankcast.protocol import EngineCoreRequest
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import apply_chat_template, load_tokenizer
+from tests.engine.engine_process import engine_core_process
 from tests.entrypoints.server_process import free_port
 from tests.rust_build import binary
 
@@ -66,19 +64,7 @@ def model_dir(tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path: Path) ->
 @pytest.fixture()
 def fleet(model_dir: Path) -> Iterator[Fleet]:
     """An engine core with two client slots: 0 for the Python client, 1 for the Rust server."""
-    config = EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", num_blocks=128)
-    addresses = EngineAddresses.ipc(2)
-    spawn = multiprocessing.get_context("spawn")
-    read, write = spawn.Pipe(duplex=False)
-    engine = spawn.Process(
-        target=run_engine_core,
-        args=(config, resolve_model(str(model_dir)), addresses, 0, 0, write),
-    )
-    engine.start()
-    frontend: subprocess.Popen[str] | None = None
-    try:
-        assert read.poll(120), "engine core did not report readiness"
-        assert read.recv()[0] == "ready"
+    with engine_core_process(model_dir, num_blocks=128) as (engine, addresses):
         port = free_port()
         client = addresses.clients[1]
         frontend = subprocess.Popen(
@@ -94,19 +80,13 @@ def fleet(model_dir: Path) -> Iterator[Fleet]:
             stderr=subprocess.PIPE,
             text=True,
         )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, frontend)
-        yield Fleet(engine, addresses, frontend, url, model_dir)
-    finally:
-        if frontend is not None:
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, frontend)
+            yield Fleet(engine, addresses, frontend, url, model_dir)
+        finally:
             frontend.kill()
             frontend.communicate(timeout=10)
-        engine.terminate()
-        engine.join(10)
-        if engine.is_alive():
-            engine.kill()
-            engine.join()
-        addresses.cleanup()
 
 
 def _python_greedy(fleet: Fleet, prompt_ids: list[int], max_tokens: int) -> str:

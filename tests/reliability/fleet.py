@@ -46,6 +46,18 @@ class StreamedCompletion:
                 yield json.loads(event)
 
 
+def assert_cut_by_the_shutdown(stream: StreamedCompletion) -> None:
+    """A stream that outlived --shutdown-timeout: tokens flowed, then a chunk with finish
+    reason "abort", the error naming the timeout, and [DONE]."""
+    chunks = list(stream.chunks())
+    tokens = [c for c in chunks if c.get("choices")]
+    assert len(tokens) > 1, "tokens flowed until the timeout"
+    assert tokens[-1]["choices"][0]["finish_reason"] == "abort"  # type: ignore[index]
+    error = chunks[-1]["error"]
+    assert error["code"] == 503 and "--shutdown-timeout" in error["message"]  # type: ignore[index]
+    assert stream.events[-1] == "[DONE]"
+
+
 def until_every_server(url: str, servers: int, status: int, timeout_s: float) -> float:
     """Seconds until each of `servers` API servers has answered /health with `status` (new
     connections reach either); fails past `timeout_s`."""

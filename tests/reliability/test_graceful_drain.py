@@ -18,7 +18,7 @@ from tests.entrypoints.server_process import (
     assert_session_ends,
     launcher_while_loading,
 )
-from tests.reliability.fleet import StreamedCompletion
+from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -63,13 +63,7 @@ def test_stop_refuses_new_work_and_cuts_what_outlives_the_timeout() -> None:
         assert server.proc.wait(30) == 0
     finally:
         assert server.stop() == []
-    chunks = list(stream.chunks())
-    tokens = [c for c in chunks if c.get("choices")]
-    assert len(tokens) > 1, "tokens flowed until the timeout"
-    assert tokens[-1]["choices"][0]["finish_reason"] == "abort"  # type: ignore[index]
-    error = chunks[-1]["error"]
-    assert error["code"] == 503 and "--shutdown-timeout" in error["message"]  # type: ignore[index]
-    assert stream.events[-1] == "[DONE]"
+    assert_cut_by_the_shutdown(stream)
     assert _leftovers() <= before, f"left behind: {_leftovers() - before}"
 
 

@@ -41,3 +41,26 @@ def engine_core_process(
             proc.kill()
             proc.join()
         addresses.cleanup()
+
+
+def python_greedy(
+    addresses: EngineAddresses, client_index: int, prompt_ids: list[int], max_tokens: int
+) -> list[int]:
+    """The tokens the engine generates greedily (EOS ignored) for a Python client in slot
+    `client_index`: what another client of the same engine must be shown."""
+    from rankcast.engine.mp_client import SyncMPClient
+    from rankcast.protocol import EngineCoreRequest
+    from rankcast.sampling_params import SamplingParams
+
+    client = SyncMPClient(addresses.clients[client_index], client_index, timeout_s=60)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        client.add_request(EngineCoreRequest("py", prompt_ids, params, client_index=client_index))
+        tokens: list[int] = []
+        while True:
+            for output in client.get_output(timeout_s=60).outputs:
+                tokens.extend(output.new_token_ids)
+                if output.finished:
+                    return tokens
+    finally:
+        client.shutdown()

@@ -14,16 +14,13 @@ import pytest
 import zmq
 
 from rankcast.engine.addresses import EngineAddresses
-from rankcast.engine.mp_client import SyncMPClient
 from rankcast.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
     EngineCoreInput,
-    EngineCoreRequest,
     EngineReady,
 )
-from rankcast.sampling_params import SamplingParams
-from tests.engine.engine_process import engine_core_process
+from tests.engine.engine_process import engine_core_process, python_greedy
 from tests.rust_build import binary
 
 PROMPT = [5, 6, 7, 8]
@@ -50,21 +47,6 @@ def _lines(stdout: str, prefix: str) -> list[str]:
     return [line[len(prefix) + 1 :] for line in stdout.splitlines() if line.startswith(prefix)]
 
 
-def _python_greedy(addresses: EngineAddresses, max_tokens: int) -> list[int]:
-    client = SyncMPClient(addresses.clients[0], 0, timeout_s=60)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        client.add_request(EngineCoreRequest("py-1", PROMPT, params, client_index=0))
-        tokens: list[int] = []
-        while True:
-            for output in client.get_output(timeout_s=60).outputs:
-                tokens.extend(output.new_token_ids)
-                if output.finished:
-                    return tokens
-    finally:
-        client.shutdown()
-
-
 def test_the_rust_client_generates_what_the_python_client_generates(
     engine: EngineAddresses,
 ) -> None:
@@ -75,7 +57,7 @@ def test_the_rust_client_generates_what_the_python_client_generates(
     assert fields["num_blocks"] == "64" and fields["incarnation"] == "0"
     assert fields["weights_loaded_ranks"] == "0", "the snapshot carries rank 0's weight load"
     (tokens,) = _lines(result.stdout, "tokens")
-    assert [int(t) for t in tokens.split()] == _python_greedy(engine, 6)
+    assert [int(t) for t in tokens.split()] == python_greedy(engine, 0, PROMPT, 6)
     assert _lines(result.stdout, "finish") == ["length"]
 
 

@@ -16,11 +16,8 @@ import openai
 import pytest
 
 from rankcast.engine.addresses import EngineAddresses
-from rankcast.engine.mp_client import SyncMPClient
-from rankcast.protocol import EngineCoreRequest
-from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import apply_chat_template, load_tokenizer
-from tests.engine.engine_process import engine_core_process
+from tests.engine.engine_process import engine_core_process, python_greedy
 from tests.entrypoints.server_process import free_port
 from tests.rust_build import binary
 
@@ -91,21 +88,9 @@ def fleet(model_dir: Path) -> Iterator[Fleet]:
 
 def _python_greedy(fleet: Fleet, prompt_ids: list[int], max_tokens: int) -> str:
     """What the engine generates for the same prompt through the Python client, as text."""
-    client = SyncMPClient(fleet.addresses.clients[0], 0, timeout_s=60)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        client.add_request(EngineCoreRequest("py", prompt_ids, params, client_index=0))
-        tokens: list[int] = []
-        while True:
-            for output in client.get_output(timeout_s=60).outputs:
-                tokens.extend(output.new_token_ids)
-                if output.finished:
-                    text: str = load_tokenizer(fleet.model_dir).decode(
-                        tokens, skip_special_tokens=True
-                    )
-                    return text
-    finally:
-        client.shutdown()
+    tokens = python_greedy(fleet.addresses, 0, prompt_ids, max_tokens)
+    text: str = load_tokenizer(fleet.model_dir).decode(tokens, skip_special_tokens=True)
+    return text
 
 
 def _client(fleet: Fleet) -> openai.OpenAI:

@@ -85,13 +85,11 @@ macro_rules! __is_default {
     }};
 }
 
-/// An array-like struct (optionally tagged): `array_struct! { Name tag "t" { field: Type = default, ... } }`.
-/// Fields without a default are required; the rest default when a shorter (older) peer left
-/// them out.
+#[doc(hidden)]
 #[macro_export]
-macro_rules! array_struct {
-    ($(#[$meta:meta])* $name:ident $(tag $tag:literal)? {
-        $( $(#[$fmeta:meta])* $field:ident : $ty:ty $(= $default:expr)? ),* $(,)?
+macro_rules! __declare {
+    ($kind:literal $(#[$meta:meta])* $name:ident $(tag $tag:literal)? {
+        $( $(#[$fmeta:meta])* $field:ident : $ty:ty ),*
     }) => {
         $(#[$meta])*
         #[derive(Debug, Clone, PartialEq)]
@@ -101,9 +99,23 @@ macro_rules! array_struct {
 
         impl $crate::Schema for $name {
             const NAME: &'static str = stringify!($name);
-            const KIND: &'static str = "array";
+            const KIND: &'static str = $kind;
             const TAG: Option<&'static str> = $crate::__tag!($($tag)?);
             const FIELDS: &'static [&'static str] = &[$(stringify!($field)),*];
+        }
+    };
+}
+
+/// An array-like struct (optionally tagged): `array_struct! { Name tag "t" { field: Type = default, ... } }`.
+/// Fields without a default are required; the rest default when a shorter (older) peer left
+/// them out.
+#[macro_export]
+macro_rules! array_struct {
+    ($(#[$meta:meta])* $name:ident $(tag $tag:literal)? {
+        $( $(#[$fmeta:meta])* $field:ident : $ty:ty $(= $default:expr)? ),* $(,)?
+    }) => {
+        $crate::__declare! {
+            "array" $(#[$meta])* $name $(tag $tag)? { $( $(#[$fmeta])* $field : $ty ),* }
         }
 
         impl $name {
@@ -157,17 +169,8 @@ macro_rules! map_struct {
     ($(#[$meta:meta])* $name:ident $(tag $tag:literal)? {
         $( $(#[$fmeta:meta])* $field:ident : $ty:ty $(= $default:expr)? ),* $(,)?
     }) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, PartialEq)]
-        pub struct $name {
-            $( $(#[$fmeta])* pub $field: $ty, )*
-        }
-
-        impl $crate::Schema for $name {
-            const NAME: &'static str = stringify!($name);
-            const KIND: &'static str = "map";
-            const TAG: Option<&'static str> = $crate::__tag!($($tag)?);
-            const FIELDS: &'static [&'static str] = &[$(stringify!($field)),*];
+        $crate::__declare! {
+            "map" $(#[$meta])* $name $(tag $tag)? { $( $(#[$fmeta])* $field : $ty ),* }
         }
 
         impl $crate::Wire for $name {

@@ -96,3 +96,55 @@ def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
     finally:
         assert server.stop() == []
     assert_cut_by_the_shutdown(stream)
+
+
+def _families(text: str) -> dict[str, list[str]]:
+    """Exposition lines by family (HELP, TYPE and samples), keyed by the family's name."""
+    families: dict[str, list[str]] = {}
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            current = line.split()[2]
+        families.setdefault(current, []).append(line)
+    return families
+
+
+def _scrape_each(url: str, servers: set[str], timeout_s: float = 30) -> dict[str, str]:
+    """One /metrics body from each API server named (fresh connections until all answered)."""
+    bodies: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while set(bodies) != servers:
+        assert time.monotonic() < deadline, f"only {sorted(bodies)} were scraped"
+        response = httpx.get(f"{url}/metrics", timeout=10)
+        assert response.status_code == 200
+        bodies[response.headers["x-rankcast-api-server"]] = response.text
+    return bodies
+
+
+def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
+    tiny_llama_dir: Path,
+) -> None:
+    """Every family the Rust server exposes (the engine-derived ones: load, cache
+    configuration, notification totals and drops, weight loads) is line for line the Python
+    server's, at rest after traffic."""
+    server = ServerProcess(
+        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"), api_server_count=1
+    )
+    server.api_server_count = 2
+    with server.running():
+        _by_server(server.url, 8)
+        deadline = time.monotonic() + 30
+        while True:
+            bodies = _scrape_each(server.url, {"0", "1"})
+            python, rust = _families(bodies["0"]), _families(bodies["1"])
+            differing = [name for name in rust if rust[name] != python.get(name)]
+            if not differing:
+                break
+            assert time.monotonic() < deadline, "\n".join(
+                f"{name}:\n  python {python.get(name)}\n  rust   {rust[name]}" for name in differing
+            )
+            time.sleep(0.2)
+    assert len(rust) >= 15, sorted(rust)
+    weights = rust["rankcast:worker_weights_load_seconds"]
+    assert any(line.startswith("rankcast:worker_weights_load_seconds{") for line in weights)
+    assert 'rankcast:engine_up{engine="0"} 1.0' in rust["rankcast:engine_up"]

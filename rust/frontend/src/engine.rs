@@ -8,8 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
+use rankcast_client::wire::notifications::Notification;
 use rankcast_client::wire::protocol::{EngineCoreOutput, EngineCoreRequest};
 use rankcast_client::EngineCoreClient;
+
+use crate::metrics::EngineMetrics;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// What a request's task receives: outputs as they come, or the engine's death.
@@ -35,7 +38,8 @@ fn process_is_alive(pid: i64) -> bool {
 }
 
 impl Engine {
-    pub fn start(mut client: EngineCoreClient) -> Engine {
+    /// Serve `client` on a thread of its own; the engine-derived series go to `metrics`.
+    pub fn start(mut client: EngineCoreClient, metrics: Arc<EngineMetrics>) -> Engine {
         let (commands, inbox) = mpsc::channel::<Command>();
         let alive = Arc::new(AtomicBool::new(true));
         let flag = alive.clone();
@@ -65,6 +69,14 @@ impl Engine {
                     match client.next_outputs(Some(wait)) {
                         Ok(Some(outputs)) => {
                             quiet = Duration::ZERO;
+                            if let Some(stats) = &outputs.scheduler_stats {
+                                metrics.record_stats(outputs.engine_index, stats);
+                            }
+                            if let Some(raws) = &outputs.engine_notifications {
+                                let decoded: Vec<Notification> =
+                                    raws.iter().filter_map(|raw| raw.decode_as().ok()).collect();
+                                metrics.consume(&decoded);
+                            }
                             for output in outputs.outputs {
                                 let finished = output.finished();
                                 let id = output.request_id.clone();
@@ -82,6 +94,7 @@ impl Engine {
                                 quiet = Duration::ZERO;
                                 if !process_is_alive(pid) {
                                     flag.store(false, Ordering::SeqCst);
+                                    metrics.record_engine_up(client.ready.engine_index, false);
                                     let why = format!("engine core (pid {pid}) has exited");
                                     eprintln!("rankcast-frontend: {why}");
                                     for (_, events) in streams.drain() {

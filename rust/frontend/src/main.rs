@@ -9,6 +9,7 @@
 mod chat;
 mod drain;
 mod engine;
+mod metrics;
 mod openai;
 
 use std::convert::Infallible;
@@ -159,8 +160,14 @@ fn main() {
         .parse()
         .unwrap_or_else(|_| fail("--host: an IP address"));
     let listener = shared_listener(addr).unwrap_or_else(|e| fail(&format!("binding {addr}: {e}")));
+    let metrics = Arc::new(metrics::EngineMetrics::new(&args.model_name));
+    if let Some(snapshot) = &client.ready.snapshot {
+        metrics.apply_snapshot(snapshot);
+    }
+    metrics.record_engine_up(client.ready.engine_index, true);
     let server = Arc::new(openai::Server {
-        engine: engine::Engine::start(client),
+        engine: engine::Engine::start(client, metrics.clone()),
+        metrics,
         tokenizer,
         template,
         model_name: args.model_name,
@@ -171,6 +178,7 @@ fn main() {
         drain: drain::Drain::new(args.shutdown_timeout),
     });
     let drain = server.drain.clone();
+    let watched = server.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -180,6 +188,18 @@ fn main() {
             if stop.await.is_ok() {
                 eprintln!("rankcast-frontend: stopping: requests in flight get up to {:?}", drain.timeout);
                 drain.run().await;
+            }
+        });
+        // A dead engine core: after the streams had a moment to end, exit, so that the launcher
+        // starts this server again once the engine is back (its new incarnation's handshake).
+        tokio::spawn(async move {
+            while watched.engine.alive() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if !watched.drain.draining() {
+                eprintln!("rankcast-frontend: the engine core is gone; exiting to be restarted");
+                std::process::exit(1);
             }
         });
         let make = make_service_fn(move |_| {

@@ -17,9 +17,11 @@ use serde_json::{json, Map, Value};
 use crate::chat::ChatTemplate;
 use crate::drain::{Drain, RETRY_AFTER_S};
 use crate::engine::{Engine, Event};
+use crate::metrics::EngineMetrics;
 
 pub struct Server {
     pub engine: Engine,
+    pub metrics: Arc<EngineMetrics>,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
     pub model_name: String,
@@ -309,6 +311,10 @@ impl Server {
                         "created": now(), "owned_by": "rankcast",
                         "max_model_len": self.max_model_len}]}),
             ),
+            (&Method::GET, "/metrics") => Response::builder()
+                .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+                .body(Body::from(self.metrics.exposition()))
+                .expect("a response"),
             (&Method::POST, "/v1/completions") => self.generate(request, false).await,
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
             _ => error(StatusCode::NOT_FOUND, &format!("no route {path}"), None),

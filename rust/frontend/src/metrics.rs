@@ -1,0 +1,426 @@
+//! `/metrics`: the engine-derived series, built only from what the engine core sends every API
+//! server (its stats with each message, the catch-up snapshot, the notifications), so this
+//! server reports them exactly as the Python servers do, line for line (same names, help, label
+//! order and number formatting as prometheus_client's text exposition).
+//!
+//! Not here yet: the series each API server counts itself and the fleet sums (request and token
+//! counters, latency histograms: the Python servers share them through prometheus_client's
+//! multiprocess files), and the LoRA series.
+
+use std::fmt::Write;
+use std::sync::Mutex;
+
+use rankcast_client::wire::notifications::Notification;
+use rankcast_client::wire::protocol::{EngineStateSnapshot, SchedulerStats};
+use rankcast_client::wire::{Dict, Value};
+
+const WEIGHTS_LOADED_KEY: &str = "rankcast.weights_loaded";
+
+/// A float as prometheus_client writes it: Python's repr, with Go's exponent form for large
+/// positive values.
+pub fn format_value(v: f64) -> String {
+    if v.is_nan() {
+        return "NaN".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        };
+    }
+    let s = python_repr(v);
+    if let Some(dot) = s.find('.') {
+        if v > 0.0 && dot > 6 {
+            let digits = format!("{}{}", &s[1..dot], &s[dot + 1..]);
+            let mantissa = format!("{}.{}", &s[..1], digits);
+            let mantissa = mantissa.trim_end_matches(['0', '.']);
+            return format!("{mantissa}e+0{}", dot - 1);
+        }
+    }
+    s
+}
+
+/// Python's `repr(float)`: the shortest round-trip digits, fixed notation for exponents from
+/// -4 to 15, else `1.5e-05` / `1e+16`.
+fn python_repr(v: f64) -> String {
+    if v == 0.0 {
+        return if v.is_sign_negative() {
+            "-0.0".into()
+        } else {
+            "0.0".into()
+        };
+    }
+    let exponent = v.abs().log10().floor() as i32;
+    if (-4..16).contains(&exponent) {
+        let s = format!("{v}");
+        return if s.contains('.') { s } else { format!("{s}.0") };
+    }
+    let s = format!("{v:e}"); // e.g. "1.5e-5"
+    let (mantissa, exp) = s.split_once('e').expect("an exponent");
+    let exp: i32 = exp.parse().expect("an integer exponent");
+    let sign = if exp < 0 { '-' } else { '+' };
+    format!("{mantissa}e{sign}{:02}", exp.abs())
+}
+
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('\n', "\\n")
+        .replace('"', "\\\"")
+}
+
+/// Series in the order they were first set, as prometheus_client keeps a family's children.
+#[derive(Default)]
+struct Family {
+    samples: Vec<(Vec<(&'static str, String)>, f64)>,
+}
+
+impl Family {
+    fn slot(&mut self, labels: Vec<(&'static str, String)>) -> &mut f64 {
+        let mut sorted = labels;
+        sorted.sort_by(|a, b| a.0.cmp(b.0));
+        match self.samples.iter().position(|(l, _)| *l == sorted) {
+            Some(i) => &mut self.samples[i].1,
+            None => {
+                self.samples.push((sorted, 0.0));
+                &mut self.samples.last_mut().expect("just pushed").1
+            }
+        }
+    }
+    fn set(&mut self, labels: Vec<(&'static str, String)>, value: f64) {
+        *self.slot(labels) = value;
+    }
+    fn inc(&mut self, labels: Vec<(&'static str, String)>, by: f64) {
+        *self.slot(labels) += by;
+    }
+    fn remove(&mut self, labels: &[(&'static str, String)]) {
+        let mut sorted = labels.to_vec();
+        sorted.sort_by(|a, b| a.0.cmp(b.0));
+        self.samples.retain(|(l, _)| *l != sorted);
+    }
+}
+
+struct Series {
+    name: &'static str,
+    help: &'static str,
+    kind: &'static str,
+    family: Family,
+}
+
+/// The families, in the order the Python servers register them.
+const RUNNING: usize = 0;
+const WAITING: usize = 1;
+const KV_USAGE: usize = 2;
+const CACHE_CONFIG: usize = 3;
+const ENGINE_UP: usize = 4;
+const PREEMPTIONS: usize = 5;
+const PREFIX_QUERIES: usize = 6;
+const PREFIX_HITS: usize = 7;
+const GATHERS: usize = 8;
+const GATHER_SECONDS: usize = 9;
+const NOTIFICATIONS: usize = 10;
+const SKIPPED: usize = 11;
+const DROPPED: usize = 12;
+const WEIGHTS_SECONDS: usize = 13;
+const WEIGHTS_BYTES: usize = 14;
+
+fn families() -> Vec<Series> {
+    let s = |name, help, kind| Series {
+        name,
+        help,
+        kind,
+        family: Family::default(),
+    };
+    vec![
+        s(
+            "vllm:num_requests_running",
+            "Requests in the engine's running batch.",
+            "gauge",
+        ),
+        s(
+            "vllm:num_requests_waiting",
+            "Requests queued in the engine, waiting to run.",
+            "gauge",
+        ),
+        s(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0..1).",
+            "gauge",
+        ),
+        s(
+            "vllm:cache_config_info",
+            "KV cache configuration of the engine.",
+            "gauge",
+        ),
+        s(
+            "rankcast:engine_up",
+            "1 while the engine core is connected; 0 once it is gone (its load series read 0).",
+            "gauge",
+        ),
+        s(
+            "vllm:num_preemptions",
+            "Requests preempted by the engine since it started (recomputed later).",
+            "gauge",
+        ),
+        s(
+            "vllm:prefix_cache_queries_total",
+            "Prompt tokens the engine looked up in its prefix cache.",
+            "counter",
+        ),
+        s(
+            "vllm:prefix_cache_hits_total",
+            "Prompt tokens the engine found in its prefix cache (not recomputed).",
+            "counter",
+        ),
+        s(
+            "rankcast:notification_gathers",
+            "Notification gathers (one collective RPC each) the engine core made since it started.",
+            "gauge",
+        ),
+        s(
+            "rankcast:notification_gather_seconds",
+            "Seconds the engine core spent in notification gathers since it started.",
+            "gauge",
+        ),
+        s(
+            "rankcast:engine_notifications_total",
+            "Engine notifications received, by type and (for custom events) key.",
+            "counter",
+        ),
+        s(
+            "rankcast:engine_notifications_skipped_total",
+            "Notifications of a type the API servers do not know (counted, then skipped).",
+            "counter",
+        ),
+        s(
+            "rankcast:worker_notifications_dropped_total",
+            "Notifications lost to a full buffer, by engine and rank (engine_core: the engine's).",
+            "counter",
+        ),
+        s(
+            "rankcast:worker_weights_load_seconds",
+            "Seconds each rank took to load its shard of the weights.",
+            "gauge",
+        ),
+        s(
+            "rankcast:worker_weights_load_bytes",
+            "Bytes of weights each rank loaded (its shard).",
+            "gauge",
+        ),
+    ]
+}
+
+fn rank_label(rank: i64) -> String {
+    if rank < 0 {
+        "engine_core".into()
+    } else {
+        rank.to_string()
+    }
+}
+
+fn number(value: Option<&Value>) -> Option<f64> {
+    match value {
+        Some(Value::Int(v)) => Some(*v as f64),
+        Some(Value::Float(v)) => Some(*v),
+        _ => None,
+    }
+}
+
+/// The families, and the cache configuration labels last set (block size, blocks).
+type State = (Vec<Series>, Option<(String, String)>);
+
+pub struct EngineMetrics {
+    model: String,
+    series: Mutex<State>,
+}
+
+impl EngineMetrics {
+    pub fn new(model: &str) -> EngineMetrics {
+        EngineMetrics {
+            model: model.to_string(),
+            series: Mutex::new((families(), None)),
+        }
+    }
+
+    fn engine_labels(&self, engine: i64) -> Vec<(&'static str, String)> {
+        vec![
+            ("model_name", self.model.clone()),
+            ("engine", engine.to_string()),
+        ]
+    }
+
+    pub fn record_stats(&self, engine: i64, stats: &SchedulerStats) {
+        let labels = self.engine_labels(engine);
+        let mut guard = self.series.lock().expect("metrics lock");
+        let (series, cache_labels) = &mut *guard;
+        series[RUNNING]
+            .family
+            .set(labels.clone(), stats.num_running_reqs as f64);
+        series[WAITING]
+            .family
+            .set(labels.clone(), stats.num_waiting_reqs as f64);
+        series[KV_USAGE]
+            .family
+            .set(labels.clone(), stats.kv_cache_usage);
+        series[PREEMPTIONS]
+            .family
+            .set(labels.clone(), stats.num_preemptions as f64);
+        series[PREFIX_QUERIES]
+            .family
+            .set(labels.clone(), stats.prefix_cache_queries as f64);
+        series[PREFIX_HITS]
+            .family
+            .set(labels.clone(), stats.prefix_cache_hits as f64);
+        let e = vec![("engine", engine.to_string())];
+        series[GATHERS]
+            .family
+            .set(e.clone(), stats.notification_gathers as f64);
+        series[GATHER_SECONDS]
+            .family
+            .set(e, stats.notification_gather_seconds);
+        let config = (stats.block_size.to_string(), stats.num_blocks.to_string());
+        if cache_labels.as_ref() != Some(&config) {
+            if let Some((block_size, blocks)) = cache_labels.take() {
+                let mut old = labels.clone();
+                old.extend([("block_size", block_size), ("num_gpu_blocks", blocks)]);
+                series[CACHE_CONFIG].family.remove(&old);
+            }
+            let mut new = labels;
+            new.extend([
+                ("block_size", config.0.clone()),
+                ("num_gpu_blocks", config.1.clone()),
+            ]);
+            series[CACHE_CONFIG].family.set(new, 1.0);
+            *cache_labels = Some(config);
+        }
+    }
+
+    pub fn record_engine_up(&self, engine: i64, up: bool) {
+        let labels = self.engine_labels(engine);
+        let mut guard = self.series.lock().expect("metrics lock");
+        let series = &mut guard.0;
+        series[ENGINE_UP].family.set(
+            vec![("engine", engine.to_string())],
+            f64::from(u8::from(up)),
+        );
+        if !up {
+            for index in [RUNNING, WAITING, KV_USAGE] {
+                series[index].family.set(labels.clone(), 0.0);
+            }
+        }
+    }
+
+    pub fn apply_snapshot(&self, snapshot: &EngineStateSnapshot) {
+        let engine = snapshot.engine_index.to_string();
+        let mut guard = self.series.lock().expect("metrics lock");
+        let series = &mut guard.0;
+        let ledger = &snapshot.notifications;
+        for total in &ledger.totals {
+            let labels = vec![("type", total.r#type.clone()), ("key", total.key.clone())];
+            series[NOTIFICATIONS].family.inc(labels, total.count as f64);
+        }
+        for dropped in &ledger.dropped {
+            let labels = vec![
+                ("engine", engine.clone()),
+                ("rank", rank_label(dropped.rank)),
+            ];
+            series[DROPPED].family.inc(labels, dropped.count as f64);
+        }
+        for weights in &ledger.weights_loaded {
+            record_weights(series, &engine, weights.rank, &weights.payload);
+        }
+    }
+
+    pub fn consume(&self, notifications: &[Notification]) {
+        let mut guard = self.series.lock().expect("metrics lock");
+        let series = &mut guard.0;
+        for n in notifications {
+            let key = match n {
+                Notification::Custom(c) => c.key.clone(),
+                _ => String::new(),
+            };
+            let kind = n.type_name();
+            series[NOTIFICATIONS]
+                .family
+                .inc(vec![("type", kind.clone()), ("key", key)], 1.0);
+            match n {
+                Notification::Dropped(d) => {
+                    let labels = vec![
+                        ("engine", d.engine_index.to_string()),
+                        ("rank", rank_label(d.rank)),
+                    ];
+                    series[DROPPED].family.inc(labels, d.count as f64);
+                }
+                Notification::Custom(c) if c.key == WEIGHTS_LOADED_KEY => {
+                    record_weights(series, &c.engine_index.to_string(), c.rank, &c.payload);
+                }
+                Notification::Unknown(_) => {
+                    series[SKIPPED].family.inc(vec![("type", kind)], 1.0);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The text exposition of every family, as prometheus_client renders it.
+    pub fn exposition(&self) -> String {
+        let guard = self.series.lock().expect("metrics lock");
+        let mut out = String::new();
+        for s in &guard.0 {
+            let help = s.help.replace('\\', "\\\\").replace('\n', "\\n");
+            let _ = writeln!(out, "# HELP {} {help}", s.name);
+            let _ = writeln!(out, "# TYPE {} {}", s.name, s.kind);
+            for (labels, value) in &s.family.samples {
+                let rendered: Vec<String> = labels
+                    .iter()
+                    .map(|(k, v)| format!("{k}=\"{}\"", escape_label(v)))
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "{}{{{}}} {}",
+                    s.name,
+                    rendered.join(","),
+                    format_value(*value)
+                );
+            }
+        }
+        out
+    }
+}
+
+fn record_weights(series: &mut [Series], engine: &str, rank: i64, payload: &Dict<Value>) {
+    let labels = vec![("engine", engine.to_string()), ("rank", rank_label(rank))];
+    if let Some(seconds) = number(payload.get("seconds")) {
+        series[WEIGHTS_SECONDS].family.set(labels.clone(), seconds);
+    }
+    if let Some(bytes) = number(payload.get("bytes")) {
+        series[WEIGHTS_BYTES].family.set(labels, bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::format_value;
+
+    #[test]
+    fn values_are_written_as_prometheus_client_writes_them() {
+        let cases = [
+            (2.0, "2.0"),
+            (0.125, "0.125"),
+            (0.0, "0.0"),
+            (1.5, "1.5"),
+            (90177536.0, "9.0177536e+07"),
+            (1234567.0, "1.234567e+06"),
+            (123456.0, "123456.0"),
+            (0.0001, "0.0001"),
+            (0.00001, "1e-05"),
+            (1.5e-7, "1.5e-07"),
+            (-3.0, "-3.0"),
+            (f64::INFINITY, "+Inf"),
+        ];
+        for (value, want) in cases {
+            assert_eq!(format_value(value), want, "{value}");
+        }
+    }
+}

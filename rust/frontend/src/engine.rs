@@ -12,6 +12,7 @@ use rankcast_client::wire::notifications::Notification;
 use rankcast_client::wire::protocol::{EngineCoreOutput, EngineCoreRequest};
 use rankcast_client::EngineCoreClient;
 
+use crate::events::EventHub;
 use crate::metrics::EngineMetrics;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -38,8 +39,13 @@ fn process_is_alive(pid: i64) -> bool {
 }
 
 impl Engine {
-    /// Serve `client` on a thread of its own; the engine-derived series go to `metrics`.
-    pub fn start(mut client: EngineCoreClient, metrics: Arc<EngineMetrics>) -> Engine {
+    /// Serve `client` on a thread of its own; the engine-derived series go to `metrics`, the
+    /// notifications also to the `/v1/events` ring.
+    pub fn start(
+        mut client: EngineCoreClient,
+        metrics: Arc<EngineMetrics>,
+        events: Arc<EventHub>,
+    ) -> Engine {
         let (commands, inbox) = mpsc::channel::<Command>();
         let alive = Arc::new(AtomicBool::new(true));
         let flag = alive.clone();
@@ -76,6 +82,7 @@ impl Engine {
                                 let decoded: Vec<Notification> =
                                     raws.iter().filter_map(|raw| raw.decode_as().ok()).collect();
                                 metrics.consume(&decoded);
+                                events.consume(raws);
                             }
                             for output in outputs.outputs {
                                 let finished = output.finished();

@@ -9,6 +9,7 @@
 mod chat;
 mod drain;
 mod engine;
+mod events;
 mod metrics;
 mod openai;
 
@@ -165,9 +166,18 @@ fn main() {
         metrics.apply_snapshot(snapshot);
     }
     metrics.record_engine_up(client.ready.engine_index, true);
+    let events = Arc::new(events::EventHub::default());
+    if let Some(snapshot) = &client.ready.snapshot {
+        events.apply_snapshot(
+            snapshot.engine_index,
+            snapshot.engine_seq,
+            snapshot.incarnation,
+        );
+    }
     let server = Arc::new(openai::Server {
-        engine: engine::Engine::start(client, metrics.clone()),
+        engine: engine::Engine::start(client, metrics.clone(), events.clone()),
         metrics,
+        events,
         tokenizer,
         template,
         model_name: args.model_name,
@@ -178,6 +188,7 @@ fn main() {
         drain: drain::Drain::new(args.shutdown_timeout),
     });
     let drain = server.drain.clone();
+    let stopping_events = server.events.clone();
     let watched = server.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -187,6 +198,7 @@ fn main() {
         tokio::spawn(async move {
             if stop.await.is_ok() {
                 eprintln!("rankcast-frontend: stopping: requests in flight get up to {:?}", drain.timeout);
+                stopping_events.close(); // event streams would hold the drain otherwise
                 drain.run().await;
             }
         });

@@ -17,11 +17,13 @@ use serde_json::{json, Map, Value};
 use crate::chat::ChatTemplate;
 use crate::drain::{Drain, RETRY_AFTER_S};
 use crate::engine::{Engine, Event};
+use crate::events::EventHub;
 use crate::metrics::EngineMetrics;
 
 pub struct Server {
     pub engine: Engine,
     pub metrics: Arc<EngineMetrics>,
+    pub events: Arc<EventHub>,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
     pub model_name: String,
@@ -315,9 +317,31 @@ impl Server {
                 .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
                 .body(Body::from(self.metrics.exposition()))
                 .expect("a response"),
+            (&Method::GET, "/v1/events") => self.event_stream(&request),
             (&Method::POST, "/v1/completions") => self.generate(request, false).await,
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
             _ => error(StatusCode::NOT_FOUND, &format!("no route {path}"), None),
+        }
+    }
+
+    /// `/v1/events`: `type`/`key` filters in the query, `Last-Event-ID` to resume.
+    fn event_stream(&self, request: &Request<Body>) -> Reply {
+        let last = request
+            .headers()
+            .get("last-event-id")
+            .and_then(|v| v.to_str().ok());
+        let filter = crate::events::Filter::parse(request.uri().query());
+        match self.events.subscribe(last) {
+            Ok((live, replay, notice)) => {
+                let (sender, body) = Body::channel();
+                tokio::spawn(crate::events::stream(sender, filter, replay, notice, live));
+                Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .header("cache-control", "no-cache")
+                    .body(body)
+                    .expect("a response")
+            }
+            Err(message) => error(StatusCode::BAD_REQUEST, &message, Some("Last-Event-ID")),
         }
     }
 

@@ -47,8 +47,10 @@ rust-deps:
 		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q $(RUST_DEBS) >/dev/null; }; \
 	fi
 
+# Release builds: the launcher runs target/release/rankcast-frontend (a debug build costs the
+# Rust API server several times the CPU per token); the tests build what they run themselves.
 rust-build: rust-deps
-	cd rust && $(CARGO) build --offline --quiet
+	cd rust && $(CARGO) build --offline --quiet --release
 
 # Format, lints with warnings denied, and the Rust tests (the golden fixtures both ways).
 rust-check: rust-deps

@@ -17,11 +17,13 @@ from rankcast.model.source import resolve_model
 
 @contextlib.contextmanager
 def engine_core_process(
-    model_dir: Path, clients: int = 2, num_blocks: int = 64
+    model_dir: Path, clients: int = 2, **options: object
 ) -> Iterator[tuple[BaseProcess, EngineAddresses]]:
-    """A float32 engine core for `model_dir` with `clients` client slots, ready when handed
-    over; terminated (killed if need be) and its sockets removed afterwards."""
-    config = EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", num_blocks=num_blocks)
+    """An engine core for `model_dir` with `clients` client slots (float32 and 64 KV blocks
+    unless `options`, named like the CLI flags, say otherwise), ready when handed over;
+    terminated (killed if need be) and its sockets removed afterwards."""
+    settings: dict[str, object] = {"dtype": "float32", "num_blocks": 64, **options}
+    config = EngineConfig.from_kwargs(model=str(model_dir), **settings)
     addresses = EngineAddresses.ipc(clients)
     spawn = multiprocessing.get_context("spawn")
     read, write = spawn.Pipe(duplex=False)

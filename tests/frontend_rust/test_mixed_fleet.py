@@ -11,10 +11,18 @@ from pathlib import Path
 
 import httpx
 
+from rankcast.entrypoints.rust_api_server import BINARY_ENV
 from tests.entrypoints.server_process import ServerProcess, descendants, tiny_model_args
 from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
+from tests.rust_build import binary
 
 MODEL = "SmolLM2-135M-Instruct"
+
+
+def _frontend_env() -> dict[str, str]:
+    """The launcher runs the Rust server built from this tree now, never a stale release."""
+    return {BINARY_ENV: str(binary("rankcast-frontend"))}
+
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -33,14 +41,20 @@ def _by_server(url: str, rounds: int) -> dict[str, set[str]]:
 
 def _frontend_pid(server: ServerProcess) -> int:
     for pid in descendants(server.proc.pid):
-        if Path(f"/proc/{pid}/exe").resolve().name == "rankcast-frontend":
+        try:
+            name = Path(os.readlink(f"/proc/{pid}/exe")).name
+        except OSError:  # gone meanwhile
+            continue
+        if name == "rankcast-frontend":
             return pid
     raise LookupError("no rankcast-frontend process")
 
 
 def test_python_and_rust_servers_share_the_port_and_the_answers(tiny_llama_dir: Path) -> None:
     server = ServerProcess(
-        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"), api_server_count=2
+        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"),
+        api_server_count=2,
+        env=_frontend_env(),
     )
     server.api_server_count = 3  # wait for all three to answer /health
     with server.running():
@@ -69,7 +83,7 @@ def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
     naming the timeout, and [DONE]; the launcher exits 0 with nothing left."""
     server = ServerProcess(
         "--max-model-len", "1024", "--shutdown-timeout", "2", "--rust-api-server-count", "1",
-        api_server_count=1,
+        api_server_count=1, env=_frontend_env(),
     )  # fmt: skip
     server.api_server_count = 2
     try:
@@ -128,7 +142,9 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     configuration, notification totals and drops, weight loads) is line for line the Python
     server's, at rest after traffic."""
     server = ServerProcess(
-        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"), api_server_count=1
+        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"),
+        api_server_count=1,
+        env=_frontend_env(),
     )
     server.api_server_count = 2
     with server.running():

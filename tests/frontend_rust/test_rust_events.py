@@ -10,8 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rankcast.entrypoints.rust_api_server import BINARY_ENV
 from tests.entrypoints.notification_clients import open_event_streams, producer_server_args
 from tests.entrypoints.server_process import ServerProcess
+from tests.rust_build import binary
 from tests.worker.producers import KEY
 
 SERVERS = {"0", "1", "2"}  # two Python servers, then the Rust one
@@ -25,6 +27,7 @@ def fleet(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
             tiny_llama_dir, "--tensor-parallel-size", "2", "--rust-api-server-count", "1"
         ),
         api_server_count=2,
+        env={BINARY_ENV: str(binary("rankcast-frontend"))},
     )
     server.api_server_count = len(SERVERS)
     with server.running():

@@ -146,6 +146,22 @@ impl EngineCoreClient {
         })
     }
 
+    /// The ZMQ context of this connection, for sockets that must share it (inproc).
+    pub fn context(&self) -> &zmq::Context {
+        &self._context
+    }
+
+    /// Wait until the engine's output or `other` is readable, or `timeout` passes:
+    /// (output readable, other readable). Lets a caller block on both at once.
+    pub fn wait_readable(&self, other: &zmq::Socket, timeout: Duration) -> Result<(bool, bool)> {
+        let mut items = [
+            self.output.as_poll_item(zmq::POLLIN),
+            other.as_poll_item(zmq::POLLIN),
+        ];
+        zmq::poll(&mut items, timeout.as_millis().min(i64::MAX as u128) as i64)?;
+        Ok((items[0].is_readable(), items[1].is_readable()))
+    }
+
     fn send(&self, message: &EngineCoreInput) -> Result<()> {
         self.input.send(to_bytes(message), 0)?;
         Ok(())

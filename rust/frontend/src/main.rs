@@ -220,7 +220,11 @@ fn main() {
                 Ok::<_, Infallible>(service_fn(move |request| server.clone().handle(request)))
             }
         });
-        let http = hyper::Server::from_tcp(listener).unwrap_or_else(|e| fail(&e.to_string()));
+        let http = hyper::Server::from_tcp(listener)
+            .unwrap_or_else(|e| fail(&e.to_string()))
+            // Streamed chunks are small writes: without this, Nagle's algorithm and the
+            // client's delayed ACK hold each one back ~40 ms.
+            .tcp_nodelay(true);
         eprintln!("rankcast-frontend: serving on http://{addr} as API server {}", args.client_index);
         if let Err(e) = http.serve(make).await {
             fail(&e.to_string());

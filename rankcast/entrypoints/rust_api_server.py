@@ -44,6 +44,7 @@ def frontend_command(
         str(binary),
         "--model-dir", str(config.model_dir),
         "--served-model-name", config.model_name,
+        "--model-origin", config.model_origin,
         "--host", config.host,
         "--port", str(config.port),
         "--engine-input", engine.input,

@@ -13,6 +13,7 @@ import httpx
 
 from rankcast.entrypoints.rust_api_server import BINARY_ENV
 from tests.entrypoints.server_process import ServerProcess, descendants, tiny_model_args
+from tests.lora.conftest import make_adapter
 from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
 from tests.rust_build import binary
 
@@ -164,3 +165,53 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     weights = rust["rankcast:worker_weights_load_seconds"]
     assert any(line.startswith("rankcast:worker_weights_load_seconds{") for line in weights)
     assert 'rankcast:engine_up{engine="0"} 1.0' in rust["rankcast:engine_up"]
+
+
+def test_the_rust_server_serves_adapters_by_name(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """An adapter registered at start is a model of its own on every server: the same model
+    cards, the same text under its name, and an unknown name a 404 naming it."""
+    adapter = tmp_path / "sql"
+    make_adapter(tiny_llama_dir, adapter, rank=4, alpha=8)
+    server = ServerProcess(
+        *tiny_model_args(
+            tiny_llama_dir,
+            "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"sql={adapter}",
+            "--rust-api-server-count", "1",
+        ),
+        api_server_count=1,
+        env=_frontend_env(),
+    )  # fmt: skip
+    server.api_server_count = 2
+    with server.running():
+        cards: dict[str, list[dict[str, object]]] = {}
+        deadline = time.monotonic() + 30
+        while set(cards) != {"0", "1"}:
+            assert time.monotonic() < deadline, f"only {sorted(cards)} answered"
+            response = httpx.get(f"{server.url}/v1/models", timeout=10)
+            data = response.json()["data"]
+            cards[response.headers["x-rankcast-api-server"]] = [
+                {k: v for k, v in card.items() if k != "created"} for card in data
+            ]
+        assert cards["1"] == cards["0"]
+        assert [card["id"] for card in cards["1"]][1:] == ["sql"]
+        body = {**BODY, "model": "sql"}
+        texts: dict[str, set[str]] = {}
+        for _ in range(24):
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.json()["model"] == "sql"
+            server_index = response.headers["x-rankcast-api-server"]
+            texts.setdefault(server_index, set()).add(response.json()["choices"][0]["text"])
+        assert set(texts) == {"0", "1"} and len(set().union(*texts.values())) == 1, texts
+        base = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=60).json()
+        assert texts["1"] != {base["choices"][0]["text"]}, "the adapter must change the text"
+        missing = {}
+        for _ in range(24):
+            response = httpx.post(
+                f"{server.url}/v1/completions", json={**BODY, "model": "nope"}, timeout=60
+            )
+            missing[response.headers["x-rankcast-api-server"]] = response
+        for response in missing.values():
+            assert response.status_code == 404
+            assert response.json()["error"]["message"] == "The model `nope` does not exist."
+        assert set(missing) == {"0", "1"}

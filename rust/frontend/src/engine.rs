@@ -16,6 +16,7 @@ use rankcast_client::EngineCoreClient;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::events::EventHub;
+use crate::loras::Adapters;
 use crate::metrics::EngineMetrics;
 
 const DOORBELL: &str = "inproc://rankcast-frontend-doorbell";
@@ -51,6 +52,7 @@ struct Loop {
     streams: HashMap<String, UnboundedSender<Event>>,
     metrics: Arc<EngineMetrics>,
     events: Arc<EventHub>,
+    adapters: Arc<Adapters>,
 }
 
 impl Loop {
@@ -80,6 +82,7 @@ impl Loop {
             let decoded: Vec<Notification> =
                 raws.iter().filter_map(|raw| raw.decode_as().ok()).collect();
             self.metrics.consume(&decoded);
+            self.adapters.consume(&decoded);
             self.events.consume(raws);
         }
         for output in outputs.outputs {
@@ -114,6 +117,7 @@ impl Engine {
         client: EngineCoreClient,
         metrics: Arc<EngineMetrics>,
         events: Arc<EventHub>,
+        adapters: Arc<Adapters>,
     ) -> Engine {
         let (commands, inbox) = mpsc::channel::<Command>();
         let alive = Arc::new(AtomicBool::new(true));
@@ -133,6 +137,7 @@ impl Engine {
             streams: HashMap::new(),
             metrics,
             events,
+            adapters,
         };
         std::thread::Builder::new()
             .name("engine-client".into())

@@ -4,12 +4,13 @@
 //!
 //!     rankcast-frontend --model-dir DIR --served-model-name NAME --port N [--host H]
 //!                       --engine-input ADDR --engine-output ADDR --client-index K
-//!                       [--api-key KEY] [--shutdown-timeout SECONDS]
+//!                       [--api-key KEY] [--shutdown-timeout SECONDS] [--model-origin WHERE]
 
 mod chat;
 mod drain;
 mod engine;
 mod events;
+mod loras;
 mod metrics;
 mod openai;
 
@@ -35,6 +36,7 @@ struct Args {
     client_index: i64,
     api_key: Option<String>,
     shutdown_timeout: Duration,
+    model_origin: String,
 }
 
 fn fail(message: &str) -> ! {
@@ -71,6 +73,7 @@ fn parse() -> Args {
             .remove("--host")
             .unwrap_or_else(|| "127.0.0.1".into()),
         api_key: values.remove("--api-key"),
+        model_origin: values.remove("--model-origin").unwrap_or_default(),
         shutdown_timeout: values.remove("--shutdown-timeout").map_or(
             Duration::from_secs(30),
             |v| {
@@ -167,6 +170,10 @@ fn main() {
     }
     metrics.record_engine_up(client.ready.engine_index, true);
     let events = Arc::new(events::EventHub::default());
+    let adapters = Arc::new(loras::Adapters::default());
+    if let Some(snapshot) = &client.ready.snapshot {
+        adapters.apply_snapshot(snapshot);
+    }
     if let Some(snapshot) = &client.ready.snapshot {
         events.apply_snapshot(
             snapshot.engine_index,
@@ -175,7 +182,9 @@ fn main() {
         );
     }
     let server = Arc::new(openai::Server {
-        engine: engine::Engine::start(client, metrics.clone(), events.clone()),
+        engine: engine::Engine::start(client, metrics.clone(), events.clone(), adapters.clone()),
+        adapters,
+        model_origin: args.model_origin,
         metrics,
         events,
         tokenizer,

@@ -18,12 +18,16 @@ use crate::chat::ChatTemplate;
 use crate::drain::{Drain, RETRY_AFTER_S};
 use crate::engine::{Engine, Event};
 use crate::events::EventHub;
+use crate::loras::Adapters;
 use crate::metrics::EngineMetrics;
 
 pub struct Server {
     pub engine: Engine,
     pub metrics: Arc<EngineMetrics>,
     pub events: Arc<EventHub>,
+    pub adapters: Arc<Adapters>,
+    /// Where the base model came from (the `root` of its model card).
+    pub model_origin: String,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
     pub model_name: String,
@@ -66,10 +70,15 @@ fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
     json_reply(status, &body)
 }
 
-struct BadRequest(String, Option<&'static str>);
+/// A request refused before it reaches the engine: message, field, status (400 unless said).
+struct BadRequest(String, Option<&'static str>, StatusCode);
 
 fn bad<T>(message: impl Into<String>, param: &'static str) -> Result<T, BadRequest> {
-    Err(BadRequest(message.into(), Some(param)))
+    Err(BadRequest(
+        message.into(),
+        Some(param),
+        StatusCode::BAD_REQUEST,
+    ))
 }
 
 fn number(body: &Map<String, Value>, key: &'static str, default: f64) -> Result<f64, BadRequest> {
@@ -309,10 +318,19 @@ impl Server {
             }
             (&Method::GET, "/v1/models") => json_reply(
                 StatusCode::OK,
-                &json!({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                        "created": now(), "owned_by": "rankcast",
-                        "max_model_len": self.max_model_len}]}),
+                &json!({"object": "list", "data": self.cards()}),
             ),
+            (&Method::GET, id) if id.starts_with("/v1/models/") => {
+                let wanted = &id["/v1/models/".len()..];
+                match self.cards().into_iter().find(|card| card["id"] == wanted) {
+                    Some(card) => json_reply(StatusCode::OK, &card),
+                    None => error(
+                        StatusCode::NOT_FOUND,
+                        &format!("The model `{wanted}` does not exist."),
+                        Some("model"),
+                    ),
+                }
+            }
             (&Method::GET, "/metrics") => Response::builder()
                 .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
                 .body(Body::from(self.metrics.exposition()))
@@ -322,6 +340,23 @@ impl Server {
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
             _ => error(StatusCode::NOT_FOUND, &format!("no route {path}"), None),
         }
+    }
+
+    /// The base model, then every registered adapter as a model of its own (as the Python
+    /// servers list them).
+    fn cards(&self) -> Vec<Value> {
+        let base = json!({"id": self.model_name, "object": "model", "created": now(),
+                          "owned_by": "rankcast", "root": self.model_origin, "parent": null,
+                          "max_model_len": self.max_model_len});
+        let mut cards = vec![base.clone()];
+        for name in self.adapters.names() {
+            let mut card = base.clone();
+            card["id"] = json!(name);
+            card["root"] = json!(name);
+            card["parent"] = json!(self.model_name);
+            cards.push(card);
+        }
+        cards
     }
 
     /// `/v1/events`: `type`/`key` filters in the query, `Last-Event-ID` to resume.
@@ -376,16 +411,28 @@ impl Server {
         };
         match self.prepare(&body, chat) {
             Ok(prepared) => self.run(prepared, chat).await,
-            Err(BadRequest(message, param)) => error(StatusCode::BAD_REQUEST, &message, param),
+            Err(BadRequest(message, param, status)) => error(status, &message, param),
         }
     }
 
     fn prepare(&self, body: &Map<String, Value>, chat: bool) -> Result<Prepared, BadRequest> {
-        if let Some(model) = body.get("model").and_then(Value::as_str) {
-            if model != self.model_name {
-                return bad(format!("the model {model:?} does not exist"), "model");
+        // The base model, or an adapter the engine registered; responses name it as asked.
+        let requested = body.get("model").and_then(Value::as_str);
+        let lora_name = match requested {
+            None => None,
+            Some(model) if model == self.model_name => None,
+            Some(model) if self.adapters.names().iter().any(|n| n == model) => {
+                Some(model.to_string())
             }
-        }
+            Some(model) => {
+                return Err(BadRequest(
+                    format!("The model `{model}` does not exist."),
+                    Some("model"),
+                    StatusCode::NOT_FOUND,
+                ))
+            }
+        };
+        let model = requested.unwrap_or(&self.model_name).to_string();
         let prompt_ids: Vec<u32> = if chat {
             let Some(template) = &self.template else {
                 return bad(
@@ -487,6 +534,8 @@ impl Server {
             .and_then(Value::as_bool)
             .unwrap_or(false);
         Ok(Prepared {
+            lora_name,
+            model,
             prompt_ids,
             stop: StopStrings {
                 longest: stops.iter().map(String::len).max().unwrap_or(0),
@@ -517,7 +566,7 @@ impl Server {
                 "text_completion"
             },
             chat,
-            model: self.model_name.clone(),
+            model: prepared.model.clone(),
             created: now(),
         };
         let events = self.engine.generate(EngineCoreRequest {
@@ -526,7 +575,7 @@ impl Server {
             sampling_params: prepared.params.clone(),
             arrival_time: now_f64(),
             client_index: self.client_index,
-            lora_name: None,
+            lora_name: prepared.lora_name.clone(),
         });
         if prepared.stream {
             let (sender, body) = Body::channel();
@@ -685,6 +734,8 @@ impl Server {
 }
 
 struct Prepared {
+    lora_name: Option<String>,
+    model: String,
     prompt_ids: Vec<u32>,
     params: SamplingParams,
     stop: StopStrings,

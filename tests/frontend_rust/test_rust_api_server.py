@@ -170,14 +170,14 @@ def test_a_stop_string_ends_the_text_before_it(fleet: Fleet) -> None:
     assert cut.finish_reason == "stop"
 
 
-def test_bad_fields_are_400s_naming_them(fleet: Fleet) -> None:
+def test_bad_fields_are_400s_and_unknown_models_404s(fleet: Fleet) -> None:
     client = _client(fleet)
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="hi", temperature=3)
     assert "temperature" in str(caught.value)
-    with pytest.raises(openai.BadRequestError) as caught:
+    with pytest.raises(openai.NotFoundError) as missing:  # as the Python servers answer
         client.completions.create(model="nope", prompt="hi")
-    assert "nope" in str(caught.value)
+    assert "nope" in str(missing.value)
     response = httpx.post(f"{fleet.url}/v1/completions", content=b"{not json", timeout=10)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "BadRequestError"

@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve import client_session, one_request, percentile  # noqa: E402
+from bench.serve import run_level  # noqa: E402
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -35,45 +35,18 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _level(url: str, prompts: list[str], tokens: int, concurrency: int) -> dict[str, Any]:
-    count = max(8, concurrency)
-    batch = [prompts[i % len(prompts)] for i in range(count)]
-    ttfts: list[float] = []
-    itls: list[float] = []
-    gate = asyncio.Semaphore(concurrency)
-    async with client_session(url, concurrency + 4) as http:
-
-        async def guarded(prompt: str) -> int:
-            async with gate:
-                return await one_request(http, prompt, tokens, ttfts, itls)
-
-        start = time.perf_counter()
-        produced = sum(await asyncio.gather(*(guarded(p) for p in batch)))
-        elapsed = time.perf_counter() - start
-    return {
-        "concurrency": concurrency,
-        "requests": count,
-        "output_tokens": produced,
-        "tokens_per_s": produced / elapsed,
-        "ttft_p50_ms": percentile(ttfts, 50) * 1000,
-        "ttft_p99_ms": percentile(ttfts, 99) * 1000,
-        "itl_p50_ms": percentile(itls, 50) * 1000,
-        "itl_p99_ms": percentile(itls, 99) * 1000,
-    }
-
-
 def measure(
     url: str, pid: int, prompts: list[str], tokens: int, levels: list[int], runs: int
 ) -> list[dict[str, Any]]:
     """Every level `runs` times (after a warm-up); the median run by tokens/s, with the server
     process's CPU seconds per 1,000 output tokens over that run."""
-    asyncio.run(_level(url, prompts, tokens, 2))
+    asyncio.run(run_level(url, prompts, tokens, 2))
     rows = []
     for n in levels:
         tries = []
         for _ in range(runs):
             before = process_cpu_seconds(pid)
-            row = asyncio.run(_level(url, prompts, tokens, n))
+            row = asyncio.run(run_level(url, prompts, tokens, n, count=max(8, n)))
             row["cpu_s_per_1k_tokens"] = (
                 1000 * (process_cpu_seconds(pid) - before) / max(1, row["output_tokens"])
             )
@@ -119,7 +92,7 @@ def main() -> None:
     os.environ.setdefault("RANKCAST_LOG_LEVEL", "WARNING")
     binary = frontend_binary()
     if binary is None:
-        sys.exit("rankcast-frontend is not built: run `make rust-build` first")
+        sys.exit("rankcast-frontend is not built, or older than rust/: run `make rust-build`")
     prompts, tokens = load_prompts()
     levels = [int(n) for n in args.levels.split(",")]
     source = resolve_model(None)
@@ -146,10 +119,7 @@ def main() -> None:
         rust_config = ApiServerConfig(
             "127.0.0.1", rust_port, model_name, source.model_dir, str(source.origin)
         )
-        rust = subprocess.Popen(
-            frontend_command(binary, rust_config, 1, addresses.clients[1]),
-            stderr=subprocess.DEVNULL,
-        )
+        rust = subprocess.Popen(frontend_command(binary, rust_config, 1, addresses.clients[1]))
         try:
             assert read.poll(120) and read.recv()[0] == "ready", "the Python API server"
             wait_healthy(f"http://127.0.0.1:{python_port}")

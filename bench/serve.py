@@ -105,9 +105,15 @@ async def one_request(
 
 
 async def run_level(
-    url: str, prompts: list[str], tokens: int, concurrency: int, model: str | None = None
+    url: str,
+    prompts: list[str],
+    tokens: int,
+    concurrency: int,
+    model: str | None = None,
+    count: int | None = None,
 ) -> dict:
-    count = max(4, min(32, 2 * concurrency))
+    """`count` requests (default max(4, min(32, 2N))) with at most `concurrency` in flight."""
+    count = count or max(4, min(32, 2 * concurrency))
     batch = [prompts[i % len(prompts)] for i in range(count)]
     ttfts: list[float] = []
     itls: list[float] = []

@@ -170,8 +170,8 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         )
     if server.rust_api_server_count and frontend_binary() is None:
         raise ConfigError(
-            "--rust-api-server-count: rankcast-frontend is not built (make rust-build, or "
-            f"point {RUST_BINARY_ENV} at it)"
+            "--rust-api-server-count: rankcast-frontend is not built, or older than its "
+            f"sources in rust/ (run make rust-build, or point {RUST_BINARY_ENV} at a build)"
         )
     clients = server.api_server_count + server.rust_api_server_count
     engine_addresses = [

@@ -26,15 +26,29 @@ _WORKSPACE = Path(__file__).resolve().parents[2] / "rust"
 READY_MARK = "rankcast-frontend: serving on"
 
 
+def _newest_source() -> float:
+    """When the Rust sources last changed (a build older than that would speak an old wire)."""
+    sources = [
+        path
+        for pattern in ("*.rs", "Cargo.toml", "Cargo.lock")
+        for path in _WORKSPACE.rglob(pattern)
+        if "target" not in path.relative_to(_WORKSPACE).parts
+    ]
+    return max((path.stat().st_mtime for path in sources), default=0.0)
+
+
 def frontend_binary() -> Path | None:
-    """`$RANKCAST_RUST_FRONTEND`, else the workspace's release build, else its debug build."""
+    """`$RANKCAST_RUST_FRONTEND`, else the workspace's release build, else its debug build;
+    a build older than the sources does not count (None: run `make rust-build`)."""
     given = os.environ.get(BINARY_ENV)
-    candidates = (
-        [Path(given)]
-        if given
-        else [_WORKSPACE / "target" / kind / "rankcast-frontend" for kind in ("release", "debug")]
-    )
-    return next((path for path in candidates if os.access(path, os.X_OK)), None)
+    if given:
+        return Path(given) if os.access(given, os.X_OK) else None
+    newest = _newest_source()
+    for kind in ("release", "debug"):
+        path = _WORKSPACE / "target" / kind / "rankcast-frontend"
+        if os.access(path, os.X_OK) and path.stat().st_mtime >= newest:
+            return path
+    return None
 
 
 def frontend_command(
@@ -66,7 +80,7 @@ def run_rust_api_server(
     die_with_parent()
     binary = frontend_binary()
     if binary is None:
-        ready.send(("error", "rankcast-frontend is not built: run `make rust-build` first"))
+        ready.send(("error", "rankcast-frontend is not built or older than rust/: make rust-build"))
         return
     if len(engines) != 1:
         ready.send(("error", "a Rust API server serves one engine core (no data parallelism)"))

@@ -18,7 +18,9 @@ from rankcast.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
     EngineCoreInput,
+    EngineCoreOutputs,
     EngineReady,
+    EngineStateSnapshot,
 )
 from tests.engine.engine_process import engine_core_process, python_greedy
 from tests.rust_build import binary
@@ -115,3 +117,39 @@ def test_the_rust_client_refuses_an_engine_of_another_version(tmp_path: Path) ->
     (refusal,) = _lines(result.stdout, "refused:")
     assert f"engine core speaks {PROTOCOL_VERSION + 1}" in refusal
     assert f"this client speaks {PROTOCOL_VERSION}" in refusal
+
+
+def test_what_the_engine_queued_for_a_predecessor_is_skipped_at_the_handshake(
+    tmp_path: Path,
+) -> None:
+    """A restarted API server's slot may still hold what the engine sent its predecessor;
+    the Rust client skips it and takes the EngineReady, as the Python client does. A socket
+    pair plays the engine, to put that message first every time."""
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    push = context.socket(zmq.PUSH)
+    pull.bind(f"ipc://{tmp_path}/in")
+    push.bind(f"ipc://{tmp_path}/out")
+
+    def answer() -> None:
+        if pull.poll(60_000):
+            pull.recv()
+            push.send(msgspec.msgpack.encode(EngineCoreOutputs(engine_index=0, timestamp=1.0)))
+            ready = EngineReady(PROTOCOL_VERSION, pid=1, snapshot=EngineStateSnapshot(0, 7))
+            push.send(msgspec.msgpack.encode(ready))
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        result = subprocess.run(
+            [binary("engine_probe"), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", "2"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        thread.join(70)
+        context.destroy(linger=0)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (ready,) = _lines(result.stdout, "ready")
+    assert "engine_seq=7" in ready

@@ -120,18 +120,20 @@ impl EngineCoreClient {
             client_index,
         });
         push.send(to_bytes(&hello), 0)?;
-        let ready = match receive(&pull, Some(timeout))? {
-            Some(EngineCoreMessage::Ready(ready)) => ready,
-            Some(EngineCoreMessage::Outputs(_)) => {
-                return Err(ClientError::ProtocolMismatch(
-                    "expected EngineReady, got EngineCoreOutputs".into(),
-                ))
-            }
-            None => {
-                return Err(ClientError::Timeout(format!(
-                    "engine core did not answer the handshake in {:.0} s",
-                    timeout.as_secs_f64()
-                )))
+        // What the engine had queued for this client slot before (a previous connection of
+        // it, now gone: its stats and outputs) may come first; the answer is the EngineReady.
+        let deadline = Instant::now() + timeout;
+        let ready = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match receive(&pull, Some(left))? {
+                Some(EngineCoreMessage::Ready(ready)) => break ready,
+                Some(EngineCoreMessage::Outputs(_)) => continue,
+                None => {
+                    return Err(ClientError::Timeout(format!(
+                        "engine core did not answer the handshake in {:.0} s",
+                        timeout.as_secs_f64()
+                    )))
+                }
             }
         };
         let ready = check_ready(ready, protocol_version)?;

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hyper::body::Bytes;
-use rankcast_client::wire::notifications::Notification;
+use rankcast_client::wire::notifications::is_known_type;
 use rankcast_client::wire::{Raw, Value};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -183,27 +183,37 @@ impl EventHub {
         store(&mut hub.incarnation, engine, incarnation);
     }
 
-    /// The notifications of one message from the engine, in order.
+    /// The notifications of one message from the engine, in order. Types this server does not
+    /// know are counted by the metrics but kept out of the ring, as the Python servers do.
     pub fn consume(&self, raws: &[Raw]) {
         let mut hub = self.hub.lock().expect("events lock");
         for raw in raws {
-            let Ok(n) = raw.decode_as::<Notification>() else {
-                continue;
-            };
             let Ok(value) = raw.decode_as::<Value>() else {
                 continue;
             };
-            let (engine, seq) = stamp(&n, &value);
-            let key = match &n {
-                Notification::Custom(c) => c.key.clone(),
-                _ => String::new(),
+            let text = |name: &str| value.get(name).and_then(Value::as_str).unwrap_or("");
+            let number = |name: &str| {
+                value
+                    .get(name)
+                    .and_then(Value::as_int)
+                    .map_or(-1, |v| v as i64)
             };
+            let kind = text("type").to_string();
+            if !is_known_type(&kind) {
+                continue;
+            }
+            let key = if kind == "custom" {
+                text("key").to_string()
+            } else {
+                String::new()
+            };
+            let (engine, seq) = (number("engine_index"), number("engine_seq"));
             let incarnation = lookup(&hub.incarnation, engine).unwrap_or(0);
             let event = Event {
                 engine,
                 incarnation,
                 seq,
-                kind: n.type_name(),
+                kind,
                 key,
                 data: to_json(&value),
             };
@@ -302,18 +312,6 @@ impl EventHub {
     }
 }
 
-/// (engine_index, engine_seq) of a notification, whatever its type.
-fn stamp(n: &Notification, value: &Value) -> (i64, i64) {
-    let _ = n;
-    let field = |name: &str| {
-        value
-            .get(name)
-            .and_then(Value::as_int)
-            .map_or(-1, |v| v as i64)
-    };
-    (field("engine_index"), field("engine_seq"))
-}
-
 /// `engine:incarnation:seq` (or the older `engine:seq`, incarnation 0).
 pub fn parse_event_id(value: &str) -> Result<(i64, i64, i64), String> {
     let bad = || format!("Last-Event-ID {value:?} is not of the form <engine>:<incarnation>:<seq>");
@@ -368,5 +366,53 @@ pub async fn stream(
         if sender.send_data(frame).await.is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(fields: Vec<(&str, Value)>) -> Raw {
+        let map = fields
+            .into_iter()
+            .map(|(k, v)| (Value::Str(k.into()), v))
+            .collect();
+        let mut bytes = Vec::new();
+        rankcast_client::wire::Wire::encode(&Value::Map(map), &mut bytes);
+        Raw(bytes)
+    }
+
+    #[test]
+    fn known_events_enter_the_ring_as_json_in_wire_order_and_unknown_ones_do_not() {
+        let hub = EventHub::default();
+        hub.apply_snapshot(0, 4, 2);
+        hub.consume(&[
+            raw(vec![
+                ("type", Value::Str("gpu_thermal".into())),
+                ("engine_seq", Value::Int(5)),
+            ]),
+            raw(vec![
+                ("type", Value::Str("custom".into())),
+                ("key", Value::Str("k".into())),
+                ("engine_seq", Value::Int(6)),
+                ("engine_index", Value::Int(0)),
+            ]),
+        ]);
+        let ring = &hub.hub.lock().unwrap().ring;
+        assert_eq!(
+            ring.len(),
+            1,
+            "an unknown type is not an event of the stream"
+        );
+        assert_eq!(ring[0].id(), "0:2:6");
+        assert_eq!(
+            (ring[0].kind.as_str(), ring[0].key.as_str()),
+            ("custom", "k")
+        );
+        assert_eq!(
+            ring[0].data,
+            r#"{"type":"custom","key":"k","engine_seq":6,"engine_index":0}"#
+        );
     }
 }

@@ -148,6 +148,26 @@ fn peek_type(mut rd: &[u8]) -> Result<Option<String>> {
     Ok(None)
 }
 
+/// The tags of every notification type this build knows.
+const KNOWN_TYPES: [Option<&str>; 11] = [
+    CustomNotification::TAG,
+    NotificationsDropped::TAG,
+    LoRAAdapterLoaded::TAG,
+    LoRAAdapterActivated::TAG,
+    LoRAAdapterEvicted::TAG,
+    LoRAAdapterPinned::TAG,
+    LoRAAdapterUnpinned::TAG,
+    LoRAAdapterLoadFailed::TAG,
+    KVBlocksStored::TAG,
+    KVBlocksRemoved::TAG,
+    KVCacheCleared::TAG,
+];
+
+/// Whether `tag` names a notification type this build knows (others decode as `Unknown`).
+pub fn is_known_type(tag: &str) -> bool {
+    KNOWN_TYPES.contains(&Some(tag))
+}
+
 impl Notification {
     /// The wire tag ("custom", "lora_adapter_loaded", ...).
     pub fn type_name(&self) -> String {

@@ -28,11 +28,13 @@ READY_MARK = "rankcast-frontend: serving on"
 
 def _newest_source() -> float:
     """When the Rust sources last changed (a build older than that would speak an old wire)."""
+    # The crates and the workspace's own files; the build output (target/) is not walked.
+    tops = [p for p in _WORKSPACE.iterdir() if p.name != "target"] if _WORKSPACE.is_dir() else []
     sources = [
         path
-        for pattern in ("*.rs", "Cargo.toml", "Cargo.lock")
-        for path in _WORKSPACE.rglob(pattern)
-        if "target" not in path.relative_to(_WORKSPACE).parts
+        for top in tops
+        for path in ([top] if top.is_file() else top.rglob("*"))
+        if path.suffix == ".rs" or path.name in ("Cargo.toml", "Cargo.lock")
     ]
     return max((path.stat().st_mtime for path in sources), default=0.0)
 
@@ -110,9 +112,11 @@ def run_rust_api_server(
         code = child.wait()
         ready.send(("error", f"rankcast-frontend exited during start-up (exit code {code})"))
         return
-    relay = threading.Thread(
-        target=lambda: [sys.stderr.write(f"{role}: {line}") for line in stderr], daemon=True
-    )
-    relay.start()
+
+    def relay() -> None:
+        for line in stderr:
+            sys.stderr.write(f"{role}: {line}")
+
+    threading.Thread(target=relay, daemon=True).start()
     code = child.wait()
     raise SystemExit(0 if code in (0, -signal.SIGTERM) else 1)

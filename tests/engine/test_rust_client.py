@@ -85,9 +85,12 @@ def test_an_older_rust_peer_is_refused_naming_both_versions(engine: EngineAddres
     assert f"speaks {PROTOCOL_VERSION - 1}" in refusal
 
 
-def test_the_rust_client_refuses_an_engine_of_another_version(tmp_path: Path) -> None:
-    """An engine core of a newer protocol cannot be built from this tree: a socket pair that
-    answers the hello as one would stands in for it (a fault not produced otherwise)."""
+def _probe_a_fake_engine(
+    tmp_path: Path, client_index: int, replies: list[object]
+) -> tuple[list[EngineCoreInput], subprocess.CompletedProcess[str]]:
+    """Run the probe against a socket pair playing the engine: it answers the hello with
+    `replies`, in order. For engines this tree cannot be made into (a fault not produced
+    otherwise). Returns what the probe sent and how it ended."""
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     push = context.socket(zmq.PUSH)
@@ -98,13 +101,19 @@ def test_the_rust_client_refuses_an_engine_of_another_version(tmp_path: Path) ->
     def answer() -> None:
         if pull.poll(60_000):
             seen.append(msgspec.msgpack.decode(pull.recv(), type=EngineCoreInput))
-            push.send(msgspec.msgpack.encode(EngineReady(PROTOCOL_VERSION + 1, pid=1)))
+            for reply in replies:
+                push.send(msgspec.msgpack.encode(reply))
 
     thread = threading.Thread(target=answer)
     thread.start()
     try:
         result = subprocess.run(
-            [binary("engine_probe"), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", "4"],
+            [
+                binary("engine_probe"),
+                f"ipc://{tmp_path}/in",
+                f"ipc://{tmp_path}/out",
+                str(client_index),
+            ],
             capture_output=True,
             text=True,
             timeout=120,
@@ -112,6 +121,12 @@ def test_the_rust_client_refuses_an_engine_of_another_version(tmp_path: Path) ->
     finally:
         thread.join(70)
         context.destroy(linger=0)
+    return seen, result
+
+
+def test_the_rust_client_refuses_an_engine_of_another_version(tmp_path: Path) -> None:
+    """An engine core of a newer protocol cannot be built from this tree."""
+    seen, result = _probe_a_fake_engine(tmp_path, 4, [EngineReady(PROTOCOL_VERSION + 1, pid=1)])
     assert seen == [ClientHello(PROTOCOL_VERSION, 4)]
     assert result.returncode == 2, result.stdout + result.stderr
     (refusal,) = _lines(result.stdout, "refused:")
@@ -123,33 +138,12 @@ def test_what_the_engine_queued_for_a_predecessor_is_skipped_at_the_handshake(
     tmp_path: Path,
 ) -> None:
     """A restarted API server's slot may still hold what the engine sent its predecessor;
-    the Rust client skips it and takes the EngineReady, as the Python client does. A socket
-    pair plays the engine, to put that message first every time."""
-    context = zmq.Context()
-    pull = context.socket(zmq.PULL)
-    push = context.socket(zmq.PUSH)
-    pull.bind(f"ipc://{tmp_path}/in")
-    push.bind(f"ipc://{tmp_path}/out")
-
-    def answer() -> None:
-        if pull.poll(60_000):
-            pull.recv()
-            push.send(msgspec.msgpack.encode(EngineCoreOutputs(engine_index=0, timestamp=1.0)))
-            ready = EngineReady(PROTOCOL_VERSION, pid=1, snapshot=EngineStateSnapshot(0, 7))
-            push.send(msgspec.msgpack.encode(ready))
-
-    thread = threading.Thread(target=answer)
-    thread.start()
-    try:
-        result = subprocess.run(
-            [binary("engine_probe"), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", "2"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        thread.join(70)
-        context.destroy(linger=0)
+    the Rust client skips it and takes the EngineReady, as the Python client does (the fake
+    engine puts that message first every time)."""
+    ready = EngineReady(PROTOCOL_VERSION, pid=1, snapshot=EngineStateSnapshot(0, 7))
+    _, result = _probe_a_fake_engine(
+        tmp_path, 2, [EngineCoreOutputs(engine_index=0, timestamp=1.0), ready]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    (ready,) = _lines(result.stdout, "ready")
-    assert "engine_seq=7" in ready
+    (line,) = _lines(result.stdout, "ready")
+    assert "engine_seq=7" in line

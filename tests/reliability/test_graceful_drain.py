@@ -51,7 +51,12 @@ def test_stop_refuses_new_work_and_cuts_what_outlives_the_timeout() -> None:
         while len(refused) < 2 and time.monotonic() < deadline:
             with httpx.Client(timeout=10) as http:
                 for path in ("/health", "/v1/models"):
-                    response = http.get(f"{server.url}{path}")
+                    try:
+                        response = http.get(f"{server.url}{path}")
+                    except httpx.TransportError:
+                        # A server with nothing in flight closes its listener at once; a
+                        # connection the kernel had queued on that listener is reset.
+                        continue
                     if response.status_code == 503:
                         refused[f"{response.headers['x-rankcast-api-server']}{path}"] = response
         assert len(refused) >= 2, f"only {sorted(refused)} refused"

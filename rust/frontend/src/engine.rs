@@ -77,6 +77,7 @@ impl Loop {
     fn deliver(&mut self, outputs: EngineCoreOutputs) {
         if let Some(stats) = &outputs.scheduler_stats {
             self.metrics.record_stats(outputs.engine_index, stats);
+            self.adapters.record_stats(outputs.engine_index, stats);
         }
         if let Some(raws) = &outputs.engine_notifications {
             let decoded: Vec<Notification> =

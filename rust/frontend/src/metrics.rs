@@ -1,11 +1,12 @@
 //! `/metrics`: the engine-derived series, built only from what the engine core sends every API
 //! server (its stats with each message, the catch-up snapshot, the notifications), so this
 //! server reports them exactly as the Python servers do, line for line (same names, help, label
-//! order and number formatting as prometheus_client's text exposition).
+//! order and number formatting as prometheus_client's text exposition); the LoRA ones are
+//! `lora_metrics`.
 //!
 //! Not here yet: the series each API server counts itself and the fleet sums (request and token
 //! counters, latency histograms: the Python servers share them through prometheus_client's
-//! multiprocess files), and the LoRA series.
+//! multiprocess files).
 
 use std::fmt::Write;
 use std::sync::Mutex;
@@ -13,6 +14,9 @@ use std::sync::Mutex;
 use rankcast_client::wire::notifications::Notification;
 use rankcast_client::wire::protocol::{EngineStateSnapshot, SchedulerStats};
 use rankcast_client::wire::{Dict, Value};
+
+use crate::lora_metrics::LoRAMetrics;
+use crate::loras::Adapters;
 
 const WEIGHTS_LOADED_KEY: &str = "rankcast.weights_loaded";
 
@@ -106,6 +110,27 @@ struct Series {
     help: &'static str,
     kind: &'static str,
     family: Family,
+    /// Empty: samples in the order first set (a prometheus_client metric's children). Else
+    /// the label names by whose values the samples are sorted, as the Python servers'
+    /// `ViewCounter` (an engine total seen by every server) writes them.
+    sorted_by: &'static [&'static str],
+}
+
+impl Series {
+    fn samples(&self) -> Vec<&(Vec<(&'static str, String)>, f64)> {
+        let mut samples: Vec<_> = self.family.samples.iter().collect();
+        if !self.sorted_by.is_empty() {
+            let key = |labels: &[(&'static str, String)]| -> Vec<String> {
+                let value = |name| labels.iter().find(|(k, _)| k == name).map(|(_, v)| v);
+                self.sorted_by
+                    .iter()
+                    .map(|name| value(name).cloned().unwrap_or_default())
+                    .collect()
+            };
+            samples.sort_by_key(|(labels, _)| key(labels));
+        }
+        samples
+    }
 }
 
 /// The families, in the order the Python servers register them.
@@ -131,6 +156,11 @@ fn families() -> Vec<Series> {
         help,
         kind,
         family: Family::default(),
+        sorted_by: &[],
+    };
+    let view = |name, help, sorted_by| Series {
+        sorted_by,
+        ..s(name, help, "counter")
     };
     vec![
         s(
@@ -163,15 +193,15 @@ fn families() -> Vec<Series> {
             "Requests preempted by the engine since it started (recomputed later).",
             "gauge",
         ),
-        s(
+        view(
             "vllm:prefix_cache_queries_total",
             "Prompt tokens the engine looked up in its prefix cache.",
-            "counter",
+            &["model_name", "engine"],
         ),
-        s(
+        view(
             "vllm:prefix_cache_hits_total",
             "Prompt tokens the engine found in its prefix cache (not recomputed).",
-            "counter",
+            &["model_name", "engine"],
         ),
         s(
             "rankcast:notification_gathers",
@@ -183,20 +213,20 @@ fn families() -> Vec<Series> {
             "Seconds the engine core spent in notification gathers since it started.",
             "gauge",
         ),
-        s(
+        view(
             "rankcast:engine_notifications_total",
             "Engine notifications received, by type and (for custom events) key.",
-            "counter",
+            &["type", "key"],
         ),
-        s(
+        view(
             "rankcast:engine_notifications_skipped_total",
             "Notifications of a type the API servers do not know (counted, then skipped).",
-            "counter",
+            &["type"],
         ),
-        s(
+        view(
             "rankcast:worker_notifications_dropped_total",
             "Notifications lost to a full buffer, by engine and rank (engine_core: the engine's).",
-            "counter",
+            &["engine", "rank"],
         ),
         s(
             "rankcast:worker_weights_load_seconds",
@@ -233,6 +263,7 @@ type State = (Vec<Series>, Option<(String, String)>);
 pub struct EngineMetrics {
     model: String,
     series: Mutex<State>,
+    lora: LoRAMetrics,
 }
 
 impl EngineMetrics {
@@ -240,6 +271,7 @@ impl EngineMetrics {
         EngineMetrics {
             model: model.to_string(),
             series: Mutex::new((families(), None)),
+            lora: LoRAMetrics::new(model),
         }
     }
 
@@ -312,6 +344,7 @@ impl EngineMetrics {
     }
 
     pub fn apply_snapshot(&self, snapshot: &EngineStateSnapshot) {
+        self.lora.apply_snapshot(snapshot);
         let engine = snapshot.engine_index.to_string();
         let mut guard = self.series.lock().expect("metrics lock");
         let series = &mut guard.0;
@@ -333,6 +366,7 @@ impl EngineMetrics {
     }
 
     pub fn consume(&self, notifications: &[Notification]) {
+        self.lora.consume(notifications);
         let mut guard = self.series.lock().expect("metrics lock");
         let series = &mut guard.0;
         for n in notifications {
@@ -363,30 +397,45 @@ impl EngineMetrics {
         }
     }
 
-    /// The text exposition of every family, as prometheus_client renders it.
-    pub fn exposition(&self) -> String {
-        let guard = self.series.lock().expect("metrics lock");
+    /// The text exposition of every family, as prometheus_client renders it: the engine
+    /// series, then the LoRA ones (from `adapters`, as the Python servers register them).
+    pub fn exposition(&self, adapters: &Adapters) -> String {
         let mut out = String::new();
-        for s in &guard.0 {
-            let help = s.help.replace('\\', "\\\\").replace('\n', "\\n");
-            let _ = writeln!(out, "# HELP {} {help}", s.name);
-            let _ = writeln!(out, "# TYPE {} {}", s.name, s.kind);
-            for (labels, value) in &s.family.samples {
-                let rendered: Vec<String> = labels
-                    .iter()
-                    .map(|(k, v)| format!("{k}=\"{}\"", escape_label(v)))
-                    .collect();
-                let _ = writeln!(
-                    out,
-                    "{}{{{}}} {}",
-                    s.name,
-                    rendered.join(","),
-                    format_value(*value)
-                );
+        {
+            let guard = self.series.lock().expect("metrics lock");
+            for s in &guard.0 {
+                write_header(&mut out, s.name, s.help, s.kind);
+                for (labels, value) in s.samples() {
+                    write_sample(&mut out, s.name, labels, *value);
+                }
             }
         }
+        adapters.read(|residency| self.lora.render(&mut out, residency));
         out
     }
+}
+
+/// The `# HELP` and `# TYPE` lines of a family.
+pub fn write_header(out: &mut String, name: &str, help: &str, kind: &str) {
+    let help = help.replace('\\', "\\\\").replace('\n', "\\n");
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// One sample line, its labels in name order as prometheus_client writes them.
+pub fn write_sample(out: &mut String, name: &str, labels: &[(&str, String)], value: f64) {
+    let mut sorted: Vec<&(&str, String)> = labels.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
+    let rendered: Vec<String> = sorted
+        .iter()
+        .map(|(k, v)| format!("{k}=\"{}\"", escape_label(v)))
+        .collect();
+    let _ = writeln!(
+        out,
+        "{name}{{{}}} {}",
+        rendered.join(","),
+        format_value(value)
+    );
 }
 
 fn record_weights(series: &mut [Series], engine: &str, rank: i64, payload: &Dict<Value>) {

@@ -333,7 +333,7 @@ impl Server {
             }
             (&Method::GET, "/metrics") => Response::builder()
                 .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
-                .body(Body::from(self.metrics.exposition()))
+                .body(Body::from(self.metrics.exposition(&self.adapters)))
                 .expect("a response"),
             (&Method::GET, "/v1/events") => self.event_stream(&request),
             (&Method::POST, "/v1/completions") => self.generate(request, false).await,

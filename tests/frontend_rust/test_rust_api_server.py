@@ -185,6 +185,29 @@ def test_bad_fields_are_400s_and_unknown_models_404s(fleet: Fleet) -> None:
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"logprobs": 2},
+        {"echo": True},
+        {"guided_regex": "[a-z]+"},
+        {"guided_choice": ["yes", "no"]},
+        {"guided_grammar": 'root ::= "a"'},
+        {"response_format": {"type": "json_object"}},
+    ],
+    ids=lambda field: next(iter(field)),
+)
+def test_what_it_does_not_serve_yet_is_refused_by_name_not_ignored(
+    fleet: Fleet, field: dict[str, object]
+) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **field}
+    response = httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    (name,) = field
+    assert response.json()["error"]["param"] == name
+    assert f"{name} is not served" in response.json()["error"]["message"]
+
+
 def test_a_dead_engine_core_makes_the_rust_server_answer_503_then_exit(fleet: Fleet) -> None:
     """503 at once, then exit 1 (half a second later), so that the launcher starts it again
     against the engine core's next incarnation."""

@@ -145,8 +145,9 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     tiny_llama_dir: Path,
 ) -> None:
     """Every family the Rust server exposes (the engine-derived ones: load, cache
-    configuration, notification totals and drops, weight loads) is line for line the Python
-    server's, at rest after traffic."""
+    configuration, notification totals and drops, weight loads; and the ones each server counts
+    itself, summed over the fleet) is line for line the Python server's, at rest after
+    traffic that both served."""
     server = ServerProcess(
         *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"),
         api_server_count=1,
@@ -154,7 +155,7 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     )
     server.api_server_count = 2
     with server.running():
-        _by_server(server.url, 8)
+        served = _by_server(server.url, 12)
         deadline = time.monotonic() + 30
         while True:
             bodies = _scrape_each(server.url, {"0", "1"})
@@ -167,6 +168,12 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
             )
             time.sleep(0.2)
     assert len(rust) >= 15, sorted(rust)
+    # What each server counts itself is summed over both: the Rust server's requests too.
+    assert set(served) == {"0", "1"}, served
+    (success,) = [line for line in rust["vllm:request_success_total"] if line[0] != "#"]
+    assert 'finished_reason="length"' in success and success.endswith(" 12.0"), success
+    ttft = [line for line in rust["vllm:time_to_first_token_seconds"] if "_count{" in line]
+    assert len(ttft) == 1 and ttft[0].endswith(" 12.0"), ttft
     weights = rust["rankcast:worker_weights_load_seconds"]
     assert any(line.startswith("rankcast:worker_weights_load_seconds{") for line in weights)
     assert 'rankcast:engine_up{engine="0"} 1.0' in rust["rankcast:engine_up"]

@@ -13,7 +13,9 @@ mod events;
 mod lora_metrics;
 mod loras;
 mod metrics;
+mod multiprocess;
 mod openai;
+mod request_metrics;
 
 use std::convert::Infallible;
 use std::net::{SocketAddr, TcpListener};
@@ -161,11 +163,18 @@ fn main() {
     )
     .unwrap_or_else(|e| fail(&e.to_string()));
     let max_model_len = client.ready.max_model_len;
+    let engine_index = client.ready.engine_index;
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .unwrap_or_else(|_| fail("--host: an IP address"));
     let listener = shared_listener(addr).unwrap_or_else(|e| fail(&format!("binding {addr}: {e}")));
-    let metrics = Arc::new(metrics::EngineMetrics::new(&args.model_name));
+    // The launcher's directory for the series every API server counts and the fleet sums.
+    let fleet_directory = std::env::var_os("PROMETHEUS_MULTIPROC_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from);
+    let requests =
+        request_metrics::RequestMetrics::new(&args.model_name, args.client_index, fleet_directory);
+    let metrics = Arc::new(metrics::EngineMetrics::new(&args.model_name, requests));
     if let Some(snapshot) = &client.ready.snapshot {
         metrics.apply_snapshot(snapshot);
     }
@@ -192,6 +201,7 @@ fn main() {
         template,
         model_name: args.model_name,
         max_model_len,
+        engine_index,
         client_index: args.client_index,
         api_key: args.api_key,
         counter: AtomicU64::new(0),

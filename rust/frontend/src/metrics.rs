@@ -2,11 +2,8 @@
 //! server (its stats with each message, the catch-up snapshot, the notifications), so this
 //! server reports them exactly as the Python servers do, line for line (same names, help, label
 //! order and number formatting as prometheus_client's text exposition); the LoRA ones are
-//! `lora_metrics`.
-//!
-//! Not here yet: the series each API server counts itself and the fleet sums (request and token
-//! counters, latency histograms: the Python servers share them through prometheus_client's
-//! multiprocess files).
+//! `lora_metrics`, and the series each API server counts itself and the fleet sums are
+//! `request_metrics`.
 
 use std::fmt::Write;
 use std::sync::Mutex;
@@ -17,6 +14,7 @@ use rankcast_client::wire::{Dict, Value};
 
 use crate::lora_metrics::LoRAMetrics;
 use crate::loras::Adapters;
+use crate::request_metrics::RequestMetrics;
 
 const WEIGHTS_LOADED_KEY: &str = "rankcast.weights_loaded";
 
@@ -264,14 +262,17 @@ pub struct EngineMetrics {
     model: String,
     series: Mutex<State>,
     lora: LoRAMetrics,
+    /// What this server counts itself, summed over the fleet (shown first, as in Python).
+    pub requests: RequestMetrics,
 }
 
 impl EngineMetrics {
-    pub fn new(model: &str) -> EngineMetrics {
+    pub fn new(model: &str, requests: RequestMetrics) -> EngineMetrics {
         EngineMetrics {
             model: model.to_string(),
             series: Mutex::new((families(), None)),
             lora: LoRAMetrics::new(model),
+            requests,
         }
     }
 
@@ -367,6 +368,12 @@ impl EngineMetrics {
 
     pub fn consume(&self, notifications: &[Notification]) {
         self.lora.consume(notifications);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        for published in notifications.iter().filter_map(Notification::timestamp) {
+            self.requests.record_delivery_lag(now - published);
+        }
         let mut guard = self.series.lock().expect("metrics lock");
         let series = &mut guard.0;
         for n in notifications {
@@ -397,10 +404,12 @@ impl EngineMetrics {
         }
     }
 
-    /// The text exposition of every family, as prometheus_client renders it: the engine
-    /// series, then the LoRA ones (from `adapters`, as the Python servers register them).
+    /// The text exposition of every family, as prometheus_client renders it: the fleet's
+    /// summed series, the engine series, then the LoRA ones (from `adapters`), in the order the
+    /// Python servers register them.
     pub fn exposition(&self, adapters: &Adapters) -> String {
         let mut out = String::new();
+        self.requests.render(&mut out);
         {
             let guard = self.series.lock().expect("metrics lock");
             for s in &guard.0 {

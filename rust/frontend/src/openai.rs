@@ -5,11 +5,11 @@
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use hyper::body::Bytes;
 use hyper::{Body, Method, Request, Response, StatusCode};
-use rankcast_client::wire::protocol::EngineCoreRequest;
+use rankcast_client::wire::protocol::{EngineCoreOutput, EngineCoreRequest};
 use rankcast_client::wire::sampling::SamplingParams;
 use rankcast_text::{IncrementalDetokenizer, Tokenizer};
 use serde_json::{json, Map, Value};
@@ -32,6 +32,8 @@ pub struct Server {
     pub template: Option<ChatTemplate>,
     pub model_name: String,
     pub max_model_len: i64,
+    /// The engine core this server is a client of (the `engine` label of finished requests).
+    pub engine_index: i64,
     pub client_index: i64,
     /// The bearer token every /v1 route requires, when set.
     pub api_key: Option<String>,
@@ -256,6 +258,8 @@ struct Generation {
     chat: bool,
     model: String,
     created: u64,
+    /// When the request arrived: its time to first token and end-to-end latency start here.
+    arrival: Instant,
 }
 
 impl Generation {
@@ -574,6 +578,7 @@ impl Server {
             chat,
             model: prepared.model.clone(),
             created: now(),
+            arrival: Instant::now(),
         };
         let events = self.engine.generate(EngineCoreRequest {
             request_id: generation.request_id.clone(),
@@ -636,6 +641,7 @@ impl Server {
         let mut text = String::new();
         let mut shown = 0usize;
         let mut tokens = 0usize;
+        let mut last_token_at: Option<Instant> = None;
         if let Some(sender) = sender.as_deref_mut() {
             if generation.chat {
                 let mut first = generation.chunk("", None);
@@ -669,6 +675,7 @@ impl Server {
                 tokens += 1;
                 text.push_str(&stream.push(id as u32));
             }
+            last_token_at = self.record_timing(generation, &output, last_token_at);
             let mut finish = output.finish_reason.clone();
             if finish.is_some() {
                 text.push_str(&stream.finish());
@@ -693,9 +700,46 @@ impl Server {
                 }
             }
             if let Some(reason) = finish {
+                self.metrics.requests.record_finished(
+                    self.engine_index,
+                    generation.arrival.elapsed().as_secs_f64(),
+                    generation.prompt_tokens,
+                    tokens,
+                    &reason,
+                );
                 return Ok((text, reason, tokens));
             }
         }
+    }
+
+    /// Time to first token and inter-token latency, as the Python servers count them: tokens
+    /// that arrive together share the gap since the previous ones (after the first token, the
+    /// rest of its batch count 0). Returns when the latest token arrived.
+    fn record_timing(
+        &self,
+        generation: &Generation,
+        output: &EngineCoreOutput,
+        last: Option<Instant>,
+    ) -> Option<Instant> {
+        let new = output.new_token_ids.len() as u32;
+        if new == 0 {
+            return last;
+        }
+        let now = Instant::now();
+        let requests = &self.metrics.requests;
+        match last {
+            None => {
+                requests.record_first_token((now - generation.arrival).as_secs_f64());
+                if new > 1 {
+                    requests.record_inter_token(0.0, new - 1);
+                }
+            }
+            Some(last) => {
+                let gap = (now - last).as_secs_f64() / f64::from(new);
+                requests.record_inter_token(gap, new);
+            }
+        }
+        Some(now)
     }
 
     async fn stream(

@@ -169,6 +169,24 @@ pub fn is_known_type(tag: &str) -> bool {
 }
 
 impl Notification {
+    /// When its producer published it (unix seconds); None for a type this build does not know.
+    pub fn timestamp(&self) -> Option<f64> {
+        Some(match self {
+            Notification::Custom(n) => n.timestamp,
+            Notification::Dropped(n) => n.timestamp,
+            Notification::LoRALoaded(n) => n.timestamp,
+            Notification::LoRAActivated(n) => n.timestamp,
+            Notification::LoRAEvicted(n) => n.timestamp,
+            Notification::LoRAPinned(n) => n.timestamp,
+            Notification::LoRAUnpinned(n) => n.timestamp,
+            Notification::LoRALoadFailed(n) => n.timestamp,
+            Notification::KVStored(n) => n.timestamp,
+            Notification::KVRemoved(n) => n.timestamp,
+            Notification::KVCleared(n) => n.timestamp,
+            Notification::Unknown(_) => return None,
+        })
+    }
+
     /// The wire tag ("custom", "lora_adapter_loaded", ...).
     pub fn type_name(&self) -> String {
         match self {

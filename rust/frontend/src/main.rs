@@ -10,6 +10,7 @@ mod chat;
 mod drain;
 mod engine;
 mod events;
+mod logprobs;
 mod lora_metrics;
 mod loras;
 mod metrics;

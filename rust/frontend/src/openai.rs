@@ -9,7 +9,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use hyper::body::Bytes;
 use hyper::{Body, Method, Request, Response, StatusCode};
-use rankcast_client::wire::protocol::{EngineCoreOutput, EngineCoreRequest};
+use rankcast_client::wire::protocol::{EngineCoreOutput, EngineCoreRequest, TokenLogprobs};
 use rankcast_client::wire::sampling::SamplingParams;
 use rankcast_text::{IncrementalDetokenizer, Tokenizer};
 use serde_json::{json, Map, Value};
@@ -18,6 +18,7 @@ use crate::chat::ChatTemplate;
 use crate::drain::{Drain, RETRY_AFTER_S};
 use crate::engine::{Engine, Event};
 use crate::events::EventHub;
+use crate::logprobs;
 use crate::loras::Adapters;
 use crate::metrics::EngineMetrics;
 
@@ -73,9 +74,7 @@ fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
 }
 
 /// Request fields of the Python servers that this server does not serve yet.
-const NOT_SERVED_YET: [&str; 11] = [
-    "logprobs",
-    "top_logprobs",
+const NOT_SERVED_YET: [&str; 9] = [
     "echo",
     "tools",
     "tool_choice",
@@ -124,6 +123,20 @@ fn flag(body: &Map<String, Value>, key: &'static str, default: bool) -> Result<b
         Some(Value::Bool(b)) => Ok(*b),
         Some(_) => bad(format!("{key} must be a boolean"), key),
     }
+}
+
+/// How many alternatives per position the request asks logprobs for, if any: chat's
+/// `logprobs: true` with `top_logprobs` (0 unless given), the completions API's `logprobs: k`.
+fn requested_logprobs(body: &Map<String, Value>, chat: bool) -> Result<Option<i64>, BadRequest> {
+    let in_range = |key: &'static str, value: Option<i64>| match value {
+        Some(k) if !(0..=20).contains(&k) => bad(format!("{key} must be in [0, 20]"), key),
+        _ => Ok(value),
+    };
+    if !chat {
+        return in_range("logprobs", integer(body, "logprobs")?);
+    }
+    let top = in_range("top_logprobs", integer(body, "top_logprobs")?)?;
+    Ok(flag(body, "logprobs", false)?.then_some(top.unwrap_or(0)))
 }
 
 /// The sampling fields both routes share, checked as the engine checks them.
@@ -264,15 +277,20 @@ struct Generation {
 
 impl Generation {
     fn chunk(&self, text: &str, finish: Option<&str>) -> Value {
+        self.chunk_with(text, finish, Value::Null)
+    }
+
+    /// A chunk carrying the logprobs of its tokens.
+    fn chunk_with(&self, text: &str, finish: Option<&str>, logprobs: Value) -> Value {
         let choice = if self.chat {
-            let delta = if text.is_empty() {
+            let delta = if text.is_empty() && logprobs.is_null() {
                 json!({})
             } else {
                 json!({"content": text})
             };
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         } else {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
         };
         json!({"id": self.request_id, "object": self.object, "created": self.created,
                "model": self.model, "choices": [choice]})
@@ -537,7 +555,8 @@ impl Server {
                 );
             }
         }
-        let (params, stops) = sampling(body, max_tokens)?;
+        let (mut params, stops) = sampling(body, max_tokens)?;
+        params.logprobs = requested_logprobs(body, chat)?;
         let include_usage = body
             .get("stream_options")
             .and_then(|o| o.get("include_usage"))
@@ -553,6 +572,7 @@ impl Server {
                 stops,
             },
             skip_special: params.skip_special_tokens,
+            top_logprobs: params.logprobs.map(|top| top as usize),
             params,
             stream: flag(body, "stream", false)?,
             include_usage,
@@ -601,7 +621,12 @@ impl Server {
                 .expect("a response");
         }
         let done = self.collect(&generation, &prepared, events, None).await;
-        let (text, finish, tokens) = match done {
+        let Finished {
+            text,
+            reason: finish,
+            tokens,
+            logprobs: entries,
+        } = match done {
             Ok(done) => done,
             Err(Failure::Engine(why) | Failure::Shutdown(why)) => {
                 return error(StatusCode::SERVICE_UNAVAILABLE, &why, None)
@@ -609,11 +634,16 @@ impl Server {
             Err(Failure::ClientGone) => return error(StatusCode::BAD_REQUEST, "client gone", None),
         };
         drop(in_flight);
+        let rendered = match prepared.top_logprobs {
+            Some(top) if chat => logprobs::chat(&self.tokenizer, &entries, top),
+            Some(top) => logprobs::completion(&self.tokenizer, &entries, top, 0).0,
+            None => Value::Null,
+        };
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text},
-                   "logprobs": null, "finish_reason": finish})
+                   "logprobs": rendered, "finish_reason": finish})
         } else {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "text": text, "logprobs": rendered, "finish_reason": finish})
         };
         let object = if chat {
             "chat.completion"
@@ -636,8 +666,10 @@ impl Server {
         prepared: &Prepared,
         mut events: tokio::sync::mpsc::UnboundedReceiver<Event>,
         mut sender: Option<&mut hyper::body::Sender>,
-    ) -> Result<(String, String, usize), Failure> {
+    ) -> Result<Finished, Failure> {
         let mut stream = IncrementalDetokenizer::new(&self.tokenizer, prepared.skip_special);
+        let mut logprobs: Vec<TokenLogprobs> = Vec::new();
+        let mut offset = 0usize; // where the next streamed token's text starts (characters)
         let mut text = String::new();
         let mut shown = 0usize;
         let mut tokens = 0usize;
@@ -676,6 +708,8 @@ impl Server {
                 text.push_str(&stream.push(id as u32));
             }
             last_token_at = self.record_timing(generation, &output, last_token_at);
+            let new_logprobs = output.new_logprobs.clone().unwrap_or_default();
+            logprobs.extend(new_logprobs.iter().cloned());
             let mut finish = output.finish_reason.clone();
             if finish.is_some() {
                 text.push_str(&stream.finish());
@@ -690,8 +724,22 @@ impl Server {
             }
             let visible = if finish.is_some() { text.len() } else { safe };
             if let Some(sender) = sender.as_deref_mut() {
-                if visible > shown {
-                    let piece = generation.chunk(&text[shown..visible], None);
+                // With logprobs, every output with tokens is a chunk, its text held back or not.
+                let delta_logprobs = match prepared.top_logprobs {
+                    Some(top) if !new_logprobs.is_empty() => {
+                        if generation.chat {
+                            logprobs::chat(&self.tokenizer, &new_logprobs, top)
+                        } else {
+                            let rendered;
+                            (rendered, offset) =
+                                logprobs::completion(&self.tokenizer, &new_logprobs, top, offset);
+                            rendered
+                        }
+                    }
+                    _ => Value::Null,
+                };
+                if visible > shown || !delta_logprobs.is_null() {
+                    let piece = generation.chunk_with(&text[shown..visible], None, delta_logprobs);
                     shown = visible;
                     if sender.send_data(sse(&piece)).await.is_err() {
                         self.engine.abort(&generation.request_id);
@@ -707,7 +755,12 @@ impl Server {
                     tokens,
                     &reason,
                 );
-                return Ok((text, reason, tokens));
+                return Ok(Finished {
+                    text,
+                    reason,
+                    tokens,
+                    logprobs,
+                });
             }
         }
     }
@@ -754,7 +807,7 @@ impl Server {
             .collect(&generation, &prepared, events, Some(&mut sender))
             .await;
         let tail = match result {
-            Ok((_, reason, tokens)) => {
+            Ok(Finished { reason, tokens, .. }) => {
                 let mut out = vec![sse(&generation.chunk("", Some(&reason)))];
                 if prepared.include_usage {
                     let mut usage = generation.chunk("", None);
@@ -783,6 +836,14 @@ impl Server {
     }
 }
 
+/// A request that reached its finish reason: its text, token count and logprobs.
+struct Finished {
+    text: String,
+    reason: String,
+    tokens: usize,
+    logprobs: Vec<TokenLogprobs>,
+}
+
 struct Prepared {
     lora_name: Option<String>,
     model: String,
@@ -792,4 +853,6 @@ struct Prepared {
     skip_special: bool,
     stream: bool,
     include_usage: bool,
+    /// How many alternatives each position's logprobs list, when logprobs were asked for.
+    top_logprobs: Option<usize>,
 }

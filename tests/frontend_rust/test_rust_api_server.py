@@ -188,8 +188,8 @@ def test_bad_fields_are_400s_and_unknown_models_404s(fleet: Fleet) -> None:
 @pytest.mark.parametrize(
     "field",
     [
-        {"logprobs": 2},
         {"echo": True},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"guided_regex": "[a-z]+"},
         {"guided_choice": ["yes", "no"]},
         {"guided_grammar": 'root ::= "a"'},

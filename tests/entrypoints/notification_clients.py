@@ -108,8 +108,20 @@ def scrape_each(url: str, count: int) -> dict[str, str]:
         assert time.monotonic() < deadline, f"scraped only API servers {sorted(samples)}"
         with httpx.Client(timeout=10) as http:
             response = http.get(f"{url}/metrics")
+        assert response.status_code == 200, response.text
         samples[response.headers["x-rankcast-api-server"]] = response.text
     return samples
+
+
+def families(text: str) -> dict[str, list[str]]:
+    """Exposition lines by family (HELP, TYPE and samples), keyed by the family's name."""
+    by_family: dict[str, list[str]] = {}
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            current = line.split()[2]
+        by_family.setdefault(current, []).append(line)
+    return by_family
 
 
 def series(text: str, *prefixes: str) -> list[str]:

@@ -10,8 +10,6 @@ The tests run in file order on one fleet, as an operator's session would.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rankcast.entrypoints.rust_api_server import BINARY_ENV
 from tests.conftest import write_tiny_model
-from tests.entrypoints.notification_clients import open_event_streams
-from tests.entrypoints.server_process import ServerProcess, descendants, tiny_model_args
+from tests.entrypoints.notification_clients import families, open_event_streams, scrape_each
+from tests.entrypoints.server_process import ServerProcess, tiny_model_args
+from tests.frontend_rust.rust_fleet import frontend_env, kill_and_wait_for_restart
 from tests.lora.conftest import make_adapter
-from tests.rust_build import binary
 
 pytestmark = pytest.mark.scenario
 
@@ -83,34 +80,11 @@ def fleet(adapters: list[Path]) -> Iterator[ServerProcess]:
             "--rust-api-server-count", "1",
         ),
         api_server_count=2,
-        env={BINARY_ENV: str(binary("rankcast-frontend"))},
+        env=frontend_env(),
     )  # fmt: skip
     server.api_server_count = len(SERVERS)
     with server.running():
         yield server
-
-
-def _families(text: str) -> dict[str, list[str]]:
-    """Exposition lines by family (HELP, TYPE and samples), keyed by the family's name."""
-    families: dict[str, list[str]] = {}
-    current = ""
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            current = line.split()[2]
-        families.setdefault(current, []).append(line)
-    return families
-
-
-def _scrape_each(url: str) -> dict[str, dict[str, list[str]]]:
-    """Every API server's `/metrics`, by family, keyed by server index."""
-    bodies: dict[str, dict[str, list[str]]] = {}
-    deadline = time.monotonic() + 30
-    while set(bodies) != SERVERS:
-        assert time.monotonic() < deadline, f"only {sorted(bodies)} were scraped"
-        response = httpx.get(f"{url}/metrics", timeout=10)
-        assert response.status_code == 200
-        bodies[response.headers["x-rankcast-api-server"]] = _families(response.text)
-    return bodies
 
 
 def _agreed(url: str, timeout_s: float = 30) -> dict[str, list[str]]:
@@ -119,7 +93,7 @@ def _agreed(url: str, timeout_s: float = 30) -> dict[str, list[str]]:
     but not in the same microsecond, so they may differ for a moment."""
     deadline = time.monotonic() + timeout_s
     while True:
-        bodies = _scrape_each(url)
+        bodies = {i: families(text) for i, text in scrape_each(url, len(SERVERS)).items()}
         rust = bodies[RUST]
         missing = [name for name in REQUIRED if name not in rust]
         assert not missing, f"the Rust server lacks {missing}"
@@ -137,14 +111,14 @@ def _agreed(url: str, timeout_s: float = 30) -> dict[str, list[str]]:
         time.sleep(0.2)
 
 
-def _samples(families: dict[str, list[str]], name: str) -> list[str]:
-    return [line for line in families[name] if not line.startswith("#")]
+def _samples(exposed: dict[str, list[str]], name: str) -> list[str]:
+    return [line for line in exposed[name] if not line.startswith("#")]
 
 
-def _resident(families: dict[str, list[str]]) -> set[tuple[str, str]]:
+def _resident(exposed: dict[str, list[str]]) -> set[tuple[str, str]]:
     """(adapter, level) pairs of `vllm:lora_adapter_loaded`."""
     out = set()
-    for line in _samples(families, "vllm:lora_adapter_loaded"):
+    for line in _samples(exposed, "vllm:lora_adapter_loaded"):
         adapter = line.split('adapter_name="')[1].split('"')[0]
         level = line.split('level="')[1].split('"')[0]
         out.add((adapter, level))
@@ -156,25 +130,15 @@ def _complete(url: str, model: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def _rust_pid(server: ServerProcess) -> int:
-    for pid in descendants(server.proc.pid):
-        try:
-            if Path(os.readlink(f"/proc/{pid}/exe")).name == "rankcast-frontend":
-                return pid
-        except OSError:  # gone meanwhile
-            continue
-    raise LookupError("no rankcast-frontend process")
-
-
 def test_at_start_every_server_reports_the_same_adapter_and_engine_series(
     fleet: ServerProcess,
 ) -> None:
-    families = _agreed(fleet.url)
-    assert _resident(families) == {("a", "gpu"), ("a", "cpu")}
-    loaded = _samples(families, "vllm:lora_adapter_loaded")
+    exposed = _agreed(fleet.url)
+    assert _resident(exposed) == {("a", "gpu"), ("a", "cpu")}
+    loaded = _samples(exposed, "vllm:lora_adapter_loaded")
     assert sorted(line.split('rank="')[1][0] for line in loaded) == ["0", "0", "1", "1", "2", "2"]
-    assert _samples(families, "vllm:max_gpu_lora_adapters")[0].endswith(" 1.0")
-    weights = _samples(families, "rankcast:worker_weights_load_seconds")
+    assert _samples(exposed, "vllm:max_gpu_lora_adapters")[0].endswith(" 1.0")
+    weights = _samples(exposed, "rankcast:worker_weights_load_seconds")
     assert len(weights) == 3, "one weight-load figure per rank"
 
 
@@ -215,28 +179,18 @@ def test_a_load_and_an_eviction_sequence_reach_every_server_alike(
     assert {(d["adapter_name"], d["reason"]) for d in evicted} >= {("a", "lru"), ("b", "lru")}
     assert {d["rank"] for d in evicted} == {0, 1, 2}
 
-    families = _agreed(fleet.url)
-    assert ("b", "gpu") in _resident(families)
-    assert _resident(families) == {("b", "gpu"), ("a", "cpu"), ("b", "cpu"), ("c", "cpu")}
-    events = _samples(families, "rankcast:lora_adapter_events_total")
+    exposed = _agreed(fleet.url)
+    assert ("b", "gpu") in _resident(exposed)
+    assert _resident(exposed) == {("b", "gpu"), ("a", "cpu"), ("b", "cpu"), ("c", "cpu")}
+    events = _samples(exposed, "rankcast:lora_adapter_events_total")
     a_evicted = '{adapter_name="a",event="evicted",reason="lru"} 6.0'  # twice, on 3 ranks
     assert f"rankcast:lora_adapter_events_total{a_evicted}" in events
-    loads = _samples(families, "vllm:lora_adapter_load_seconds")
+    loads = _samples(exposed, "vllm:lora_adapter_load_seconds")
     assert any('transition="cpu_to_gpu"' in line and "_count" in line for line in loads)
 
 
 def test_a_killed_rust_server_comes_back_with_the_same_numbers(fleet: ServerProcess) -> None:
     before = _agreed(fleet.url)
-    old = _rust_pid(fleet)
-    os.kill(old, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline, "the Rust API server was not restarted"
-        try:
-            if _rust_pid(fleet) != old:
-                break
-        except LookupError:
-            pass
-        time.sleep(0.1)
+    kill_and_wait_for_restart(fleet)
     after = _agreed(fleet.url, timeout_s=60)
     assert {name: after[name] for name in REQUIRED} == {name: before[name] for name in REQUIRED}

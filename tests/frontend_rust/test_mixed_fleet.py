@@ -5,7 +5,6 @@ they die, like the Python ones."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -13,18 +12,13 @@ from typing import Any
 
 import httpx
 
-from rankcast.entrypoints.rust_api_server import BINARY_ENV
-from tests.entrypoints.server_process import ServerProcess, descendants, tiny_model_args
+from tests.entrypoints.notification_clients import families, scrape_each
+from tests.entrypoints.server_process import ServerProcess, tiny_model_args
+from tests.frontend_rust.rust_fleet import frontend_env, kill_and_wait_for_restart
 from tests.lora.conftest import make_adapter
 from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
-from tests.rust_build import binary
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def _frontend_env() -> dict[str, str]:
-    """The launcher runs the Rust server built from this tree now, never a stale release."""
-    return {BINARY_ENV: str(binary("rankcast-frontend"))}
 
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -42,22 +36,11 @@ def _by_server(url: str, rounds: int) -> dict[str, set[str]]:
     return seen
 
 
-def _frontend_pid(server: ServerProcess) -> int:
-    for pid in descendants(server.proc.pid):
-        try:
-            name = Path(os.readlink(f"/proc/{pid}/exe")).name
-        except OSError:  # gone meanwhile
-            continue
-        if name == "rankcast-frontend":
-            return pid
-    raise LookupError("no rankcast-frontend process")
-
-
 def test_python_and_rust_servers_share_the_port_and_the_answers(tiny_llama_dir: Path) -> None:
     server = ServerProcess(
         *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"),
         api_server_count=2,
-        env=_frontend_env(),
+        env=frontend_env(),
     )
     server.api_server_count = 3  # wait for all three to answer /health
     with server.running():
@@ -66,15 +49,14 @@ def test_python_and_rust_servers_share_the_port_and_the_answers(tiny_llama_dir: 
         texts = set().union(*seen.values())
         assert len(texts) == 1, f"the servers disagree: {seen}"
 
-        old = _frontend_pid(server)
-        os.kill(old, signal.SIGKILL)
+        kill_and_wait_for_restart(server)
         deadline = time.monotonic() + 60
-        while True:
-            assert time.monotonic() < deadline, "the Rust API server was not restarted"
+        while True:  # until the new one answers too
+            assert time.monotonic() < deadline, "the restarted Rust API server never answered"
             try:
-                if _frontend_pid(server) != old and "2" in _by_server(server.url, 6):
+                if "2" in _by_server(server.url, 6):
                     break
-            except (LookupError, AssertionError, httpx.HTTPError):
+            except (AssertionError, httpx.HTTPError):
                 pass
             time.sleep(0.2)
         assert set().union(*_by_server(server.url, 12).values()) == texts
@@ -86,7 +68,7 @@ def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
     naming the timeout, and [DONE]; the launcher exits 0 with nothing left."""
     server = ServerProcess(
         "--max-model-len", "1024", "--shutdown-timeout", "2", "--rust-api-server-count", "1",
-        api_server_count=1, env=_frontend_env(),
+        api_server_count=1, env=frontend_env(),
     )  # fmt: skip
     server.api_server_count = 2
     try:
@@ -120,29 +102,6 @@ def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
     assert_cut_by_the_shutdown(stream)
 
 
-def _families(text: str) -> dict[str, list[str]]:
-    """Exposition lines by family (HELP, TYPE and samples), keyed by the family's name."""
-    families: dict[str, list[str]] = {}
-    current = ""
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            current = line.split()[2]
-        families.setdefault(current, []).append(line)
-    return families
-
-
-def _scrape_each(url: str, servers: set[str], timeout_s: float = 30) -> dict[str, str]:
-    """One /metrics body from each API server named (fresh connections until all answered)."""
-    bodies: dict[str, str] = {}
-    deadline = time.monotonic() + timeout_s
-    while set(bodies) != servers:
-        assert time.monotonic() < deadline, f"only {sorted(bodies)} were scraped"
-        response = httpx.get(f"{url}/metrics", timeout=10)
-        assert response.status_code == 200
-        bodies[response.headers["x-rankcast-api-server"]] = response.text
-    return bodies
-
-
 def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     tiny_llama_dir: Path,
 ) -> None:
@@ -153,15 +112,15 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     server = ServerProcess(
         *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"),
         api_server_count=1,
-        env=_frontend_env(),
+        env=frontend_env(),
     )
     server.api_server_count = 2
     with server.running():
         served = _by_server(server.url, 12)
         deadline = time.monotonic() + 30
         while True:
-            bodies = _scrape_each(server.url, {"0", "1"})
-            python, rust = _families(bodies["0"]), _families(bodies["1"])
+            bodies = scrape_each(server.url, 2)
+            python, rust = families(bodies["0"]), families(bodies["1"])
             differing = [name for name in rust if rust[name] != python.get(name)]
             if not differing:
                 break
@@ -193,7 +152,7 @@ def test_the_rust_server_serves_adapters_by_name(tiny_llama_dir: Path, tmp_path:
             "--rust-api-server-count", "1",
         ),
         api_server_count=1,
-        env=_frontend_env(),
+        env=frontend_env(),
     )  # fmt: skip
     server.api_server_count = 2
     with server.running():
@@ -273,7 +232,7 @@ def test_logprobs_are_the_python_servers_whole_and_streamed(
     server = ServerProcess(
         *tiny_model_args(model, "--rust-api-server-count", "1"),
         api_server_count=1,
-        env=_frontend_env(),
+        env=frontend_env(),
     )
     server.api_server_count = 2
     common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -10,10 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rankcast.entrypoints.rust_api_server import BINARY_ENV
 from tests.entrypoints.notification_clients import open_event_streams, producer_server_args
 from tests.entrypoints.server_process import ServerProcess
-from tests.rust_build import binary
+from tests.frontend_rust.rust_fleet import frontend_env
 from tests.worker.producers import KEY
 
 SERVERS = {"0", "1", "2"}  # two Python servers, then the Rust one
@@ -27,7 +26,7 @@ def fleet(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
             tiny_llama_dir, "--tensor-parallel-size", "2", "--rust-api-server-count", "1"
         ),
         api_server_count=2,
-        env={BINARY_ENV: str(binary("rankcast-frontend"))},
+        env=frontend_env(),
     )
     server.api_server_count = len(SERVERS)
     with server.running():

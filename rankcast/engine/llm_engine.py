@@ -27,7 +27,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.notification_decoder = NotificationDecoder()
-        self.notifications: list[Notification] = []
+        # Kept encoded and decoded when taken: a step pays nothing to decode events that
+        # nobody may ask for (the channel's cost on decode throughput, issue 12).
+        self._kept: list[Any] = []
 
     @property
     def max_model_len(self) -> int:
@@ -70,8 +72,12 @@ class LLMEngine:
         return processed.request_outputs
 
     def _keep(self, raws: list[Any]) -> None:
-        known, _unknown = self.notification_decoder.decode(raws)
-        self.notifications.extend(known)
+        self._kept.extend(raws)
+
+    @property
+    def notifications(self) -> list[Notification]:
+        """What the steps delivered so far and nobody took yet, decoded (no gather, no clear)."""
+        return self.notification_decoder.decode(self._kept)[0]
 
     def take_notifications(self) -> list[Notification]:
         """Every notification gathered so far, oldest first, and forget them.
@@ -82,7 +88,8 @@ class LLMEngine:
         raws = self.client.idle_output().engine_notifications
         if raws:
             self._keep(raws)
-        taken, self.notifications = self.notifications, []
+        taken = self.notifications
+        self._kept = []
         return taken
 
     def collective_rpc(

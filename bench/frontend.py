@@ -22,7 +22,6 @@ import multiprocessing
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -88,20 +87,6 @@ def anchor_frontend(
         server.stop()
 
 
-def wait_healthy(url: str, timeout_s: float = 120) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not become healthy")
-
-
 def main() -> None:
     import subprocess
 
@@ -110,7 +95,7 @@ def main() -> None:
     from rankcast.entrypoints.rust_api_server import frontend_binary, frontend_command
     from rankcast.model.source import resolve_model
     from tests.engine.engine_process import engine_core_process
-    from tests.entrypoints.server_process import free_port
+    from tests.entrypoints.server_process import free_port, wait_until_healthy
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--levels", default="1,8,32,128")
@@ -151,8 +136,8 @@ def main() -> None:
         rust = subprocess.Popen(frontend_command(binary, rust_config, 1, addresses.clients[1]))
         try:
             assert read.poll(120) and read.recv()[0] == "ready", "the Python API server"
-            wait_healthy(f"http://127.0.0.1:{python_port}")
-            wait_healthy(f"http://127.0.0.1:{rust_port}")
+            wait_until_healthy(f"http://127.0.0.1:{python_port}")
+            wait_until_healthy(f"http://127.0.0.1:{rust_port}", rust)
             assert python.pid is not None
             servers = {
                 "Python (FastAPI + uvicorn)": (python_port, python.pid),

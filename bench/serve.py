@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -221,10 +222,14 @@ def serving_overhead(
             order = items[r % len(items) :] + items[: r % len(items)]
             per_round.append({item: measure(item) for item in order})
     finally:
-        parent.send(False)
-        offline.join(60)
         for server in servers.values():
             server.stop()
+        with contextlib.suppress(OSError):  # the offline process may be gone already
+            parent.send(False)
+        offline.join(60)
+        if offline.is_alive():
+            offline.kill()
+            offline.join()
     ratios = {
         k: sorted(rates[str(k)] / rates["offline"] for rates in per_round)
         for k in api_server_counts

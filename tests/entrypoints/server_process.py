@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -21,6 +22,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_until_healthy(
+    url: str, process: subprocess.Popen[Any] | None = None, timeout_s: float = 120.0
+) -> None:
+    """Wait for one server's `/health` to answer 200; a `process` (the server) that exits
+    meanwhile fails at once, with what it wrote to stderr when that was piped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            stderr = process.communicate()[1] if process.stderr else ""
+            raise AssertionError(f"{url}: the server exited with {process.returncode}: {stderr}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not become healthy in {timeout_s:.0f} s")
 
 
 def descendants(pid: int) -> list[int]:

@@ -18,7 +18,7 @@ import pytest
 from rankcast.engine.addresses import EngineAddresses
 from rankcast.tokenizer import apply_chat_template, load_tokenizer
 from tests.engine.engine_process import engine_core_process, python_greedy
-from tests.entrypoints.server_process import free_port
+from tests.entrypoints.server_process import free_port, wait_until_healthy
 from tests.rust_build import binary
 
 MODEL = "tiny-llama"
@@ -31,19 +31,6 @@ class Fleet:
     frontend: subprocess.Popen[str]
     url: str
     model_dir: Path
-
-
-def _wait_healthy(url: str, frontend: subprocess.Popen[str], deadline_s: float = 60) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        assert frontend.poll() is None, frontend.communicate()[1]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("the Rust API server did not become healthy")
 
 
 @pytest.fixture()
@@ -79,7 +66,7 @@ def fleet(model_dir: Path) -> Iterator[Fleet]:
         )  # fmt: skip
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, frontend)
+            wait_until_healthy(url, frontend, timeout_s=60)
             yield Fleet(engine, addresses, frontend, url, model_dir)
         finally:
             frontend.kill()

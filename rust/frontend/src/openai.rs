@@ -696,7 +696,7 @@ impl Server {
             let Some(event) = event else {
                 return Err(Failure::Engine("the engine core stopped answering".into()));
             };
-            let output = match event {
+            let mut output = match event {
                 Event::Output(output) => output,
                 Event::EngineDead(why) => return Err(Failure::Engine(why)),
             };
@@ -708,8 +708,8 @@ impl Server {
                 text.push_str(&stream.push(id as u32));
             }
             last_token_at = self.record_timing(generation, &output, last_token_at);
-            let new_logprobs = output.new_logprobs.clone().unwrap_or_default();
-            logprobs.extend(new_logprobs.iter().cloned());
+            let start = logprobs.len();
+            logprobs.extend(output.new_logprobs.take().unwrap_or_default());
             let mut finish = output.finish_reason.clone();
             if finish.is_some() {
                 text.push_str(&stream.finish());
@@ -726,13 +726,14 @@ impl Server {
             if let Some(sender) = sender.as_deref_mut() {
                 // With logprobs, every output with tokens is a chunk, its text held back or not.
                 let delta_logprobs = match prepared.top_logprobs {
-                    Some(top) if !new_logprobs.is_empty() => {
+                    Some(top) if logprobs.len() > start => {
+                        let new_logprobs = &logprobs[start..];
                         if generation.chat {
-                            logprobs::chat(&self.tokenizer, &new_logprobs, top)
+                            logprobs::chat(&self.tokenizer, new_logprobs, top)
                         } else {
                             let rendered;
                             (rendered, offset) =
-                                logprobs::completion(&self.tokenizer, &new_logprobs, top, offset);
+                                logprobs::completion(&self.tokenizer, new_logprobs, top, offset);
                             rendered
                         }
                     }

@@ -44,7 +44,12 @@ class EngineObserver(Protocol):
 
     def record_first_token(self, seconds: float) -> None: ...
 
-    def record_inter_token(self, seconds: float, tokens: int) -> None: ...
+    def record_inter_token(self, seconds: float, tokens: int) -> None:
+        """May be held until `record_step_end` (it is recorded for every streamed token)."""
+
+    def record_step_end(self) -> None:
+        """One engine step's outputs are recorded: write what was held. Called before the
+        output loop next awaits, so no scrape sees part of a step."""
 
     def record_finished(
         self,
@@ -244,6 +249,7 @@ class AsyncLLM:
                     continue
                 self._record_timing(owner, output, now)
                 owner.queue.put_nowait(output)
+            self.observer.record_step_end()
             if processed.requests_to_abort:
                 await client.abort_requests(processed.requests_to_abort)
 

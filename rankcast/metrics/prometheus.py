@@ -10,6 +10,7 @@ over all of them (`fleet.Fleet`), so every server's `/metrics` shows the fleet's
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -47,6 +48,44 @@ SUMMED = (
     "vllm:e2e_request_latency_seconds",
     "rankcast:notification_delivery_lag_seconds",
 )
+
+
+class HistogramBatch:
+    """One histogram series' observations gathered over a pass of the output loop (one engine
+    step's outputs) and written in one go.
+
+    In multiprocess mode every `observe` is two locked writes into a memory-mapped file, and
+    the inter-token latency is observed for every streamed token: at 32 streams that was the
+    largest cost of the metrics in the API server's per-token path. Gathered per step, the same
+    counts and sum are written with one write per bucket hit and one for the sum. The writes go
+    through the child's own value objects (prometheus_client has no batched observe), so the
+    exposition is exactly what one `observe` per token gives; a test holds the two equal.
+    """
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.bounds: list[float] = list(child._upper_bounds)  # the last is +Inf
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+        self.pending = False
+
+    def observe(self, seconds: float, count: int = 1) -> None:
+        # The first bucket whose bound is >= the value: observe()'s `amount <= bound`.
+        self.counts[bisect_left(self.bounds, seconds)] += count
+        self.total += seconds * count
+        self.pending = True
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        buckets = self.child._buckets
+        for i, count in enumerate(self.counts):
+            if count:
+                buckets[i].inc(count)
+                self.counts[i] = 0
+        self.child._sum.inc(self.total)
+        self.total = 0.0
+        self.pending = False
 
 
 class ServerMetrics:
@@ -142,6 +181,7 @@ class ServerMetrics:
             buckets=_ITL_BUCKETS,
             registry=own,
         )
+        self.itl_batch = HistogramBatch(self.itl.labels(model_name))
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Time from arrival to the last token.",
@@ -239,9 +279,11 @@ class ServerMetrics:
         self.ttft.labels(self.model_name).observe(seconds)
 
     def record_inter_token(self, seconds: float, tokens: int) -> None:
-        histogram = self.itl.labels(self.model_name)
-        for _ in range(tokens):
-            histogram.observe(seconds)
+        """Gathered until `record_step_end`: see `HistogramBatch`."""
+        self.itl_batch.observe(seconds, tokens)
+
+    def record_step_end(self) -> None:
+        self.itl_batch.flush()
 
     def record_finished(
         self,

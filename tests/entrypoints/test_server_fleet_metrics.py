@@ -120,6 +120,10 @@ def test_counters_never_go_back_between_servers_and_agree_at_rest(server: Server
     assert served("vllm:request_success_total") == load.requests
     assert served("vllm:generation_tokens_total") == load.tokens
     assert served("vllm:e2e_request_latency_seconds_count") == load.requests
+    # Every token after a request's first is one inter-token latency (gathered per engine step
+    # and written when the step's outputs are done: none may be left unwritten).
+    assert served("vllm:time_to_first_token_seconds_count") == load.requests
+    assert served("vllm:inter_token_latency_seconds_count") == load.tokens - load.requests
 
 
 def test_a_restarted_api_server_takes_nothing_from_the_totals(server: ServerProcess) -> None:

@@ -284,32 +284,46 @@ class _StreamState:
     cut_choice: dict[str, Any] | None = None
 
 
-async def _stream_with_tail(
-    body: AsyncIterator[bytes], state: _StreamState, include_usage: bool
+async def _event_stream(
+    outputs: AsyncIterator[RequestOutput],
+    state: _StreamState,
+    include_usage: bool,
+    render: Callable[[RequestOutput], bytes],
+    opening: bytes = b"",
 ) -> AsyncIterator[bytes]:
-    """Both streams end alike: engine death as an error event, the usage chunk, then [DONE]."""
+    """Every stream's shape: the opening event, one write per output with that output's events
+    (`render`; b"" for none), and the same ending: engine death as an error event, the usage
+    chunk, then [DONE]. The last output's events leave in one write with the ending, so a
+    stream's last token costs one write, not four. One generator per stream, with the
+    endpoint's shape a plain function, because every layer of async generators is resumed once
+    per streamed token."""
+    if opening:
+        yield opening
+    last = b""
     try:
-        async for event in body:
-            yield event
+        async for output in outputs:
+            events = render(output)
+            if output.finished:
+                last = events
+            elif events:
+                yield events
     except EngineDeadError:
-        yield _sse(_dead_error())
-        yield _sse("[DONE]")
+        yield _sse(_dead_error()) + _sse("[DONE]")
         return
     except RequestRejectedError as exc:
-        yield _sse(error_body(400, str(exc)))
-        yield _sse("[DONE]")
+        yield _sse(error_body(400, str(exc))) + _sse("[DONE]")
         return
     except ServerShuttingDownError as exc:
         # A finish reason for clients that read only chunks, the error for those that read it.
+        cut = b""
         if state.cut_choice is not None:
-            yield _sse({**state.header, "choices": [state.cut_choice]})
-        yield _sse(error_body(503, str(exc)))
-        yield _sse("[DONE]")
+            cut = _sse({**state.header, "choices": [state.cut_choice]})
+        yield cut + _sse(error_body(503, str(exc))) + _sse("[DONE]")
         return
     if include_usage:
         usage = _usage(state.prompt_tokens, state.completion_tokens)
-        yield _sse({**state.header, "choices": [], "usage": usage})
-    yield _sse("[DONE]")
+        last += _sse({**state.header, "choices": [], "usage": usage})
+    yield last + _sse("[DONE]")
 
 
 def _delta_logprobs(
@@ -340,31 +354,29 @@ def _chat_stream(
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return _sse({**header, "choices": [choice]})
 
-    async def body() -> AsyncIterator[bytes]:
-        yield chunk({"role": "assistant", "content": ""}, None)
-        async for output in outputs:
-            completion = output.outputs[0]
-            state.completion_tokens = len(completion.token_ids)
-            logprobs = _delta_logprobs(output, top, _chat_logprobs)
-            if tool_calls is not None:
-                if output.finished:
-                    message, finish = _chat_message(
-                        completion.text, completion.finish_reason, tool_calls
-                    )
-                    delta = {k: v for k, v in message.items() if k != "role"}
-                    if "tool_calls" in delta:
-                        delta["tool_calls"] = [
-                            {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
-                        ]
-                    yield chunk(delta, None)
-                    yield chunk({}, finish)
-                continue
-            if completion.delta_text or logprobs:
-                yield chunk({"content": completion.delta_text}, None, logprobs)
-            if output.finished:
-                yield chunk({}, completion.finish_reason)
+    def render(output: RequestOutput) -> bytes:
+        completion = output.outputs[0]
+        state.completion_tokens = len(completion.token_ids)
+        logprobs = _delta_logprobs(output, top, _chat_logprobs)
+        if tool_calls is not None:
+            if not output.finished:
+                return b""
+            message, finish = _chat_message(completion.text, completion.finish_reason, tool_calls)
+            delta = {k: v for k, v in message.items() if k != "role"}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [
+                    {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
+                ]
+            return chunk(delta, None) + chunk({}, finish)
+        events = b""
+        if completion.delta_text or logprobs:
+            events = chunk({"content": completion.delta_text}, None, logprobs)
+        if output.finished:
+            events += chunk({}, completion.finish_reason)
+        return events
 
-    return _stream_with_tail(body(), state, include_usage)
+    opening = chunk({"role": "assistant", "content": ""}, None)
+    return _event_stream(outputs, state, include_usage, render, opening)
 
 
 async def create_completion(
@@ -438,23 +450,26 @@ def _completion_stream(
     top: int | None,
 ) -> AsyncIterator[bytes]:
     header = state.header
+    offset = 0  # where the next chunk's first token starts in the completion's text
 
-    async def body() -> AsyncIterator[bytes]:
-        offset = 0  # where the next chunk's first token starts in the completion's text
-        async for output in outputs:
-            completion = output.outputs[0]
-            state.completion_tokens = len(completion.token_ids)
-            render = functools.partial(_completion_logprobs, offset=offset)
-            logprobs = _delta_logprobs(output, top, render)
-            if logprobs is not None:
-                offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            if completion.delta_text or logprobs or output.finished:
-                choice = {
-                    "index": 0,
-                    "text": completion.delta_text,
-                    "logprobs": logprobs,
-                    "finish_reason": completion.finish_reason,
-                }
-                yield _sse({**header, "choices": [choice]})
+    def render(output: RequestOutput) -> bytes:
+        nonlocal offset
+        completion = output.outputs[0]
+        state.completion_tokens = len(completion.token_ids)
+        logprobs = None
+        if top is not None:
+            render_logprobs = functools.partial(_completion_logprobs, offset=offset)
+            logprobs = _delta_logprobs(output, top, render_logprobs)
+        if logprobs is not None:
+            offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        if not (completion.delta_text or logprobs or output.finished):
+            return b""
+        choice = {
+            "index": 0,
+            "text": completion.delta_text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+        }
+        return _sse({**header, "choices": [choice]})
 
-    return _stream_with_tail(body(), state, include_usage)
+    return _event_stream(outputs, state, include_usage, render)

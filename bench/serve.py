@@ -11,6 +11,8 @@ the median of --runs runs (one warm-up first): a single run on a 2-core machine 
 The serving overhead (served/offline at 32 streams) is also measured paired: the offline engine
 and each server up at once, a round being one run of each a few seconds apart, in an order
 rotated every round (--overhead-rounds); the drift of the machine over minutes then cancels.
+Fleets of Rust API servers alone (--rust-api-server-counts, when rankcast-frontend is built)
+are measured the same way.
 
     python bench/serve.py [--api-server-counts 1,2] [--anchor-dtypes bfloat16,float32] [--runs 3]
 """
@@ -175,13 +177,18 @@ def _offline_process(conn: Connection, prompts: list[str], tokens: int) -> None:
 
 
 def serving_overhead(
-    prompts: list[str], tokens: int, api_server_counts: list[int], rounds: int
+    prompts: list[str],
+    tokens: int,
+    api_server_counts: list[int],
+    rounds: int,
+    rust_api_server_counts: tuple[int, ...] = (),
 ) -> dict:
-    """Item 5's figure, paired: the offline engine and a server per API-server count all up at
-    once (idle ones sleep), then `rounds` rounds of one offline run and one 32-stream level on
-    each server, in an order rotated every round. Each round's served/offline ratio comes from
-    runs a few seconds apart, so the machine's drift over minutes (5-15 % here) cancels; the
-    figure is the median round's."""
+    """The serving overhead, paired: the offline engine and a server per API-server count (and
+    per count of Rust API servers serving alone) all up at once (idle ones sleep), then
+    `rounds` rounds of one offline run and one 32-stream level on each server, in an order
+    rotated every round. Each round's served/offline ratio comes from runs a few seconds
+    apart, so the machine's drift over minutes (5-15 % here) cancels; the figure is the median
+    round's. Fleets are keyed "1", "2" (Python API servers) and "rust1", "rust2"."""
     import multiprocessing
 
     from tests.entrypoints.server_process import ServerProcess
@@ -190,13 +197,20 @@ def serving_overhead(
     parent, child = spawn.Pipe()
     offline = spawn.Process(target=_offline_process, args=(child, prompts, tokens))
     offline.start()
-    servers: dict[int, ServerProcess] = {}
+    servers: dict[str, ServerProcess] = {}
     try:
         assert parent.recv() == "ready"
         for k in api_server_counts:
-            servers[k] = ServerProcess(
+            servers[str(k)] = ServerProcess(
                 "--kv-cache-space", "1", "--max-num-seqs", "32", api_server_count=k
             )
+        for k in rust_api_server_counts:
+            rust = ServerProcess(
+                "--kv-cache-space", "1", "--max-num-seqs", "32",
+                "--rust-api-server-count", str(k), api_server_count=0,
+            )  # fmt: skip
+            rust.api_server_count = k  # the servers wait_healthy waits for
+            servers[f"rust{k}"] = rust
         for server in servers.values():
             server.wait_healthy()
             asyncio.run(run_level(server.url, prompts, tokens, 2))
@@ -206,10 +220,10 @@ def serving_overhead(
                 parent.send(True)
                 rate: float = parent.recv()
                 return rate
-            row = asyncio.run(run_level(servers[int(item)].url, prompts, tokens, 32))
+            row = asyncio.run(run_level(servers[item].url, prompts, tokens, 32))
             return float(row["tokens_per_s"])
 
-        items = ["offline", *(str(k) for k in api_server_counts)]
+        items = ["offline", *servers]
         per_round = []
         for r in range(rounds):
             order = items[r % len(items) :] + items[: r % len(items)]
@@ -224,8 +238,7 @@ def serving_overhead(
             offline.kill()
             offline.join()
     ratios = {
-        k: sorted(rates[str(k)] / rates["offline"] for rates in per_round)
-        for k in api_server_counts
+        fleet: sorted(rates[fleet] / rates["offline"] for rates in per_round) for fleet in servers
     }
     return {
         "rounds": per_round,
@@ -237,9 +250,14 @@ def serving_overhead(
 def print_overhead(overhead: dict) -> None:
     print("\nserving overhead at 32 streams, paired rounds (offline and served runs side by side,")
     print("order rotated each round; median round, every round's ratio after it):")
-    for k, median in overhead["served_over_offline"].items():
-        rounds = ", ".join(f"{r:.2f}" for r in overhead["served_over_offline_per_round"][k])
-        print(f"  {k} API server(s): served/offline {median:.2f}  ({rounds})")
+    for fleet, median in overhead["served_over_offline"].items():
+        rounds = ", ".join(f"{r:.2f}" for r in overhead["served_over_offline_per_round"][fleet])
+        name = (
+            f"{fleet[4:]} Rust API server(s) alone"
+            if fleet.startswith("rust")
+            else (f"{fleet} API server(s)")
+        )
+        print(f"  {name}: served/offline {median:.2f}  ({rounds})")
 
 
 def run_levels(
@@ -352,6 +370,7 @@ def plot(offline: float, runs: list[dict], path: Path) -> None:
 def main() -> None:
     from bench import anchor
     from bench.workload import describe, load_prompts, machine_info
+    from rankcast.entrypoints.rust_api_server import frontend_binary
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--api-server-counts", default="1,2")
@@ -363,6 +382,11 @@ def main() -> None:
         type=int,
         default=9,
         help="paired rounds (0: skip); one round moves by up to 0.1 here",
+    )
+    parser.add_argument(
+        "--rust-api-server-counts",
+        default="1,2",
+        help="Rust API servers alone, in the paired overhead (empty: none)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = parser.parse_args()
@@ -378,8 +402,12 @@ def main() -> None:
         for k in args.api_server_counts.split(",")
     ]
     counts = [int(k) for k in args.api_server_counts.split(",")]
+    rust_counts = tuple(int(k) for k in args.rust_api_server_counts.split(",") if k)
+    if rust_counts and frontend_binary() is None:
+        print("no current rankcast-frontend build (make rust-build): Rust fleets not measured")
+        rust_counts = ()
     overhead = (
-        serving_overhead(prompts, tokens, counts, args.overhead_rounds)
+        serving_overhead(prompts, tokens, counts, args.overhead_rounds, rust_counts)
         if args.overhead_rounds
         else None
     )

@@ -339,7 +339,8 @@ class ServeConfig:
     allow_runtime_lora_updating: bool = False
     # Seconds requests in flight get to finish after SIGTERM/SIGINT (new ones get 503 at once).
     shutdown_timeout: float = 30.0
-    # Rust API servers (rust/frontend) next to the Python ones, behind the same port.
+    # Rust API servers (rust/frontend) next to the Python ones, behind the same port (or alone,
+    # with api_server_count 0).
     rust_api_server_count: int = 0
 
     def __post_init__(self) -> None:
@@ -349,10 +350,21 @@ class ServeConfig:
             f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}",
         )
         _require(
-            self.api_server_count >= 1,
-            f"--api-server-count must be >= 1, got {self.api_server_count}",
+            self.api_server_count >= 0,
+            f"--api-server-count must be >= 0, got {self.api_server_count}",
         )
         _require(
             self.rust_api_server_count >= 0,
             f"--rust-api-server-count must be >= 0, got {self.rust_api_server_count}",
+        )
+        # Rust API servers alone are a fleet: the lightest per streamed token, for what they
+        # serve (no adapter loading, tokenize or collective_rpc routes).
+        _require(
+            self.api_server_count + self.rust_api_server_count >= 1,
+            "--api-server-count 0 needs --rust-api-server-count >= 1: nothing would serve",
+        )
+        _require(
+            self.api_server_count >= 1 or not self.allow_runtime_lora_updating,
+            "--allow-runtime-lora-updating needs a Python API server (--api-server-count >= 1): "
+            "the Rust API server has no adapter-loading routes",
         )

@@ -99,14 +99,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--api-server-count",
         "api_server_count",
-        "API server processes behind the port, each with its own engine connection",
+        "Python API server processes behind the port, each with its own engine connection "
+        "(0: Rust API servers alone)",
         target="serve",
     ),
     Flag(
         "--rust-api-server-count",
         "rust_api_server_count",
-        "Rust API servers (rust/frontend) beside the Python ones, behind the same port; "
-        "one engine core only (no data parallelism)",
+        "Rust API servers (rust/frontend) beside the Python ones, or alone, behind the same "
+        "port; one engine core only (no data parallelism)",
         target="serve",
     ),
     Flag("--api-key", "api_key", "bearer token /v1 requires (unset: none)", target="serve"),

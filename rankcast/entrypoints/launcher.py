@@ -259,6 +259,16 @@ class _Supervision:
         write_states(self.state_path, self.engines)
 
 
+def _fleet_words(server: ServeConfig) -> str:
+    """`2 API server(s)`, `1 API server(s) and 1 Rust API server(s)`, `1 Rust API server(s)`."""
+    parts = []
+    if server.api_server_count:
+        parts.append(f"{server.api_server_count} API server(s)")
+    if server.rust_api_server_count:
+        parts.append(f"{server.rust_api_server_count} Rust API server(s)")
+    return " and ".join(parts)
+
+
 def _api_server_specs(
     server: ServeConfig,
     model_name: str,
@@ -395,14 +405,7 @@ def _print_banner(server: ServeConfig, model_name: str) -> None:
     )
     lines = [
         "",
-        f"rankcast is serving {model_name} on {url} "
-        f"with {server.api_server_count} API server(s)"
-        + (
-            f" and {server.rust_api_server_count} Rust API server(s)"
-            if server.rust_api_server_count
-            else ""
-        )
-        + ". Try:",
+        f"rankcast is serving {model_name} on {url} with {_fleet_words(server)}. Try:",
         "",
         f"  curl {url}/v1/chat/completions{auth} \\",
         f"    -H 'Content-Type: application/json' -d '{body}'",

@@ -184,7 +184,24 @@ def test_markdown_flags_prints_the_table() -> None:
 @pytest.mark.parametrize(
     "argv, env, message",
     [
-        (("serve", "--api-server-count", "0"), {}, "--api-server-count must be >= 1"),
+        (("serve", "--api-server-count", "-1"), {}, "--api-server-count must be >= 0"),
+        (
+            ("serve", "--api-server-count", "0"),
+            {},
+            "--api-server-count 0 needs --rust-api-server-count >= 1",
+        ),
+        (
+            (
+                "serve",
+                "--api-server-count",
+                "0",
+                "--rust-api-server-count",
+                "1",
+                "--allow-runtime-lora-updating",
+            ),
+            {},
+            "--allow-runtime-lora-updating needs a Python API server",
+        ),
         (("serve", "--port", "70000"), {}, "--port must be 1..65535"),
         (("serve",), {"RANKCAST_KV_CACHE_SPACE": "abc"}, "RANKCAST_KV_CACHE_SPACE must be"),
         (("serve",), {"RANKCAST_KERNELS": "bogus"}, "RANKCAST_KERNELS must be"),

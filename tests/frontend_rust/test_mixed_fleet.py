@@ -62,6 +62,47 @@ def test_python_and_rust_servers_share_the_port_and_the_answers(tiny_llama_dir: 
         assert set().union(*_by_server(server.url, 12).values()) == texts
 
 
+def _generation_tokens(text: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+
+
+def test_rust_servers_alone_are_a_fleet(tiny_llama_dir: Path) -> None:
+    """`--api-server-count 0 --rust-api-server-count 2`: the Rust servers serve the port by
+    themselves (the lightest fleet per streamed token): both answer, with the same text,
+    streamed to [DONE] as well, and both report the fleet's summed tokens."""
+    server = ServerProcess(
+        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "2"),
+        api_server_count=0,
+        env=frontend_env(),
+    )
+    server.api_server_count = 2  # wait for both Rust servers to answer /health
+    with server.running():
+        seen = _by_server(server.url, 16)
+        assert set(seen) == {"0", "1"}, f"not every server answered: {seen}"
+        texts = set().union(*seen.values())
+        assert len(texts) == 1, f"the servers disagree: {seen}"
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**BODY, "stream": True}, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        streamed = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+        assert {streamed} == texts
+        expected = 17 * BODY["max_tokens"]
+        deadline = time.monotonic() + 30
+        while True:
+            totals = {k: _generation_tokens(t) for k, t in scrape_each(server.url, 2).items()}
+            if set(totals.values()) == {expected}:
+                break
+            assert time.monotonic() < deadline, f"fleet tokens {totals}, expected {expected}"
+            time.sleep(0.2)
+
+
 def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
     """SIGTERM to the launcher: the Rust server refuses new work with 503 + Retry-After at once,
     and a stream that outlives --shutdown-timeout ends with finish reason "abort", the error

@@ -205,12 +205,10 @@ def serving_overhead(
                 "--kv-cache-space", "1", "--max-num-seqs", "32", api_server_count=k
             )
         for k in rust_api_server_counts:
-            rust = ServerProcess(
+            servers[f"rust{k}"] = ServerProcess(
                 "--kv-cache-space", "1", "--max-num-seqs", "32",
-                "--rust-api-server-count", str(k), api_server_count=0,
+                api_server_count=0, rust_api_server_count=k,
             )  # fmt: skip
-            rust.api_server_count = k  # the servers wait_healthy waits for
-            servers[f"rust{k}"] = rust
         for server in servers.values():
             server.wait_healthy()
             asyncio.run(run_level(server.url, prompts, tokens, 2))
@@ -252,11 +250,8 @@ def print_overhead(overhead: dict) -> None:
     print("order rotated each round; median round, every round's ratio after it):")
     for fleet, median in overhead["served_over_offline"].items():
         rounds = ", ".join(f"{r:.2f}" for r in overhead["served_over_offline_per_round"][fleet])
-        name = (
-            f"{fleet[4:]} Rust API server(s) alone"
-            if fleet.startswith("rust")
-            else (f"{fleet} API server(s)")
-        )
+        rust = fleet.removeprefix("rust")
+        name = f"{rust} Rust API server(s) alone" if rust != fleet else f"{fleet} API server(s)"
         print(f"  {name}: served/offline {median:.2f}  ({rounds})")
 
 
@@ -397,11 +392,8 @@ def main() -> None:
     machine = machine_info()
 
     offline = offline_throughput(prompts, tokens, args.runs)
-    runs = [
-        serve_rankcast(int(k), prompts, tokens, levels, args.runs)
-        for k in args.api_server_counts.split(",")
-    ]
     counts = [int(k) for k in args.api_server_counts.split(",")]
+    runs = [serve_rankcast(k, prompts, tokens, levels, args.runs) for k in counts]
     rust_counts = tuple(int(k) for k in args.rust_api_server_counts.split(",") if k)
     if rust_counts and frontend_binary() is None:
         print("no current rankcast-frontend build (make rust-build): Rust fleets not measured")

@@ -95,13 +95,16 @@ class _StreamedResponse(asyncio.Protocol):
 
 class SSEClient:
     """Streaming POSTs to one server, at most `connections` at a time (each on a connection of
-    its own, closed at the end: opening one is ~0.1 ms against a stream of seconds)."""
+    its own, closed at the end: opening one is ~0.1 ms against a stream of seconds). A stream
+    that has not ended after `timeout_s` raises TimeoutError: a stuck server fails the
+    benchmark instead of hanging it."""
 
-    def __init__(self, url: str, connections: int) -> None:
+    def __init__(self, url: str, connections: int, timeout_s: float = 900.0) -> None:
         parts = urlsplit(url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         self.gate = asyncio.Semaphore(connections)
+        self.timeout_s = timeout_s
 
     async def __aenter__(self) -> SSEClient:
         return self
@@ -139,6 +142,6 @@ class SSEClient:
                 lambda: _StreamedResponse(request, on_event, done), self.host, self.port
             )
             try:
-                await done
+                await asyncio.wait_for(done, self.timeout_s)
             finally:
                 transport.close()

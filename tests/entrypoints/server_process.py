@@ -79,15 +79,19 @@ class ServerProcess:
         self,
         *args: str,
         api_server_count: int = 2,
+        rust_api_server_count: int = 0,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
         port: int | None = None,
     ) -> None:
         """`cwd`: run the rankcast found there (`python -m` looks in its directory first): a
-        benchmark's way to serve an older checkout side by side."""
+        benchmark's way to serve an older checkout side by side. `wait_healthy` waits for
+        every server, Python and Rust."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.api_server_count = api_server_count
+        self.server_count = api_server_count + rust_api_server_count
+        if rust_api_server_count:
+            args = (*args, "--rust-api-server-count", str(rust_api_server_count))
         env = dict(os.environ, RANKCAST_DISABLE_PROGRESS="1", **(env or {}))
         self.proc = subprocess.Popen(
             [
@@ -119,7 +123,7 @@ class ServerProcess:
                     response = http.get(f"{self.url}/health")
                 if response.status_code == 200:
                     healthy.add(response.headers["x-rankcast-api-server"])
-                if len(healthy) == self.api_server_count:
+                if len(healthy) == self.server_count:
                     self.pids = descendants(self.proc.pid)
                     return
             except httpx.HTTPError:

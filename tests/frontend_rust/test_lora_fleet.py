@@ -77,12 +77,11 @@ def fleet(adapters: list[Path]) -> Iterator[ServerProcess]:
             "--tensor-parallel-size", "3", "--enable-lora", "--max-loras", "1",
             "--max-cpu-loras", "3", "--max-lora-rank", "8", "--lora-modules", f"a={a}",
             "--allowed-lora-paths", str(a.parent), "--allow-runtime-lora-updating",
-            "--rust-api-server-count", "1",
         ),
         api_server_count=2,
+        rust_api_server_count=1,
         env=frontend_env(),
     )  # fmt: skip
-    server.api_server_count = len(SERVERS)
     with server.running():
         yield server
 

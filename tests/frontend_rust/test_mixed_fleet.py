@@ -38,11 +38,11 @@ def _by_server(url: str, rounds: int) -> dict[str, set[str]]:
 
 def test_python_and_rust_servers_share_the_port_and_the_answers(tiny_llama_dir: Path) -> None:
     server = ServerProcess(
-        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"),
+        *tiny_model_args(tiny_llama_dir),
         api_server_count=2,
+        rust_api_server_count=1,
         env=frontend_env(),
     )
-    server.api_server_count = 3  # wait for all three to answer /health
     with server.running():
         seen = _by_server(server.url, 24)
         assert set(seen) == {"0", "1", "2"}, f"not every server answered: {seen}"
@@ -75,11 +75,11 @@ def test_rust_servers_alone_are_a_fleet(tiny_llama_dir: Path) -> None:
     themselves (the lightest fleet per streamed token): both answer, with the same text,
     streamed to [DONE] as well, and both report the fleet's summed tokens."""
     server = ServerProcess(
-        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "2"),
+        *tiny_model_args(tiny_llama_dir),
         api_server_count=0,
+        rust_api_server_count=2,
         env=frontend_env(),
     )
-    server.api_server_count = 2  # wait for both Rust servers to answer /health
     with server.running():
         seen = _by_server(server.url, 16)
         assert set(seen) == {"0", "1"}, f"not every server answered: {seen}"
@@ -108,10 +108,9 @@ def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
     and a stream that outlives --shutdown-timeout ends with finish reason "abort", the error
     naming the timeout, and [DONE]; the launcher exits 0 with nothing left."""
     server = ServerProcess(
-        "--max-model-len", "1024", "--shutdown-timeout", "2", "--rust-api-server-count", "1",
-        api_server_count=1, env=frontend_env(),
+        "--max-model-len", "1024", "--shutdown-timeout", "2",
+        api_server_count=1, rust_api_server_count=1, env=frontend_env(),
     )  # fmt: skip
-    server.api_server_count = 2
     try:
         server.wait_healthy()
         stream = None
@@ -151,11 +150,11 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     itself, summed over the fleet) is line for line the Python server's, at rest after
     traffic that both served."""
     server = ServerProcess(
-        *tiny_model_args(tiny_llama_dir, "--rust-api-server-count", "1"),
+        *tiny_model_args(tiny_llama_dir),
         api_server_count=1,
+        rust_api_server_count=1,
         env=frontend_env(),
     )
-    server.api_server_count = 2
     with server.running():
         served = _by_server(server.url, 12)
         deadline = time.monotonic() + 30
@@ -190,12 +189,11 @@ def test_the_rust_server_serves_adapters_by_name(tiny_llama_dir: Path, tmp_path:
         *tiny_model_args(
             tiny_llama_dir,
             "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"sql={adapter}",
-            "--rust-api-server-count", "1",
         ),
         api_server_count=1,
+        rust_api_server_count=1,
         env=frontend_env(),
     )  # fmt: skip
-    server.api_server_count = 2
     with server.running():
         cards: dict[str, list[dict[str, object]]] = {}
         deadline = time.monotonic() + 30
@@ -271,11 +269,11 @@ def test_logprobs_are_the_python_servers_whole_and_streamed(
     template = (embedded_model_dir / "chat_template.jinja").read_text()
     (model / "chat_template.jinja").write_text(template)
     server = ServerProcess(
-        *tiny_model_args(model, "--rust-api-server-count", "1"),
+        *tiny_model_args(model),
         api_server_count=1,
+        rust_api_server_count=1,
         env=frontend_env(),
     )
-    server.api_server_count = 2
     common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
     cases = [
         ("/v1/completions", {**common, "prompt": "Once upon a time", "logprobs": 3}, False, 3),

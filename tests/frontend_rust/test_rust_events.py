@@ -22,13 +22,11 @@ RUST = "2"
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     server = ServerProcess(
-        *producer_server_args(
-            tiny_llama_dir, "--tensor-parallel-size", "2", "--rust-api-server-count", "1"
-        ),
+        *producer_server_args(tiny_llama_dir, "--tensor-parallel-size", "2"),
         api_server_count=2,
+        rust_api_server_count=1,
         env=frontend_env(),
     )
-    server.api_server_count = len(SERVERS)
     with server.running():
         yield server
 

@@ -49,10 +49,17 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
         return PackedWeight(packed, "rankcast", weight.shape[0])
     # torch.backends.mkldnn.is_available has no annotations; it returns a bool.
     mkldnn_available: Callable[[], bool] = torch.backends.mkldnn.is_available
-    if mkldnn_available():
+    if mkldnn_available() and (weight.dtype != torch.bfloat16 or onednn_packs_bf16()):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         return PackedWeight(packed, "onednn", weight.shape[0])
     return None
+
+
+def onednn_packs_bf16() -> bool:
+    """oneDNN packs bfloat16 weights only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; asked for
+    bfloat16 on an AVX2-only CPU it refuses, and plain `F.linear` runs instead."""
+    supported: Callable[[], bool] = torch.ops.mkldnn._is_mkldnn_bf16_supported
+    return bool(supported())
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

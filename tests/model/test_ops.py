@@ -65,20 +65,41 @@ def test_silu_and_mul_matches_torch(
     )
 
 
+def _packed_or_skip(weight: torch.Tensor) -> ops.PackedWeight:
+    """The weight packed; only bfloat16 on a CPU that packs it nowhere (AVX2 without
+    AVX512-BF16, where oneDNN refuses it too) may come back unpacked, and is skipped."""
+    packed = ops.pack_linear_weight(weight)
+    if packed is None:
+        supported = torch.ops.rankcast.packed_linear_supported(weight.dtype)
+        assert weight.dtype == torch.bfloat16 and not supported and not ops.onednn_packs_bf16()
+        pytest.skip("no bfloat16 matmul kernel on this CPU: F.linear runs unpacked")
+    return packed
+
+
+def test_float32_packs_for_rankcasts_kernel_on_avx2_and_avx512() -> None:
+    """Where the CPU has AVX2 and FMA (or AVX-512) the float32 linears run through rankcast's
+    own packed kernel, not oneDNN's (that kernel is what lets a step run as one C++ call)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        pytest.skip(f"CPU capability {capability}")
+    packed = ops.pack_linear_weight(torch.randn(32, 16))
+    assert packed is not None and packed.backend == "rankcast"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 8, 33, 70])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (40, 24), (16, 7), (200, 301)])
 def test_packed_linear_matches_f_linear(
     dtype: torch.dtype, rows: int, out_features: int, in_features: int
 ) -> None:
-    # Row counts around the 8-row register tile and the 64-row block, widths with partial
+    # Row counts around the 6-row (AVX2) and 8-row (AVX-512) register tiles and the 32-row
+    # block, widths with partial
     # panels, an odd K, and a K that spans several of the kernel's k-blocks.
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    packed = ops.pack_linear_weight(weight)
-    assert packed is not None
+    packed = _packed_or_skip(weight)
     # Outputs reach ~sqrt(K) in size: float32 rounding of a sum that long is ~1e-5 absolute,
     # while a kernel that drops or repeats a k-block is off by whole units.
     tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else tolerance(dtype)
@@ -95,8 +116,7 @@ def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(200, 301, generator=gen).to(dtype)
     x = torch.randn(70, 301, generator=gen).to(dtype)
-    packed = ops.pack_linear_weight(weight)
-    assert packed is not None
+    packed = _packed_or_skip(weight)
     batch = ops.packed_linear(x, packed, None)
     for row in (0, 9, 63, 64, 69):
         alone = ops.packed_linear(x[row : row + 1].contiguous(), packed, None)

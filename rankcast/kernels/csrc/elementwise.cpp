@@ -82,11 +82,21 @@ template <typename T>
 int64_t first_index(const T* row, int64_t width, float target) {
   const bool nan = target != target;
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if RANKCAST_SIMD_BITS == 512
   const __m512 t = _mm512_set1_ps(target);
   for (; i + 16 <= width; i += 16) {
     const __m512 v = load16(row + i).v;
     const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, t, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#elif RANKCAST_SIMD_BITS == 256
+  const __m256 t = _mm256_set1_ps(target);
+  for (; i + 16 <= width; i += 16) {
+    const Vec16 v = load16(row + i);
+    const __m256 lo = nan ? _mm256_cmp_ps(v.lo, v.lo, _CMP_UNORD_Q) : _mm256_cmp_ps(v.lo, t, _CMP_EQ_OQ);
+    const __m256 hi = nan ? _mm256_cmp_ps(v.hi, v.hi, _CMP_UNORD_Q) : _mm256_cmp_ps(v.hi, t, _CMP_EQ_OQ);
+    const unsigned hit = static_cast<unsigned>(_mm256_movemask_ps(lo)) |
+                         (static_cast<unsigned>(_mm256_movemask_ps(hi)) << 8);
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif
@@ -106,7 +116,7 @@ void argmax_impl(const T* x, int64_t rows, int64_t width, int64_t stride, int64_
       float top = -std::numeric_limits<float>::infinity();
       bool nan = false;
       int64_t i = 0;
-#if defined(__AVX512F__)
+#if RANKCAST_SIMD_BITS == 512
       __m512 best = _mm512_set1_ps(top);
       __mmask16 unordered = 0;
       for (; i + 16 <= width; i += 16) {
@@ -116,6 +126,16 @@ void argmax_impl(const T* x, int64_t rows, int64_t width, int64_t stride, int64_
       }
       top = _mm512_reduce_max_ps(best);
       nan = unordered != 0;
+#elif RANKCAST_SIMD_BITS == 256
+      Vec16 best = splat(top);
+      __m256 unordered = _mm256_setzero_ps();
+      for (; i + 16 <= width; i += 16) {
+        const Vec16 v = load16(row + i);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v.lo, v.hi, _CMP_UNORD_Q));
+        best = max(best, v);
+      }
+      top = reduce_max(best);
+      nan = _mm256_movemask_ps(unordered) != 0;
 #endif
       for (; i < width; ++i) {
         const float v = static_cast<float>(row[i]);

@@ -10,14 +10,17 @@
 // Packed layouts (N rounded up to whole panels of 16 output columns, zero-filled):
 //   bfloat16: [N/16][K/2][16][2]  pairs of consecutive k for one column, as VDPBF16PS reads them
 //   float32:  [N/16][K][16]
-// The bfloat16 path needs AVX512-BF16 and the float32 path AVX-512; elsewhere `gemm_supported()`
-// is false and the model keeps oneDNN's path.
+// The bfloat16 path needs AVX512-BF16; the float32 path runs on AVX-512, or on AVX2 with FMA
+// through tiles of two-ymm panels (same layout, same driver). Elsewhere `gemm_supported()` is
+// false and the model keeps oneDNN's path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
+#include <utility>
 
 #include "kernels.h"
 #include "simd.h"
@@ -28,18 +31,24 @@ bool gemm_supported(at::ScalarType dtype) {
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) return true;
 #endif
-#if defined(__AVX512F__)
+#if RANKCAST_SIMD_BITS >= 256
   if (dtype == at::kFloat) return true;
 #endif
   return false;
 }
 
-#if defined(__AVX512F__)
+#if RANKCAST_SIMD_BITS >= 256
 namespace {
 
-constexpr int kPanel = 16;  // output columns per packed panel (one zmm of float32)
-constexpr int kRows = 8;    // rows of x per register tile
-constexpr int kPanels = 3;  // panels per register tile: 8 x 3 accumulators + 3 loads + 1 broadcast
+constexpr int kPanel = 16;  // output columns per packed panel (one zmm, two ymm of float32)
+constexpr int kPanels = 3;  // panels per column group (and per AVX-512 register tile)
+#if RANKCAST_SIMD_BITS == 512
+constexpr int kRows = 8;  // rows of x per register tile: 8 x 3 accumulators + 3 loads + 1 broadcast
+#else
+// AVX2 has 16 ymm registers: a tile takes one panel at a time, 6 rows x 2 accumulators + 2 loads
+// + 1 broadcast.
+constexpr int kRows = 6;
+#endif
 constexpr int kRowBlock = 32;  // rows that share one pass over a column group
 constexpr int kOverlapRows = 4;  // fewer rows than this: no next-group prefetch (see below)
 constexpr int kAhead = 1024;  // bytes of each panel stream prefetched ahead of use
@@ -70,8 +79,7 @@ inline void prefetch_next(const NextGroup& next, int64_t step, int per_step) {
 }
 
 template <typename Out>
-inline void store_tile_row(Out* c, __m512 acc, const float* bias, int cols) {
-  Vec16 v{acc};
+inline void store_tile_row(Out* c, Vec16 v, const float* bias, int cols) {
   if (bias != nullptr) v = v + load16(bias, cols);
   if (cols == kPanel) {
     store16(c, v);
@@ -108,11 +116,13 @@ inline void tile_bf16(const bf16* a, int64_t lda, const bf16* b, int64_t panel_e
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       const int cols = j == NR - 1 ? last_cols : kPanel;
-      store_tile_row(c + i * ldc + j * kPanel, acc[i][j], bias ? bias + j * kPanel : nullptr, cols);
+      store_tile_row(c + i * ldc + j * kPanel, Vec16{acc[i][j]}, bias ? bias + j * kPanel : nullptr,
+                     cols);
     }
 }
 #endif
 
+#if RANKCAST_SIMD_BITS == 512
 template <int MR, int NR, bool Next, typename Out>
 inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t panel_elems, int64_t k,
                      Out* c, int64_t ldc, const float* bias, int last_cols, bool prefetch,
@@ -137,9 +147,45 @@ inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t panel_
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       const int cols = j == NR - 1 ? last_cols : kPanel;
-      store_tile_row(c + i * ldc + j * kPanel, acc[i][j], bias ? bias + j * kPanel : nullptr, cols);
+      store_tile_row(c + i * ldc + j * kPanel, Vec16{acc[i][j]}, bias ? bias + j * kPanel : nullptr,
+                     cols);
     }
 }
+
+#else
+// AVX2: the group's panels one after another, each a full pass over k with MR rows.
+template <int MR, int NR, bool Next, typename Out>
+inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t panel_elems, int64_t k,
+                     Out* c, int64_t ldc, const float* bias, int last_cols, bool prefetch,
+                     NextGroup next) {
+  const int per_step = lines_per_step(next, NR * k);
+  for (int j = 0; j < NR; ++j) {
+    // Fully unrolled loops over the rows, so that GCC keeps every accumulator in a register
+    // (without the pragmas it spilled them all to the stack: a third of the speed).
+    __m256 lo[MR], hi[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+    const float* panel = b + j * panel_elems;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      if constexpr (Next) prefetch_next(next, j * k + kk, per_step);
+      const float* src = panel + kk * kPanel;
+      if (prefetch) prefetch_ahead(src);
+      const __m256 b0 = _mm256_loadu_ps(src), b1 = _mm256_loadu_ps(src + 8);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m256 av = _mm256_broadcast_ss(a + i * lda + kk);
+        lo[i] = _mm256_fmadd_ps(av, b0, lo[i]);
+        hi[i] = _mm256_fmadd_ps(av, b1, hi[i]);
+      }
+    }
+    const int cols = j == NR - 1 ? last_cols : kPanel;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      store_tile_row(c + i * ldc + j * kPanel, Vec16{lo[i], hi[i]},
+                     bias ? bias + j * kPanel : nullptr, cols);
+  }
+}
+#endif
 
 // Dispatch a tile of `rows` (1..kRows) x `panels` (1..kPanels) to its fixed-size instance, with
 // or without the next group's prefetch compiled in (a memory-bound tile loses to the extra check).
@@ -163,8 +209,12 @@ struct Tiles {
   static constexpr std::array<Fn, kPanels> row() {
     return {pick<MR, 1>(), pick<MR, 2>(), pick<MR, 3>()};
   }
+  template <size_t... I>
+  static constexpr std::array<std::array<Fn, kPanels>, kRows> rows(std::index_sequence<I...>) {
+    return {row<static_cast<int>(I) + 1>()...};
+  }
   static constexpr std::array<std::array<Fn, kPanels>, kRows> table() {
-    return {row<1>(), row<2>(), row<3>(), row<4>(), row<5>(), row<6>(), row<7>(), row<8>()};
+    return rows(std::make_index_sequence<kRows>{});
   }
 };
 
@@ -204,6 +254,11 @@ void packed_linear_impl(const In* x, int64_t m, int64_t lda, const In* packed, i
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
         const int64_t tiles_in_block = (rows + kRows - 1) / kRows;
+        // The block's rows shared out evenly between its tiles (32 rows in 6-row tiles: 6, 6,
+        // 5, 5, 5, 5 rather than five 6s and a 2): a thin tile has too few accumulators to keep
+        // the FMA units busy. Every tile sums k in the same order, so a row's bits do not
+        // depend on which tile it lands in.
+        const int64_t tile_rows = rows / tiles_in_block, wider = rows % tiles_in_block;
         for (int64_t g = begin; g < end; ++g) {
           const int64_t p0 = g * kPanels;
           const int np = static_cast<int>(std::min<int64_t>(kPanels, panels - p0));
@@ -231,8 +286,8 @@ void packed_linear_impl(const In* x, int64_t m, int64_t lda, const In* packed, i
           }
           const int64_t share = (ahead_lines + tiles_in_block - 1) / tiles_in_block;
           for (int64_t t = 0; t < tiles_in_block; ++t) {
-            const int64_t r = r0 + t * kRows;
-            const int mr = static_cast<int>(std::min<int64_t>(kRows, m - r));
+            const int64_t r = r0 + t * tile_rows + std::min(t, wider);
+            const int mr = static_cast<int>(tile_rows + (t < wider ? 1 : 0));
             NextGroup pf;
             pf.lines = ahead == nullptr ? nullptr : ahead + t * share * 64;
             pf.count = std::max<int64_t>(0, std::min(share, ahead_lines - t * share));
@@ -293,7 +348,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-#if defined(__AVX512F__)
+#if RANKCAST_SIMD_BITS >= 256
   const int64_t panel_elems = packed.stride(0);
   if (x.scalar_type() == at::kBFloat16) {
 #if defined(__AVX512BF16__)

@@ -2,8 +2,9 @@
 //
 // Every kernel computes in float32 and rounds once when it stores, whatever the tensor dtype, so
 // bfloat16 results are as close to the float32 ones as one rounding allows. With AVX-512 each
-// Vec16 is one zmm register; elsewhere it is a plain array the compiler vectorizes as it can, so
-// the same kernel source builds (more slowly) on AVX2-only and non-x86 machines.
+// Vec16 is one zmm register; with AVX2 and FMA (Zen 2/3, Haswell to Ice Lake clients) a pair of
+// ymm registers; elsewhere a plain array the compiler vectorizes as it can, so the same kernel
+// source builds (more slowly) on any machine.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -12,15 +13,24 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+// Which Vec16 this build has: 512 (one zmm), 256 (two ymm) or 0 (plain array).
+#if defined(__AVX512F__)
+#define RANKCAST_SIMD_BITS 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RANKCAST_SIMD_BITS 256
+#else
+#define RANKCAST_SIMD_BITS 0
 #endif
 
 namespace rankcast {
 
 using bf16 = c10::BFloat16;
 
-#if defined(__AVX512F__)
+#if RANKCAST_SIMD_BITS == 512
 
 struct Vec16 {
   __m512 v;
@@ -93,6 +103,132 @@ inline Vec16 exp16(Vec16 x) {
   __mmask16 under = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
   return {_mm512_mask_mov_ps(result, under, _mm512_setzero_ps())};
 }
+
+#elif RANKCAST_SIMD_BITS == 256
+
+// Two ymm registers: lanes 0-7 in `lo`, 8-15 in `hi`.
+struct Vec16 {
+  __m256 lo, hi;
+};
+
+// All-ones in the 32-bit lanes below `n` (of 8), as AVX2's masked loads and stores take them.
+inline __m256i lane_mask8(int n) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), iota);
+}
+
+inline Vec16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec16 splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vec16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline Vec16 load16(const float* p, int n) {
+  if (n >= 16) return load16(p);
+  // Masked lanes are not read, so a row's tail never touches memory past its end.
+  return {_mm256_maskload_ps(p, lane_mask8(n)), _mm256_maskload_ps(p + 8, lane_mask8(n - 8))};
+}
+inline __m256 widen8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline Vec16 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {widen8(_mm256_castsi256_si128(h)), widen8(_mm256_extracti128_si256(h, 1))};
+}
+inline Vec16 load16(const bf16* p, int n) {
+  if (n >= 16) return load16(p);
+  uint16_t tmp[16] = {};
+  std::memcpy(tmp, p, static_cast<size_t>(n < 0 ? 0 : n) * sizeof(uint16_t));
+  return load16(reinterpret_cast<const bf16*>(tmp));
+}
+
+// float32 -> bfloat16 bits in the low half of each 32-bit lane, rounded to nearest even as
+// c10::BFloat16 rounds (NaN stays NaN).
+inline __m256i narrow8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+  return _mm256_srli_epi32(rounded, 16);
+}
+inline __m256i narrow(Vec16 x) {
+  // packus interleaves the 128-bit halves; the permute puts lanes 0-15 back in order.
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(narrow8(x.lo), narrow8(x.hi)), 0xD8);
+}
+inline void store16(float* p, Vec16 x) {
+  _mm256_storeu_ps(p, x.lo);
+  _mm256_storeu_ps(p + 8, x.hi);
+}
+inline void store16(float* p, Vec16 x, int n) {
+  if (n >= 16) return store16(p, x);
+  _mm256_maskstore_ps(p, lane_mask8(n), x.lo);
+  _mm256_maskstore_ps(p + 8, lane_mask8(n - 8), x.hi);
+}
+inline void store16(bf16* p, Vec16 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(x));
+}
+inline void store16(bf16* p, Vec16 x, int n) {
+  if (n >= 16) return store16(p, x);
+  uint16_t tmp[16];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp), narrow(x));
+  std::memcpy(p, tmp, static_cast<size_t>(n < 0 ? 0 : n) * sizeof(uint16_t));
+}
+
+inline Vec16 operator+(Vec16 a, Vec16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Vec16 operator-(Vec16 a, Vec16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Vec16 operator*(Vec16 a, Vec16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Vec16 operator/(Vec16 a, Vec16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline Vec16 fma(Vec16 a, Vec16 b, Vec16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Vec16 max(Vec16 a, Vec16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_add(Vec16 a) { return reduce_add8(_mm256_add_ps(a.lo, a.hi)); }
+inline float reduce_max(Vec16 a) {
+  const __m256 m = _mm256_max_ps(a.lo, a.hi);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// Lanes at or beyond `n` become `fill`.
+inline Vec16 keep_first(Vec16 a, int n, float fill) {
+  const __m256 f = _mm256_set1_ps(fill);
+  return {_mm256_blendv_ps(f, a.lo, _mm256_castsi256_ps(lane_mask8(n))),
+          _mm256_blendv_ps(f, a.hi, _mm256_castsi256_ps(lane_mask8(n - 8)))};
+}
+
+// exp(x), the same range reduction and polynomial as the AVX-512 version (~2 ulp). AVX2 has no
+// scalef: 2^k is built from exponent bits in two halves, each a normal float even where their
+// product is subnormal, so the result rounds once, as scalef's does. exp(-inf) is exactly 0.
+inline __m256 exp8(__m256 x) {
+  __m256 v = _mm256_max_ps(x, _mm256_set1_ps(-104.0f));
+  v = _mm256_min_ps(v, _mm256_set1_ps(88.7f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), v);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i ki = _mm256_cvtps_epi32(k);  // k is integral, in [-151, 128]
+  const __m256i k1 = _mm256_srai_epi32(ki, 1);
+  const __m256i k2 = _mm256_sub_epi32(ki, k1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+  const __m256 result = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_LT_OQ);
+  return _mm256_andnot_ps(under, result);
+}
+inline Vec16 exp16(Vec16 x) { return {exp8(x.lo), exp8(x.hi)}; }
 
 #else  // portable fallback: the same interface over plain arrays
 

@@ -49,9 +49,25 @@ def test_a_rank_applies_its_engines_settings_not_its_environment(
     assert platform.threads_per_rank(2, 3) == 3
 
 
-def test_auto_dtype_is_float32_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_dtype_is_float32_without_native_bf16_or_the_bf16_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(platform, "packed_bf16_kernel", lambda: False)
     assert platform.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(platform, "packed_bf16_kernel", lambda: True)
+    assert platform.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(platform, "packed_bf16_kernel", lambda: False)
     monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: True)
     assert platform.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
     assert platform.resolve_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+def test_the_bf16_kernel_is_there_on_avx2_and_avx512_bf16_cpus() -> None:
+    """What `auto` relies on, for the CPUs this build knows: rankcast's bfloat16 matmul exists
+    with AVX512-BF16 or with AVX2 (and no AVX-512), not on AVX-512 without BF16."""
+    avx512 = bool(torch.cpu._is_avx512_supported())
+    avx512_bf16 = bool(torch.cpu._is_avx512_bf16_supported())
+    avx2 = bool(torch.cpu._is_avx2_supported())
+    expected = avx512_bf16 or (avx2 and not avx512)
+    assert platform.packed_bf16_kernel() == expected

@@ -20,6 +20,7 @@ process's own values, which is the same thing.
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -52,9 +53,13 @@ class Fleet:
         """Take every process's current values; a scrape calls this before it collects."""
         if self.directory is None:
             return
+        # Files merged in name order, as the Rust API server merges them: float sums taken in
+        # another order (directory order may differ between two reads) can end 1 ulp apart,
+        # and every server of a fleet must render the same value.
+        files = sorted(glob.glob(os.path.join(self.directory, "*.db")))
         # prometheus_client's multiprocess module has no annotations.
-        collector: Any = MultiProcessCollector(None, self.directory)  # type: ignore[no-untyped-call]
-        merged: Iterable[Metric] = collector.collect()
+        merge: Any = MultiProcessCollector.merge
+        merged: Iterable[Metric] = merge(files, accumulate=True)
         self.families = {family.name: family for family in merged}
 
     def summed_families(self) -> Iterator[Metric]:

@@ -74,10 +74,12 @@ class Worker:
         self.device = platform.device_for_rank(self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = platform.resolve_dtype(self.config.model.dtype, self.device)
         parallel = self.config.parallel
+        # The kernels first: whether they run decides what `auto` precision is fastest.
+        uses_kernels = self.device.type == "cpu" and kernels.load(parallel.kernels)
+        self.dtype = platform.resolve_dtype(self.config.model.dtype, self.device)
         cpus = None
-        if self.device.type == "cpu" and kernels.load(parallel.kernels):
+        if uses_kernels:
             cpus = platform.cpus_for_rank(
                 self.local_rank,
                 self.ranks_on_this_machine,

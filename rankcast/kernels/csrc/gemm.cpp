@@ -10,9 +10,14 @@
 // Packed layouts (N rounded up to whole panels of 16 output columns, zero-filled):
 //   bfloat16: [N/16][K/2][16][2]  pairs of consecutive k for one column, as VDPBF16PS reads them
 //   float32:  [N/16][K][16]
-// The bfloat16 path needs AVX512-BF16; the float32 path runs on AVX-512, or on AVX2 with FMA
-// through tiles of two-ymm panels (same layout, same driver). Elsewhere `gemm_supported()` is
-// false and the model keeps oneDNN's path.
+//   bfloat16 on AVX2: [N/16][K][16]  as float32's, at half the bytes
+// The float32 path runs on AVX-512, or on AVX2 with FMA through tiles of two-ymm panels (same
+// layout, same driver). bfloat16 runs on AVX512-BF16 through VDPBF16PS, or on AVX2 by widening
+// each weight to float32 in registers (exact) and multiplying rows converted to float32 once
+// per call (exact too): float32 FMAs, products and sums rounded as float32's are, the output
+// rounded once to bfloat16. Half the weight bytes of float32 is what a decode step's memory
+// stream needs; AVX2-only CPUs have no bfloat16 arithmetic to do better. Elsewhere
+// `gemm_supported()` is false and the model keeps oneDNN's path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -28,7 +33,7 @@
 namespace rankcast {
 
 bool gemm_supported(at::ScalarType dtype) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || RANKCAST_SIMD_BITS == 256
   if (dtype == at::kBFloat16) return true;
 #endif
 #if RANKCAST_SIMD_BITS >= 256
@@ -45,9 +50,8 @@ constexpr int kPanels = 3;  // panels per column group (and per AVX-512 register
 #if RANKCAST_SIMD_BITS == 512
 constexpr int kRows = 8;  // rows of x per register tile: 8 x 3 accumulators + 3 loads + 1 broadcast
 #else
-// AVX2 has 16 ymm registers: a tile takes one panel at a time, 6 rows x 2 accumulators + 2 loads
-// + 1 broadcast.
-constexpr int kRows = 6;
+// AVX2: a tile is a whole row block, run in sub-tiles of at most 6 rows (see `tile_f32`).
+constexpr int kRows = 32;
 #endif
 constexpr int kRowBlock = 32;  // rows that share one pass over a column group
 constexpr int kOverlapRows = 4;  // fewer rows than this: no next-group prefetch (see below)
@@ -153,35 +157,98 @@ inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t panel_
 }
 
 #else
-// AVX2: the group's panels one after another, each a full pass over k with MR rows.
-template <int MR, int NR, bool Next, typename Out>
-inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t panel_elems, int64_t k,
+// 16 consecutive weights of one k as two float32 ymm registers.
+inline void load_panel_row(const float* src, __m256& b0, __m256& b1) {
+  b0 = _mm256_loadu_ps(src);
+  b1 = _mm256_loadu_ps(src + 8);
+}
+inline void load_panel_row(const bf16* src, __m256& b0, __m256& b1) {
+  b0 = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  b1 = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8)));
+}
+
+// AVX2: MR rows (a whole row block) times the group's panels, one panel at a time. The panel is
+// taken in chunks of k that stay in L1 (12 KB) while sub-tiles of at most 6 rows (16 ymm
+// registers: 6 x 2 accumulators, 2 weight loads, 1 broadcast) run over the chunk one after
+// another, their sums parked in `acc` between chunks. Without the chunks each sub-tile streamed
+// the whole panel (36-98 KB, more than L1) from L2 again. Every row still sums k in order, so
+// its bits do not depend on the rows beside it. Weights W are float32 or bfloat16 (widened as
+// they are loaded); rows are always float32.
+template <typename W>
+constexpr int64_t kChunk = 12288 / (kPanel * static_cast<int64_t>(sizeof(W)));
+
+// Never inlined: inlined into `tile_f32`, GCC merged the registers with `acc` and kept an
+// accumulator in memory (a store-to-load chain on every k; single rows ran at half speed).
+template <int R, bool Next, typename W>
+__attribute__((noinline)) void sub_tile(const float* a, int64_t lda, const W* panel, int64_t k0, int64_t k1,
+                     float* acc, bool first, bool prefetch, const NextGroup& next,
+                     int64_t step_base, int per_step) {
+  // Fully unrolled loops over the rows, so that GCC keeps every accumulator in a register
+  // (without the pragmas it spilled them all to the stack: a third of the speed).
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    lo[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + i * kPanel);
+    hi[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + i * kPanel + 8);
+  }
+  for (int64_t kk = k0; kk < k1; ++kk) {
+    if constexpr (Next) prefetch_next(next, step_base + kk, per_step);
+    const W* src = panel + kk * kPanel;
+    if (prefetch) prefetch_ahead(src);
+    __m256 b0, b1;
+    load_panel_row(src, b0, b1);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + i * lda + kk);
+      lo[i] = _mm256_fmadd_ps(av, b0, lo[i]);
+      hi[i] = _mm256_fmadd_ps(av, b1, hi[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(acc + i * kPanel, lo[i]);
+    _mm256_storeu_ps(acc + i * kPanel + 8, hi[i]);
+  }
+}
+
+template <int MR, int NR, bool Next, typename Out, typename W>
+inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elems, int64_t k,
                      Out* c, int64_t ldc, const float* bias, int last_cols, bool prefetch,
                      NextGroup next) {
+  // The rows shared out evenly between sub-tiles: 32 rows are 6, 6, 5, 5, 5, 5.
+  constexpr int subtiles = (MR + 5) / 6;
+  constexpr int base = MR / subtiles, wider = MR % subtiles;
   const int per_step = lines_per_step(next, NR * k);
+  alignas(32) float acc[MR * kPanel];
   for (int j = 0; j < NR; ++j) {
-    // Fully unrolled loops over the rows, so that GCC keeps every accumulator in a register
-    // (without the pragmas it spilled them all to the stack: a third of the speed).
-    __m256 lo[MR], hi[MR];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
-    const float* panel = b + j * panel_elems;
-    for (int64_t kk = 0; kk < k; ++kk) {
-      if constexpr (Next) prefetch_next(next, j * k + kk, per_step);
-      const float* src = panel + kk * kPanel;
-      if (prefetch) prefetch_ahead(src);
-      const __m256 b0 = _mm256_loadu_ps(src), b1 = _mm256_loadu_ps(src + 8);
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        const __m256 av = _mm256_broadcast_ss(a + i * lda + kk);
-        lo[i] = _mm256_fmadd_ps(av, b0, lo[i]);
-        hi[i] = _mm256_fmadd_ps(av, b1, hi[i]);
+    const W* panel = b + j * panel_elems;
+    for (int64_t k0 = 0; k0 < k; k0 += kChunk<W>) {
+      const int64_t k1 = std::min(k, k0 + kChunk<W>);
+      const bool first = k0 == 0;
+      for (int s = 0; s < subtiles; ++s) {
+        const int r = s * base + std::min(s, wider);
+        const float* rows = a + r * lda;
+        float* sums = acc + r * kPanel;
+        // The first sub-tile brings the chunk in (and the next group's share); the others find
+        // it in L1.
+        if (s == 0) {
+          if constexpr (wider > 0) {
+            sub_tile<base + 1, Next, W>(rows, lda, panel, k0, k1, sums, first, prefetch, next,
+                                        j * k, per_step);
+          } else {
+            sub_tile<base, Next, W>(rows, lda, panel, k0, k1, sums, first, prefetch, next, j * k,
+                                    per_step);
+          }
+        } else if (s < wider) {
+          sub_tile<base + 1, false, W>(rows, lda, panel, k0, k1, sums, first, false, next, 0, 0);
+        } else {
+          sub_tile<base, false, W>(rows, lda, panel, k0, k1, sums, first, false, next, 0, 0);
+        }
       }
     }
     const int cols = j == NR - 1 ? last_cols : kPanel;
-#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
-      store_tile_row(c + i * ldc + j * kPanel, Vec16{lo[i], hi[i]},
+      store_tile_row(c + i * ldc + j * kPanel, load16(acc + i * kPanel),
                      bias ? bias + j * kPanel : nullptr, cols);
   }
 }
@@ -189,14 +256,19 @@ inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t panel_
 
 // Dispatch a tile of `rows` (1..kRows) x `panels` (1..kPanels) to its fixed-size instance, with
 // or without the next group's prefetch compiled in (a memory-bound tile loses to the extra check).
-template <typename In, typename Out, bool Next>
+// `In` is what the rows are (float32, or bfloat16 pairs for VDPBF16PS), `W` the packed weight.
+template <typename In, typename W, typename Out, bool Next>
 struct Tiles {
-  using Fn = void (*)(const In*, int64_t, const In*, int64_t, int64_t, Out*, int64_t, const float*,
+  using Fn = void (*)(const In*, int64_t, const W*, int64_t, int64_t, Out*, int64_t, const float*,
                       int, bool, NextGroup);
   template <int MR, int NR>
   static constexpr Fn pick() {
     if constexpr (std::is_same_v<In, float>) {
+#if RANKCAST_SIMD_BITS == 512
       return &tile_f32<MR, NR, Next, Out>;
+#else
+      return &tile_f32<MR, NR, Next, Out, W>;
+#endif
     } else {
 #if defined(__AVX512BF16__)
       return &tile_bf16<MR, NR, Next, Out>;
@@ -218,11 +290,11 @@ struct Tiles {
   }
 };
 
-template <typename In, typename Out>
-void packed_linear_impl(const In* x, int64_t m, int64_t lda, const In* packed, int64_t n,
+template <typename In, typename W, typename Out>
+void packed_linear_impl(const In* x, int64_t m, int64_t lda, const W* packed, int64_t n,
                         int64_t k_steps, int64_t panel_elems, const float* bias, Out* y) {
-  static constexpr auto tiles = Tiles<In, Out, false>::table();
-  static constexpr auto tiles_prefetching = Tiles<In, Out, true>::table();
+  static constexpr auto tiles = Tiles<In, W, Out, false>::table();
+  static constexpr auto tiles_prefetching = Tiles<In, W, Out, true>::table();
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t groups = (panels + kPanels - 1) / kPanels;
   // Threads take contiguous runs of column groups from a shared counter, a few runs each: every
@@ -236,7 +308,7 @@ void packed_linear_impl(const In* x, int64_t m, int64_t lda, const In* packed, i
   // batch, and reading the weights overlaps the arithmetic. Later row blocks of a prompt find
   // the run's weights in L2 and prefetch nothing.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
-  const int64_t group_bytes = kPanels * panel_elems * static_cast<int64_t>(sizeof(In));
+  const int64_t group_bytes = kPanels * panel_elems * static_cast<int64_t>(sizeof(W));
   const int64_t fits = std::max<int64_t>(1, kRunBytes / group_bytes);
   const int64_t run = std::clamp<int64_t>(groups / (threads * 4), 1, fits);
   // A few rows do too little arithmetic per weight to hide anything: there the stream of each
@@ -282,7 +354,7 @@ void packed_linear_impl(const In* x, int64_t m, int64_t lda, const In* packed, i
             const int64_t q0 = upcoming * kPanels;
             const int64_t q_panels = std::min<int64_t>(kPanels, panels - q0);
             ahead = reinterpret_cast<const char*>(packed + q0 * panel_elems);
-            ahead_lines = q_panels * panel_elems * static_cast<int64_t>(sizeof(In)) / 64;
+            ahead_lines = q_panels * panel_elems * static_cast<int64_t>(sizeof(W)) / 64;
           }
           const int64_t share = (ahead_lines + tiles_in_block - 1) / tiles_in_block;
           for (int64_t t = 0; t < tiles_in_block; ++t) {
@@ -322,7 +394,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t panels = (n + 15) / 16;
   at::Tensor w = weight.contiguous();
-  if (weight.scalar_type() == at::kBFloat16) {
+  if (weight.scalar_type() == at::kBFloat16 && RANKCAST_SIMD_BITS == 512) {
     const int64_t kp = (k + 1) / 2;
     at::Tensor padded = at::zeros({panels * 16, kp * 2}, w.options());
     padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
@@ -332,6 +404,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   at::Tensor padded = at::zeros({panels * 16, k}, w.options());
   padded.narrow(0, 0, n).copy_(w);
   return padded.view({panels, 16, k}).permute({0, 2, 1}).contiguous();  // [panels, k, 16]
+  // (float32, and bfloat16 on AVX2)
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
@@ -359,14 +432,23 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       a = at::zeros({m, k + 1}, x.options());
       a.narrow(1, 0, k).copy_(x);
     }
-    packed_linear_impl<bf16, bf16>(a.data_ptr<bf16>(), m, a.stride(0), packed.data_ptr<bf16>(), n,
-                                   kp, panel_elems, bias_ptr, y.data_ptr<bf16>());
+    packed_linear_impl<bf16, bf16, bf16>(a.data_ptr<bf16>(), m, a.stride(0),
+                                         packed.data_ptr<bf16>(), n, kp, panel_elems, bias_ptr,
+                                         y.data_ptr<bf16>());
+    return y;
+#elif RANKCAST_SIMD_BITS == 256
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
+    const at::Tensor a = x.to(at::kFloat);  // exact; a few rows, converted once for every tile
+    packed_linear_impl<float, bf16, bf16>(a.data_ptr<float>(), m, a.stride(0),
+                                          packed.data_ptr<bf16>(), n, k, panel_elems, bias_ptr,
+                                          y.data_ptr<bf16>());
     return y;
 #endif
   } else if (x.scalar_type() == at::kFloat) {
     TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
-    packed_linear_impl<float, float>(x.data_ptr<float>(), m, x.stride(0), packed.data_ptr<float>(), n,
-                                     k, panel_elems, bias_ptr, y.data_ptr<float>());
+    packed_linear_impl<float, float, float>(x.data_ptr<float>(), m, x.stride(0),
+                                            packed.data_ptr<float>(), n, k, panel_elems, bias_ptr,
+                                            y.data_ptr<float>());
     return y;
   }
 #endif

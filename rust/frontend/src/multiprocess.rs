@@ -206,16 +206,18 @@ fn read_entries(path: &Path) -> std::io::Result<Vec<(Key, f64)>> {
     Ok(entries)
 }
 
-/// The `.db` files of a directory, with their metric type, in directory order (the order
-/// Python's `glob` gives, so both kinds of server merge in the same order).
+/// The `.db` files of a directory, with their metric type, in file-name order (the order
+/// the Python servers merge them in: float sums taken in another order can end 1 ulp apart,
+/// and every server of a fleet must render the same value).
 pub fn read_directory(directory: &Path) -> Vec<(String, Vec<(Key, f64)>)> {
     let Ok(listing) = std::fs::read_dir(directory) else {
         return Vec::new();
     };
-    let paths: Vec<PathBuf> = listing
+    let mut paths: Vec<PathBuf> = listing
         .filter_map(|entry| entry.ok().map(|e| e.path()))
         .filter(|path| path.extension().is_some_and(|e| e == "db"))
         .collect();
+    paths.sort();
     paths
         .into_iter()
         .filter_map(|path| {
@@ -346,7 +348,37 @@ fn parse_bound(text: &str) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{read_entries, DbFile, Key};
+    use super::{read_directory, read_entries, DbFile, Key};
+
+    #[test]
+    fn a_directory_is_read_in_file_name_order() {
+        // Float sums depend on their order, and the Python servers merge in name order.
+        let directory =
+            std::env::temp_dir().join(format!("rankcast-db-order-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let key = Key::new("x", "x_total", &[], "help");
+        for (name, value) in [
+            ("counter_c.db", 3.0),
+            ("counter_a.db", 1.0),
+            ("counter_b.db", 2.0),
+        ] {
+            let mut db = DbFile::create(&directory, "counter").unwrap();
+            let at = db.append(&key).unwrap();
+            db.write_value(at, value);
+            drop(db);
+            let written = directory.join(format!("counter_{}.db", std::process::id()));
+            std::fs::rename(written, directory.join(name)).unwrap();
+        }
+        let values: Vec<f64> = read_directory(&directory)
+            .into_iter()
+            .map(|(kind, entries)| {
+                assert_eq!(kind, "counter");
+                entries[0].1
+            })
+            .collect();
+        assert_eq!(values, [1.0, 2.0, 3.0]);
+        std::fs::remove_dir_all(&directory).unwrap();
+    }
 
     #[test]
     fn what_is_written_reads_back_with_its_key_and_grows_past_the_first_size() {

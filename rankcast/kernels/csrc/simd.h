@@ -30,6 +30,15 @@ namespace rankcast {
 
 using bf16 = c10::BFloat16;
 
+// exp(x) = 2^k * P(r), r = x - k ln2 (ln2 in two parts, so r is exact), for every ISA below:
+// inputs clamped to [kExpMin, kExpMax]; P's coefficients from the highest power down, the last
+// two terms (r^2/2 + r + 1) added at the end.
+constexpr float kExpMin = -104.0f, kExpMax = 88.7f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187045e-06f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #if RANKCAST_SIMD_BITS == 512
 
 struct Vec16 {
@@ -86,21 +95,17 @@ inline Vec16 keep_first(Vec16 a, int n, float fill) {
 // exp(x) for float32 lanes: 2^k * P(r) after range reduction, ~2 ulp; exp(-inf) is exactly 0,
 // which the masked softmax relies on.
 inline Vec16 exp16(Vec16 x) {
-  __m512 v = _mm512_max_ps(x.v, _mm512_set1_ps(-104.0f));
-  v = _mm512_min_ps(v, _mm512_set1_ps(88.7f));
-  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+  __m512 v = _mm512_max_ps(x.v, _mm512_set1_ps(kExpMin));
+  v = _mm512_min_ps(v, _mm512_set1_ps(kExpMax));
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), v);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), v);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   __m512 result = _mm512_scalef_ps(p, k);
-  __mmask16 under = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
+  __mmask16 under = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kExpMin), _CMP_LT_OQ);
   return {_mm512_mask_mov_ps(result, under, _mm512_setzero_ps())};
 }
 
@@ -205,18 +210,14 @@ inline Vec16 keep_first(Vec16 a, int n, float fill) {
 // scalef: 2^k is built from exponent bits in two halves, each a normal float even where their
 // product is subnormal, so the result rounds once, as scalef's does. exp(-inf) is exactly 0.
 inline __m256 exp8(__m256 x) {
-  __m256 v = _mm256_max_ps(x, _mm256_set1_ps(-104.0f));
-  v = _mm256_min_ps(v, _mm256_set1_ps(88.7f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+  __m256 v = _mm256_max_ps(x, _mm256_set1_ps(kExpMin));
+  v = _mm256_min_ps(v, _mm256_set1_ps(kExpMax));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), v);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), v);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i ki = _mm256_cvtps_epi32(k);  // k is integral, in [-151, 128]
   const __m256i k1 = _mm256_srai_epi32(ki, 1);
@@ -225,7 +226,7 @@ inline __m256 exp8(__m256 x) {
   const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
   const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
   const __m256 result = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_LT_OQ);
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_LT_OQ);
   return _mm256_andnot_ps(under, result);
 }
 inline Vec16 exp16(Vec16 x) { return {exp8(x.lo), exp8(x.hi)}; }

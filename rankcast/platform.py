@@ -35,7 +35,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
     With AMX or AVX512-BF16 the hardware multiplies bfloat16 itself. On AVX2-only CPUs
     rankcast's kernel reads bfloat16 weights (half float32's bytes) and computes in float32:
-    measured on a 2-core Zen 3, 1.7x float32's single-stream speed and 1.08x its batch-32.
+    measured on a 2-core Zen 3, 1.45-1.75x float32's single-stream speed and 1.02-1.08x its
+    batch-32 (two runs).
     Without the kernels, bfloat16 there is emulated and far slower, so float32 it is.
     """
     if name != "auto":

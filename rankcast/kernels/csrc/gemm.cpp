@@ -180,9 +180,9 @@ constexpr int64_t kChunk = 12288 / (kPanel * static_cast<int64_t>(sizeof(W)));
 // Never inlined: inlined into `tile_f32`, GCC merged the registers with `acc` and kept an
 // accumulator in memory (a store-to-load chain on every k; single rows ran at half speed).
 template <int R, bool Next, typename W>
-__attribute__((noinline)) void sub_tile(const float* a, int64_t lda, const W* panel, int64_t k0, int64_t k1,
-                     float* acc, bool first, bool prefetch, const NextGroup& next,
-                     int64_t step_base, int per_step) {
+__attribute__((noinline)) void sub_tile(const float* a, int64_t lda, const W* panel, int64_t k0,
+                                        int64_t k1, float* acc, bool first, bool prefetch,
+                                        const NextGroup& next, int64_t step_base, int per_step) {
   // Fully unrolled loops over the rows, so that GCC keeps every accumulator in a register
   // (without the pragmas it spilled them all to the stack: a third of the speed).
   __m256 lo[R], hi[R];
@@ -326,10 +326,11 @@ void packed_linear_impl(const In* x, int64_t m, int64_t lda, const W* packed, in
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
         const int64_t tiles_in_block = (rows + kRows - 1) / kRows;
-        // The block's rows shared out evenly between its tiles (32 rows in 6-row tiles: 6, 6,
-        // 5, 5, 5, 5 rather than five 6s and a 2): a thin tile has too few accumulators to keep
-        // the FMA units busy. Every tile sums k in the same order, so a row's bits do not
-        // depend on which tile it lands in.
+        // The block's rows shared out evenly between its tiles (AVX-512, 8-row tiles: 30 rows
+        // are 8, 8, 7, 7 rather than three 8s and a 6; on AVX2 a tile is the whole block, split
+        // the same way inside): a thin tile has too few accumulators to keep the FMA units
+        // busy. Every tile sums k in the same order, so a row's bits do not depend on which
+        // tile it lands in.
         const int64_t tile_rows = rows / tiles_in_block, wider = rows % tiles_in_block;
         for (int64_t g = begin; g < end; ++g) {
           const int64_t p0 = g * kPanels;

@@ -230,17 +230,23 @@ inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elem
         const float* rows = a + r * lda;
         float* sums = acc + r * kPanel;
         // The first sub-tile brings the chunk in (and the next group's share); the others find
-        // it in L1.
-        if (s == 0) {
-          if constexpr (wider > 0) {
-            sub_tile<base + 1, Next, W>(rows, lda, panel, k0, k1, sums, first, prefetch, next,
-                                        j * k, per_step);
-          } else {
-            sub_tile<base, Next, W>(rows, lda, panel, k0, k1, sums, first, prefetch, next, j * k,
-                                    per_step);
+        // it in L1. Only sizes that occur are instantiated (no unused 7-row sub-tile).
+        const bool lead = s == 0;
+        if constexpr (wider > 0) {
+          if (s < wider) {
+            if (lead) {
+              sub_tile<base + 1, Next, W>(rows, lda, panel, k0, k1, sums, first, prefetch, next,
+                                          j * k, per_step);
+            } else {
+              sub_tile<base + 1, false, W>(rows, lda, panel, k0, k1, sums, first, false, next, 0,
+                                           0);
+            }
+            continue;
           }
-        } else if (s < wider) {
-          sub_tile<base + 1, false, W>(rows, lda, panel, k0, k1, sums, first, false, next, 0, 0);
+        }
+        if (lead) {
+          sub_tile<base, Next, W>(rows, lda, panel, k0, k1, sums, first, prefetch, next, j * k,
+                                  per_step);
         } else {
           sub_tile<base, false, W>(rows, lda, panel, k0, k1, sums, first, false, next, 0, 0);
         }

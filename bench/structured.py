@@ -287,10 +287,10 @@ def main() -> None:
         import torch
 
         from rankcast.model.source import resolve_model
-        from rankcast.tokenizer import load_tokenizer
+        from rankcast.tokenizer import load_hf_tokenizer
 
         torch.set_num_threads(1)
-        results["libraries"] = bench_libraries(load_tokenizer(resolve_model(None).model_dir))
+        results["libraries"] = bench_libraries(load_hf_tokenizer(resolve_model(None).model_dir))
         torch.set_num_threads(machine["cores"])
         print_libraries(results["libraries"])
     if args.part in ("engine", "all"):

@@ -30,6 +30,7 @@ from rankcast.protocol import (
     SchedulerStats,
 )
 from rankcast.sampling_params import SamplingParams
+from rankcast.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class AsyncLLM:
     def __init__(
         self,
         clients: list[AsyncMPClient],
-        tokenizer: Any,
+        tokenizer: ModelTokenizer,
         observer: EngineObserver,
         sinks: list[NotificationSink] | None = None,
     ) -> None:

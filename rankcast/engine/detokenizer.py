@@ -8,12 +8,11 @@ deltas until it is clear they do not begin a stop string.
 
 from __future__ import annotations
 
-from typing import Any
-
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from rankcast.sampling_params import SamplingParams
+from rankcast.tokenizer import ModelTokenizer
 
 # Prompt tokens fed to the stream first, so the first generated token decodes with its context
 # (leading spaces in SentencePiece vocabularies depend on what precedes them).
@@ -21,8 +20,10 @@ _PROMPT_CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
-        self.backend: Tokenizer = tokenizer.backend_tokenizer
+    def __init__(
+        self, tokenizer: ModelTokenizer, prompt_token_ids: list[int], params: SamplingParams
+    ):
+        self.backend: Tokenizer = tokenizer.backend
         self.stream = DecodeStream(
             ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
             skip_special_tokens=params.skip_special_tokens,

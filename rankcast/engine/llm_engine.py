@@ -45,7 +45,7 @@ class LLMEngine:
         request_id = request_id or str(next(self._ids))
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
-            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
+            prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_text, prompt_ids = None, list(prompt)
         request = EngineCoreRequest(

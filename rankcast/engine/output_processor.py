@@ -8,12 +8,12 @@ and tells the caller which engine requests to abort.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from rankcast.engine.detokenizer import IncrementalDetokenizer
 from rankcast.outputs import CompletionOutput, Logprob, RequestOutput
 from rankcast.protocol import EngineCoreOutput, FinishReason, TokenLogprobs
 from rankcast.sampling_params import SamplingParams
+from rankcast.tokenizer import ModelTokenizer
 
 
 @dataclass
@@ -34,7 +34,7 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 

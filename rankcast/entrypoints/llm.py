@@ -12,6 +12,7 @@ from rankcast.notifications import Notification
 from rankcast.outputs import RequestOutput
 from rankcast.protocol import LoRAAdapterInfo
 from rankcast.sampling_params import SamplingParams
+from rankcast.tokenizer import ModelTokenizer
 
 Message = dict[str, Any]
 
@@ -35,7 +36,7 @@ class LLM:
         llm.engine = engine
         return llm
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> ModelTokenizer:
         return self.engine.tokenizer
 
     def generate(

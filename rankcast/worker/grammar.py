@@ -62,10 +62,10 @@ class GrammarMatchers:
         if self._compiler is None:
             import xgrammar
 
-            from rankcast.tokenizer import load_tokenizer
+            from rankcast.tokenizer import load_hf_tokenizer
 
             info = xgrammar.TokenizerInfo.from_huggingface(
-                load_tokenizer(self.tokenizer_dir),
+                load_hf_tokenizer(self.tokenizer_dir),
                 vocab_size=self.vocab_size,
                 # The engine stops on the model's EOS ids: the grammar's end must be one of them.
                 stop_token_ids=list(self.eos_token_ids) or None,

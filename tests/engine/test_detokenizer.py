@@ -18,7 +18,7 @@ def tokenizer(embedded_model_dir: Path):
 
 def test_multibyte_characters_are_never_split(tokenizer) -> None:
     text = "Crème brûlée 😀 costs 5€ — 世界你好 🇫🇷!"
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer.encode(text, add_special_tokens=False)
     # Byte-level BPE splits the emoji and CJK characters over several tokens.
     assert len(ids) > len(text.split())
     detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
@@ -35,7 +35,7 @@ def test_multibyte_characters_are_never_split(tokenizer) -> None:
 
 def test_stop_string_spanning_tokens_is_held_back_then_cut(tokenizer) -> None:
     text = "alpha beta STOPHERE gamma"
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(stop=["STOPHERE"]))
     streamed = ""
     matched = None
@@ -50,8 +50,8 @@ def test_stop_string_spanning_tokens_is_held_back_then_cut(tokenizer) -> None:
 
 
 def test_first_token_keeps_its_leading_space(tokenizer) -> None:
-    prompt = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
-    answer = tokenizer(" Paris", add_special_tokens=False)["input_ids"]
+    prompt = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    answer = tokenizer.encode(" Paris", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
     detok.update(answer)
     assert detok.take_delta(finished=True) == " Paris"

@@ -87,7 +87,7 @@ def _client(fleet: Fleet) -> openai.OpenAI:
 def test_completions_whole_and_streamed_equal_the_engines_greedy_text(fleet: Fleet) -> None:
     tokenizer = load_tokenizer(fleet.model_dir)
     prompt = "The capital of France is"
-    expected = _python_greedy(fleet, tokenizer(prompt, add_special_tokens=False)["input_ids"], 12)
+    expected = _python_greedy(fleet, tokenizer.encode(prompt, add_special_tokens=False), 12)
     client = _client(fleet)
     whole = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}

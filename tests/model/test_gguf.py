@@ -70,7 +70,7 @@ def test_greedy_continuations_match_transformers_generate(smollm_fp32, embedded_
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     ours = smollm_fp32.generate(PROMPTS, params)
     for prompt, output in zip(PROMPTS, ours, strict=True):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        ids = torch.tensor([tokenizer.encode(prompt)])
         with torch.no_grad():
             want = reference.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1] :]
         assert len(want) == 64

@@ -25,7 +25,7 @@ from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.outputs import Logprob, RequestOutput, RequestRejectedError
 from rankcast.sampling_params import SamplingParams
 from rankcast.structured_outputs import StructuredOutputs
-from rankcast.tokenizer import apply_chat_template
+from rankcast.tokenizer import ModelTokenizer, apply_chat_template
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ T = TypeVar("T")
 @dataclass
 class ServingContext:
     engine: AsyncLLM
-    tokenizer: Any
+    tokenizer: ModelTokenizer
     model_name: str
     loras: LoRAResidency | None = None
 
@@ -385,9 +385,10 @@ async def create_completion(
     lora_name = check_model(ctx, body.model)
     if isinstance(body.prompt, str):
         prompt_text: str | None = body.prompt
-        prompt_ids = list(ctx.tokenizer(body.prompt)["input_ids"])
+        prompt_ids = ctx.tokenizer.encode(body.prompt)
     else:
-        prompt_text, prompt_ids = None, list(body.prompt)
+        # A list of strings became its one string in validation: these are token ids.
+        prompt_text, prompt_ids = None, [int(t) for t in body.prompt]
         vocab = len(ctx.tokenizer)
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")

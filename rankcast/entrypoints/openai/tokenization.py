@@ -8,7 +8,6 @@ from typing import Any
 from rankcast.entrypoints.openai.errors import APIError
 from rankcast.entrypoints.openai.schema import DetokenizeRequest, TokenizeRequest
 from rankcast.entrypoints.openai.serving import ServingContext, check_model
-from rankcast.tokenizer import apply_chat_template
 
 
 def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict[str, Any]:
@@ -18,21 +17,19 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict[str, Any]:
     if body.messages is not None:
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = apply_chat_template(ctx.tokenizer, messages, body.add_generation_prompt)
+            text = ctx.tokenizer.render_chat(messages, body.add_generation_prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from None
-        if body.add_special_tokens:
-            tokens = list(ctx.tokenizer.build_inputs_with_special_tokens(tokens))
+        # The rendered text encoded as a completion prompt would be, special tokens on request.
+        tokens = ctx.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = list(ctx.tokenizer(body.prompt, add_special_tokens=special)["input_ids"])
+        tokens = ctx.tokenizer.encode(body.prompt or "", add_special_tokens=special)
     return {
         "count": len(tokens),
         "max_model_len": ctx.engine.max_model_len,
         "tokens": tokens,
-        "token_strs": ctx.tokenizer.convert_ids_to_tokens(tokens)
-        if body.return_token_strs
-        else None,
+        "token_strs": ctx.tokenizer.token_strings(tokens) if body.return_token_strs else None,
     }
 
 

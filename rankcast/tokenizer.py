@@ -17,7 +17,6 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from rankcast.chat_template import pick_template, render_chat
 from rankcast.errors import ModelFormatError
 
 # The named special tokens a chat template sees (transformers' special_tokens_map).
@@ -95,7 +94,11 @@ class ModelTokenizer:
         template refuses the conversation (in the template's own words)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use a plain completion prompt")
+        # Imported on the first chat: jinja2 takes ~0.2 s to import on a small machine, which
+        # an engine that only completes prompts need not pay at start.
         from jinja2 import TemplateError
+
+        from rankcast.chat_template import pick_template, render_chat
 
         template = pick_template(self.chat_template, with_tools=tools is not None)
         try:

@@ -7,6 +7,8 @@ request, its sampling parameters, random generator and (structured outputs) gram
 from __future__ import annotations
 
 import itertools
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,24 @@ from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.sampling_params import SamplingParams
 from rankcast.worker import sampler
 from rankcast.worker.grammar import GrammarMatchers, TokenMask
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor whose host memory is zeroed by the kernel page by page on first
+    touch: anonymous mmap memory starts as zeros, so nothing is written at start-up.
+
+    `torch.zeros` writes every byte of the KV cache before the first token: ~0.45 s per GiB on
+    a 2-core Zen 3 (0.9 s of the default 2 GiB), most of a warm start. Here a page costs its
+    zeroing when a block is first written, and a workload that never fills the cache never
+    pays for the rest. Huge pages are asked for where the kernel leaves it to the program
+    (fewer TLB misses as attention walks the blocks). Other devices zero as usual."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, nbytes)  # anonymous and private: the tensor keeps it alive
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 @dataclass
@@ -81,20 +101,15 @@ class ModelRunner:
         return 2 * layers * self.block_size * kv_heads * self.arch.head_dim * element
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's cache up front, so memory use is fixed after start-up.
+        """Allocate every layer's cache up front, so its size is fixed at start-up (its pages
+        are zeroed as blocks are first written: `zeroed_tensor`).
 
         Each layer's keys and values share one allocation, laid out as `attention.py` describes.
         """
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            cache = torch.zeros(
-                2,
-                num_blocks,
-                attn.num_kv_heads,
-                self.block_size * attn.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
+            whole = (2, num_blocks, attn.num_kv_heads, self.block_size * attn.head_dim)
+            cache = zeroed_tensor(whole, self.dtype, self.device)
             shape = (num_blocks, attn.num_kv_heads)
             attn.key_cache = cache[0].view(*shape, attn.head_dim, self.block_size)
             attn.value_cache = cache[1].view(*shape, self.block_size, attn.head_dim)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from rankcast.config import EngineConfig
-from rankcast.engine.core import EngineCore
-from rankcast.model.source import ModelSource
 from rankcast.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -25,6 +23,9 @@ from rankcast.protocol import (
     LoRAAdapterInfo,
     SchedulerStats,
 )
+
+if TYPE_CHECKING:
+    from rankcast.model.source import ModelSource
 
 _T = TypeVar("_T")
 
@@ -132,6 +133,10 @@ class InprocClient(EngineCoreClient):
     CLIENT_INDEX = 0
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        # Imported here: the engine core brings the model and torch, which the API servers that
+        # import this module for the process clients never use.
+        from rankcast.engine.core import EngineCore
+
         self.core = EngineCore(config, source)
         try:
             ready = self.core.ready_info(self.CLIENT_INDEX, ClientHello(PROTOCOL_VERSION, 0))

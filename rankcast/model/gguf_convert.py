@@ -13,15 +13,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
-from safetensors.torch import save_file
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Any
 
 from rankcast import envs
 from rankcast.errors import ModelFormatError
+
+if TYPE_CHECKING:
+    # Imported where a conversion runs: a warm start only checks the cache, and the launcher
+    # and API servers that resolve the model never load torch for it.
+    import numpy as np
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,10 @@ def _read_config(reader: Any, path: Path, tensor_names: set[str]) -> dict[str, A
 def _dequantize(
     reader: Any, path: Path, arch: str, heads: dict[str, int]
 ) -> dict[str, torch.Tensor]:
+    import numpy as np
+    import torch
     from gguf.quants import dequantize
+    from tqdm import tqdm
 
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(
@@ -210,6 +214,8 @@ def convert_gguf(path: Path) -> Path:
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         _write_tokenizer(path, staging)
+        from safetensors.torch import save_file
+
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         try:
             os.rename(staging, out_dir)

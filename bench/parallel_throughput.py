@@ -14,10 +14,15 @@ import argparse
 import json
 import multiprocessing
 import os
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.workload import describe, machine_info  # noqa: E402
+
 WORKLOAD = ROOT / "bench" / "prompts.json"
 
 
@@ -69,14 +74,16 @@ def main() -> None:
     total = sum(p["tokens"] for p in parts.values())
     wall = max(p["seconds"] for p in parts.values())
     rows.append({"layout": "DP=2", "tokens_per_s": total / wall, "tokens": total, "seconds": wall})
-    print(f"\nSmolLM2-135M, 32 prompts x {tokens} tokens, greedy, ignore_eos, 2 cores\n")
+    machine = machine_info()
+    print(f"\nSmolLM2-135M, 32 prompts x {tokens} tokens, greedy, ignore_eos, dtype auto")
+    print(f"{describe(machine)}\n")
     print(f"{'layout':<8}{'tok/s':>9}{'vs TP=1':>9}")
     base = rows[0]["tokens_per_s"]
     for row in rows:
         print(f"{row['layout']:<8}{row['tokens_per_s']:>9.1f}{row['tokens_per_s'] / base:>9.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows}, indent=2))
+    out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
     print(f"\nwrote {out}")
 
 

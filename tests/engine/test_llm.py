@@ -37,24 +37,31 @@ def test_default_model_answers_paris() -> None:
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_batch_equals_each_prompt_alone(smollm_fp32: LLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    batched = smollm_fp32.generate(BATCH_PROMPTS, params)
+GREEDY_40 = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(smollm_fp32: LLM) -> list[list[int]]:
+    """Each batch prompt's greedy tokens, generated alone (the batch tests' reference; made
+    once: 16 single-stream runs are most of those tests' time)."""
+    return [smollm_fp32.generate([p], GREEDY_40)[0].outputs[0].token_ids for p in BATCH_PROMPTS]
+
+
+def test_batch_equals_each_prompt_alone(smollm_fp32: LLM, alone: list[list[int]]) -> None:
+    batched = smollm_fp32.generate(BATCH_PROMPTS, GREEDY_40)
     assert len(batched) == 16
-    for prompt, out in zip(BATCH_PROMPTS, batched, strict=True):
-        alone = smollm_fp32.generate([prompt], params)[0]
-        assert out.outputs[0].token_ids == alone.outputs[0].token_ids, prompt
+    for prompt, out, want in zip(BATCH_PROMPTS, batched, alone, strict=True):
+        assert out.outputs[0].token_ids == want, prompt
         assert out.prompt == prompt
 
 
-def test_batch_equals_alone_under_preemption() -> None:
-    """A KV budget far below the batch's needs forces recompute preemption; tokens stay."""
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+def test_batch_equals_alone_under_preemption(alone: list[list[int]]) -> None:
+    """A KV budget far below the batch's needs forces recompute preemption; tokens stay (the
+    same as each prompt alone on an engine with room to spare)."""
     with LLM(dtype="float32", num_blocks=24, block_size=16, max_model_len=256) as llm:
-        alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in BATCH_PROMPTS]
         core = llm.engine.client.core
         before = core.scheduler.num_preemptions
-        batched = llm.generate(BATCH_PROMPTS, params)
+        batched = llm.generate(BATCH_PROMPTS, GREEDY_40)
         assert core.scheduler.num_preemptions > before, "the budget should have forced preemption"
     assert [o.outputs[0].token_ids for o in batched] == alone
 

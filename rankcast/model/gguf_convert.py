@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -179,16 +181,54 @@ def _write_tokenizer(path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def open_gguf(path: Path) -> Any:
-    """Open a GGUF file, turning the library's low-level failures into a message naming it."""
-    from gguf import GGUFReader
+class _TokenizerWriter:
+    """`_write_tokenizer` in a process of its own (`python -m rankcast.model.gguf_convert`).
 
+    transformers' converter imports transformers and parses the whole GGUF file again, which
+    costs about as much as dequantizing the weights; run beside the dequantization it takes the
+    other core (cold start on a 2-core Zen 3: ~22 s -> ~15 s). A plain subprocess, not
+    multiprocessing: a user's script without a `__main__` guard must not be run again."""
+
+    def __init__(self, path: Path, out_dir: Path) -> None:
+        self.path = path
+        # Kept open while the child runs (closed in close()); a file, not a pipe nobody reads.
+        self.errors = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        command = [sys.executable, "-m", __name__, str(path), str(out_dir)]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.errors
+        )
+
+    def wait(self) -> None:
+        """Until the files are written; ModelFormatError with the child's last line if not."""
+        if self.process.wait() == 0:
+            return
+        self.errors.seek(0)
+        last = (self.errors.read().strip().splitlines() or ["no message"])[-1]
+        if last.startswith(str(self.path)):  # the child's own ModelFormatError
+            raise ModelFormatError(last)
+        raise ModelFormatError(f"{self.path}: tokenizer metadata cannot be read ({last})")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.errors.close()
+
+
+def _check_magic(path: Path) -> None:
     if not path.is_file():
         raise ModelFormatError(f"{path}: model file not found")
     with path.open("rb") as handle:
         magic = handle.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+
+
+def open_gguf(path: Path) -> Any:
+    """Open a GGUF file, turning the library's low-level failures into a message naming it."""
+    from gguf import GGUFReader
+
+    _check_magic(path)
     try:
         return GGUFReader(str(path))
     except Exception as exc:
@@ -202,21 +242,24 @@ def convert_gguf(path: Path) -> Path:
     out_dir = cached_model_dir(path)
     if (out_dir / "model.safetensors").is_file():
         return out_dir
-    reader = open_gguf(path)
-    tensor_names = {t.name for t in reader.tensors}
-    config = _read_config(reader, path, tensor_names)
-    arch = config["model_type"]
-    heads = {"q": config["num_attention_heads"], "kv": config["num_key_value_heads"]}
-    logger.info("converting %s to float32 safetensors in %s (once)", path, out_dir)
-    tensors = _dequantize(reader, path, arch, heads)
+    _check_magic(path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir.parent))
+    # Started first: the tokenizer's process takes as long as everything below.
+    tokenizer = _TokenizerWriter(path, staging)
     try:
+        reader = open_gguf(path)
+        tensor_names = {t.name for t in reader.tensors}
+        config = _read_config(reader, path, tensor_names)
+        arch = config["model_type"]
+        heads = {"q": config["num_attention_heads"], "kv": config["num_key_value_heads"]}
+        logger.info("converting %s to float32 safetensors in %s (once)", path, out_dir)
+        tensors = _dequantize(reader, path, arch, heads)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
-        _write_tokenizer(path, staging)
         from safetensors.torch import save_file
 
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.wait()
         try:
             os.rename(staging, out_dir)
         except OSError:
@@ -224,5 +267,15 @@ def convert_gguf(path: Path) -> Path:
             if not (out_dir / "model.safetensors").is_file():
                 raise
     finally:
+        tokenizer.close()
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+if __name__ == "__main__":
+    # `_TokenizerWriter`'s child: GGUF path, output directory.
+    try:
+        _write_tokenizer(Path(sys.argv[1]), Path(sys.argv[2]))
+    except ModelFormatError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(1)

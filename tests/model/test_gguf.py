@@ -128,3 +128,34 @@ def test_hf_directory_errors_name_the_file(tmp_path: Path, tiny_llama_dir: Path)
     config.write_text(config.read_text().replace("LlamaForCausalLM", "MambaForCausalLM"))
     with pytest.raises(ModelFormatError, match=r"architecture 'MambaForCausalLM' is not supported"):
         LLM(str(unsupported), kv_cache_space_gib=0.05)
+
+
+def test_a_gguf_whose_tokenizer_cannot_be_rebuilt_is_an_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer is rebuilt in a process of its own beside the dequantization; its failure
+    still names the file, and no half-written cache is left."""
+    import gguf
+
+    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "odd-tokenizer.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_block_count(1)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("no-such-tokenizer-kind")
+    writer.add_token_list(["a", "b", "c", "d"])
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        ModelFormatError, match=r"odd-tokenizer\.gguf: tokenizer metadata cannot be read"
+    ):
+        convert_gguf(path)
+    assert not any((tmp_path / "cache").rglob("*.safetensors")), "no partial cache left behind"

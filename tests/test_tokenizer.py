@@ -25,20 +25,13 @@ from hypothesis import strategies as st
 
 from rankcast.errors import ModelFormatError
 from rankcast.tokenizer import ModelTokenizer, apply_chat_template, load_tokenizer
+from tests.test_tokenizer_rust import CORPUS
 
 REPO = Path(__file__).resolve().parent.parent
 
-TEXTS = [
-    "",
-    "Hello, world!",
-    "  leading and trailing  ",
-    "tabs\tand\nnewlines\n\n",
-    "emoji 😀 👩‍👩‍👧‍👦 🇫🇷 and 中文 and e\u0301",
-    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-    "text<|im_end|>text<|endoftext|>",
-    "digits 1234567890 and 3.14159",
-    "Hello , world . It 's done",
-]
+# The Rust tokenizer's corpus (unicode, emoji, whitespace runs, digits, special tokens) and a
+# text that transformers' space clean-up would change.
+TEXTS = [*CORPUS, "Hello , world . It 's done"]
 
 # Conversations with what OpenAI clients send: None values beside tool calls, extra keys,
 # reasoning under its three names, non-ASCII and HTML-significant characters.

@@ -71,3 +71,17 @@ def test_the_bf16_kernel_is_there_on_avx2_and_avx512_bf16_cpus() -> None:
     avx2 = bool(torch.cpu._is_avx2_supported())
     expected = avx512_bf16 or (avx2 and not avx512)
     assert platform.packed_bf16_kernel() == expected
+
+
+def test_adapters_compute_in_float32_where_half_precision_matmuls_are_emulated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: False)
+    assert platform.lora_compute_dtype(torch.bfloat16, cpu) == torch.float32
+    assert platform.lora_compute_dtype(torch.float16, cpu) == torch.float32
+    assert platform.lora_compute_dtype(torch.float32, cpu) == torch.float32
+    assert platform.lora_compute_dtype(torch.bfloat16, cuda) == torch.bfloat16
+    monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: True)
+    assert platform.lora_compute_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    assert platform.lora_compute_dtype(torch.float16, cpu) == torch.float32

@@ -1,12 +1,18 @@
 """Batched multi-LoRA on the tensor-parallel projections, without merging weights.
 
-Each LoRA-enabled projection holds `max_loras` adapter slots: per sub-projection (q, k, v of a
-fused QKV; gate, up of a fused gate/up; or the one output of o/down), every slot's A stacked as
-[slots * r, in] and B (transposed, scaling folded in) as [slots * r, out], empty slots zero. A
-step computes `x A^T` for all slots at once, masks each token's row to its own slot's columns,
-and multiplies by B: two matmuls per projection whatever the mix of adapters in the batch.
+Each LoRA-enabled projection holds `max_loras` adapter slots. Its sub-projections (q, k, v of a
+fused QKV; gate, up of a fused gate/up; or the one output of o/down) stack every slot's A in one
+matrix, sub-projection by sub-projection, as [subs * slots * r, in]; each sub-projection keeps
+its own B (transposed, scaling folded in) as [slots * r, out]; empty slots are zero. A step
+computes `x A^T` for every sub-projection and slot in one matmul, masks each token's row to its
+own slot's columns, and multiplies each sub-projection's part by its B: one shrink and one
+expand per sub-projection whatever the mix of adapters in the batch.
 Row-parallel projections add their partial delta before the all-reduce, which then sums it with
 the partial outputs, so no extra collective is needed.
+
+The adapters compute in `lora_compute_dtype` (rankcast/platform.py): the model's dtype, except
+bfloat16/float16 models on CPUs without native bfloat16 matmuls (AVX2 only), where torch
+emulates half-precision matmuls (~8x float32's time for these shapes) and the slots are float32.
 
 Each layer cuts its own shard from the whole adapter the way its `weight_loader` cuts the base
 weight (including KV heads replicated across ranks), so the adapter file is read once per rank
@@ -21,42 +27,52 @@ from typing import TYPE_CHECKING
 import torch
 
 from rankcast.lora.peft_adapter import LoRAAdapter
+from rankcast.platform import lora_compute_dtype
 
 if TYPE_CHECKING:
     from rankcast.model.llama import LlamaForCausalLM
+
+
+# The most sub-projections one layer fuses (q, k, v): the batch mask covers that many.
+MAX_SUBS = 3
 
 
 @dataclass(frozen=True)
 class LoRABatch:
     """Which adapter slot each token of a step uses, as a mask over the stacked adapters.
 
-    `mask[t, s * max_rank + j]` is 1 when token t uses slot s, so one pair of matmuls against
-    all slots at once, masked, applies every token's own adapter: far fewer, larger matmuls
-    than one pair per adapter group. Tokens without an adapter have an all-zero row.
+    `mask[t, c]` is 1 when token t uses the slot column c belongs to (`LoRAContext.column_slots`),
+    so one shrink against all slots at once, masked, applies every token's own adapter: far
+    fewer, larger matmuls than one pair per adapter group. Tokens without an adapter have an
+    all-zero row.
     """
 
-    mask: torch.Tensor  # [tokens, max_loras * max_rank]
+    mask: torch.Tensor  # [tokens, MAX_SUBS * max_loras * max_rank]
 
     @classmethod
-    def from_token_slots(
-        cls, slots: list[int], column_slots: torch.Tensor, dtype: torch.dtype
-    ) -> LoRABatch | None:
-        """`column_slots[c]`: the slot stacked column c belongs to (see LoRAContext)."""
+    def from_token_slots(cls, slots: list[int], context: LoRAContext) -> LoRABatch | None:
         if all(slot < 0 for slot in slots):
             return None
-        token_slots = torch.tensor(slots, dtype=torch.long, device=column_slots.device)
-        return cls((token_slots[:, None] == column_slots[None, :]).to(dtype))
+        columns = context.column_slots
+        token_slots = torch.tensor(slots, dtype=torch.long, device=columns.device)
+        return cls((token_slots[:, None] == columns[None, :]).to(context.dtype))
 
 
 class LoRAContext:
     """The current step's `LoRABatch`, shared by every LoRA layer of one model; the model runner
-    sets it before the forward pass."""
+    sets it before the forward pass. `dtype` is what the adapters compute in."""
 
-    def __init__(self, max_loras: int, max_rank: int, device: torch.device) -> None:
+    def __init__(
+        self, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
-        # Which slot each stacked rank column belongs to: fixed, so built once, not per step.
-        self.column_slots = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
+        self.device = device
+        self.dtype = dtype
+        # The slot each stacked rank column belongs to, for each sub-projection in turn (a layer
+        # with n sub-projections uses the first n): fixed, so built once, not per step.
+        per_sub = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
+        self.column_slots = per_sub.repeat(MAX_SUBS)
         self.batch: LoRABatch | None = None
 
 
@@ -77,29 +93,26 @@ class SubProjection:
 
 
 class LoRALinear:
-    def __init__(
-        self,
-        context: LoRAContext,
-        subs: list[SubProjection],
-        in_size: int,
-        max_loras: int,
-        max_rank: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, context: LoRAContext, subs: list[SubProjection], in_size: int) -> None:
+        if not 1 <= len(subs) <= MAX_SUBS:
+            raise ValueError(f"a LoRA layer has 1 to {MAX_SUBS} sub-projections, not {len(subs)}")
         self.context = context
         self.subs = subs
         self.in_size = in_size
-        # A as [slots * rank, in] and B transposed as [slots * rank, out]: all slots in one matmul.
-        self.a = [
-            torch.zeros(max_loras * max_rank, in_size, dtype=dtype, device=device) for _ in subs
-        ]
+        self.max_rank = context.max_rank
+        self.columns = context.max_loras * context.max_rank  # per sub-projection
+        dtype, device = context.dtype, context.device
+        # Every sub-projection's A in one [subs * slots * rank, in] matrix: one shrink matmul.
+        self.a = torch.zeros(len(subs) * self.columns, in_size, dtype=dtype, device=device)
+        # B transposed, per sub-projection: [slots * rank, out].
         self.b = [
-            torch.zeros(max_loras * max_rank, sub.out_size, dtype=dtype, device=device)
-            for sub in subs
+            torch.zeros(self.columns, sub.out_size, dtype=dtype, device=device) for sub in subs
         ]
-        self.max_rank = max_rank
         self.active = [set[int]() for _ in subs]
+
+    def _rows(self, sub: int, slot: int) -> slice:
+        first = sub * self.columns + slot * self.max_rank
+        return slice(first, first + self.max_rank)
 
     def set_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         """Write this layer's shard of `adapter` into `slot` (modules it does not target: zero)."""
@@ -114,27 +127,28 @@ class LoRALinear:
             else:
                 a = a.narrow(1, sub.in_shard * self.in_size, self.in_size)
             rank, first = a.shape[0], slot * self.max_rank
-            self.a[i][first : first + rank].copy_(a)
+            self.a[self._rows(i, slot)][:rank].copy_(a)
             self.b[i][first : first + rank].copy_(b.T)
             self.active[i].add(slot)
 
     def clear_slot(self, slot: int) -> None:
         first = slot * self.max_rank
         for i in range(len(self.subs)):
-            self.a[i][first : first + self.max_rank].zero_()
+            self.a[self._rows(i, slot)].zero_()
             self.b[i][first : first + self.max_rank].zero_()
             self.active[i].discard(slot)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add every token's own adapter delta to its row of `out` (in place)."""
         batch = self.context.batch
-        if batch is None:
+        if batch is None or not any(self.active):
             return
+        mask = batch.mask.narrow(1, 0, self.a.shape[0])
+        shrunk = (x.to(self.a.dtype) @ self.a.T).mul_(mask)
         for i, sub in enumerate(self.subs):
-            if not self.active[i]:
-                continue
-            delta = ((x @ self.a[i].T) * batch.mask) @ self.b[i]
-            out.narrow(1, sub.out_offset, sub.out_size).add_(delta)
+            if self.active[i]:
+                delta = shrunk.narrow(1, i * self.columns, self.columns) @ self.b[i]
+                out.narrow(1, sub.out_offset, sub.out_size).add_(delta)
 
 
 def attach_lora(
@@ -146,8 +160,8 @@ def attach_lora(
     """
     tp = model.tp
     param = next(model.parameters())
-    dtype, device = param.dtype, param.device
-    context = LoRAContext(max_loras, max_rank, device)
+    device = param.device
+    context = LoRAContext(max_loras, max_rank, device, lora_compute_dtype(param.dtype, device))
     per_layer: dict[int, list[LoRALinear]] = {}
     indices = range(model.start_layer, model.end_layer)
     for index, layer in zip(indices, model.decoder_layers(), strict=True):
@@ -159,7 +173,7 @@ def attach_lora(
         o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
 
         def make(subs: list[SubProjection], in_size: int) -> LoRALinear:
-            return LoRALinear(context, subs, in_size, max_loras, max_rank, dtype, device)
+            return LoRALinear(context, subs, in_size)
 
         qkv.lora = make(
             [

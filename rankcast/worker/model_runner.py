@@ -166,9 +166,7 @@ class ModelRunner:
         context = self.lora_context
         if context is not None:
             token_slots = [s.lora_slot for s in batch.sequences for _ in s.token_ids]
-            context.batch = LoRABatch.from_token_slots(
-                token_slots, context.column_slots, self.dtype
-            )
+            context.batch = LoRABatch.from_token_slots(token_slots, context)
         return ids, meta
 
     @torch.inference_mode()

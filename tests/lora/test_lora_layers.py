@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from rankcast import platform
 from rankcast.lora.peft_adapter import load_peft_adapter
 from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
@@ -88,6 +90,49 @@ def test_a_mixed_batch_matches_each_adapter_alone(
     torch.testing.assert_close(again[0], base, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["emulated-bf16", "native-bf16"])
+def test_a_bfloat16_model_runs_its_adapters_in_the_platforms_compute_dtype(
+    tiny_llama_dir: Path,
+    mixed_adapters: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+    native_bf16: bool,
+) -> None:
+    """Where bfloat16 matmuls are emulated (AVX2 only) the slots are float32, the layer's input
+    is cast once and the delta rounded once into the bfloat16 output; either way a mixed batch
+    gives each sequence its own adapter's logits, to bfloat16's precision."""
+    monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: native_bf16)
+    arch = ArchConfig.from_model_dir(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, arch, torch.bfloat16, torch.device("cpu"))
+    runner = ModelRunner(model, arch, 4, torch.device("cpu"), torch.bfloat16)
+    runner.initialize_cache(64)
+    runner.enable_lora(max_loras=4, max_rank=8)
+    want_dtype = torch.bfloat16 if native_bf16 else torch.float32
+    assert runner.lora_context is not None and runner.lora_context.dtype == want_dtype
+    for projections in runner.lora_layers.values():
+        for projection in projections:
+            assert projection.a.dtype == want_dtype
+            assert all(b.dtype == want_dtype for b in projection.b)
+    for slot, path in enumerate(mixed_adapters):
+        runner.set_lora(slot, load_peft_adapter(path.name, path, arch, max_lora_rank=8))
+    prompts = [[5, 17, 300, 41], [9, 8, 7], [100, 200, 300, 400, 500]]
+    slots = [0, 2, -1]
+    batch = SchedulerOutput(
+        [
+            ScheduledSequence(f"r{i}", p, 0, [2 * i, 2 * i + 1], lora_slot=s)
+            for i, (p, s) in enumerate(zip(prompts, slots, strict=True))
+        ]
+    )
+    got = runner.compute_logits(batch)
+    assert got is not None
+    for row, prompt, slot in zip(got, prompts, slots, strict=True):
+        adapter = mixed_adapters[slot] if slot >= 0 else None
+        want = _reference_logits(tiny_llama_dir, adapter, prompt)
+        torch.testing.assert_close(row.float(), want, atol=0.05, rtol=0.05)
+        if slot >= 0:
+            base = _reference_logits(tiny_llama_dir, None, prompt)
+            assert (row.float() - base).abs().max() > 0.1, "the adapter changed the output"
+
+
 def test_tensor_parallel_slots_add_up_to_the_whole_delta(
     mixed_adapters: list[Path], tiny_llama_dir: Path
 ) -> None:
@@ -97,12 +142,12 @@ def test_tensor_parallel_slots_add_up_to_the_whole_delta(
 
     arch = ArchConfig.from_model_dir(tiny_llama_dir)
     adapter = load_peft_adapter("a", mixed_adapters[0], arch, max_lora_rank=8)
-    context = LoRAContext(1, 8, torch.device("cpu"))
-    context.batch = LoRABatch.from_token_slots([0, 0, 0], context.column_slots, torch.float32)
+    context = LoRAContext(1, 8, torch.device("cpu"), torch.float32)
+    context.batch = LoRABatch.from_token_slots([0, 0, 0], context)
     hidden, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
 
     def linear(subs: list[SubProjection], in_size: int) -> LoRALinear:
-        layer = LoRALinear(context, subs, in_size, 1, 8, torch.float32, torch.device("cpu"))
+        layer = LoRALinear(context, subs, in_size)
         layer.set_slot(0, adapter, 0)
         return layer
 

@@ -138,6 +138,9 @@ class LoRALinear:
             self.b[i][first : first + self.max_rank].zero_()
             self.active[i].discard(slot)
 
+    def adds_this_step(self) -> bool:
+        return self.context.batch is not None and any(self.active)
+
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add every token's own adapter delta to its row of `out` (in place)."""
         batch = self.context.batch

@@ -26,6 +26,11 @@ class LinearDelta(Protocol):
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
+    def adds_this_step(self) -> bool:
+        """Whether `add_to` changes anything in the current step (some token uses an adapter
+        this projection holds): when none does, the model may take a path without adapters."""
+        ...
+
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:

@@ -18,6 +18,7 @@ from rankcast.model import ops
 from rankcast.model.arch import ArchConfig
 from rankcast.model.attention import AttentionMetadata, PagedAttention
 from rankcast.model.layers import (
+    LinearDelta,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -134,6 +135,9 @@ class LlamaForCausalLM(nn.Module):
         # This stage's layers as one C++ call where it can run them (fuse_layers): a
         # torch.classes.rankcast.DecoderStack.
         self.fused_layers: Any = None
+        # Adapter slots on this stage's projections: a step where any of them adds a delta runs
+        # the module path (the C++ stack has no LoRA); steps without adapters run the stack.
+        self.fused_bypass: list[LinearDelta] = []
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's layers, in order."""
@@ -145,9 +149,11 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_layers(self) -> bool:
         """Hand this stage's layers to the C++ decoder stack, where it can run them all: one
-        rank (no all-reduce between layers), no LoRA, rankcast's packed linears, caches set.
+        rank (no all-reduce between layers), rankcast's packed linears, caches set; with LoRA
+        slots attached, only for steps where no adapter applies.
         Returns whether it could; the module path stays in use for everything else."""
         self.fused_layers = None
+        self.fused_bypass = []
         layers = self.decoder_layers()
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
             return False
@@ -156,8 +162,9 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             group = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             packed = [p.packed_weight for p in group]
-            if attn.attn.key_cache is None or any(p.lora is not None for p in group):
+            if attn.attn.key_cache is None:
                 return False
+            self.fused_bypass.extend(p.lora for p in group if p.lora is not None)
             ready = [w for w in packed if w is not None and w.backend == "rankcast"]
             if len(ready) != len(group):
                 return False
@@ -206,7 +213,9 @@ class LlamaForCausalLM(nn.Module):
             assert intermediate is not None
             hidden, residual = intermediate
         meta.cos_sin = self.rope.cos_sin
-        if self.fused_layers is not None:
+        if self.fused_layers is not None and not any(
+            delta.adds_this_step() for delta in self.fused_bypass
+        ):
             hidden, residual = self.fused_layers.forward(
                 hidden,
                 residual,

@@ -76,7 +76,7 @@ class ModelRunner:
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Give the projections `max_loras` adapter slots (done once, before serving)."""
         self.lora_context, self.lora_layers = attach_lora(self.model, max_loras, max_rank)
-        self.model.fuse_layers()  # adapters need the module path
+        self.model.fuse_layers()  # again: steps with adapters must leave the stack
 
     def set_lora(self, slot: int, adapter: LoRAAdapter) -> None:
         """Write `adapter` (whole; each layer cuts its own shard) into `slot` on this rank."""

@@ -4,6 +4,7 @@ each sequence the logits transformers + peft give it alone."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
+from tests.model.test_llama_logits import decoder_stack_expected
 
 
 def _runner(model_dir: Path) -> ModelRunner:
@@ -88,6 +90,51 @@ def test_a_mixed_batch_matches_each_adapter_alone(
         SchedulerOutput([ScheduledSequence("x", prompts[0], 0, [8, 9], lora_slot=0)])
     )
     torch.testing.assert_close(again[0], base, atol=1e-4, rtol=0)
+
+
+class _CountingStack:
+    """Wraps the model's C++ decoder stack to count the steps it ran (the stack itself runs)."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack = stack
+        self.calls = 0
+
+    def forward(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
+def test_steps_without_an_adapter_keep_the_fused_decoder_stack(
+    tiny_llama_dir: Path, mixed_adapters: list[Path]
+) -> None:
+    """Enabling LoRA keeps the C++ stack for steps where no token uses a loaded adapter; a step
+    with one takes the module path, where the adapters are."""
+    runner = _runner(tiny_llama_dir)
+    assert (runner.model.fused_layers is not None) == decoder_stack_expected(torch.float32)
+    if runner.model.fused_layers is None:
+        pytest.skip("the C++ decoder stack does not run on this CPU")
+    stack = _CountingStack(runner.model.fused_layers)
+    runner.model.fused_layers = stack
+    prompt = [5, 17, 300, 41]
+
+    def step(slot: int) -> torch.Tensor:
+        batch = SchedulerOutput([ScheduledSequence("x", prompt, 0, [0], lora_slot=slot)])
+        logits = runner.compute_logits(batch)
+        assert logits is not None
+        return logits[0]
+
+    base = _reference_logits(tiny_llama_dir, None, prompt)
+    torch.testing.assert_close(step(-1), base, atol=1e-4, rtol=0)
+    assert stack.calls == 1
+    # A slot that holds nothing yet adds nothing: still the stack.
+    torch.testing.assert_close(step(1), base, atol=1e-4, rtol=0)
+    assert stack.calls == 2
+    runner.set_lora(1, load_peft_adapter("a", mixed_adapters[0], runner.arch, max_lora_rank=8))
+    want = _reference_logits(tiny_llama_dir, mixed_adapters[0], prompt)
+    torch.testing.assert_close(step(1), want, atol=1e-4, rtol=0)
+    assert stack.calls == 2
+    torch.testing.assert_close(step(-1), base, atol=1e-4, rtol=0)
+    assert stack.calls == 3
 
 
 @pytest.mark.parametrize("native_bf16", [False, True], ids=["emulated-bf16", "native-bf16"])

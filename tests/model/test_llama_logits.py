@@ -40,7 +40,7 @@ def _runner(model_dir: Path, block_size: int = 4, num_blocks: int = 64) -> Model
     return runner
 
 
-def _stack_expected(dtype: torch.dtype) -> bool:
+def decoder_stack_expected(dtype: torch.dtype) -> bool:
     """The C++ decoder stack runs where the kernels are built with a packed linear for dtype
     (AVX-512; AVX512-BF16 for bfloat16) and the CPU has no AMX (oneDNN's tiles win there)."""
     amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
@@ -61,7 +61,7 @@ def test_prefill_and_decode_logits_match_transformers(
     """Decode steps run the C++ decoder stack when it is built, or the modules; both match."""
     model_dir = write_tiny_model(tmp_path / variant, vocab_size=256, seed=3, **VARIANTS[variant])
     runner = _runner(model_dir)
-    assert (runner.model.fused_layers is not None) == _stack_expected(torch.float32)
+    assert (runner.model.fused_layers is not None) == decoder_stack_expected(torch.float32)
     if not fused:
         runner.model.fused_layers = None
     reference = _reference(model_dir)
@@ -126,7 +126,7 @@ def test_bfloat16_decode_through_fused_layers_matches_the_modules(tmp_path: Path
     model = load_model(model_dir, arch, torch.bfloat16, torch.device("cpu"))
     runner = ModelRunner(model, arch, 16, torch.device("cpu"), torch.bfloat16)
     runner.initialize_cache(16)
-    if not _stack_expected(torch.bfloat16):
+    if not decoder_stack_expected(torch.bfloat16):
         pytest.skip("the C++ decoder stack needs the kernels' bfloat16 packed linear")
     prompts = [[5, 9, 200, 31, 7], list(range(40, 61))]
     tables = [[3, 8], [0, 12]]

@@ -3,16 +3,18 @@
 Each LoRA-enabled projection holds `max_loras` adapter slots. Its sub-projections (q, k, v of a
 fused QKV; gate, up of a fused gate/up; or the one output of o/down) stack every slot's A in one
 matrix, sub-projection by sub-projection, as [subs * slots * r, in]; each sub-projection keeps
-its own B (transposed, scaling folded in) as [slots * r, out]; empty slots are zero. A step
-computes `x A^T` for every sub-projection and slot in one matmul, masks each token's row to its
-own slot's columns, and multiplies each sub-projection's part by its B: one shrink and one
-expand per sub-projection whatever the mix of adapters in the batch.
+its own B (transposed, scaling folded in) as [slots * r, out]; empty slots are zero.
+
+Two ways to apply them, the same result:
+- on the CPU with rankcast's kernels built (csrc/lora.cpp), each token reads only its own
+  slot's rows of A and B and adds its delta in one pass (float32 slots): the work is the
+  tokens' own adapters, whatever the number of slots;
+- elsewhere (CUDA, float16, no kernels), torch: `x A^T` for every sub-projection and slot in one
+  matmul, each token's row masked to its own slot's columns, each sub-projection's part times
+  its B. It computes in `lora_compute_dtype` (rankcast/platform.py): the model's dtype, except
+  half precision on CPUs without native bfloat16 matmuls, where torch emulates them.
 Row-parallel projections add their partial delta before the all-reduce, which then sums it with
 the partial outputs, so no extra collective is needed.
-
-The adapters compute in `lora_compute_dtype` (rankcast/platform.py): the model's dtype, except
-bfloat16/float16 models on CPUs without native bfloat16 matmuls (AVX2 only), where torch
-emulates half-precision matmuls (~8x float32's time for these shapes) and the slots are float32.
 
 Each layer cuts its own shard from the whole adapter the way its `weight_loader` cuts the base
 weight (including KV heads replicated across ranks), so the adapter file is read once per rank
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rankcast.lora.peft_adapter import LoRAAdapter
+from rankcast.model import ops
 from rankcast.platform import lora_compute_dtype
 
 if TYPE_CHECKING:
@@ -39,15 +42,17 @@ MAX_SUBS = 3
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """Which adapter slot each token of a step uses, as a mask over the stacked adapters.
+    """Which adapter slot each token of a step uses.
 
-    `mask[t, c]` is 1 when token t uses the slot column c belongs to (`LoRAContext.column_slots`),
-    so one shrink against all slots at once, masked, applies every token's own adapter: far
-    fewer, larger matmuls than one pair per adapter group. Tokens without an adapter have an
-    all-zero row.
+    `token_slots[t]` is token t's slot (-1: none), what the CPU kernel reads. The torch path
+    reads `mask`: `mask[t, c]` is 1 when token t uses the slot column c belongs to
+    (`LoRAContext.column_slots`), so one shrink against all slots at once, masked, applies every
+    token's own adapter: far fewer, larger matmuls than one pair per adapter group. Tokens
+    without an adapter have an all-zero row.
     """
 
-    mask: torch.Tensor  # [tokens, MAX_SUBS * max_loras * max_rank]
+    token_slots: torch.Tensor  # [tokens] int64
+    mask: torch.Tensor | None  # [tokens, MAX_SUBS * max_loras * max_rank]; None with the kernel
 
     @classmethod
     def from_token_slots(cls, slots: list[int], context: LoRAContext) -> LoRABatch | None:
@@ -55,20 +60,32 @@ class LoRABatch:
             return None
         columns = context.column_slots
         token_slots = torch.tensor(slots, dtype=torch.long, device=columns.device)
-        return cls((token_slots[:, None] == columns[None, :]).to(context.dtype))
+        if context.kernel:
+            return cls(token_slots, None)
+        return cls(token_slots, (token_slots[:, None] == columns[None, :]).to(context.dtype))
 
 
 class LoRAContext:
     """The current step's `LoRABatch`, shared by every LoRA layer of one model; the model runner
-    sets it before the forward pass. `dtype` is what the adapters compute in."""
+    sets it before the forward pass. `dtype` is what the adapters compute in; `kernel`: whether
+    rankcast's CPU kernel applies them (csrc/lora.cpp, float32 slots) instead of torch's
+    masked matmuls."""
 
     def __init__(
-        self, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype
+        self,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kernel: bool = False,
     ) -> None:
+        if kernel and dtype != torch.float32:
+            raise ValueError(f"the LoRA kernel computes in float32, not {dtype}")
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
+        self.kernel = kernel
         # The slot each stacked rank column belongs to, for each sub-projection in turn (a layer
         # with n sub-projections uses the first n): fixed, so built once, not per step.
         per_sub = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
@@ -109,6 +126,8 @@ class LoRALinear:
             torch.zeros(self.columns, sub.out_size, dtype=dtype, device=device) for sub in subs
         ]
         self.active = [set[int]() for _ in subs]
+        # The kernel's arguments: each sub-projection holding an adapter, as views of the above.
+        self.kernel_args: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = ([], [], [])
 
     def _rows(self, sub: int, slot: int) -> slice:
         first = sub * self.columns + slot * self.max_rank
@@ -130,6 +149,7 @@ class LoRALinear:
             self.a[self._rows(i, slot)][:rank].copy_(a)
             self.b[i][first : first + rank].copy_(b.T)
             self.active[i].add(slot)
+        self._update_kernel_args()
 
     def clear_slot(self, slot: int) -> None:
         first = slot * self.max_rank
@@ -137,6 +157,15 @@ class LoRALinear:
             self.a[self._rows(i, slot)].zero_()
             self.b[i][first : first + self.max_rank].zero_()
             self.active[i].discard(slot)
+        self._update_kernel_args()
+
+    def _update_kernel_args(self) -> None:
+        held = [i for i in range(len(self.subs)) if self.active[i]]
+        self.kernel_args = (
+            [self.a.narrow(0, i * self.columns, self.columns) for i in held],
+            [self.b[i] for i in held],
+            [self.subs[i].out_offset for i in held],
+        )
 
     def adds_this_step(self) -> bool:
         return self.context.batch is not None and any(self.active)
@@ -145,6 +174,10 @@ class LoRALinear:
         """Add every token's own adapter delta to its row of `out` (in place)."""
         batch = self.context.batch
         if batch is None or not any(self.active):
+            return
+        if batch.mask is None:  # the kernel's batch
+            a, b, offsets = self.kernel_args
+            torch.ops.rankcast.lora_add(out, x, batch.token_slots, a, b, offsets, self.max_rank)
             return
         mask = batch.mask.narrow(1, 0, self.a.shape[0])
         shrunk = (x.to(self.a.dtype) @ self.a.T).mul_(mask)
@@ -164,7 +197,10 @@ def attach_lora(
     tp = model.tp
     param = next(model.parameters())
     device = param.device
-    context = LoRAContext(max_loras, max_rank, device, lora_compute_dtype(param.dtype, device))
+    if ops.lora_kernel_applies(param):
+        context = LoRAContext(max_loras, max_rank, device, torch.float32, kernel=True)
+    else:
+        context = LoRAContext(max_loras, max_rank, device, lora_compute_dtype(param.dtype, device))
     per_layer: dict[int, list[LoRALinear]] = {}
     indices = range(model.start_layer, model.end_layer)
     for index, layer in zip(indices, model.decoder_layers(), strict=True):

@@ -77,6 +77,12 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     )
 
 
+def lora_kernel_applies(weight: torch.Tensor) -> bool:
+    """Whether LoRA deltas on a model with this parameter go through csrc/lora.cpp (the CPU,
+    float32 or bfloat16 activations, the kernels built) rather than torch's masked matmuls."""
+    return kernels.available(weight)
+
+
 def can_fuse_layers(attention: torch.nn.Module) -> bool:
     """Whether the C++ decoder stack can run layers shaped like this attention's: the kernels
     are built and take the cache's dtype, and the head size suits the attention kernel."""

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from rankcast import platform
+from rankcast import kernels, platform
 from rankcast.lora.peft_adapter import load_peft_adapter
+from rankcast.model import ops
 from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
@@ -38,10 +39,23 @@ def _reference_logits(model_dir: Path, adapter: Path | None, tokens: list[int]) 
         return model(torch.tensor([tokens])).logits[0, -1]
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def lora_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways adapters are applied: rankcast's CPU kernel (where it is built) and torch's
+    masked matmuls (CUDA, float16, no kernels)."""
+    if request.param == "kernel" and not kernels.load():
+        pytest.skip("the kernels are not built here")
+    if request.param == "torch":
+        monkeypatch.setattr(ops, "lora_kernel_applies", lambda weight: False)
+    return str(request.param)
+
+
 def test_a_mixed_batch_matches_each_adapter_alone(
-    tiny_llama_dir: Path, mixed_adapters: list[Path]
+    tiny_llama_dir: Path, mixed_adapters: list[Path], lora_path: str
 ) -> None:
     runner = _runner(tiny_llama_dir)
+    assert runner.lora_context is not None
+    assert runner.lora_context.kernel == (lora_path == "kernel")
     arch = runner.arch
     for slot, path in enumerate(mixed_adapters):
         runner.set_lora(slot, load_peft_adapter(path.name, path, arch, max_lora_rank=8))
@@ -143,17 +157,19 @@ def test_a_bfloat16_model_runs_its_adapters_in_the_platforms_compute_dtype(
     mixed_adapters: list[Path],
     monkeypatch: pytest.MonkeyPatch,
     native_bf16: bool,
+    lora_path: str,
 ) -> None:
-    """Where bfloat16 matmuls are emulated (AVX2 only) the slots are float32, the layer's input
-    is cast once and the delta rounded once into the bfloat16 output; either way a mixed batch
-    gives each sequence its own adapter's logits, to bfloat16's precision."""
+    """The kernel computes in float32. Without it, where bfloat16 matmuls are emulated (AVX2
+    only) the slots are float32 too, the layer's input cast once and the delta rounded once into
+    the bfloat16 output. Every way, a mixed batch gives each sequence its own adapter's logits,
+    to bfloat16's precision."""
     monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: native_bf16)
     arch = ArchConfig.from_model_dir(tiny_llama_dir)
     model = load_model(tiny_llama_dir, arch, torch.bfloat16, torch.device("cpu"))
     runner = ModelRunner(model, arch, 4, torch.device("cpu"), torch.bfloat16)
     runner.initialize_cache(64)
     runner.enable_lora(max_loras=4, max_rank=8)
-    want_dtype = torch.bfloat16 if native_bf16 else torch.float32
+    want_dtype = torch.bfloat16 if native_bf16 and lora_path == "torch" else torch.float32
     assert runner.lora_context is not None and runner.lora_context.dtype == want_dtype
     for projections in runner.lora_layers.values():
         for projection in projections:
@@ -181,7 +197,7 @@ def test_a_bfloat16_model_runs_its_adapters_in_the_platforms_compute_dtype(
 
 
 def test_tensor_parallel_slots_add_up_to_the_whole_delta(
-    mixed_adapters: list[Path], tiny_llama_dir: Path
+    mixed_adapters: list[Path], tiny_llama_dir: Path, lora_path: str
 ) -> None:
     """Column-parallel ranks produce their slices of the delta; row-parallel ranks' partial
     deltas sum (in the layer's all-reduce) to the whole."""
@@ -189,7 +205,8 @@ def test_tensor_parallel_slots_add_up_to_the_whole_delta(
 
     arch = ArchConfig.from_model_dir(tiny_llama_dir)
     adapter = load_peft_adapter("a", mixed_adapters[0], arch, max_lora_rank=8)
-    context = LoRAContext(1, 8, torch.device("cpu"), torch.float32)
+    kernel = lora_path == "kernel"
+    context = LoRAContext(1, 8, torch.device("cpu"), torch.float32, kernel=kernel)
     context.batch = LoRABatch.from_token_slots([0, 0, 0], context)
     hidden, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
 

@@ -8,6 +8,8 @@ after a cached prefix and whole prompts.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -262,3 +264,75 @@ def test_a_token_attends_bit_identically_alone_or_inside_a_prompt(dtype: torch.d
             [1],
         )
         assert torch.equal(alone[0], whole[position])
+
+
+def _lora_layer(kernel: bool, subs: list, in_size: int, adapters: list):
+    from rankcast.lora.layers import LoRAContext, LoRALinear
+
+    dtype = torch.float32 if kernel else torch.float64  # the reference in float64
+    context = LoRAContext(4, 8, torch.device("cpu"), dtype, kernel=kernel)
+    layer = LoRALinear(context, subs, in_size)
+    for slot, adapter in adapters:
+        layer.set_slot(slot, adapter, 0)
+    return context, layer
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_size", [576, 40])
+def test_the_lora_kernel_adds_each_tokens_own_adapter_as_the_masked_matmuls_do(
+    dtype: torch.dtype, in_size: int
+) -> None:
+    """csrc/lora.cpp against the torch path (masked matmuls over every slot, here in float64):
+    a fused projection of three sub-projections with widths that leave vector tails, adapters of
+    rank 8 and 3 (empty rank rows), one not targeting every sub-projection, an empty slot,
+    tokens without an adapter and an input whose rows are strided."""
+    if not kernels.load():
+        pytest.skip("kernel property")
+    from rankcast.lora.layers import LoRABatch, SubProjection
+    from rankcast.lora.peft_adapter import LoRAAdapter, LoRAWeights
+
+    gen = torch.Generator().manual_seed(3)
+    widths = {"q_proj": 48, "k_proj": 24, "v_proj": 8}
+    subs, offset = [], 0
+    for name, width in widths.items():
+        subs.append(SubProjection(name, offset, width))
+        offset += width
+
+    def adapter(rank: int, modules: list[str]) -> LoRAAdapter:
+        weights = {
+            (0, m): LoRAWeights(
+                torch.randn(rank, in_size, generator=gen),
+                torch.randn(widths[m], rank, generator=gen),
+            )
+            for m in modules
+        }
+        return LoRAAdapter("a", Path("."), rank, 0.5, weights)
+
+    adapters = [(0, adapter(8, list(widths))), (2, adapter(3, ["q_proj", "v_proj"]))]
+    slots = [0, -1, 2, 2, 0, 1, -1, 0, 2]  # slot 1 holds nothing
+    wide = torch.randn(len(slots), in_size + 5, generator=gen).to(dtype)
+    x = wide[:, :in_size]  # rows strided
+    base = torch.randn(len(slots), offset, generator=gen).to(dtype)
+    got = base.clone()
+    context, layer = _lora_layer(True, subs, in_size, adapters)
+    context.batch = LoRABatch.from_token_slots(slots, context)
+    layer.add_to(x, got)
+    want = base.double()
+    context, layer = _lora_layer(False, subs, in_size, adapters)
+    context.batch = LoRABatch.from_token_slots(slots, context)
+    layer.add_to(x.double(), want)
+    torch.testing.assert_close(got, want.to(dtype), **tolerance(dtype))
+    untouched = [t for t, s in enumerate(slots) if s in (-1, 1)]
+    assert torch.equal(got[untouched], base[untouched])
+    assert not torch.equal(got, base)
+
+
+def test_the_lora_kernel_refuses_a_slot_it_does_not_have() -> None:
+    if not kernels.load():
+        pytest.skip("kernel property")
+    a, b = torch.zeros(16, 40), torch.zeros(16, 24)
+    out, x = torch.zeros(2, 24), torch.zeros(2, 40)
+    with pytest.raises(RuntimeError, match="uses slot 2 of 2"):
+        torch.ops.rankcast.lora_add(out, x, torch.tensor([0, 2]), [a], [b], [0], 8)
+    with pytest.raises(RuntimeError, match="columns must lie inside out"):
+        torch.ops.rankcast.lora_add(out, x, torch.tensor([0, 1]), [a], [b], [4], 8)

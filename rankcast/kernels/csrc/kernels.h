@@ -19,6 +19,8 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask);
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& token_slots, at::TensorList a,
+              at::TensorList b, at::IntArrayRef out_offsets, int64_t rank);
 bool gemm_supported(at::ScalarType dtype);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,

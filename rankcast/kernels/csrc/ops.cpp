@@ -54,6 +54,9 @@ TORCH_LIBRARY(rankcast, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
+  m.def(
+      "lora_add(Tensor(a!) out, Tensor x, Tensor token_slots, Tensor[] a, Tensor[] b, "
+      "int[] out_offsets, int rank) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("packed_linear_supported(ScalarType dtype) -> bool", &gemm_supported);
@@ -69,6 +72,7 @@ TORCH_LIBRARY_IMPL(rankcast, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
+  m.impl("lora_add", &lora_add);
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
 }

@@ -34,6 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.serve import client_session, one_request, percentile  # noqa: E402
+from bench.workload import describe, machine_info  # noqa: E402
 
 WORKLOAD = ROOT / "bench" / "prompts.json"
 RESULTS = ROOT / "bench" / "results"
@@ -288,7 +289,14 @@ def main() -> None:
     tokens = int(data["output_tokens"])
     count = 20 if args.part != "overhead" else 4
     adapters = make_adapters(resolve_model(None).model_dir, RESULTS / "adapters", count, 8)
-    results: dict[str, Any] = {}
+    import torch
+
+    from rankcast.platform import resolve_dtype
+
+    machine = machine_info()
+    dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    print(f"{describe(machine)}; dtype auto = {dtype}\n")
+    results: dict[str, Any] = {"machine": machine, "dtype": dtype}
     if args.part in ("overhead", "all"):
         results["overhead"] = overhead_part(adapters, chats, tokens)
     if args.part in ("zipf", "all"):

@@ -7,18 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from rankcast.model.arch import ModelFormatError
 from rankcast.model.gguf_convert import cache_key, convert_gguf, hf_tensor_name, undo_rope_permute
 from rankcast.model.source import resolve_model
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-]
+from tests.model.gguf_reference import NEW_TOKENS, PROMPTS, reference_continuations
 
 
 def test_undo_rope_permute_inverts_llama_cpp_layout() -> None:
@@ -55,26 +48,18 @@ def test_embedded_model_config_comes_from_gguf_metadata(embedded_model_dir: Path
 
 
 def test_greedy_continuations_match_transformers_generate(smollm_fp32, embedded_gguf: Path) -> None:
-    """64 greedy tokens of 4 prompts, token for token, against transformers' own GGUF loader."""
-    import transformers
-
+    """64 greedy tokens of 4 prompts, token for token, against transformers' own GGUF loader
+    (recorded for this GGUF's bytes, live for any other: tests/model/gguf_reference.py)."""
     from rankcast import SamplingParams
 
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(embedded_gguf.parent), gguf_file=embedded_gguf.name, dtype=torch.float32
-    )
-    # Like ignore_eos: generation runs the full 64 tokens even past an end-of-turn token.
-    reference.generation_config.eos_token_id = None
-    reference.generation_config.pad_token_id = 2
     tokenizer = smollm_fp32.get_tokenizer()
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    want = reference_continuations(embedded_gguf, prompt_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ours = smollm_fp32.generate(PROMPTS, params)
-    for prompt, output in zip(PROMPTS, ours, strict=True):
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        with torch.no_grad():
-            want = reference.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1] :]
-        assert len(want) == 64
-        assert output.outputs[0].token_ids == want.tolist(), prompt
+    for prompt, output, continuation in zip(PROMPTS, ours, want, strict=True):
+        assert len(continuation) == NEW_TOKENS
+        assert output.outputs[0].token_ids == continuation, prompt
 
 
 def test_cache_key_changes_with_file_identity(tmp_path: Path) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -33,6 +36,35 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class TeardownSkip:
+    """Lets a child process that finished cleanly end without the interpreter's teardown.
+
+    With torch loaded, tearing down the modules of a process that has already closed
+    everything it owns takes ~0.8 s on a 2-core machine, and a launcher stopping an engine
+    core waits for all of it. Made before the heavy imports, its exit hook is among the first
+    registered, so it runs after every later one (atexit runs newest first): those run, the
+    streams are flushed, and `os._exit(0)` skips the rest. A process that did not finish
+    cleanly (an exception, SystemExit(1)) exits the ordinary way.
+    """
+
+    def __init__(self) -> None:
+        self.clean = False
+        atexit.register(self._exit)
+
+    def finished(self) -> None:
+        """Everything this process owns is closed: it may end without the teardown."""
+        self.clean = True
+
+    def _exit(self) -> None:
+        if not self.clean:
+            return
+        logging.shutdown()  # registered before this hook: it would not run after it
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
 
 
 def process_is_alive(pid: int) -> bool:

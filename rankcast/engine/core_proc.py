@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 _HANDSHAKE_WAIT_MS = 10_000
 # Outputs queued for one API server before further ones are dropped (a dead or stuck peer).
 _SEND_HWM = 100_000
+# Put on the input queue to end an idle wait; carries nothing for the engine.
+_WAKE = object()
 
 
 class EngineCoreProc:
@@ -101,6 +103,9 @@ class EngineCoreProc:
                     )
                     continue
                 self.inputs.put((index_of[sock], message))
+        # Told to stop (SIGTERM sets `stopping` from a signal handler, which must not touch the
+        # queue's lock itself): wake an idle busy loop now rather than at its next idle timeout.
+        self.inputs.put((-1, _WAKE))
 
     def _output_thread(self) -> None:
         os.sched_setaffinity(0, self.io_cpus)
@@ -149,7 +154,8 @@ class EngineCoreProc:
         while True:
             if isinstance(message, ExecutorError):
                 raise message
-            self._send_all(self.core.handle(client, message))
+            if message is not _WAKE:
+                self._send_all(self.core.handle(client, message))
             try:
                 client, message = self.inputs.get_nowait()
             except queue.Empty:

@@ -31,6 +31,7 @@ from rankcast.config import (
 )
 from rankcast.errors import ModelFormatError
 from rankcast.logger import init_logging
+from rankcast.process import TeardownSkip
 
 Target = Literal["engine", "serve", "chat"]
 Command = Literal["serve", "chat"]
@@ -524,7 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         init_logging("launcher" if args.command == "serve" else "cli")
         if args.command == "serve":
-            return _serve(args)
+            teardown = TeardownSkip()
+            code = _serve(args)
+            if code == 0:
+                teardown.finished()  # every child is stopped: ~0.3 s less for every stop
+            return code
         return _chat(args)
     except (ConfigError, ModelFormatError, ValueError) as exc:
         print(f"rankcast: error: {exc}", file=sys.stderr)

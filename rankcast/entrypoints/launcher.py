@@ -36,7 +36,7 @@ from rankcast.entrypoints.rust_api_server import frontend_binary, run_rust_api_s
 from rankcast.entrypoints.supervision import SUPERVISOR_STATE_ENV, EngineSupervision, write_states
 from rankcast.metrics.fleet import MULTIPROC_DIR_ENV
 from rankcast.model.source import ModelSource, resolve_model
-from rankcast.process import private_ipc_dir, remove_ipc_dirs_of
+from rankcast.process import TeardownSkip, private_ipc_dir, remove_ipc_dirs_of
 
 logger = logging.getLogger(__name__)
 
@@ -235,10 +235,13 @@ def _stop_on_signals() -> threading.Event:
 
 def _run_engine_core(*args: Any) -> None:
     """An engine core process's entry: imports the engine (and torch) in the child only, so the
-    launcher, which never runs the model, starts its children ~2 s sooner."""
+    launcher, which never runs the model, starts its children ~2 s sooner. A clean stop ends
+    without tearing torch's modules down (TeardownSkip): ~0.8 s less for every stop."""
+    teardown = TeardownSkip()
     from rankcast.engine.core_proc import run_engine_core
 
     run_engine_core(*args)
+    teardown.finished()
 
 
 def _engine_spec(

@@ -4,6 +4,7 @@ strings, usage, 400s in OpenAI's shape naming the field, and 503 once the engine
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import subprocess
 import time
@@ -33,11 +34,12 @@ class Fleet:
     model_dir: Path
 
 
-@pytest.fixture()
-def model_dir(tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def model_dir(
+    tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     """The tiny model with SmolLM2's chat template beside it (links to the rest)."""
-    directory = tmp_path / "model"
-    directory.mkdir()
+    directory = tmp_path_factory.mktemp("model")
     for item in tiny_llama_dir.iterdir():
         (directory / item.name).symlink_to(item)
     template = (embedded_model_dir / "chat_template.jinja").read_text()
@@ -45,8 +47,8 @@ def model_dir(tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path: Path) ->
     return directory
 
 
-@pytest.fixture()
-def fleet(model_dir: Path) -> Iterator[Fleet]:
+@contextlib.contextmanager
+def _running_fleet(model_dir: Path) -> Iterator[Fleet]:
     """An engine core with two client slots: 0 for the Python client, 1 for the Rust server."""
     with engine_core_process(model_dir, num_blocks=128) as (engine, addresses):
         port = free_port()
@@ -71,6 +73,20 @@ def fleet(model_dir: Path) -> Iterator[Fleet]:
         finally:
             frontend.kill()
             frontend.communicate(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path) -> Iterator[Fleet]:
+    """One fleet for the tests that only send requests (each start is ~5 s of the suite)."""
+    with _running_fleet(model_dir) as fleet:
+        yield fleet
+
+
+@pytest.fixture()
+def own_fleet(model_dir: Path) -> Iterator[Fleet]:
+    """A fleet of its own, for a test that kills a part of it."""
+    with _running_fleet(model_dir) as fleet:
+        yield fleet
 
 
 def _python_greedy(fleet: Fleet, prompt_ids: list[int], max_tokens: int) -> str:
@@ -195,9 +211,10 @@ def test_what_it_does_not_serve_yet_is_refused_by_name_not_ignored(
     assert f"{name} is not served" in response.json()["error"]["message"]
 
 
-def test_a_dead_engine_core_makes_the_rust_server_answer_503_then_exit(fleet: Fleet) -> None:
+def test_a_dead_engine_core_makes_the_rust_server_answer_503_then_exit(own_fleet: Fleet) -> None:
     """503 at once, then exit 1 (half a second later), so that the launcher starts it again
     against the engine core's next incarnation."""
+    fleet = own_fleet
     fleet.engine.kill()
     fleet.engine.join(10)
     deadline = time.monotonic() + 10

@@ -61,7 +61,7 @@ from rankcast.metrics.lora_metrics import LoRAMetrics
 from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.metrics.prometheus import ServerMetrics
 from rankcast.outputs import RequestRejectedError
-from rankcast.process import die_with_parent, set_process_title
+from rankcast.process import TeardownSkip, die_with_parent, set_process_title
 from rankcast.protocol import ErrorKind, LoRAAdapterInfo
 from rankcast.tokenizer import load_tokenizer
 from rankcast.version import __version__
@@ -428,6 +428,7 @@ def run_api_server(
     The port is bound only after the engine handshake succeeded, so the kernel never hands a
     connection to a sibling that cannot answer yet.
     """
+    teardown = TeardownSkip()
     role = f"api_server_{index}"
     set_process_title(role)
     init_logging(role)
@@ -492,6 +493,7 @@ def run_api_server(
 
     with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
         runner.run(serve())
+    teardown.finished()  # the engine clients and the server are closed: ~0.3 s less per stop
 
 
 def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

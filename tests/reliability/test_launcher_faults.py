@@ -81,13 +81,16 @@ def test_a_killed_engine_core_leaves_no_ipc_directory_behind(tiny_llama_dir: Pat
         engine = server.pid_of("engine_core_dp0")
         workers = list(Path(tempfile.gettempdir()).glob(f"rankcast-workers-{engine}-*"))
         assert workers, "the engine core's ranks talk through an IPC directory of its own"
-        os.kill(engine, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{server.url}/health", timeout=10).status_code != 503:
-            assert time.monotonic() < deadline, "the API server did not notice"
+        os.kill(engine, signal.SIGKILL)  # it cannot remove anything itself
+        # The launcher removes the directory once it sees the death (before it restarts the
+        # engine core), while it keeps serving; no time in between is promised, so no check
+        # that it was ever left behind.
+        deadline = time.monotonic() + 30
+        while any(path.exists() for path in workers):
+            assert time.monotonic() < deadline, "the launcher did not remove the IPC directory"
             time.sleep(0.1)
-        assert all(path.exists() for path in workers), "killed: it could not clean up itself"
-    assert not any(path.exists() for path in workers), "the launcher removes it on stop"
+        assert server.proc.poll() is None
+    assert not any(path.exists() for path in workers)
 
 
 def test_a_child_that_dies_of_the_stop_itself_is_read_as_the_stop() -> None:

@@ -6,6 +6,7 @@ cache directory keyed by the source file's identity, so a second start only maps
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,12 +172,49 @@ def _dequantize(
     return tensors
 
 
+class _NumpyWithPlainMemmap:
+    """numpy, except that `memmap` gives a plain ndarray view of the mapping.
+
+    `gguf.GGUFReader` parses every metadata field by slicing its `np.memmap`, and each slice
+    of a memmap runs memmap's Python-level `__getitem__` and `__array_finalize__`: with a 49k
+    token vocabulary and its merges, over half of the parse (4.7 -> 2.0 s on the 2-core Zen 3,
+    the same fields and tensors). A view of the same mapping slices like any array and keeps
+    the mapping alive through its base.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        import numpy
+
+        return getattr(numpy, name)
+
+    @staticmethod
+    def memmap(*args: Any, **kwargs: Any) -> Any:
+        import numpy
+
+        return numpy.memmap(*args, **kwargs).view(numpy.ndarray)
+
+
+@contextlib.contextmanager
+def _fast_gguf_parsing() -> Iterator[None]:
+    """GGUFReaders made inside (ours, or transformers' in the tokenizer's process) parse over a
+    plain array. Only the `np` name inside gguf's reader module is swapped, and only here."""
+    import gguf.gguf_reader as reader_module
+
+    saved = getattr(reader_module, "np")  # noqa: B009 (not a name gguf exports)
+    setattr(reader_module, "np", _NumpyWithPlainMemmap())  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(reader_module, "np", saved)  # noqa: B010
+
+
 def _write_tokenizer(path: Path, out_dir: Path) -> None:
     """Rebuild the tokenizer and chat template from GGUF metadata via transformers' converter."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with _fast_gguf_parsing():
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise ModelFormatError(f"{path}: tokenizer metadata cannot be read ({exc})") from None
     tokenizer.save_pretrained(str(out_dir))
@@ -230,7 +269,8 @@ def open_gguf(path: Path) -> Any:
 
     _check_magic(path)
     try:
-        return GGUFReader(str(path))
+        with _fast_gguf_parsing():
+            return GGUFReader(str(path))
     except Exception as exc:
         raise ModelFormatError(
             f"{path}: GGUF file is truncated or corrupt ({type(exc).__name__}: {exc})"

@@ -144,3 +144,35 @@ def test_a_gguf_whose_tokenizer_cannot_be_rebuilt_is_an_error_naming_it(
     ):
         convert_gguf(path)
     assert not any((tmp_path / "cache").rglob("*.safetensors")), "no partial cache left behind"
+
+
+def test_our_reader_parses_what_ggufs_own_reader_parses(tmp_path: Path) -> None:
+    """open_gguf parses over a plain array view of the mapping (a speed-up, see
+    _fast_gguf_parsing): every field's parts and every tensor equal the library's own reader's,
+    and gguf's module is left as it was."""
+    import gguf
+    import gguf.gguf_reader
+
+    from rankcast.model.gguf_convert import open_gguf
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_token_list([f"tok{i}" for i in range(300)])
+    writer.add_token_merges([f"t o{i}" for i in range(200)])
+    writer.add_token_scores([float(i) / 7 for i in range(300)])
+    writer.add_tensor("token_embd.weight", np.arange(300 * 8, dtype=np.float32).reshape(300, 8))
+    writer.add_tensor("output_norm.weight", np.full(8, 0.5, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
+    assert gguf.gguf_reader.np is np
+    assert ours.fields.keys() == theirs.fields.keys()
+    for key, field in theirs.fields.items():
+        assert [bytes(p) for p in ours.fields[key].parts] == [bytes(p) for p in field.parts], key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert np.array_equal(mine.data, reference.data)

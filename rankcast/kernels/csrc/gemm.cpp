@@ -394,24 +394,61 @@ void packed_linear_impl(const In* x, int64_t m, int64_t lda, const W* packed, in
 }  // namespace
 #endif
 
+namespace {
+
+// One panel of 16 output rows of `w` ([n, k], row-major) written in the packed order: for each
+// group of `pair` consecutive k (1, or 2 for VDPBF16PS), the 16 rows' groups side by side. Rows
+// past n and the odd k's partner are zeros. Each row is read once, in order, and scattered into
+// the panel, which stays in cache meanwhile (16 x k elements). Elements are copied as raw bits
+// (`T` is their width).
+template <typename T>
+void pack_panel(const T* w, int64_t n, int64_t k, int64_t panel, int pair, T* out) {
+  const int64_t groups = (k + pair - 1) / pair;
+  const int64_t row0 = panel * 16;
+  const int64_t rows = std::min<int64_t>(16, n - row0);
+  if (rows < 16 || groups * pair != k) std::fill(out, out + groups * 16 * pair, T(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = w + (row0 + r) * k;
+    if (pair == 1) {
+      T* dst = out + r;
+      for (int64_t c = 0; c < k; ++c) dst[c * 16] = src[c];
+    } else {
+      T* dst = out + r * 2;
+      for (int64_t c = 0; c < k; ++c) dst[(c >> 1) * 32 + (c & 1)] = src[c];
+    }
+  }
+}
+
+}  // namespace
+
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: weight must be [out, in]");
   TORCH_CHECK(gemm_supported(weight.scalar_type()),
               "pack_linear_weight: this CPU build has no packed kernel for ", weight.scalar_type());
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t panels = (n + 15) / 16;
-  at::Tensor w = weight.contiguous();
-  if (weight.scalar_type() == at::kBFloat16 && RANKCAST_SIMD_BITS == 512) {
-    const int64_t kp = (k + 1) / 2;
-    at::Tensor padded = at::zeros({panels * 16, kp * 2}, w.options());
-    padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
-    // [panels, 16, kp, 2] -> [panels, kp, 16, 2]
-    return padded.view({panels, 16, kp, 2}).permute({0, 2, 1, 3}).contiguous();
-  }
-  at::Tensor padded = at::zeros({panels * 16, k}, w.options());
-  padded.narrow(0, 0, n).copy_(w);
-  return padded.view({panels, 16, k}).permute({0, 2, 1}).contiguous();  // [panels, k, 16]
-  // (float32, and bfloat16 on AVX2)
+  const at::Tensor w = weight.contiguous();
+  // bfloat16 on AVX-512 is read by VDPBF16PS in pairs of k: [panels, k/2, 16, 2]; float32, and
+  // bfloat16 on AVX2, are [panels, k, 16].
+  const bool pairs = weight.scalar_type() == at::kBFloat16 && RANKCAST_SIMD_BITS == 512;
+  const int pair = pairs ? 2 : 1;
+  at::Tensor packed = pairs ? at::empty({panels, (k + 1) / 2, 16, 2}, w.options())
+                            : at::empty({panels, k, 16}, w.options());
+  const int64_t panel_elems = packed.stride(0);
+  // One pass, panels shared between threads: each output page is written (and first touched)
+  // once, which is most of the cost of packing a freshly loaded model.
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      if (w.element_size() == 2) {
+        pack_panel(static_cast<const uint16_t*>(w.data_ptr()), n, k, p, pair,
+                   static_cast<uint16_t*>(packed.data_ptr()) + p * panel_elems);
+      } else {
+        pack_panel(static_cast<const uint32_t*>(w.data_ptr()), n, k, p, pair,
+                   static_cast<uint32_t*>(packed.data_ptr()) + p * panel_elems);
+      }
+    }
+  });
+  return packed;
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,

@@ -31,6 +31,7 @@ from rankcast.logger import init_logging
 from rankcast.model.source import ModelSource
 from rankcast.process import die_with_parent, set_process_title
 from rankcast.protocol import EngineCoreInput, EngineCoreOutputs, EngineReady
+from rankcast.startup_gc import collector_paused, freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +213,8 @@ def run_engine_core(
     if incarnation:
         logger.info("starting again (incarnation %d)", incarnation)
     try:
-        proc = EngineCoreProc(config, source, addresses, engine_index, incarnation)
+        with collector_paused():  # what it builds lives as long as the process
+            proc = EngineCoreProc(config, source, addresses, engine_index, incarnation)
     except Exception as exc:
         logger.exception("engine core failed to start")
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -225,6 +227,7 @@ def run_engine_core(
     # Ctrl-C reaches the whole process group: the launcher stops the engine (SIGTERM) once the
     # API servers have drained the requests that still need it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    freeze_startup_heap()
     ready.send(("ready", proc.core.max_model_len))
     ready.close()
     proc.run()

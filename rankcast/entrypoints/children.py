@@ -1,10 +1,11 @@
-"""The entry points of the processes the launcher starts, in a module that imports nothing heavy.
+"""The entry points of the processes rankcast spawns, in a module that imports nothing heavy.
 
 A spawned child first imports the module its target lives in. Were the targets the functions
 in `engine/core_proc.py` or `openai/api_server.py` themselves, the launcher would have to import
 those (torch; FastAPI and uvicorn) to name them, and an engine core would import the API
 server's modules too, since the launcher's module did: ~0.8 s each, before the child could start
-its real work. Here each child imports only what it runs. Each also registers its TeardownSkip
+its real work. Here each child imports only what it runs, with the garbage collector paused
+(rankcast/startup_gc.py: ~0.3 s of torch's import). Each also registers its TeardownSkip
 before those imports (rankcast/process.py), so a clean stop ends without the module teardown.
 """
 
@@ -13,12 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from rankcast.process import TeardownSkip
+from rankcast.startup_gc import collector_paused
 
 
 def engine_core_process(*args: Any) -> None:
     """`rankcast.engine.core_proc.run_engine_core` in this process."""
     teardown = TeardownSkip()
-    from rankcast.engine.core_proc import run_engine_core
+    with collector_paused():
+        from rankcast.engine.core_proc import run_engine_core
 
     run_engine_core(*args)
     teardown.finished()
@@ -27,7 +30,17 @@ def engine_core_process(*args: Any) -> None:
 def api_server_process(*args: Any) -> None:
     """`rankcast.entrypoints.openai.api_server.run_api_server` in this process."""
     teardown = TeardownSkip()
-    from rankcast.entrypoints.openai.api_server import run_api_server
+    with collector_paused():
+        from rankcast.entrypoints.openai.api_server import run_api_server
 
     run_api_server(*args)
     teardown.finished()
+
+
+def rank_process(*args: Any) -> None:
+    """`rankcast.worker.worker_proc.run_worker` (one worker rank) in this process; the rank
+    registers its own TeardownSkip."""
+    with collector_paused():
+        from rankcast.worker.worker_proc import run_worker
+
+    run_worker(*args)

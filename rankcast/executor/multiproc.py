@@ -27,12 +27,13 @@ import msgspec
 import zmq
 
 from rankcast.config import EngineConfig
+from rankcast.entrypoints.children import rank_process
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.model.source import ModelSource
 from rankcast.process import private_ipc_dir
 from rankcast.protocol import WorkerCall, WorkerReply
 from rankcast.worker.notification_buffer import Doorbell
-from rankcast.worker.worker_proc import SHUTDOWN, run_worker
+from rankcast.worker.worker_proc import SHUTDOWN
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class MultiprocExecutor(Executor):
         for rank in range(self.world_size):
             read, write = spawn.Pipe(duplex=False)
             proc = spawn.Process(
-                target=run_worker,
+                target=rank_process,
                 args=(
                     config,
                     source,

@@ -27,6 +27,7 @@ from rankcast.logger import init_logging
 from rankcast.model.source import ModelSource
 from rankcast.process import TeardownSkip, die_with_parent, set_process_title
 from rankcast.protocol import WorkerCall, WorkerReply
+from rankcast.startup_gc import collector_paused, freeze_startup_heap
 from rankcast.worker.notification_buffer import Doorbell
 from rankcast.worker.worker import Worker, start_worker
 
@@ -123,7 +124,10 @@ def run_worker(
         group = init_distributed(config, rank, init_method)
         # Data-parallel engine cores share the machine: each rank's local index is machine-wide.
         local_rank = engine_index * config.parallel.world_size + rank
-        worker = start_worker(config, source, rank, local_rank, tp_group=group, doorbell=doorbell)
+        with collector_paused():  # the model lives as long as the process
+            worker = start_worker(
+                config, source, rank, local_rank, tp_group=group, doorbell=doorbell
+            )
     except Exception as exc:
         logger.exception("rank %d failed to start", rank)
         ready.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
@@ -133,6 +137,7 @@ def run_worker(
     calls.connect(call_address)
     replies = context.socket(zmq.PUSH)
     replies.connect(reply_address)
+    freeze_startup_heap()
     ready.send(("ready",))
     ready.close()
     decoder = msgspec.msgpack.Decoder(WorkerCall)

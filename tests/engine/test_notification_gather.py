@@ -83,6 +83,16 @@ def test_each_rank_reports_its_weight_load_stamped_with_its_place(
     assert all(n.payload["bytes"] > 0 and n.payload["seconds"] > 0 for n in loads)
 
 
+def test_ranks_froze_their_start_up_heap_and_collect_again(tp2: LLM) -> None:
+    """Each spawned rank imported torch and built its model with the collector paused, froze
+    what it built once ready (rankcast/startup_gc.py), and left the collector on."""
+    states = tp2.collective_rpc("collector_state")
+    assert len(states) == 2
+    for enabled, frozen in states:
+        assert enabled
+        assert frozen > 10_000  # torch's modules and the model, at least
+
+
 def test_gather_keeps_every_rank_in_rank_order_and_emission_order(tp2: LLM) -> None:
     tp2.take_notifications()
     assert tp2.collective_rpc("publish_events", [3]) == [0, 1]

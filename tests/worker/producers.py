@@ -6,6 +6,7 @@ in `LLM`), so its methods run in every rank through `collective_rpc`.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -31,6 +32,11 @@ class RankReport(msgspec.Struct, array_like=True):
 
 class EventProducer:
     rank: int
+
+    def collector_state(self) -> tuple[bool, int]:
+        """This rank's garbage collector: enabled, and how many objects start-up froze (not a
+        producer's job, but every rank runs this class: rankcast/startup_gc.py's check)."""
+        return gc.isenabled(), gc.get_freeze_count()
 
     def publish_events(self, count: int, key: str = KEY, ranks: list[int] | None = None) -> int:
         """Publish `count` events numbered 0.. from this rank (or only from `ranks`)."""

@@ -62,6 +62,7 @@ from rankcast.metrics.prometheus import ServerMetrics
 from rankcast.outputs import RequestRejectedError
 from rankcast.process import die_with_parent, set_process_title
 from rankcast.protocol import ErrorKind, LoRAAdapterInfo
+from rankcast.startup_gc import freeze_startup_heap
 from rankcast.tokenizer import load_tokenizer
 from rankcast.version import __version__
 
@@ -451,6 +452,7 @@ def run_api_server(
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
+        freeze_startup_heap()  # rankcast/startup_gc.py
         ready.send(("ready",) if server.started else ("error", "uvicorn did not start"))
 
         async def drain_then_exit() -> None:

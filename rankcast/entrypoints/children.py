@@ -1,4 +1,5 @@
-"""The entry points of the processes rankcast spawns, in a module that imports nothing heavy.
+"""The entry points of the processes the launcher starts, in a module that imports nothing heavy
+(a rank's is rankcast/worker/rank_entry.py, for the same reasons).
 
 A spawned child first imports the module its target lives in. Were the targets the functions
 in `engine/core_proc.py` or `openai/api_server.py` themselves, the launcher would have to import
@@ -35,12 +36,3 @@ def api_server_process(*args: Any) -> None:
 
     run_api_server(*args)
     teardown.finished()
-
-
-def rank_process(*args: Any) -> None:
-    """`rankcast.worker.worker_proc.run_worker` (one worker rank) in this process; the rank
-    registers its own TeardownSkip."""
-    with collector_paused():
-        from rankcast.worker.worker_proc import run_worker
-
-    run_worker(*args)

@@ -27,12 +27,12 @@ import msgspec
 import zmq
 
 from rankcast.config import EngineConfig
-from rankcast.entrypoints.children import rank_process
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.model.source import ModelSource
 from rankcast.process import private_ipc_dir
 from rankcast.protocol import WorkerCall, WorkerReply
 from rankcast.worker.notification_buffer import Doorbell
+from rankcast.worker.rank_entry import rank_process
 from rankcast.worker.worker_proc import SHUTDOWN
 
 logger = logging.getLogger(__name__)

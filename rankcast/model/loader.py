@@ -55,8 +55,12 @@ def load_model(
     device: torch.device,
     tp: TensorParallelGroup | None = None,
     pp: PipelineStage | None = None,
+    keep_plain_weights: bool = False,
 ) -> LlamaForCausalLM:
-    """Construct this rank's slice of the model and load its shard of the weights."""
+    """Construct this rank's slice of the model and load its shard of the weights.
+
+    The linears' weights end up packed for the CPU's kernels, their plain copies released
+    (`prepack_linears`) unless `keep_plain_weights` (tests that compare loaded shards)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -70,5 +74,5 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFormatError(f"{model_dir}: checkpoint lacks {len(missing)} tensors: {shown}")
-    prepack_linears(model)
+    prepack_linears(model, release_plain=not keep_plain_weights)
     return model.eval()

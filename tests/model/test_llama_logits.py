@@ -95,17 +95,44 @@ def test_prefill_and_decode_logits_match_transformers(
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_packed_linears_keep_one_copy_of_their_weights(tmp_path: Path, tied: bool) -> None:
+    """Once packed, a linear's plain weight holds no storage (the layer is in memory once) but
+    keeps its shape, dtype and device; a head tied to the embedding keeps the embedding's
+    storage. A batch with leading dimensions goes through the packed weight too."""
+    from rankcast.model.layers import PackedLinearMixin
+
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=256, seed=3, tie_word_embeddings=tied)
+    arch = ArchConfig.from_model_dir(model_dir)
+    model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
+    linears = [m for m in model.modules() if isinstance(m, PackedLinearMixin)]
+    if all(m.packed_weight is None for m in linears):
+        pytest.skip("nothing is packed on this platform: the plain weights are the ones read")
+    for module in linears:
+        weight = module.weight
+        stored = weight.untyped_storage().nbytes()
+        if module is model.lm_head and tied:
+            assert stored == weight.numel() * weight.element_size()
+        else:
+            assert stored <= weight.element_size()
+        assert weight.dtype == torch.float32 and weight.dim() == 2
+    qkv = model.layers["0"].self_attn.qkv_proj
+    assert qkv.weight.shape == (qkv.q_size + 2 * qkv.kv_size, arch.hidden_size)
+    x = torch.randn(2, 3, arch.hidden_size, generator=torch.Generator().manual_seed(1))
+    flat = qkv(x.reshape(6, -1))
+    assert torch.equal(qkv(x), flat.view(2, 3, -1))
+
+
 def test_tensor_parallel_shards_reassemble(tmp_path: Path) -> None:
     """Each TP rank's weight loader takes its own slice; the slices tile the full tensors."""
     from rankcast.distributed import TensorParallelGroup
 
     model_dir = write_tiny_model(tmp_path / "tp", vocab_size=256, seed=1)
     arch = ArchConfig.from_model_dir(model_dir)
-    full = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    full = load_model(model_dir, arch, torch.float32, cpu, keep_plain_weights=True)
     shards = [
-        load_model(
-            model_dir, arch, torch.float32, torch.device("cpu"), TensorParallelGroup(rank, 2)
-        )
+        load_model(model_dir, arch, torch.float32, cpu, TensorParallelGroup(rank, 2), None, True)
         for rank in range(2)
     ]
     layer = "layers.0"

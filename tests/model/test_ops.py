@@ -111,6 +111,31 @@ def test_packed_linear_matches_f_linear(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (96, 302)])
+def test_packing_over_the_weights_own_storage_gives_the_same_layout(
+    dtype: torch.dtype, out_features: int, in_features: int
+) -> None:
+    """A weight given up to the kernel is packed over its own bytes, exactly as the copying
+    pack lays it out; a shape whose packed form would not fit is refused, not corrupted."""
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(8))
+    weight = weight.to(dtype)
+    copied = _packed_or_skip(weight)
+    if copied.backend != "rankcast":
+        pytest.skip("oneDNN packs here: it always makes a buffer of its own")
+    given_up = weight.clone()
+    in_place = ops.pack_linear_weight(given_up, reuse_storage=True)
+    assert in_place is not None and in_place.tensor.data_ptr() == given_up.data_ptr()
+    assert torch.equal(in_place.tensor, copied.tensor)
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(9)).to(dtype)
+    assert torch.equal(ops.packed_linear(x, in_place, None), ops.packed_linear(x, copied, None))
+    ragged = torch.randn(40, 64).to(dtype)
+    with pytest.raises(RuntimeError, match="in place needs out % 16 == 0"):
+        torch.ops.rankcast.pack_linear_weight_(ragged)
+    kept = ops.pack_linear_weight(ragged, reuse_storage=True)  # falls back to a copy
+    assert kept is not None and kept.tensor.data_ptr() != ragged.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
     """Prefix caching reuses K/V computed in another batch: a row's output must not depend on
     which rows share its step (tiles, row blocks and k-blocks may only change the order of work,

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "kernels.h"
 #include "simd.h"
@@ -449,6 +450,41 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
     }
   });
   return packed;
+}
+
+at::Tensor pack_linear_weight_(at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(),
+              "pack_linear_weight_: weight must be a contiguous [out, in]");
+  TORCH_CHECK(gemm_supported(weight.scalar_type()),
+              "pack_linear_weight_: this CPU build has no packed kernel for ", weight.scalar_type());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  // In place, every panel's packed form must take exactly its 16 rows' bytes: whole panels,
+  // and whole pairs of k where the layout pairs them.
+  TORCH_CHECK(n % 16 == 0 && k % 2 == 0,
+              "pack_linear_weight_: in place needs out % 16 == 0 and an even in, got [", n, ", ",
+              k, "]");
+  const bool pairs = weight.scalar_type() == at::kBFloat16 && RANKCAST_SIMD_BITS == 512;
+  const int pair = pairs ? 2 : 1;
+  const int64_t panels = n / 16, panel_elems = 16 * k;
+  const int64_t panel_bytes = panel_elems * weight.element_size();
+  char* base = static_cast<char*>(weight.data_ptr());
+  // Each panel is copied aside (16 x k elements, in cache) and written back packed over its
+  // own rows: no second buffer the size of the weight, and no fresh pages to fault in.
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<char> rows(static_cast<size_t>(panel_bytes));
+    for (int64_t p = begin; p < end; ++p) {
+      char* panel = base + p * panel_bytes;
+      std::memcpy(rows.data(), panel, static_cast<size_t>(panel_bytes));
+      if (weight.element_size() == 2) {
+        pack_panel(reinterpret_cast<const uint16_t*>(rows.data()), 16, k, 0, pair,
+                   reinterpret_cast<uint16_t*>(panel));
+      } else {
+        pack_panel(reinterpret_cast<const uint32_t*>(rows.data()), 16, k, 0, pair,
+                   reinterpret_cast<uint32_t*>(panel));
+      }
+    }
+  });
+  return pairs ? weight.view({panels, k / 2, 16, 2}) : weight.view({panels, k, 16});
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,

@@ -23,6 +23,7 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& token_slot
               at::TensorList b, at::IntArrayRef out_offsets, int64_t rank);
 bool gemm_supported(at::ScalarType dtype);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor pack_linear_weight_(at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias);
 

@@ -58,6 +58,7 @@ TORCH_LIBRARY(rankcast, m) {
       "lora_add(Tensor(a!) out, Tensor x, Tensor token_slots, Tensor[] a, Tensor[] b, "
       "int[] out_offsets, int rank) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("pack_linear_weight_(Tensor(a!) weight) -> Tensor(a!)");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("packed_linear_supported(ScalarType dtype) -> bool", &gemm_supported);
   m.def("bind_threads(int[] cpus) -> int", &bind_threads);
@@ -74,6 +75,7 @@ TORCH_LIBRARY_IMPL(rankcast, CPU, m) {
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("lora_add", &lora_add);
   m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("pack_linear_weight_", &pack_linear_weight_);
   m.impl("packed_linear", &packed_linear);
 }
 

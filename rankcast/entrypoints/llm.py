@@ -135,6 +135,9 @@ class LLM:
         return self.engine.take_notifications()
 
     def shutdown(self) -> None:
+        """Stop the engine and thaw what its start froze. `gc.freeze` is process-wide: objects
+        the caller held when this engine started are frozen with it until now, and a caller's
+        own earlier `gc.freeze` is undone here too."""
         self.engine.shutdown()
         release_startup_heap()
 

@@ -132,7 +132,14 @@ def test_tensor_parallel_shards_reassemble(tmp_path: Path) -> None:
     cpu = torch.device("cpu")
     full = load_model(model_dir, arch, torch.float32, cpu, keep_plain_weights=True)
     shards = [
-        load_model(model_dir, arch, torch.float32, cpu, TensorParallelGroup(rank, 2), None, True)
+        load_model(
+            model_dir,
+            arch,
+            torch.float32,
+            cpu,
+            TensorParallelGroup(rank, 2),
+            keep_plain_weights=True,
+        )
         for rank in range(2)
     ]
     layer = "layers.0"

@@ -210,22 +210,50 @@ def _fast_gguf_parsing() -> Iterator[None]:
 
 def _write_tokenizer(path: Path, out_dir: Path) -> None:
     """Rebuild the tokenizer and chat template from GGUF metadata via transformers' converter."""
-    from transformers import AutoTokenizer
-
     try:
-        with _fast_gguf_parsing():
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = _tokenizer_from_gguf_metadata(path)
     except Exception as exc:
         raise ModelFormatError(f"{path}: tokenizer metadata cannot be read ({exc})") from None
     tokenizer.save_pretrained(str(out_dir))
 
 
+def _tokenizer_from_gguf_metadata(path: Path) -> Any:
+    """transformers' tokenizer for the GGUF, built straight from the tokenizer metadata where
+    transformers exposes its GGUF converter (5.x), else through `AutoTokenizer`.
+
+    `AutoTokenizer.from_pretrained(gguf_file=...)` first builds the model's configuration from
+    the GGUF: that imports transformers' modelling stack and parses every field of the file
+    with gguf's reader (the 49k-token vocabulary and its merges twice over), 8.6 s of which
+    the tokenizer itself needs ~3 s on the 2-core Zen 3. Its converter, called directly,
+    reads only the tokenizer's fields and writes the same `tokenizer.json` and chat template
+    (tests/model/test_gguf.py compares the two)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+            get_gguf_tokenizer,
+        )
+    except ImportError:
+        return _tokenizer_via_auto(path)
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
+
+def _tokenizer_via_auto(path: Path) -> Any:
+    """The same tokenizer the long way (transformers without the direct converter)."""
+    from transformers import AutoTokenizer
+
+    with _fast_gguf_parsing():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 class _TokenizerWriter:
     """`_write_tokenizer` in a process of its own (`python -m rankcast.model.gguf_convert`).
 
-    transformers' converter imports transformers and parses the whole GGUF file again, which
-    costs about as much as dequantizing the weights; run beside the dequantization it takes the
-    other core (cold start on a 2-core Zen 3: ~22 s -> ~15 s). A plain subprocess, not
+    transformers' converter imports transformers and reads the GGUF's tokenizer fields again;
+    run beside the dequantization it takes the other core (cold start on a 2-core Zen 3:
+    ~22 s -> ~15 s when it still went through `AutoTokenizer`). A plain subprocess, not
     multiprocessing: a user's script without a `__main__` guard must not be run again."""
 
     def __init__(self, path: Path, out_dir: Path) -> None:

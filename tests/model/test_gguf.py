@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,25 @@ def test_embedded_model_config_comes_from_gguf_metadata(embedded_model_dir: Path
         "im_start" in (embedded_model_dir / "tokenizer_config.json").read_text()
         or (embedded_model_dir / "chat_template.jinja").is_file()
     )
+
+
+def test_tokenizer_from_gguf_metadata_equals_transformers_autotokenizer(
+    embedded_gguf: Path, tmp_path: Path
+) -> None:
+    """The cold start builds the tokenizer with transformers' GGUF converter directly; the
+    files it writes are those `AutoTokenizer.from_pretrained(gguf_file=...)` writes."""
+    pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    from rankcast.model.gguf_convert import _tokenizer_from_gguf_metadata, _tokenizer_via_auto
+
+    direct, auto = tmp_path / "direct", tmp_path / "auto"
+    _tokenizer_from_gguf_metadata(embedded_gguf).save_pretrained(str(direct))
+    _tokenizer_via_auto(embedded_gguf).save_pretrained(str(auto))
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (direct / name).read_bytes() == (auto / name).read_bytes(), name
+    configs = [json.loads((d / "tokenizer_config.json").read_text()) for d in (direct, auto)]
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "add_bos_token"):
+        assert configs[0].get(key) == configs[1].get(key), key
+    assert configs[0]["eos_token"] == "<|im_end|>"
 
 
 def test_greedy_continuations_match_transformers_generate(smollm_fp32, embedded_gguf: Path) -> None:

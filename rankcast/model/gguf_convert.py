@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -237,7 +237,8 @@ def _tokenizer_from_gguf_metadata(path: Path) -> Any:
         return _tokenizer_via_auto(path)
     architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
     backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+    fast: Callable[..., Any] = PreTrainedTokenizerFast  # its __init__ is unannotated
+    return fast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def _tokenizer_via_auto(path: Path) -> Any:

@@ -59,6 +59,10 @@ class ModelConfig:
     max_model_len: int | None = None
     served_model_name: str | None = None
     seed: int = 0
+    # Whether ranks map a snapshot of their loaded, packed weights on later starts
+    # (rankcast/model/weight_snapshot.py), settled at construction from
+    # RANKCAST_WEIGHT_SNAPSHOTS so every rank does what the engine was started with.
+    weight_snapshots: bool = field(init=False)
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -66,6 +70,7 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len > 0,
             f"--max-model-len must be positive, got {self.max_model_len}",
         )
+        object.__setattr__(self, "weight_snapshots", _from_env(envs.weight_snapshots))
 
 
 @dataclass(frozen=True)

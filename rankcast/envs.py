@@ -69,6 +69,15 @@ def kv_cache_space_gib() -> float | None:
     return float(gib) if gib else None
 
 
+def weight_snapshots() -> bool:
+    """Whether ranks save their loaded, packed weights once and map them on later starts
+    (rankcast/model/weight_snapshot.py); RANKCAST_WEIGHT_SNAPSHOTS=0 turns that off."""
+    value = os.environ.get("RANKCAST_WEIGHT_SNAPSHOTS", "1").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"RANKCAST_WEIGHT_SNAPSHOTS must be 0 or 1, got {value!r}")
+    return value not in ("0", "false", "off")
+
+
 def disable_progress() -> bool:
     """Hide load progress bars (tests and CI logs stay readable)."""
     return os.environ.get("RANKCAST_DISABLE_PROGRESS", "0") not in ("", "0", "false", "False")

@@ -31,7 +31,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Bump when the conversion's output changes, so stale caches are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: each conversion records its source (pruning)
+# In each conversion's directory: `source_identity` of the GGUF it was made from.
+_SOURCE_FILE = "rankcast-source.txt"
+_STAGING = ".staging-"
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -53,11 +56,15 @@ _GLOBAL_TENSORS = {
 }
 
 
-def cache_key(path: Path) -> str:
-    """Identity of a source file: where it is, its size and modification time."""
+def source_identity(path: Path) -> str:
+    """A source file as the file system knows it: where it is, its size and modification
+    time (a reinstalled or edited file is another source)."""
     stat = path.stat()
-    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}"
+
+
+def cache_key(path: Path) -> str:
+    return hashlib.sha256(source_identity(path).encode()).hexdigest()[:16]
 
 
 def cached_model_dir(path: Path) -> Path:
@@ -313,7 +320,8 @@ def convert_gguf(path: Path) -> Path:
         return out_dir
     _check_magic(path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir.parent))
+    prune_stale_conversions(out_dir.parent)
+    staging = Path(tempfile.mkdtemp(prefix=f"{_STAGING}{os.getpid()}-", dir=out_dir.parent))
     # Started first: the tokenizer's process takes as long as everything below.
     tokenizer = _TokenizerWriter(path, staging)
     try:
@@ -325,6 +333,7 @@ def convert_gguf(path: Path) -> Path:
         logger.info("converting %s to float32 safetensors in %s (once)", path, out_dir)
         tensors = _dequantize(reader, path, arch, heads)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
+        (staging / _SOURCE_FILE).write_text(source_identity(path))
         from safetensors.torch import save_file
 
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
@@ -339,6 +348,41 @@ def convert_gguf(path: Path) -> Path:
         tokenizer.close()
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def prune_stale_conversions(directory: Path) -> list[Path]:
+    """Remove the conversions no start can use any more, and staging directories of
+    conversions that died; return what was removed. Run before each conversion (a cold start).
+
+    A conversion is keyed by its source's identity, so every reinstall of a model package
+    (every fresh clone's virtual environment, for the embedded GGUF) converts again into a
+    directory of its own, ~540 MB for SmolLM2-135M: without pruning they pile up. One whose
+    source file is gone or changed is removed, as is one that does not say what its source
+    was (written before conversions recorded it)."""
+    from rankcast.process import process_is_alive
+
+    removed = []
+    for entry in directory.iterdir():
+        if not entry.is_dir():
+            continue
+        if entry.name.startswith(_STAGING):
+            pid = entry.name[len(_STAGING) :].split("-", 1)[0]
+            stale = not pid.isdigit() or not process_is_alive(int(pid))
+        else:
+            stale = _conversion_is_stale(entry)
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _conversion_is_stale(entry: Path) -> bool:
+    try:
+        recorded = (entry / _SOURCE_FILE).read_text()
+        source = Path(recorded.rsplit("|", 3)[0])
+        return source_identity(source) != recorded
+    except OSError:  # no record, or its source is gone
+        return True
 
 
 if __name__ == "__main__":

@@ -68,9 +68,14 @@ class PackedLinearMixin:
         the packed copy takes over the plain one's storage instead of a buffer of its own."""
         self.packed_weight = ops.pack_linear_weight(weight.detach(), reuse_storage=release_plain)
         if self.packed_weight is not None and release_plain:
-            weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(
-                weight.shape
-            )
+            _release(weight)
+
+    def adopt_packed(self, packed: ops.PackedWeight, release_plain: bool) -> None:
+        """Take a weight packed earlier, by this build of the kernels for this layer's shard
+        (a weight snapshot's, rankcast/model/weight_snapshot.py), instead of packing one."""
+        self.packed_weight = packed
+        if release_plain:
+            _release(self.weight)
 
     def matmul(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -81,6 +86,11 @@ class PackedLinearMixin:
             return ops.packed_linear(x, self.packed_weight, bias)
         rows = ops.packed_linear(x.reshape(-1, x.shape[-1]), self.packed_weight, bias)
         return rows.view(*x.shape[:-1], rows.shape[-1])
+
+
+def _release(weight: nn.Parameter) -> None:
+    """Drop a parameter's storage, keeping its shape, dtype and device over a single zero."""
+    weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -239,7 +249,11 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.rows_per_rank
-        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size))
+        # Only the rows past the vocabulary (the last rank's padding) are never loaded: zeroed
+        # alone, the table's pages are first touched by the load (0.03 s of a start, twice
+        # for a tied model's head, whose own table is replaced by the embedding's).
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+        self.weight.data[max(0, vocab_size - self.vocab_start) :].zero_()
         _attach_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -268,11 +282,20 @@ class ParallelLMHead(PackedLinearMixin, VocabParallelEmbedding):
         return logits[..., : self.vocab_size]
 
 
+def packed_linears(model: nn.Module) -> list[tuple[str, PackedLinearMixin, bool]]:
+    """Every linear-like layer of `model`, by module name, with whether its plain weight is its
+    own (then packing may release it) rather than shared with another module (an LM head tied
+    to the embedding keeps its plain form)."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return [
+        (name, module, uses[id(module.weight)] == 1)
+        for name, module in model.named_modules()
+        if isinstance(module, PackedLinearMixin)
+    ]
+
+
 def prepack_linears(model: nn.Module, release_plain: bool = True) -> None:
     """Prepack every linear-like layer's weight after loading (a no-op where it does not help)
-    and, with `release_plain`, release the plain weights only their own matmul read: a weight
-    another module shares (an LM head tied to the embedding) keeps its plain form."""
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    for module in model.modules():
-        if isinstance(module, PackedLinearMixin):
-            module.prepack(module.weight, release_plain and uses[id(module.weight)] == 1)
+    and, with `release_plain`, release the plain weights only their own matmul reads."""
+    for _, module, own in packed_linears(model):
+        module.prepack(module.weight, release_plain and own)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from rankcast import envs
@@ -16,15 +15,10 @@ from rankcast.errors import ModelFormatError
 from rankcast.model.arch import ArchConfig
 from rankcast.model.layers import prepack_linears
 from rankcast.model.llama import LlamaForCausalLM
+from rankcast.model.safetensors_file import open_safetensors
+from rankcast.model.weight_snapshot import WeightSnapshot
 
-
-class _SafetensorsFile(Protocol):
-    """What this module uses of `safe_open(..., framework="pt")`, whose stub has no
-    annotations: the tensor names, and each tensor by name."""
-
-    def keys(self) -> list[str]: ...
-
-    def get_tensor(self, name: str) -> torch.Tensor: ...
+logger = logging.getLogger(__name__)
 
 
 def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -34,7 +28,7 @@ def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelFormatError(f"{model_dir}: no *.safetensors weights found")
     for file in files:
         try:
-            handle: _SafetensorsFile = safe_open(str(file), framework="pt")
+            handle = open_safetensors(file)
             names = list(handle.keys())
         except Exception as exc:
             raise ModelFormatError(f"{file}: cannot be read as safetensors ({exc})") from None
@@ -56,11 +50,15 @@ def load_model(
     tp: TensorParallelGroup | None = None,
     pp: PipelineStage | None = None,
     keep_plain_weights: bool = False,
+    weight_snapshots: bool = False,
 ) -> LlamaForCausalLM:
     """Construct this rank's slice of the model and load its shard of the weights.
 
     The linears' weights end up packed for the CPU's kernels, their plain copies released
-    (`prepack_linears`) unless `keep_plain_weights` (tests that compare loaded shards)."""
+    (`prepack_linears`) unless `keep_plain_weights` (tests that compare loaded shards). With
+    `weight_snapshots` (the engine's setting), a snapshot of this rank's weights
+    (rankcast/model/weight_snapshot.py) is mapped instead of loading where there is one, and
+    written in the background after loading where there is none."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -68,6 +66,12 @@ def load_model(
             model = LlamaForCausalLM(arch, tp, pp)
     finally:
         torch.set_default_dtype(previous)
+    snapshot = None
+    if weight_snapshots and not keep_plain_weights:
+        snapshot = WeightSnapshot.for_rank(model_dir, dtype, device, tp, pp)
+    if snapshot is not None and snapshot.restore(model):
+        logger.info("weights mapped from %s", snapshot.path)
+        return model.eval()
     loaded = model.load_weights(iterate_safetensors(model_dir))
     expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(expected - loaded)
@@ -75,4 +79,6 @@ def load_model(
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFormatError(f"{model_dir}: checkpoint lacks {len(missing)} tensors: {shown}")
     prepack_linears(model, release_plain=not keep_plain_weights)
+    if snapshot is not None:
+        snapshot.save_in_background(model)
     return model.eval()

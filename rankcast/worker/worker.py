@@ -102,7 +102,15 @@ class Worker:
         shard sets the start-up time, and only a per-rank figure shows which one it is."""
         start = time.perf_counter()
         arch = ArchConfig.from_model_dir(self.source.model_dir)
-        model = load_model(self.source.model_dir, arch, self.dtype, self.device, self.tp, self.pp)
+        model = load_model(
+            self.source.model_dir,
+            arch,
+            self.dtype,
+            self.device,
+            self.tp,
+            self.pp,
+            weight_snapshots=self.config.model.weight_snapshots,
+        )
         grammars = GrammarMatchers(self.source.model_dir, arch.vocab_size, arch.eos_token_ids)
         self.runner = ModelRunner(
             model, arch, self.config.cache.block_size, self.device, self.dtype, grammars

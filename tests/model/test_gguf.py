@@ -196,3 +196,58 @@ def test_our_reader_parses_what_ggufs_own_reader_parses(tmp_path: Path) -> None:
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
         assert np.array_equal(mine.data, reference.data)
+
+
+def test_a_conversion_records_its_source(embedded_model_dir: Path, embedded_gguf: Path) -> None:
+    from rankcast.model.gguf_convert import source_identity
+
+    record = embedded_model_dir / "rankcast-source.txt"
+    assert record.read_text() == source_identity(embedded_gguf)
+
+
+def test_pruning_removes_conversions_no_start_can_use(tmp_path: Path) -> None:
+    """Every reinstall of a model package converts into a directory of its own; the ones whose
+    source is gone or changed, or that do not say what it was, go at the next conversion."""
+    import os
+    import subprocess
+    import sys
+
+    from rankcast.model.gguf_convert import prune_stale_conversions, source_identity
+
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    cache = tmp_path / "gguf"
+    cache.mkdir()
+
+    def conversion(name: str, source: Path | None) -> Path:
+        entry = cache / name
+        entry.mkdir()
+        (entry / "model.safetensors").write_bytes(b"weights")
+        if source is not None:
+            (entry / "rankcast-source.txt").write_text(source_identity(source))
+        return entry
+
+    kept_source, changed_source, gone_source = (sources / f"{n}.gguf" for n in "abc")
+    for source in (kept_source, changed_source, gone_source):
+        source.write_bytes(b"GGUF")
+    kept = conversion("a-1", kept_source)
+    changed = conversion("b-1", changed_source)
+    gone = conversion("c-1", gone_source)
+    unrecorded = conversion("d-1", None)
+    changed_source.write_bytes(b"GGUF, reinstalled")
+    gone_source.unlink()
+    code = "import os; print(os.getpid())"
+    dead_pid = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    dead_staging = cache / f".staging-{dead_pid}-x"
+    live_staging = cache / f".staging-{os.getpid()}-y"
+    dead_staging.mkdir()
+    live_staging.mkdir()
+    stray_file = cache / "notes.txt"
+    stray_file.write_text("not a conversion")
+
+    removed = set(prune_stale_conversions(cache))
+    assert removed == {changed, gone, unrecorded, dead_staging}
+    assert all(not path.exists() for path in removed)
+    assert kept.is_dir() and live_staging.is_dir() and stray_file.is_file()

@@ -1,0 +1,215 @@
+"""A rank's weights as loading leaves them (its shard, in the engine's dtype, the linears packed
+for the CPU's kernels), saved once and mapped on every later start.
+
+Loading a checkpoint reads every tensor, converts it to the engine's dtype, cuts this rank's
+shard out of it and packs each linear for the kernels: ~0.45 s of SmolLM2-135M's warm start on a
+2-core Zen 3, the same work on every start, writing the whole model into fresh pages. The result
+depends only on the checkpoint's files, the dtype, the rank's place in the layout and the build of
+the kernels that packed it, so it is saved once per such combination (safetensors, in the cache
+directory) and a later start maps the file instead: copy-on-write pages of the page cache, ~10 ms
+for the same model, and engines on one machine that load the same shard share its memory.
+
+The snapshot is written on a thread after the model is up (the write releases the GIL), so the
+start that makes it is not delayed; a process that ends meanwhile waits for it at exit (the
+thread is not a daemon). Written under a temporary name and renamed, a snapshot is whole or
+absent. One that cannot be read or does not fit the model is removed and the checkpoint loaded
+as before. Writing one also prunes the snapshots whose checkpoint or kernel build is gone or
+changed, and staging files of processes that died while writing.
+
+Engines use them unless `RANKCAST_WEIGHT_SNAPSHOTS=0` (`ModelConfig.weight_snapshots`);
+`load_model` alone does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rankcast import envs, kernels
+from rankcast.distributed import PipelineStage, TensorParallelGroup
+from rankcast.model import ops
+from rankcast.model.layers import packed_linears
+from rankcast.model.safetensors_file import open_safetensors
+from rankcast.process import process_is_alive
+
+logger = logging.getLogger(__name__)
+
+# Bump when what a snapshot holds, or how it is named, changes.
+SNAPSHOT_FORMAT = 1
+_PACKED = "packed:"
+_PARAM = "param:"
+_STAGING = ".staging-"
+
+
+def snapshot_dir() -> Path:
+    return envs.cache_dir() / "snapshots"
+
+
+def checkpoint_identity(model_dir: Path) -> str:
+    """The checkpoint's files as the file system knows them (name, size, modification time,
+    inode): a rewritten or replaced file changes it, so its old snapshot is not used."""
+    parts = []
+    for path in sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"]):
+        stat = path.stat()
+        parts.append([path.name, stat.st_size, stat.st_mtime_ns, stat.st_ino])
+    return json.dumps([str(model_dir.resolve()), parts])
+
+
+@dataclass(frozen=True)
+class WeightSnapshot:
+    """Where one rank's snapshot lives, and what it was made from."""
+
+    path: Path
+    source: Path  # the checkpoint directory
+    identity: str  # checkpoint_identity(source) when it was made
+    kernels_library: Path  # the kernel build that packed it
+
+    @classmethod
+    def for_rank(
+        cls,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallelGroup | None,
+        pp: PipelineStage | None,
+    ) -> WeightSnapshot | None:
+        """This rank's snapshot location, or None where snapshots do not apply: not on the
+        CPU, or without rankcast's kernels (whose packed layout is what it saves)."""
+        if not kernels.available(torch.empty(0, dtype=dtype, device=device)):
+            return None
+        if not any(model_dir.glob("*.safetensors")):
+            return None  # the loader reports the missing weights
+        tp = tp or TensorParallelGroup()
+        pp = pp or PipelineStage()
+        library = kernels.library_path()
+        identity = checkpoint_identity(model_dir)
+        layout = [str(dtype), tp.rank, tp.size, pp.rank, pp.size, str(library)]
+        key = json.dumps([SNAPSHOT_FORMAT, identity, layout])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+        path = snapshot_dir() / f"{model_dir.name}-{digest}.safetensors"
+        return cls(path, model_dir.resolve(), identity, library)
+
+    def restore(self, model: nn.Module) -> bool:
+        """Give `model` (built, not loaded) the snapshot's weights; False, with the model
+        untouched, where there is no usable snapshot."""
+        if not self.path.is_file():
+            return False
+        try:
+            handle = open_safetensors(self.path)
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+        except Exception as exc:
+            return self._discard(f"cannot be read ({exc})")
+        linears = packed_linears(model)
+        released = {id(module.weight) for _, module, own in linears if own}
+        params = {n: p for n, p in model.named_parameters() if id(p) not in released}
+        expected = {_PACKED + name for name, _, _ in linears} | {_PARAM + n for n in params}
+        if set(tensors) != expected:
+            return self._discard("holds other tensors than this model's")
+        for name, param in params.items():
+            saved = tensors[_PARAM + name]
+            if saved.shape != param.shape or saved.dtype != param.dtype:
+                return self._discard(f"{name} is {tuple(saved.shape)} {saved.dtype}")
+        for name, module, _ in linears:
+            if tensors[_PACKED + name].dtype != module.weight.dtype:
+                return self._discard(f"{name} is packed in {tensors[_PACKED + name].dtype}")
+        for name, param in params.items():
+            param.data = tensors[_PARAM + name]
+        for name, module, own in linears:
+            out_features = module.weight.shape[0]
+            packed = ops.PackedWeight(tensors[_PACKED + name], "rankcast", out_features)
+            module.adopt_packed(packed, release_plain=own)
+        return True
+
+    def _discard(self, why: str) -> bool:
+        logger.warning("weight snapshot %s %s: removed, loading the checkpoint", self.path, why)
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        return False
+
+    def save_in_background(self, model: nn.Module) -> threading.Thread | None:
+        """Start writing `model`'s weights (loaded and packed) as this snapshot; None where
+        the model is not one a snapshot can hold (a linear left unpacked or packed by oneDNN,
+        whose layout is its own, or a plain weight that packing did not release)."""
+        linears = packed_linears(model)
+        tensors: dict[str, torch.Tensor] = {}
+        released: set[int] = set()
+        for name, module, own in linears:
+            packed = module.packed_weight
+            if packed is None or packed.backend != "rankcast":
+                return None
+            if own:
+                if module.weight.untyped_storage().nbytes() > module.weight.element_size():
+                    return None  # the plain weight was kept (tests that compare shards)
+                released.add(id(module.weight))
+            tensors[_PACKED + name] = packed.tensor
+        for name, param in model.named_parameters():
+            if id(param) not in released:
+                tensors[_PARAM + name] = param.detach()
+        thread = threading.Thread(
+            target=self._write, args=(tensors,), name="weight-snapshot", daemon=False
+        )
+        thread.start()
+        return thread
+
+    def _write(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        directory = self.path.parent
+        staging = directory / f"{_STAGING}{os.getpid()}-{self.path.name}"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            prune_stale_snapshots(directory)
+            metadata = {
+                "format": "pt",
+                "rankcast_snapshot": str(SNAPSHOT_FORMAT),
+                "source": str(self.source),
+                "identity": self.identity,
+                "kernels": str(self.kernels_library),
+            }
+            save_file(tensors, str(staging), metadata=metadata)
+            os.replace(staging, self.path)
+            logger.info("saved the packed weights to %s for later starts", self.path)
+        except Exception as exc:  # a cache: failing to write one costs the next start, no more
+            logger.warning("could not save a weight snapshot to %s: %s", self.path, exc)
+            with contextlib.suppress(OSError):
+                staging.unlink()
+
+
+def prune_stale_snapshots(directory: Path) -> list[Path]:
+    """Remove the snapshots no start can use any more (their checkpoint is gone or changed,
+    or the kernel build that packed them is gone) and staging files of dead writers; return
+    what was removed."""
+    removed = []
+    for path in directory.glob("*.safetensors"):
+        if path.name.startswith(_STAGING):
+            pid = path.name[len(_STAGING) :].split("-", 1)[0]
+            stale = not pid.isdigit() or not process_is_alive(int(pid))
+        else:
+            stale = _is_stale(path)
+        if stale:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def _is_stale(path: Path) -> bool:
+    try:
+        metadata = open_safetensors(path).metadata() or {}
+        source = Path(metadata["source"])
+        if metadata.get("rankcast_snapshot") != str(SNAPSHOT_FORMAT):
+            return True
+        if not Path(metadata["kernels"]).is_file():
+            return True
+        return checkpoint_identity(source) != metadata["identity"]
+    except Exception:  # unreadable, without our metadata, or its checkpoint is gone
+        return True

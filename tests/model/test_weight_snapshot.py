@@ -1,0 +1,278 @@
+"""Weight snapshots: a rank's loaded, packed weights saved once and mapped on later starts,
+never used for a checkpoint or kernel build they were not made from."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rankcast import kernels
+from rankcast.config import ConfigError, ModelConfig
+from rankcast.distributed import TensorParallelGroup
+from rankcast.model.arch import ArchConfig
+from rankcast.model.layers import PackedLinearMixin
+from rankcast.model.llama import LlamaForCausalLM
+from rankcast.model.loader import load_model
+from rankcast.model.weight_snapshot import WeightSnapshot, prune_stale_snapshots
+from tests.conftest import write_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not kernels.load(), reason="snapshots hold the layout of rankcast's packed kernels"
+)
+
+CPU = torch.device("cpu")
+MAPPED = "weights mapped from"
+
+
+class _Log(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.text = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text += record.getMessage() + "\n"
+
+
+@contextlib.contextmanager
+def captured(name: str) -> Iterator[_Log]:
+    """The named logger's messages, on a handler of its own: an engine started earlier in the
+    session stops rankcast's loggers propagating to pytest's capture."""
+    logger, handler = logging.getLogger(name), _Log()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("RANKCAST_WEIGHT_SNAPSHOTS", raising=False)
+    return tmp_path / "cache" / "snapshots"
+
+
+def _wait_for_snapshot(snapshot: WeightSnapshot, deadline_s: float = 30.0) -> None:
+    """The snapshot is written on a thread and renamed into place whole: wait for the name."""
+    deadline = time.monotonic() + deadline_s
+    while not snapshot.path.is_file():
+        assert time.monotonic() < deadline, f"no snapshot at {snapshot.path}"
+        time.sleep(0.02)
+
+
+def _load(
+    model_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    keep_plain_weights: bool = False,
+    weight_snapshots: bool = True,
+) -> LlamaForCausalLM:
+    """Load as an engine's rank does (snapshots on, unless told otherwise)."""
+    arch = ArchConfig.from_model_dir(model_dir)
+    return load_model(
+        model_dir,
+        arch,
+        dtype,
+        CPU,
+        keep_plain_weights=keep_plain_weights,
+        weight_snapshots=weight_snapshots,
+    )
+
+
+def _logits(model: LlamaForCausalLM, arch: ArchConfig) -> torch.Tensor:
+    """Every packed linear and the head, applied to fixed inputs: what the weights compute."""
+    gen = torch.Generator().manual_seed(0)
+    outs = []
+    for module in model.modules():
+        if isinstance(module, PackedLinearMixin):
+            x = torch.randn(3, module.weight.shape[1], generator=gen).to(module.weight.dtype)
+            outs.append(module.matmul(x, module.weight, None).float().flatten())
+    ids = torch.tensor([1, 2, 3])
+    assert model.embed_tokens is not None
+    outs.append(model.embed_tokens(ids).float().flatten())
+    outs += [p.detach().float().flatten() for n, p in model.named_parameters() if "norm" in n]
+    return torch.cat(outs)
+
+
+def _snapshot_of(model_dir: Path, dtype: torch.dtype = torch.float32) -> WeightSnapshot:
+    snapshot = WeightSnapshot.for_rank(model_dir, dtype, CPU, None, None)
+    assert snapshot is not None
+    return snapshot
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "untied-head"])
+def test_a_second_load_maps_the_snapshot_and_computes_the_same(
+    tmp_path: Path, cache: Path, dtype: torch.dtype, tied: bool
+) -> None:
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=250, tie_word_embeddings=tied)
+    arch = ArchConfig.from_model_dir(model_dir)
+    with captured("rankcast.model.loader") as log:
+        first = _load(model_dir, dtype)
+        assert MAPPED not in log.text
+        snapshot = _snapshot_of(model_dir, dtype)
+        _wait_for_snapshot(snapshot)
+        second = _load(model_dir, dtype)
+    assert f"{MAPPED} {snapshot.path}" in log.text
+    assert torch.equal(_logits(first, arch), _logits(second, arch))
+    # Plain weights stay released (one copy of each linear) except a head tied to the embedding.
+    assert second.lm_head is not None and second.embed_tokens is not None
+    assert (second.lm_head.weight is second.embed_tokens.weight) == tied
+    for module in second.modules():
+        if isinstance(module, PackedLinearMixin) and not (tied and module is second.lm_head):
+            assert module.weight.untyped_storage().nbytes() == module.weight.element_size()
+    plain = _load(model_dir, dtype, keep_plain_weights=True)
+    assert plain.embed_tokens is not None
+    assert torch.equal(plain.embed_tokens.weight, second.embed_tokens.weight)
+
+
+def test_a_tensor_parallel_shard_has_a_snapshot_of_its_own(tmp_path: Path, cache: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=250, tie_word_embeddings=False)
+    arch = ArchConfig.from_model_dir(model_dir)
+    ranks = [TensorParallelGroup(rank=r, size=2) for r in range(2)]
+    paths = set()
+    for tp in ranks:
+        loaded = load_model(model_dir, arch, torch.float32, CPU, tp=tp, weight_snapshots=True)
+        snapshot = WeightSnapshot.for_rank(model_dir, torch.float32, CPU, tp, None)
+        assert snapshot is not None
+        _wait_for_snapshot(snapshot)
+        paths.add(snapshot.path)
+        mapped = load_model(model_dir, arch, torch.float32, CPU, tp=tp, weight_snapshots=True)
+        for (name, a), (_, b) in zip(loaded.named_modules(), mapped.named_modules(), strict=True):
+            if isinstance(a, PackedLinearMixin):
+                assert a.packed_weight is not None and b.packed_weight is not None
+                assert torch.equal(a.packed_weight.tensor, b.packed_weight.tensor), name
+    assert len(paths) == 2
+
+
+def test_a_rewritten_checkpoint_is_loaded_not_its_old_snapshot(tmp_path: Path, cache: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=250, seed=1)
+    arch = ArchConfig.from_model_dir(model_dir)
+    _load(model_dir)
+    old = _snapshot_of(model_dir)
+    _wait_for_snapshot(old)
+    write_tiny_model(model_dir, vocab_size=250, seed=2)  # same shapes, other weights
+    fresh = _snapshot_of(model_dir)
+    assert fresh.path != old.path
+    with captured("rankcast.model.loader") as log:
+        reloaded = _load(model_dir)
+    assert MAPPED not in log.text
+    reference = _load(model_dir, keep_plain_weights=True)
+    assert torch.equal(_logits(reloaded, arch), _logits(reference, arch))
+    # Writing the new checkpoint's snapshot removed the old one, which nothing can use.
+    _wait_for_snapshot(fresh)
+    assert not old.path.exists()
+
+
+def test_an_unreadable_snapshot_is_removed_and_the_checkpoint_loaded(
+    tmp_path: Path, cache: Path
+) -> None:
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=250)
+    arch = ArchConfig.from_model_dir(model_dir)
+    reference = _logits(_load(model_dir, keep_plain_weights=True), arch)
+    snapshot = _snapshot_of(model_dir)
+    snapshot.path.parent.mkdir(parents=True)
+    snapshot.path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with captured("rankcast.model.weight_snapshot") as log:
+        model = _load(model_dir)
+    assert "cannot be read" in log.text and str(snapshot.path) in log.text
+    assert torch.equal(_logits(model, arch), reference)
+    _wait_for_snapshot(snapshot)  # rewritten whole from the checkpoint
+    assert torch.equal(_logits(_load(model_dir), arch), reference)
+
+
+def test_a_snapshot_of_another_model_is_refused_before_anything_is_touched(
+    tmp_path: Path, cache: Path
+) -> None:
+    small = write_tiny_model(tmp_path / "small", vocab_size=250)
+    big = write_tiny_model(tmp_path / "big", vocab_size=300)
+    _load(small)
+    _wait_for_snapshot(_snapshot_of(small))
+    wrong = _snapshot_of(big)
+    wrong.path.write_bytes(_snapshot_of(small).path.read_bytes())
+    model = LlamaForCausalLM(ArchConfig.from_model_dir(big))
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with captured("rankcast.model.weight_snapshot") as log:
+        assert not wrong.restore(model)
+    assert "removed" in log.text and not wrong.path.exists()
+    assert before == {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, PackedLinearMixin))
+
+
+def test_no_snapshot_when_turned_off_or_when_plain_weights_are_kept(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=250)
+    _load(model_dir, keep_plain_weights=True)
+    _load(model_dir, weight_snapshots=False)
+    # Every load above has returned: a snapshot's thread would have been started by then.
+    assert not cache.exists() or not any(cache.iterdir())
+    assert ModelConfig().weight_snapshots
+    monkeypatch.setenv("RANKCAST_WEIGHT_SNAPSHOTS", "0")
+    assert not ModelConfig().weight_snapshots
+    monkeypatch.setenv("RANKCAST_WEIGHT_SNAPSHOTS", "maybe")
+    with pytest.raises(ConfigError, match="RANKCAST_WEIGHT_SNAPSHOTS must be 0 or 1"):
+        ModelConfig()
+
+
+def test_an_engine_writes_its_snapshot_and_maps_it_on_the_next_start(
+    tmp_path: Path, cache: Path, tiny_llama_dir: Path
+) -> None:
+    from rankcast import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    texts, logs = [], []
+    for _ in range(2):
+        with captured("rankcast.model.loader") as log:
+            llm = LLM(str(tiny_llama_dir), kv_cache_space_gib=0.05)
+        logs.append(log.text)
+        try:
+            worker = llm.engine.client.core.executor.worker  # in-process: one rank
+            assert worker.runner is not None
+            texts.append(llm.generate(["Hello there"], params)[0].outputs[0].token_ids)
+            snapshot = _snapshot_of(tiny_llama_dir, worker.dtype)
+            _wait_for_snapshot(snapshot)
+        finally:
+            llm.shutdown()
+    assert texts[0] == texts[1]
+    assert MAPPED not in logs[0] and f"{MAPPED} {snapshot.path}" in logs[1]
+    assert [p.name for p in cache.iterdir()] == [snapshot.path.name]
+
+
+def test_pruning_removes_what_no_start_can_use(tmp_path: Path, cache: Path) -> None:
+    kept_dir = write_tiny_model(tmp_path / "kept", vocab_size=250)
+    gone_dir = write_tiny_model(tmp_path / "gone", vocab_size=250)
+    for model_dir in (kept_dir, gone_dir):
+        _load(model_dir)
+        _wait_for_snapshot(_snapshot_of(model_dir))
+    kept, gone = _snapshot_of(kept_dir), _snapshot_of(gone_dir)
+    for path in gone_dir.iterdir():
+        path.unlink()
+    gone_dir.rmdir()
+    dead = cache / f".staging-{_dead_pid()}-x.safetensors"
+    live = cache / f".staging-{os.getpid()}-y.safetensors"
+    foreign = cache / "not-ours.safetensors"
+    for path in (dead, live, foreign):
+        path.write_bytes(b"partial")
+    removed = set(prune_stale_snapshots(cache))
+    assert removed == {gone.path, dead, foreign}
+    assert kept.path.exists() and live.exists()
+
+
+def _dead_pid() -> int:
+    """A pid no process has: a child that has exited and been reaped."""
+    import subprocess
+    import sys
+
+    code = "import os; print(os.getpid())"
+    child = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return int(child.stdout)

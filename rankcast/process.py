@@ -79,6 +79,23 @@ def process_is_alive(pid: int) -> bool:
         return True
 
 
+STAGING_PREFIX = ".staging-"
+
+
+def staging_name(name: str) -> str:
+    """The name to write `name` under until it is whole (then renamed into place): it carries
+    this process's pid, so that pruning can tell a writer that died from one still at work."""
+    return f"{STAGING_PREFIX}{os.getpid()}-{name}"
+
+
+def abandoned_staging(name: str) -> bool | None:
+    """For a `staging_name`: whether the process writing it is gone. None for any other name."""
+    if not name.startswith(STAGING_PREFIX):
+        return None
+    pid = name[len(STAGING_PREFIX) :].split("-", 1)[0]
+    return not pid.isdigit() or not process_is_alive(int(pid))
+
+
 def private_ipc_dir(prefix: str) -> Path:
     """A fresh directory only this user can enter, for IPC socket files. Its name carries the
     creating process's pid, so a parent can remove what a killed child could not."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rankcast import envs
 from rankcast.errors import ModelFormatError
+from rankcast.process import abandoned_staging, staging_name
 
 if TYPE_CHECKING:
     # Imported where a conversion runs: a warm start only checks the cache, and the launcher
@@ -34,7 +35,6 @@ logger = logging.getLogger(__name__)
 CONVERTER_VERSION = 2  # 2: each conversion records its source (pruning)
 # In each conversion's directory: `source_identity` of the GGUF it was made from.
 _SOURCE_FILE = "rankcast-source.txt"
-_STAGING = ".staging-"
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -321,7 +321,7 @@ def convert_gguf(path: Path) -> Path:
     _check_magic(path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     prune_stale_conversions(out_dir.parent)
-    staging = Path(tempfile.mkdtemp(prefix=f"{_STAGING}{os.getpid()}-", dir=out_dir.parent))
+    staging = Path(tempfile.mkdtemp(prefix=staging_name(""), dir=out_dir.parent))
     # Started first: the tokenizer's process takes as long as everything below.
     tokenizer = _TokenizerWriter(path, staging)
     try:
@@ -359,18 +359,12 @@ def prune_stale_conversions(directory: Path) -> list[Path]:
     directory of its own, ~540 MB for SmolLM2-135M: without pruning they pile up. One whose
     source file is gone or changed is removed, as is one that does not say what its source
     was (written before conversions recorded it)."""
-    from rankcast.process import process_is_alive
-
     removed = []
     for entry in directory.iterdir():
         if not entry.is_dir():
             continue
-        if entry.name.startswith(_STAGING):
-            pid = entry.name[len(_STAGING) :].split("-", 1)[0]
-            stale = not pid.isdigit() or not process_is_alive(int(pid))
-        else:
-            stale = _conversion_is_stale(entry)
-        if stale:
+        abandoned = abandoned_staging(entry.name)
+        if abandoned if abandoned is not None else _conversion_is_stale(entry):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

@@ -39,7 +39,7 @@ from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.model import ops
 from rankcast.model.layers import packed_linears
 from rankcast.model.safetensors_file import open_safetensors
-from rankcast.process import process_is_alive
+from rankcast.process import abandoned_staging, staging_name
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 SNAPSHOT_FORMAT = 1
 _PACKED = "packed:"
 _PARAM = "param:"
-_STAGING = ".staging-"
 
 
 def snapshot_dir() -> Path:
@@ -164,7 +163,7 @@ class WeightSnapshot:
         from safetensors.torch import save_file
 
         directory = self.path.parent
-        staging = directory / f"{_STAGING}{os.getpid()}-{self.path.name}"
+        staging = directory / staging_name(self.path.name)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             prune_stale_snapshots(directory)
@@ -190,12 +189,8 @@ def prune_stale_snapshots(directory: Path) -> list[Path]:
     what was removed."""
     removed = []
     for path in directory.glob("*.safetensors"):
-        if path.name.startswith(_STAGING):
-            pid = path.name[len(_STAGING) :].split("-", 1)[0]
-            stale = not pid.isdigit() or not process_is_alive(int(pid))
-        else:
-            stale = _is_stale(path)
-        if stale:
+        abandoned = abandoned_staging(path.name)
+        if abandoned if abandoned is not None else _is_stale(path):
             with contextlib.suppress(OSError):
                 path.unlink()
                 removed.append(path)

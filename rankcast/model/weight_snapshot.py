@@ -6,7 +6,7 @@ shard out of it and packs each linear for the kernels: ~0.45 s of SmolLM2-135M's
 2-core Zen 3, the same work on every start, writing the whole model into fresh pages. The result
 depends only on the checkpoint's files, the dtype, the rank's place in the layout and the build of
 the kernels that packed it, so it is saved once per such combination (safetensors, in the cache
-directory) and a later start maps the file instead: copy-on-write pages of the page cache, ~10 ms
+directory) and a later start maps the file instead: copy-on-write pages of the page cache, ~0.03 s
 for the same model, and engines on one machine that load the same shard share its memory.
 
 The snapshot is written on a thread after the model is up (the write releases the GIL), so the

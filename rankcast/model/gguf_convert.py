@@ -230,9 +230,9 @@ def _tokenizer_from_gguf_metadata(path: Path) -> Any:
 
     `AutoTokenizer.from_pretrained(gguf_file=...)` first builds the model's configuration from
     the GGUF: that imports transformers' modelling stack and parses every field of the file
-    with gguf's reader (the 49k-token vocabulary and its merges twice over), 8.6 s of which
-    the tokenizer itself needs ~3 s on the 2-core Zen 3. Its converter, called directly,
-    reads only the tokenizer's fields and writes the same `tokenizer.json` and chat template
+    with gguf's reader (the 49k-token vocabulary and its merges twice over): 8.6 s on the
+    2-core Zen 3, against ~4-5 s for its converter called directly, which reads only the
+    tokenizer's fields and writes the same `tokenizer.json` and chat template
     (tests/model/test_gguf.py compares the two)."""
     try:
         from transformers import PreTrainedTokenizerFast

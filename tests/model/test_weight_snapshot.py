@@ -88,8 +88,9 @@ def _load(
     )
 
 
-def _logits(model: LlamaForCausalLM, arch: ArchConfig) -> torch.Tensor:
-    """Every packed linear and the head, applied to fixed inputs: what the weights compute."""
+def _computed(model: LlamaForCausalLM) -> torch.Tensor:
+    """What the weights compute: every packed linear (the head too) and the embedding on fixed
+    inputs, and the norms' weights."""
     gen = torch.Generator().manual_seed(0)
     outs = []
     for module in model.modules():
@@ -115,7 +116,6 @@ def test_a_second_load_maps_the_snapshot_and_computes_the_same(
     tmp_path: Path, cache: Path, dtype: torch.dtype, tied: bool
 ) -> None:
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=250, tie_word_embeddings=tied)
-    arch = ArchConfig.from_model_dir(model_dir)
     with captured("rankcast.model.loader") as log:
         first = _load(model_dir, dtype)
         assert MAPPED not in log.text
@@ -123,7 +123,7 @@ def test_a_second_load_maps_the_snapshot_and_computes_the_same(
         _wait_for_snapshot(snapshot)
         second = _load(model_dir, dtype)
     assert f"{MAPPED} {snapshot.path}" in log.text
-    assert torch.equal(_logits(first, arch), _logits(second, arch))
+    assert torch.equal(_computed(first), _computed(second))
     # Plain weights stay released (one copy of each linear) except a head tied to the embedding.
     assert second.lm_head is not None and second.embed_tokens is not None
     assert (second.lm_head.weight is second.embed_tokens.weight) == tied
@@ -156,7 +156,6 @@ def test_a_tensor_parallel_shard_has_a_snapshot_of_its_own(tmp_path: Path, cache
 
 def test_a_rewritten_checkpoint_is_loaded_not_its_old_snapshot(tmp_path: Path, cache: Path) -> None:
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=250, seed=1)
-    arch = ArchConfig.from_model_dir(model_dir)
     _load(model_dir)
     old = _snapshot_of(model_dir)
     _wait_for_snapshot(old)
@@ -167,7 +166,7 @@ def test_a_rewritten_checkpoint_is_loaded_not_its_old_snapshot(tmp_path: Path, c
         reloaded = _load(model_dir)
     assert MAPPED not in log.text
     reference = _load(model_dir, keep_plain_weights=True)
-    assert torch.equal(_logits(reloaded, arch), _logits(reference, arch))
+    assert torch.equal(_computed(reloaded), _computed(reference))
     # Writing the new checkpoint's snapshot removed the old one, which nothing can use.
     _wait_for_snapshot(fresh)
     assert not old.path.exists()
@@ -177,17 +176,16 @@ def test_an_unreadable_snapshot_is_removed_and_the_checkpoint_loaded(
     tmp_path: Path, cache: Path
 ) -> None:
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=250)
-    arch = ArchConfig.from_model_dir(model_dir)
-    reference = _logits(_load(model_dir, keep_plain_weights=True), arch)
+    reference = _computed(_load(model_dir, keep_plain_weights=True))
     snapshot = _snapshot_of(model_dir)
     snapshot.path.parent.mkdir(parents=True)
     snapshot.path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with captured("rankcast.model.weight_snapshot") as log:
         model = _load(model_dir)
     assert "cannot be read" in log.text and str(snapshot.path) in log.text
-    assert torch.equal(_logits(model, arch), reference)
+    assert torch.equal(_computed(model), reference)
     _wait_for_snapshot(snapshot)  # rewritten whole from the checkpoint
-    assert torch.equal(_logits(_load(model_dir), arch), reference)
+    assert torch.equal(_computed(_load(model_dir)), reference)
 
 
 def test_a_snapshot_of_another_model_is_refused_before_anything_is_touched(

@@ -249,9 +249,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.rows_per_rank
-        # Only the rows past the vocabulary (the last rank's padding) are never loaded: zeroed
-        # alone, the table's pages are first touched by the load (0.03 s of a start, twice
-        # for a tied model's head, whose own table is replaced by the embedding's).
+        # Loading fills every row but the padding past the vocabulary (the last rank's), so
+        # only those are zeroed: zeroing the whole table first cost 0.03 s of a start, twice
+        # for a tied model, whose head's own table is then replaced by the embedding's.
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
         self.weight.data[max(0, vocab_size - self.vocab_start) :].zero_()
         _attach_loader(self.weight, self.weight_loader)

@@ -37,7 +37,7 @@ from torch import nn
 from rankcast import envs, kernels
 from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.model import ops
-from rankcast.model.layers import packed_linears
+from rankcast.model.layers import PackedLinearMixin, packed_linears
 from rankcast.model.safetensors_file import open_safetensors
 from rankcast.process import abandoned_staging, staging_name
 
@@ -107,9 +107,7 @@ class WeightSnapshot:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
         except Exception as exc:
             return self._discard(f"cannot be read ({exc})")
-        linears = packed_linears(model)
-        released = {id(module.weight) for _, module, own in linears if own}
-        params = {n: p for n, p in model.named_parameters() if id(p) not in released}
+        linears, params = _contents(model)
         expected = {_PACKED + name for name, _, _ in linears} | {_PARAM + n for n in params}
         if set(tensors) != expected:
             return self._discard("holds other tensors than this model's")
@@ -138,21 +136,16 @@ class WeightSnapshot:
         """Start writing `model`'s weights (loaded and packed) as this snapshot; None where
         the model is not one a snapshot can hold (a linear left unpacked or packed by oneDNN,
         whose layout is its own, or a plain weight that packing did not release)."""
-        linears = packed_linears(model)
+        linears, params = _contents(model)
         tensors: dict[str, torch.Tensor] = {}
-        released: set[int] = set()
         for name, module, own in linears:
             packed = module.packed_weight
             if packed is None or packed.backend != "rankcast":
                 return None
-            if own:
-                if module.weight.untyped_storage().nbytes() > module.weight.element_size():
-                    return None  # the plain weight was kept (tests that compare shards)
-                released.add(id(module.weight))
+            if own and module.weight.untyped_storage().nbytes() > module.weight.element_size():
+                return None  # the plain weight was kept (tests that compare shards)
             tensors[_PACKED + name] = packed.tensor
-        for name, param in model.named_parameters():
-            if id(param) not in released:
-                tensors[_PARAM + name] = param.detach()
+        tensors.update({_PARAM + name: param.detach() for name, param in params.items()})
         thread = threading.Thread(
             target=self._write, args=(tensors,), name="weight-snapshot", daemon=False
         )
@@ -181,6 +174,17 @@ class WeightSnapshot:
             logger.warning("could not save a weight snapshot to %s: %s", self.path, exc)
             with contextlib.suppress(OSError):
                 staging.unlink()
+
+
+def _contents(
+    model: nn.Module,
+) -> tuple[list[tuple[str, PackedLinearMixin, bool]], dict[str, nn.Parameter]]:
+    """What a snapshot of `model` holds: each linear's packed weight (`packed_linears`) and
+    every parameter but the plain weights packing releases (those a linear alone reads)."""
+    linears = packed_linears(model)
+    released = {id(module.weight) for _, module, own in linears if own}
+    params = {n: p for n, p in model.named_parameters() if id(p) not in released}
+    return linears, params
 
 
 def prune_stale_snapshots(directory: Path) -> list[Path]:

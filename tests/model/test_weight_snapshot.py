@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,7 +213,9 @@ def test_no_snapshot_when_turned_off_or_when_plain_weights_are_kept(
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=250)
     _load(model_dir, keep_plain_weights=True)
     _load(model_dir, weight_snapshots=False)
-    # Every load above has returned: a snapshot's thread would have been started by then.
+    for thread in threading.enumerate():  # a snapshot's writer would have started by now
+        if thread.name == "weight-snapshot":
+            thread.join(timeout=30)
     assert not cache.exists() or not any(cache.iterdir())
     assert ModelConfig().weight_snapshots
     monkeypatch.setenv("RANKCAST_WEIGHT_SNAPSHOTS", "0")

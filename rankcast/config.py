@@ -156,10 +156,12 @@ class ParallelConfig:
     # `module:Class` mixed into every worker, so user code runs (and publishes) inside each rank.
     worker_extension_cls: str | None = None
     # How each rank uses the CPU, settled at construction from RANKCAST_KERNELS,
-    # RANKCAST_NUM_THREADS and RANKCAST_CPU_BIND (rankcast/envs.py says what each means): a bad
+    # RANKCAST_LINEAR_KERNEL, RANKCAST_NUM_THREADS and RANKCAST_CPU_BIND (rankcast/envs.py says
+    # what each means): a bad
     # value stops the start naming its variable, and every rank applies what the engine was
     # started with instead of reading its own environment.
     kernels: str = field(init=False)
+    linear_kernel: str = field(init=False)
     num_threads: int | None = field(init=False)
     cpu_bind: str = field(init=False)
 
@@ -181,6 +183,7 @@ class ParallelConfig:
             f"--ray-placement must be one of {RAY_PLACEMENTS}, got {self.ray_placement!r}",
         )
         object.__setattr__(self, "kernels", _from_env(envs.kernels_mode))
+        object.__setattr__(self, "linear_kernel", _from_env(envs.linear_kernel))
         object.__setattr__(self, "num_threads", _from_env(envs.num_threads))
         cpu_bind = _from_env(envs.cpu_bind)
         if cpu_bind not in ("auto", "off"):

@@ -122,3 +122,27 @@ def kernels_mode() -> str:
     if value not in ("auto", "off", "require"):
         raise ValueError(f"RANKCAST_KERNELS must be auto, off or require, got {value!r}")
     return value
+
+
+def linear_kernel() -> str:
+    """Which matmul every linear layer runs (rankcast/model/linear_kernels.py): `auto` (the
+    default: rankcast's packed kernel wherever it is built for the dtype, batch-invariant),
+    `rankcast`, `onednn` (oneDNN's prepacked matmul: on AMX CPUs faster for large batches, but a
+    request's results then depend on its batch) or `torch` (plain F.linear)."""
+    value = os.environ.get("RANKCAST_LINEAR_KERNEL", "auto").strip().lower() or "auto"
+    if value not in ("auto", "rankcast", "onednn", "torch"):
+        raise ValueError(
+            f"RANKCAST_LINEAR_KERNEL must be auto, rankcast, onednn or torch, got {value!r}"
+        )
+    return value
+
+
+def kernels_isa() -> str:
+    """The instruction set rankcast's CPU kernels are compiled for: `native` (the default:
+    everything this CPU has), or a lower level this CPU also runs, `avx512` (AVX-512 without
+    BF16, AMX or FP16) or `avx2` (AVX2 and FMA only), so that one machine can build and test
+    the code paths other CPU families take (rankcast/kernels/__init__.py)."""
+    value = os.environ.get("RANKCAST_KERNELS_ISA", "native").strip().lower() or "native"
+    if value not in ("native", "avx512", "avx2"):
+        raise ValueError(f"RANKCAST_KERNELS_ISA must be native, avx512 or avx2, got {value!r}")
+    return value

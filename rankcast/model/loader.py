@@ -14,6 +14,7 @@ from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.errors import ModelFormatError
 from rankcast.model.arch import ArchConfig
 from rankcast.model.layers import prepack_linears
+from rankcast.model.linear_kernels import choose_linear_path
 from rankcast.model.llama import LlamaForCausalLM
 from rankcast.model.safetensors_file import open_safetensors
 from rankcast.model.weight_snapshot import WeightSnapshot
@@ -51,6 +52,7 @@ def load_model(
     pp: PipelineStage | None = None,
     keep_plain_weights: bool = False,
     weight_snapshots: bool = False,
+    linear_kernel: str = "auto",
 ) -> LlamaForCausalLM:
     """Construct this rank's slice of the model and load its shard of the weights.
 
@@ -58,7 +60,10 @@ def load_model(
     (`prepack_linears`) unless `keep_plain_weights` (tests that compare loaded shards). With
     `weight_snapshots` (the engine's setting), a snapshot of this rank's weights
     (rankcast/model/weight_snapshot.py) is mapped instead of loading where there is one, and
-    written in the background after loading where there is none."""
+    written in the background after loading where there is none. `linear_kernel` is the
+    engine's RANKCAST_LINEAR_KERNEL: every linear takes the path `choose_linear_path` makes of
+    it, whatever a snapshot holds (one of another path is not used)."""
+    path = choose_linear_path(dtype, device, linear_kernel)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -68,7 +73,7 @@ def load_model(
         torch.set_default_dtype(previous)
     snapshot = None
     if weight_snapshots and not keep_plain_weights:
-        snapshot = WeightSnapshot.for_rank(model_dir, dtype, device, tp, pp)
+        snapshot = WeightSnapshot.for_rank(model_dir, dtype, device, tp, pp, path.kernel)
     if snapshot is not None and snapshot.restore(model):
         logger.info("weights mapped from %s", snapshot.path)
         return model.eval()
@@ -78,7 +83,7 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFormatError(f"{model_dir}: checkpoint lacks {len(missing)} tensors: {shown}")
-    prepack_linears(model, release_plain=not keep_plain_weights)
+    prepack_linears(model, path.kernel, release_plain=not keep_plain_weights)
     if snapshot is not None:
         snapshot.save_in_background(model)
     return model.eval()

@@ -8,7 +8,6 @@ pass instead of several ops for each element-wise step).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -30,45 +29,31 @@ class PackedWeight:
     out_features: int
 
 
-def pack_linear_weight(weight: torch.Tensor, reuse_storage: bool = False) -> PackedWeight | None:
-    """Pack a [out, in] weight for this CPU, or None where plain `F.linear` is best (CUDA).
-
-    rankcast's AVX-512 kernel where it is built (measured on a 2-core Zen 5 it beats oneDNN's
-    prepacked matmul at every batch size, by 1.2-2.6x at decode sizes), except on CPUs with AMX,
-    whose tile units oneDNN drives; oneDNN's prepacked matmul elsewhere on CPU.
+def pack_linear_weight(
+    weight: torch.Tensor, kernel: str, reuse_storage: bool = False
+) -> PackedWeight | None:
+    """Pack a [out, in] weight for `kernel`, the path `linear_kernels.choose_linear_path` chose
+    for the model: "rankcast" (csrc/gemm.cpp), "onednn" (its prepacked matmul), or "torch"
+    (None: plain `F.linear` reads the weight as it is).
 
     With `reuse_storage` the caller gives the weight up: rankcast's kernel then packs it over
     its own storage where the shapes allow (whole 16-row panels, an even K), and `weight` no
     longer holds the plain layout afterwards. That skips a second buffer the size of the weight
     and its first-touch page faults (~0.1 s of SmolLM2-135M's start on the Zen 3).
     """
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-    if (
-        not amx
-        and kernels.available(weight)
-        and torch.ops.rankcast.packed_linear_supported(weight.dtype)
-    ):
+    if kernel == "rankcast":
         out, k = weight.shape
         if reuse_storage and weight.is_contiguous() and out % 16 == 0 and k % 2 == 0:
             packed = torch.ops.rankcast.pack_linear_weight_(weight)
         else:
             packed = torch.ops.rankcast.pack_linear_weight(weight)
         return PackedWeight(packed, "rankcast", out)
-    # torch.backends.mkldnn.is_available has no annotations; it returns a bool.
-    mkldnn_available: Callable[[], bool] = torch.backends.mkldnn.is_available
-    if mkldnn_available() and (weight.dtype != torch.bfloat16 or onednn_packs_bf16()):
+    if kernel == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         return PackedWeight(packed, "onednn", weight.shape[0])
+    if kernel != "torch":
+        raise ValueError(f"unknown linear kernel {kernel!r}")
     return None
-
-
-def onednn_packs_bf16() -> bool:
-    """oneDNN packs bfloat16 weights only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; asked for
-    bfloat16 on an AVX2-only CPU it refuses, and plain `F.linear` runs instead."""
-    supported: Callable[[], bool] = torch.ops.mkldnn._is_mkldnn_bf16_supported
-    return bool(supported())
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -80,10 +80,15 @@ class WeightSnapshot:
         device: torch.device,
         tp: TensorParallelGroup | None,
         pp: PipelineStage | None,
+        linear_kernel: str,
     ) -> WeightSnapshot | None:
-        """This rank's snapshot location, or None where snapshots do not apply: not on the
-        CPU, or without rankcast's kernels (whose packed layout is what it saves)."""
-        if not kernels.available(torch.empty(0, dtype=dtype, device=device)):
+        """This rank's snapshot location, or None where snapshots do not apply: the model's
+        linears do not take rankcast's packed kernel (`linear_kernel`, the path chosen for
+        them), whose layout is what a snapshot holds. So a start maps a snapshot only where it
+        would have packed the same layout itself: what the cache holds never picks the path."""
+        if linear_kernel != "rankcast" or not kernels.available(
+            torch.empty(0, dtype=dtype, device=device)
+        ):
             return None
         if not any(model_dir.glob("*.safetensors")):
             return None  # the loader reports the missing weights

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rankcast import kernels
 from rankcast.model.arch import ArchConfig
+from rankcast.model.linear_kernels import choose_linear_path
 from rankcast.model.loader import load_model
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
@@ -41,10 +41,9 @@ def _runner(model_dir: Path, block_size: int = 4, num_blocks: int = 64) -> Model
 
 
 def decoder_stack_expected(dtype: torch.dtype) -> bool:
-    """The C++ decoder stack runs where the kernels are built with a packed linear for dtype
-    (AVX-512; AVX512-BF16 for bfloat16) and the CPU has no AMX (oneDNN's tiles win there)."""
-    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-    return kernels.load() and not amx and torch.ops.rankcast.packed_linear_supported(dtype)
+    """The C++ decoder stack runs wherever the model's linears take rankcast's packed kernel
+    (`choose_linear_path`: every x86 family with the kernels built, AMX included)."""
+    return choose_linear_path(dtype, torch.device("cpu")).kernel == "rankcast"
 
 
 def _reference(model_dir: Path):

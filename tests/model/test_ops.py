@@ -16,9 +16,11 @@ import torch.nn.functional as F
 
 from rankcast import kernels
 from rankcast.model import ops
+from rankcast.model.linear_kernels import CpuFacts, choose_linear_path, cpu_family
 from rankcast.model.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
+CPU = torch.device("cpu")
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -67,25 +69,36 @@ def test_silu_and_mul_matches_torch(
     )
 
 
-def _packed_or_skip(weight: torch.Tensor) -> ops.PackedWeight:
-    """The weight packed; only bfloat16 on a CPU that packs it nowhere (AVX2 without
-    AVX512-BF16, where oneDNN refuses it too) may come back unpacked, and is skipped."""
-    packed = ops.pack_linear_weight(weight)
+def _packed_or_skip(weight: torch.Tensor, kernel: str | None = None) -> ops.PackedWeight:
+    """The weight packed for `kernel`, by default the path chosen for its dtype here
+    (`choose_linear_path`); skipped only where that path is plain `F.linear` (bfloat16 on a CPU
+    where neither rankcast's kernel nor oneDNN packs it)."""
+    if kernel is None:
+        kernel = choose_linear_path(weight.dtype, CPU).kernel
+    packed = ops.pack_linear_weight(weight, kernel)
     if packed is None:
-        supported = torch.ops.rankcast.packed_linear_supported(weight.dtype)
-        assert weight.dtype == torch.bfloat16 and not supported and not ops.onednn_packs_bf16()
-        pytest.skip("no bfloat16 matmul kernel on this CPU: F.linear runs unpacked")
+        pytest.skip(f"the {weight.dtype} path here is plain F.linear: nothing is packed")
     return packed
 
 
-def test_float32_packs_for_rankcasts_kernel_on_avx2_and_avx512() -> None:
-    """Where the CPU has AVX2 and FMA (or AVX-512) the float32 linears run through rankcast's
-    own packed kernel, not oneDNN's (that kernel is what lets a step run as one C++ call)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        pytest.skip(f"CPU capability {capability}")
-    packed = ops.pack_linear_weight(torch.randn(32, 16))
-    assert packed is not None and packed.backend == "rankcast"
+def runnable_kernels(dtype: torch.dtype) -> list[str]:
+    """Every packed path this CPU and kernel build can run for `dtype`, chosen or not."""
+    facts = CpuFacts.of_this_machine()
+    paths = (("rankcast", facts.packed), ("onednn", facts.onednn))
+    return [kernel for kernel, able in paths if dtype in able]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_chosen_path_is_the_one_the_weights_are_packed_for(dtype: torch.dtype) -> None:
+    """On every x86 family with AVX2 and FMA the kernels are built with a float32 matmul, and
+    `auto` sends float32 linears (bfloat16 too, where the build multiplies it) to rankcast's
+    packed kernel, the batch-invariant one; the packed weight is the chosen kernel's."""
+    path = choose_linear_path(dtype, CPU)
+    if cpu_family() != "other" and dtype == torch.float32:
+        assert path.kernel == "rankcast" and path.batch_invariant, path
+    weight = torch.randn(32, 16).to(dtype)
+    packed = ops.pack_linear_weight(weight, path.kernel)
+    assert (packed.backend if packed is not None else "torch") == path.kernel
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,6 +107,7 @@ def test_float32_packs_for_rankcasts_kernel_on_avx2_and_avx512() -> None:
 def test_packed_linear_matches_f_linear(
     dtype: torch.dtype, rows: int, out_features: int, in_features: int
 ) -> None:
+    """Every packed path this CPU runs, the chosen one and the ones a setting forces."""
     # Row counts around the 6-row (AVX2) and 8-row (AVX-512) register tiles and the 32-row
     # block, widths with partial
     # panels, an odd K, and a K that spans several of the kernel's k-blocks.
@@ -101,13 +115,18 @@ def test_packed_linear_matches_f_linear(
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    packed = _packed_or_skip(weight)
     # Outputs reach ~sqrt(K) in size: float32 rounding of a sum that long is ~1e-5 absolute,
     # while a kernel that drops or repeats a k-block is off by whole units.
     tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else tolerance(dtype)
-    for b in (None, bias):
-        want = F.linear(x.double(), weight.double(), None if b is None else b.double())
-        torch.testing.assert_close(ops.packed_linear(x, packed, b).double(), want, **tol)
+    kernels_here = runnable_kernels(dtype)
+    if not kernels_here:
+        pytest.skip(f"nothing packs {dtype} on this CPU")
+    for kernel in kernels_here:
+        packed = _packed_or_skip(weight, kernel)
+        for b in (None, bias):
+            want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+            got = ops.packed_linear(x, packed, b).double()
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, k=kernel: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -119,11 +138,11 @@ def test_packing_over_the_weights_own_storage_gives_the_same_layout(
     pack lays it out; a shape whose packed form would not fit is refused, not corrupted."""
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(8))
     weight = weight.to(dtype)
-    copied = _packed_or_skip(weight)
-    if copied.backend != "rankcast":
-        pytest.skip("oneDNN packs here: it always makes a buffer of its own")
+    if "rankcast" not in runnable_kernels(dtype):
+        pytest.skip(f"no packed {dtype} kernel in this build")
+    copied = _packed_or_skip(weight, "rankcast")
     given_up = weight.clone()
-    in_place = ops.pack_linear_weight(given_up, reuse_storage=True)
+    in_place = ops.pack_linear_weight(given_up, "rankcast", reuse_storage=True)
     assert in_place is not None and in_place.tensor.data_ptr() == given_up.data_ptr()
     assert torch.equal(in_place.tensor, copied.tensor)
     x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(9)).to(dtype)
@@ -131,7 +150,7 @@ def test_packing_over_the_weights_own_storage_gives_the_same_layout(
     ragged = torch.randn(40, 64).to(dtype)
     with pytest.raises(RuntimeError, match="in place needs out % 16 == 0"):
         torch.ops.rankcast.pack_linear_weight_(ragged)
-    kept = ops.pack_linear_weight(ragged, reuse_storage=True)  # falls back to a copy
+    kept = ops.pack_linear_weight(ragged, "rankcast", reuse_storage=True)  # a copy instead
     assert kept is not None and kept.tensor.data_ptr() != ragged.data_ptr()
 
 
@@ -143,7 +162,9 @@ def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(200, 301, generator=gen).to(dtype)
     x = torch.randn(70, 301, generator=gen).to(dtype)
-    packed = _packed_or_skip(weight)
+    if "rankcast" not in runnable_kernels(dtype):
+        pytest.skip(f"no packed {dtype} kernel in this build")
+    packed = _packed_or_skip(weight, "rankcast")
     batch = ops.packed_linear(x, packed, None)
     for row in (0, 9, 63, 64, 69):
         alone = ops.packed_linear(x[row : row + 1].contiguous(), packed, None)

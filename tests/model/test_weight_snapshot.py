@@ -14,21 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from rankcast import kernels
 from rankcast.config import ConfigError, ModelConfig
 from rankcast.distributed import TensorParallelGroup
 from rankcast.model.arch import ArchConfig
 from rankcast.model.layers import PackedLinearMixin
+from rankcast.model.linear_kernels import CpuFacts, choose_linear_path
 from rankcast.model.llama import LlamaForCausalLM
 from rankcast.model.loader import load_model
 from rankcast.model.weight_snapshot import WeightSnapshot, prune_stale_snapshots
 from tests.conftest import write_tiny_model
 
-pytestmark = pytest.mark.skipif(
-    not kernels.load(), reason="snapshots hold the layout of rankcast's packed kernels"
-)
-
 CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(
+    choose_linear_path(torch.float32, CPU).kernel != "rankcast",
+    reason="snapshots hold the layout of rankcast's packed kernel, not built here",
+)
 MAPPED = "weights mapped from"
 
 
@@ -76,8 +77,11 @@ def _load(
     dtype: torch.dtype = torch.float32,
     keep_plain_weights: bool = False,
     weight_snapshots: bool = True,
+    linear_kernel: str = "auto",
 ) -> LlamaForCausalLM:
     """Load as an engine's rank does (snapshots on, unless told otherwise)."""
+    if choose_linear_path(dtype, CPU).kernel != "rankcast":
+        pytest.skip(f"{dtype} linears do not take rankcast's packed kernel here")
     arch = ArchConfig.from_model_dir(model_dir)
     return load_model(
         model_dir,
@@ -86,6 +90,7 @@ def _load(
         CPU,
         keep_plain_weights=keep_plain_weights,
         weight_snapshots=weight_snapshots,
+        linear_kernel=linear_kernel,
     )
 
 
@@ -106,7 +111,7 @@ def _computed(model: LlamaForCausalLM) -> torch.Tensor:
 
 
 def _snapshot_of(model_dir: Path, dtype: torch.dtype = torch.float32) -> WeightSnapshot:
-    snapshot = WeightSnapshot.for_rank(model_dir, dtype, CPU, None, None)
+    snapshot = WeightSnapshot.for_rank(model_dir, dtype, CPU, None, None, "rankcast")
     assert snapshot is not None
     return snapshot
 
@@ -143,7 +148,7 @@ def test_a_tensor_parallel_shard_has_a_snapshot_of_its_own(tmp_path: Path, cache
     paths = set()
     for tp in ranks:
         loaded = load_model(model_dir, arch, torch.float32, CPU, tp=tp, weight_snapshots=True)
-        snapshot = WeightSnapshot.for_rank(model_dir, torch.float32, CPU, tp, None)
+        snapshot = WeightSnapshot.for_rank(model_dir, torch.float32, CPU, tp, None, "rankcast")
         assert snapshot is not None
         _wait_for_snapshot(snapshot)
         paths.add(snapshot.path)
@@ -277,3 +282,35 @@ def _dead_pid() -> int:
     code = "import os; print(os.getpid())"
     child = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return int(child.stdout)
+
+
+def test_the_path_is_chosen_by_the_setting_never_by_what_the_cache_holds(
+    tmp_path: Path, cache: Path
+) -> None:
+    """A start forced onto oneDNN (RANKCAST_LINEAR_KERNEL=onednn) neither maps the packed
+    snapshot an earlier start left nor writes one: its linears run what was chosen."""
+    if torch.float32 not in CpuFacts.of_this_machine().onednn:
+        pytest.skip("oneDNN cannot pack float32 here")
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=250)
+    _load(model_dir)
+    snapshot = _snapshot_of(model_dir)
+    _wait_for_snapshot(snapshot)
+    written = snapshot.path.stat().st_mtime_ns
+    with captured("rankcast.model.loader") as log:
+        forced = _load(model_dir, linear_kernel="onednn")
+    assert MAPPED not in log.text
+    backends = {m.packed_weight.backend for m in forced.modules() if _packed(m)}
+    assert backends == {"onednn"}
+    for thread in threading.enumerate():
+        if thread.name == "weight-snapshot":
+            thread.join()
+    assert snapshot.path.stat().st_mtime_ns == written
+    reference = _load(model_dir, keep_plain_weights=True)
+    torch.testing.assert_close(_computed(forced), _computed(reference), atol=1e-4, rtol=1e-5)
+    with captured("rankcast.model.loader") as log:
+        _load(model_dir)  # back on auto: the snapshot is still there to map
+    assert f"{MAPPED} {snapshot.path}" in log.text
+
+
+def _packed(module: torch.nn.Module) -> bool:
+    return isinstance(module, PackedLinearMixin) and module.packed_weight is not None

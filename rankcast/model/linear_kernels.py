@@ -1,0 +1,159 @@
+"""Which matmul every linear layer of a model runs: the one place that choice is made.
+
+A linear can run through rankcast's packed kernel (csrc/gemm.cpp), oneDNN's prepacked matmul,
+or plain `F.linear`. The choice is made once per model (per dtype and device), from what the CPU
+and the kernel build can do and the engine's `RANKCAST_LINEAR_KERNEL`; never per step and never
+from what a cache holds, because two rules depend on it:
+
+- **Batch invariance.** rankcast's packed kernel sums every output in the same order whatever
+  the number of rows (tiles and row blocks only change the order of work), so a request's
+  logits are bitwise the same alone, in any batch, chunked, or after a cached prefix. oneDNN and
+  the BLAS behind `F.linear` choose their blocking, and so their order of summation, by the
+  number of rows: the same request gives other bits in another batch (measured on an AMX Xeon:
+  8 of 12 greedy chats changed text between a batch of 32 and running alone). A kernel chosen per
+  batch size would break it the same way, so the choice is per model.
+- **Warm starts.** A weight snapshot holds rankcast's packed layout; it is used only where the
+  packed kernel is the chosen path (`weight_snapshot.py`), so a start's path never depends on
+  what an earlier start left in the cache.
+
+`auto` is rankcast's kernel wherever it is built for the dtype: every x86 family with AVX2 and FMA
+(AVX2 only, AVX-512 without BF16, AVX512-BF16, AMX); `docs/cpu-paths.md` has the table with the
+measurements behind it. On AMX CPUs oneDNN's tiles are faster for batches of many rows (the
+price of invariance there until rankcast has an AMX kernel of its own):
+`RANKCAST_LINEAR_KERNEL=onednn` chooses them for a deployment that wants that throughput and
+accepts batch-dependent results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rankcast import kernels
+
+LINEAR_KERNELS = ("auto", "rankcast", "onednn", "torch")
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """What the choice depends on, gathered once: the CPU's family, whether this kernel build
+    has a packed matmul for each dtype, and whether oneDNN can pack each dtype here."""
+
+    family: str  # "amx", "avx512-bf16", "avx512", "avx2" or "other" (see `cpu_family`)
+    packed: frozenset[torch.dtype]  # dtypes rankcast's loaded kernel build multiplies
+    onednn: frozenset[torch.dtype]  # dtypes oneDNN packs on this CPU
+
+    @classmethod
+    def of_this_machine(cls) -> CpuFacts:
+        dtypes = (torch.float32, torch.bfloat16)
+        packed: frozenset[torch.dtype] = frozenset()
+        if kernels.load():
+            supported: Callable[[torch.dtype], bool] = torch.ops.rankcast.packed_linear_supported
+            packed = frozenset(d for d in dtypes if supported(d))
+        mkldnn_available: Callable[[], bool] = torch.backends.mkldnn.is_available
+        onednn: frozenset[torch.dtype] = frozenset()
+        if mkldnn_available():
+            onednn = frozenset(d for d in dtypes if d == torch.float32 or onednn_packs_bf16())
+        return cls(cpu_family(), packed, onednn)
+
+
+@dataclass(frozen=True)
+class LinearPath:
+    """The chosen path: which kernel, whether a request's results are then independent of the
+    batch it runs in, and why it was chosen (for the start-up log)."""
+
+    kernel: str  # "rankcast", "onednn" or "torch"
+    batch_invariant: bool
+    reason: str
+
+    def describe(self) -> str:
+        invariant = "batch-invariant" if self.batch_invariant else "NOT batch-invariant"
+        return f"{self.kernel} ({invariant}: {self.reason})"
+
+
+def onednn_packs_bf16() -> bool:
+    """oneDNN packs bfloat16 weights only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; asked for
+    bfloat16 on an AVX2-only CPU it refuses, and plain `F.linear` runs instead."""
+    supported: Callable[[], bool] = torch.ops.mkldnn._is_mkldnn_bf16_supported
+    return bool(supported())
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (empty where /proc/cpuinfo is not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_family(flags: frozenset[str] | None = None) -> str:
+    """The x86 family, by the instructions that decide the matmul paths: AMX tiles,
+    AVX512-BF16 dot products, AVX-512 without them, AVX2 with FMA, or none of these."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags and "amx_tile" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    if "avx512f" in flags and "avx512bw" in flags:
+        return "avx512"
+    if "avx2" in flags and "fma" in flags:
+        return "avx2"
+    return "other"
+
+
+def choose_linear_path(
+    dtype: torch.dtype,
+    device: torch.device,
+    setting: str = "auto",
+    facts: CpuFacts | None = None,
+) -> LinearPath:
+    """The path every linear of a `dtype` model on `device` takes, under the engine's
+    `RANKCAST_LINEAR_KERNEL` (`setting`). Raises ValueError naming the variable where a forced
+    path cannot run here. `facts` defaults to this machine's (tests pass other families')."""
+    if setting not in LINEAR_KERNELS:
+        raise ValueError(f"RANKCAST_LINEAR_KERNEL must be one of {LINEAR_KERNELS}, got {setting!r}")
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        if setting not in ("auto", "torch"):
+            raise ValueError(
+                f"RANKCAST_LINEAR_KERNEL={setting} runs on the CPU in float32 or bfloat16 only, "
+                f"not {device.type} {dtype}"
+            )
+        return LinearPath("torch", False, f"F.linear on {device.type} {dtype}")
+    facts = CpuFacts.of_this_machine() if facts is None else facts
+    name = str(dtype).removeprefix("torch.")
+    if setting == "torch":
+        return LinearPath("torch", False, "forced by RANKCAST_LINEAR_KERNEL")
+    if setting == "onednn":
+        if dtype not in facts.onednn:
+            raise ValueError(
+                f"RANKCAST_LINEAR_KERNEL=onednn: oneDNN cannot pack {name} weights on this CPU"
+            )
+        return LinearPath("onednn", False, "forced by RANKCAST_LINEAR_KERNEL")
+    if dtype in facts.packed:
+        why = "forced by RANKCAST_LINEAR_KERNEL" if setting == "rankcast" else _WHY[facts.family]
+        return LinearPath("rankcast", True, why)
+    if setting == "rankcast":
+        raise ValueError(
+            f"RANKCAST_LINEAR_KERNEL=rankcast: this kernel build has no packed {name} matmul "
+            "(kernels off or not built, or a CPU without AVX2 and FMA)"
+        )
+    if dtype in facts.onednn:
+        return LinearPath("onednn", False, f"no packed {name} kernel in this build")
+    return LinearPath("torch", False, f"neither rankcast's kernel nor oneDNN packs {name} here")
+
+
+_WHY = {
+    "amx": "few-row decode reads the weights at ~93 % of the memory bandwidth (oneDNN's tiles "
+    "~48 %) and sums in one order for every batch size",
+    "avx512-bf16": "faster than oneDNN at every batch size measured (1.2-2.6x at decode sizes)",
+    "avx512": "the same kernel as AVX512-BF16 CPUs, bfloat16 widened to float32 in registers",
+    "avx2": "float32 FMAs over panels of two ymm registers; bfloat16 widened in registers",
+    "other": "built for this CPU",
+}

@@ -7,7 +7,9 @@ run on (`-march=native`), so each build is keyed by its sources, the torch versi
 feature flags: a checkout shared by different machines never loads a foreign build.
 
 Without a built library (or with `RANKCAST_KERNELS=off`) the model runs its plain-torch path,
-which is also what CUDA uses; `python -m rankcast.kernels.build` builds it.
+which is also what CUDA uses; `python -m rankcast.kernels.build` builds it. With
+`RANKCAST_KERNELS_ISA=avx512` or `avx2` a build leaves out this CPU's newer instructions, so one
+machine can build and test the code other CPU families run (each such build is keyed apart).
 """
 
 from __future__ import annotations
@@ -28,6 +30,28 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 LIBRARY_NAME = "rankcast_kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
+# RANKCAST_KERNELS_ISA below `native`: what -march=native is narrowed by, so that this CPU builds
+# (and the tests run) the code another family gets. Each level needs the flags it keeps.
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # (flags the CPU must have, compiler flags added)
+    "native": ((), ()),
+    "avx512": (("avx512f", "avx512bw"), ("-mno-avx512bf16", "-mno-avx512fp16", *_NO_AMX)),
+    "avx2": (("avx2", "fma"), ("-mno-avx512f", "-mno-avx512bf16", "-mno-avx512fp16", *_NO_AMX)),
+}
+
+
+def cflags(isa: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of the build for RANKCAST_KERNELS_ISA (`isa`, default the
+    environment's)."""
+    return CFLAGS + ISA_LEVELS[envs.kernels_isa() if isa is None else isa][1]
+
+
+def isa_runs_here(isa: str) -> bool:
+    """Whether this CPU has every instruction a build for `isa` may use."""
+    needed = ISA_LEVELS[isa][0]
+    flags = set(cpu_fingerprint().split())
+    return all(flag in flags for flag in needed)
 
 
 def sources() -> list[Path]:
@@ -50,7 +74,7 @@ def build_key() -> str:
     for path in sorted(SOURCE_DIR.iterdir()):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    for part in (torch.__version__, " ".join(CFLAGS), " ".join(LDFLAGS), cpu_fingerprint()):
+    for part in (torch.__version__, " ".join(cflags()), " ".join(LDFLAGS), cpu_fingerprint()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -94,6 +118,9 @@ def load(mode: str | None = None) -> bool:
 def _load(mode: str) -> bool:
     if mode == "off":
         return False
+    isa = envs.kernels_isa()
+    if not isa_runs_here(isa):
+        raise RuntimeError(f"RANKCAST_KERNELS_ISA={isa}: this CPU lacks what such a build uses")
     path = library_path()
     if not path.exists():
         message = (

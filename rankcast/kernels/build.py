@@ -13,13 +13,16 @@ import sys
 import time
 from pathlib import Path
 
-from rankcast import kernels
+from rankcast import envs, kernels
 
 
 def build(force: bool = False, verbose: bool = False) -> Path:
     target = kernels.library_path()
     if target.exists() and not force:
         return target
+    isa = envs.kernels_isa()
+    if not kernels.isa_runs_here(isa):
+        raise SystemExit(f"RANKCAST_KERNELS_ISA={isa}: this CPU lacks what such a build uses")
     from torch.utils import cpp_extension
 
     # ninja comes with the virtual environment; put it on PATH even when the venv is not active.
@@ -32,7 +35,7 @@ def build(force: bool = False, verbose: bool = False) -> Path:
     built = cpp_extension.load(
         name=kernels.LIBRARY_NAME,
         sources=[str(path) for path in kernels.sources()],
-        extra_cflags=list(kernels.CFLAGS),
+        extra_cflags=list(kernels.cflags()),
         extra_ldflags=list(kernels.LDFLAGS),
         build_directory=str(work),
         is_python_module=False,

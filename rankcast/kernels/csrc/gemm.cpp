@@ -8,16 +8,19 @@
 // it is in cache and the next group prefetched meanwhile.
 //
 // Packed layouts (N rounded up to whole panels of 16 output columns, zero-filled):
-//   bfloat16: [N/16][K/2][16][2]  pairs of consecutive k for one column, as VDPBF16PS reads them
+//   bfloat16 with AVX512-BF16: [N/16][K/2][16][2]  pairs of consecutive k for one column, as
+//                              VDPBF16PS reads them
 //   float32:  [N/16][K][16]
-//   bfloat16 on AVX2: [N/16][K][16]  as float32's, at half the bytes
+//   bfloat16 without AVX512-BF16: [N/16][K][16]  as float32's, at half the bytes
 // The float32 path runs on AVX-512, or on AVX2 with FMA through tiles of two-ymm panels (same
-// layout, same driver). bfloat16 runs on AVX512-BF16 through VDPBF16PS, or on AVX2 by widening
-// each weight to float32 in registers (exact) and multiplying rows converted to float32 once
-// per call (exact too): float32 FMAs, products and sums rounded as float32's are, the output
-// rounded once to bfloat16. Half the weight bytes of float32 is what a decode step's memory
-// stream needs; AVX2-only CPUs have no bfloat16 arithmetic to do better. Elsewhere
-// `gemm_supported()` is false and the model keeps oneDNN's path.
+// layout, same driver). bfloat16 runs on AVX512-BF16 through VDPBF16PS; on AVX-512 without it
+// (Skylake-SP to Ice Lake) and on AVX2, by widening each weight to float32 in registers (exact)
+// and multiplying rows converted to float32 once per call (exact too): float32 FMAs, products
+// and sums rounded as float32's are, the output rounded once to bfloat16. Half the weight bytes
+// of float32 is what a decode step's memory stream needs; those CPUs have no bfloat16
+// arithmetic to do better. Elsewhere `gemm_supported()` is false and the model keeps oneDNN's
+// path. Whatever the path, every output sums k in one order for any number of rows, so a row's
+// bits never depend on the rows beside it (batch invariance, docs/cpu-paths.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -25,6 +28,7 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -34,13 +38,23 @@
 namespace rankcast {
 
 bool gemm_supported(at::ScalarType dtype) {
-#if defined(__AVX512BF16__) || RANKCAST_SIMD_BITS == 256
-  if (dtype == at::kBFloat16) return true;
-#endif
 #if RANKCAST_SIMD_BITS >= 256
-  if (dtype == at::kFloat) return true;
+  if (dtype == at::kBFloat16 || dtype == at::kFloat) return true;
 #endif
+  (void)dtype;
   return false;
+}
+
+std::string build_isa() {
+#if defined(__AVX512BF16__)
+  return "avx512-bf16";
+#elif RANKCAST_SIMD_BITS == 512
+  return "avx512";
+#elif RANKCAST_SIMD_BITS == 256
+  return "avx2";
+#else
+  return "other";
+#endif
 }
 
 #if RANKCAST_SIMD_BITS >= 256
@@ -128,8 +142,12 @@ inline void tile_bf16(const bf16* a, int64_t lda, const bf16* b, int64_t panel_e
 #endif
 
 #if RANKCAST_SIMD_BITS == 512
-template <int MR, int NR, bool Next, typename Out>
-inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t panel_elems, int64_t k,
+// 16 consecutive weights of one k as float32 lanes (bfloat16 widened exactly).
+inline __m512 load_panel_row(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 load_panel_row(const bf16* src) { return load16(src).v; }
+
+template <int MR, int NR, bool Next, typename Out, typename W>
+inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elems, int64_t k,
                      Out* c, int64_t ldc, const float* bias, int last_cols, bool prefetch,
                      NextGroup next) {
   const int per_step = lines_per_step(next, k);
@@ -140,9 +158,9 @@ inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t panel_
     if constexpr (Next) prefetch_next(next, kk, per_step);
     __m512 bv[NR];
     for (int j = 0; j < NR; ++j) {
-      const float* src = b + j * panel_elems + kk * kPanel;
+      const W* src = b + j * panel_elems + kk * kPanel;
       if (prefetch) prefetch_ahead(src);
-      bv[j] = _mm512_loadu_ps(src);
+      bv[j] = load_panel_row(src);
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 av = _mm512_set1_ps(a[i * lda + kk]);
@@ -271,11 +289,7 @@ struct Tiles {
   template <int MR, int NR>
   static constexpr Fn pick() {
     if constexpr (std::is_same_v<In, float>) {
-#if RANKCAST_SIMD_BITS == 512
-      return &tile_f32<MR, NR, Next, Out>;
-#else
       return &tile_f32<MR, NR, Next, Out, W>;
-#endif
     } else {
 #if defined(__AVX512BF16__)
       return &tile_bf16<MR, NR, Next, Out>;
@@ -397,6 +411,13 @@ void packed_linear_impl(const In* x, int64_t m, int64_t lda, const W* packed, in
 
 namespace {
 
+// Whether bfloat16 weights are packed in pairs of k, as VDPBF16PS reads them.
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Pairs = true;
+#else
+constexpr bool kBf16Pairs = false;
+#endif
+
 // One panel of 16 output rows of `w` ([n, k], row-major) written in the packed order: for each
 // group of `pair` consecutive k (1, or 2 for VDPBF16PS), the 16 rows' groups side by side. Rows
 // past n and the odd k's partner are zeros. Each row is read once, in order, and scattered into
@@ -429,9 +450,9 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t panels = (n + 15) / 16;
   const at::Tensor w = weight.contiguous();
-  // bfloat16 on AVX-512 is read by VDPBF16PS in pairs of k: [panels, k/2, 16, 2]; float32, and
-  // bfloat16 on AVX2, are [panels, k, 16].
-  const bool pairs = weight.scalar_type() == at::kBFloat16 && RANKCAST_SIMD_BITS == 512;
+  // bfloat16 with AVX512-BF16 is read by VDPBF16PS in pairs of k: [panels, k/2, 16, 2];
+  // float32, and bfloat16 without it, are [panels, k, 16].
+  const bool pairs = weight.scalar_type() == at::kBFloat16 && kBf16Pairs;
   const int pair = pairs ? 2 : 1;
   at::Tensor packed = pairs ? at::empty({panels, (k + 1) / 2, 16, 2}, w.options())
                             : at::empty({panels, k, 16}, w.options());
@@ -463,7 +484,7 @@ at::Tensor pack_linear_weight_(at::Tensor& weight) {
   TORCH_CHECK(n % 16 == 0 && k % 2 == 0,
               "pack_linear_weight_: in place needs out % 16 == 0 and an even in, got [", n, ", ",
               k, "]");
-  const bool pairs = weight.scalar_type() == at::kBFloat16 && RANKCAST_SIMD_BITS == 512;
+  const bool pairs = weight.scalar_type() == at::kBFloat16 && kBf16Pairs;
   const int pair = pairs ? 2 : 1;
   const int64_t panels = n / 16, panel_elems = 16 * k;
   const int64_t panel_bytes = panel_elems * weight.element_size();
@@ -516,7 +537,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                                          packed.data_ptr<bf16>(), n, kp, panel_elems, bias_ptr,
                                          y.data_ptr<bf16>());
     return y;
-#elif RANKCAST_SIMD_BITS == 256
+#else
     TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
     const at::Tensor a = x.to(at::kFloat);  // exact; a few rows, converted once for every tile
     packed_linear_impl<float, bf16, bf16>(a.data_ptr<float>(), m, a.stride(0),

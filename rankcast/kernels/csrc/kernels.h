@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace rankcast {
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -22,6 +24,9 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::T
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& token_slots, at::TensorList a,
               at::TensorList b, at::IntArrayRef out_offsets, int64_t rank);
 bool gemm_supported(at::ScalarType dtype);
+// The instruction set this build's matmul was compiled for: "avx512-bf16", "avx512", "avx2" or
+// "other" (no AMX kernel yet: an AMX CPU's build is "avx512-bf16"; docs/cpu-paths.md).
+std::string build_isa();
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor pack_linear_weight_(at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,

@@ -61,6 +61,7 @@ TORCH_LIBRARY(rankcast, m) {
   m.def("pack_linear_weight_(Tensor(a!) weight) -> Tensor(a!)");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("packed_linear_supported(ScalarType dtype) -> bool", &gemm_supported);
+  m.def("build_isa() -> str", &build_isa);
   m.def("bind_threads(int[] cpus) -> int", &bind_threads);
   register_decoder_stack(m);
 }

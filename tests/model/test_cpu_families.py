@@ -1,0 +1,69 @@
+"""The kernel builds other CPU families get, built and tested on this one.
+
+A machine of a newer family also runs the instructions of the older ones, so the kernels are
+built again without this CPU's newer instructions (`RANKCAST_KERNELS_ISA`, one build each, keyed
+apart) and the matmul, attention and batch-invariance tests run on that build in a process of
+their own (a process loads one kernel library). A Zen 4/5 or Xeon tests the AVX-512 without BF16
+family (Skylake-SP to Ice Lake) and the AVX2 one (Zen 2/3, Haswell); a Zen 3 only its own. AMX
+has no build of its own: an AMX CPU runs the AVX512-BF16 build (docs/cpu-paths.md).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rankcast import kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+# What each family's build must pass: the kernels against torch and their bitwise properties,
+# the decoder against transformers, and the model-level invariance property on the tiny model.
+TESTS = [
+    "tests/model/test_ops.py",
+    "tests/model/test_llama_logits.py",
+    "tests/model/test_batch_invariance.py::test_the_tiny_models_logits_do_not_depend_on_the_batch",
+]
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_another_familys_build_passes_the_kernel_tests_here(isa: str) -> None:
+    if not kernels.isa_runs_here(isa):
+        pytest.skip(f"this CPU cannot run a {isa} build")
+    env = {**os.environ, "RANKCAST_KERNELS_ISA": isa, "RANKCAST_KERNELS": "require"}
+    build = subprocess.run(
+        [sys.executable, "-m", "rankcast.kernels.build"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch; from rankcast import kernels; kernels.load(); "
+            "print(torch.ops.rankcast.build_isa())",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.stdout.strip() == isa, probe.stdout + probe.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout

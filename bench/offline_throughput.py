@@ -68,15 +68,34 @@ def bench_rankcast(dtype: str, chats: list[Chat], tokens: int, runs: int) -> dic
 
     single = [rate(chats[:1]) for _ in range(runs)]
     batch = [rate(chats) for _ in range(runs)]
-    resolved = str(llm.engine.client.core.executor.worker.dtype).replace("torch.", "")
+    worker = llm.engine.client.core.executor.worker
+    resolved = str(worker.dtype).replace("torch.", "")
+    paths = linear_paths(worker.runner.model)
     llm.shutdown()
     return {
         "dtype": resolved,
+        "linear_paths": paths,
         "batch_tokens_per_s": statistics.median(batch),
         "single_tokens_per_s": statistics.median(single),
         "batch_runs": batch,
         "single_runs": single,
     }
+
+
+def linear_paths(model: torch.nn.Module) -> dict[str, str]:
+    """Which matmul each linear shape ([out, in] of this rank's shard) took, and the kernel
+    build's instruction set (docs/cpu-paths.md)."""
+    from rankcast import kernels
+    from rankcast.model.layers import packed_linears
+
+    paths = {}
+    for _, module, _ in packed_linears(model):
+        out_features, in_features = module.weight.shape
+        packed = module.packed_weight
+        paths[f"{out_features}x{in_features}"] = packed.backend if packed is not None else "torch"
+    if kernels.load():
+        paths["kernel build"] = str(torch.ops.rankcast.build_isa())
+    return paths
 
 
 def bench_transformers(dtype: str, chats: list[Chat], tokens: int) -> dict[str, Any]:
@@ -185,6 +204,11 @@ def main() -> None:
     print(f"\n{describe(machine)}")
     print(f"workload: {len(chats)} prompts x {tokens} tokens, greedy, ignore_eos\n")
     print_table(rows, anchors)
+    print("\nlinear paths ([out x in]: kernel):")
+    for name, row in rows.items():
+        if "linear_paths" in row:
+            shown = ", ".join(f"{shape} {path}" for shape, path in row["linear_paths"].items())
+            print(f"  {name}: {shown}")
     if not args.skip_start:
         with tempfile.TemporaryDirectory() as empty_cache:
             cold = time_start(empty_cache)

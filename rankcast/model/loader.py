@@ -64,6 +64,7 @@ def load_model(
     engine's RANKCAST_LINEAR_KERNEL: every linear takes the path `choose_linear_path` makes of
     it, whatever a snapshot holds (one of another path is not used)."""
     path = choose_linear_path(dtype, device, linear_kernel)
+    logger.info("%s linears run %s", dtype, path.describe())
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -16,7 +16,6 @@ from rankcast import kernels, platform
 from rankcast.config import EngineConfig
 from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.model.arch import ArchConfig
-from rankcast.model.linear_kernels import choose_linear_path
 from rankcast.model.loader import load_model
 from rankcast.model.source import ModelSource
 from rankcast.notifications import WEIGHTS_LOADED_KEY, CustomNotification, WorkerNotification
@@ -113,8 +112,6 @@ class Worker:
             weight_snapshots=self.config.model.weight_snapshots,
             linear_kernel=self.config.parallel.linear_kernel,
         )
-        path = choose_linear_path(self.dtype, self.device, self.config.parallel.linear_kernel)
-        logger.info("rank %d: %s linears run %s", self.rank, self.dtype, path.describe())
         grammars = GrammarMatchers(self.source.model_dir, arch.vocab_size, arch.eos_token_ids)
         self.runner = ModelRunner(
             model, arch, self.config.cache.block_size, self.device, self.dtype, grammars

@@ -9,8 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from rankcast.notifications import CustomNotification
-from rankcast.worker.notification_buffer import publish_worker_notification
+from rankcast.channel.events import CustomNotification
 
 
 class EventLoad:
@@ -42,9 +41,7 @@ class EventLoad:
                 began = time.thread_time()
                 while sent < due:
                     if publish:
-                        publish_worker_notification(
-                            CustomNotification(key=key, payload={"i": sent, "rank": self.rank})
-                        )
+                        publish(CustomNotification(key=key, payload={"i": sent, "rank": self.rank}))
                     sent += 1
                 spent[0] += time.thread_time() - began
                 time.sleep(0.005)

@@ -86,7 +86,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_space_gib: float | None = None
     num_blocks: int | None = None
-    # Reuse the K/V of full blocks another request already computed (engine/block_manager.py).
+    # Reuse the K/V of full blocks another request already computed
+    # (rankcast/engine_core/block_manager.py).
     enable_prefix_caching: bool = True
     # Publish block stored/removed/cleared events through the notification channel.
     kv_events: bool = False

@@ -31,7 +31,7 @@ def packed_bf16_kernel() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` means bfloat16 where it is the faster path, float32 elsewhere (the README's table).
+    """`auto` means bfloat16 where it is the faster path, float32 elsewhere (docs/speed.md's table).
 
     With AMX or AVX512-BF16 the hardware multiplies bfloat16 itself. On AVX2-only CPUs
     rankcast's kernel reads bfloat16 weights (half float32's bytes) and computes in float32:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from rankcast.notifications import WorkerNotification
+from rankcast.channel.events import NotificationLedgerState, WorkerNotification
 from rankcast.sampling_params import SamplingParams
 
 
@@ -176,34 +176,6 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
 
 
 # ---- the catch-up snapshot: one declared struct per section ----
-
-
-class NotificationTotal(msgspec.Struct, array_like=True):
-    """How many notifications of one type (and, for `custom`, one key) have left the engine."""
-
-    type: str
-    key: str
-    count: int
-
-
-class RankCount(msgspec.Struct, array_like=True):
-    rank: int
-    count: int
-
-
-class RankWeightsLoaded(msgspec.Struct, array_like=True):
-    """A rank's last `rankcast.weights_loaded` payload (bytes, seconds)."""
-
-    rank: int
-    payload: dict[str, Any]
-
-
-class NotificationLedgerState(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The channel's own totals: what every API server's notification counters start from."""
-
-    totals: list[NotificationTotal] = msgspec.field(default_factory=list)
-    dropped: list[RankCount] = msgspec.field(default_factory=list)
-    weights_loaded: list[RankWeightsLoaded] = msgspec.field(default_factory=list)
 
 
 class RankTier(msgspec.Struct, array_like=True):

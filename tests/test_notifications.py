@@ -10,10 +10,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rankcast.engine.notification_decoder import NotificationDecoder
-from rankcast.notifications import CustomNotification, Notification, NotificationsDropped
+from rankcast.channel.buffer import NotificationBuffer
+from rankcast.channel.decoder import NotificationDecoder
+from rankcast.channel.doorbell import Doorbell
+from rankcast.channel.events import CustomNotification, Notification, NotificationsDropped
 from rankcast.protocol import EngineCoreMessage, EngineCoreOutputs
-from rankcast.worker.notification_buffer import Doorbell, NotificationBuffer
 
 WIRE = Path(__file__).parent / "fixtures" / "wire"
 
@@ -81,7 +82,7 @@ def test_overflow_drops_the_oldest_reports_the_gap_first_and_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     buffer = NotificationBuffer(capacity=3)
-    with caplog.at_level(logging.WARNING, logger="rankcast.worker.notification_buffer"):
+    with caplog.at_level(logging.WARNING, logger="rankcast.channel.buffer"):
         for i in range(5):
             buffer.publish(_event(i))
         first = buffer.take()
@@ -169,3 +170,29 @@ def test_wire_fixture_notifications_decode_to_their_types() -> None:
         1,
         0,
     )
+
+
+def test_the_producer_api_is_one_import_and_the_old_names_still_work_with_a_warning() -> None:
+    """`from rankcast.channel import publish` is the producer's API; the two earlier homes of
+    `publish_worker_notification` keep working for one release, each with a warning naming
+    the new import, and publish into the same buffer."""
+    import rankcast.channel
+    import rankcast.notifications
+    import rankcast.worker.notification_buffer
+
+    buffer = NotificationBuffer()
+    with buffer.current():
+        rankcast.channel.publish(_event(0))
+        with pytest.warns(DeprecationWarning, match=r"from rankcast.channel import publish"):
+            old_publish = rankcast.worker.notification_buffer.publish_worker_notification
+        old_publish(_event(1))
+        with pytest.warns(DeprecationWarning, match=r"from rankcast.channel import publish"):
+            older_publish = rankcast.notifications.publish_worker_notification
+        older_publish(_event(2))
+    with pytest.warns(DeprecationWarning, match=r"rankcast.channel"):
+        assert rankcast.notifications.CustomNotification is CustomNotification
+    taken = buffer.take()
+    assert taken is not None
+    assert [n.payload["i"] for n in taken] == [0, 1, 2]  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        rankcast.notifications.nothing_here  # noqa: B018

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rankcast.notifications import AnyNotification, CustomNotification, LoRAAdapterEvicted
+from rankcast.channel.events import AnyNotification, CustomNotification, LoRAAdapterEvicted
 from rankcast.protocol import (
     PROTOCOL_VERSION,
     AbortRequests,

@@ -2,8 +2,8 @@
 (a rank's is rankcast/worker/rank_entry.py, for the same reasons).
 
 A spawned child first imports the module its target lives in. Were the targets the functions
-in `engine/core_proc.py` or `openai/api_server.py` themselves, the launcher would have to import
-those (torch; FastAPI and uvicorn) to name them, and an engine core would import the API
+in `engine_core/core_proc.py` or `openai/api_server.py` themselves, the launcher would have to
+import those (torch; FastAPI and uvicorn) to name them, and an engine core would import the API
 server's modules too, since the launcher's module did: ~0.8 s each, before the child could start
 its real work. Here each child imports only what it runs, with the garbage collector paused
 (rankcast/startup_gc.py: ~0.3 s of torch's import). Each also registers its TeardownSkip
@@ -19,10 +19,10 @@ from rankcast.startup_gc import collector_paused
 
 
 def engine_core_process(*args: Any) -> None:
-    """`rankcast.engine.core_proc.run_engine_core` in this process."""
+    """`rankcast.engine_core.core_proc.run_engine_core` in this process."""
     teardown = TeardownSkip()
     with collector_paused():
-        from rankcast.engine.core_proc import run_engine_core
+        from rankcast.engine_core.core_proc import run_engine_core
 
     run_engine_core(*args)
     teardown.finished()

@@ -3,7 +3,7 @@
 Every flag is one `Flag` in `FLAGS`: its name, the option it sets and its help. Its default and
 its type come from that option's dataclass field (`EngineConfig`'s sections, `ServeConfig`,
 `ChatArgs`), so a default is written in one place only. The argparse parsers, the keyword
-arguments handed to `EngineConfig.from_kwargs` and the README's flag table
+arguments handed to `EngineConfig.from_kwargs` and the flag table of docs/flags.md
 (`--markdown-flags`) are all generated from `FLAGS`.
 """
 
@@ -285,7 +285,7 @@ FLAGS: tuple[Flag, ...] = (
 
 @dataclass(frozen=True)
 class _Option:
-    """What a flag's field declares: where it lives (for the README), its default, its type."""
+    """What a flag's field declares: where it lives (for docs/flags.md), its default, its type."""
 
     owner: str
     default: Any
@@ -388,7 +388,7 @@ def render_default(flag: Flag) -> str:
 
 
 def flags_for(command: Command) -> list[Flag]:
-    """The flags `command` takes, in `FLAGS` order (the order of --help and of the README)."""
+    """The flags `command` takes, in `FLAGS` order (the order of --help and of docs/flags.md)."""
     return [flag for flag in FLAGS if command in flag.commands]
 
 
@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--markdown-flags",
         action=_PrintFlagTable,
-        help="print the README's table of flags (Markdown) and exit",
+        help="print docs/flags.md's table of flags (Markdown) and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     helps: dict[Command, str] = {
@@ -438,7 +438,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def flag_table_markdown() -> str:
-    """The README's table of flags; `tests/entrypoints/test_cli_flags.py` keeps the two equal."""
+    """The flag table of docs/flags.md (tests/entrypoints/test_cli_flags.py keeps the two equal)."""
     rows = [
         "| flag | commands | default | sets | what it does |",
         "| --- | --- | --- | --- | --- |",
@@ -485,13 +485,14 @@ class _PrintFlagTable(argparse.Action):
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from rankcast.engine.llm_engine import LLMEngine
+    from rankcast.engine_client.llm_engine import LLMEngine
+    from rankcast.engine_core.core import EngineCore
     from rankcast.entrypoints.llm import LLM
     from rankcast.sampling_params import SamplingParams
 
     chat = ChatArgs(**options_from_args(args, "chat"))
     started = time.perf_counter()
-    llm = LLM.from_engine(LLMEngine(engine_config(args)))
+    llm = LLM.from_engine(LLMEngine(engine_config(args), EngineCore))
     loaded = time.perf_counter()
     params = SamplingParams(
         temperature=chat.temperature, max_tokens=chat.max_tokens, seed=chat.seed

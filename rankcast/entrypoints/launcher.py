@@ -28,8 +28,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from rankcast.addresses import EngineAddresses
 from rankcast.config import ConfigError, EngineConfig, ServeConfig
-from rankcast.engine.addresses import EngineAddresses
 from rankcast.entrypoints.children import api_server_process, engine_core_process
 from rankcast.entrypoints.openai.server_config import ApiServerConfig
 from rankcast.entrypoints.rust_api_server import BINARY_ENV as RUST_BINARY_ENV

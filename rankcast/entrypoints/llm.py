@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+from rankcast.channel.events import Notification
 from rankcast.config import EngineConfig
-from rankcast.engine.llm_engine import LLMEngine
+from rankcast.engine_client.llm_engine import LLMEngine
 from rankcast.lora.request import LoRARequest
-from rankcast.notifications import Notification
 from rankcast.outputs import RequestOutput
 from rankcast.protocol import LoRAAdapterInfo
 from rankcast.sampling_params import SamplingParams
@@ -30,7 +30,11 @@ class LLM:
         # The collector paused while torch loads and the model is built, and the result frozen
         # (rankcast/startup_gc.py): ~0.3-0.5 s of a warm start; `shutdown` thaws it.
         with collector_paused():
-            self.engine = LLMEngine(self.config)
+            # Imported here: the engine core brings the model and torch, which importing this
+            # module (the CLI does) must not pay for.
+            from rankcast.engine_core.core import EngineCore
+
+            self.engine = LLMEngine(self.config, EngineCore)
         freeze_startup_heap()
 
     @classmethod

@@ -17,7 +17,7 @@ import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from rankcast.engine.addresses import ClientAddresses
+from rankcast.addresses import ClientAddresses
 from rankcast.entrypoints.openai.server_config import ApiServerConfig
 from rankcast.process import die_with_parent, set_process_title
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
+from rankcast.channel.events import WorkerNotification
 from rankcast.config import EngineConfig
 from rankcast.model.source import ModelSource
-from rankcast.notifications import WorkerNotification
 from rankcast.protocol import LoRAMove, ModelRunnerOutput, SchedulerOutput, StepReply
 from rankcast.worker.extension import worker_class
 from rankcast.worker.worker import Worker

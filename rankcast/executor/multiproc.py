@@ -26,12 +26,12 @@ from typing import Any
 import msgspec
 import zmq
 
+from rankcast.channel.doorbell import Doorbell
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.model.source import ModelSource
 from rankcast.process import private_ipc_dir
 from rankcast.protocol import WorkerCall, WorkerReply
-from rankcast.worker.notification_buffer import Doorbell
 from rankcast.worker.rank_entry import rank_process
 from rankcast.worker.worker_proc import SHUTDOWN
 

@@ -6,11 +6,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from rankcast.channel.doorbell import Doorbell
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError, StepResult
 from rankcast.model.source import ModelSource
 from rankcast.protocol import SchedulerOutput
-from rankcast.worker.notification_buffer import Doorbell
 from rankcast.worker.worker import start_worker
 
 

@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rankcast.engine.lora_events import lora_event_key, lora_load_time
+from rankcast.channel.events import Notification
+from rankcast.channel.lora_events import lora_event_key, lora_load_time
 from rankcast.metrics.fleet import Fleet, ViewCounter
 from rankcast.metrics.lora_residency import LoRAResidency
-from rankcast.notifications import Notification
 from rankcast.protocol import EngineStateSnapshot, SchedulerStats
 
 _LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankcast.notifications import (
+from rankcast.channel.events import (
     LoRAAdapterActivated,
     LoRAAdapterEvicted,
     LoRAAdapterLoaded,

@@ -12,9 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rankcast.lora.peft_adapter import LoRAAdapter, load_peft_adapter
-from rankcast.model.arch import ArchConfig
-from rankcast.notifications import (
+from rankcast.channel.events import (
     LoRAAdapterActivated,
     LoRAAdapterEvicted,
     LoRAAdapterLoaded,
@@ -23,6 +21,8 @@ from rankcast.notifications import (
     LoRAAdapterUnpinned,
     Notification,
 )
+from rankcast.lora.peft_adapter import LoRAAdapter, load_peft_adapter
+from rankcast.model.arch import ArchConfig
 from rankcast.protocol import LoRAMove
 from rankcast.worker.model_runner import ModelRunner
 

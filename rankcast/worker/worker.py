@@ -13,19 +13,20 @@ import torch
 import torch.distributed as dist
 
 from rankcast import kernels, platform
+from rankcast.channel.buffer import NotificationBuffer
+from rankcast.channel.doorbell import Doorbell
+from rankcast.channel.events import WEIGHTS_LOADED_KEY, CustomNotification, WorkerNotification
 from rankcast.config import EngineConfig
 from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.model.source import ModelSource
-from rankcast.notifications import WEIGHTS_LOADED_KEY, CustomNotification, WorkerNotification
 from rankcast.process import is_rankcast_process
 from rankcast.protocol import LoRAMove, SchedulerOutput, StepReply
 from rankcast.worker.extension import load_worker_plugins, worker_class
 from rankcast.worker.grammar import GrammarMatchers
 from rankcast.worker.lora_manager import LoRAManager
 from rankcast.worker.model_runner import ModelRunner
-from rankcast.worker.notification_buffer import Doorbell, NotificationBuffer
 
 logger = logging.getLogger(__name__)
 

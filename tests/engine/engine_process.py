@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from rankcast.addresses import EngineAddresses
 from rankcast.config import EngineConfig
-from rankcast.engine.addresses import EngineAddresses
-from rankcast.engine.core_proc import run_engine_core
+from rankcast.engine_core.core_proc import run_engine_core
 from rankcast.model.source import resolve_model
 
 
@@ -50,7 +50,7 @@ def python_greedy(
 ) -> list[int]:
     """The tokens the engine generates greedily (EOS ignored) for a Python client in slot
     `client_index`: what another client of the same engine must be shown."""
-    from rankcast.engine.mp_client import SyncMPClient
+    from rankcast.engine_client.mp_client import SyncMPClient
     from rankcast.protocol import EngineCoreRequest
     from rankcast.sampling_params import SamplingParams
 

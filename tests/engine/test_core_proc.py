@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rankcast.engine.addresses import EngineAddresses
-from rankcast.engine.mp_client import (
+from rankcast.addresses import EngineAddresses
+from rankcast.engine_client.mp_client import (
     EngineDeadError,
     ProtocolMismatchError,
     SyncMPClient,
@@ -70,7 +70,7 @@ def test_outputs_go_to_their_owner_and_stats_to_everyone(engine) -> None:
 
 def test_protocol_mismatch_is_refused_clearly(engine, monkeypatch: pytest.MonkeyPatch) -> None:
     _, addresses = engine
-    monkeypatch.setattr("rankcast.engine.mp_client.PROTOCOL_VERSION", 999)
+    monkeypatch.setattr("rankcast.engine_client.mp_client.PROTOCOL_VERSION", 999)
     with pytest.raises(ProtocolMismatchError, match="protocol version mismatch"):
         SyncMPClient(addresses.clients[0], 0)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rankcast.engine.detokenizer import IncrementalDetokenizer
+from rankcast.engine_client.detokenizer import IncrementalDetokenizer
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import load_tokenizer
 

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 from rankcast import LLM, SamplingParams
-from rankcast.engine.notification_channel import GatherError
-from rankcast.errors import ExtensionCallError
-from rankcast.notifications import (
+from rankcast.channel import publish
+from rankcast.channel.events import (
     WEIGHTS_LOADED_KEY,
     CustomNotification,
     Notification,
     NotificationsDropped,
 )
+from rankcast.channel.gather import GatherError
+from rankcast.errors import ExtensionCallError
 from rankcast.protocol import ErrorKind
-from rankcast.worker.notification_buffer import publish_worker_notification
 from tests.worker.producers import KEY, RankReport
 
 EXTENSION = "tests.worker.producers:EventProducer"
@@ -255,7 +255,7 @@ def test_two_in_process_engines_keep_their_notifications_apart(tiny_llama_dir: P
 
         def stray() -> None:
             try:
-                publish_worker_notification(CustomNotification(key="test.stray", payload={}))
+                publish(CustomNotification(key="test.stray", payload={}))
             except RuntimeError as exc:
                 errors.append(exc)
 

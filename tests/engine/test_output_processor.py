@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rankcast.engine.output_processor import OutputProcessor
+from rankcast.engine_client.output_processor import OutputProcessor
 from rankcast.protocol import EngineCoreOutput, TokenLogprobs
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import load_tokenizer

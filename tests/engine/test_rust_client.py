@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from rankcast.engine.addresses import EngineAddresses
+from rankcast.addresses import EngineAddresses
 from rankcast.protocol import (
     PROTOCOL_VERSION,
     ClientHello,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from rankcast.config import SchedulerConfig
-from rankcast.engine.block_manager import BlockManager
-from rankcast.engine.request import Request, RequestStatus
-from rankcast.engine.scheduler import Scheduler
+from rankcast.engine_core.block_manager import BlockManager
+from rankcast.engine_core.request import Request, RequestStatus
+from rankcast.engine_core.scheduler import Scheduler
 from rankcast.protocol import ModelRunnerOutput
 from rankcast.sampling_params import SamplingParams
 

@@ -1,7 +1,7 @@
 """The scheduler's LoRA policy against a fake adapter-slot table (no registry, no executor).
 
 The scheduler needs three things of the engine's LoRARegistry (the `AdapterSlots` protocol in
-rankcast/engine/scheduler.py): `max_loras`, `acquire(name, busy)` and `is_pinned(name)`.
+rankcast/engine_core/scheduler.py): `max_loras`, `acquire(name, busy)` and `is_pinned(name)`.
 `FakeSlots` implements them with plain dicts and records every move it is asked to make. Its
 eviction choice is deliberately naive: the idle adapter on the LOWEST slot goes, whatever its
 age. The tests place adapters of running requests on low slots, so a scheduler that leaves one
@@ -22,9 +22,9 @@ from collections.abc import Iterable
 import pytest
 
 from rankcast.config import SchedulerConfig
-from rankcast.engine.block_manager import BlockManager
-from rankcast.engine.request import Request, RequestStatus
-from rankcast.engine.scheduler import Scheduler
+from rankcast.engine_core.block_manager import BlockManager
+from rankcast.engine_core.request import Request, RequestStatus
+from rankcast.engine_core.scheduler import Scheduler
 from rankcast.protocol import FinishReason, LoRAMove, ModelRunnerOutput, ScheduledSequence
 from rankcast.sampling_params import SamplingParams
 

@@ -1,5 +1,5 @@
 """Each flag is declared once (`FLAGS`): its default is the configuration's, it lands in the
-option it names, and the README's table is the one `FLAGS` produces."""
+option it names, and docs/flags.md's table is the one `FLAGS` produces."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from rankcast.config import ConfigError, EngineConfig, ServeConfig
 from rankcast.entrypoints import cli
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+FLAGS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 ENGINE_DEFAULTS = {name: f.default for name, (_, f) in EngineConfig.options().items()}
 
 
@@ -147,12 +147,12 @@ def test_a_malformed_lora_module_is_a_config_error() -> None:
         cli.engine_config(args)
 
 
-def test_readme_flag_table_is_the_generated_one() -> None:
-    text = README.read_text()
+def test_the_documented_flag_table_is_the_generated_one() -> None:
+    text = FLAGS_PAGE.read_text()
     start = text.index("<!-- flags:begin -->\n") + len("<!-- flags:begin -->\n")
     end = text.index("<!-- flags:end -->")
     assert text[start:end].rstrip("\n") == cli.flag_table_markdown(), (
-        "README.md's flag table is stale: paste the output of "
+        "docs/flags.md's flag table is stale: paste the output of "
         "`python -m rankcast.entrypoints.cli --markdown-flags` between its markers"
     )
 

@@ -12,17 +12,17 @@ import asyncio
 import msgspec
 import pytest
 
-from rankcast.engine.async_llm import AsyncLLM
-from rankcast.entrypoints.openai.events import EventFilter, EventHub
-from rankcast.metrics.prometheus import ServerMetrics
-from rankcast.notifications import CustomNotification
-from rankcast.protocol import (
-    EngineStateSnapshot,
+from rankcast.channel.events import (
+    CustomNotification,
     NotificationLedgerState,
     NotificationTotal,
     RankCount,
     RankWeightsLoaded,
 )
+from rankcast.engine_client.async_llm import AsyncLLM
+from rankcast.entrypoints.openai.events import EventFilter, EventHub
+from rankcast.metrics.prometheus import ServerMetrics
+from rankcast.protocol import EngineStateSnapshot
 
 
 def _raw(value: object) -> msgspec.Raw:

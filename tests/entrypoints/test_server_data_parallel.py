@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from rankcast.engine.load_balancer import LoadBalancer
+from rankcast.engine_client.load_balancer import LoadBalancer
 from rankcast.protocol import SchedulerStats
 from tests.entrypoints.server_process import ServerProcess, process_title, tiny_model_args
 

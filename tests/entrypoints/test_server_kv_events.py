@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import zmq
 
-from rankcast.engine.kv_cache_index import KVCacheIndex
-from rankcast.engine.notification_publisher import SNAPSHOT_REQUEST
-from rankcast.notifications import AnyNotification
+from rankcast.channel.events import AnyNotification
+from rankcast.channel.stream import SNAPSHOT_REQUEST
+from rankcast.engine_core.kv_cache_index import KVCacheIndex
 from rankcast.protocol import EngineStateSnapshot
 from tests.engine.test_kv_events import random_workload
 from tests.entrypoints.notification_clients import open_event_streams

@@ -17,9 +17,9 @@ import msgspec
 import pytest
 import zmq
 
-from rankcast.engine.notification_decoder import NotificationDecoder
-from rankcast.engine.notification_publisher import END_OF_REPLAY, SNAPSHOT_REQUEST, TOPIC
-from rankcast.notifications import NotificationBatch
+from rankcast.channel.decoder import NotificationDecoder
+from rankcast.channel.events import NotificationBatch
+from rankcast.channel.stream import END_OF_REPLAY, SNAPSHOT_REQUEST, TOPIC
 from rankcast.protocol import EngineStateSnapshot
 from tests.entrypoints.notification_clients import (
     open_event_streams,

@@ -31,12 +31,12 @@ def own_pid(worker: Worker) -> int:
 
 def publish_on_rank(worker: Worker, rank: int, count: int) -> int:
     """Publish `count` test events from `rank` now (no gather follows a plain collective)."""
-    from rankcast.notifications import CustomNotification
-    from rankcast.worker.notification_buffer import publish_worker_notification
+    from rankcast.channel import publish
+    from rankcast.channel.events import CustomNotification
 
     if worker.rank == rank:
         for i in range(count):
-            publish_worker_notification(CustomNotification(key="test.ray", payload={"i": i}))
+            publish(CustomNotification(key="test.ray", payload={"i": i}))
     return worker.rank
 
 
@@ -44,12 +44,12 @@ def publish_later_on_rank(worker: Worker, rank: int, delay_s: float) -> int:
     """Publish one test event from `rank` on a thread after the call has returned."""
     import threading
 
-    from rankcast.notifications import CustomNotification
-    from rankcast.worker.notification_buffer import publish_worker_notification
+    from rankcast.channel import publish
+    from rankcast.channel.events import CustomNotification
 
     def later() -> None:
         time.sleep(delay_s)
-        publish_worker_notification(CustomNotification(key="test.ray", payload={"later": True}))
+        publish(CustomNotification(key="test.ray", payload={"later": True}))
 
     if worker.rank == rank:
         threading.Thread(target=later, daemon=True).start()

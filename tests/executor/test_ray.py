@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rankcast import LLM, SamplingParams
+from rankcast.channel.events import WEIGHTS_LOADED_KEY, CustomNotification
 from rankcast.executor.base import ExecutorError
-from rankcast.notifications import WEIGHTS_LOADED_KEY, CustomNotification
 from tests.entrypoints.notification_clients import (
     open_event_streams,
     producer_server_args,

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from rankcast.engine.addresses import EngineAddresses
+from rankcast.addresses import EngineAddresses
 from rankcast.tokenizer import apply_chat_template, load_tokenizer
 from tests.engine.engine_process import engine_core_process, python_greedy
 from tests.entrypoints.server_process import free_port, wait_until_healthy

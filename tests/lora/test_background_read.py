@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rankcast import SamplingParams
-from rankcast.notifications import LoRAAdapterLoaded
+from rankcast.channel.events import LoRAAdapterLoaded
 from tests.lora.conftest import lora_llm
 
 LONG = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)

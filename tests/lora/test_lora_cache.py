@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rankcast import LLM, LoRARequest, SamplingParams
-from rankcast.engine.lora_events import lora_event_name
-from rankcast.notifications import LoRAAdapterEvicted
+from rankcast.channel.events import LoRAAdapterEvicted
+from rankcast.channel.lora_events import lora_event_name
 from tests.lora.conftest import lora_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -3,14 +3,14 @@ relies on (an evicted adapter stays servable, `partial` when ranks disagree, unl
 
 from __future__ import annotations
 
-from rankcast.metrics.lora_residency import LoRAResidency
-from rankcast.notifications import (
+from rankcast.channel.events import (
     LoRAAdapterActivated,
     LoRAAdapterEvicted,
     LoRAAdapterLoaded,
     LoRAAdapterPinned,
     Notification,
 )
+from rankcast.metrics.lora_residency import LoRAResidency
 
 
 def _on(rank: int, n: Notification) -> Notification:

@@ -1,5 +1,5 @@
 """Batch invariance: a request's logits at every position it samples are bitwise the same alone
-and in any step composition (docs/cpu-paths.md, README "Same answer whatever else runs").
+and in any step composition (docs/cpu-paths.md, docs/speed.md "The same answer whatever else runs").
 
 Property tests over random compositions (hypothesis): the request's prompt chunked at any size,
 part of its prefix taken from blocks another batch computed (prefix caching), other sequences

@@ -30,7 +30,7 @@ MUTANTS = [
     Mutant(
         "publish-skips-payload-check",
         "1 Publish validates the payload at the producer",
-        "rankcast/worker/notification_buffer.py",
+        "rankcast/channel/validation.py",
         '        _check_value(n.payload, "payload")',
         "        pass",
         (NOTIFY,),
@@ -38,7 +38,7 @@ MUTANTS = [
     Mutant(
         "buffer-drops-newest",
         "2 A full buffer drops the oldest event",
-        "rankcast/worker/notification_buffer.py",
+        "rankcast/channel/buffer.py",
         "        lost = self._items.popleft()",
         "        lost = self._items.pop()",
         (NOTIFY,),
@@ -46,7 +46,7 @@ MUTANTS = [
     Mutant(
         "drop-marker-last",
         "3 Drops are reported at the head of the drained batch",
-        "rankcast/worker/notification_buffer.py",
+        "rankcast/channel/buffer.py",
         "            items.insert(0, marker)",
         "            items.append(marker)",
         (NOTIFY,),
@@ -54,7 +54,7 @@ MUTANTS = [
     Mutant(
         "gather-first-rank-only",
         "4 Gather keeps every rank's events",
-        "rankcast/engine/notification_channel.py",
+        "rankcast/channel/gather.py",
         "        for rank, batch in enumerate(batches):",
         "        for rank, batch in enumerate(batches[:1]):",
         (GATHER,),
@@ -62,7 +62,7 @@ MUTANTS = [
     Mutant(
         "gather-swaps-rank-stamps",
         "4 Gather stamps each event with its source ranks",
-        "rankcast/engine/notification_channel.py",
+        "rankcast/channel/gather.py",
         "                n.pp_rank, n.tp_rank, n.rank = pp_rank, tp_rank, rank",
         "                n.pp_rank, n.tp_rank, n.rank = tp_rank, pp_rank, rank",
         (GATHER,),
@@ -70,7 +70,7 @@ MUTANTS = [
     Mutant(
         "gather-reverses-rank-order",
         "4 Gather concatenates in rank order",
-        "rankcast/engine/notification_channel.py",
+        "rankcast/channel/gather.py",
         "        for rank, batch in enumerate(batches):",
         "        for rank, batch in reversed(list(enumerate(batches))):",
         (GATHER,),
@@ -78,15 +78,15 @@ MUTANTS = [
     Mutant(
         "doorbell-ignored",
         "5 An idle engine gathers when a rank rang its doorbell",
-        "rankcast/engine/notification_channel.py",
-        "            not stepped and self.use_doorbell and self.executor.notifications_pending()",
-        "            False",
+        "rankcast/channel/gather.py",
+        "self.use_doorbell and self.executor.notifications_pending()",
+        "False",
         (GATHER,),
     ),
     Mutant(
         "step-reply-events-dropped",
         "5 Each rank's events ride its reply to the step",
-        "rankcast/engine/core.py",
+        "rankcast/engine_core/core.py",
         "            self.notifications.receive(result.notifications)",
         "            pass",
         (GATHER,),
@@ -102,7 +102,7 @@ MUTANTS = [
     Mutant(
         "drain-leaves-doorbell-rung",
         "5 A rank's drain clears its doorbell (no gather for delivered events)",
-        "rankcast/worker/notification_buffer.py",
+        "rankcast/channel/buffer.py",
         "                self._doorbell.clear(self._rank)",
         "                pass",
         (GATHER,),
@@ -110,7 +110,7 @@ MUTANTS = [
     Mutant(
         "engine-list-unbounded",
         "6 The engine's pending list is bounded, drops counted",
-        "rankcast/engine/notification_channel.py",
+        "rankcast/channel/gather.py",
         "            self.pending.popleft()",
         "            pass",
         (GATHER,),
@@ -118,7 +118,7 @@ MUTANTS = [
     Mutant(
         "engine-seq-gaps",
         "6 Flush stamps a gap-free engine_seq",
-        "rankcast/engine/notification_channel.py",
+        "rankcast/channel/gather.py",
         "            self.next_engine_seq += 1",
         "            self.next_engine_seq += 2",
         (GATHER, SERVED),
@@ -126,15 +126,15 @@ MUTANTS = [
     Mutant(
         "broadcast-to-one-server",
         "7 Every API server receives every notification",
-        "rankcast/engine/core.py",
-        "engine_notifications=flushed,",
-        "engine_notifications=flushed if client == 0 else None,",
+        "rankcast/engine_core/core.py",
+        "engine_notifications=notifications,",
+        "engine_notifications=notifications if client == 0 else None,",
         (SERVED,),
     ),
     Mutant(
         "snapshot-seq-off-by-one",
         "8 A late API server continues exactly after its snapshot",
-        "rankcast/engine/notification_channel.py",
+        "rankcast/channel/gather.py",
         "        return self.next_engine_seq - 1",
         "        return self.next_engine_seq",
         (SERVED,),
@@ -142,7 +142,7 @@ MUTANTS = [
     Mutant(
         "unknown-type-fatal",
         "9 Unknown notification types are counted and skipped",
-        "rankcast/engine/notification_decoder.py",
+        "rankcast/channel/decoder.py",
         "                    unknown.append(self._tag_decoder.decode(raw).type)",
         "                    raise",
         (NOTIFY,),
@@ -150,7 +150,7 @@ MUTANTS = [
     Mutant(
         "kv-removals-unpublished",
         "10 Engine-level producers: KV-cache events describe the cache exactly",
-        "rankcast/engine/block_manager.py",
+        "rankcast/engine_core/block_manager.py",
         "                        self._removed.append(block.block_hash)",
         "                        pass",
         ("tests/engine/test_kv_events.py",),
@@ -183,7 +183,7 @@ MUTANTS = [
     Mutant(
         "evicts-running-adapter",
         "An adapter a running request uses is never evicted",
-        "rankcast/engine/lora_registry.py",
+        "rankcast/engine_core/lora_registry.py",
         "            if a.slot is not None and not a.pinned and a.name not in busy",
         "            if a.slot is not None and not a.pinned",
         (CACHE,),
@@ -191,7 +191,7 @@ MUTANTS = [
     Mutant(
         "evicts-pinned-adapter",
         "A pinned adapter is never evicted",
-        "rankcast/engine/lora_registry.py",
+        "rankcast/engine_core/lora_registry.py",
         "            if a.slot is not None and not a.pinned and a.name not in busy",
         "            if a.slot is not None and a.name not in busy",
         (CACHE,),
@@ -199,7 +199,7 @@ MUTANTS = [
     Mutant(
         "evicts-most-recent",
         "The least recently used idle adapter leaves a device slot",
-        "rankcast/engine/lora_registry.py",
+        "rankcast/engine_core/lora_registry.py",
         "        return min(idle, key=lambda a: a.last_used, default=None)",
         "        return max(idle, key=lambda a: a.last_used, default=None)",
         (CACHE,),
@@ -207,7 +207,7 @@ MUTANTS = [
     Mutant(
         "host-tier-unbounded",
         "A full host tier drops its least recently used idle adapter",
-        "rankcast/engine/lora_registry.py",
+        "rankcast/engine_core/lora_registry.py",
         "        if len(held) < self.config.host_capacity:",
         "        if True:",
         (CACHE,),
@@ -215,7 +215,7 @@ MUTANTS = [
     Mutant(
         "batch-adapters-untracked",
         "A batch never holds more distinct adapters than slots",
-        "rankcast/engine/scheduler.py",
+        "rankcast/engine_core/scheduler.py",
         "                active.add(request.lora_name)",
         "                pass",
         (CACHE,),
@@ -223,7 +223,7 @@ MUTANTS = [
     Mutant(
         "no-drain",
         "A deferred adapter gets a slot drained for it",
-        "rankcast/engine/scheduler.py",
+        "rankcast/engine_core/scheduler.py",
         "                        self.draining = self._drain_target(running)",
         "                        self.draining = None",
         (CACHE,),
@@ -256,7 +256,7 @@ MUTANTS = [
     Mutant(
         "prefix-cache-ignores-adapter",
         "A cached block is reused only under the adapter that computed it",
-        "rankcast/engine/block_manager.py",
+        "rankcast/engine_core/block_manager.py",
         "block_hash(hashes[-1] if hashes else None, tokens, request.lora_id)",
         "block_hash(hashes[-1] if hashes else None, tokens, 0)",
         ("tests/engine/test_scheduler.py",),

@@ -13,11 +13,7 @@ from typing import Any
 
 import msgspec
 
-from rankcast.notifications import CustomNotification
-from rankcast.worker.notification_buffer import (
-    current_notification_buffer,
-    publish_worker_notification,
-)
+from rankcast.channel import CustomNotification, current_notification_buffer, publish
 
 KEY = "test.event"
 
@@ -42,9 +38,7 @@ class EventProducer:
         """Publish `count` events numbered 0.. from this rank (or only from `ranks`)."""
         if ranks is None or self.rank in ranks:
             for i in range(count):
-                publish_worker_notification(
-                    CustomNotification(key=key, payload={"i": i, "rank": self.rank})
-                )
+                publish(CustomNotification(key=key, payload={"i": i, "rank": self.rank}))
         return self.rank
 
     def ray_node(self) -> str:
@@ -58,9 +52,7 @@ class EventProducer:
 
     def publish_bad_payload(self) -> int:
         """A payload msgpack cannot carry: must fail here, at the producer."""
-        publish_worker_notification(
-            CustomNotification(key=KEY, payload={"ok": [1, {"bad": {1, 2}}]})
-        )
+        publish(CustomNotification(key=KEY, payload={"ok": [1, {"bad": {1, 2}}]}))
         return self.rank
 
     def publish_later(self, delay_s: float, key: str = KEY, ranks: list[int] | None = None) -> int:
@@ -70,9 +62,7 @@ class EventProducer:
 
             def later() -> None:
                 time.sleep(delay_s)
-                publish_worker_notification(
-                    CustomNotification(key=key, payload={"rank": self.rank, "later": True})
-                )
+                publish(CustomNotification(key=key, payload={"rank": self.rank, "later": True}))
 
             threading.Thread(target=later, daemon=True).start()
         return self.rank
@@ -101,6 +91,4 @@ class EventProducer:
 
 def announce_plugin(worker: Any) -> None:
     """A `rankcast.worker_plugins` entry point: runs in every worker process at start-up."""
-    publish_worker_notification(
-        CustomNotification(key="test.plugin", payload={"rank": worker.rank})
-    )
+    publish(CustomNotification(key="test.plugin", payload={"rank": worker.rank}))

@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rankcast.engine.addresses import ClientAddresses
-from rankcast.engine.async_llm import AsyncLLM, NotificationSink
-from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError, UtilityError
+from rankcast.addresses import ClientAddresses
+from rankcast.engine_client.async_llm import AsyncLLM, NotificationSink
+from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.entrypoints.openai.drain import (
     RETRY_AFTER_S,
     Drain,

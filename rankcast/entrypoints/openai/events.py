@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from rankcast.notifications import CustomNotification, Notification, notification_type
+from rankcast.channel.events import CustomNotification, Notification, notification_type
 from rankcast.protocol import EngineStateSnapshot
 
 DEFAULT_RING_SIZE = 4096

@@ -15,8 +15,8 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rankcast.engine.async_llm import AsyncLLM
-from rankcast.engine.mp_client import EngineDeadError
+from rankcast.engine_client.async_llm import AsyncLLM
+from rankcast.engine_client.mp_client import EngineDeadError
 from rankcast.entrypoints.openai.drain import ServerShuttingDownError
 from rankcast.entrypoints.openai.errors import APIError, error_body
 from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest

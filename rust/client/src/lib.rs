@@ -1,5 +1,5 @@
 //! An engine-core client in Rust: the same ZMQ sockets and handshake as the Python API server's
-//! (`rankcast/engine/mp_client.py`), so a Rust frontend is one more client of the engine core.
+//! (`rankcast/engine_client/mp_client.py`), so a Rust frontend is one more client of the engine core.
 //!
 //! Per client the engine core binds a PULL socket (its input) and a PUSH socket (its output).
 //! The client connects a PUSH to the first and a PULL to the second, sends `ClientHello` with its

@@ -1,6 +1,6 @@
 //! rankcast's wire, in Rust: every message the engine core and its API servers (and its ranks)
 //! exchange, with the same bytes as the Python side (`rankcast/protocol.py`,
-//! `rankcast/notifications.py`, `rankcast/sampling_params.py`, `rankcast/structured_outputs.py`).
+//! `rankcast/channel/events.py`, `rankcast/sampling_params.py`, `rankcast/structured_outputs.py`).
 //!
 //! The rules, as `docs/architecture.md` states them:
 //! - Array-like structs are msgpack arrays whose field order is the contract; tagged ones start
@@ -287,10 +287,6 @@ pub fn schema() -> Vec<String> {
         UtilityOutput::schema_line(),
         LoRAAdapterInfo::schema_line(),
         EngineCoreOutputs::schema_line(),
-        NotificationTotal::schema_line(),
-        RankCount::schema_line(),
-        RankWeightsLoaded::schema_line(),
-        NotificationLedgerState::schema_line(),
         RankTier::schema_line(),
         AdapterResidency::schema_line(),
         LoRAEventCount::schema_line(),
@@ -319,6 +315,10 @@ pub fn schema() -> Vec<String> {
         KVBlocksRemoved::schema_line(),
         KVCacheCleared::schema_line(),
         NotificationBatch::schema_line(),
+        NotificationTotal::schema_line(),
+        RankCount::schema_line(),
+        RankWeightsLoaded::schema_line(),
+        NotificationLedgerState::schema_line(),
         SamplingParams::schema_line(),
         StructuredOutputs::schema_line(),
     ]

@@ -1,4 +1,4 @@
-//! The engine notification channel's events (`rankcast/notifications.py`): maps tagged by a
+//! The engine notification channel's events (`rankcast/channel/events.py`): maps tagged by a
 //! `"type"` key, defaults left out, each stamped with where it came from (`seq` per producer,
 //! `engine_seq` by the engine core, the publishing rank's coordinates; -1 where not stamped).
 //!
@@ -6,7 +6,7 @@
 //! still read the tag, count it and skip it), so a newer producer never breaks an older frontend.
 
 use crate::codec::{read_map_len, read_str, skip, Result};
-use crate::{map_struct, Dict, Schema, Value, Wire};
+use crate::{array_struct, map_struct, Dict, Schema, Value, Wire};
 
 /// `map_struct!` with the stamp every notification carries after its own fields.
 macro_rules! notification {
@@ -257,5 +257,38 @@ crate::array_struct! {
         timestamp: f64,
         engine_index: i64,
         notifications: Vec<crate::Raw>,
+    }
+}
+
+// ---- the channel's section of the engine's catch-up snapshot ----
+
+array_struct! {
+    NotificationTotal {
+        r#type: String,
+        key: String,
+        count: i64,
+    }
+}
+
+array_struct! {
+    RankCount {
+        rank: i64,
+        count: i64,
+    }
+}
+
+array_struct! {
+    RankWeightsLoaded {
+        rank: i64,
+        payload: Dict<Value>,
+    }
+}
+
+array_struct! {
+    /// The notification ledger: totals by type and key, drops by rank, each rank's weight load.
+    NotificationLedgerState {
+        totals: Vec<NotificationTotal> = Vec::new(),
+        dropped: Vec<RankCount> = Vec::new(),
+        weights_loaded: Vec<RankWeightsLoaded> = Vec::new(),
     }
 }

@@ -2,7 +2,7 @@
 //! core <-> ranks. Every struct is array-like: field order is the contract, fields are appended
 //! only at the end, and `PROTOCOL_VERSION` names the contract as a whole.
 
-use crate::notifications::Notification;
+use crate::notifications::{Notification, NotificationLedgerState};
 use crate::sampling::SamplingParams;
 use crate::{array_struct, array_union, Dict, Raw, Value};
 
@@ -150,37 +150,6 @@ array_struct! {
 }
 
 // ---- the catch-up snapshot ----
-
-array_struct! {
-    NotificationTotal {
-        r#type: String,
-        key: String,
-        count: i64,
-    }
-}
-
-array_struct! {
-    RankCount {
-        rank: i64,
-        count: i64,
-    }
-}
-
-array_struct! {
-    RankWeightsLoaded {
-        rank: i64,
-        payload: Dict<Value>,
-    }
-}
-
-array_struct! {
-    /// The notification ledger: totals by type and key, drops by rank, each rank's weight load.
-    NotificationLedgerState {
-        totals: Vec<NotificationTotal> = Vec::new(),
-        dropped: Vec<RankCount> = Vec::new(),
-        weights_loaded: Vec<RankWeightsLoaded> = Vec::new(),
-    }
-}
 
 array_struct! {
     RankTier {

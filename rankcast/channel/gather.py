@@ -14,29 +14,17 @@ for every API server.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import msgspec
 
+from rankcast.channel.events import Notification, NotificationsDropped, WorkerNotification
+from rankcast.channel.ledger import NotificationLedger
 from rankcast.config import NotificationConfig
-from rankcast.executor.base import Executor, ExecutorError
-from rankcast.notifications import (
-    WEIGHTS_LOADED_KEY,
-    CustomNotification,
-    Notification,
-    NotificationsDropped,
-    WorkerNotification,
-    notification_type,
-)
-from rankcast.protocol import (
-    NotificationLedgerState,
-    NotificationTotal,
-    RankCount,
-    RankWeightsLoaded,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -46,42 +34,33 @@ DOORBELL_IDLE_CHECK_S = 0.02
 ENGINE_RANK = -1
 
 
-class GatherError(ExecutorError):
+class Moment(enum.Enum):
+    """The engine core's moments at which rule 5 may gather (see `collect`)."""
+
+    START = "start"  # the serving loop starts: each rank's load-time events
+    UTILITY = "utility"  # a utility that can change what a producer publishes just ran
+    STEP = "step"  # a step ran: its replies carried each rank's events
+    IDLE = "idle"  # no step ran: the doorbell, and the poll
+
+
+class GatherError(RuntimeError):
     """A rank failed while its notifications were gathered: the engine cannot go on without
     losing events silently, so this is fatal wherever it surfaces (even inside a utility)."""
 
 
-class NotificationLedger:
-    """What has left this engine so far, kept so a late API server can start from the totals:
-    counts per (type, key), drops per rank, and each rank's last weight-load figure."""
+class Ranks(Protocol):
+    """What the channel needs of the engine's ranks (the executor provides it): the doorbell's
+    state and one drain of every rank, in rank order. A failed rank raises."""
 
-    def __init__(self) -> None:
-        self.totals: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.dropped: collections.Counter[int] = collections.Counter()
-        self.weights_loaded: dict[int, dict[str, Any]] = {}
+    def notifications_pending(self) -> bool: ...
 
-    def record(self, n: Notification) -> None:
-        key = n.key if isinstance(n, CustomNotification) else ""
-        self.totals[(notification_type(n), key)] += 1
-        if isinstance(n, NotificationsDropped):
-            self.dropped[n.rank] += n.count
-        elif isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY:
-            self.weights_loaded[n.rank] = dict(n.payload)
-
-    def state(self) -> NotificationLedgerState:
-        return NotificationLedgerState(
-            totals=[NotificationTotal(t, k, c) for (t, k), c in sorted(self.totals.items())],
-            dropped=[RankCount(rank, c) for rank, c in sorted(self.dropped.items())],
-            weights_loaded=[
-                RankWeightsLoaded(rank, p) for rank, p in sorted(self.weights_loaded.items())
-            ],
-        )
+    def take_notifications(self) -> list[list[WorkerNotification] | None]: ...
 
 
 class EngineNotificationChannel:
     def __init__(
         self,
-        executor: Executor,
+        executor: Ranks,
         engine_index: int,
         tensor_parallel_size: int,
         config: NotificationConfig,
@@ -106,14 +85,15 @@ class EngineNotificationChannel:
     # ---- gathering ----
 
     def gather(self) -> int:
-        """Drain every rank now; returns how many events arrived. A failed rank raises."""
+        """Drain every rank now (one collective); returns how many events arrived. A failed
+        rank raises `GatherError`, and no stale reply is left for the next call."""
         start = time.perf_counter()
         self.last_gather = time.monotonic()
         # This gather drains whatever rang so far; only a ring from now on means more.
         self.executor.notifications_pending()
         try:
             batches = self.executor.take_notifications()
-        except ExecutorError as exc:
+        except Exception as exc:  # whatever a rank's failure raised, the gather is lost
             raise GatherError(f"notification gather failed: {exc}") from exc
         arrived = self.receive(batches)
         self.gathers += 1
@@ -121,8 +101,9 @@ class EngineNotificationChannel:
         return arrived
 
     def receive(self, batches: list[list[WorkerNotification] | None]) -> int:
-        """Hold one drained batch per rank (from a gather, or from a step's replies), in rank
-        order, each event stamped with its source; returns how many there were."""
+        """Rule 4 (gather): hold one drained batch per rank, from a gather or from a step's
+        replies, concatenated in rank order keeping each rank's order, each event stamped with
+        its source (engine, dp, pp, tp rank); returns how many there were."""
         arrived = 0
         for rank, batch in enumerate(batches):
             if not batch:
@@ -136,8 +117,9 @@ class EngineNotificationChannel:
         return arrived
 
     def publish_engine_event(self, n: Notification) -> None:
-        """Hold an event the engine core itself produced (KV-cache events): source `engine_core`
-        (rank -1), then the same sequence, flush and broadcast as every rank's events."""
+        """Rule 10 (engine-level producers): hold an event the engine core itself produced
+        (KV-cache events): source `engine_core` (rank -1), then the same sequence, flush and
+        broadcast as every rank's events."""
         n.timestamp = n.timestamp or time.time()
         n.engine_index = n.dp_rank = self.engine_index
         n.rank = ENGINE_RANK
@@ -154,15 +136,20 @@ class EngineNotificationChannel:
             return False
         return (now or time.monotonic()) - self.last_gather >= self.poll_interval
 
-    def collect(self, stepped: bool = False) -> int:
-        """Gather if a rank rang the doorbell or the poll is due; otherwise cost nothing.
+    def collect(self, moment: Moment) -> int:
+        """Rule 5 (when): decide at each of the engine core's moments whether to gather every
+        rank now; returns how many events arrived.
 
-        After a step (`stepped`) the doorbell is not looked at: each rank's events came back
-        with its step reply, and what it published since rides the next step, or the
-        doorbell's gather once the engine goes idle.
+        At start (load-time events) and after a producer utility, always. After a step only
+        when the poll is due: each rank's events came back on its step reply (`receive`), and
+        what it published since rides the next step, or the doorbell's gather once the engine
+        goes idle. Idle: when a rank rang its doorbell, or the poll is due. Nothing else costs
+        an RPC.
         """
+        if moment is Moment.START or moment is Moment.UTILITY:
+            return self.gather()
         if self.poll_due() or (
-            not stepped and self.use_doorbell and self.executor.notifications_pending()
+            moment is Moment.IDLE and self.use_doorbell and self.executor.notifications_pending()
         ):
             return self.gather()
         return 0
@@ -178,7 +165,9 @@ class EngineNotificationChannel:
     # ---- flushing and catch-up ----
 
     def flush(self) -> list[msgspec.Raw] | None:
-        """Everything pending, stamped, recorded and encoded; None when nothing is."""
+        """Rule 6 (flush): everything pending, the engine's own drop marker first, stamped with
+        a gap-free `engine_seq`, recorded in the ledger (rule 8) and encoded once for every API
+        server; None when nothing is. The engine core sends it with its next message."""
         if not self.pending and not self.dropped:
             return None
         items = list(self.pending)

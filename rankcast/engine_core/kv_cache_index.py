@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankcast.engine.block_manager import block_hash
-from rankcast.notifications import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
+from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
+from rankcast.engine_core.block_manager import block_hash
 from rankcast.protocol import KVCacheBlock, KVCacheState
 
 

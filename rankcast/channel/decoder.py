@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from rankcast.notifications import AnyNotification, Notification
+from rankcast.channel.events import AnyNotification, Notification
 
 
 class _TypeOnly(msgspec.Struct):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rankcast.engine.detokenizer import IncrementalDetokenizer
+from rankcast.engine_client.detokenizer import IncrementalDetokenizer
 from rankcast.outputs import CompletionOutput, Logprob, RequestOutput
 from rankcast.protocol import EngineCoreOutput, FinishReason, TokenLogprobs
 from rankcast.sampling_params import SamplingParams

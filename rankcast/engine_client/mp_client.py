@@ -18,8 +18,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from rankcast.engine.addresses import ClientAddresses
-from rankcast.engine.core_client import AsyncEngineCoreClient, EngineCoreClient
+from rankcast.addresses import ClientAddresses
+from rankcast.engine_client.core_client import AsyncEngineCoreClient, EngineCoreClient
 from rankcast.process import process_is_alive
 from rankcast.protocol import (
     PROTOCOL_VERSION,

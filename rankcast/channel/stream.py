@@ -21,16 +21,17 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 
+from rankcast.channel.events import NotificationBatch
 from rankcast.config import NotificationConfig
-from rankcast.notifications import NotificationBatch
-from rankcast.protocol import EngineStateSnapshot
 
 logger = logging.getLogger(__name__)
 
-TOPIC = b"rankcast.notifications"
+TOPIC = b"rankcast.channel.events"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 SNAPSHOT_REQUEST = b"snapshot"
 _REPLAY_BATCHES = 10_000
+# The snapshot a subscriber gets is the engine's `EngineStateSnapshot` (rankcast/protocol.py);
+# this module only encodes it, so it takes any struct and imports nothing above the channel.
 
 
 def endpoint_for_engine(endpoint: str, engine_index: int) -> str:
@@ -77,14 +78,14 @@ class NotificationPublisher:
             engine_index,
         )
 
-    def start(self, snapshot: Callable[[], EngineStateSnapshot]) -> None:
+    def start(self, snapshot: Callable[[], msgspec.Struct]) -> None:
         """Start the socket thread, with the state a snapshot request gets before any batch."""
         if self.router is not None:
             self.queue.put((None, self.encoder.encode(snapshot())))
         self.thread.start()
 
     def publish(
-        self, notifications: list[msgspec.Raw], snapshot: Callable[[], EngineStateSnapshot]
+        self, notifications: list[msgspec.Raw], snapshot: Callable[[], msgspec.Struct]
     ) -> None:
         """Hand one flushed batch to the socket thread (called on the busy loop)."""
         payload = self.encoder.encode(

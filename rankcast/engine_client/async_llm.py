@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rankcast.engine.load_balancer import LoadBalancer
-from rankcast.engine.mp_client import AsyncMPClient, EngineDeadError
-from rankcast.engine.notification_decoder import NotificationDecoder
-from rankcast.engine.output_processor import OutputProcessor
-from rankcast.notifications import Notification
+from rankcast.channel.decoder import NotificationDecoder
+from rankcast.channel.events import Notification
+from rankcast.engine_client.load_balancer import LoadBalancer
+from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError
+from rankcast.engine_client.output_processor import OutputProcessor
 from rankcast.outputs import RequestOutput, RequestRejectedError
 from rankcast.protocol import (
     EngineCoreRequest,

@@ -25,8 +25,8 @@ from collections import deque
 from typing import Literal, Protocol
 
 from rankcast.config import SchedulerConfig
-from rankcast.engine.block_manager import BlockManager
-from rankcast.engine.request import Request, RequestStatus
+from rankcast.engine_core.block_manager import BlockManager
+from rankcast.engine_core.request import Request, RequestStatus
 from rankcast.protocol import (
     EngineCoreOutput,
     FinishReason,

@@ -6,7 +6,7 @@
     output thread : encodes and sends each message on its API server's output socket
 
 This module decides nothing about the channel or routing: who gets which output, when
-notifications are gathered and flushed, is `EngineCore`'s (rankcast/engine/core.py).
+notifications are gathered and flushed, is `EngineCore`'s (rankcast/engine_core/core.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 import msgspec
 import zmq
 
+from rankcast.addresses import EngineAddresses
+from rankcast.channel.stream import NotificationPublisher
 from rankcast.config import EngineConfig
-from rankcast.engine.addresses import EngineAddresses
-from rankcast.engine.core import EngineCore, Outbox
-from rankcast.engine.notification_publisher import NotificationPublisher
+from rankcast.engine_core.core import EngineCore, Outbox
 from rankcast.executor.base import ExecutorError
 from rankcast.logger import init_logging
 from rankcast.model.source import ModelSource

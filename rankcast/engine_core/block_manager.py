@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from rankcast.engine.request import Request
-from rankcast.notifications import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
+from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
+from rankcast.engine_core.request import Request
 
 _HASH_MASK = (1 << 63) - 1  # non-negative 64-bit: every msgpack peer reads it as an integer
 

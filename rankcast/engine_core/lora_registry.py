@@ -27,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rankcast.channel.events import LoRAAdapterLoaded, LoRAAdapterLoadFailed, Notification
+from rankcast.channel.lora_events import lora_event_key, lora_load_time
 from rankcast.config import LoRAConfig
-from rankcast.engine.lora_events import lora_event_key, lora_load_time
-from rankcast.engine.scheduler import AdapterState
+from rankcast.engine_core.scheduler import AdapterState
 from rankcast.errors import (
     AdapterBusyError,
     AdapterExistsError,
@@ -40,7 +41,6 @@ from rankcast.errors import (
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import inspect_peft_adapter
 from rankcast.model.arch import ArchConfig
-from rankcast.notifications import LoRAAdapterLoaded, LoRAAdapterLoadFailed, Notification
 from rankcast.protocol import (
     AdapterResidency,
     LoRAAdapterInfo,

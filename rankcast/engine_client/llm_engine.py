@@ -6,12 +6,12 @@ import itertools
 import time
 from typing import Any
 
+from rankcast.channel.decoder import NotificationDecoder
+from rankcast.channel.events import Notification
 from rankcast.config import EngineConfig
-from rankcast.engine.core_client import InprocClient
-from rankcast.engine.notification_decoder import NotificationDecoder
-from rankcast.engine.output_processor import OutputProcessor
+from rankcast.engine_client.core_client import CoreFactory, InprocClient
+from rankcast.engine_client.output_processor import OutputProcessor
 from rankcast.model.source import resolve_model
-from rankcast.notifications import Notification
 from rankcast.outputs import RequestOutput
 from rankcast.protocol import EngineCoreRequest, LoRAAdapterInfo
 from rankcast.sampling_params import SamplingParams
@@ -19,11 +19,15 @@ from rankcast.tokenizer import load_tokenizer
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`build_core` makes the in-process engine core (`rankcast.engine_core.core.EngineCore`,
+    passed by the entry points: this package runs in API servers too and never imports the
+    engine core's, which brings the model and torch)."""
+
+    def __init__(self, config: EngineConfig, build_core: CoreFactory) -> None:
         self.config = config
         self.source = resolve_model(config.model.model)
         self.tokenizer = load_tokenizer(self.source.model_dir)
-        self.client = InprocClient(config, self.source)
+        self.client = InprocClient(config, self.source, build_core)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.notification_decoder = NotificationDecoder()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
@@ -19,6 +20,7 @@ from rankcast.protocol import (
     ClientHello,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineReady,
     EngineStateSnapshot,
     LoRAAdapterInfo,
     SchedulerStats,
@@ -126,18 +128,40 @@ class AsyncEngineCoreClient(ABC):
         return bool(await self.call_utility("reset_prefix_cache"))
 
 
+class InprocCore(Protocol):
+    """What `InprocClient` drives: `rankcast.engine_core.core.EngineCore`, as seen from here.
+
+    Named as a protocol so this package never imports the engine core's (rule of
+    tests/test_import_layers.py); whoever builds the offline engine passes the class in.
+    """
+
+    engine_index: int
+    stalled: bool
+
+    def ready_info(self, client: int, hello: ClientHello) -> EngineReady: ...
+    def start(self) -> None: ...
+    def add_request(self, request: EngineCoreRequest, client: int | None = None) -> None: ...
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def idle_timeout(self) -> float: ...
+    def step(self) -> dict[int, EngineCoreOutputs]: ...
+    def idle_outputs(self) -> dict[int, EngineCoreOutputs] | None: ...
+    def call_utility(self, method: str, *args: Any) -> Any: ...
+    def shutdown(self) -> None: ...
+
+
+# Builds the in-process engine core: `EngineCore` itself, passed by the entry points.
+CoreFactory = Callable[[EngineConfig, "ModelSource"], InprocCore]
+
+
 class InprocClient(EngineCoreClient):
     """Drives an `EngineCore` in the caller's thread, as its only client; used by the offline
     `LLM`. The core runs the same sequence as in its own process."""
 
     CLIENT_INDEX = 0
 
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        # Imported here: the engine core brings the model and torch, which the API servers that
-        # import this module for the process clients never use.
-        from rankcast.engine.core import EngineCore
-
-        self.core = EngineCore(config, source)
+    def __init__(self, config: EngineConfig, source: ModelSource, build_core: CoreFactory) -> None:
+        self.core = build_core(config, source)
         try:
             ready = self.core.ready_info(self.CLIENT_INDEX, ClientHello(PROTOCOL_VERSION, 0))
             self.core.start()

@@ -5,7 +5,7 @@ server's metrics count by the same keys, so they agree.
 
 from __future__ import annotations
 
-from rankcast.notifications import (
+from rankcast.channel.events import (
     LORA_TYPES,
     LoRAAdapterActivated,
     LoRAAdapterEvicted,

@@ -1,15 +1,17 @@
 """The engine core: owns the scheduler, the executor and the notification channel's sequence.
 
-Every rule of the channel (docs/architecture.md, "The notification contract") is carried out
-here and nowhere else, whichever process drives the core:
+It decides everything about a step and about who gets which message; the process around it
+(`core_proc.py`) and the offline engine's in-process client only move what it returns. The
+notification channel's rules are carried out by the functions docs/architecture.md names, one
+each, mostly in `rankcast/channel/`; here the core calls them at its moments:
 
-    rule 4/5a  gather at start          `start()`
-    rule 5b    gather after a utility   `call_utility()` (PRODUCER_UTILITIES)
-    rule 5c/d  collect after a step     `step()`; when idle, `idle_outputs()`
-    rule 6     flush with the next message, or a notification-only one when idle
-    rule 7     every connected client gets every batch, in the same order; request outputs go
-               only to the client whose request they are (`Request.client_index`)
-    catch-up   `ready_info()` carries the snapshot the stream continues after
+    start()          rule 5 at start: gather the load-time events
+    call_utility()   rule 5 after a utility that changes a producer (PRODUCER_UTILITIES)
+    step()           rule 4 on each rank's step reply, rule 5 after a step, rules 6-7
+    idle_outputs()   rule 5 when idle (doorbell, poll), rules 6-7 (a notification-only message)
+    _broadcast()     rule 7: every connected client gets every batch, in the same order;
+                     request outputs go only to the client whose request they are
+    snapshot()       rule 8: the state the stream continues after (in the handshake's reply)
 
 The offline `LLM` drives it in-process (client 0); the engine-core process wraps it in ZMQ
 threads that only move bytes: each call here returns the messages to send, per client.
@@ -26,13 +28,13 @@ from typing import Any
 
 import msgspec
 
+from rankcast.channel.gather import EngineNotificationChannel, GatherError, Moment
 from rankcast.config import ConfigError, EngineConfig
-from rankcast.engine.block_manager import BlockManager
-from rankcast.engine.kv_cache_index import KVCacheIndex
-from rankcast.engine.lora_registry import LoRARegistry
-from rankcast.engine.notification_channel import EngineNotificationChannel, GatherError
-from rankcast.engine.request import Request
-from rankcast.engine.scheduler import Scheduler
+from rankcast.engine_core.block_manager import BlockManager
+from rankcast.engine_core.kv_cache_index import KVCacheIndex
+from rankcast.engine_core.lora_registry import LoRARegistry
+from rankcast.engine_core.request import Request
+from rankcast.engine_core.scheduler import Scheduler
 from rankcast.errors import ClientError, ExtensionCallError, UnknownMethodError
 from rankcast.executor.base import ExecutorError
 from rankcast.executor.factory import create_executor
@@ -165,9 +167,9 @@ class EngineCore:
     # ---- the sequence ----
 
     def start(self) -> None:
-        """Rule 5a: load-time events (each rank's weight-load figure) were published before any
-        client could ask; gather them once, they leave with the first message."""
-        self.gather_worker_notifications()
+        """Rule 5 at start: load-time events (each rank's weight-load figure) were published
+        before any client could ask; gather them once, they leave with the first message."""
+        self.notifications.collect(Moment.START)
 
     def ready_info(self, client: int, hello: ClientHello) -> EngineReady:
         """Answer a client's hello: refuse another protocol version naming both; otherwise
@@ -231,7 +233,7 @@ class EngineCore:
             return []
         reply = self._run_utility(message)
         # Events the utility caused reach every client before the caller hears back.
-        outbox: Outbox = [*self._to_every_client(self._flush(), None)]
+        outbox: Outbox = list(self._broadcast(self._flush(), None).items())
         outbox.append((client, EngineCoreOutputs(self.engine_index, utility_output=reply)))
         return outbox
 
@@ -254,9 +256,9 @@ class EngineCore:
             )
 
     def step(self) -> dict[int, EngineCoreOutputs]:
-        """Schedule, execute and account for one step (rule 5c: the ranks' events ride their
-        step replies); each client gets its own requests' outputs, and all of them the stats
-        and the same batch of events."""
+        """Schedule, execute and account for one step (the ranks' events ride their step
+        replies, rule 4's `receive`); each client gets its own requests' outputs, and all of
+        them the stats and the same batch of events."""
         batch = self.scheduler.schedule()
         # Nothing could run (requests wait for an adapter being read): the driver may wait for
         # input or the doorbell instead of stepping again at once.
@@ -266,21 +268,55 @@ class EngineCore:
         if stepped:
             # Finished ids and adapter moves must reach the ranks even on an empty step.
             result = self.executor.execute_model(batch)
-            # Rule 5c: each rank's events came back with its reply to the step.
+            # Each rank's events came back with its reply to the step.
             self.notifications.receive(result.notifications)
             if result.output is not None:
                 outputs = self.scheduler.update_from_output(result.output)
         outputs.extend(self.scheduler.take_rejected())
         self._publish_kv_events()
-        self.notifications.collect(stepped)
+        self.notifications.collect(Moment.STEP if stepped else Moment.IDLE)
         flushed = self._flush()
         stats = self.last_stats = self.stats()
-        now = time.time()
-        per_client: dict[int, list[EngineCoreOutput]] = {client: [] for client in self.clients}
-        for client, output in outputs:
+        return self._broadcast(flushed, stats, outputs)
+
+    def idle_outputs(self) -> dict[int, EngineCoreOutputs] | None:
+        """No step ran: rule 5 when idle (doorbell, poll), then rule 6: a notification-only
+        message to every client if anything was gathered, with the stats if they changed."""
+        self.notifications.collect(Moment.IDLE)
+        stats = self.stats()
+        changed = stats != self.last_stats
+        self.last_stats = stats
+        return self._broadcast(self._flush(), stats if changed else None) or None
+
+    def idle_timeout(self) -> float:
+        """How long an idle driver may wait for input before calling `idle_outputs` again."""
+        return self.notifications.idle_wait(IDLE_WAIT_S)
+
+    def _flush(self) -> list[msgspec.Raw] | None:
+        """The channel's flush (rule 6), handed to the machine stream's sinks as well."""
+        raws = self.notifications.flush()
+        if raws:
+            for sink in self.flush_sinks:
+                sink(raws)
+        return raws
+
+    def _broadcast(
+        self,
+        notifications: list[msgspec.Raw] | None,
+        stats: SchedulerStats | None,
+        outputs: list[tuple[int, EngineCoreOutput]] | None = None,
+    ) -> dict[int, EngineCoreOutputs]:
+        """Rule 7: one message per connected client, each with the same batch of events (and
+        stats), in client order; a request's outputs only in its own client's. With no step
+        outputs, nothing at all when there are neither events nor stats."""
+        if outputs is None and notifications is None and stats is None:
+            return {}
+        per_client: dict[int, list[EngineCoreOutput]] = {c: [] for c in sorted(self.clients)}
+        for client, output in outputs or ():
             mine = per_client.get(client)
             if mine is not None:  # a client that went away has no stream to write to
                 mine.append(output)
+        now = time.time()
         return {
             client: EngineCoreOutputs(
                 self.engine_index,
@@ -288,51 +324,10 @@ class EngineCore:
                 scheduler_stats=stats,
                 timestamp=now,
                 finished_requests=[o.request_id for o in mine if o.finished] or None,
-                engine_notifications=flushed,
+                engine_notifications=notifications,
             )
             for client, mine in per_client.items()
         }
-
-    def idle_outputs(self) -> dict[int, EngineCoreOutputs] | None:
-        """No step ran: rule 5c/d (doorbell, poll), then rule 6: a notification-only message
-        to every client if anything was gathered, with the stats if they changed."""
-        self.notifications.collect()
-        stats = self.stats()
-        changed = stats != self.last_stats
-        self.last_stats = stats
-        outbox = self._to_every_client(self._flush(), stats if changed else None)
-        return dict(outbox) or None
-
-    def idle_timeout(self) -> float:
-        """How long an idle driver may wait for input before calling `idle_outputs` again."""
-        return self.notifications.idle_wait(IDLE_WAIT_S)
-
-    def _flush(self) -> list[msgspec.Raw] | None:
-        raws = self.notifications.flush()
-        if raws:
-            for sink in self.flush_sinks:
-                sink(raws)
-        return raws
-
-    def _to_every_client(
-        self, notifications: list[msgspec.Raw] | None, stats: SchedulerStats | None
-    ) -> list[tuple[int, EngineCoreOutputs]]:
-        """Rule 7: the same batch (and stats) for every connected client; nothing if neither."""
-        if notifications is None and stats is None:
-            return []
-        now = time.time()
-        return [
-            (
-                client,
-                EngineCoreOutputs(
-                    self.engine_index,
-                    scheduler_stats=stats,
-                    timestamp=now,
-                    engine_notifications=notifications,
-                ),
-            )
-            for client in sorted(self.clients)
-        ]
 
     def _stats_message(self, stats: SchedulerStats) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.engine_index, scheduler_stats=stats, timestamp=time.time())
@@ -432,7 +427,7 @@ class EngineCore:
             return getattr(self, method)(*args)
         finally:
             if method in self.PRODUCER_UTILITIES:
-                self.gather_worker_notifications()
+                self.notifications.collect(Moment.UTILITY)
 
     def ping(self) -> str:
         return "pong"
@@ -476,7 +471,9 @@ class EngineCore:
         return self.notifications.gather()
 
     def snapshot(self) -> EngineStateSnapshot:
-        """State as of the last flushed event (rule 8): the stream continues after it."""
+        """Rule 8 (catch-up): the state as of the last flushed event, each section from its
+        owner (the channel's ledger, the adapter registry, the KV index); the stream that
+        follows continues after it."""
         return EngineStateSnapshot(
             self.engine_index,
             self.notifications.last_engine_seq(),

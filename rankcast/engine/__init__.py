@@ -1,1 +1,0 @@
-"""The engine core (scheduler, KV block accounting, the step loop) and its clients."""

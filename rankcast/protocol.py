@@ -326,16 +326,29 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprobs | None] | None = None
 
 
+class AdapterRead(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A rank finished reading an adapter from disk into its host tier (`error` None), or
+    could not (`error` says why). State, not an event: the engine's registry marks the adapter
+    ready from these, so a dropped notification can never leave it waiting forever."""
+
+    adapter_id: int
+    name: str
+    error: str | None = None
+
+
 class StepReply(msgspec.Struct, array_like=True, omit_defaults=True):
     """Every rank's answer to a step: the output rank's sampled tokens (None from the others)
     and the rank's notifications drained as the step ended (None when its buffer was empty).
 
     Carrying the events on the reply every rank sends anyway is what keeps a busy channel
-    from costing a gather round trip per step (rule 5c).
+    from costing a gather round trip per step (rule 5). `adapter_reads`: the background adapter
+    reads this rank finished since its last reply (None: none), which the engine's registry
+    acts on; the events about them only report it.
     """
 
     output: ModelRunnerOutput | None = None
     notifications: list[WorkerNotification] | None = None
+    adapter_reads: list[AdapterRead] | None = None
 
 
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):

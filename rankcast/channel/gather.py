@@ -146,13 +146,16 @@ class EngineNotificationChannel:
         goes idle. Idle: when a rank rang its doorbell, or the poll is due. Nothing else costs
         an RPC.
         """
+        return self.gather() if self.should_gather(moment) else 0
+
+    def should_gather(self, moment: Moment) -> bool:
+        """Rule 5's decision alone (a rung doorbell is forgotten once read: the caller must
+        then collect what it rang for, as `collect` does)."""
         if moment is Moment.START or moment is Moment.UTILITY:
-            return self.gather()
-        if self.poll_due() or (
+            return True
+        return self.poll_due() or (
             moment is Moment.IDLE and self.use_doorbell and self.executor.notifications_pending()
-        ):
-            return self.gather()
-        return 0
+        )
 
     def idle_wait(self, longest: float) -> float:
         """How long an idle engine may wait for input before it must look again."""

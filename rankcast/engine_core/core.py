@@ -115,7 +115,7 @@ class EngineCore:
                 self._running_adapters,
                 config.parallel.world_size,
             )
-            self.notifications.observers.append(self.loras.observe)
+            self.notifications.observers.append(self.loras.count_event)
         self.scheduler = Scheduler(
             config.scheduler,
             BlockManager(
@@ -136,11 +136,11 @@ class EngineCore:
         self.last_stats: SchedulerStats | None = None
         # Called with every flushed batch (the ZMQ event stream publishes from here).
         self.flush_sinks: list[Callable[[list[msgspec.Raw]], None]] = []
-        # The prefix-cache index as the KV-cache events that left the engine describe it.
+        # The prefix-cache index the KV-cache events describe, updated from the block manager's
+        # own results as they are taken (`_take_kv_events`), not from the events leaving.
         self.kv_index: KVCacheIndex | None = None
         if self.scheduler.blocks.kv_events:
             self.kv_index = KVCacheIndex()
-            self.notifications.observers.append(self.kv_index.apply)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
             num_blocks,
@@ -265,15 +265,21 @@ class EngineCore:
         self.stalled = not batch.sequences
         outputs: list[tuple[int, EngineCoreOutput]] = []
         stepped = bool(batch.sequences or batch.finished_request_ids or batch.lora_moves)
+        if not stepped and self.loras is not None and self.loras.reads_in_flight():
+            # Requests wait for an adapter being read: when a rank rang (or the poll is due),
+            # an empty step brings every rank's finished reads, and its events with them.
+            stepped = self.notifications.should_gather(Moment.IDLE)
         if stepped:
             # Finished ids and adapter moves must reach the ranks even on an empty step.
             result = self.executor.execute_model(batch)
             # Each rank's events came back with its reply to the step.
             self.notifications.receive(result.notifications)
+            if self.loras is not None:
+                self.loras.update_from_reads(result.adapter_reads)
             if result.output is not None:
                 outputs = self.scheduler.update_from_output(result.output)
         outputs.extend(self.scheduler.take_rejected())
-        self._publish_kv_events()
+        self._take_kv_events()
         self.notifications.collect(Moment.STEP if stepped else Moment.IDLE)
         flushed = self._flush()
         stats = self.last_stats = self.stats()
@@ -505,15 +511,24 @@ class EngineCore:
             stats.lora_requests_changed_at = self._lora_requests_changed_at
         return stats
 
-    def _publish_kv_events(self) -> None:
+    def _take_kv_events(self) -> None:
+        """The block manager's cache changes since the last call: applied to the KV index (the
+        state a late router starts from), then published as the engine's own events."""
         for event in self.scheduler.blocks.take_kv_events():
+            if self.kv_index is not None:
+                self.kv_index.apply(event)
             self.notifications.publish_engine_event(event)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused while requests hold blocks)."""
         reset = self.scheduler.blocks.reset_prefix_cache()
-        self._publish_kv_events()
+        self._take_kv_events()
         return reset
+
+    def on_rank_failure(self, callback: Callable[[str], None]) -> None:
+        """Have `callback(why)` called, from the executor's monitor thread, when a rank dies:
+        the process driving this core wakes its busy loop with it, even while idle."""
+        self.executor.failure_callback = callback
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -74,7 +74,7 @@ class EngineCoreProc:
             push.bind(client.output)
             self.input_sockets.append(pull)
             self.output_sockets.append(push)
-        self.core.executor.failure_callback = self._on_executor_failure
+        self.core.on_rank_failure(self._on_executor_failure)
         self.publisher = NotificationPublisher.create(config.notifications, engine_index)
         if self.publisher is not None:
             publisher = self.publisher

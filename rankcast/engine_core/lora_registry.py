@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankcast.channel.events import LoRAAdapterLoaded, LoRAAdapterLoadFailed, Notification
+from rankcast.channel.events import Notification
 from rankcast.channel.lora_events import lora_event_key, lora_load_time
 from rankcast.config import LoRAConfig
 from rankcast.engine_core.scheduler import AdapterState
@@ -42,6 +42,7 @@ from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import inspect_peft_adapter
 from rankcast.model.arch import ArchConfig
 from rankcast.protocol import (
+    AdapterRead,
     AdapterResidency,
     LoRAAdapterInfo,
     LoRAEventCount,
@@ -117,25 +118,36 @@ class LoRARegistry:
         self.events: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.loads: collections.deque[tuple[str, float]] = collections.deque(maxlen=_LOADS_KEPT)
 
-    def observe(self, n: Notification) -> None:
-        """Count lifecycle events as they leave the engine (for the catch-up snapshot), and
-        follow background reads: done when every rank reported, dropped when one failed."""
+    def count_event(self, n: Notification) -> None:
+        """Count lifecycle events as they leave the engine, for the catch-up snapshot: what
+        every API server's event counters and load-time histogram start from. State never
+        follows from here: the events only report it."""
         key = lora_event_key(n)
         if key is not None:
             self.events[key] += 1
         load = lora_load_time(n)
         if load is not None:
             self.loads.append(load)
-        if isinstance(n, LoRAAdapterLoaded | LoRAAdapterLoadFailed):
-            entry = self.adapters.get(n.adapter_name)
-            if entry is None or not entry.loading or entry.adapter_id != n.adapter_id:
-                return
-            if isinstance(n, LoRAAdapterLoadFailed):
-                self._read_failed(entry, n.error)
-            elif n.tier == "cpu":
-                entry.loaded_ranks.add(n.rank)
+
+    def update_from_reads(self, reads_per_rank: list[list[AdapterRead] | None]) -> None:
+        """Follow background reads from the step's typed results (one list per rank, in rank
+        order): an adapter is ready once every rank has read it, and dropped when one could
+        not. Called by the engine core with every step's replies, before the next schedule."""
+        for rank, reads in enumerate(reads_per_rank):
+            for read in reads or ():
+                entry = self.adapters.get(read.name)
+                if entry is None or not entry.loading or entry.adapter_id != read.adapter_id:
+                    continue  # unloaded, or registered again, while it was being read
+                if read.error is not None:
+                    self._read_failed(entry, read.error)
+                    continue
+                entry.loaded_ranks.add(rank)
                 if len(entry.loaded_ranks) >= self.world_size:
                     self._read_done(entry)
+
+    def reads_in_flight(self) -> bool:
+        """Whether some adapter is still being read on some rank."""
+        return any(entry.loading for entry in self.adapters.values())
 
     def _read_done(self, entry: RegisteredAdapter) -> None:
         """Read on every rank: only now does the adapter whose place it took leave (unless a

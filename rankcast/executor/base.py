@@ -19,7 +19,7 @@ import msgspec
 from rankcast.channel.events import WorkerNotification
 from rankcast.config import EngineConfig
 from rankcast.model.source import ModelSource
-from rankcast.protocol import LoRAMove, ModelRunnerOutput, SchedulerOutput, StepReply
+from rankcast.protocol import AdapterRead, LoRAMove, ModelRunnerOutput, SchedulerOutput, StepReply
 from rankcast.worker.extension import worker_class
 from rankcast.worker.worker import Worker
 
@@ -57,15 +57,22 @@ def convert_reply(reply: Any, reply_type: Any, plain: bool = False) -> Any:
 
 @dataclasses.dataclass
 class StepResult:
-    """One step as the engine sees it: the output rank's tokens, and each rank's events (in
-    rank order; None for a rank that had none) drained as it ended the step."""
+    """One step as the engine sees it: the output rank's tokens, and per rank (in rank order;
+    None for a rank that had none) the events it drained as it ended the step and the adapter
+    reads it finished."""
 
     output: ModelRunnerOutput | None
     notifications: list[list[WorkerNotification] | None]
+    adapter_reads: list[list[AdapterRead] | None]
 
 
 def step_result(replies: list[StepReply], output_rank: int) -> StepResult:
-    return StepResult(replies[output_rank].output, [reply.notifications for reply in replies])
+    """Every executor's step replies, in rank order, as the engine core sees the step."""
+    return StepResult(
+        replies[output_rank].output,
+        [reply.notifications for reply in replies],
+        [reply.adapter_reads for reply in replies],
+    )
 
 
 class ExecutorError(RuntimeError):

@@ -8,7 +8,7 @@ from typing import Any
 
 from rankcast.channel.doorbell import Doorbell
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError, StepResult
+from rankcast.executor.base import Executor, ExecutorError, StepResult, step_result
 from rankcast.model.source import ModelSource
 from rankcast.protocol import SchedulerOutput
 from rankcast.worker.worker import start_worker
@@ -48,7 +48,7 @@ class UniProcExecutor(Executor):
         self.rpc_counts["execute_model"] += 1
         with self.worker.notifications.current():
             reply = self.worker.execute_model(batch)
-        return StepResult(reply.output, [reply.notifications])
+        return step_result([reply], output_rank=0)
 
     def notifications_pending(self) -> bool:
         return self.doorbell.take()

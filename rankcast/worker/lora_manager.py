@@ -23,7 +23,7 @@ from rankcast.channel.events import (
 )
 from rankcast.lora.peft_adapter import LoRAAdapter, load_peft_adapter
 from rankcast.model.arch import ArchConfig
-from rankcast.protocol import LoRAMove
+from rankcast.protocol import AdapterRead, LoRAMove
 from rankcast.worker.model_runner import ModelRunner
 
 
@@ -50,6 +50,9 @@ class LoRAManager:
         self.lock = threading.Lock()
         self.reading: set[int] = set()
         self.cancelled: set[int] = set()
+        # Background reads that ended since the engine last took them (with the rank's next
+        # step reply): what the engine's registry acts on, never dropped like an event can be.
+        self.finished_reads: list[AdapterRead] = []
 
     def apply(self, moves: list[LoRAMove]) -> None:
         """Make the engine's moves, in order (at the start of a step, or from a utility)."""
@@ -88,6 +91,8 @@ class LoRAManager:
             with self.lock:
                 self.reading.discard(adapter_id)
                 dropped = adapter_id in self.cancelled
+                if not dropped:
+                    self.finished_reads.append(AdapterRead(adapter_id, name, str(exc)))
             if not dropped:
                 self.publish(
                     LoRAAdapterLoadFailed(adapter_name=name, adapter_id=adapter_id, error=str(exc))
@@ -99,6 +104,7 @@ class LoRAManager:
                 self.cancelled.discard(adapter_id)
                 return
             self.host[adapter_id] = adapter
+            self.finished_reads.append(AdapterRead(adapter_id, name))
         self.publish(
             LoRAAdapterLoaded(
                 adapter_name=name,
@@ -107,6 +113,14 @@ class LoRAManager:
                 seconds=time.perf_counter() - start,
             )
         )
+
+    def take_finished_reads(self) -> list[AdapterRead] | None:
+        """The background reads that ended since the last call (None: none), oldest first."""
+        if not self.finished_reads:
+            return None
+        with self.lock:
+            reads, self.finished_reads = self.finished_reads, []
+        return reads
 
     def load(self, adapter_id: int, name: str, path: str) -> float:
         """Read the adapter from disk into the host tier (the engine validated it already; a

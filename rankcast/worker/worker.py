@@ -169,7 +169,11 @@ class Worker:
         output = None
         if batch.sequences or batch.finished_request_ids:
             output = self.runner.execute_model(batch, sample=self.is_output_rank)
-        return StepReply(output, self.notifications.take())
+        # Events first: a read is recorded before its event is published, so a read whose
+        # event this reply carries is in it too.
+        notifications = self.notifications.take()
+        reads = None if self.loras is None else self.loras.take_finished_reads()
+        return StepReply(output, notifications, reads)
 
     def rank_info(self) -> tuple[int, int, int]:
         """(rank, pp_rank, tp_rank): lets the engine and tests see the layout each rank holds."""

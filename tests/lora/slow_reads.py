@@ -20,3 +20,22 @@ class SlowReads:
             return read(*args, **kwargs)
 
         lora_manager.load_peft_adapter = slow  # type: ignore[assignment]
+
+
+class DroppedReadEvents:
+    """Fault injection: right after this rank publishes that it read an adapter into its host
+    tier, publish one more event, so a one-slot buffer drops the read's event (the only way
+    to lose that event at a chosen moment)."""
+
+    def drop_read_events(self) -> None:
+        from rankcast.channel import CustomNotification, LoRAAdapterLoaded
+
+        manager = self.loras  # type: ignore[attr-defined]
+        publish = manager.publish
+
+        def publish_then_push_out(n: Any) -> None:
+            publish(n)
+            if isinstance(n, LoRAAdapterLoaded) and n.tier == "cpu":
+                publish(CustomNotification(key="test.push_out", payload={}))
+
+        manager.publish = publish_then_push_out

@@ -4,10 +4,11 @@ reported the adapter read."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rankcast import SamplingParams
-from rankcast.channel.events import LoRAAdapterLoaded
+from rankcast.channel.events import LoRAAdapterLoaded, NotificationsDropped
 from tests.lora.conftest import lora_llm
 
 LONG = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
@@ -59,3 +60,34 @@ def test_running_requests_decode_while_an_adapter_is_read_from_disk(
         ]
         assert len(loads) == 1 and loads[0].seconds >= 1.0
         assert {a.name: a.tiers for a in llm.list_loras()}["a"] == ["device", "cpu"]
+
+
+def test_an_adapter_is_ready_when_read_even_if_the_event_saying_so_is_dropped(
+    tiny_llama_dir: Path, mixed_adapters: list[Path]
+) -> None:
+    """Readiness comes from the rank's step reply (typed reads), never from the events: with a
+    one-event buffer that loses the read's event, the request on the adapter still runs."""
+    with lora_llm(
+        tiny_llama_dir,
+        max_loras=1,
+        max_cpu_loras=1,
+        worker_notification_buffer_size=1,
+        worker_extension_cls="tests.lora.slow_reads:DroppedReadEvents",
+    ) as llm:
+        engine = llm.engine
+        engine.add_lora("a", str(mixed_adapters[0]))
+        engine.add_lora("b", str(mixed_adapters[1]))  # pushes "a" back to disk
+        llm.take_notifications()
+        llm.collective_rpc("drop_read_events")
+
+        on_a = engine.add_request([7, 8, 9], SHORT, lora_name="a")
+        deadline = time.monotonic() + 60
+        finished = False
+        while not finished:
+            assert time.monotonic() < deadline, "the request on 'a' never ran: read lost"
+            finished = any(o.request_id == on_a and o.finished for o in engine.step())
+        events = llm.take_notifications()
+        # The event that said so was lost, and the loss was reported as such.
+        assert not [n for n in events if isinstance(n, LoRAAdapterLoaded) and n.adapter_name == "a"]
+        assert any(isinstance(n, NotificationsDropped) for n in events)
+        assert "cpu" in {a.name: a.tiers for a in llm.list_loras()}["a"]

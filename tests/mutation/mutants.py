@@ -95,8 +95,8 @@ MUTANTS = [
         "step-reply-without-events",
         "3, 5 A rank drains its buffer into its step reply",
         "rankcast/worker/worker.py",
-        "        return StepReply(output, self.notifications.take())",
-        "        return StepReply(output, None)",
+        "        return StepReply(output, notifications, reads)",
+        "        return StepReply(output, None, reads)",
         (GATHER,),
     ),
     Mutant(
@@ -203,6 +203,14 @@ MUTANTS = [
         "        return min(idle, key=lambda a: a.last_used, default=None)",
         "        return max(idle, key=lambda a: a.last_used, default=None)",
         (CACHE,),
+    ),
+    Mutant(
+        "adapter-reads-ignored",
+        "An adapter is ready once every rank read it, from the step's typed results",
+        "rankcast/engine_core/core.py",
+        "                self.loras.update_from_reads(result.adapter_reads)",
+        "                pass",
+        ("tests/lora/test_background_read.py",),
     ),
     Mutant(
         "host-tier-unbounded",

@@ -300,6 +300,7 @@ pub fn schema() -> Vec<String> {
         LoRAMove::schema_line(),
         SchedulerOutput::schema_line(),
         ModelRunnerOutput::schema_line(),
+        AdapterRead::schema_line(),
         StepReply::schema_line(),
         WorkerCall::schema_line(),
         WorkerReply::schema_line(),

@@ -293,9 +293,19 @@ array_struct! {
 }
 
 array_struct! {
+    /// A rank finished reading an adapter into its host tier (`error` None), or could not.
+    AdapterRead {
+        adapter_id: i64,
+        name: String,
+        error: Option<String> = None,
+    }
+}
+
+array_struct! {
     StepReply {
         output: Option<ModelRunnerOutput> = None,
         notifications: Option<Vec<Notification>> = None,
+        adapter_reads: Option<Vec<AdapterRead>> = None,
     }
 }
 

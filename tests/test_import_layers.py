@@ -32,6 +32,7 @@ rankcast.worker -> rankcast.lora) and modules. Every import that is an edge insi
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -451,3 +452,46 @@ def test_the_parser_resolves_relative_and_nested_imports(tmp_path: Path) -> None
     # `rankcast.deep` is a package that no layer names.
     assert layer_of("rankcast.deep.leaf", {"rankcast.sub", "rankcast.deep"}) is None
     assert layer_of("rankcast.envs", {"rankcast.sub", "rankcast.deep"}) == LEAF
+
+
+# ---- the Rust side: no module cycle in any crate of rust/ ----
+
+RUST = REPO / "rust"
+_CRATE_PATH = re.compile(r"(?<![\w$])crate::(?:\{([^}]*)\}|(\w+))")
+
+
+def rust_module_edges(src: Path) -> set[tuple[str, str]]:
+    """(module, module) for every `crate::<module>` path one file of a crate's `src/` uses,
+    comments left out. The crate root (lib.rs, main.rs) is not a node: it declares every
+    module, and what it defines for all of them (macros, shared types) closes no cycle."""
+    modules = {p.stem for p in src.glob("*.rs")} - {"lib", "main"}
+    edges = set()
+    for path in src.glob("*.rs"):
+        if path.stem not in modules:
+            continue
+        code = "\n".join(line.split("//")[0] for line in path.read_text().splitlines())
+        for group, single in _CRATE_PATH.findall(code):
+            names = (
+                [part.strip().split("::")[0] for part in group.split(",")] if group else [single]
+            )
+            edges |= {(path.stem, name) for name in names if name in modules and name != path.stem}
+    return edges
+
+
+def test_no_rust_crate_has_a_module_cycle() -> None:
+    crates = sorted(p for p in RUST.glob("*/src") if p.is_dir())
+    assert len(crates) >= 4, crates  # wire, client, text, frontend
+    cycles = {
+        src.parent.name: sorted(sorted(c) for c in strongly_connected(rust_module_edges(src)))
+        for src in crates
+    }
+    assert not any(cycles.values()), f"module cycles in rust/: {cycles}"
+
+
+def test_the_rust_edge_reader_sees_grouped_and_single_paths(tmp_path: Path) -> None:
+    (tmp_path / "lib.rs").write_text("mod a;\nmod b;\nmod c;\n")
+    (tmp_path / "a.rs").write_text("use crate::{b::X, Dict};\n// crate::c in a comment\n")
+    (tmp_path / "b.rs").write_text("fn f() { crate::a::g(); $crate::c::h(); }\n")
+    (tmp_path / "c.rs").write_text("")
+    assert rust_module_edges(tmp_path) == {("a", "b"), ("b", "a")}
+    assert strongly_connected(rust_module_edges(tmp_path)) == [{"a", "b"}]

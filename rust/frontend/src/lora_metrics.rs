@@ -10,8 +10,8 @@ use std::sync::Mutex;
 use rankcast_client::wire::notifications::Notification;
 use rankcast_client::wire::protocol::EngineStateSnapshot;
 
+use crate::exposition::{format_value, write_header, write_sample};
 use crate::loras::Residency;
-use crate::metrics::{format_value, write_header, write_sample};
 
 const LOAD_BUCKETS: [f64; 12] = [
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

@@ -10,6 +10,7 @@ mod chat;
 mod drain;
 mod engine;
 mod events;
+mod exposition;
 mod logprobs;
 mod lora_metrics;
 mod loras;

@@ -14,7 +14,7 @@ use std::fs::{File, OpenOptions};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use crate::metrics::{format_value, write_header, write_sample};
+use crate::exposition::{format_value, write_header, write_sample};
 
 const INITIAL_SIZE: usize = 1 << 16;
 

@@ -200,7 +200,7 @@ impl RequestMetrics {
             let buckets = bounds
                 .map(|bound| {
                     let mut with_le = labels.to_vec();
-                    with_le.push(("le", crate::metrics::format_value(bound)));
+                    with_le.push(("le", crate::exposition::format_value(bound)));
                     store.create(key("bucket", &with_le))
                 })
                 .collect();

@@ -163,9 +163,37 @@ pub fn read_str(rd: &mut &[u8]) -> Result<String> {
     }
 }
 
-/// Skip one value of any type (a field this side does not know).
+/// Skip one value of any type (a field this side does not know), refusing what `Value` would
+/// refuse (a string that is not UTF-8, an extension type), without building it.
 pub fn skip(rd: &mut &[u8]) -> Result<()> {
-    crate::value::Value::decode(rd).map(|_| ())
+    let marker = read_marker(rd)?;
+    if read_int_marker(rd, marker)?.is_some() {
+        return Ok(());
+    }
+    match marker {
+        Marker::Null | Marker::True | Marker::False => Ok(()),
+        Marker::F32 => take(rd, 4).map(|_| ()),
+        Marker::F64 => take(rd, 8).map(|_| ()),
+        Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => {
+            let n = read_len(rd, marker)?.unwrap_or(0);
+            std::str::from_utf8(take(rd, n)?)
+                .map(|_| ())
+                .map_err(|_| WireError("a string is not UTF-8".into()))
+        }
+        Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => {
+            let n = read_len(rd, marker)?.unwrap_or(0);
+            take(rd, n).map(|_| ())
+        }
+        Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => {
+            let n = read_len(rd, marker)?.unwrap_or(0);
+            (0..n).try_for_each(|_| skip(rd))
+        }
+        Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => {
+            let n = read_len(rd, marker)?.unwrap_or(0);
+            (0..2 * n).try_for_each(|_| skip(rd))
+        }
+        other => error(format!("unsupported msgpack marker {other:?}")),
+    }
 }
 
 // ---- the types struct fields are made of ----

@@ -15,6 +15,8 @@ mod logprobs;
 mod lora_metrics;
 mod loras;
 mod metrics;
+#[cfg(test)]
+mod metrics_spec;
 mod multiprocess;
 mod openai;
 mod request_metrics;

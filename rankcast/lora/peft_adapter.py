@@ -73,6 +73,8 @@ def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
 
 def check_allowed(path: Path, allowed_roots: list[Path] | None) -> Path:
     """The adapter's real path, if it lies under an allowed root (symlinks resolved first)."""
+    if "\x00" in str(path):  # the OS refuses it with a bare ValueError (a 500, not a 400)
+        raise LoRAAdapterError(f"{str(path)!r}: a path cannot contain a NUL byte")
     resolved = path.expanduser().resolve()
     if allowed_roots is None:
         return resolved

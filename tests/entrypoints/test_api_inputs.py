@@ -78,6 +78,7 @@ BAD_BODIES = [
     ("/collective_rpc", '{"method":"rank_info","args":["\\ud800"]}', "args[0]"),
     ("/collective_rpc", '{"method":"rank_info","timeout":Infinity}', "timeout"),
     ("/v1/load_lora_adapter", '{"lora_name":"\\ud800","lora_path":"/x"}', "lora_name"),
+    ("/v1/load_lora_adapter", '{"lora_name":"x","lora_path":"/tmp/a\\u0000b"}', "lora_path: "),
     # Output shapes that cannot be built, or that contradict each other, are named.
     (
         "/v1/chat/completions",

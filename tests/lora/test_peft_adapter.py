@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rankcast.lora.peft_adapter import LoRAAdapterError, load_peft_adapter
+from rankcast.errors import ClientError
+from rankcast.lora.peft_adapter import LoRAAdapterError, inspect_peft_adapter, load_peft_adapter
 from rankcast.model.arch import ArchConfig
 from tests.lora.conftest import TARGETS, make_adapter
 
@@ -137,3 +138,15 @@ def test_paths_outside_the_allowed_roots_are_refused_even_through_a_symlink(
     inside = allowed / "real"
     shutil.copytree(adapter_dir, inside)
     assert load_peft_adapter("a", inside, arch, 16, allowed_roots=[allowed]).rank == 4
+
+
+def test_a_nul_byte_in_the_path_is_the_callers_error_naming_it(arch: ArchConfig) -> None:
+    """The OS refuses such a path with a bare ValueError, which would be the engine's own
+    (`internal`, a 500); it is the caller's, so the API server answers 400."""
+    for check in (
+        lambda: inspect_peft_adapter("/tmp/a\x00b", arch, 16),
+        lambda: load_peft_adapter("a", "/tmp/a\x00b", arch, 16),
+    ):
+        with pytest.raises(LoRAAdapterError, match=r"'/tmp/a\\x00b': a path cannot contain a NUL"):
+            check()
+    assert issubclass(LoRAAdapterError, ClientError)

@@ -264,6 +264,14 @@ class LoadLoRAAdapterRequest(RequestBody):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
+    @field_validator("lora_path")
+    @classmethod
+    def _a_path_the_file_system_takes(cls, value: str) -> str:
+        # Checked here, not where the path is opened: that raises a bare ValueError.
+        if "\x00" in value:
+            raise ValueError(f"contains a NUL byte at {value.index(chr(0))}; no file path can")
+        return value
+
 
 class UnloadLoRAAdapterRequest(RequestBody):
     """`POST /v1/unload_lora_adapter` (only with --allow-runtime-lora-updating)."""

@@ -30,6 +30,7 @@ from typing import Any
 
 from rankcast.addresses import EngineAddresses
 from rankcast.config import ConfigError, EngineConfig, ServeConfig
+from rankcast.descendants import adopt_orphans, reap_adopted, reap_everything
 from rankcast.entrypoints.children import api_server_process, engine_core_process
 from rankcast.entrypoints.openai.server_config import ApiServerConfig
 from rankcast.entrypoints.rust_api_server import BINARY_ENV as RUST_BINARY_ENV
@@ -180,6 +181,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
     ]
     spawn = multiprocessing.get_context("spawn")
     stop_requested = _stop_on_signals()
+    adopt_orphans()
     children = _Children()
     metrics_dir = private_ipc_dir("rankcast-metrics")
     supervision = _Supervision(
@@ -214,6 +216,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         # the engines they need keep running until they are done.
         _stop(children.api_servers, timeout_s=server.shutdown_timeout + 10)
         _stop(children.engines)
+        reap_everything()  # ranks, the Rust servers, the resource tracker: nothing outlives us
         for addresses in engine_addresses:
             addresses.cleanup()
         os.environ.pop(MULTIPROC_DIR_ENV, None)
@@ -323,6 +326,7 @@ def _supervise(
     failed."""
     given_up: set[int] = set()
     while not stop_requested.wait(0.5):
+        reap_adopted({p.pid for p in (*children.engines, *children.api_servers) if p.pid})
         if all(not proc.is_alive() for proc in children.api_servers):
             logger.error("every API server has exited; shutting down")
             return 1

@@ -190,6 +190,21 @@ def tiny_model_args(model_dir: Path, *extra: str) -> tuple[str, ...]:
     return (str(model_dir), "--dtype", "float32", "--kv-cache-space", "0.05", *extra)
 
 
+def in_session(session: int) -> dict[int, str]:
+    """Every process of a session, zombies included, with its state (R, S, Z, ...)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:
+            found[int(entry.name)] = fields[0]
+    return found
+
+
 def alive_in_session(session: int) -> list[int]:
     """Live processes of a session (orphans included, wherever they were moved)."""
     alive = []
@@ -206,10 +221,9 @@ def alive_in_session(session: int) -> list[int]:
 
 
 def assert_session_ends(session: int, timeout_s: float = 10.0) -> None:
-    """Wait until no process of `session` is alive, failing after `timeout_s`. Orphans need a
-    moment after the launcher exits: its multiprocessing resource tracker reads the EOF of the
-    launcher's exit before it exits itself, and a rank still in a C call handles its SIGTERM
-    when that call returns."""
+    """Wait until no process of `session` is alive, failing after `timeout_s`: for launchers
+    that did not exit on their own (killed, or failed before they could reap). A launcher that
+    exits leaves nothing at all (tests/reliability/test_nothing_left_behind.py)."""
     deadline = time.monotonic() + timeout_s
     while alive := alive_in_session(session):
         assert time.monotonic() < deadline, f"processes left behind: {alive}"

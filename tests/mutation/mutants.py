@@ -172,6 +172,14 @@ MUTANTS = [
         ("tests/entrypoints/test_events.py",),
     ),
     Mutant(
+        "launcher-leaves-children",
+        "The launcher returns only after every process it started has been reaped",
+        "rankcast/entrypoints/launcher.py",
+        "        reap_everything()",
+        "        pass",
+        ("tests/reliability/test_nothing_left_behind.py",),
+    ),
+    Mutant(
         "dead-engine-not-restarted",
         "11 A dead engine core is started again under its next incarnation",
         "rankcast/entrypoints/launcher.py",

@@ -11,6 +11,7 @@ over all of them (`fleet.Fleet`), so every server's `/metrics` shows the fleet's
 from __future__ import annotations
 
 from bisect import bisect_left
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -86,6 +87,17 @@ class HistogramBatch:
         self.child._sum.inc(self.total)
         self.total = 0.0
         self.pending = False
+
+
+@dataclass
+class _EngineTotals:
+    """What one engine's total-mirroring counters set from its stats showed (prefix-cache
+    queries, hits), and from which incarnation: a restarted engine counts from zero again, so
+    its totals are added to what the counters showed when it restarted, never set below it."""
+
+    incarnation: int = 0
+    base: tuple[float, float] = (0.0, 0.0)
+    shown: tuple[float, float] = (0.0, 0.0)
 
 
 class ServerMetrics:
@@ -242,6 +254,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._cache_labels: dict[int, tuple[str, str]] = {}
+        self._engine_totals: dict[int, _EngineTotals] = {}
         # The LoRA series, when the API server serves adapters (set by the API server).
         self.lora: LoRAMetrics | None = None
 
@@ -251,8 +264,14 @@ class ServerMetrics:
         self.waiting.labels(*labels).set(stats.num_waiting_reqs)
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
         self.preemptions.labels(*labels).set(stats.num_preemptions)
-        self.prefix_cache_queries.set(labels, stats.prefix_cache_queries)
-        self.prefix_cache_hits.set(labels, stats.prefix_cache_hits)
+        totals = self._engine_totals.setdefault(engine_index, _EngineTotals())
+        base_queries, base_hits = totals.base
+        totals.shown = (
+            base_queries + stats.prefix_cache_queries,
+            base_hits + stats.prefix_cache_hits,
+        )
+        self.prefix_cache_queries.set(labels, totals.shown[0])
+        self.prefix_cache_hits.set(labels, totals.shown[1])
         if self.lora is not None:
             self.lora.record_scheduler_stats(engine_index, stats)
         self.gathers.labels(str(engine_index)).set(stats.notification_gathers)
@@ -301,7 +320,11 @@ class ServerMetrics:
     # ---- engine notifications (a NotificationSink) ----
 
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
-        """Start from the engine's totals, so a late server counts what its siblings count."""
+        """Start from the engine's totals, so a late server counts what its siblings count; a
+        new incarnation's totals (from zero again) count on from what was shown."""
+        totals = self._engine_totals.setdefault(snapshot.engine_index, _EngineTotals())
+        if snapshot.incarnation != totals.incarnation:
+            totals.incarnation, totals.base = snapshot.incarnation, totals.shown
         engine = str(snapshot.engine_index)
         ledger = snapshot.notifications
         for total in ledger.totals:

@@ -44,3 +44,37 @@ def test_nothing_is_written_until_the_step_ends() -> None:
     assert f'{ITL}_count{{model_name="m"}} 0.0' in _itl_lines(metrics.exposition().decode())
     metrics.record_step_end()
     assert f'{ITL}_count{{model_name="m"}} 4.0' in _itl_lines(metrics.exposition().decode())
+
+
+def _prefix_cache(metrics: ServerMetrics) -> tuple[float, float]:
+    text = metrics.exposition().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            if line.startswith(name + "{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+
+
+def test_engine_totals_count_on_across_an_engine_restart_never_back() -> None:
+    """A restarted engine's stats count from zero again; the counters that mirror its totals
+    add them to what they showed, so no counter goes backwards (a rate() reads no reset)."""
+    from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+
+    def stats(queries: int = 0, hits: int = 0) -> SchedulerStats:
+        return SchedulerStats(prefix_cache_queries=queries, prefix_cache_hits=hits)
+
+    metrics = ServerMetrics("m")
+    metrics.apply_snapshot(EngineStateSnapshot(engine_index=0, incarnation=0))
+    metrics.record_scheduler_stats(0, stats(100, 40))
+    assert _prefix_cache(metrics) == (100, 40)
+    # The same incarnation again (a reconnect): nothing to add.
+    metrics.apply_snapshot(EngineStateSnapshot(engine_index=0, incarnation=0))
+    metrics.record_scheduler_stats(0, stats(120, 50))
+    assert _prefix_cache(metrics) == (120, 50)
+    metrics.apply_snapshot(EngineStateSnapshot(engine_index=0, incarnation=1))
+    metrics.record_scheduler_stats(0, stats(5, 1))
+    assert _prefix_cache(metrics) == (125, 51)
+    metrics.apply_snapshot(EngineStateSnapshot(engine_index=0, incarnation=2))
+    metrics.record_scheduler_stats(0, stats())
+    assert _prefix_cache(metrics) == (125, 51)

@@ -46,10 +46,9 @@ def server() -> Iterator[ServerProcess]:
 
 
 def _counters(url: str) -> dict[str, dict[str, float]]:
-    """Per API server, the fleet counters that must never go backwards."""
-    wanted = re.compile(
-        r"^(vllm:(?:generation_tokens_total|request_success_total)(?:\{[^}]*\})?) (\S+)$", re.M
-    )
+    """Per API server, every counter sample (`vllm:` and `rankcast:`, the fleet's own counts
+    and the mirrors of engine totals alike): none may go backwards."""
+    wanted = re.compile(r"^((?:vllm|rankcast):\w+_total(?:\{[^}]*\})?) (\S+)$", re.M)
     return {
         server: {m.group(1): float(m.group(2)) for m in wanted.finditer(text)}
         for server, text in scrape_each(url, SERVERS).items()
@@ -111,8 +110,10 @@ def _kill_and_recover(server: ServerProcess, role: str, incarnation: int) -> Non
     finally:
         for reader in readers.values():
             reader.close()
-    # Counters never go backwards on any server, whichever incarnation counted.
+    # Counters never go backwards on any server, whichever incarnation counted (the engine
+    # totals, prefix-cache queries and hits among them, start from zero in a new incarnation).
     after = _counters(server.url)
+    assert any("prefix_cache_queries" in series for series in before["0"]), before["0"]
     for name, counts in before.items():
         for series, value in counts.items():
             assert after[name].get(series, 0.0) >= value, f"{series} went back on server {name}"

@@ -5,6 +5,7 @@
 //! `lora_metrics`, and the series each API server counts itself and the fleet sums are
 //! `request_metrics`.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 
 use rankcast_client::wire::notifications::Notification;
@@ -204,9 +205,20 @@ fn number(value: Option<&Value>) -> Option<f64> {
 /// The families, and the cache configuration labels last set (block size, blocks).
 type State = (Vec<Series>, Option<(String, String)>);
 
+/// What one engine's total-mirroring counters set from its stats showed (prefix-cache queries,
+/// hits), and from which incarnation: a restarted engine counts from zero again, so its totals
+/// are added to what the counters showed when it restarted, never set below it.
+#[derive(Default)]
+struct EngineTotals {
+    incarnation: i64,
+    base: (f64, f64),
+    shown: (f64, f64),
+}
+
 pub struct EngineMetrics {
     model: String,
     series: Mutex<State>,
+    totals: Mutex<HashMap<i64, EngineTotals>>,
     lora: LoRAMetrics,
     /// What this server counts itself, summed over the fleet (shown first, as in Python).
     pub requests: RequestMetrics,
@@ -217,6 +229,7 @@ impl EngineMetrics {
         EngineMetrics {
             model: model.to_string(),
             series: Mutex::new((families(), None)),
+            totals: Mutex::new(HashMap::new()),
             lora: LoRAMetrics::new(model),
             requests,
         }
@@ -245,12 +258,17 @@ impl EngineMetrics {
         series[PREEMPTIONS]
             .family
             .set(labels.clone(), stats.num_preemptions as f64);
-        series[PREFIX_QUERIES]
-            .family
-            .set(labels.clone(), stats.prefix_cache_queries as f64);
-        series[PREFIX_HITS]
-            .family
-            .set(labels.clone(), stats.prefix_cache_hits as f64);
+        let shown = {
+            let mut all = self.totals.lock().expect("totals lock");
+            let totals = all.entry(engine).or_default();
+            totals.shown = (
+                totals.base.0 + stats.prefix_cache_queries as f64,
+                totals.base.1 + stats.prefix_cache_hits as f64,
+            );
+            totals.shown
+        };
+        series[PREFIX_QUERIES].family.set(labels.clone(), shown.0);
+        series[PREFIX_HITS].family.set(labels.clone(), shown.1);
         let e = vec![("engine", engine.to_string())];
         series[GATHERS]
             .family
@@ -292,6 +310,14 @@ impl EngineMetrics {
 
     pub fn apply_snapshot(&self, snapshot: &EngineStateSnapshot) {
         self.lora.apply_snapshot(snapshot);
+        {
+            let mut all = self.totals.lock().expect("totals lock");
+            let totals = all.entry(snapshot.engine_index).or_default();
+            if snapshot.incarnation != totals.incarnation {
+                totals.incarnation = snapshot.incarnation;
+                totals.base = totals.shown;
+            }
+        }
         let engine = snapshot.engine_index.to_string();
         let mut guard = self.series.lock().expect("metrics lock");
         let series = &mut guard.0;
@@ -382,7 +408,58 @@ fn record_weights(series: &mut [Series], engine: &str, rank: i64, payload: &Dict
 
 #[cfg(test)]
 mod tests {
+    use super::EngineMetrics;
     use crate::exposition::format_value;
+    use crate::request_metrics::RequestMetrics;
+    use rankcast_client::wire::from_bytes;
+    use rankcast_client::wire::protocol::EngineCoreMessage;
+
+    fn fixture(name: &str) -> EngineCoreMessage {
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("../../tests/fixtures/wire/{name}.msgpack"));
+        from_bytes(&std::fs::read(path).expect(name)).expect(name)
+    }
+
+    fn prefix_cache(metrics: &EngineMetrics) -> (f64, f64) {
+        let text = metrics.exposition(&crate::loras::Adapters::default());
+        let value = |name: &str| -> f64 {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(&format!("{name}{{")))
+                .unwrap_or_else(|| panic!("{name} in {text}"));
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        (
+            value("vllm:prefix_cache_queries_total"),
+            value("vllm:prefix_cache_hits_total"),
+        )
+    }
+
+    #[test]
+    fn engine_totals_count_on_across_an_engine_restart_never_back() {
+        let EngineCoreMessage::Ready(ready) = fixture("output_ready") else {
+            panic!()
+        };
+        let EngineCoreMessage::Outputs(step) = fixture("output_step") else {
+            panic!()
+        };
+        let mut snapshot = ready.snapshot.expect("a snapshot");
+        let mut stats = step.scheduler_stats.expect("stats");
+        snapshot.engine_index = 0;
+        let metrics = EngineMetrics::new("m", RequestMetrics::new("m", 0, None));
+        let mut at = |incarnation: i64, queries: i64, hits: i64| {
+            snapshot.incarnation = incarnation;
+            metrics.apply_snapshot(&snapshot);
+            stats.prefix_cache_queries = queries;
+            stats.prefix_cache_hits = hits;
+            metrics.record_stats(0, &stats);
+            prefix_cache(&metrics)
+        };
+        assert_eq!(at(0, 100, 40), (100.0, 40.0));
+        assert_eq!(at(0, 120, 50), (120.0, 50.0)); // a reconnect: nothing to add
+        assert_eq!(at(1, 5, 1), (125.0, 51.0));
+        assert_eq!(at(2, 0, 0), (125.0, 51.0));
+    }
 
     #[test]
     fn values_are_written_as_prometheus_client_writes_them() {

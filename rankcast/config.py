@@ -93,6 +93,9 @@ class CacheConfig:
     kv_events: bool = False
     # The budget in GiB that applies: the flag, then the environment, then the default.
     space_gib: float = field(init=False)
+    # Whether ranks commit the cache's memory at start (RANKCAST_KV_CACHE_COMMIT, settled here
+    # so every rank does what the engine was started with).
+    commit: bool = field(init=False)
 
     def __post_init__(self) -> None:
         _require(
@@ -110,6 +113,7 @@ class CacheConfig:
         if space is None:
             space = _from_env(envs.kv_cache_space_gib) or DEFAULT_KV_CACHE_SPACE_GIB
         object.__setattr__(self, "space_gib", space)
+        object.__setattr__(self, "commit", _from_env(envs.kv_cache_commit))
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,17 @@ def weight_snapshots() -> bool:
     return value not in ("0", "false", "off")
 
 
+def kv_cache_commit() -> bool:
+    """Whether each rank writes every page of its KV cache at start, so the memory is the
+    process's from then on (a machine that cannot hold it fails at start, not under load);
+    RANKCAST_KV_CACHE_COMMIT=0 leaves pages to be taken as blocks are first written (a faster
+    start, memory that grows with use)."""
+    value = os.environ.get("RANKCAST_KV_CACHE_COMMIT", "1").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"RANKCAST_KV_CACHE_COMMIT must be 0 or 1, got {value!r}")
+    return value not in ("0", "false", "off")
+
+
 def disable_progress() -> bool:
     """Hide load progress bars (tests and CI logs stay readable)."""
     return os.environ.get("RANKCAST_DISABLE_PROGRESS", "0") not in ("", "0", "false", "False")

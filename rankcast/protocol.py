@@ -41,7 +41,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 # Bump whenever any struct below changes its field list; peers refuse a mismatch at handshake.
 # 7: SamplingParams.structured (an engine that did not know it would ignore the output's shape).
 # 8: EngineStateSnapshot.incarnation (which start of a supervised engine core sent it).
-PROTOCOL_VERSION = 8
+# 9: StepReply.adapter_reads (a rank's finished adapter reads, typed: the engine's readiness
+#    no longer follows events), SchedulerStats.kv_cache_committed_bytes.
+PROTOCOL_VERSION = 9
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -121,6 +123,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Prompt tokens looked up in the prefix cache since the engine started, and found there.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # KV-cache memory every rank of the engine committed at start (0: left to first use).
+    kv_cache_committed_bytes: int = 0
 
 
 class ErrorKind(enum.StrEnum):

@@ -17,6 +17,7 @@ ENGINE_VARIABLES = (
     "RANKCAST_KERNELS",
     "RANKCAST_CPU_BIND",
     "RANKCAST_NUM_THREADS",
+    "RANKCAST_KV_CACHE_COMMIT",
 )
 
 
@@ -41,6 +42,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ("RANKCAST_NUM_THREADS", "many"),
         ("RANKCAST_NUM_THREADS", "-2"),
         ("RANKCAST_NUM_THREADS", "1.5"),
+        ("RANKCAST_KV_CACHE_COMMIT", "maybe"),
     ],
 )
 def test_a_bad_value_fails_the_config_naming_the_variable(

@@ -95,7 +95,14 @@ class EngineCore:
         num_blocks = min(self.executor.num_available_blocks())
         block_size = config.cache.block_size
         self.max_model_len = self._resolve_max_model_len(num_blocks * block_size)
-        self.executor.initialize_cache(num_blocks)
+        self.kv_cache_committed_bytes = sum(self.executor.initialize_cache(num_blocks))
+        if self.kv_cache_committed_bytes:
+            logger.info(
+                "KV cache: %.0f MiB over %d rank(s), committed before the first step "
+                "(RANKCAST_KV_CACHE_COMMIT=0 leaves it to first use)",
+                self.kv_cache_committed_bytes / 2**20,
+                config.parallel.world_size,
+            )
         self.notifications = EngineNotificationChannel(
             self.executor,
             self.engine_index,
@@ -494,6 +501,7 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         """The scheduler's load figures plus what the notification channel has cost so far."""
         stats = self.scheduler.stats()
+        stats.kv_cache_committed_bytes = self.kv_cache_committed_bytes
         stats.notification_gathers = self.notifications.gathers
         stats.notification_gather_seconds = self.notifications.gather_seconds
         if self.loras is not None:

@@ -100,8 +100,9 @@ class Executor(ABC):
         """Each rank's KV-block budget (the engine takes the minimum)."""
         return self.collective_rpc("num_available_blocks", reply_type=int)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", (num_blocks,), reply_type=None)
+    def initialize_cache(self, num_blocks: int) -> list[int]:
+        """Each rank's KV cache, allocated; the bytes each committed, in rank order."""
+        return self.collective_rpc("initialize_cache", (num_blocks,), reply_type=int)
 
     def take_notifications(self) -> list[list[WorkerNotification] | None]:
         """Drain every rank's notification buffer: one batch (or None) per rank, in rank order."""

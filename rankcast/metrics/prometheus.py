@@ -253,6 +253,12 @@ class ServerMetrics:
             ["engine", "rank"],
             registry=self.registry,
         )
+        self.kv_cache_committed = Gauge(
+            "rankcast:kv_cache_committed_bytes",
+            "KV-cache memory the engine's ranks took at start (0: left to first use).",
+            ["model_name", "engine"],
+            registry=self.registry,
+        )
         self._cache_labels: dict[int, tuple[str, str]] = {}
         self._engine_totals: dict[int, _EngineTotals] = {}
         # The LoRA series, when the API server serves adapters (set by the API server).
@@ -274,6 +280,7 @@ class ServerMetrics:
         self.prefix_cache_hits.set(labels, totals.shown[1])
         if self.lora is not None:
             self.lora.record_scheduler_stats(engine_index, stats)
+        self.kv_cache_committed.labels(*labels).set(stats.kv_cache_committed_bytes)
         self.gathers.labels(str(engine_index)).set(stats.notification_gathers)
         self.gather_seconds.labels(str(engine_index)).set(stats.notification_gather_seconds)
         config = (str(stats.block_size), str(stats.num_blocks))

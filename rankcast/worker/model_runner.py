@@ -7,8 +7,11 @@ request, its sampling parameters, random generator and (structured outputs) gram
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import mmap
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,23 +27,38 @@ from rankcast.sampling_params import SamplingParams
 from rankcast.worker import sampler
 from rankcast.worker.grammar import GrammarMatchers, TokenMask
 
+logger = logging.getLogger(__name__)
 
-def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor whose host memory is zeroed by the kernel page by page on first
-    touch: anonymous mmap memory starts as zeros, so nothing is written at start-up.
 
-    `torch.zeros` writes every byte of the KV cache before the first token: ~0.45 s per GiB on
-    a 2-core Zen 3 (0.9 s of the default 2 GiB), most of a warm start. Here a page costs its
-    zeroing when a block is first written, and a workload that never fills the cache never
-    pays for the rest. Huge pages are asked for where the kernel leaves it to the program
-    (fewer TLB misses as attention walks the blocks). Other devices zero as usual."""
+def zeroed_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, commit: bool = True
+) -> torch.Tensor:
+    """A zero-filled tensor in anonymous mmap memory, which the kernel zeroes page by page on
+    first touch. Huge pages are asked for where the kernel leaves it to the program (fewer TLB
+    misses as attention walks the blocks). Other devices zero as usual.
+
+    `commit`: touch every page now (one write per page, which is what makes the kernel give
+    it), so the memory is this process's from the start: a machine that cannot hold the cache
+    fails at start instead of under load, and the process's memory stays flat as the prefix
+    cache cycles its blocks. Without it a page is taken when a block is first written: a
+    faster start (no page is zeroed until used; `torch.zeros` would write every byte,
+    ~0.45 s per GiB on a 2-core Zen 3), memory that grows with use."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     memory = mmap.mmap(-1, nbytes)  # anonymous and private: the tensor keeps it alive
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(memory, dtype=dtype).view(shape)
+    tensor = torch.frombuffer(memory, dtype=dtype).view(shape)
+    if commit:
+        commit_pages(tensor)
+    return tensor
+
+
+def commit_pages(tensor: torch.Tensor) -> None:
+    """Write one byte of every page of a contiguous CPU tensor (zero where it is zero), which
+    is what makes the kernel give the page to this process now rather than at first use."""
+    tensor.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()
 
 
 @dataclass
@@ -67,6 +85,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
+        self._commit: threading.Thread | None = None  # the cache's commit, until it is done
         self.requests: dict[str, _RequestState] = {}
         self.lora_context: LoRAContext | None = None
         self.lora_layers: dict[int, list[LoRALinear]] = {}
@@ -100,21 +119,48 @@ class ModelRunner:
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * layers * self.block_size * kv_heads * self.arch.head_dim * element
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's cache up front, so its size is fixed at start-up (its pages
-        are zeroed as blocks are first written: `zeroed_tensor`).
+    def initialize_cache(self, num_blocks: int, commit: bool = True) -> int:
+        """Allocate every layer's cache up front, so its size is fixed at start-up, and with
+        `commit` take all its memory before the first step; returns the bytes committed (0 when
+        pages are left to be taken as blocks are first written).
+
+        The commit runs on a thread of its own (~0.3-1 s per GiB of page faults), overlapping
+        the rest of the start (the engine's handshake, the API servers' imports); the first
+        step waits for it (`wait_for_cache`), so no step writes a block the commit still
+        touches, and every page is this process's before any request runs.
 
         Each layer's keys and values share one allocation, laid out as `attention.py` describes.
         """
         self.kv_caches = []
         for attn in self.model.attention_layers():
             whole = (2, num_blocks, attn.num_kv_heads, self.block_size * attn.head_dim)
-            cache = zeroed_tensor(whole, self.dtype, self.device)
+            cache = zeroed_tensor(whole, self.dtype, self.device, commit=False)
             shape = (num_blocks, attn.num_kv_heads)
             attn.key_cache = cache[0].view(*shape, attn.head_dim, self.block_size)
             attn.value_cache = cache[1].view(*shape, self.block_size, attn.head_dim)
             self.kv_caches.append(cache)
         self.model.fuse_layers()
+        if not commit or self.device.type != "cpu":
+            # Other devices' caches are zeroed, so resident, as they are made.
+            return sum(c.numel() * c.element_size() for c in self.kv_caches) if commit else 0
+        self._commit = threading.Thread(target=self._commit_cache, name="kv-commit", daemon=True)
+        self._commit.start()
+        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+
+    def _commit_cache(self) -> None:
+        start = time.perf_counter()
+        for cache in self.kv_caches:
+            commit_pages(cache)
+        nbytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        logger.info(
+            "KV cache committed: %.0f MiB in %.2f s", nbytes / 2**20, time.perf_counter() - start
+        )
+
+    def wait_for_cache(self) -> None:
+        """Return once the cache's memory is committed (at once when it was, or is not to be)."""
+        if self._commit is not None:
+            self._commit.join()
+            self._commit = None
 
     # ---- one step ----
 
@@ -178,6 +224,7 @@ class ModelRunner:
         receives the previous stage's (hidden, residual), a non-last one passes its own on and
         returns None.
         """
+        self.wait_for_cache()  # no block is written while the commit may still touch it
         ids, meta = self._prepare(batch)
         pp = self.model.pp
         intermediate = None

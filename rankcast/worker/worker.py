@@ -155,9 +155,11 @@ class Worker:
         budget = int(self.config.cache.space_gib * 2**30)
         return max(1, budget // self.runner.bytes_per_block())
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int) -> int:
+        """Allocate this rank's KV cache, its memory committed before the first step unless told
+        not to (`ModelRunner.initialize_cache`); returns the bytes committed."""
         assert self.runner is not None
-        self.runner.initialize_cache(num_blocks)
+        return self.runner.initialize_cache(num_blocks, self.config.cache.commit)
 
     def execute_model(self, batch: SchedulerOutput) -> StepReply:
         """The step's adapter moves first (a request admitted this step may need the slot),

@@ -172,6 +172,14 @@ MUTANTS = [
         ("tests/entrypoints/test_events.py",),
     ),
     Mutant(
+        "kv-cache-left-to-first-use",
+        "A rank's KV cache memory is taken at start",
+        "rankcast/worker/model_runner.py",
+        "    tensor.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()",
+        "    pass",
+        ("tests/worker/test_kv_memory.py",),
+    ),
+    Mutant(
         "launcher-leaves-children",
         "The launcher returns only after every process it started has been reaped",
         "rankcast/entrypoints/launcher.py",

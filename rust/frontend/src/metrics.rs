@@ -94,6 +94,7 @@ const SKIPPED: usize = 11;
 const DROPPED: usize = 12;
 const WEIGHTS_SECONDS: usize = 13;
 const WEIGHTS_BYTES: usize = 14;
+const KV_COMMITTED: usize = 15;
 
 fn families() -> Vec<Series> {
     let s = |name, help, kind| Series {
@@ -183,6 +184,11 @@ fn families() -> Vec<Series> {
             "Bytes of weights each rank loaded (its shard).",
             "gauge",
         ),
+        s(
+            "rankcast:kv_cache_committed_bytes",
+            "KV-cache memory the engine's ranks took at start (0: left to first use).",
+            "gauge",
+        ),
     ]
 }
 
@@ -269,6 +275,9 @@ impl EngineMetrics {
         };
         series[PREFIX_QUERIES].family.set(labels.clone(), shown.0);
         series[PREFIX_HITS].family.set(labels.clone(), shown.1);
+        series[KV_COMMITTED]
+            .family
+            .set(labels.clone(), stats.kv_cache_committed_bytes as f64);
         let e = vec![("engine", engine.to_string())];
         series[GATHERS]
             .family

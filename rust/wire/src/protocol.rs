@@ -7,7 +7,7 @@ use crate::sampling::SamplingParams;
 use crate::{array_struct, array_union, Dict, Raw, Value};
 
 /// Bumped whenever a message changes shape; the engine refuses a client of another version.
-pub const PROTOCOL_VERSION: i64 = 8;
+pub const PROTOCOL_VERSION: i64 = 9;
 
 /// Why a request finished (`FinishReason` in Python): "stop", "length", "abort", "error".
 pub type FinishReason = String;
@@ -108,6 +108,7 @@ array_struct! {
         lora_requests_changed_at: f64 = 0.0,
         prefix_cache_queries: i64 = 0,
         prefix_cache_hits: i64 = 0,
+        kv_cache_committed_bytes: i64 = 0,
     }
 }
 

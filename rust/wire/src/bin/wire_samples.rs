@@ -106,6 +106,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             lora_requests_changed_at: 1700000003.0,
             prefix_cache_queries: 16,
             prefix_cache_hits: 8,
+            kv_cache_committed_bytes: 1 << 30,
         }),
         timestamp: 1700000003.5,
         utility_output: None,

@@ -23,7 +23,8 @@ import signal
 import sys
 import time
 from collections.abc import Collection
-from pathlib import Path
+
+from rankcast.process import process_table
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +42,7 @@ def adopt_orphans() -> bool:
 def _children() -> dict[int, str]:
     """This process's children and their states (R, S, Z, ...), from /proc."""
     me = os.getpid()
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me:
-            found[int(entry.name)] = fields[0]
-    return found
+    return {p.pid: p.state for p in process_table() if p.parent == me}
 
 
 def reap_adopted(own: Collection[int]) -> int:

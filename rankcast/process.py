@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -77,6 +78,30 @@ def process_is_alive(pid: int) -> bool:
         return False
     except OSError:
         return True
+
+
+@dataclass(frozen=True)
+class ProcessEntry:
+    """One process as /proc/<pid>/stat shows it: its state (R, S, Z, ...), parent and session."""
+
+    pid: int
+    state: str
+    parent: int
+    session: int
+
+
+def process_table() -> list[ProcessEntry]:
+    """Every process of the machine (Linux /proc); one that vanishes while read is left out."""
+    entries = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        entries.append(ProcessEntry(int(entry.name), fields[0], int(fields[1]), int(fields[3])))
+    return entries
 
 
 STAGING_PREFIX = ".staging-"

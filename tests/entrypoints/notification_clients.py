@@ -136,3 +136,13 @@ def series(text: str, *prefixes: str) -> list[str]:
 def worker_rpc(url: str, method: str, *args: Any) -> httpx.Response:
     with httpx.Client(timeout=60) as http:
         return http.post(f"{url}/collective_rpc", json={"method": method, "args": list(args)})
+
+
+def prefix_cache_totals(text: str) -> tuple[float, float]:
+    """(queries, hits) of one engine's prefix-cache counters in a `/metrics` exposition."""
+    values = {}
+    for line in text.splitlines():
+        for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            if line.startswith(name + "{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from rankcast.process import process_is_alive
+from rankcast.process import process_is_alive, process_table
 
 
 def free_port() -> int:
@@ -192,32 +192,12 @@ def tiny_model_args(model_dir: Path, *extra: str) -> tuple[str, ...]:
 
 def in_session(session: int) -> dict[int, str]:
     """Every process of a session, zombies included, with its state (R, S, Z, ...)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session:
-            found[int(entry.name)] = fields[0]
-    return found
+    return {p.pid: p.state for p in process_table() if p.session == session}
 
 
 def alive_in_session(session: int) -> list[int]:
     """Live processes of a session (orphans included, wherever they were moved)."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X") and int(fields[3]) == session:
-            alive.append(int(entry.name))
-    return alive
+    return [pid for pid, state in in_session(session).items() if state not in ("Z", "X")]
 
 
 def assert_session_ends(session: int, timeout_s: float = 10.0) -> None:

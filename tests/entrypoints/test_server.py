@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from tests.entrypoints.notification_clients import prefix_cache_totals
 from tests.entrypoints.server_process import ServerProcess
 
 API_KEY = "test-key"
@@ -360,19 +361,11 @@ def test_prefix_cache_counters_are_the_engines_on_every_api_server(
     for question in ("Sky color?", "Grass color?", "Snow color?"):
         client.completions.create(model=MODEL, prompt=system + question, max_tokens=2)
 
-    def totals(text: str) -> tuple[float, float]:
-        values = {}
-        for line in text.splitlines():
-            for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-                if line.startswith(name + "{"):
-                    values[name] = float(line.rsplit(" ", 1)[1])
-        return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
-
     deadline = time.monotonic() + 60
     samples: dict[str, tuple[float, float]] = {}
     while time.monotonic() < deadline:
         response = _fresh_get(server.url, "/metrics")
-        samples[response.headers["x-rankcast-api-server"]] = totals(response.text)
+        samples[response.headers["x-rankcast-api-server"]] = prefix_cache_totals(response.text)
         if len(samples) == 2 and len(set(samples.values())) == 1:
             break
     assert len(samples) == 2 and len(set(samples.values())) == 1, samples

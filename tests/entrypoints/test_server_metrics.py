@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from rankcast.metrics.prometheus import _ITL_BUCKETS, ServerMetrics
+from tests.entrypoints.notification_clients import prefix_cache_totals
 
 ITL = "vllm:inter_token_latency_seconds"
 
@@ -47,13 +48,7 @@ def test_nothing_is_written_until_the_step_ends() -> None:
 
 
 def _prefix_cache(metrics: ServerMetrics) -> tuple[float, float]:
-    text = metrics.exposition().decode()
-    values = {}
-    for line in text.splitlines():
-        for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-            if line.startswith(name + "{"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+    return prefix_cache_totals(metrics.exposition().decode())
 
 
 def test_engine_totals_count_on_across_an_engine_restart_never_back() -> None:

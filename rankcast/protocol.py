@@ -9,7 +9,7 @@ Golden bytes for each live in tests/fixtures/wire/; a second-language client dec
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
@@ -380,3 +380,115 @@ class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True):
     result: Any = None
     error: str | None = None
     notifications_pending: bool = False
+
+
+# ---- the engine core's utilities: one request struct per verb, with its reply type ----
+#
+# On the wire a utility is a `UtilityRequest(call_id, METHOD, [its fields, in order])`, so the
+# bytes are those of a named call with positional arguments (what the Rust client sends too);
+# here each verb is a struct a client builds and the engine core's table dispatches on, with
+# the reply type every client converts the result to. Adding a verb: its struct here, its
+# handler in the engine core's table (`EngineCore.utility_handlers`), its test.
+
+R = TypeVar("R")
+
+
+class Utility(msgspec.Struct, Generic[R], array_like=True):
+    """A call any client may make to an engine core, answered to that client only.
+
+    `METHOD` names it on the wire; `REPLY` is the type of its answer; `CHANGES_PRODUCERS`:
+    it can change what a producer publishes, so the engine gathers every rank after it
+    (rule 5 of the notification channel)."""
+
+    METHOD: ClassVar[str] = ""
+    REPLY: ClassVar[Any] = None
+    CHANGES_PRODUCERS: ClassVar[bool] = False
+
+    def to_request(self, call_id: int) -> UtilityRequest:
+        return UtilityRequest(call_id, self.METHOD, list(msgspec.structs.astuple(self)))
+
+    def reply(self, result: Any) -> R:
+        """The answer as `REPLY` (over a socket a struct arrives as plain data)."""
+        if self.REPLY is None:
+            return None  # type: ignore[return-value]
+        return msgspec.convert(result, self.REPLY)  # type: ignore[no-any-return]
+
+
+class Ping(Utility[str], array_like=True):
+    METHOD = "ping"
+    REPLY = str
+
+
+class GetStats(Utility[SchedulerStats], array_like=True):
+    METHOD = "get_stats"
+    REPLY = SchedulerStats
+
+
+class Snapshot(Utility[EngineStateSnapshot], array_like=True):
+    """The catch-up snapshot as of the last flushed event (rule 8)."""
+
+    METHOD = "snapshot"
+    REPLY = EngineStateSnapshot
+
+
+class CollectiveRPC(Utility[list[Any]], array_like=True):
+    """A worker-extension method on every rank; replies in rank order."""
+
+    METHOD = "collective_rpc"
+    REPLY = list[Any]
+    CHANGES_PRODUCERS = True
+    method: str
+    args: list[Any] | None = None
+    timeout: float | None = None
+
+
+class AddLoRA(Utility[LoRAAdapterInfo], array_like=True):
+    METHOD = "add_lora"
+    REPLY = LoRAAdapterInfo
+    CHANGES_PRODUCERS = True
+    name: str
+    path: str
+
+
+class RemoveLoRA(Utility[None], array_like=True):
+    METHOD = "remove_lora"
+    REPLY = None
+    CHANGES_PRODUCERS = True
+    name: str
+
+
+class PinLoRA(Utility[LoRAAdapterInfo], array_like=True):
+    METHOD = "pin_lora"
+    REPLY = LoRAAdapterInfo
+    CHANGES_PRODUCERS = True
+    name: str
+    pinned: bool = True
+
+
+class ListLoRAs(Utility[list[LoRAAdapterInfo]], array_like=True):
+    METHOD = "list_loras"
+    REPLY = list[LoRAAdapterInfo]
+
+
+class ResetPrefixCache(Utility[bool], array_like=True):
+    """Forget every cached block (refused, False, while requests hold blocks)."""
+
+    METHOD = "reset_prefix_cache"
+    REPLY = bool
+
+
+# Every utility by its wire name: how the engine core reads a `UtilityRequest`.
+UTILITIES: dict[str, type[Utility[Any]]] = {
+    cls.METHOD: cls
+    for cls in (
+        Ping,
+        GetStats,
+        Snapshot,
+        CollectiveRPC,
+        AddLoRA,
+        RemoveLoRA,
+        PinLoRA,
+        ListLoRAs,
+        ResetPrefixCache,
+    )
+}

@@ -69,3 +69,44 @@ def test_the_committed_schema_is_the_current_one() -> None:
         "a wire struct changed: regenerate (python -m tests.fixtures.wire.generate) and move "
         "rust/wire with it"
     )
+
+
+def test_each_utility_travels_as_the_named_call_it_always_was() -> None:
+    """Verbs are structs on each side, but the wire still carries a name and positional
+    arguments (what the Rust client sends): a struct's request is exactly that call."""
+    from rankcast.protocol import (
+        UTILITIES,
+        AddLoRA,
+        CollectiveRPC,
+        ListLoRAs,
+        PinLoRA,
+        UtilityRequest,
+    )
+
+    assert sorted(UTILITIES) == sorted(
+        [
+            "ping",
+            "get_stats",
+            "snapshot",
+            "collective_rpc",
+            "add_lora",
+            "remove_lora",
+            "pin_lora",
+            "list_loras",
+            "reset_prefix_cache",
+        ]
+    )
+    for utility, named in [
+        (AddLoRA("sql", "/a"), UtilityRequest(4, "add_lora", ["sql", "/a"])),
+        (PinLoRA("sql"), UtilityRequest(4, "pin_lora", ["sql", True])),
+        (ListLoRAs(), UtilityRequest(4, "list_loras", [])),
+        (CollectiveRPC("f", [1], 2.5), UtilityRequest(4, "collective_rpc", ["f", [1], 2.5])),
+    ]:
+        assert msgspec.msgpack.encode(utility.to_request(4)) == msgspec.msgpack.encode(named)
+        assert msgspec.convert(named.args, UTILITIES[named.method]) == utility
+    assert {m for m, c in UTILITIES.items() if c.CHANGES_PRODUCERS} == {
+        "collective_rpc",
+        "add_lora",
+        "remove_lora",
+        "pin_lora",
+    }

@@ -26,8 +26,9 @@ from rankcast.outputs import RequestOutput, RequestRejectedError
 from rankcast.protocol import (
     EngineCoreRequest,
     EngineStateSnapshot,
-    LoRAAdapterInfo,
+    R,
     SchedulerStats,
+    Utility,
 )
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import ModelTokenizer
@@ -172,34 +173,10 @@ class AsyncLLM:
                 self.output_processor.abort_requests([request_id])
                 await client.abort_requests([request_id])
 
-    async def call_utility(self, method: str, *args: Any) -> list[Any]:
-        """Call a utility on every engine core; results in engine order."""
-        return list(await asyncio.gather(*(c.call_utility(method, *args) for c in self.clients)))
-
-    # The typed utilities, on every engine core (adapters and extensions are per engine);
-    # results in engine order.
-
-    async def add_lora(self, name: str, path: str) -> list[LoRAAdapterInfo]:
-        return list(await asyncio.gather(*(c.add_lora(name, path) for c in self.clients)))
-
-    async def remove_lora(self, name: str) -> None:
-        await asyncio.gather(*(c.remove_lora(name) for c in self.clients))
-
-    async def pin_lora(self, name: str, pinned: bool = True) -> list[LoRAAdapterInfo]:
-        return list(await asyncio.gather(*(c.pin_lora(name, pinned) for c in self.clients)))
-
-    async def list_loras(self) -> list[list[LoRAAdapterInfo]]:
-        return list(await asyncio.gather(*(c.list_loras() for c in self.clients)))
-
-    async def collective_rpc(
-        self, method: str, args: list[Any] | None = None, timeout: float | None = None
-    ) -> list[list[Any]]:
-        """A worker-extension method on every rank of every engine: replies per engine."""
-        calls = (c.collective_rpc(method, args, timeout) for c in self.clients)
-        return list(await asyncio.gather(*calls))
-
-    async def reset_prefix_cache(self) -> list[bool]:
-        return list(await asyncio.gather(*(c.reset_prefix_cache() for c in self.clients)))
+    async def call(self, utility: Utility[R]) -> list[R]:
+        """Run a utility on every engine core (adapters and extensions are per engine);
+        answers in engine order."""
+        return list(await asyncio.gather(*(c.call(utility) for c in self.clients)))
 
     def _record_timing(self, stream: _Stream, output: RequestOutput, now: float) -> None:
         completion = output.outputs[0]

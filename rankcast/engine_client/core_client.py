@@ -10,9 +10,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
-
-import msgspec
+from typing import TYPE_CHECKING, Protocol
 
 from rankcast.config import EngineConfig
 from rankcast.protocol import (
@@ -21,25 +19,17 @@ from rankcast.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
-    EngineStateSnapshot,
-    LoRAAdapterInfo,
-    SchedulerStats,
+    R,
+    Utility,
 )
 
 if TYPE_CHECKING:
     from rankcast.model.source import ModelSource
 
-_T = TypeVar("_T")
-
-
-def _as(reply: Any, kind: type[_T]) -> _T:
-    """A utility's reply as its declared type (over a socket a struct arrives as plain data)."""
-    return msgspec.convert(reply, kind)
-
 
 class EngineCoreClient(ABC):
-    """The frontend's handle on an engine core. The typed calls below are the utilities
-    `EngineCore.UTILITIES` names, each with its reply type."""
+    """The frontend's handle on an engine core: requests, outputs, and the utilities
+    (`rankcast.protocol.Utility`: one struct per verb, with its reply type)."""
 
     max_model_len: int
 
@@ -54,37 +44,11 @@ class EngineCoreClient(ABC):
         """The next outputs (in-process: run one step to produce them)."""
 
     @abstractmethod
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Run a named engine-core utility and return its result."""
+    def call(self, utility: Utility[R]) -> R:
+        """Run an engine-core utility; its answer, as the utility's `REPLY` type."""
 
     @abstractmethod
     def shutdown(self) -> None: ...
-
-    def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
-        return _as(self.call_utility("add_lora", name, path), LoRAAdapterInfo)
-
-    def remove_lora(self, name: str) -> None:
-        self.call_utility("remove_lora", name)
-
-    def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
-        return _as(self.call_utility("pin_lora", name, pinned), LoRAAdapterInfo)
-
-    def list_loras(self) -> list[LoRAAdapterInfo]:
-        return _as(self.call_utility("list_loras"), list[LoRAAdapterInfo])
-
-    def collective_rpc(
-        self, method: str, args: list[Any] | None = None, timeout: float | None = None
-    ) -> list[Any]:
-        return list(self.call_utility("collective_rpc", method, args, timeout))
-
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.call_utility("reset_prefix_cache"))
-
-    def get_stats(self) -> SchedulerStats:
-        return _as(self.call_utility("get_stats"), SchedulerStats)
-
-    def snapshot(self) -> EngineStateSnapshot:
-        return _as(self.call_utility("snapshot"), EngineStateSnapshot)
 
 
 class AsyncEngineCoreClient(ABC):
@@ -102,30 +66,11 @@ class AsyncEngineCoreClient(ABC):
     async def get_output(self) -> EngineCoreOutputs: ...
 
     @abstractmethod
-    async def call_utility(self, method: str, *args: Any) -> Any: ...
+    async def call(self, utility: Utility[R]) -> R:
+        """Run an engine-core utility; its answer, as the utility's `REPLY` type."""
 
     @abstractmethod
     def shutdown(self) -> None: ...
-
-    async def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
-        return _as(await self.call_utility("add_lora", name, path), LoRAAdapterInfo)
-
-    async def remove_lora(self, name: str) -> None:
-        await self.call_utility("remove_lora", name)
-
-    async def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
-        return _as(await self.call_utility("pin_lora", name, pinned), LoRAAdapterInfo)
-
-    async def list_loras(self) -> list[LoRAAdapterInfo]:
-        return _as(await self.call_utility("list_loras"), list[LoRAAdapterInfo])
-
-    async def collective_rpc(
-        self, method: str, args: list[Any] | None = None, timeout: float | None = None
-    ) -> list[Any]:
-        return list(await self.call_utility("collective_rpc", method, args, timeout))
-
-    async def reset_prefix_cache(self) -> bool:
-        return bool(await self.call_utility("reset_prefix_cache"))
 
 
 class InprocCore(Protocol):
@@ -146,7 +91,7 @@ class InprocCore(Protocol):
     def idle_timeout(self) -> float: ...
     def step(self) -> dict[int, EngineCoreOutputs]: ...
     def idle_outputs(self) -> dict[int, EngineCoreOutputs] | None: ...
-    def call_utility(self, method: str, *args: Any) -> Any: ...
+    def call_utility(self, utility: Utility[R]) -> R: ...
     def shutdown(self) -> None: ...
 
 
@@ -192,8 +137,8 @@ class InprocClient(EngineCoreClient):
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        return self.core.call_utility(method, *args)
+    def call(self, utility: Utility[R]) -> R:
+        return self.core.call_utility(utility)
 
     def shutdown(self) -> None:
         self.core.shutdown()

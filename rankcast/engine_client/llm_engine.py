@@ -13,7 +13,7 @@ from rankcast.engine_client.core_client import CoreFactory, InprocClient
 from rankcast.engine_client.output_processor import OutputProcessor
 from rankcast.model.source import resolve_model
 from rankcast.outputs import RequestOutput
-from rankcast.protocol import EngineCoreRequest, LoRAAdapterInfo
+from rankcast.protocol import EngineCoreRequest, R, Utility
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import load_tokenizer
 
@@ -96,29 +96,10 @@ class LLMEngine:
         self._kept = []
         return taken
 
-    def collective_rpc(
-        self, method: str, args: list[Any] | None = None, timeout: float | None = None
-    ) -> list[Any]:
-        """Call a worker-extension method on every rank; what it publishes is gathered at once."""
-        return self.client.collective_rpc(method, args, timeout)
-
-    def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
-        """Register an adapter and read it into every rank's host tier (and a device slot if
-        one is free); validated first, so a bad one changes nothing."""
-        return self.client.add_lora(name, path)
-
-    def remove_lora(self, name: str) -> None:
-        self.client.remove_lora(name)
-
-    def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
-        """Keep an adapter in the device tier (never evicted) until unpinned."""
-        return self.client.pin_lora(name, pinned)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.client.reset_prefix_cache()
-
-    def list_loras(self) -> list[LoRAAdapterInfo]:
-        return self.client.list_loras()
+    def call(self, utility: Utility[R]) -> R:
+        """Run an engine-core utility (`rankcast.protocol`: AddLoRA, PinLoRA, CollectiveRPC,
+        ...); what a utility that changes producers published is gathered before it returns."""
+        return self.client.call(utility)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         from rankcast.tokenizer import apply_chat_template

@@ -6,7 +6,7 @@ notification channel's rules are carried out by the functions docs/architecture.
 each, mostly in `rankcast/channel/`; here the core calls them at its moments:
 
     start()          rule 5 at start: gather the load-time events
-    call_utility()   rule 5 after a utility that changes a producer (PRODUCER_UTILITIES)
+    call_utility()   rule 5 after a utility that changes a producer (`CHANGES_PRODUCERS`)
     step()           rule 4 on each rank's step reply, rule 5 after a step, rules 6-7
     idle_outputs()   rule 5 when idle (doorbell, poll), rules 6-7 (a notification-only message)
     _broadcast()     rule 7: every connected client gets every batch, in the same order;
@@ -42,8 +42,11 @@ from rankcast.model.arch import ArchConfig
 from rankcast.model.source import ModelSource
 from rankcast.protocol import (
     PROTOCOL_VERSION,
+    UTILITIES,
     AbortRequests,
+    AddLoRA,
     ClientHello,
+    CollectiveRPC,
     EngineCoreInput,
     EngineCoreMessage,
     EngineCoreOutput,
@@ -53,8 +56,16 @@ from rankcast.protocol import (
     EngineStateSnapshot,
     ErrorKind,
     FinishReason,
-    LoRAAdapterInfo,
+    GetStats,
+    ListLoRAs,
+    Ping,
+    PinLoRA,
+    R,
+    RemoveLoRA,
+    ResetPrefixCache,
     SchedulerStats,
+    Snapshot,
+    Utility,
     UtilityOutput,
     UtilityRequest,
 )
@@ -110,6 +121,7 @@ class EngineCore:
             config.notifications,
         )
         self.extension_methods = self._extension_methods()
+        self.utility_handlers = self._utility_handlers()
         self.loras = None
         self._lora_request_sets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._lora_requests_changed_at = time.time()
@@ -248,7 +260,7 @@ class EngineCore:
         """A client's error comes back with its kind; anything else is the engine's own bug:
         logged with its traceback and answered as `internal`."""
         try:
-            result = self.call_utility(request.method, *request.args)
+            result = self.call_utility(self.read_utility(request))
             return UtilityOutput(request.call_id, result=result)
         except GatherError:
             raise  # a rank failed under the channel: the engine stops, loudly
@@ -411,73 +423,62 @@ class EngineCore:
             name for name in vars(cls) if not name.startswith("_") and callable(getattr(cls, name))
         )
 
-    # ---- utilities: what any client may call, by name (UTILITIES), answered on its socket ----
+    # ---- utilities: one request struct per verb (rankcast/protocol.py), one handler each ----
 
-    UTILITIES = frozenset(
-        {
-            "ping",
-            "get_stats",
-            "snapshot",
-            "collective_rpc",
-            "add_lora",
-            "remove_lora",
-            "pin_lora",
-            "list_loras",
-            "reset_prefix_cache",
+    def _utility_handlers(self) -> dict[type[Utility[Any]], Callable[[Any], Any]]:
+        """The engine core's dispatch table: every utility's handler, by its request type."""
+        return {
+            Ping: lambda _: "pong",
+            GetStats: lambda _: self.stats(),
+            Snapshot: lambda _: self.snapshot(),
+            CollectiveRPC: self._collective_rpc,
+            AddLoRA: lambda r: self._lora_registry().add(r.name, r.path),
+            RemoveLoRA: lambda r: self._lora_registry().remove(r.name),
+            PinLoRA: lambda r: self._lora_registry().pin(r.name, r.pinned),
+            ListLoRAs: lambda _: self._lora_registry().list(),
+            ResetPrefixCache: lambda _: self.reset_prefix_cache(),
         }
-    )
-    # Utilities that can change what a producer publishes: a gather follows each (rule 5b).
-    PRODUCER_UTILITIES = frozenset({"collective_rpc", "add_lora", "remove_lora", "pin_lora"})
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Run the utility `method`; an unknown name is the caller's error, not a crash. Events
-        a producer utility caused are gathered before it returns, so they leave before (or
-        with) its answer."""
-        if method not in self.UTILITIES:
-            known = ", ".join(sorted(self.UTILITIES))
-            raise UnknownMethodError(f"unknown utility {method!r} (known: {known})")
+    def call_utility(self, utility: Utility[R]) -> R:
+        """Run one utility. Events a utility that changes producers caused are gathered before
+        it returns (rule 5), so they leave before (or with) its answer."""
         try:
-            return getattr(self, method)(*args)
+            return self.utility_handlers[type(utility)](utility)  # type: ignore[no-any-return]
         finally:
-            if method in self.PRODUCER_UTILITIES:
+            if utility.CHANGES_PRODUCERS:
                 self.notifications.collect(Moment.UTILITY)
 
-    def ping(self) -> str:
-        return "pong"
+    @staticmethod
+    def read_utility(request: UtilityRequest) -> Utility[Any]:
+        """A utility as it arrived on the wire (a name and positional arguments): an unknown
+        name, or arguments that do not fit, are the caller's error, not a crash."""
+        cls = UTILITIES.get(request.method)
+        if cls is None:
+            known = ", ".join(sorted(UTILITIES))
+            raise UnknownMethodError(f"unknown utility {request.method!r} (known: {known})")
+        try:
+            utility: Utility[Any] = msgspec.convert(request.args, cls)
+            return utility
+        except msgspec.ValidationError as exc:
+            raise ClientError(f"utility {request.method!r}: {exc}") from None
 
-    def get_stats(self) -> SchedulerStats:
-        return self.stats()
-
-    def collective_rpc(
-        self, method: str, args: list[Any] | None = None, timeout: float | None = None
-    ) -> list[Any]:
+    def _collective_rpc(self, call: CollectiveRPC) -> list[Any]:
         """Call a worker-extension method on every rank; replies in rank order, as the method
         declares them.
 
         Only the extension's methods are reachable this way: the engine's own worker methods
         (stepping, cache set-up) would corrupt its state if a client called them.
         """
-        if method not in self.extension_methods:
+        if call.method not in self.extension_methods:
             known = ", ".join(sorted(self.extension_methods)) or "none: no --worker-extension-cls"
             raise UnknownMethodError(
-                f"{method!r} is not a worker extension method (available: {known})"
+                f"{call.method!r} is not a worker extension method (available: {known})"
             )
         try:
-            return self.executor.collective_rpc(method, tuple(args or ()), timeout=timeout)
+            args = tuple(call.args or ())
+            return self.executor.collective_rpc(call.method, args, timeout=call.timeout)
         except ExecutorError as exc:
             raise ExtensionCallError(str(exc)) from exc
-
-    def add_lora(self, name: str, path: str) -> LoRAAdapterInfo:
-        return self._lora_registry().add(name, path)
-
-    def remove_lora(self, name: str) -> None:
-        self._lora_registry().remove(name)
-
-    def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
-        return self._lora_registry().pin(name, pinned)
-
-    def list_loras(self) -> list[LoRAAdapterInfo]:
-        return self._lora_registry().list()
 
     def gather_worker_notifications(self) -> int:
         """Collect every rank's notifications now (they leave with the next output)."""

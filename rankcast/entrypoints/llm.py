@@ -10,7 +10,14 @@ from rankcast.config import EngineConfig
 from rankcast.engine_client.llm_engine import LLMEngine
 from rankcast.lora.request import LoRARequest
 from rankcast.outputs import RequestOutput
-from rankcast.protocol import LoRAAdapterInfo
+from rankcast.protocol import (
+    AddLoRA,
+    CollectiveRPC,
+    ListLoRAs,
+    LoRAAdapterInfo,
+    PinLoRA,
+    ResetPrefixCache,
+)
 from rankcast.sampling_params import SamplingParams
 from rankcast.startup_gc import collector_paused, freeze_startup_heap, release_startup_heap
 from rankcast.tokenizer import ModelTokenizer
@@ -97,7 +104,7 @@ class LLM:
                 raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} prompts")
         # First use order, so slots are assigned the same way every run.
         for first_use in dict.fromkeys(a for a in adapters if a is not None):
-            self.engine.add_lora(first_use.name, first_use.path)
+            self.engine.call(AddLoRA(first_use.name, first_use.path))
         order: dict[str, int] = {}
         try:
             for index, (prompt, p, adapter) in enumerate(
@@ -119,19 +126,19 @@ class LLM:
         self, method: str, args: list[Any] | None = None, timeout: float | None = None
     ) -> list[Any]:
         """Call a `worker_extension_cls` method on every rank; replies in rank order."""
-        return self.engine.collective_rpc(method, args, timeout)
+        return self.engine.call(CollectiveRPC(method, args, timeout))
 
     def pin_lora(self, name: str, pinned: bool = True) -> LoRAAdapterInfo:
         """Keep a registered adapter in the device tier until unpinned (LRU eviction skips it)."""
-        return self.engine.pin_lora(name, pinned)
+        return self.engine.call(PinLoRA(name, pinned))
 
     def list_loras(self) -> list[LoRAAdapterInfo]:
         """Registered adapters with their tiers, device slot and pin."""
-        return self.engine.list_loras()
+        return self.engine.call(ListLoRAs())
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (nothing done) while requests hold blocks."""
-        return self.engine.reset_prefix_cache()
+        return self.engine.call(ResetPrefixCache())
 
     def take_notifications(self) -> list[Notification]:
         """The engine notifications gathered so far (weight loads, plugin events, ...), each

@@ -16,7 +16,7 @@ from rankcast.engine_client.mp_client import (
     SyncMPClient,
     UtilityError,
 )
-from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest, ErrorKind
+from rankcast.protocol import EngineCoreOutputs, EngineCoreRequest, ErrorKind, GetStats
 from rankcast.sampling_params import SamplingParams
 from tests.engine.engine_process import engine_core_process
 
@@ -59,10 +59,14 @@ def test_outputs_go_to_their_owner_and_stats_to_everyone(engine) -> None:
             seen_stats |= message.scheduler_stats is not None
         assert seen_stats
         assert first.call_utility("ping") == "pong"
-        assert second.get_stats().num_running_reqs == 0
+        assert second.call(GetStats()).num_running_reqs == 0
         with pytest.raises(UtilityError, match="unknown utility 'nope'") as refused:
             first.call_utility("nope")
         assert refused.value.kind is ErrorKind.UNKNOWN_METHOD
+        # Arguments that do not fit the verb's struct are the caller's error, named.
+        with pytest.raises(UtilityError, match="utility 'pin_lora': ") as misfit:
+            first.call_utility("pin_lora", 3, "yes")
+        assert misfit.value.kind is ErrorKind.BAD_ARGUMENT
     finally:
         first.shutdown()
         second.shutdown()

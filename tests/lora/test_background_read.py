@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rankcast import SamplingParams
 from rankcast.channel.events import LoRAAdapterLoaded, NotificationsDropped
+from rankcast.protocol import AddLoRA
 from tests.lora.conftest import lora_llm
 
 LONG = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
@@ -28,8 +29,8 @@ def test_running_requests_decode_while_an_adapter_is_read_from_disk(
         worker_extension_cls="tests.lora.slow_reads:SlowReads",
     ) as llm:
         engine = llm.engine
-        engine.add_lora("a", str(mixed_adapters[0]))
-        engine.add_lora("b", str(mixed_adapters[1]))
+        engine.call(AddLoRA("a", str(mixed_adapters[0])))
+        engine.call(AddLoRA("b", str(mixed_adapters[1])))
         assert {a.name: a.tiers for a in llm.list_loras()}["a"] == []
         llm.take_notifications()
         llm.collective_rpc("slow_down_reads", [1.0])
@@ -75,8 +76,8 @@ def test_an_adapter_is_ready_when_read_even_if_the_event_saying_so_is_dropped(
         worker_extension_cls="tests.lora.slow_reads:DroppedReadEvents",
     ) as llm:
         engine = llm.engine
-        engine.add_lora("a", str(mixed_adapters[0]))
-        engine.add_lora("b", str(mixed_adapters[1]))  # pushes "a" back to disk
+        engine.call(AddLoRA("a", str(mixed_adapters[0])))
+        engine.call(AddLoRA("b", str(mixed_adapters[1])))  # pushes "a" back to disk
         llm.take_notifications()
         llm.collective_rpc("drop_read_events")
 

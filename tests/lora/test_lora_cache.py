@@ -16,6 +16,7 @@ import pytest
 from rankcast import LLM, LoRARequest, SamplingParams
 from rankcast.channel.events import LoRAAdapterEvicted
 from rankcast.channel.lora_events import lora_event_name
+from rankcast.protocol import AddLoRA, RemoveLoRA
 from tests.lora.conftest import lora_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -112,7 +113,7 @@ def test_a_full_host_tier_drops_its_least_recently_used_idle_adapter(
         _lifecycle(llm)
         # A broken adapter is refused before anything is evicted to make room for it.
         with pytest.raises(ValueError, match=r"adapter_config\.json"):
-            llm.engine.add_lora("broken", str(tmp_path))
+            llm.engine.call(AddLoRA("broken", str(tmp_path)))
         assert _lifecycle(llm) == []
         # Host: a (off the device, least recently used), b (on it). c pushes a out of the host.
         assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=c)) == [alone["c"]]
@@ -131,7 +132,7 @@ def test_a_full_host_tier_drops_its_least_recently_used_idle_adapter(
             ("activated", "a"),
         ]
         # b is now on disk only; unloading it must still reach every API server.
-        llm.engine.remove_lora("b")
+        llm.engine.call(RemoveLoRA("b"))
         assert _lifecycle(llm) == [("evicted", "b", "unload")]
         assert [e.name for e in llm.list_loras()] == ["a", "c"]
 
@@ -163,7 +164,7 @@ def test_a_busy_adapter_is_drained_for_a_deferred_one_instead_of_starving_it(
     a, b = requests[:2]
     with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
         llm.generate([PROMPT], GREEDY, lora_request=a)
-        llm.engine.add_lora(b.name, b.path)
+        llm.engine.call(AddLoRA(b.name, b.path))
         _lifecycle(llm)
         engine = llm.engine
         first = engine.add_request(
@@ -191,8 +192,10 @@ def test_an_adapter_whose_files_vanished_fails_its_request_with_the_reason_and_n
     doomed = tmp_path / "doomed"
     shutil.copytree(a.path, doomed)
     with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=1) as llm:
-        llm.engine.add_lora("doomed", str(doomed))
-        llm.engine.add_lora(b.name, b.path)  # the host tier holds one: doomed is now on disk only
+        llm.engine.call(AddLoRA("doomed", str(doomed)))
+        llm.engine.call(
+            AddLoRA(b.name, b.path)
+        )  # the host tier holds one: doomed is now on disk only
         (doomed / "adapter_model.safetensors").unlink()
         _lifecycle(llm)
         engine = llm.engine  # LLM.generate would re-validate the adapter and fail earlier
@@ -224,7 +227,7 @@ def test_with_two_slots_the_running_adapter_is_never_the_victim_even_when_least_
     with lora_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=3) as llm:
         want = _tokens(llm.generate([PROMPT], long, lora_request=a))[0]
         for r in (x, b):
-            llm.engine.add_lora(r.name, r.path)
+            llm.engine.call(AddLoRA(r.name, r.path))
         engine = llm.engine
         running = engine.add_request(PROMPT, long, lora_name="a")
         engine.step()

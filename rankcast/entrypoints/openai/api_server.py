@@ -61,7 +61,15 @@ from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.metrics.prometheus import ServerMetrics
 from rankcast.outputs import RequestRejectedError
 from rankcast.process import die_with_parent, set_process_title
-from rankcast.protocol import ErrorKind, LoRAAdapterInfo
+from rankcast.protocol import (
+    AddLoRA,
+    CollectiveRPC,
+    ErrorKind,
+    LoRAAdapterInfo,
+    PinLoRA,
+    RemoveLoRA,
+    ResetPrefixCache,
+)
 from rankcast.startup_gc import freeze_startup_heap
 from rankcast.tokenizer import load_tokenizer
 from rankcast.version import __version__
@@ -256,7 +264,7 @@ def _add_prefix_cache_routes(app: FastAPI, serving: ServingContext) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         """Forget every engine's cached prefix blocks (409 while requests hold blocks)."""
-        done = await _live(serving).engine.reset_prefix_cache()
+        done = await _live(serving).engine.call(ResetPrefixCache())
         status = 200 if all(done) else 409
         return JSONResponse({"reset": done}, status_code=status)
 
@@ -311,7 +319,7 @@ def _add_lora_update_routes(app: FastAPI, serving: ServingContext, base_model: s
                 "lora_name",
             )
         try:
-            loaded = await _live(serving).engine.add_lora(body.lora_name, body.lora_path)
+            loaded = await _live(serving).engine.call(AddLoRA(body.lora_name, body.lora_path))
         except UtilityError as exc:
             raise _utility_error(exc, "lora_path") from None
         return {"object": "lora_adapter", "data": _adapters_json(loaded)}
@@ -319,7 +327,7 @@ def _add_lora_update_routes(app: FastAPI, serving: ServingContext, base_model: s
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, object]:
         try:
-            await _live(serving).engine.remove_lora(body.lora_name)
+            await _live(serving).engine.call(RemoveLoRA(body.lora_name))
         except UtilityError as exc:
             raise _utility_error(exc, "lora_name") from None
         return {"object": "lora_adapter", "name": body.lora_name, "unloaded": True}
@@ -327,7 +335,7 @@ def _add_lora_update_routes(app: FastAPI, serving: ServingContext, base_model: s
     async def set_pinned(name: str, pinned: bool) -> dict[str, object]:
         """`data`: the adapter as each engine core holds it, in engine order."""
         try:
-            adapters = await _live(serving).engine.pin_lora(name, pinned)
+            adapters = await _live(serving).engine.call(PinLoRA(name, pinned))
         except UtilityError as exc:
             raise _utility_error(exc, "lora_name") from None
         return {"object": "lora_adapter", "data": _adapters_json(adapters)}
@@ -370,9 +378,8 @@ def _add_collective_rpc_route(app: FastAPI, serving: ServingContext) -> None:
     async def collective_rpc(body: CollectiveRpcRequest) -> dict[str, object]:
         """Call a --worker-extension-cls method on every rank of every engine core."""
         try:
-            results = await _live(serving).engine.collective_rpc(
-                body.method, body.args, body.timeout
-            )
+            call = CollectiveRPC(body.method, body.args, body.timeout)
+            results = await _live(serving).engine.call(call)
         except UtilityError as exc:
             raise _utility_error(exc, "method") from None
         return {"results": msgspec.to_builtins(results)}

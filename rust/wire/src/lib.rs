@@ -120,6 +120,7 @@ macro_rules! array_struct {
 
         impl $name {
             /// The fields that follow the array header (and the tag), `remaining` of them.
+            #[allow(unused_mut)] // a struct without fields never counts down
             pub fn decode_fields(rd: &mut &[u8], mut remaining: usize) -> $crate::Result<Self> {
                 $(
                     let $field: $ty = if remaining > 0 {
@@ -304,6 +305,15 @@ pub fn schema() -> Vec<String> {
         StepReply::schema_line(),
         WorkerCall::schema_line(),
         WorkerReply::schema_line(),
+        Ping::schema_line(),
+        GetStats::schema_line(),
+        Snapshot::schema_line(),
+        CollectiveRPC::schema_line(),
+        AddLoRA::schema_line(),
+        RemoveLoRA::schema_line(),
+        PinLoRA::schema_line(),
+        ListLoRAs::schema_line(),
+        ResetPrefixCache::schema_line(),
         CustomNotification::schema_line(),
         NotificationsDropped::schema_line(),
         LoRAAdapterLoaded::schema_line(),

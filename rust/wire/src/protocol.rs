@@ -328,3 +328,31 @@ array_struct! {
         notifications_pending: bool = false,
     }
 }
+
+// ---- the engine core's utilities: each verb's arguments, in the order `UtilityRequest.args`
+// carries them (`rankcast/protocol.py`, `Utility`) ----
+
+array_struct! { Ping {} }
+
+array_struct! { GetStats {} }
+
+array_struct! { Snapshot {} }
+
+array_struct! {
+    /// A worker-extension method on every rank.
+    CollectiveRPC {
+        method: String,
+        args: Option<Vec<Value>> = None,
+        timeout: Option<f64> = None,
+    }
+}
+
+array_struct! { AddLoRA { name: String, path: String } }
+
+array_struct! { RemoveLoRA { name: String } }
+
+array_struct! { PinLoRA { name: String, pinned: bool = true } }
+
+array_struct! { ListLoRAs {} }
+
+array_struct! { ResetPrefixCache {} }

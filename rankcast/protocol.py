@@ -492,3 +492,68 @@ UTILITIES: dict[str, type[Utility[Any]]] = {
         ResetPrefixCache,
     )
 }
+
+
+# ---- the engine core's calls on its ranks: one struct per call, with each rank's reply type ----
+#
+# On the wire a `WorkerCall(call_id, METHOD, [its fields, in order])`; each rank dispatches by
+# one table (`Worker.rank_call_handlers`). Worker-extension methods (`collective_rpc`) stay
+# calls by name: they are the user's, declared by their own signatures.
+
+
+class RankCall(msgspec.Struct, Generic[R], array_like=True):
+    """A call the engine core makes on every rank; `REPLY` is each rank's answer."""
+
+    METHOD: ClassVar[str] = ""
+    REPLY: ClassVar[Any] = None
+
+
+class NumAvailableBlocks(RankCall[int], array_like=True):
+    """How many KV blocks this rank's budget holds (the engine takes the minimum)."""
+
+    METHOD = "num_available_blocks"
+    REPLY = int
+
+
+class InitializeCache(RankCall[int], array_like=True):
+    """Allocate the KV cache; each rank answers the bytes it commits."""
+
+    METHOD = "initialize_cache"
+    REPLY = int
+    num_blocks: int
+
+
+class TakeNotifications(RankCall["list[WorkerNotification] | None"], array_like=True):
+    """Drain the rank's notification buffer (rule 3)."""
+
+    METHOD = "take_notifications"
+    REPLY = list[WorkerNotification] | None
+
+
+class ApplyLoRAMoves(RankCall[None], array_like=True):
+    """Make the engine's adapter moves now (a utility's; a step's ride the step)."""
+
+    METHOD = "apply_lora_moves"
+    REPLY = None
+    moves: list[LoRAMove]
+
+
+class ExecuteModel(RankCall[StepReply], array_like=True):
+    """Run one step; every rank answers with its events, the output rank with its tokens."""
+
+    METHOD = "execute_model"
+    REPLY = StepReply
+    batch: SchedulerOutput
+
+
+# Every call the engine core makes on its ranks, by its wire name.
+RANK_CALLS: dict[str, type[RankCall[Any]]] = {
+    cls.METHOD: cls
+    for cls in (
+        NumAvailableBlocks,
+        InitializeCache,
+        TakeNotifications,
+        ApplyLoRAMoves,
+        ExecuteModel,
+    )
+}

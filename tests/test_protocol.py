@@ -110,3 +110,21 @@ def test_each_utility_travels_as_the_named_call_it_always_was() -> None:
         "remove_lora",
         "pin_lora",
     }
+
+
+def test_every_verb_has_exactly_one_handler_in_its_process_table() -> None:
+    """Adding a verb is its struct, its handler and its test: a struct without a handler (or
+    a handler for a struct the wire does not name) fails here, not in production."""
+    from pathlib import Path
+
+    from rankcast.config import EngineConfig
+    from rankcast.engine_core.core import EngineCore
+    from rankcast.model.source import ModelSource
+    from rankcast.protocol import RANK_CALLS, UTILITIES
+    from rankcast.worker.worker import Worker
+
+    source = ModelSource(Path("unused"), Path("unused"), "unused")
+    worker = Worker(EngineConfig.from_kwargs(), source)
+    assert set(worker.rank_call_handlers) == set(RANK_CALLS.values())
+    core = EngineCore.__new__(EngineCore)  # the table only: no model, no ranks
+    assert set(core._utility_handlers()) == set(UTILITIES.values())

@@ -57,7 +57,9 @@ from rankcast.protocol import (
     ErrorKind,
     FinishReason,
     GetStats,
+    InitializeCache,
     ListLoRAs,
+    NumAvailableBlocks,
     Ping,
     PinLoRA,
     R,
@@ -103,10 +105,10 @@ class EngineCore:
     def _start(self) -> None:
         """Everything after the ranks are up: cache, scheduler, notification channel."""
         config = self.config
-        num_blocks = min(self.executor.num_available_blocks())
+        num_blocks = min(self.executor.call(NumAvailableBlocks()))
         block_size = config.cache.block_size
         self.max_model_len = self._resolve_max_model_len(num_blocks * block_size)
-        self.kv_cache_committed_bytes = sum(self.executor.initialize_cache(num_blocks))
+        self.kv_cache_committed_bytes = sum(self.executor.call(InitializeCache(num_blocks)))
         if self.kv_cache_committed_bytes:
             logger.info(
                 "KV cache: %.0f MiB over %d rank(s), committed before the first step "

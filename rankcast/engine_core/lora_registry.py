@@ -44,6 +44,7 @@ from rankcast.model.arch import ArchConfig
 from rankcast.protocol import (
     AdapterRead,
     AdapterResidency,
+    ApplyLoRAMoves,
     LoRAAdapterInfo,
     LoRAEventCount,
     LoRALoadTime,
@@ -194,7 +195,7 @@ class LoRARegistry:
         """A utility's moves go at once, not with a step."""
         moves = self.take_moves()
         if moves:
-            self.executor.apply_lora_moves(moves)
+            self.executor.call(ApplyLoRAMoves(moves))
 
     # ---- registration ----
 
@@ -376,12 +377,14 @@ class LoRARegistry:
         `lora_adapter_load_failed` events.
         """
         try:
-            self.executor.apply_lora_moves(
-                [LoRAMove("read", entry.adapter_id, entry.name, entry.path)]
+            self.executor.call(
+                ApplyLoRAMoves([LoRAMove("read", entry.adapter_id, entry.name, entry.path)])
             )
         except ExecutorError as exc:
-            self.executor.apply_lora_moves(
-                [LoRAMove("evict", entry.adapter_id, tier="cpu", reason="load_failed")]
+            self.executor.call(
+                ApplyLoRAMoves(
+                    [LoRAMove("evict", entry.adapter_id, tier="cpu", reason="load_failed")]
+                )
             )
             dropped = self.adapters.pop(entry.name, None) is not None
             first_line = str(exc).splitlines()[0]

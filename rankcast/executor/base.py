@@ -19,7 +19,16 @@ import msgspec
 from rankcast.channel.events import WorkerNotification
 from rankcast.config import EngineConfig
 from rankcast.model.source import ModelSource
-from rankcast.protocol import AdapterRead, LoRAMove, ModelRunnerOutput, SchedulerOutput, StepReply
+from rankcast.protocol import (
+    AdapterRead,
+    ExecuteModel,
+    ModelRunnerOutput,
+    R,
+    RankCall,
+    SchedulerOutput,
+    StepReply,
+    TakeNotifications,
+)
 from rankcast.worker.extension import worker_class
 from rankcast.worker.worker import Worker
 
@@ -94,31 +103,24 @@ class Executor(ABC):
     # the ranks returned (uni): those take the wire's plain form first, for equal results.
     replies_crossed_the_wire = True
 
-    # ---- the calls the engine makes, one typed method each ----
+    # ---- the calls the engine makes: one struct each (`rankcast.protocol.RankCall`) ----
 
-    def num_available_blocks(self) -> list[int]:
-        """Each rank's KV-block budget (the engine takes the minimum)."""
-        return self.collective_rpc("num_available_blocks", reply_type=int)
-
-    def initialize_cache(self, num_blocks: int) -> list[int]:
-        """Each rank's KV cache, allocated; the bytes each committed, in rank order."""
-        return self.collective_rpc("initialize_cache", (num_blocks,), reply_type=int)
+    def call(self, rank_call: RankCall[R], timeout: float | None = None) -> list[R]:
+        """Make one of the engine core's calls on every rank; each rank's answer, as the call's
+        `REPLY` type, in rank order (the same whichever backend carried it)."""
+        args = msgspec.structs.astuple(rank_call)
+        return self.collective_rpc(rank_call.METHOD, args, timeout, reply_type=rank_call.REPLY)
 
     def take_notifications(self) -> list[list[WorkerNotification] | None]:
-        """Drain every rank's notification buffer: one batch (or None) per rank, in rank order."""
-        return self.collective_rpc("take_notifications", reply_type=list[WorkerNotification] | None)
-
-    def apply_lora_moves(self, moves: list[LoRAMove]) -> None:
-        """Make adapter moves on every rank now (a utility's; a step's ride the step)."""
-        self.collective_rpc("apply_lora_moves", (moves,), reply_type=None)
+        """Drain every rank's notification buffer: one batch (or None) per rank, in rank order
+        (what the notification channel's gather needs of the ranks)."""
+        return self.call(TakeNotifications())
 
     def execute_model(self, batch: SchedulerOutput) -> StepResult:
-        """Run one step on every rank; every rank answers, so each one's events come back
-        with the step (stage 0 of a pipeline answers while the later stages still run)."""
-        replies: list[StepReply] = self.collective_rpc(
-            "execute_model", (batch,), reply_type=StepReply
-        )
-        return step_result(replies, self.config.parallel.output_rank)
+        """Run one step on every rank, whichever backend: every rank answers, so each one's
+        events come back with the step (stage 0 of a pipeline answers while the later stages
+        still run)."""
+        return step_result(self.call(ExecuteModel(batch)), self.config.parallel.output_rank)
 
     # ---- the generic call ----
 

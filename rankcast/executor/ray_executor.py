@@ -25,9 +25,9 @@ import msgspec
 
 from rankcast import envs
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError, StepResult, step_result
+from rankcast.executor.base import Executor, ExecutorError
 from rankcast.model.source import ModelSource
-from rankcast.protocol import SchedulerOutput, StepReply, WorkerCall, WorkerReply
+from rankcast.protocol import WorkerCall, WorkerReply
 
 logger = logging.getLogger(__name__)
 
@@ -182,13 +182,6 @@ class RayExecutor(Executor):
     ) -> list[Any]:
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
         return [reply.result for reply in self._call(name, args, timeout, ranks)]
-
-    def execute_model(self, batch: SchedulerOutput) -> StepResult:
-        """Every rank's reply is read (they finish the step together): each carries its
-        rank's events, and its doorbell flag for what was published after the drain."""
-        replies = self._call("execute_model", (batch,), None, range(self.world_size))
-        steps = [msgspec.convert(reply.result, StepReply) for reply in replies]
-        return step_result(steps, self.config.parallel.output_rank)
 
     def notifications_pending(self) -> bool:
         pending, self.remote_doorbell = self.remote_doorbell, False

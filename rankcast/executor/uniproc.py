@@ -8,9 +8,8 @@ from typing import Any
 
 from rankcast.channel.doorbell import Doorbell
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError, StepResult, step_result
+from rankcast.executor.base import Executor, ExecutorError
 from rankcast.model.source import ModelSource
-from rankcast.protocol import SchedulerOutput
 from rankcast.worker.worker import start_worker
 
 
@@ -33,22 +32,17 @@ class UniProcExecutor(Executor):
         unique_reply_rank: int | None,
     ) -> list[Any]:
         self.rpc_counts[name] += 1
-        fn = getattr(self.worker, method) if isinstance(method, str) else method
         try:
             with self.worker.notifications.current():
-                result = fn(*args) if isinstance(method, str) else fn(self.worker, *args)
+                if isinstance(method, str):
+                    result = self.worker.run_call(method, args)
+                else:
+                    result = method(self.worker, *args)
         except Exception as exc:
             raise ExecutorError(
                 f"rank 0 failed in {name}: {exc}\n{traceback.format_exc()}"
             ) from exc
         return [result]
-
-    def execute_model(self, batch: SchedulerOutput) -> StepResult:
-        # The only rank is the output rank; skip the generic RPC wrapper on the hot path.
-        self.rpc_counts["execute_model"] += 1
-        with self.worker.notifications.current():
-            reply = self.worker.execute_model(batch)
-        return step_result([reply], output_rank=0)
 
     def notifications_pending(self) -> bool:
         return self.doorbell.take()

@@ -6,9 +6,14 @@ remote interface.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -22,7 +27,18 @@ from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
 from rankcast.model.source import ModelSource
 from rankcast.process import is_rankcast_process
-from rankcast.protocol import LoRAMove, SchedulerOutput, StepReply
+from rankcast.protocol import (
+    RANK_CALLS,
+    ApplyLoRAMoves,
+    ExecuteModel,
+    InitializeCache,
+    LoRAMove,
+    NumAvailableBlocks,
+    RankCall,
+    SchedulerOutput,
+    StepReply,
+    TakeNotifications,
+)
 from rankcast.worker.extension import load_worker_plugins, worker_class
 from rankcast.worker.grammar import GrammarMatchers
 from rankcast.worker.lora_manager import LoRAManager
@@ -67,6 +83,24 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.loras: LoRAManager | None = None
         self.cpus: list[int] | None = None  # the cores this rank's threads are bound to
+        # The engine core's calls on this rank (`rankcast.protocol.RankCall`), one handler each.
+        self.rank_call_handlers: dict[type[RankCall[Any]], Callable[[Any], Any]] = {
+            NumAvailableBlocks: lambda _: self.num_available_blocks(),
+            InitializeCache: lambda call: self.initialize_cache(call.num_blocks),
+            TakeNotifications: lambda _: self.take_notifications(),
+            ApplyLoRAMoves: lambda call: self.apply_lora_moves(call.moves),
+            ExecuteModel: lambda call: self.execute_model(call.batch),
+        }
+
+    def run_call(self, method: str, args: Sequence[Any]) -> Any:
+        """One call on this rank, as the executor names it: the engine core's own by the table
+        (arguments read as the call's struct), anything else a worker-extension method, its
+        arguments given back the types its signature declares (`convert_args`)."""
+        call_type = RANK_CALLS.get(method)
+        if call_type is not None:
+            return self.rank_call_handlers[call_type](msgspec.convert(list(args), call_type))
+        fn = getattr(self, method)
+        return fn(*convert_args(fn, list(args)))
 
     def init_device(self) -> None:
         """Pick the device and precision, and give this rank its share of the cores: threads
@@ -180,6 +214,25 @@ class Worker:
     def rank_info(self) -> tuple[int, int, int]:
         """(rank, pp_rank, tp_rank): lets the engine and tests see the layout each rank holds."""
         return self.rank, self.pp.rank, self.tp.rank
+
+
+def convert_args(fn: Callable[..., Any], args: list[Any]) -> list[Any]:
+    """Give typed parameters their declared types back (msgpack carries a struct as an array,
+    a list of structs as a list of arrays)."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        return args
+    names = [n for n in fn.__code__.co_varnames[: fn.__code__.co_argcount] if n != "self"]
+    converted = []
+    for name, value in zip(names, args, strict=False):
+        hint = hints.get(name, Any)
+        if hint is not Any:
+            # A type msgspec cannot build (a callable, say) is passed as it came.
+            with contextlib.suppress(TypeError):
+                value = msgspec.convert(value, hint)
+        converted.append(value)
+    return converted + args[len(converted) :]
 
 
 def start_worker(

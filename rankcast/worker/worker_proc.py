@@ -7,12 +7,10 @@ stale one.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import signal
 import traceback
-import typing
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -48,25 +46,6 @@ def resolve_callable(name: str) -> Callable[..., Any]:
     return function
 
 
-def _convert_args(fn: Callable[..., Any], args: list[Any]) -> list[Any]:
-    """Give typed parameters their declared types back (msgpack carries a struct as an array,
-    a list of structs as a list of arrays)."""
-    try:
-        hints = typing.get_type_hints(fn)
-    except Exception:
-        return args
-    names = [n for n in fn.__code__.co_varnames[: fn.__code__.co_argcount] if n != "self"]
-    converted = []
-    for name, value in zip(names, args, strict=False):
-        hint = hints.get(name, Any)
-        if hint is not Any:
-            # A type msgspec cannot build (a callable, say) is passed as it came.
-            with contextlib.suppress(TypeError):
-                value = msgspec.convert(value, hint)
-        converted.append(value)
-    return converted + args[len(converted) :]
-
-
 def dispatch(worker: Worker, call: WorkerCall) -> WorkerReply:
     """Run one call on this rank; any exception becomes an error reply with its traceback."""
     reply = WorkerReply(call.call_id, worker.rank)
@@ -75,8 +54,7 @@ def dispatch(worker: Worker, call: WorkerCall) -> WorkerReply:
             if ":" in call.method:
                 reply.result = resolve_callable(call.method)(worker, *call.args)
             else:
-                fn = getattr(worker, call.method)
-                reply.result = fn(*_convert_args(fn, call.args))
+                reply.result = worker.run_call(call.method, call.args)
     except Exception as exc:
         reply.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     reply.notifications_pending = worker.notifications.pending

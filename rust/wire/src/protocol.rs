@@ -356,3 +356,16 @@ array_struct! { PinLoRA { name: String, pinned: bool = true } }
 array_struct! { ListLoRAs {} }
 
 array_struct! { ResetPrefixCache {} }
+
+// ---- the engine core's calls on its ranks: each call's arguments, in `WorkerCall.args` order
+// (`rankcast/protocol.py`, `RankCall`) ----
+
+array_struct! { NumAvailableBlocks {} }
+
+array_struct! { InitializeCache { num_blocks: i64 } }
+
+array_struct! { TakeNotifications {} }
+
+array_struct! { ApplyLoRAMoves { moves: Vec<LoRAMove> } }
+
+array_struct! { ExecuteModel { batch: SchedulerOutput } }

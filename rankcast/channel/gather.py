@@ -78,7 +78,8 @@ class EngineNotificationChannel:
         self.gathers = 0
         self.gather_seconds = 0.0
         self.ledger = NotificationLedger()
-        # Called with each notification as it leaves, so the snapshot's sections keep state.
+        # Called with each notification as it leaves, to count what left for the catch-up
+        # snapshot (the ledger, the adapter registry's event counts); never to change state.
         self.observers: list[Callable[[Notification], None]] = [self.ledger.record]
         self.encoder = msgspec.msgpack.Encoder()
 

@@ -11,6 +11,7 @@ notifications are gathered and flushed, is `EngineCore`'s (rankcast/engine_core/
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -162,9 +163,11 @@ class EngineCoreProc:
             except queue.Empty:
                 return
 
-    def run(self) -> None:
+    def run(self, last_words: Connection | None = None) -> None:
         """Serve until told to stop; any failure (a dead rank, say) ends the process loudly, so
-        every API server notices at once and answers 503 instead of waiting forever."""
+        every API server notices at once and answers 503 instead of waiting forever. Why it
+        failed goes to `last_words` (the launcher's readiness pipe, still open), so the
+        supervisor can say which rank was lost (`/health`)."""
         for thread in self.threads:
             thread.start()
         if self.publisher is not None:
@@ -178,8 +181,11 @@ class EngineCoreProc:
                     self._send_all(self.core.step())
                 else:
                     self._send_all(self.core.idle_outputs())
-        except Exception:
+        except Exception as exc:
             logger.exception("engine core failed; exiting")
+            if last_words is not None:
+                with contextlib.suppress(OSError):
+                    last_words.send(("failed", str(exc).split("\n", 1)[0]))
             self.close()
             raise SystemExit(1) from None
         self.close()
@@ -229,5 +235,4 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     freeze_startup_heap()
     ready.send(("ready", proc.core.max_model_len))
-    ready.close()
-    proc.run()
+    proc.run(last_words=ready)

@@ -12,6 +12,7 @@ cores, and leaves no process behind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -104,10 +105,15 @@ def _wait_ready(
 
 
 def _start_all(
-    spawn: SpawnContext, specs: list[ChildSpec], timeout_s: float, stop: threading.Event
+    spawn: SpawnContext,
+    specs: list[ChildSpec],
+    timeout_s: float,
+    stop: threading.Event,
+    pipes: dict[int, Connection] | None = None,
 ) -> list[BaseProcess]:
     """Start every (name, target, args) child with a readiness pipe appended to its args, then
-    wait until each reports ready. If one fails, all of this group are stopped before raising."""
+    wait until each reports ready. If one fails, all of this group are stopped before raising.
+    `pipes`: where to keep each started child's pipe by pid, for what it says when it fails."""
     started: list[tuple[BaseProcess, Connection]] = []
     for name, target, args in specs:
         read, write = spawn.Pipe(duplex=False)
@@ -121,7 +127,24 @@ def _start_all(
     except LaunchError:
         _stop([child for child, _ in started], timeout_s=2.0)
         raise
+    if pipes is not None:
+        pipes.update((proc.pid, pipe) for proc, pipe in started if proc.pid is not None)
     return [proc for proc, _ in started]
+
+
+def _last_words(pipes: dict[int, Connection], proc: BaseProcess) -> str | None:
+    """What a dead child said of its failure on its pipe, if anything (the pipe is closed)."""
+    pipe = pipes.pop(proc.pid, None) if proc.pid is not None else None
+    if pipe is None:
+        return None
+    words = None
+    with contextlib.suppress(EOFError, OSError):
+        while pipe.poll(0):
+            kind, *detail = pipe.recv()
+            if kind == "failed" and detail:
+                words = str(detail[0])
+    pipe.close()
+    return words
 
 
 def _stop(processes: list[BaseProcess], timeout_s: float = 10.0) -> None:
@@ -149,6 +172,8 @@ class _Children:
     predecessor), so that shutting down stops exactly these."""
 
     engines: list[BaseProcess] = field(default_factory=list)
+    # Each engine core's readiness pipe, by pid: it says there why it failed.
+    engine_pipes: dict[int, Connection] = field(default_factory=dict)
     api_servers: list[BaseProcess] = field(default_factory=list)
 
 
@@ -195,6 +220,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
             [supervision.spec(dp, 0) for dp in range(len(engine_addresses))],
             ENGINE_START_TIMEOUT_S,
             stop_requested,
+            children.engine_pipes,
         )
         # Every API server (restarted ones too: they inherit it) writes the series it counts
         # into this one directory, and each scrape sums them (rankcast/metrics/fleet.py); the
@@ -353,7 +379,8 @@ def _restart_engines(
         if state.retry_at is None:  # a death not seen before
             if engine.pid is not None:
                 remove_ipc_dirs_of(engine.pid)  # what a killed engine core could not remove
-            state.failed(f"exited (code {engine.exitcode})")
+            why = _last_words(children.engine_pipes, engine)
+            state.failed(f"exited (code {engine.exitcode})" + (f": {why}" if why else ""))
             changed = True
         if not state.due() or stop_requested.is_set():
             continue
@@ -365,6 +392,7 @@ def _restart_engines(
                 [supervision.spec(dp, state.incarnation)],
                 ENGINE_START_TIMEOUT_S,
                 stop_requested,
+                children.engine_pipes,
             )[0]
         except StoppedDuringStartUp:
             return

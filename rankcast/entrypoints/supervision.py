@@ -44,10 +44,12 @@ class EngineSupervision:
     failures: list[float] = field(default_factory=list)  # monotonic times, within the window
     retry_at: float | None = None  # set while a restart is due: when to try
     given_up: str | None = None
+    last_failure: str = ""  # why it last died or failed to start
 
     def failed(self, why: str, now: float | None = None) -> None:
         """Count a death or a failed start; schedule the next try, or give up."""
         now = time.monotonic() if now is None else now
+        self.last_failure = why
         self.failures = [t for t in self.failures if now - t < GIVE_UP_WINDOW_S] + [now]
         if len(self.failures) >= GIVE_UP_FAILURES:
             self.given_up = (
@@ -85,7 +87,7 @@ class EngineSupervision:
                 incarnation=self.incarnation,
                 state="restarting",
                 message=f"engine core {self.engine} is being restarted "
-                f"(incarnation {self.incarnation + 1})",
+                f"(incarnation {self.incarnation + 1}) after it {self.last_failure}",
             )
         return EngineState(engine=self.engine, incarnation=self.incarnation, state="serving")
 

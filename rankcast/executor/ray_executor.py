@@ -32,6 +32,9 @@ from rankcast.protocol import WorkerCall, WorkerReply
 logger = logging.getLogger(__name__)
 
 _PING_INTERVAL_S = 1.0
+# A ping runs beside the rank's calls (a concurrency group of its own), so only an unreachable
+# node (a dead host, a partition) leaves it unanswered this long: the rank counts as lost.
+_PING_TIMEOUT_S = 2.5
 # How long the engine waits for the cluster to offer its placement (a strict spread waits for
 # nodes); the launcher's own start-up timeout is longer.
 _PLACEMENT_TIMEOUT_S = 600.0
@@ -103,7 +106,10 @@ class RayExecutor(Executor):
 
         # No CPU reservation per actor: a stage's ranks share its bundle's node the way the mp
         # executor's ranks share cores.
-        actor_class = ray.remote(num_cpus=0)(RayRank)
+        # Pings run in a concurrency group of their own, beside the rank's calls (Ray's stubs
+        # do not declare the option, hence the mapping).
+        options: dict[str, Any] = {"num_cpus": 0, "concurrency_groups": {"health": 1}}
+        actor_class = ray.remote(**options)(RayRank)
         tp = config.parallel.tensor_parallel_size
         # Ray actor handles: their methods are called as `.remote(...)` (untyped by Ray).
         self.actors = [
@@ -145,12 +151,21 @@ class RayExecutor(Executor):
         while not self.stopping and self.failure is None:
             for rank, actor in enumerate(self.actors):
                 try:
-                    if self.ray.get(actor.ping.remote(), timeout=30):
+                    ping = actor.ping.options(concurrency_group="health").remote()
+                    if self.ray.get(ping, timeout=_PING_TIMEOUT_S):
                         self.remote_doorbell = True
-                except self.ray.exceptions.RayActorError:
+                except (
+                    self.ray.exceptions.RayActorError,
+                    self.ray.exceptions.GetTimeoutError,
+                ) as exc:
                     if self.stopping:
                         return
-                    self.failure = f"rank {rank} (Ray actor, pid {self.pids[rank]}) died"
+                    lost = isinstance(exc, self.ray.exceptions.GetTimeoutError)
+                    self.failure = f"rank {rank} (Ray actor, pid {self.pids[rank]}) " + (
+                        f"did not answer in {_PING_TIMEOUT_S:g} s: its node is unreachable"
+                        if lost
+                        else "died"
+                    )
                     logger.error("worker %s", self.failure)
                     if self.failure_callback is not None:
                         self.failure_callback(self.failure)

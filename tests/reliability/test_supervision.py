@@ -32,3 +32,13 @@ def test_failures_older_than_the_window_are_forgotten() -> None:
     engine.failed("exited", now=5.0 + GIVE_UP_WINDOW_S)  # the first one has aged out
     assert engine.given_up is None
     assert engine.retry_at == 5.0 + GIVE_UP_WINDOW_S + RESTART_BACKOFF_S[1]
+
+
+def test_a_restart_under_way_says_why_the_engine_died() -> None:
+    """What `/health` shows while an engine core is restarted: the reason it gave as it died
+    (its last words on the launcher's pipe), e.g. which rank was lost."""
+    engine = EngineSupervision(0)
+    engine.failed("exited (code 1): rank 1 (Ray actor, pid 42) died", now=5.0)
+    state = engine.state()
+    assert state.state == "restarting"
+    assert state.message.endswith("after it exited (code 1): rank 1 (Ray actor, pid 42) died")

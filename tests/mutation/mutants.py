@@ -180,6 +180,22 @@ MUTANTS = [
         ("tests/worker/test_kv_memory.py",),
     ),
     Mutant(
+        "ping-without-deadline",
+        "A rank on a host that is cut off is found lost within seconds",
+        "rankcast/executor/ray_executor.py",
+        "_PING_TIMEOUT_S = 2.5",
+        "_PING_TIMEOUT_S = 30.0",
+        ("tests/reliability/test_ray_netns.py",),
+    ),
+    Mutant(
+        "engine-last-words-lost",
+        "/health names why an engine core died (its last words reach the supervisor)",
+        "rankcast/engine_core/core_proc.py",
+        '                    last_words.send(("failed", str(exc).split("\\n", 1)[0]))',
+        "                    pass",
+        ("tests/reliability/test_ray_netns.py",),
+    ),
+    Mutant(
         "launcher-leaves-children",
         "The launcher returns only after every process it started has been reaped",
         "rankcast/entrypoints/launcher.py",

@@ -393,25 +393,34 @@ class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True):
 R = TypeVar("R")
 
 
-class Utility(msgspec.Struct, Generic[R], array_like=True):
-    """A call any client may make to an engine core, answered to that client only.
-
-    `METHOD` names it on the wire; `REPLY` is the type of its answer; `CHANGES_PRODUCERS`:
-    it can change what a producer publishes, so the engine gathers every rank after it
-    (rule 5 of the notification channel)."""
+class Verb(msgspec.Struct, Generic[R], array_like=True):
+    """One call of one process on another, as a struct: `METHOD` names it on the wire, its
+    fields are the call's positional arguments in order, `REPLY` is the type of its answer.
+    The kinds: `Utility` (a client on an engine core), `RankCall` (an engine core on a rank)."""
 
     METHOD: ClassVar[str] = ""
     REPLY: ClassVar[Any] = None
-    CHANGES_PRODUCERS: ClassVar[bool] = False
 
-    def to_request(self, call_id: int) -> UtilityRequest:
-        return UtilityRequest(call_id, self.METHOD, list(msgspec.structs.astuple(self)))
+    def wire_args(self) -> list[Any]:
+        """The arguments as the wire carries them."""
+        return list(msgspec.structs.astuple(self))
 
     def reply(self, result: Any) -> R:
         """The answer as `REPLY` (over a socket a struct arrives as plain data)."""
         if self.REPLY is None:
             return None  # type: ignore[return-value]
         return msgspec.convert(result, self.REPLY)  # type: ignore[no-any-return]
+
+
+class Utility(Verb[R], array_like=True):
+    """A call any client may make to an engine core, answered to that client only.
+    `CHANGES_PRODUCERS`: it can change what a producer publishes, so the engine gathers every
+    rank after it (rule 5 of the notification channel)."""
+
+    CHANGES_PRODUCERS: ClassVar[bool] = False
+
+    def to_request(self, call_id: int) -> UtilityRequest:
+        return UtilityRequest(call_id, self.METHOD, self.wire_args())
 
 
 class Ping(Utility[str], array_like=True):
@@ -501,11 +510,8 @@ UTILITIES: dict[str, type[Utility[Any]]] = {
 # calls by name: they are the user's, declared by their own signatures.
 
 
-class RankCall(msgspec.Struct, Generic[R], array_like=True):
+class RankCall(Verb[R], array_like=True):
     """A call the engine core makes on every rank; `REPLY` is each rank's answer."""
-
-    METHOD: ClassVar[str] = ""
-    REPLY: ClassVar[Any] = None
 
 
 class NumAvailableBlocks(RankCall[int], array_like=True):

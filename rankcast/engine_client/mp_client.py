@@ -16,7 +16,6 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
-from msgspec.structs import astuple
 from zmq.utils.monitor import parse_monitor_message
 
 from rankcast.addresses import ClientAddresses
@@ -125,7 +124,7 @@ class SyncMPClient(EngineCoreClient):
 
     def call(self, utility: Utility[R], timeout_s: float = 60.0) -> R:
         return utility.reply(
-            self.call_utility(utility.METHOD, *astuple(utility), timeout_s=timeout_s)
+            self.call_utility(utility.METHOD, *utility.wire_args(), timeout_s=timeout_s)
         )
 
     def call_utility(self, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
@@ -309,7 +308,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
             future.set_result(reply.result)
 
     async def call(self, utility: Utility[R], timeout_s: float = 60.0) -> R:
-        result = await self.call_utility(utility.METHOD, *astuple(utility), timeout_s=timeout_s)
+        result = await self.call_utility(utility.METHOD, *utility.wire_args(), timeout_s=timeout_s)
         return utility.reply(result)
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 60.0) -> Any:

@@ -108,7 +108,7 @@ class Executor(ABC):
     def call(self, rank_call: RankCall[R], timeout: float | None = None) -> list[R]:
         """Make one of the engine core's calls on every rank; each rank's answer, as the call's
         `REPLY` type, in rank order (the same whichever backend carried it)."""
-        args = msgspec.structs.astuple(rank_call)
+        args = tuple(rank_call.wire_args())
         return self.collective_rpc(rank_call.METHOD, args, timeout, reply_type=rank_call.REPLY)
 
     def take_notifications(self) -> list[list[WorkerNotification] | None]:

@@ -30,34 +30,26 @@ from rankcast.worker.grammar import GrammarMatchers, TokenMask
 logger = logging.getLogger(__name__)
 
 
-def zeroed_tensor(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, commit: bool = True
-) -> torch.Tensor:
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor in anonymous mmap memory, which the kernel zeroes page by page on
-    first touch. Huge pages are asked for where the kernel leaves it to the program (fewer TLB
-    misses as attention walks the blocks). Other devices zero as usual.
-
-    `commit`: touch every page now (one write per page, which is what makes the kernel give
-    it), so the memory is this process's from the start: a machine that cannot hold the cache
-    fails at start instead of under load, and the process's memory stays flat as the prefix
-    cache cycles its blocks. Without it a page is taken when a block is first written: a
-    faster start (no page is zeroed until used; `torch.zeros` would write every byte,
-    ~0.45 s per GiB on a 2-core Zen 3), memory that grows with use."""
+    first touch, so making it writes nothing (`torch.zeros` would write every byte, ~0.45 s per
+    GiB on a 2-core Zen 3); `commit_pages` takes its memory when wanted. Huge pages are asked
+    for where the kernel leaves it to the program (fewer TLB misses as attention walks the
+    blocks). Other devices zero as usual."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     memory = mmap.mmap(-1, nbytes)  # anonymous and private: the tensor keeps it alive
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
-    tensor = torch.frombuffer(memory, dtype=dtype).view(shape)
-    if commit:
-        commit_pages(tensor)
-    return tensor
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 def commit_pages(tensor: torch.Tensor) -> None:
     """Write one byte of every page of a contiguous CPU tensor (zero where it is zero), which
-    is what makes the kernel give the page to this process now rather than at first use."""
+    is what makes the kernel give the page to this process now rather than at first use: a
+    machine that cannot hold it fails now, not under load, and the process's memory stays flat
+    as the prefix cache cycles its blocks."""
     tensor.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()
 
 
@@ -134,7 +126,7 @@ class ModelRunner:
         self.kv_caches = []
         for attn in self.model.attention_layers():
             whole = (2, num_blocks, attn.num_kv_heads, self.block_size * attn.head_dim)
-            cache = zeroed_tensor(whole, self.dtype, self.device, commit=False)
+            cache = zeroed_tensor(whole, self.dtype, self.device)
             shape = (num_blocks, attn.num_kv_heads)
             attn.key_cache = cache[0].view(*shape, attn.head_dim, self.block_size)
             attn.value_cache = cache[1].view(*shape, self.block_size, attn.head_dim)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rankcast import LLM
-from rankcast.worker.model_runner import zeroed_tensor
+from rankcast.worker.model_runner import commit_pages, zeroed_tensor
 
 MIB = 1 << 20
 
@@ -26,7 +26,7 @@ def _resident_bytes() -> int:
 
 def test_a_lazy_cache_reads_as_zeros_and_costs_no_memory_until_written() -> None:
     before = _resident_bytes()
-    cache = zeroed_tensor((2, 1024, 4, 16 * 512), torch.bfloat16, torch.device("cpu"), False)
+    cache = zeroed_tensor((2, 1024, 4, 16 * 512), torch.bfloat16, torch.device("cpu"))
     allocated = _resident_bytes() - before
     assert cache.shape == (2, 1024, 4, 8192) and cache.dtype == torch.bfloat16
     assert cache.numel() * 2 == 128 * MIB
@@ -48,7 +48,9 @@ def test_other_shapes_and_dtypes_and_an_empty_cache() -> None:
 @pytest.mark.parametrize("commit", [True, False])
 def test_a_committed_cache_is_resident_at_once_and_a_lazy_one_is_not(commit: bool) -> None:
     before = _resident_bytes()
-    cache = zeroed_tensor((2, 64, 2, MIB // 8), torch.float32, torch.device("cpu"), commit)
+    cache = zeroed_tensor((2, 64, 2, MIB // 8), torch.float32, torch.device("cpu"))
+    if commit:
+        commit_pages(cache)
     grown = _resident_bytes() - before
     assert cache.shape == (2, 64, 2, MIB // 8)
     if commit:

@@ -74,6 +74,73 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events in vLLM's wire format (`--kv-events-config`), with vLLM's fields, names
+    and defaults, so a deployment's vLLM settings carry over as they are
+    (rankcast/channel/vllm_kv_events.py). `publisher` unset is "zmq" when events are enabled."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        _require(
+            self.publisher in ("zmq", "null"),
+            f'--kv-events-config publisher must be "zmq" or "null", got {self.publisher!r}',
+        )
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            _require(
+                value is None or value.startswith(("tcp://", "ipc://", "inproc://")),
+                f"--kv-events-config {name} must be a tcp://, ipc:// or inproc:// endpoint, "
+                f"got {value!r}",
+            )
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            _require(value >= 1, f"--kv-events-config {name} must be >= 1, got {value}")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse the flag's JSON object; an unknown key or a wrong type is an error naming it."""
+        import json
+
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--kv-events-config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--kv-events-config must be a JSON object")
+        hints = typing.get_type_hints(cls)
+        for key, value in raw.items():
+            if key not in hints:
+                known = ", ".join(f.name for f in dataclasses.fields(cls))
+                raise ConfigError(f"--kv-events-config has no field {key!r} (fields: {known})")
+            kinds = typing.get_args(hints[key]) or (hints[key],)
+            if not any(
+                (value is None and kind is type(None))
+                or (
+                    kind is not type(None)
+                    and isinstance(value, kind)
+                    and not (kind is int and isinstance(value, bool))
+                )
+                for kind in kinds
+            ):
+                raise ConfigError(f"--kv-events-config {key} has the wrong type: {value!r}")
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """The KV cache budget: paged blocks of `block_size` tokens.
 
@@ -91,6 +158,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Publish block stored/removed/cleared events through the notification channel.
     kv_events: bool = False
+    # And/or in vLLM's wire format on sockets of their own, for vLLM's consumers.
+    kv_events_config: KVEventsConfig | None = None
     # The budget in GiB that applies: the flag, then the environment, then the default.
     space_gib: float = field(init=False)
     # Whether ranks commit the cache's memory at start (RANKCAST_KV_CACHE_COMMIT, settled here
@@ -109,11 +178,22 @@ class CacheConfig:
             self.kv_cache_space_gib is None or self.kv_cache_space_gib > 0,
             f"--kv-cache-space must be positive, got {self.kv_cache_space_gib}",
         )
+        _require(
+            self.enable_prefix_caching
+            or not (self.kv_events or (self.kv_events_config and self.kv_events_config.publishes)),
+            "KV-cache events describe the prefix cache: --kv-events and --kv-events-config need "
+            "--enable-prefix-caching",
+        )
         space = self.kv_cache_space_gib
         if space is None:
             space = _from_env(envs.kv_cache_space_gib) or DEFAULT_KV_CACHE_SPACE_GIB
         object.__setattr__(self, "space_gib", space)
         object.__setattr__(self, "commit", _from_env(envs.kv_cache_commit))
+
+    @property
+    def block_events(self) -> bool:
+        """Whether the block manager records cache changes: someone publishes them."""
+        return self.kv_events or bool(self.kv_events_config and self.kv_events_config.publishes)
 
 
 @dataclass(frozen=True)

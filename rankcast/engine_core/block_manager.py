@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
+from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, KVCacheEvent
 from rankcast.engine_core.request import Request
 
 _HASH_MASK = (1 << 63) - 1  # non-negative 64-bit: every msgpack peer reads it as an integer
@@ -54,9 +54,11 @@ class BlockManager:
         self.queried_tokens = 0
         self.hit_tokens = 0
         # With KV-cache events on: names dropped and blocks named since the last take, in order.
+        # The first event of every engine incarnation says the cache is empty, so a subscriber
+        # that indexed an earlier incarnation drops what it held (its blocks are gone).
         self.kv_events = kv_events and enable_prefix_caching
         self._removed: list[int] = []
-        self._events: list[Notification] = []
+        self._events: list[KVCacheEvent] = [KVCacheCleared()] if self.kv_events else []
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -165,10 +167,10 @@ class BlockManager:
             )
         )
 
-    def take_kv_events(self) -> list[Notification]:
+    def take_kv_events(self) -> list[KVCacheEvent]:
         """This step's cache changes, removals first (a step evicts while it schedules and
         names blocks after it ran), then each run of newly named blocks."""
-        events: list[Notification] = []
+        events: list[KVCacheEvent] = []
         if self._removed:
             events.append(KVBlocksRemoved(block_hashes=self._removed))
             self._removed = []

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from rankcast.channel.events import KVCacheEvent
 from rankcast.channel.gather import EngineNotificationChannel, GatherError, Moment
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine_core.block_manager import BlockManager
@@ -143,7 +144,7 @@ class EngineCore:
                 num_blocks,
                 block_size,
                 config.cache.enable_prefix_caching,
-                config.cache.kv_events,
+                config.cache.block_events,
             ),
             self.max_model_len,
             self.loras,
@@ -157,10 +158,12 @@ class EngineCore:
         self.last_stats: SchedulerStats | None = None
         # Called with every flushed batch (the ZMQ event stream publishes from here).
         self.flush_sinks: list[Callable[[list[msgspec.Raw]], None]] = []
+        # Called with every step's KV-cache events (the vLLM-format publisher is one).
+        self.kv_event_sinks: list[Callable[[list[KVCacheEvent]], None]] = []
         # The prefix-cache index the KV-cache events describe, updated from the block manager's
         # own results as they are taken (`_take_kv_events`), not from the events leaving.
         self.kv_index: KVCacheIndex | None = None
-        if self.scheduler.blocks.kv_events:
+        if config.cache.kv_events:
             self.kv_index = KVCacheIndex()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
@@ -189,8 +192,10 @@ class EngineCore:
 
     def start(self) -> None:
         """Rule 5 at start: load-time events (each rank's weight-load figure) were published
-        before any client could ask; gather them once, they leave with the first message."""
+        before any client could ask; gather them once, they leave with the first message. The
+        incarnation's first KV-cache event (the cache is empty) leaves now too."""
         self.notifications.collect(Moment.START)
+        self._take_kv_events()
 
     def ready_info(self, client: int, hello: ClientHello) -> EngineReady:
         """Answer a client's hello: refuse another protocol version naming both; otherwise
@@ -524,11 +529,18 @@ class EngineCore:
 
     def _take_kv_events(self) -> None:
         """The block manager's cache changes since the last call: applied to the KV index (the
-        state a late router starts from), then published as the engine's own events."""
-        for event in self.scheduler.blocks.take_kv_events():
-            if self.kv_index is not None:
+        state a late router starts from), published as the engine's own events, and handed to
+        the KV-event sinks as one batch. Called at start, after each step and at a reset, so an
+        incarnation's first `KVCacheCleared` and a reset's leave at once, idle or not."""
+        events = self.scheduler.blocks.take_kv_events()
+        if not events:
+            return
+        if self.kv_index is not None:
+            for event in events:
                 self.kv_index.apply(event)
-            self.notifications.publish_engine_event(event)
+                self.notifications.publish_engine_event(event)
+        for sink in self.kv_event_sinks:
+            sink(events)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused while requests hold blocks)."""

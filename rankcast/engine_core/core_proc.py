@@ -25,6 +25,7 @@ import zmq
 
 from rankcast.addresses import EngineAddresses
 from rankcast.channel.stream import NotificationPublisher
+from rankcast.channel.vllm_kv_events import KVEventPublisher
 from rankcast.config import EngineConfig
 from rankcast.engine_core.core import EngineCore, Outbox
 from rankcast.executor.base import ExecutorError
@@ -56,7 +57,18 @@ class EngineCoreProc:
         # The cores this process may use, taken before an in-process rank binds this (its main)
         # thread to its own: the I/O threads run anywhere in the set, not on the rank's core.
         self.io_cpus = os.sched_getaffinity(0)
-        self.core = EngineCore(config, source, engine_index, incarnation)
+        # vLLM-format KV events bind before the model loads: a router's subscriber reconnects
+        # to a restarted engine while it loads, and so hears the new incarnation's first event
+        # (the cache is empty) instead of missing it.
+        self.kv_publisher = KVEventPublisher.create(config.cache.kv_events_config, engine_index)
+        try:
+            self.core = EngineCore(config, source, engine_index, incarnation)
+        except BaseException:
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()
+            raise
+        if self.kv_publisher is not None:
+            self.core.kv_event_sinks.append(self.kv_publisher.publish_events)
         self.engine_index = engine_index
         self.addresses = addresses
         self.inputs: queue.Queue[tuple[int, Any]] = queue.Queue()
@@ -79,7 +91,9 @@ class EngineCoreProc:
         self.publisher = NotificationPublisher.create(config.notifications, engine_index)
         if self.publisher is not None:
             publisher = self.publisher
-            self.core.flush_sinks.append(lambda raws: publisher.publish(raws, self.core.snapshot))
+            self.core.flush_sinks.append(
+                lambda raws: publisher.publish_batch(raws, self.core.snapshot)
+            )
         self.threads = [
             threading.Thread(target=self._input_thread, name="engine-input", daemon=True),
             threading.Thread(target=self._output_thread, name="engine-output", daemon=True),
@@ -171,7 +185,9 @@ class EngineCoreProc:
         for thread in self.threads:
             thread.start()
         if self.publisher is not None:
-            self.publisher.start(self.core.snapshot)
+            self.publisher.start_with(self.core.snapshot)
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()
         try:
             self.core.start()
             while not self.stopping.is_set():
@@ -193,8 +209,9 @@ class EngineCoreProc:
     def close(self) -> None:
         self.stopping.set()
         self.outputs.put(None)
-        if self.publisher is not None:
-            self.publisher.close()
+        for publisher in (self.publisher, self.kv_publisher):
+            if publisher is not None:
+                publisher.close()
         for thread in self.threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=2)

@@ -27,6 +27,7 @@ from rankcast.config import (
     RAY_PLACEMENTS,
     ConfigError,
     EngineConfig,
+    KVEventsConfig,
     ServeConfig,
 )
 from rankcast.errors import ModelFormatError
@@ -178,6 +179,15 @@ FLAGS: tuple[Flag, ...] = (
         "--kv-events",
         "kv_events",
         "publish KV-cache block stored/removed/cleared events (notification channel)",
+    ),
+    Flag(
+        "--kv-events-config",
+        "kv_events_config",
+        "KV-cache events in vLLM's wire format, as vLLM takes them: a JSON object with "
+        "enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, buffer_steps, hwm "
+        "(data-parallel engine i uses port + i; unset: none)",
+        metavar="JSON",
+        parse=KVEventsConfig.from_json,
     ),
     Flag("--block-size", "block_size", "tokens per KV cache block: 8..128, a power of 2"),
     Flag(

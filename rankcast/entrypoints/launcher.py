@@ -228,7 +228,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         os.environ[MULTIPROC_DIR_ENV] = str(metrics_dir)
         os.environ[SUPERVISOR_STATE_ENV] = str(supervision.state_path)
         supervision.write()
-        api_server_specs = _api_server_specs(server, model_name, source, engine_addresses)
+        api_server_specs = _api_server_specs(server, config, model_name, source, engine_addresses)
         children.api_servers = _start_all(
             spawn, api_server_specs, API_SERVER_START_TIMEOUT_S, stop_requested
         )
@@ -301,6 +301,7 @@ def _fleet_words(server: ServeConfig) -> str:
 
 def _api_server_specs(
     server: ServeConfig,
+    config: EngineConfig,
     model_name: str,
     source: ModelSource,
     engine_addresses: list[EngineAddresses],
@@ -317,6 +318,10 @@ def _api_server_specs(
         server.api_key,
         server.allow_runtime_lora_updating,
         server.shutdown_timeout,
+        config.cache.block_size,
+        config.cache.enable_prefix_caching,
+        config.parallel.data_parallel_size,
+        config.cache.kv_events_config,
     )
     python = [
         (

@@ -82,8 +82,8 @@ SERVE_EVERYTHING = (
     "--max-num-seqs=3",
     "--max-num-batched-tokens=40",
     "--no-enable-chunked-prefill",
-    "--no-enable-prefix-caching",
     "--kv-events",
+    '--kv-events-config={"enable_kv_cache_events": true, "topic": "kv"}',
     "--block-size=32",
     "--kv-cache-space=0.5",
     "--num-gpu-blocks-override=7",
@@ -120,7 +120,14 @@ def test_every_flag_lands_in_its_option() -> None:
         for name, (section, f) in EngineConfig.options().items()
         if getattr(getattr(config, section), name) != f.default
     }
-    assert changed == {flag.field for flag in cli.flags_for("serve") if flag.target == "engine"}
+    # KV-cache events need the prefix cache: its switch is checked off on its own below.
+    every = {flag.field for flag in cli.flags_for("serve") if flag.target == "engine"}
+    assert changed == every - {"enable_prefix_caching"}
+    assert config.cache.kv_events_config is not None
+    assert config.cache.kv_events_config.topic == "kv"
+    assert config.cache.kv_events_config.publisher == "zmq"
+    off = _parse("serve", "/models/m", "--no-enable-prefix-caching")
+    assert EngineConfig.from_kwargs(**cli.options_from_args(off, "engine")).cache.enable_prefix_caching is False
     assert config.model.model == "/models/m"
     assert config.scheduler.max_num_seqs == 3
     assert config.cache.space_gib == 0.5

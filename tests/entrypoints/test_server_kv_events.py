@@ -55,7 +55,7 @@ def _engine_snapshot(endpoint: str) -> EngineStateSnapshot:
     try:
         replay.send_multipart([b"", SNAPSHOT_REQUEST])
         assert replay.poll(10_000), "the replay socket did not answer"
-        _, _, state = replay.recv_multipart()
+        _, _, _, state = replay.recv_multipart()
         return msgspec.msgpack.decode(state, type=EngineStateSnapshot)
     finally:
         replay.close(0)

@@ -213,15 +213,17 @@ def test_zmq_stream_publishes_replays_and_snapshots(server: ServerProcess) -> No
         replayed = []
         while True:
             assert replay.poll(10_000), "replay did not answer"
-            _, batch_seq, payload = replay.recv_multipart()
+            _, batch_topic, batch_seq, payload = replay.recv_multipart()
             if batch_seq == END_OF_REPLAY:
+                assert batch_topic == b"" and payload == b""
                 break
+            assert batch_topic == TOPIC
             replayed.append(int.from_bytes(batch_seq, "big"))
         assert replayed and replayed[0] == first_seq
 
         replay.send_multipart([b"", SNAPSHOT_REQUEST])
         assert replay.poll(10_000)
-        _, _, state = replay.recv_multipart()
+        _, _, _, state = replay.recv_multipart()
         snapshot = msgspec.msgpack.decode(state, type=EngineStateSnapshot)
         totals = {(t.type, t.key): t.count for t in snapshot.notifications.totals}
         assert totals[("custom", "rankcast.weights_loaded")] == 2

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rankcast.addresses import ClientAddresses
 from rankcast.engine_client.async_llm import AsyncLLM, NotificationSink
 from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError, UtilityError
+from rankcast.entrypoints.openai.discovery import add_discovery_routes
 from rankcast.entrypoints.openai.drain import (
     RETRY_AFTER_S,
     Drain,
@@ -52,6 +53,7 @@ from rankcast.entrypoints.openai.serving import (
     ServingContext,
     create_chat_completion,
     create_completion,
+    live,
 )
 from rankcast.entrypoints.openai.tokenization import detokenize, tokenize
 from rankcast.entrypoints.supervision import read_states
@@ -113,6 +115,7 @@ def build_app(
     _add_event_routes(app, events)
     _add_collective_rpc_route(app, serving)
     _add_completion_routes(app, serving)
+    add_discovery_routes(app, config, serving)
     _document_errors_as_answered(app)
     return app
 
@@ -154,14 +157,6 @@ def _document_errors_as_answered(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-
-
-def _live(serving: ServingContext) -> ServingContext:
-    """`serving`, or a 503 when the engine core has died: every engine-backed route starts
-    here, so a dead engine is reported instead of a request hanging on it."""
-    if serving.engine.dead is not None:
-        raise APIError(503, f"The engine core is not running: {serving.engine.dead}")
-    return serving
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -231,7 +226,7 @@ def _add_model_routes(app: FastAPI, config: ApiServerConfig, serving: ServingCon
     """/v1/models: the base model, then every registered adapter as a model of its own."""
 
     def cards() -> list[dict[str, object]]:
-        live = _live(serving)
+        ctx = live(serving)
         base: dict[str, object] = {
             "id": config.model_name,
             "object": "model",
@@ -239,11 +234,11 @@ def _add_model_routes(app: FastAPI, config: ApiServerConfig, serving: ServingCon
             "owned_by": "rankcast",
             "root": config.model_origin,
             "parent": None,
-            "max_model_len": live.engine.max_model_len,
+            "max_model_len": ctx.engine.max_model_len,
         }
         adapters = [
             {**base, "id": name, "root": name, "parent": config.model_name}
-            for name in (live.loras.names() if live.loras is not None else [])
+            for name in (ctx.loras.names() if ctx.loras is not None else [])
         ]
         return [base, *adapters]
 
@@ -264,7 +259,7 @@ def _add_prefix_cache_routes(app: FastAPI, serving: ServingContext) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         """Forget every engine's cached prefix blocks (409 while requests hold blocks)."""
-        done = await _live(serving).engine.call(ResetPrefixCache())
+        done = await live(serving).engine.call(ResetPrefixCache())
         status = 200 if all(done) else 409
         return JSONResponse({"reset": done}, status_code=status)
 
@@ -278,8 +273,8 @@ def _add_lora_routes(
     @app.get("/v1/lora_adapters")
     async def lora_adapters() -> dict[str, object]:
         """Adapter residency per engine and rank, as every API server sees it."""
-        live = _live(serving)
-        return {"data": live.loras.describe() if live.loras is not None else []}
+        ctx = live(serving)
+        return {"data": ctx.loras.describe() if ctx.loras is not None else []}
 
     if allow_updating:
         _add_lora_update_routes(app, serving, base_model)
@@ -319,7 +314,7 @@ def _add_lora_update_routes(app: FastAPI, serving: ServingContext, base_model: s
                 "lora_name",
             )
         try:
-            loaded = await _live(serving).engine.call(AddLoRA(body.lora_name, body.lora_path))
+            loaded = await live(serving).engine.call(AddLoRA(body.lora_name, body.lora_path))
         except UtilityError as exc:
             raise _utility_error(exc, "lora_path") from None
         return {"object": "lora_adapter", "data": _adapters_json(loaded)}
@@ -327,7 +322,7 @@ def _add_lora_update_routes(app: FastAPI, serving: ServingContext, base_model: s
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, object]:
         try:
-            await _live(serving).engine.call(RemoveLoRA(body.lora_name))
+            await live(serving).engine.call(RemoveLoRA(body.lora_name))
         except UtilityError as exc:
             raise _utility_error(exc, "lora_name") from None
         return {"object": "lora_adapter", "name": body.lora_name, "unloaded": True}
@@ -335,7 +330,7 @@ def _add_lora_update_routes(app: FastAPI, serving: ServingContext, base_model: s
     async def set_pinned(name: str, pinned: bool) -> dict[str, object]:
         """`data`: the adapter as each engine core holds it, in engine order."""
         try:
-            adapters = await _live(serving).engine.call(PinLoRA(name, pinned))
+            adapters = await live(serving).engine.call(PinLoRA(name, pinned))
         except UtilityError as exc:
             raise _utility_error(exc, "lora_name") from None
         return {"object": "lora_adapter", "data": _adapters_json(adapters)}
@@ -379,7 +374,7 @@ def _add_collective_rpc_route(app: FastAPI, serving: ServingContext) -> None:
         """Call a --worker-extension-cls method on every rank of every engine core."""
         try:
             call = CollectiveRPC(body.method, body.args, body.timeout)
-            results = await _live(serving).engine.call(call)
+            results = await live(serving).engine.call(call)
         except UtilityError as exc:
             raise _utility_error(exc, "method") from None
         return {"results": msgspec.to_builtins(results)}
@@ -388,19 +383,19 @@ def _add_collective_rpc_route(app: FastAPI, serving: ServingContext) -> None:
 def _add_completion_routes(app: FastAPI, serving: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(_live(serving), body, request)
+        return await create_chat_completion(live(serving), body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(_live(serving), body, request)
+        return await create_completion(live(serving), body, request)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> dict[str, object]:
-        return tokenize(_live(serving), body)
+        return tokenize(live(serving), body)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, object]:
-        return detokenize(_live(serving), body)
+        return detokenize(live(serving), body)
 
 
 def bind_shared_port(host: str, port: int) -> socket.socket:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rankcast.config import KVEventsConfig
+
 
 @dataclass(frozen=True)
 class ApiServerConfig:
@@ -20,3 +22,8 @@ class ApiServerConfig:
     api_key: str | None = None
     allow_runtime_lora_updating: bool = False
     shutdown_timeout: float = 30.0
+    # What routers' discovery asks a worker (`/get_server_info`, `/kv_event_sources`).
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    data_parallel_size: int = 1
+    kv_events_config: KVEventsConfig | None = None

@@ -51,7 +51,15 @@ def check_model(ctx: ServingContext, requested: str | None) -> str | None:
     raise APIError(404, f"The model `{requested}` does not exist.", "model")
 
 
-def _sampling_params(
+def live(serving: ServingContext) -> ServingContext:
+    """`serving`, or a 503 when the engine core has died: every engine-backed route starts
+    here, so a dead engine is reported instead of a request hanging on it."""
+    if serving.engine.dead is not None:
+        raise APIError(503, f"The engine core is not running: {serving.engine.dead}")
+    return serving
+
+
+def sampling_params(
     ctx: ServingContext,
     body: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,
@@ -187,11 +195,9 @@ def _dead_error() -> dict[str, dict[str, str | int | None]]:
     return error_body(503, "The engine core is not running; the request cannot complete.")
 
 
-async def create_chat_completion(
-    ctx: ServingContext, body: ChatCompletionRequest, request: Request
-) -> Response:
-    lora_name = check_model(ctx, body.model)
-    structured, tool_calls = requested_shape(body)
+def chat_prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    """The token ids the engine computes for a chat request: its messages (and tools) through
+    the model's chat template. `/v1/chat/completions/render` answers exactly these."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
         # Fields beyond role and content (an assistant's tool_calls, a tool's tool_call_id)
@@ -199,11 +205,36 @@ async def create_chat_completion(
         messages = [
             {**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages
         ]
-        prompt_ids = apply_chat_template(ctx.tokenizer, messages, tools=tools)
+        return apply_chat_template(ctx.tokenizer, messages, tools=tools)
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from None
+
+
+def completion_prompt(ctx: ServingContext, body: CompletionRequest) -> tuple[str | None, list[int]]:
+    """A completion request's prompt text (None when given as token ids) and the token ids the
+    engine computes for it. `/v1/completions/render` answers these."""
+    if isinstance(body.prompt, str):
+        prompt_text: str | None = body.prompt
+        prompt_ids = ctx.tokenizer.encode(body.prompt)
+    else:
+        # A list of strings became its one string in validation: these are token ids.
+        prompt_text, prompt_ids = None, [int(t) for t in body.prompt]
+        vocab = len(ctx.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", "prompt")
+    return prompt_text, prompt_ids
+
+
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, request: Request
+) -> Response:
+    lora_name = check_model(ctx, body.model)
+    structured, tool_calls = requested_shape(body)
+    prompt_ids = chat_prompt_ids(ctx, body)
     top = body.top_logprobs or 0
-    params = _sampling_params(
+    params = sampling_params(
         ctx, body, len(prompt_ids), body.output_limit(), top if body.logprobs else None, structured
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -383,21 +414,9 @@ async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request: Request
 ) -> Response:
     lora_name = check_model(ctx, body.model)
-    if isinstance(body.prompt, str):
-        prompt_text: str | None = body.prompt
-        prompt_ids = ctx.tokenizer.encode(body.prompt)
-    else:
-        # A list of strings became its one string in validation: these are token ids.
-        prompt_text, prompt_ids = None, [int(t) for t in body.prompt]
-        vocab = len(ctx.tokenizer)
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", "prompt")
+    prompt_text, prompt_ids = completion_prompt(ctx, body)
     structured, _ = requested_shape(body)
-    params = _sampling_params(
-        ctx, body, len(prompt_ids), body.max_tokens, body.logprobs, structured
-    )
+    params = sampling_params(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs, structured)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or ctx.model_name

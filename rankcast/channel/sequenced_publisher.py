@@ -7,7 +7,9 @@ batch still held from that seq, each as `[b"", topic, seq, payload]`, then the e
 `[b"", b"", seq -1, b""]`: vLLM's publisher's framing, which KV-aware routers already consume.
 A subclass may answer other requests on the same socket (`answer_request`).
 
-Sockets live on their own thread, so the engine's busy loop only hands over bytes.
+Sockets live on their own thread, so the engine's busy loop only hands over bytes. The first
+batches wait (at most `hold_s` from the bind) for a subscriber to join, so one that reconnects
+to a restarted engine hears its sequence from 0.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from urllib.parse import urlsplit
 
 import zmq
@@ -51,6 +54,7 @@ class SequencedPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         name: str = "publisher",
+        hold_s: float = 2.0,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -59,10 +63,13 @@ class SequencedPublisher:
         # (payload, state after it); a payload of None carries only a state.
         self.queue: queue.Queue[tuple[bytes | None, bytes | None] | None] = queue.Queue()
         self.context = zmq.Context()
-        self.pub = self.context.socket(zmq.PUB)
+        # XPUB: a PUB that hears subscriptions, so the first batches can wait for one.
+        self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, hwm)
         self.pub.bind(endpoint)
+        self.hold_until = time.monotonic() + hold_s
+        self.joined = False
         self.router: zmq.Socket[bytes] | None = None
         if replay_endpoint:
             self.router = self.context.socket(zmq.ROUTER)
@@ -85,22 +92,40 @@ class SequencedPublisher:
 
     def _run(self) -> None:
         held: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self.buffer_steps)
+        pending: collections.deque[bytes] = collections.deque()
         while True:
+            waiting = bool(pending) or self.router is not None
             try:
-                item = self.queue.get(timeout=0.01 if self.router is not None else None)
+                item = self.queue.get(timeout=0.01 if waiting else None)
             except queue.Empty:
-                item = (None, None)  # nothing new: only look at the replay socket
+                item = (None, None)  # nothing new: only look at the sockets
             if item is None:
                 return
             payload, state = item
             if payload is not None:
-                self.seq += 1
-                self.pub.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload])
-                held.append((self.seq, payload))
+                pending.append(payload)
             if state is not None:
                 self.state = state
+            if pending and self._may_send():
+                while pending:
+                    self.seq += 1
+                    payload = pending.popleft()
+                    self.pub.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload])
+                    held.append((self.seq, payload))
             while self.router is not None and self.router.poll(0):
                 self._answer(held)
+
+    def _may_send(self) -> bool:
+        """Whether the first batches may leave: once a subscriber joined, or `hold_s` after the
+        bind. A subscriber of the previous incarnation reconnects within ZMQ's reconnect
+        interval (100 ms by default); without the hold, a fast start publishes seq 0 (the
+        incarnation's `AllBlocksCleared`) before it is back, and it never hears it."""
+        if self.joined:
+            return True
+        while self.pub.poll(0):
+            if self.pub.recv()[:1] == b"\x01":  # a subscription (b"\x00": one ended)
+                self.joined = True
+        return self.joined or time.monotonic() >= self.hold_until
 
     def _answer(self, held: collections.deque[tuple[int, bytes]]) -> None:
         assert self.router is not None

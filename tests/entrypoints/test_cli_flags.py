@@ -127,7 +127,8 @@ def test_every_flag_lands_in_its_option() -> None:
     assert config.cache.kv_events_config.topic == "kv"
     assert config.cache.kv_events_config.publisher == "zmq"
     off = _parse("serve", "/models/m", "--no-enable-prefix-caching")
-    assert EngineConfig.from_kwargs(**cli.options_from_args(off, "engine")).cache.enable_prefix_caching is False
+    no_cache = EngineConfig.from_kwargs(**cli.options_from_args(off, "engine")).cache
+    assert no_cache.enable_prefix_caching is False
     assert config.model.model == "/models/m"
     assert config.scheduler.max_num_seqs == 3
     assert config.cache.space_gib == 0.5

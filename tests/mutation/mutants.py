@@ -24,6 +24,7 @@ NOTIFY = "tests/test_notifications.py"
 GATHER = "tests/engine/test_notification_gather.py"
 SERVED = "tests/entrypoints/test_server_notifications.py"
 CACHE = "tests/lora/test_lora_cache.py"
+VLLM_KV = "tests/routing/test_vllm_kv_events.py"
 
 MUTANTS = [
     # ---- the notification contract (docs/architecture.md, rules 1-10) ----
@@ -154,6 +155,46 @@ MUTANTS = [
         "                        self._removed.append(block.block_hash)",
         "                        pass",
         ("tests/engine/test_kv_events.py",),
+    ),
+    Mutant(
+        "kv-incarnation-not-cleared",
+        "12 vLLM-format KV events: AllBlocksCleared is every incarnation's first event",
+        "rankcast/engine_core/block_manager.py",
+        "[KVCacheCleared()] if self.kv_events else []\n\n    def blocks_for",
+        "[]\n\n    def blocks_for",
+        (VLLM_KV,),
+    ),
+    Mutant(
+        "kv-events-as-arrays",
+        "12 vLLM-format KV events: each event is a map tagged with its type",
+        "rankcast/channel/vllm_kv_events.py",
+        "class VLLMKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):",
+        "class VLLMKVCacheEvent(msgspec.Struct, array_like=True, gc=False, tag=True):",
+        (VLLM_KV,),
+    ),
+    Mutant(
+        "kv-seq-continues-across-publishers",
+        "12 vLLM-format KV events: seq counts from 0 in each publisher process",
+        "rankcast/channel/sequenced_publisher.py",
+        "        self.seq = -1\n",
+        "        self.seq = int(time.time()) % 1000\n",
+        (VLLM_KV,),
+    ),
+    Mutant(
+        "kv-dp-rank-unstamped",
+        "12 vLLM-format KV events: each engine's batches carry its DP rank",
+        "rankcast/channel/vllm_kv_events.py",
+        "[to_vllm(e) for e in events], self.engine_index)",
+        "[to_vllm(e) for e in events], 0)",
+        (VLLM_KV,),
+    ),
+    Mutant(
+        "render-without-template",
+        "12 Render answers the token ids the engine computes",
+        "rankcast/entrypoints/openai/discovery.py",
+        "    token_ids = chat_prompt_ids(ctx, body)\n",
+        "    token_ids = ctx.tokenizer.encode(body.messages[-1].text())\n",
+        (VLLM_KV,),
     ),
     Mutant(
         "event-ids-without-incarnation",

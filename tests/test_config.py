@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rankcast.config import ConfigError, EngineConfig
+from rankcast.config import CacheConfig, ConfigError, EngineConfig, KVEventsConfig
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,25 @@ def test_too_long_max_model_len_for_the_model(tiny_llama_dir) -> None:
 
     with pytest.raises(ConfigError, match="exceeds the model's context"):
         LLM(str(tiny_llama_dir), max_model_len=100_000, kv_cache_space_gib=0.05)
+
+
+def test_kv_events_config_reads_vllms_json_and_names_what_is_wrong() -> None:
+    config = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "topic": "kv@p@m"}')
+    assert (config.publisher, config.endpoint, config.topic) == ("zmq", "tcp://*:5557", "kv@p@m")
+    assert config.publishes
+    assert not KVEventsConfig.from_json("{}").publishes, "vLLM's default: off, publisher null"
+    for text, named in (
+        ("[1]", "JSON object"),
+        ("{nope", "not JSON"),
+        ('{"bogus": 1}', "'bogus'"),
+        ('{"enable_kv_cache_events": "yes"}', "enable_kv_cache_events"),
+        ('{"hwm": true}', "hwm"),
+        ('{"publisher": "kafka"}', "publisher"),
+        ('{"endpoint": "localhost:5557"}', "endpoint"),
+        ('{"buffer_steps": 0}', "buffer_steps"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            KVEventsConfig.from_json(text)
+    with pytest.raises(ConfigError, match="--enable-prefix-caching"):
+        CacheConfig(enable_prefix_caching=False, kv_events_config=config)
+    CacheConfig(enable_prefix_caching=False, kv_events_config=KVEventsConfig())

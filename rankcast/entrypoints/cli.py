@@ -184,8 +184,8 @@ FLAGS: tuple[Flag, ...] = (
         "--kv-events-config",
         "kv_events_config",
         "KV-cache events in vLLM's wire format, as vLLM takes them: a JSON object with "
-        "enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, buffer_steps, hwm "
-        "(data-parallel engine i uses port + i; unset: none)",
+        "enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, buffer_steps, hwm; "
+        "data-parallel engine i uses port + i (unset: none)",
         metavar="JSON",
         parse=KVEventsConfig.from_json,
     ),

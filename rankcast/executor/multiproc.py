@@ -148,9 +148,12 @@ class MultiprocExecutor(Executor):
                 raise ExecutorError(f"rank {rank} failed to start: {detail[0] if detail else kind}")
 
     def _dead_rank(self) -> str | None:
-        """Describe the first rank whose process has exited, if any."""
+        """Describe the first rank whose process has exited, if any. A process closes its
+        sentinel as it exits, a moment before the kernel reports it exited (`is_alive` is still
+        true then): a ready sentinel counts, and `join` waits out that moment."""
+        ended = set(wait([proc.sentinel for proc in self.procs], timeout=0))
         for rank, proc in enumerate(self.procs):
-            if not proc.is_alive():
+            if proc.sentinel in ended or not proc.is_alive():
                 proc.join(1)
                 return f"rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
         return None

@@ -12,6 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
+import zmq
+
+from rankcast.channel.stream import SNAPSHOT_REQUEST
+from rankcast.protocol import EngineStateSnapshot
 
 PRODUCER = "tests.worker.producers:EventProducer"
 
@@ -146,3 +151,19 @@ def prefix_cache_totals(text: str) -> tuple[float, float]:
             if line.startswith(name + "{"):
                 values[name] = float(line.rsplit(" ", 1)[1])
     return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+
+
+def engine_snapshot(endpoint: str) -> EngineStateSnapshot:
+    """The engine's state snapshot, asked of its notification replay socket as a late
+    subscriber asks it."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", SNAPSHOT_REQUEST])
+        assert dealer.poll(10_000), "the notification replay socket did not answer"
+        _, _, _, state = dealer.recv_multipart()
+        return msgspec.msgpack.decode(state, type=EngineStateSnapshot)
+    finally:
+        dealer.close(0)
+        context.term()

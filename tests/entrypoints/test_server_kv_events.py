@@ -10,14 +10,11 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-import zmq
 
 from rankcast.channel.events import AnyNotification
-from rankcast.channel.stream import SNAPSHOT_REQUEST
 from rankcast.engine_core.kv_cache_index import KVCacheIndex
-from rankcast.protocol import EngineStateSnapshot
 from tests.engine.test_kv_events import random_workload
-from tests.entrypoints.notification_clients import open_event_streams
+from tests.entrypoints.notification_clients import engine_snapshot, open_event_streams
 from tests.entrypoints.server_process import ServerProcess, free_port
 
 KV_TYPES = "kv_blocks_stored,kv_blocks_removed,kv_cache_cleared"
@@ -48,20 +45,6 @@ def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
         yield proc
 
 
-def _engine_snapshot(endpoint: str) -> EngineStateSnapshot:
-    context = zmq.Context()
-    replay = context.socket(zmq.DEALER)
-    replay.connect(endpoint)
-    try:
-        replay.send_multipart([b"", SNAPSHOT_REQUEST])
-        assert replay.poll(10_000), "the replay socket did not answer"
-        _, _, _, state = replay.recv_multipart()
-        return msgspec.msgpack.decode(state, type=EngineStateSnapshot)
-    finally:
-        replay.close(0)
-        context.term()
-
-
 def test_both_api_servers_rebuild_the_engines_index(server: ServerProcess) -> None:
     readers = open_event_streams(server.url, 2, params={"type": KV_TYPES})
     try:
@@ -72,7 +55,7 @@ def test_both_api_servers_rebuild_the_engines_index(server: ServerProcess) -> No
         # Quiet now: the engine's snapshot includes every event it sent.
         deadline = time.monotonic() + 30
         while True:
-            snapshot = _engine_snapshot(server.replay_endpoint)  # type: ignore[attr-defined]
+            snapshot = engine_snapshot(server.replay_endpoint)  # type: ignore[attr-defined]
             assert snapshot.kv_cache is not None
             want = KVCacheIndex.from_state(snapshot.kv_cache)
             got = {}

@@ -22,11 +22,9 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-import zmq
 
-from rankcast.channel.stream import SNAPSHOT_REQUEST
-from rankcast.protocol import EngineStateSnapshot
 from tests.engine.test_kv_events import random_workload
+from tests.entrypoints.notification_clients import engine_snapshot
 from tests.entrypoints.server_process import ServerProcess, free_port
 from tests.routing.kv_stream import (
     REQUIRED_FIELDS,
@@ -50,20 +48,6 @@ class Run:
     restart_at: int  # index in engine 0's frames of the new incarnation's first frame
     replay_after: list[list[Frame]]  # per engine: a replay from 0 at the end
     indexes_matched: bool
-
-
-def _engine_snapshot(endpoint: str) -> EngineStateSnapshot:
-    context = zmq.Context()
-    dealer = context.socket(zmq.DEALER)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart([b"", SNAPSHOT_REQUEST])
-        assert dealer.poll(10_000), "the notification replay socket did not answer"
-        _, _, _, state = dealer.recv_multipart()
-        return msgspec.msgpack.decode(state, type=EngineStateSnapshot)
-    finally:
-        dealer.close(0)
-        context.term()
 
 
 def rebuild(frames: list[Frame]) -> dict[int, tuple[int | None, tuple[int, ...]]]:
@@ -92,7 +76,7 @@ def _current_incarnation(frames: list[Frame]) -> list[Frame]:
 
 def _indexes_match(streams: list[Any], snapshots: list[str]) -> bool:
     for stream, endpoint in zip(streams, snapshots, strict=True):
-        snapshot = _engine_snapshot(endpoint)
+        snapshot = engine_snapshot(endpoint)
         assert snapshot.kv_cache is not None
         want = {b.block_hash: (b.parent, tuple(b.token_ids)) for b in snapshot.kv_cache.blocks}
         if rebuild(_current_incarnation(stream.snapshot())) != want:

@@ -12,6 +12,8 @@ them (docs/architecture.md has the rules and the one function that carries out e
     gather.py       rules 4-6, 10: the engine core's gather, pending list, sequence and flush
     ledger.py       rule 8: the totals a late API server starts from
     stream.py       the ZMQ event stream for machines (PUB, replay, snapshot)
+    vllm_kv_events.py  rule 12: KV-cache events in vLLM's wire format, for vLLM's consumers
+    sequenced_publisher.py  the socket layer of both streams (seq from 0, replay, first hold)
     decoder.py      rule 9: how a consumer reads a batch, skipping types it does not know
     lora_events.py  what the LoRA lifecycle events mean to their consumers (metric labels)
 

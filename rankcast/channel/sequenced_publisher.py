@@ -92,7 +92,9 @@ class SequencedPublisher:
 
     def _run(self) -> None:
         held: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self.buffer_steps)
-        pending: collections.deque[bytes] = collections.deque()
+        # Items held back by the first-batch hold, in order: a state waits with the batches
+        # before it, so a snapshot never includes a batch whose seq it does not name.
+        pending: collections.deque[tuple[bytes | None, bytes | None]] = collections.deque()
         while True:
             waiting = bool(pending) or self.router is not None
             try:
@@ -101,17 +103,20 @@ class SequencedPublisher:
                 item = (None, None)  # nothing new: only look at the sockets
             if item is None:
                 return
-            payload, state = item
-            if payload is not None:
-                pending.append(payload)
-            if state is not None:
-                self.state = state
+            if item[0] is not None or pending:
+                pending.append(item)
+            elif item[1] is not None:
+                self.state = item[1]
             if pending and self._may_send():
                 while pending:
-                    self.seq += 1
-                    payload = pending.popleft()
-                    self.pub.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload])
-                    held.append((self.seq, payload))
+                    payload, state = pending.popleft()
+                    if payload is not None:
+                        self.seq += 1
+                        frames = [self.topic, self.seq.to_bytes(8, "big"), payload]
+                        self.pub.send_multipart(frames)
+                        held.append((self.seq, payload))
+                    if state is not None:
+                        self.state = state
             while self.router is not None and self.router.poll(0):
                 self._answer(held)
 

@@ -10,7 +10,7 @@ socket as `SequencedPublisher` answers; data-parallel engine i on port + i. The 
 declared in vLLM's field order with its names, so msgspec writes exactly those maps.
 
 Meanings, where rankcast's engine differs from vLLM's:
-- block hashes are rankcast's own chain (`block_manager.block_hash`: 63-bit, non-negative),
+- block hashes are rankcast's own chain (`kv_index.block_hash`: 63-bit, non-negative),
   opaque names to a consumer, which matches prompts by the `token_ids` a stored event carries;
 - `medium` is "GPU", vLLM's name for the engine's own KV cache whatever the device: consumers
   read "CPU" as an offload tier and discount it, and this cache is the one requests run from;

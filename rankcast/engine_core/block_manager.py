@@ -10,23 +10,12 @@ instead of recomputing them. Full blocks are never written again, so sharing the
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import msgspec
-
 from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, KVCacheEvent
 from rankcast.engine_core.request import Request
-
-_HASH_MASK = (1 << 63) - 1  # non-negative 64-bit: every msgpack peer reads it as an integer
-
-
-def block_hash(parent: int | None, token_ids: list[int], adapter_id: int) -> int:
-    """The name of a full block: stable across processes and runs, so that KV-cache events
-    mean the same thing to every subscriber."""
-    data = msgspec.msgpack.encode((parent, token_ids, adapter_id))
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HASH_MASK
+from rankcast.kv_index import block_hash
 
 
 @dataclass

@@ -32,13 +32,13 @@ from rankcast.channel.events import KVCacheEvent
 from rankcast.channel.gather import EngineNotificationChannel, GatherError, Moment
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine_core.block_manager import BlockManager
-from rankcast.engine_core.kv_cache_index import KVCacheIndex
 from rankcast.engine_core.lora_registry import LoRARegistry
 from rankcast.engine_core.request import Request
 from rankcast.engine_core.scheduler import Scheduler
 from rankcast.errors import ClientError, ExtensionCallError, UnknownMethodError
 from rankcast.executor.base import ExecutorError
 from rankcast.executor.factory import create_executor
+from rankcast.kv_index import KVCacheIndex
 from rankcast.model.arch import ArchConfig
 from rankcast.model.source import ModelSource
 from rankcast.protocol import (

@@ -10,8 +10,9 @@ from pathlib import Path
 from rankcast import LLM, SamplingParams
 from rankcast.channel.events import KVBlocksStored
 from rankcast.config import SchedulerConfig
-from rankcast.engine_core.block_manager import BlockManager, block_hash
+from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.scheduler import Scheduler
+from rankcast.kv_index import block_hash
 from rankcast.protocol import ModelRunnerOutput
 from tests.engine.test_scheduler import _prompt_request, _run
 

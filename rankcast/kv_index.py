@@ -1,4 +1,6 @@
-"""An engine's prefix-cache index rebuilt from its KV-cache events: what a router keeps.
+"""Block naming and an engine's prefix-cache index rebuilt from its KV-cache events: what a
+router keeps. A leaf module: the engine core names blocks and keeps an index for its snapshot
+with it, and every API server keeps one per engine to route by.
 
 The engine core keeps one too, built from the events as they leave it, so the catch-up snapshot
 carries exactly the state the stream has described up to the snapshot's `engine_seq`: a late
@@ -10,11 +12,22 @@ naming, documented and stable) until a name is missing: that many leading tokens
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
+import msgspec
+
 from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
-from rankcast.engine_core.block_manager import block_hash
 from rankcast.protocol import KVCacheBlock, KVCacheState
+
+_HASH_MASK = (1 << 63) - 1  # non-negative 64-bit: every msgpack peer reads it as an integer
+
+
+def block_hash(parent: int | None, token_ids: list[int], adapter_id: int) -> int:
+    """The name of a full block: stable across processes and runs, so that KV-cache events
+    mean the same thing to every subscriber."""
+    data = msgspec.msgpack.encode((parent, token_ids, adapter_id))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HASH_MASK
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 # 8: EngineStateSnapshot.incarnation (which start of a supervised engine core sent it).
 # 9: StepReply.adapter_reads (a rank's finished adapter reads, typed: the engine's readiness
 #    no longer follows events), SchedulerStats.kv_cache_committed_bytes.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -63,6 +63,11 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     client_index: int = 0
     # The LoRA adapter to serve this request with (registered with the engine); None: base.
     lora_name: str | None = None
+    # Why the API server chose this engine ("load", "prefix", "adapter", "only"; empty: no
+    # choice was made) and the prompt tokens it expected to find cached here: the engine counts
+    # both, and what it then found, in its stats, so every API server reports the same.
+    routing_reason: str = ""
+    routing_expected_prefix_tokens: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True):
@@ -125,6 +130,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0
     # KV-cache memory every rank of the engine committed at start (0: left to first use).
     kv_cache_committed_bytes: int = 0
+    # Requests API servers routed here, by reason; of those, the prompt tokens the router
+    # expected cached here and the tokens the prefix cache then found.
+    routing_decisions: dict[str, int] = msgspec.field(default_factory=dict)
+    routing_expected_prefix_tokens: int = 0
+    routing_hit_prefix_tokens: int = 0
 
 
 class ErrorKind(enum.StrEnum):

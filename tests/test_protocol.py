@@ -52,14 +52,17 @@ def test_decoder_ignores_unknown_trailing_fields() -> None:
             "outputs",
             0,
             [],
-            [1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, 40, 32, 64, "future"],
+            [
+                *(1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, 40, 32, 64),
+                *({"load": 1}, 16, 8, "future"),
+            ],
             1.0,
         ]
     )
     decoded = msgspec.msgpack.decode(newer, type=EngineCoreMessage)
     assert isinstance(decoded, EngineCoreOutputs)
     assert decoded.scheduler_stats == SchedulerStats(
-        1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, 40, 32, 64
+        1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, 40, 32, 64, {"load": 1}, 16, 8
     )
 
 

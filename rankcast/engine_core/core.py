@@ -400,6 +400,8 @@ class EngineCore:
                 client_index=request.client_index if client is None else client,
                 lora_name=request.lora_name,
                 lora_id=lora_id,
+                routing_reason=request.routing_reason,
+                routing_expected_prefix_tokens=request.routing_expected_prefix_tokens,
             )
         )
 

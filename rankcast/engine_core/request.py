@@ -35,6 +35,11 @@ class Request:
     # The registration of the adapter it runs on (0: the base model): part of every block's
     # prefix-cache name, so no adapter ever reuses another's (or the base model's) K/V.
     lora_id: int = 0
+    # Why an API server routed it here and the prefix tokens it expected cached (the
+    # scheduler counts both, and the tokens found at its first admission).
+    routing_reason: str = ""
+    routing_expected_prefix_tokens: int = 0
+    routing_hit_counted: bool = False
     # Prefix-cache names of its full blocks (computed once), and how many of its blocks have
     # been named in the cache.
     block_hashes: list[int] = field(default_factory=list)

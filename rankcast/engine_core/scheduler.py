@@ -91,6 +91,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        # What API servers' routing sent here (rankcast/engine_client/engine_router.py): by
+        # reason, the prefix tokens they expected cached, and those found at first admission.
+        self.routing_decisions: collections.Counter[str] = collections.Counter()
+        self.routing_expected_prefix_tokens = 0
+        self.routing_hit_prefix_tokens = 0
         # What the last `schedule()` gave each request, applied by `update_from_output`.
         self.scheduled: list[tuple[Request, int]] = []
 
@@ -99,6 +104,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.routing_reason:
+            self.routing_decisions[request.routing_reason] += 1
+            self.routing_expected_prefix_tokens += request.routing_expected_prefix_tokens
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         """Finish the named requests now; unknown or already finished ids are ignored."""
@@ -200,6 +208,9 @@ class Scheduler:
                 active.add(request.lora_name)
             self.blocks.allocate(request, need)
             self.blocks.record_lookup(request.num_tokens, cached)
+            if request.routing_reason and not request.routing_hit_counted:
+                self.routing_hit_prefix_tokens += cached
+                request.routing_hit_counted = True
             request.status = RequestStatus.RUNNING
             admitted.append((request, count))
             budget -= count
@@ -331,4 +342,7 @@ class Scheduler:
             block_size=self.blocks.block_size,
             prefix_cache_queries=self.blocks.queried_tokens,
             prefix_cache_hits=self.blocks.hit_tokens,
+            routing_decisions=dict(self.routing_decisions),
+            routing_expected_prefix_tokens=self.routing_expected_prefix_tokens,
+            routing_hit_prefix_tokens=self.routing_hit_prefix_tokens,
         )

@@ -137,6 +137,21 @@ class LoRAResidency:
             f"({', '.join(blocked)}); unpin one to serve {name!r}"
         )
 
+    def tier_on(self, engine: int, name: str) -> str | None:
+        """Where a request on `name` finds it on `engine` (the router's adapter term): "device"
+        when every rank holds it in a device slot, "cpu" when every rank holds it at least in
+        its host tier, None otherwise (partial residency means some rank must load it)."""
+        state = self.adapters.get(engine, {}).get(name)
+        if state is None:
+            return None
+        world = self.world_size.get(engine, max(state.ranks, default=-1) + 1)
+        held = [state.ranks.get(rank, set()) for rank in range(world)]
+        if held and all("device" in tiers for tiers in held):
+            return "device"
+        if held and all(tiers for tiers in held):
+            return "cpu"
+        return None
+
     def running_adapters(self) -> list[str]:
         return sorted({a for counts in self.running.values() for a in counts})
 

@@ -11,7 +11,7 @@ over all of them (`fleet.Fleet`), so every server's `/metrics` shows the fleet's
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -92,12 +92,18 @@ class HistogramBatch:
 @dataclass
 class _EngineTotals:
     """What one engine's total-mirroring counters set from its stats showed (prefix-cache
-    queries, hits), and from which incarnation: a restarted engine counts from zero again, so
-    its totals are added to what the counters showed when it restarted, never set below it."""
+    queries and hits, routing decisions and prefix tokens), and from which incarnation: a
+    restarted engine counts from zero again, so its totals are added to what the counters
+    showed when it restarted, never set below it."""
 
     incarnation: int = 0
-    base: tuple[float, float] = (0.0, 0.0)
-    shown: tuple[float, float] = (0.0, 0.0)
+    base: dict[tuple[str, ...], float] = field(default_factory=dict)
+    shown: dict[tuple[str, ...], float] = field(default_factory=dict)
+
+    def show(self, key: tuple[str, ...], value: float) -> float:
+        """What the counter named `key` shows for the engine's total `value`."""
+        self.shown[key] = self.base.get(key, 0.0) + value
+        return self.shown[key]
 
 
 class ServerMetrics:
@@ -159,6 +165,29 @@ class ServerMetrics:
             "vllm:prefix_cache_hits",
             "Prompt tokens the engine found in its prefix cache (not recomputed).",
             engine_labels,
+            self.registry,
+        )
+        # Where API servers' routing sent requests (the engine counts what it was sent, so
+        # every API server shows every server's choices), and how right it was.
+        self.routing_decisions = ViewCounter(
+            self.fleet,
+            "rankcast:routing_decisions",
+            "Requests routed to the engine, by the term that chose it (load, prefix, adapter).",
+            ["engine", "reason"],
+            self.registry,
+        )
+        self.routing_expected = ViewCounter(
+            self.fleet,
+            "rankcast:routing_expected_prefix_tokens",
+            "Prompt tokens the router expected cached on the engine it chose.",
+            ["engine"],
+            self.registry,
+        )
+        self.routing_hit = ViewCounter(
+            self.fleet,
+            "rankcast:routing_hit_prefix_tokens",
+            "Prompt tokens the engine then found cached for the requests routed to it.",
+            ["engine"],
             self.registry,
         )
         self.prompt_tokens = Counter(
@@ -271,13 +300,16 @@ class ServerMetrics:
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
         self.preemptions.labels(*labels).set(stats.num_preemptions)
         totals = self._engine_totals.setdefault(engine_index, _EngineTotals())
-        base_queries, base_hits = totals.base
-        totals.shown = (
-            base_queries + stats.prefix_cache_queries,
-            base_hits + stats.prefix_cache_hits,
-        )
-        self.prefix_cache_queries.set(labels, totals.shown[0])
-        self.prefix_cache_hits.set(labels, totals.shown[1])
+        queries = totals.show(("queries",), stats.prefix_cache_queries)
+        self.prefix_cache_queries.set(labels, queries)
+        self.prefix_cache_hits.set(labels, totals.show(("hits",), stats.prefix_cache_hits))
+        engine = (str(engine_index),)
+        for reason, count in stats.routing_decisions.items():
+            shown = totals.show(("routed", reason), count)
+            self.routing_decisions.set((*engine, reason), shown)
+        expected = totals.show(("expected",), stats.routing_expected_prefix_tokens)
+        self.routing_expected.set(engine, expected)
+        self.routing_hit.set(engine, totals.show(("found",), stats.routing_hit_prefix_tokens))
         if self.lora is not None:
             self.lora.record_scheduler_stats(engine_index, stats)
         self.kv_cache_committed.labels(*labels).set(stats.kv_cache_committed_bytes)
@@ -331,7 +363,7 @@ class ServerMetrics:
         new incarnation's totals (from zero again) count on from what was shown."""
         totals = self._engine_totals.setdefault(snapshot.engine_index, _EngineTotals())
         if snapshot.incarnation != totals.incarnation:
-            totals.incarnation, totals.base = snapshot.incarnation, totals.shown
+            totals.incarnation, totals.base = snapshot.incarnation, dict(totals.shown)
         engine = str(snapshot.engine_index)
         ledger = snapshot.notifications
         for total in ledger.totals:

@@ -95,6 +95,9 @@ const DROPPED: usize = 12;
 const WEIGHTS_SECONDS: usize = 13;
 const WEIGHTS_BYTES: usize = 14;
 const KV_COMMITTED: usize = 15;
+const ROUTING_DECISIONS: usize = 16;
+const ROUTING_EXPECTED: usize = 17;
+const ROUTING_HIT: usize = 18;
 
 fn families() -> Vec<Series> {
     let s = |name, help, kind| Series {
@@ -189,6 +192,21 @@ fn families() -> Vec<Series> {
             "KV-cache memory the engine's ranks took at start (0: left to first use).",
             "gauge",
         ),
+        view(
+            "rankcast:routing_decisions_total",
+            "Requests routed to the engine, by the term that chose it (load, prefix, adapter).",
+            &["engine", "reason"],
+        ),
+        view(
+            "rankcast:routing_expected_prefix_tokens_total",
+            "Prompt tokens the router expected cached on the engine it chose.",
+            &["engine"],
+        ),
+        view(
+            "rankcast:routing_hit_prefix_tokens_total",
+            "Prompt tokens the engine then found cached for the requests routed to it.",
+            &["engine"],
+        ),
     ]
 }
 
@@ -217,8 +235,17 @@ type State = (Vec<Series>, Option<(String, String)>);
 #[derive(Default)]
 struct EngineTotals {
     incarnation: i64,
-    base: (f64, f64),
-    shown: (f64, f64),
+    base: HashMap<String, f64>,
+    shown: HashMap<String, f64>,
+}
+
+impl EngineTotals {
+    /// What the counter named `key` shows for the engine's total `value`.
+    fn show(&mut self, key: &str, value: f64) -> f64 {
+        let shown = self.base.get(key).copied().unwrap_or(0.0) + value;
+        self.shown.insert(key.to_string(), shown);
+        shown
+    }
 }
 
 pub struct EngineMetrics {
@@ -264,17 +291,25 @@ impl EngineMetrics {
         series[PREEMPTIONS]
             .family
             .set(labels.clone(), stats.num_preemptions as f64);
-        let shown = {
+        {
             let mut all = self.totals.lock().expect("totals lock");
             let totals = all.entry(engine).or_default();
-            totals.shown = (
-                totals.base.0 + stats.prefix_cache_queries as f64,
-                totals.base.1 + stats.prefix_cache_hits as f64,
-            );
-            totals.shown
-        };
-        series[PREFIX_QUERIES].family.set(labels.clone(), shown.0);
-        series[PREFIX_HITS].family.set(labels.clone(), shown.1);
+            let queries = totals.show("queries", stats.prefix_cache_queries as f64);
+            let hits = totals.show("hits", stats.prefix_cache_hits as f64);
+            series[PREFIX_QUERIES].family.set(labels.clone(), queries);
+            series[PREFIX_HITS].family.set(labels.clone(), hits);
+            let e = || vec![("engine", engine.to_string())];
+            for (reason, count) in &stats.routing_decisions.0 {
+                let shown = totals.show(&format!("routed:{reason}"), *count as f64);
+                let mut by_reason = e();
+                by_reason.push(("reason", reason.clone()));
+                series[ROUTING_DECISIONS].family.set(by_reason, shown);
+            }
+            let expected = totals.show("expected", stats.routing_expected_prefix_tokens as f64);
+            series[ROUTING_EXPECTED].family.set(e(), expected);
+            let found = totals.show("found", stats.routing_hit_prefix_tokens as f64);
+            series[ROUTING_HIT].family.set(e(), found);
+        }
         series[KV_COMMITTED]
             .family
             .set(labels.clone(), stats.kv_cache_committed_bytes as f64);
@@ -324,7 +359,7 @@ impl EngineMetrics {
             let totals = all.entry(snapshot.engine_index).or_default();
             if snapshot.incarnation != totals.incarnation {
                 totals.incarnation = snapshot.incarnation;
-                totals.base = totals.shown;
+                totals.base = totals.shown.clone();
             }
         }
         let engine = snapshot.engine_index.to_string();

@@ -607,6 +607,9 @@ impl Server {
             arrival_time: now_f64(),
             client_index: self.client_index,
             lora_name: prepared.lora_name.clone(),
+            // One engine core behind a Rust API server: no choice was made.
+            routing_reason: String::new(),
+            routing_expected_prefix_tokens: 0,
         });
         if prepared.stream {
             let (sender, body) = Body::channel();

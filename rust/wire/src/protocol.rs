@@ -7,7 +7,7 @@ use crate::sampling::SamplingParams;
 use crate::{array_struct, array_union, Dict, Raw, Value};
 
 /// Bumped whenever a message changes shape; the engine refuses a client of another version.
-pub const PROTOCOL_VERSION: i64 = 9;
+pub const PROTOCOL_VERSION: i64 = 10;
 
 /// Why a request finished (`FinishReason` in Python): "stop", "length", "abort", "error".
 pub type FinishReason = String;
@@ -41,6 +41,8 @@ array_struct! {
         arrival_time: f64 = 0.0,
         client_index: i64 = 0,
         lora_name: Option<String> = None,
+        routing_reason: String = String::new(),
+        routing_expected_prefix_tokens: i64 = 0,
     }
 }
 
@@ -109,6 +111,9 @@ array_struct! {
         prefix_cache_queries: i64 = 0,
         prefix_cache_hits: i64 = 0,
         kv_cache_committed_bytes: i64 = 0,
+        routing_decisions: Dict<i64> = Dict::new(),
+        routing_expected_prefix_tokens: i64 = 0,
+        routing_hit_prefix_tokens: i64 = 0,
     }
 }
 

@@ -129,6 +129,8 @@ fn main() {
             arrival_time: 0.0,
             client_index: args.client_index,
             lora_name: None,
+            routing_reason: String::new(),
+            routing_expected_prefix_tokens: 0,
         })
         .expect("sending the request");
     let mut tokens = Vec::new();

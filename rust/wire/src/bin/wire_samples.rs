@@ -55,6 +55,8 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         arrival_time: 1700000003.25,
         client_index: 2,
         lora_name: Some("sql".into()),
+        routing_reason: "prefix".into(),
+        routing_expected_prefix_tokens: 32,
     };
     let utility = UtilityRequest {
         call_id: 9,
@@ -107,6 +109,9 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             prefix_cache_queries: 16,
             prefix_cache_hits: 8,
             kv_cache_committed_bytes: 1 << 30,
+            routing_decisions: Dict(vec![("prefix".into(), 3), ("load".into(), 1)]),
+            routing_expected_prefix_tokens: 96,
+            routing_hit_prefix_tokens: 80,
         }),
         timestamp: 1700000003.5,
         utility_output: None,

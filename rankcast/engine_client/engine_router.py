@@ -1,0 +1,174 @@
+"""Choosing the data-parallel engine core for a request from what the channel delivered.
+
+Every API server receives every engine's KV-cache events and adapter residency through the
+notification channel, and every engine's load in its stats. From them it scores each live
+engine by the work the request would cost there, in prompt tokens, and sends it to the
+cheapest (`--routing-policy`):
+
+    cost = uncached prompt tokens          (prefix, auto: the longest run of the prompt's
+                                            blocks in the engine's index, adapter included)
+         + ADAPTER_COST[tier]              (adapter, auto: device slot on every rank 0, host
+                                            tier 64, otherwise, partial residency included, 512)
+         + LOAD_COST * requests            (all: waiting + running + sent since its last stats)
+         + NO_ROOM_COST                    (when the uncached blocks exceed its free blocks)
+
+`load` keeps the least-loaded choice with rotating ties. The other policies break ties by a
+hash of the request's first block and adapter, so every API server makes the same choice for
+the same request and state. The load term holds back an engine that holds every prefix: each
+request it already has costs LOAD_COST, so the other engine takes requests once the first is
+LOAD_COST x (its lead in requests) ahead in work saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from rankcast.channel.events import KVBlocksStored, Notification
+from rankcast.engine_client.load_balancer import LoadBalancer
+from rankcast.kv_index import KVCacheIndex
+from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+
+RoutingPolicy = Literal["load", "prefix", "adapter", "auto"]
+ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("load", "prefix", "adapter", "auto")
+
+LOAD_COST = 256
+ADAPTER_COST = {"device": 0, "cpu": 64, None: 512}
+NO_ROOM_COST = 100_000
+
+
+class AdapterResidency(Protocol):
+    def tier_on(self, engine: int, name: str) -> str | None:
+        """ "device" when every rank of the engine holds the adapter in a device slot, "cpu"
+        when every rank holds it at least in its host tier, None otherwise."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    engine: int
+    # What decided: "load", "prefix" or "adapter" (the term that moved the choice away from
+    # the least-loaded engine), "only" with one live engine.
+    reason: str
+    # Prompt tokens the chosen engine's index said were cached.
+    expected_prefix_tokens: int
+
+
+class EngineRouter:
+    """The engine choice of one API server; a NotificationSink for the KV indexes."""
+
+    def __init__(
+        self,
+        num_engines: int,
+        policy: RoutingPolicy = "load",
+        block_size: int = 16,
+        residency: AdapterResidency | None = None,
+    ) -> None:
+        self.policy = policy
+        self.block_size = block_size
+        self.residency = residency
+        self.balancer = LoadBalancer(num_engines)
+        self.indexes = [KVCacheIndex() for _ in range(num_engines)]
+        # Per engine, the registration id of each adapter (the block names include it),
+        # learned from the blocks it stored.
+        self.lora_ids: list[dict[str, int]] = [{} for _ in range(num_engines)]
+        self.stats: list[SchedulerStats | None] = [None] * num_engines
+
+    @property
+    def uses_prefix(self) -> bool:
+        return self.policy in ("prefix", "auto")
+
+    @property
+    def uses_adapter(self) -> bool:
+        return self.policy in ("adapter", "auto")
+
+    # ---- inputs ----
+
+    def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
+        """An engine (re)connected: its index restarts from its snapshot."""
+        engine = snapshot.engine_index
+        if snapshot.kv_cache is not None:
+            self.indexes[engine] = KVCacheIndex.from_state(snapshot.kv_cache)
+        else:
+            self.indexes[engine] = KVCacheIndex()
+        self.lora_ids[engine] = {}
+
+    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
+        for n in notifications:
+            if n.engine_index < 0 or n.engine_index >= len(self.indexes):
+                continue
+            self.indexes[n.engine_index].apply(n)
+            if isinstance(n, KVBlocksStored) and n.lora_name is not None:
+                self.lora_ids[n.engine_index][n.lora_name] = n.lora_id
+
+    def record_stats(self, engine: int, stats: SchedulerStats) -> None:
+        self.balancer.record_stats(engine, stats)
+        self.stats[engine] = stats
+
+    # ---- the choice ----
+
+    def choose(self, alive: list[bool], prompt: list[int], lora_name: str | None) -> Choice:
+        if self.policy == "load":
+            return Choice(self.balancer.choose(alive), "load", 0)
+        live = [engine for engine, up in enumerate(alive) if up]
+        if not live:
+            raise LookupError("no live engine core")
+        if len(live) == 1:
+            engine = live[0]
+            self.balancer.sent_since_report[engine] += 1
+            return Choice(engine, "only", self._prefix(engine, prompt, lora_name))
+        terms = {engine: self._terms(engine, prompt, lora_name) for engine in live}
+        cost = {engine: sum(t) for engine, t in terms.items()}
+        load = {engine: terms[engine][2] for engine in live}
+        chosen = self._cheapest(cost, prompt, lora_name)
+        by_load = self._cheapest(load, prompt, lora_name)
+        reason = "load"
+        if chosen != by_load:
+            saved_prefix = terms[by_load][0] - terms[chosen][0]
+            saved_adapter = terms[by_load][1] - terms[chosen][1]
+            reason = "prefix" if saved_prefix >= saved_adapter else "adapter"
+        self.balancer.sent_since_report[chosen] += 1
+        return Choice(chosen, reason, self._prefix(chosen, prompt, lora_name))
+
+    def _terms(
+        self, engine: int, prompt: list[int], lora_name: str | None
+    ) -> tuple[int, int, int, int]:
+        """(uncached tokens, adapter cost, load cost, no-room cost) on one engine."""
+        uncached = len(prompt) - (
+            self._prefix(engine, prompt, lora_name) if self.uses_prefix else 0
+        )
+        adapter = 0
+        if self.uses_adapter and lora_name is not None and self.residency is not None:
+            adapter = ADAPTER_COST[self.residency.tier_on(engine, lora_name)]
+        waiting, running = self.balancer.reported[engine]
+        requests = waiting + running + self.balancer.sent_since_report[engine]
+        room = 0
+        stats = self.stats[engine]
+        if stats is not None and stats.num_blocks:
+            free = int((1.0 - stats.kv_cache_usage) * stats.num_blocks)
+            if -(-uncached // self.block_size) > free:
+                room = NO_ROOM_COST
+        return uncached, adapter, LOAD_COST * requests, room
+
+    def _prefix(self, engine: int, prompt: list[int], lora_name: str | None) -> int:
+        """Tokens of the prompt the engine's index holds (0 for an adapter whose id this
+        server has not yet seen on that engine)."""
+        lora_id = 0
+        if lora_name is not None:
+            known = self.lora_ids[engine].get(lora_name)
+            if known is None:
+                return 0
+            lora_id = known
+        # Never the last token: the engine computes it to sample from (block_manager.py).
+        return self.indexes[engine].cached_prefix(prompt[:-1], self.block_size, lora_id)
+
+    def _cheapest(self, cost: dict[int, int], prompt: list[int], lora_name: str | None) -> int:
+        """The cheapest engine; a tie goes by the request's first block and adapter, the same
+        on every API server."""
+        best = min(cost.values())
+        tied = sorted(engine for engine, c in cost.items() if c == best)
+        if len(tied) == 1:
+            return tied[0]
+        key = repr((prompt[: self.block_size], lora_name)).encode()
+        pick = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        return tied[pick % len(tied)]

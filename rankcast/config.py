@@ -34,6 +34,10 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag and what is wrong."""
 
 
+# The engine choice of `--routing-policy` (rankcast/engine_client/engine_router.py).
+ROUTING_POLICIES = ("load", "prefix", "adapter", "auto")
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -435,9 +439,17 @@ class ServeConfig:
     # Rust API servers (rust/frontend) next to the Python ones, behind the same port (or alone,
     # with api_server_count 0).
     rust_api_server_count: int = 0
+    # How an API server picks a data-parallel engine for a request
+    # (rankcast/engine_client/engine_router.py): load, prefix, adapter or auto (all three).
+    routing_policy: str = "auto"
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, f"--port must be 1..65535, got {self.port}")
+        _require(
+            self.routing_policy in ROUTING_POLICIES,
+            f"--routing-policy must be one of {', '.join(ROUTING_POLICIES)}, "
+            f"got {self.routing_policy!r}",
+        )
         _require(
             self.shutdown_timeout >= 0,
             f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}",

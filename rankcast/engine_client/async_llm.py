@@ -1,11 +1,12 @@
 """The API server's engine handle: asyncio generation over engine cores in other processes.
 
-There is one client per data-parallel engine core; each new request goes to the least loaded
-one. One output task per engine core reads everything it sends to this API server, turns token
-ids into text (stop strings included) and hands each request's outputs to the coroutine awaiting
-them. Engine-wide stats and per-request timings go to an observer (the server's metrics);
-engine notifications go, decoded one by one, to every notification sink (metrics, `/v1/events`),
-after each sink has applied the engine's catch-up snapshot.
+There is one client per data-parallel engine core; each new request goes to the engine the
+router chooses (`engine_router.py`: by load, cached prefix and adapter residency, from what the
+channel delivered). One output task per engine core reads everything it sends to this API
+server, turns token ids into text (stop strings included) and hands each request's outputs to
+the coroutine awaiting them. Engine-wide stats and per-request timings go to an observer (the
+server's metrics); engine notifications go, decoded one by one, to every notification sink
+(metrics, `/v1/events`, the router), after each sink has applied the engine's catch-up snapshot.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 from rankcast.channel.decoder import NotificationDecoder
 from rankcast.channel.events import Notification
-from rankcast.engine_client.load_balancer import LoadBalancer
+from rankcast.engine_client.engine_router import Choice, EngineRouter
 from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError
 from rankcast.engine_client.output_processor import OutputProcessor
 from rankcast.outputs import RequestOutput, RequestRejectedError
@@ -88,14 +89,16 @@ class AsyncLLM:
         tokenizer: ModelTokenizer,
         observer: EngineObserver,
         sinks: list[NotificationSink] | None = None,
+        router: EngineRouter | None = None,
     ) -> None:
         self.clients = clients
         self.tokenizer = tokenizer
         self.observer = observer
-        self.sinks = sinks or []
+        self.router = router or EngineRouter(len(clients))
+        # The router keeps each engine's KV index from the same notifications and snapshots.
+        self.sinks = [*(sinks or []), self.router]
         self.notification_decoder = NotificationDecoder()
         self.output_processor = OutputProcessor(tokenizer)
-        self.balancer = LoadBalancer(len(clients))
         self.streams: dict[str, _Stream] = {}
         self.output_tasks: list[asyncio.Task[None]] = []
         self.background: set[asyncio.Task[None]] = set()
@@ -129,6 +132,11 @@ class AsyncLLM:
         """(engine index, why it is gone or None while it serves), for every engine core."""
         return [(i, None if c.dead is None else str(c.dead)) for i, c in enumerate(self.clients)]
 
+    def route(self, prompt_token_ids: list[int], lora_name: str | None = None) -> Choice:
+        """The engine a request goes to (skipping dead ones), and why."""
+        alive = [c.dead is None for c in self.clients]
+        return self.router.choose(alive, prompt_token_ids, lora_name)
+
     async def generate(
         self,
         request_id: str,
@@ -136,10 +144,16 @@ class AsyncLLM:
         params: SamplingParams,
         prompt: str | None = None,
         lora_name: str | None = None,
+        choice: Choice | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; leaving early aborts it in the engine."""
-        engine = self.balancer.choose([c.dead is None for c in self.clients])
+        """Yield the request's outputs until it finishes; leaving early aborts it in the engine.
+        `choice`: the engine `route` chose (routed here when not given)."""
+        if choice is None:
+            choice = self.route(prompt_token_ids, lora_name)
+        engine = choice.engine
         client = self.clients[engine]
+        # With one engine nothing was chosen: the engine counts only real decisions.
+        reason = choice.reason if len(self.clients) > 1 else ""
         stream = _Stream(
             asyncio.Queue(), time.time(), engine=engine, prompt_tokens=len(prompt_token_ids)
         )
@@ -155,6 +169,8 @@ class AsyncLLM:
                     arrival_time=stream.arrival,
                     client_index=client.client_index,
                     lora_name=lora_name,
+                    routing_reason=reason,
+                    routing_expected_prefix_tokens=choice.expected_prefix_tokens if reason else 0,
                 )
             )
             while True:
@@ -215,7 +231,7 @@ class AsyncLLM:
             if outputs.engine_notifications:
                 self._deliver_notifications(outputs.engine_notifications)
             if outputs.scheduler_stats is not None:
-                self.balancer.record_stats(engine, outputs.scheduler_stats)
+                self.router.record_stats(engine, outputs.scheduler_stats)
                 self.observer.record_scheduler_stats(outputs.engine_index, outputs.scheduler_stats)
             if not outputs.outputs:
                 continue
@@ -233,8 +249,9 @@ class AsyncLLM:
 
     async def _reconnect(self, engine: int) -> None:
         """Wait for the dead engine core's next incarnation (the launcher restarts it), then
-        serve from it: its snapshot restarts every sink's view of that engine, and the
-        balancer sends it new requests again. Until then this server answers 503 for it."""
+        serve from it: its snapshot restarts every sink's view of that engine (the router's
+        index of it included), and the router sends it new requests again. Until then this
+        server answers 503 for it."""
         client = self.clients[engine]
         await client.reconnect()
         self.observer.record_engine_up(engine, True)

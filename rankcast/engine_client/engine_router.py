@@ -13,8 +13,8 @@ cheapest (`--routing-policy`):
          + NO_ROOM_COST                    (when the uncached blocks exceed its free blocks)
 
 `load` keeps the least-loaded choice with rotating ties. The other policies break ties by a
-hash of the request's first block and adapter, so every API server makes the same choice for
-the same request and state. The load term holds back an engine that holds every prefix: each
+hash of the request's tokens and adapter, so every API server makes the same choice for the
+same request and state. The load term holds back an engine that holds every prefix: each
 request it already has costs LOAD_COST, so the other engine takes requests once the first is
 LOAD_COST x (its lead in requests) ahead in work saved.
 """
@@ -22,16 +22,23 @@ LOAD_COST x (its lead in requests) ahead in work saved.
 from __future__ import annotations
 
 import hashlib
+import typing
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from rankcast.channel.events import KVBlocksStored, Notification
+from rankcast.channel.events import (
+    KVBlocksStored,
+    LoRAAdapterActivated,
+    LoRAAdapterLoaded,
+    Notification,
+)
+from rankcast.config import ROUTING_POLICIES
 from rankcast.engine_client.load_balancer import LoadBalancer
 from rankcast.kv_index import KVCacheIndex
 from rankcast.protocol import EngineStateSnapshot, SchedulerStats
 
 RoutingPolicy = Literal["load", "prefix", "adapter", "auto"]
-ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("load", "prefix", "adapter", "auto")
+assert set(ROUTING_POLICIES) == set(typing.get_args(RoutingPolicy))
 
 LOAD_COST = 256
 ADAPTER_COST = {"device": 0, "cpu": 64, None: 512}
@@ -60,7 +67,7 @@ class EngineRouter:
     def __init__(
         self,
         num_engines: int,
-        policy: RoutingPolicy = "load",
+        policy: str = "load",
         block_size: int = 16,
         residency: AdapterResidency | None = None,
     ) -> None:
@@ -70,7 +77,7 @@ class EngineRouter:
         self.balancer = LoadBalancer(num_engines)
         self.indexes = [KVCacheIndex() for _ in range(num_engines)]
         # Per engine, the registration id of each adapter (the block names include it),
-        # learned from the blocks it stored.
+        # learned from its adapter events and the blocks it stored.
         self.lora_ids: list[dict[str, int]] = [{} for _ in range(num_engines)]
         self.stats: list[SchedulerStats | None] = [None] * num_engines
 
@@ -100,6 +107,8 @@ class EngineRouter:
             self.indexes[n.engine_index].apply(n)
             if isinstance(n, KVBlocksStored) and n.lora_name is not None:
                 self.lora_ids[n.engine_index][n.lora_name] = n.lora_id
+            elif isinstance(n, LoRAAdapterLoaded | LoRAAdapterActivated):
+                self.lora_ids[n.engine_index][n.adapter_name] = n.adapter_id
 
     def record_stats(self, engine: int, stats: SchedulerStats) -> None:
         self.balancer.record_stats(engine, stats)
@@ -163,12 +172,12 @@ class EngineRouter:
         return self.indexes[engine].cached_prefix(prompt[:-1], self.block_size, lora_id)
 
     def _cheapest(self, cost: dict[int, int], prompt: list[int], lora_name: str | None) -> int:
-        """The cheapest engine; a tie goes by the request's first block and adapter, the same
-        on every API server."""
+        """The cheapest engine; a tie goes by a hash of the request's tokens and adapter: the
+        same on every API server, spread over the tied engines across requests."""
         best = min(cost.values())
         tied = sorted(engine for engine, c in cost.items() if c == best)
         if len(tied) == 1:
             return tied[0]
-        key = repr((prompt[: self.block_size], lora_name)).encode()
+        key = repr((prompt, lora_name)).encode()
         pick = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return tied[pick % len(tied)]

@@ -25,6 +25,7 @@ from rankcast.config import (
     DTYPES,
     EXECUTOR_BACKENDS,
     RAY_PLACEMENTS,
+    ROUTING_POLICIES,
     ConfigError,
     EngineConfig,
     KVEventsConfig,
@@ -113,6 +114,14 @@ FLAGS: tuple[Flag, ...] = (
         target="serve",
     ),
     Flag("--api-key", "api_key", "bearer token /v1 requires (unset: none)", target="serve"),
+    Flag(
+        "--routing-policy",
+        "routing_policy",
+        "how API servers pick a data-parallel engine for a request: by load, by cached prefix, "
+        "by adapter residency, or all three (auto); docs/routers.md",
+        target="serve",
+        choices=ROUTING_POLICIES,
+    ),
     Flag(
         "--allow-runtime-lora-updating",
         "allow_runtime_lora_updating",

@@ -13,6 +13,7 @@ cores, and leaves no process behind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -189,6 +190,16 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
                 f"--lora-modules: {name!r} is the base model's served name; "
                 "give the adapter a name of its own"
             )
+    if (
+        config.parallel.data_parallel_size > 1
+        and server.routing_policy in ("prefix", "auto")
+        and config.cache.enable_prefix_caching
+        and not config.cache.kv_events
+    ):
+        # Routing by prefix reads each engine's KV index from its KV-cache events.
+        config = dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, kv_events=True)
+        )
     if server.rust_api_server_count and config.parallel.data_parallel_size > 1:
         raise ConfigError(
             "--rust-api-server-count: a Rust API server serves one engine core; "
@@ -322,6 +333,7 @@ def _api_server_specs(
         config.cache.enable_prefix_caching,
         config.parallel.data_parallel_size,
         config.cache.kv_events_config,
+        server.routing_policy,
     )
     python = [
         (

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rankcast.addresses import ClientAddresses
 from rankcast.engine_client.async_llm import AsyncLLM, NotificationSink
+from rankcast.engine_client.engine_router import EngineRouter
 from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.entrypoints.openai.discovery import add_discovery_routes
 from rankcast.entrypoints.openai.drain import (
@@ -431,7 +432,8 @@ def run_api_server(
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
         clients = [AsyncMPClient(addresses, index) for addresses in engines]
         sinks: list[NotificationSink] = [metrics, events, loras, metrics.lora]
-        engine = AsyncLLM(clients, tokenizer, metrics, sinks=sinks)
+        router = EngineRouter(len(clients), config.routing_policy, config.block_size, loras)
+        engine = AsyncLLM(clients, tokenizer, metrics, sinks=sinks, router=router)
         try:
             await engine.start()
         except Exception as exc:

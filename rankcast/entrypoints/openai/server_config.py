@@ -27,3 +27,4 @@ class ApiServerConfig:
     enable_prefix_caching: bool = True
     data_parallel_size: int = 1
     kv_events_config: KVEventsConfig | None = None
+    routing_policy: str = "load"

@@ -51,6 +51,10 @@ def check_model(ctx: ServingContext, requested: str | None) -> str | None:
     raise APIError(404, f"The model `{requested}` does not exist.", "model")
 
 
+# Names the data-parallel engine core that served the request (the router's choice).
+ENGINE_HEADER = "x-rankcast-engine"
+
+
 def live(serving: ServingContext) -> ServingContext:
     """`serving`, or a 503 when the engine core has died: every engine-backed route starts
     here, so a dead engine is reported instead of a request hanging on it."""
@@ -240,7 +244,11 @@ async def create_chat_completion(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or ctx.model_name
-    outputs = ctx.engine.generate(request_id, prompt_ids, params, lora_name=lora_name)
+    routed = ctx.engine.route(prompt_ids, lora_name)
+    outputs = ctx.engine.generate(
+        request_id, prompt_ids, params, lora_name=lora_name, choice=routed
+    )
+    headers = {ENGINE_HEADER: str(routed.engine)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -261,6 +269,7 @@ async def create_chat_completion(
                 tool_calls,
             ),
             media_type="text/event-stream",
+            headers=headers,
         )
     final = await run_unless_disconnected(request, _final(outputs))
     if final is None:
@@ -283,7 +292,8 @@ async def create_chat_completion(
             "model": model,
             "choices": [choice],
             "usage": _usage(len(prompt_ids), len(completion.token_ids)),
-        }
+        },
+        headers=headers,
     )
 
 
@@ -420,7 +430,11 @@ async def create_completion(
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or ctx.model_name
-    outputs = ctx.engine.generate(request_id, prompt_ids, params, prompt_text, lora_name=lora_name)
+    routed = ctx.engine.route(prompt_ids, lora_name)
+    outputs = ctx.engine.generate(
+        request_id, prompt_ids, params, prompt_text, lora_name=lora_name, choice=routed
+    )
+    headers = {ENGINE_HEADER: str(routed.engine)}
     top = body.logprobs
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -436,6 +450,7 @@ async def create_completion(
                 top,
             ),
             media_type="text/event-stream",
+            headers=headers,
         )
     final = await run_unless_disconnected(request, _final(outputs))
     if final is None:
@@ -459,7 +474,8 @@ async def create_completion(
                 }
             ],
             "usage": _usage(len(prompt_ids), len(completion.token_ids)),
-        }
+        },
+        headers=headers,
     )
 
 

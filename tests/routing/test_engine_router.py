@@ -1,0 +1,134 @@
+"""The engine choice of one API server (`EngineRouter`), fed the way the channel feeds it: KV
+events as the engine core publishes them, adapter residency as LoRA events build it, load from
+stats. Each rule decides a case it should, and nothing else decides it."""
+
+from __future__ import annotations
+
+from rankcast.channel.events import (
+    KVBlocksStored,
+    KVCacheCleared,
+    LoRAAdapterActivated,
+    LoRAAdapterLoaded,
+)
+from rankcast.engine_client.engine_router import LOAD_COST, EngineRouter
+from rankcast.kv_index import block_hash
+from rankcast.metrics.lora_residency import LoRAResidency
+from rankcast.protocol import SchedulerStats
+
+BS = 16
+PREFIX = list(range(100, 100 + 20 * BS))  # 20 blocks: 320 tokens of shared system prompt
+
+
+def stored(engine: int, tokens: list[int], lora_id: int = 0, lora: str | None = None):
+    """The KV event an engine publishes after caching the full blocks of `tokens`."""
+    hashes, parent = [], None
+    for start in range(0, len(tokens) - BS + 1, BS):
+        parent = block_hash(parent, tokens[start : start + BS], lora_id)
+        hashes.append(parent)
+    full = len(hashes) * BS
+    event = KVBlocksStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=tokens[:full],
+        block_size=BS,
+        lora_id=lora_id,
+        lora_name=lora,
+    )
+    event.engine_index = engine
+    return event
+
+
+def load(router: EngineRouter, engine: int, running: int, usage: float = 0.1) -> None:
+    router.record_stats(
+        engine, SchedulerStats(num_running_reqs=running, kv_cache_usage=usage, num_blocks=100)
+    )
+
+
+def router(policy: str = "auto", residency: LoRAResidency | None = None) -> EngineRouter:
+    r = EngineRouter(2, policy, BS, residency)
+    load(r, 0, 0)
+    load(r, 1, 0)
+    return r
+
+
+def question(i: int) -> list[int]:
+    return [*PREFIX, 7, i, 9]
+
+
+def test_the_prefix_holder_wins_over_load_and_says_so() -> None:
+    r = router()
+    r.consume([stored(1, PREFIX)], [], 0.0)
+    load(r, 1, 1)  # busier than engine 0: load alone would pick 0
+    choice = r.choose([True, True], question(1), None)
+    assert (choice.engine, choice.reason, choice.expected_prefix_tokens) == (1, "prefix", 320)
+
+
+def test_load_holds_back_an_engine_that_holds_every_prefix() -> None:
+    r = router()
+    r.consume([stored(1, PREFIX)], [], 0.0)
+    busy = 320 // LOAD_COST + 1  # enough requests ahead to outweigh the saved prefix
+    load(r, 1, busy)
+    choice = r.choose([True, True], question(2), None)
+    assert (choice.engine, choice.reason) == (0, "load")
+
+
+def test_load_policy_ignores_the_prefix_and_a_cleared_engine_holds_none() -> None:
+    r = router("load")
+    r.consume([stored(1, PREFIX)], [], 0.0)
+    load(r, 1, 1)
+    assert r.choose([True, True], question(3), None).engine == 0
+    auto = router()
+    auto.consume([stored(1, PREFIX), KVCacheCleared(engine_index=1)], [], 0.0)
+    load(auto, 1, 1)
+    assert auto.choose([True, True], question(3), None).engine == 0
+
+
+def test_an_adapter_in_a_device_slot_wins_partial_residency_does_not() -> None:
+    residency = LoRAResidency()
+    for rank in (0, 1):  # engine 1, both ranks: host tier, then a device slot
+        for event in (
+            LoRAAdapterLoaded(adapter_name="sql", adapter_id=3, tier="cpu", seconds=0.1),
+            LoRAAdapterActivated(
+                adapter_name="sql", adapter_id=3, tier="device", seconds=0.01, slot=0
+            ),
+        ):
+            event.engine_index, event.rank = 1, rank
+            residency.consume([event], [], 0.0)
+    partial = LoRAAdapterActivated(
+        adapter_name="sql", adapter_id=5, tier="device", seconds=0.01, slot=0
+    )
+    partial.engine_index, partial.rank = 0, 0  # engine 0: rank 0 only
+    residency.consume([partial], [], 0.0)
+    residency.world_size = {0: 2, 1: 2}
+    assert (residency.tier_on(1, "sql"), residency.tier_on(0, "sql")) == ("device", None)
+    r = router(residency=residency)
+    load(r, 1, 1)
+    choice = r.choose([True, True], [1, 2, 3], "sql")
+    assert (choice.engine, choice.reason) == (1, "adapter")
+    assert r.choose([True, True], [1, 2, 3], None).engine == 0, "the base model goes by load"
+
+
+def test_adapter_blocks_are_found_under_the_adapters_id_on_that_engine() -> None:
+    r = router()
+    r.consume([stored(1, PREFIX, lora_id=3, lora="sql")], [], 0.0)
+    load(r, 1, 1)
+    assert r.choose([True, True], question(4), "sql").engine == 1
+    assert r.choose([True, True], question(4), None).engine == 0, "not the base model's"
+
+
+def test_a_dead_engine_is_skipped_and_every_server_chooses_alike() -> None:
+    r = router()
+    r.consume([stored(1, PREFIX)], [], 0.0)
+    assert r.choose([True, False], question(5), None).engine == 0
+    servers = [router(), router()]
+    for s in servers:
+        s.consume([stored(1, PREFIX)], [], 0.0)
+    picks = [[s.choose([True, True], [i, i + 1], None).engine for i in range(20)] for s in servers]
+    assert picks[0] == picks[1], "same request and state, same choice"
+    assert set(picks[0]) == {0, 1}, "unrelated requests spread over the engines"
+
+
+def test_an_engine_without_room_for_the_prompt_is_avoided() -> None:
+    r = router()
+    load(r, 0, 0, usage=0.99)  # 1 free block of 100: no room for a 20-block prompt
+    assert r.choose([True, True], question(6), None).engine == 1

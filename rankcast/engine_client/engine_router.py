@@ -143,9 +143,8 @@ class EngineRouter:
         self, engine: int, prompt: list[int], lora_name: str | None
     ) -> tuple[int, int, int, int]:
         """(uncached tokens, adapter cost, load cost, no-room cost) on one engine."""
-        uncached = len(prompt) - (
-            self._prefix(engine, prompt, lora_name) if self.uses_prefix else 0
-        )
+        cached = self._prefix(engine, prompt, lora_name) if self.uses_prefix else 0
+        uncached = len(prompt) - cached
         adapter = 0
         if self.uses_adapter and lora_name is not None and self.residency is not None:
             adapter = ADAPTER_COST[self.residency.tier_on(engine, lora_name)]

@@ -25,6 +25,8 @@ GATHER = "tests/engine/test_notification_gather.py"
 SERVED = "tests/entrypoints/test_server_notifications.py"
 CACHE = "tests/lora/test_lora_cache.py"
 VLLM_KV = "tests/routing/test_vllm_kv_events.py"
+ROUTER = "tests/routing/test_engine_router.py"
+ROUTED = "tests/routing/test_engine_routing_served.py"
 
 MUTANTS = [
     # ---- the notification contract (docs/architecture.md, rules 1-10) ----
@@ -195,6 +197,30 @@ MUTANTS = [
         "    token_ids = chat_prompt_ids(ctx, body)\n",
         "    token_ids = ctx.tokenizer.encode(body.messages[-1].text())\n",
         (VLLM_KV,),
+    ),
+    Mutant(
+        "routing-ignores-prefix",
+        "13 Routing: the engine caching a request's prefix wins over load alone",
+        "rankcast/engine_client/engine_router.py",
+        "        cached = self._prefix(engine, prompt, lora_name) if self.uses_prefix else 0\n",
+        "        cached = 0\n",
+        (ROUTER, ROUTED),
+    ),
+    Mutant(
+        "routing-ignores-adapter",
+        "13 Routing: the engine holding an adapter in a device slot wins over load alone",
+        "rankcast/engine_client/engine_router.py",
+        "            adapter = ADAPTER_COST[self.residency.tier_on(engine, lora_name)]",
+        "            adapter = 0",
+        (ROUTER, ROUTED),
+    ),
+    Mutant(
+        "routing-ignores-load",
+        "13 Routing: load holds back an engine that holds every prefix",
+        "rankcast/engine_client/engine_router.py",
+        "        return uncached, adapter, LOAD_COST * requests, room",
+        "        return uncached, adapter, 0, room",
+        (ROUTER,),
     ),
     Mutant(
         "event-ids-without-incarnation",

@@ -396,7 +396,7 @@ MUTANTS = [
         "engine-totals-reset-on-restart",
         "Engine-total counters never go backwards across an engine restart",
         "rankcast/metrics/prometheus.py",
-        "            totals.incarnation, totals.base = snapshot.incarnation, totals.shown",
+        "            totals.incarnation, totals.base = snapshot.incarnation, dict(totals.shown)",
         "            totals.incarnation = snapshot.incarnation",
         ("tests/entrypoints/test_server_metrics.py", "tests/reliability/test_engine_restart.py"),
     ),

@@ -13,6 +13,7 @@ naming, documented and stable) until a name is missing: that many leading tokens
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -28,6 +29,14 @@ def block_hash(parent: int | None, token_ids: list[int], adapter_id: int) -> int
     mean the same thing to every subscriber."""
     data = msgspec.msgpack.encode((parent, token_ids, adapter_id))
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HASH_MASK
+
+
+def block_names(token_ids: list[int], block_size: int, lora_id: int = 0) -> Iterator[int]:
+    """The names of a prompt's full blocks, in order (each chained to the one before)."""
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size], lora_id)
+        yield parent
 
 
 @dataclass(frozen=True)
@@ -55,15 +64,20 @@ class KVCacheIndex:
         elif isinstance(n, KVCacheCleared):
             self.blocks.clear()
 
-    def cached_prefix(self, token_ids: list[int], block_size: int, lora_id: int = 0) -> int:
-        """How many leading tokens of a prompt the engine holds (whole blocks)."""
-        parent: int | None = None
+    def cached_prefix(
+        self,
+        token_ids: list[int],
+        block_size: int,
+        lora_id: int = 0,
+        also: Container[int] = (),
+    ) -> int:
+        """How many leading tokens of a prompt the engine holds (whole blocks); a name in
+        `also` counts as held too (a router's blocks expected soon)."""
         found = 0
-        for start in range(0, len(token_ids) - block_size + 1, block_size):
-            name = block_hash(parent, token_ids[start : start + block_size], lora_id)
-            if name not in self.blocks:
+        for name in block_names(token_ids, block_size, lora_id):
+            if name not in self.blocks and name not in also:
                 break
-            parent, found = name, found + block_size
+            found += block_size
         return found
 
     def state(self, block_size: int) -> KVCacheState:

@@ -12,6 +12,11 @@ cheapest (`--routing-policy`):
          + LOAD_COST * requests            (all: waiting + running + sent since its last stats)
          + NO_ROOM_COST                    (when the uncached blocks exceed its free blocks)
 
+Between sending a request and hearing its blocks stored (after its prefill step), the router
+counts the blocks it sent to an engine as held there for SPECULATION_S: a burst of requests
+sharing a prefix then goes where the first one went, instead of being spread by load before
+any of them is cached. The engine's own events replace the guess as they arrive.
+
 `load` keeps the least-loaded choice with rotating ties. The other policies break ties by a
 hash of the request's tokens and adapter, so every API server makes the same choice for the
 same request and state. The load term holds back an engine that holds every prefix: each
@@ -22,6 +27,7 @@ LOAD_COST x (its lead in requests) ahead in work saved.
 from __future__ import annotations
 
 import hashlib
+import time
 import typing
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -34,15 +40,16 @@ from rankcast.channel.events import (
 )
 from rankcast.config import ROUTING_POLICIES
 from rankcast.engine_client.load_balancer import LoadBalancer
-from rankcast.kv_index import KVCacheIndex
+from rankcast.kv_index import KVCacheIndex, block_names
 from rankcast.protocol import EngineStateSnapshot, SchedulerStats
 
 RoutingPolicy = Literal["load", "prefix", "adapter", "auto"]
 assert set(ROUTING_POLICIES) == set(typing.get_args(RoutingPolicy))
 
-LOAD_COST = 256
+LOAD_COST = 32
 ADAPTER_COST = {"device": 0, "cpu": 64, None: 512}
 NO_ROOM_COST = 100_000
+SPECULATION_S = 10.0
 
 
 class AdapterResidency(Protocol):
@@ -80,6 +87,8 @@ class EngineRouter:
         # learned from its adapter events and the blocks it stored.
         self.lora_ids: list[dict[str, int]] = [{} for _ in range(num_engines)]
         self.stats: list[SchedulerStats | None] = [None] * num_engines
+        # Per engine, the names of blocks this server sent it, and until when they count.
+        self.expected: list[dict[int, float]] = [{} for _ in range(num_engines)]
 
     @property
     def uses_prefix(self) -> bool:
@@ -99,6 +108,7 @@ class EngineRouter:
         else:
             self.indexes[engine] = KVCacheIndex()
         self.lora_ids[engine] = {}
+        self.expected[engine] = {}
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
         for n in notifications:
@@ -137,7 +147,22 @@ class EngineRouter:
             saved_adapter = terms[by_load][1] - terms[chosen][1]
             reason = "prefix" if saved_prefix >= saved_adapter else "adapter"
         self.balancer.sent_since_report[chosen] += 1
-        return Choice(chosen, reason, self._prefix(chosen, prompt, lora_name))
+        expected_tokens = self._prefix(chosen, prompt, lora_name)
+        self._expect(chosen, prompt, lora_name)
+        return Choice(chosen, reason, expected_tokens)
+
+    def _expect(self, engine: int, prompt: list[int], lora_name: str | None) -> None:
+        """Count the request's blocks as held by `engine` until its events say what it holds."""
+        lora_id = self._lora_id(engine, lora_name)
+        if lora_id is None or not self.uses_prefix:
+            return
+        now = time.monotonic()
+        expected = self.expected[engine]
+        if len(expected) > 100_000:  # bounded: drop what expired
+            for name in [n for n, until in expected.items() if until < now]:
+                del expected[name]
+        for name in block_names(prompt[:-1], self.block_size, lora_id):
+            expected[name] = now + SPECULATION_S
 
     def _terms(
         self, engine: int, prompt: list[int], lora_name: str | None
@@ -158,17 +183,21 @@ class EngineRouter:
                 room = NO_ROOM_COST
         return uncached, adapter, LOAD_COST * requests, room
 
+    def _lora_id(self, engine: int, lora_name: str | None) -> int | None:
+        """The engine's id for the adapter (0: the base model; None: not yet seen there)."""
+        return 0 if lora_name is None else self.lora_ids[engine].get(lora_name)
+
     def _prefix(self, engine: int, prompt: list[int], lora_name: str | None) -> int:
-        """Tokens of the prompt the engine's index holds (0 for an adapter whose id this
-        server has not yet seen on that engine)."""
-        lora_id = 0
-        if lora_name is not None:
-            known = self.lora_ids[engine].get(lora_name)
-            if known is None:
-                return 0
-            lora_id = known
+        """Tokens of the prompt the engine holds or is expected to hold soon (0 for an adapter
+        whose id this server has not yet seen on that engine)."""
+        lora_id = self._lora_id(engine, lora_name)
+        if lora_id is None:
+            return 0
+        now = time.monotonic()
+        expected = self.expected[engine]
+        live = _Unexpired(expected, now)
         # Never the last token: the engine computes it to sample from (block_manager.py).
-        return self.indexes[engine].cached_prefix(prompt[:-1], self.block_size, lora_id)
+        return self.indexes[engine].cached_prefix(prompt[:-1], self.block_size, lora_id, live)
 
     def _cheapest(self, cost: dict[int, int], prompt: list[int], lora_name: str | None) -> int:
         """The cheapest engine; a tie goes by a hash of the request's tokens and adapter: the
@@ -180,3 +209,15 @@ class EngineRouter:
         key = repr((prompt, lora_name)).encode()
         pick = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return tied[pick % len(tied)]
+
+
+class _Unexpired:
+    """Block names whose expected arrival has not yet expired (a `Container` for the index)."""
+
+    def __init__(self, expected: dict[int, float], now: float) -> None:
+        self.expected = expected
+        self.now = now
+
+    def __contains__(self, name: object) -> bool:
+        until = self.expected.get(name)  # type: ignore[call-overload]
+        return until is not None and until >= self.now

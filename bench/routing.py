@@ -1,0 +1,253 @@
+"""Where requests go, and what it costs: rankcast's engine choice against real routers.
+
+Part `tenants` (the traffic prefix routing exists for): 8 tenants, each with its own ~1,000-token
+system prompt; 64 chat requests (32 tokens each, greedy), at most 32 in flight, spread over the
+tenants in a shuffled order. Each engine's KV cache holds about half of the tenants' prefixes
+beside the running requests (--blocks, 384 blocks of 16 tokens by default), so where a request
+goes decides whether its prefix is there.
+
+Layouts, one after another on the same machine, the embedded SmolLM2 in each:
+- `rankcast serve --data-parallel-size 2` with `--routing-policy load` and `auto`;
+- two single-engine `rankcast serve` behind vllm-router (`round_robin`, `cache_aware`, and
+  `kv_aware` fed by the instances' vLLM-format KV events), when vllm-router is installed
+  (tests/routing/vllm_router.py installs it under ~/.cache/rankcast-vllm-router).
+
+Reports per layout: the prefix-cache hit rate (the engines' own counters) and its share of the
+best possible (each tenant's prefix computed once), TTFT p50/p99, output tokens/s; a table, JSON
+and a PNG in bench/results/, with the CPU it ran on.
+
+    python bench/routing.py [--layouts load,auto,round_robin,cache_aware,kv_aware]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.serve import client_session, one_request, percentile  # noqa: E402
+from bench.workload import describe, machine_info  # noqa: E402
+
+TENANTS = 8
+REQUESTS = 64
+CONCURRENCY = 32
+TOKENS = 32
+BLOCK_SIZE = 16
+
+
+def tenant_prompt(tenant: int) -> str:
+    """About 1,000 tokens of instructions, different for every tenant from the first token."""
+    return "".join(
+        f"Tenant {tenant} policy {n}: the assistant of shop {tenant} answers customer {n} "
+        f"politely, cites order {tenant * 1000 + n}, and never promises refunds beyond "
+        f"{20 + tenant} days. "
+        for n in range(30)
+    )
+
+
+def workload(seed: int = 0) -> list[tuple[int, str]]:
+    rng = random.Random(seed)
+    order = [i % TENANTS for i in range(REQUESTS)]
+    rng.shuffle(order)
+    return [(tenant, f"Question {i}: where is my order?") for i, tenant in enumerate(order)]
+
+
+async def drive(url: str, model: str) -> dict[str, float]:
+    ttfts: list[float] = []
+    itls: list[float] = []
+    gate = asyncio.Semaphore(CONCURRENCY)
+    systems = [tenant_prompt(t) for t in range(TENANTS)]
+    async with client_session(url, CONCURRENCY + 4) as http:
+
+        async def guarded(tenant: int, question: str) -> int:
+            async with gate:
+                return await one_request(
+                    http, question, TOKENS, ttfts, itls, model, system=systems[tenant]
+                )
+
+        start = time.perf_counter()
+        produced = sum(await asyncio.gather(*(guarded(t, q) for t, q in workload())))
+        elapsed = time.perf_counter() - start
+    return {
+        "tokens_per_s": produced / elapsed,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1000,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1000,
+        "seconds": elapsed,
+    }
+
+
+def prefix_counters(urls: list[str]) -> tuple[float, float]:
+    """(queried, hit) prompt tokens summed over every engine behind `urls`."""
+    queried = hit = 0.0
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        for name, value in re.findall(r"^(vllm:prefix_cache_\w+)_total\{[^}]*\} (\S+)", text, re.M):
+            if name == "vllm:prefix_cache_queries":
+                queried += float(value)
+            elif name == "vllm:prefix_cache_hits":
+                hit += float(value)
+    return queried, hit
+
+
+def best_hit_rate(model_dir: Path) -> float:
+    """Each tenant's prefix computed once (whole blocks), everything else a hit where shared."""
+    from rankcast.tokenizer import apply_chat_template, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    total = computed = 0
+    first_seen: set[int] = set()
+    for tenant, question in workload():
+        ids = apply_chat_template(
+            tokenizer,
+            [
+                {"role": "system", "content": tenant_prompt(tenant)},
+                {"role": "user", "content": question},
+            ],
+        )
+        # The tokens every request of this tenant shares, in whole blocks.
+        other = apply_chat_template(
+            tokenizer,
+            [
+                {"role": "system", "content": tenant_prompt(tenant)},
+                {"role": "user", "content": "x"},
+            ],
+        )
+        shared = 0
+        while shared < min(len(ids), len(other)) and ids[shared] == other[shared]:
+            shared += 1
+        shared = (shared // BLOCK_SIZE) * BLOCK_SIZE
+        total += len(ids)
+        computed += len(ids) - shared if tenant in first_seen else len(ids)
+        first_seen.add(tenant)
+    return 1 - computed / total
+
+
+def run_layout(layout: str, blocks: int, model_dir: Path) -> dict[str, Any]:
+    from tests.entrypoints.server_process import ServerProcess, free_port
+    from tests.routing.vllm_router import find_or_install, lookups, running_router
+
+    common = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", "32"]
+    with ExitStack() as stack:
+        if layout in ("load", "auto"):
+            server = ServerProcess(
+                *common,
+                "--data-parallel-size",
+                "2",
+                "--routing-policy",
+                layout,
+                api_server_count=1,
+            )
+            stack.enter_context(server.running())
+            url, engines, metrics = server.url, [server.url], None
+        else:
+            executable, why = find_or_install()
+            if executable is None:
+                return {"layout": f"vllm-router {layout}", "skipped": why}
+            ports = [(free_port(), free_port()) for _ in range(2)]
+            servers = []
+            for pub, replay in ports:
+                extra = []
+                if layout == "kv_aware":
+                    config = {
+                        "enable_kv_cache_events": True,
+                        "endpoint": f"tcp://127.0.0.1:{pub}",
+                        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+                    }
+                    extra = ["--kv-events-config", json.dumps(config)]
+                servers.append(ServerProcess(*common, *extra, api_server_count=1))
+            for server in servers:
+                stack.enter_context(server.running())
+            metrics_port = free_port()
+            args = ["--policy", layout, "--prometheus-port", str(metrics_port)]
+            args += ["--worker-urls", *(s.url for s in servers)]
+            if layout == "kv_aware":
+                for server, (pub, replay) in zip(servers, ports, strict=True):
+                    args += ["--kv-event-source", f"{server.url}=tcp://127.0.0.1:{pub}"]
+                    args += ["--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{replay}"]
+                args += ["--kv-event-block-size", str(BLOCK_SIZE)]
+                args += ["--kv-event-model", "SmolLM2-135M-Instruct"]
+            log = Path(tempfile.mkdtemp()) / "vllm-router.log"
+            url = stack.enter_context(running_router(executable, args, free_port(), log))
+            engines = [s.url for s in servers]
+            metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        figures = asyncio.run(drive(url, "SmolLM2-135M-Instruct"))
+        queried, hit = prefix_counters(engines)
+        figures["hit_rate"] = hit / queried if queried else 0.0
+        if metrics is not None and layout == "kv_aware":
+            figures["router_lookups"] = lookups(metrics)
+    name = f"rankcast DP=2, {layout}" if layout in ("load", "auto") else f"vllm-router {layout}"
+    return {"layout": name, **figures}
+
+
+def print_table(rows: list[dict[str, Any]], best: float, machine: str) -> None:
+    print(
+        f"\nrouting, {TENANTS} tenants x ~1,000-token prefixes, {REQUESTS} chats, "
+        f"{CONCURRENCY} in flight"
+    )
+    print(f"measured on {machine}; best possible prefix hit rate {best:.1%}")
+    heading = ("hit rate", "of best", "TTFT p50", "TTFT p99", "tok/s")
+    print(f"{'layout':<28} " + " ".join(f"{h:>9}" for h in heading))
+    for row in rows:
+        if "skipped" in row:
+            print(f"{row['layout']:<28} skipped: {row['skipped']}")
+            continue
+        print(
+            f"{row['layout']:<28} {row['hit_rate']:>8.1%} {row['hit_rate'] / best:>7.0%} "
+            f"{row['ttft_p50_ms']:>7.0f}ms {row['ttft_p99_ms']:>7.0f}ms {row['tokens_per_s']:>7.1f}"
+        )
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if "skipped" not in r]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    names = [r["layout"] for r in shown]
+    axes[0].barh(names, [r["hit_rate"] * 100 for r in shown])
+    axes[0].set_xlabel("prefix-cache hit rate (%)")
+    axes[1].barh(names, [r["ttft_p50_ms"] for r in shown], label="p50")
+    axes[1].set_xlabel("TTFT p50 (ms)")
+    for ax in axes:
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", default="load,auto,round_robin,cache_aware,kv_aware")
+    parser.add_argument("--blocks", type=int, default=384, help="KV blocks per engine")
+    args = parser.parse_args()
+    from rankcast.model.source import resolve_model
+
+    model_dir = resolve_model(None).model_dir
+    machine = machine_info()
+    best = best_hit_rate(model_dir)
+    rows = [run_layout(layout, args.blocks, model_dir) for layout in args.layouts.split(",")]
+    print_table(rows, best, describe(machine))
+    out = ROOT / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "routing.json").write_text(
+        json.dumps({"machine": machine, "best_hit_rate": best, "rows": rows}, indent=2)
+    )
+    plot(rows, out / "routing.png")
+
+
+if __name__ == "__main__":
+    main()

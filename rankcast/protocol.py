@@ -43,7 +43,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 # 8: EngineStateSnapshot.incarnation (which start of a supervised engine core sent it).
 # 9: StepReply.adapter_reads (a rank's finished adapter reads, typed: the engine's readiness
 #    no longer follows events), SchedulerStats.kv_cache_committed_bytes.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -135,6 +135,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     routing_decisions: dict[str, int] = msgspec.field(default_factory=dict)
     routing_expected_prefix_tokens: int = 0
     routing_hit_prefix_tokens: int = 0
+    # Per adapter: requests that found it in a device slot, the host tier or on disk
+    # ({"sql": {"device": 9, "disk": 1}}), and evictions a request then had to undo.
+    lora_requests_found: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    lora_evictions_undone: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ErrorKind(enum.StrEnum):

@@ -54,7 +54,7 @@ def test_decoder_ignores_unknown_trailing_fields() -> None:
             [],
             [
                 *(1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, 40, 32, 64),
-                *({"load": 1}, 16, 8, "future"),
+                *({"load": 1}, 16, 8, {"sql": {"device": 2}}, {"sql": 1}, "future"),
             ],
             1.0,
         ]
@@ -62,7 +62,27 @@ def test_decoder_ignores_unknown_trailing_fields() -> None:
     decoded = msgspec.msgpack.decode(newer, type=EngineCoreMessage)
     assert isinstance(decoded, EngineCoreOutputs)
     assert decoded.scheduler_stats == SchedulerStats(
-        1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, 40, 32, 64, {"load": 1}, 16, 8
+        1,
+        2,
+        0.5,
+        0,
+        10,
+        16,
+        3,
+        0.25,
+        ["a"],
+        [],
+        {"a": 1},
+        {},
+        2.5,
+        40,
+        32,
+        64,
+        {"load": 1},
+        16,
+        8,
+        {"sql": {"device": 2}},
+        {"sql": 1},
     )
 
 

@@ -110,6 +110,9 @@ class LoRARegistry:
         self.requests_using = requests_using
         self.running_adapters = running_adapters
         self.adapters: dict[str, RegisteredAdapter] = {}
+        # Adapters evicted (from a device slot or the host tier) to make room for another, and
+        # not needed since: the next request on one of them counts a thrash.
+        self.displaced: set[str] = set()
         roots = config.allowed_lora_paths
         self.allowed_roots = None if roots is None else [Path(r) for r in roots]
         self._ids = itertools.count(1)
@@ -185,6 +188,29 @@ class LoRARegistry:
 
     def _move(self, move: LoRAMove) -> None:
         self.planned.append(move)
+        if move.action == "evict" and move.reason in ("capacity", "lru"):
+            # Pushed out to make room for another: a request that needs it again undoes this.
+            self.displaced.update(
+                a.name for a in self.adapters.values() if a.adapter_id == move.adapter_id
+            )
+
+    def whereabouts(self, name: str) -> str:
+        """Where a request on `name` finds it now: "device" (a slot), "host" (every rank's
+        host tier) or "disk" (it must be read first)."""
+        entry = self.adapters.get(name)
+        if entry is not None and entry.slot is not None:
+            return "device"
+        if entry is not None and entry.in_host:
+            return "host"
+        return "disk"
+
+    def undo_displacement(self, name: str) -> bool:
+        """Whether a request needing `name` off its device slot undoes an eviction that made
+        room for another adapter (thrashing); each eviction is undone once."""
+        if name in self.displaced:
+            self.displaced.discard(name)
+            return True
+        return False
 
     def take_moves(self) -> list[LoRAMove]:
         """The moves decided since the last call, for the next step to carry."""

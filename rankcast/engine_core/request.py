@@ -40,6 +40,8 @@ class Request:
     routing_reason: str = ""
     routing_expected_prefix_tokens: int = 0
     routing_hit_counted: bool = False
+    # Whether the scheduler counted where this request found its adapter (its first turn).
+    adapter_found_counted: bool = False
     # Prefix-cache names of its full blocks (computed once), and how many of its blocks have
     # been named in the cache.
     block_hashes: list[int] = field(default_factory=list)

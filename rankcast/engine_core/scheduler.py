@@ -69,6 +69,14 @@ class AdapterSlots(Protocol):
         """The adapter moves decided since the last call: the step carries them."""
         ...
 
+    def whereabouts(self, name: str) -> str:
+        """Where a request finds the adapter now: "device", "host" or "disk"."""
+        ...
+
+    def undo_displacement(self, name: str) -> bool:
+        """Whether needing it undoes an eviction that made room for another (once each)."""
+        ...
+
 
 class Scheduler:
     def __init__(
@@ -96,6 +104,10 @@ class Scheduler:
         self.routing_decisions: collections.Counter[str] = collections.Counter()
         self.routing_expected_prefix_tokens = 0
         self.routing_hit_prefix_tokens = 0
+        # Per adapter: where its requests found it (device, host, disk), and the evictions a
+        # request then had to undo (the adapter had been pushed out for another).
+        self.lora_requests_found: dict[str, collections.Counter[str]] = {}
+        self.lora_evictions_undone: collections.Counter[str] = collections.Counter()
         # What the last `schedule()` gave each request, applied by `update_from_output`.
         self.scheduled: list[tuple[Request, int]] = []
 
@@ -181,6 +193,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.lora_name is not None:
+                if not request.adapter_found_counted:
+                    self._count_adapter_found(request)
                 if request.lora_name == self.draining:
                     self._release(request)
                     deferred.append(request)
@@ -216,6 +230,16 @@ class Scheduler:
             budget -= count
         self.waiting.extendleft(reversed(deferred))
         return admitted
+
+    def _count_adapter_found(self, request: Request) -> None:
+        """At a request's first turn: where its adapter was, and whether needing it undoes an
+        eviction (what users chart to see adapter thrashing)."""
+        assert self.adapters is not None and request.lora_name is not None
+        request.adapter_found_counted = True
+        where = self.adapters.whereabouts(request.lora_name)
+        self.lora_requests_found.setdefault(request.lora_name, collections.Counter())[where] += 1
+        if where != "device" and self.adapters.undo_displacement(request.lora_name):
+            self.lora_evictions_undone[request.lora_name] += 1
 
     def _adapter_ready(self, name: str, protected: set[str]) -> AdapterState:
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
@@ -345,4 +369,8 @@ class Scheduler:
             routing_decisions=dict(self.routing_decisions),
             routing_expected_prefix_tokens=self.routing_expected_prefix_tokens,
             routing_hit_prefix_tokens=self.routing_hit_prefix_tokens,
+            lora_requests_found={
+                name: dict(found) for name, found in sorted(self.lora_requests_found.items())
+            },
+            lora_evictions_undone=dict(sorted(self.lora_evictions_undone.items())),
         )

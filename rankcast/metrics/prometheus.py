@@ -190,6 +190,22 @@ class ServerMetrics:
             ["engine"],
             self.registry,
         )
+        # Adapter cache observability: where each adapter's requests found it, and how often a
+        # request had to bring back an adapter that was pushed out for another (thrashing).
+        self.lora_requests_found = ViewCounter(
+            self.fleet,
+            "rankcast:lora_requests_found",
+            "Requests on an adapter, by where they found it: device slot, host tier or disk.",
+            ["engine", "adapter_name", "tier"],
+            self.registry,
+        )
+        self.lora_evictions_undone = ViewCounter(
+            self.fleet,
+            "rankcast:lora_evictions_undone",
+            "Requests that needed an adapter back after it was evicted to make room for another.",
+            ["engine", "adapter_name"],
+            self.registry,
+        )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens",
             "Prompt tokens of finished requests (every API server's).",
@@ -310,6 +326,13 @@ class ServerMetrics:
         expected = totals.show(("expected",), stats.routing_expected_prefix_tokens)
         self.routing_expected.set(engine, expected)
         self.routing_hit.set(engine, totals.show(("found",), stats.routing_hit_prefix_tokens))
+        for adapter, found in stats.lora_requests_found.items():
+            for tier, count in found.items():
+                shown = totals.show(("adapter", adapter, tier), count)
+                self.lora_requests_found.set((*engine, adapter, tier), shown)
+        for adapter, count in stats.lora_evictions_undone.items():
+            shown = totals.show(("undone", adapter), count)
+            self.lora_evictions_undone.set((*engine, adapter), shown)
         if self.lora is not None:
             self.lora.record_scheduler_stats(engine_index, stats)
         self.kv_cache_committed.labels(*labels).set(stats.kv_cache_committed_bytes)

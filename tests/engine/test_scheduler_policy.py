@@ -69,6 +69,15 @@ class FakeSlots:
     def take_moves(self) -> list[LoRAMove]:
         return []
 
+    def whereabouts(self, name: str) -> str:
+        return "device" if name in self.slots else "disk"
+
+    def undo_displacement(self, name: str) -> bool:
+        if name in self.evicted:
+            self.evicted.remove(name)
+            return True
+        return False
+
     def acquire(self, name: str, busy: set[str]) -> int | None:
         self.calls.append((name, frozenset(busy)))
         if name not in self.known:

@@ -62,7 +62,12 @@ def _complete(url: str, prompt: list[int], model: str | None = None) -> tuple[st
 
 def _routing_series(text: str) -> list[str]:
     return sorted(
-        line for line in text.splitlines() if line.startswith("rankcast:routing_") and "{" in line
+        line
+        for line in text.splitlines()
+        if line.startswith(
+            ("rankcast:routing_", "rankcast:lora_requests_found", "rankcast:lora_ev")
+        )
+        and "{" in line
     )
 
 
@@ -133,6 +138,8 @@ def test_prefix_adapter_and_a_dead_engine_decide_the_engine(server: ServerProces
     }
     assert decisions.get((holder, "prefix"), 0) >= 1, f"the prefix decided a case: {decisions}"
     assert decisions.get((first, "adapter"), 0) >= 1, f"the adapter decided a case: {decisions}"
+    found_adapter = _value(lines, f'rankcast:lora_requests_found_total{{adapter_name="{name}"')
+    assert found_adapter == 9, "each of the adapter's requests says where it found it"
     expected = _value(lines, "rankcast:routing_expected_prefix_tokens_total")
     found = _value(lines, "rankcast:routing_hit_prefix_tokens_total")
     assert expected >= 8 * 320 and found == expected, (expected, found)

@@ -110,3 +110,23 @@ def test_adapter_blocks_carry_the_adapters_name_and_the_scorer_sees_residency(
     assert by_name["alpha"]["block_hashes"] != by_name["beta"]["block_hashes"], "per adapter"
     ids = {by_name[n]["lora_id"] for n in ("alpha", "beta")}
     assert None not in ids and len(ids) == 2
+
+    # Adapter cache observability: one device slot, two adapters taking turns, so each
+    # request of the second round brings back an adapter evicted for the other (thrashing).
+    for model in ("alpha", "beta"):
+        _complete(proc.url, model, prompt)
+    text = httpx.get(f"{proc.url}/metrics", timeout=30).text
+    found: dict[str, dict[str, float]] = {}
+    undone: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "rankcast:lora_requests_found_total":
+                found.setdefault(labels["adapter_name"], {})[labels["tier"]] = sample.value
+            elif sample.name == "rankcast:lora_evictions_undone_total":
+                undone[labels["adapter_name"]] = sample.value
+    for name in ("alpha", "beta"):
+        assert sum(found[name].values()) == 2, found
+        assert set(found[name]) <= {"device", "host", "disk"}
+        assert found[name].get("device", 0) <= 1, "the second round never found it in the slot"
+        assert undone.get(name, 0) >= 1, undone

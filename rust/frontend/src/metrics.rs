@@ -98,6 +98,8 @@ const KV_COMMITTED: usize = 15;
 const ROUTING_DECISIONS: usize = 16;
 const ROUTING_EXPECTED: usize = 17;
 const ROUTING_HIT: usize = 18;
+const LORA_FOUND: usize = 19;
+const LORA_UNDONE: usize = 20;
 
 fn families() -> Vec<Series> {
     let s = |name, help, kind| Series {
@@ -207,6 +209,16 @@ fn families() -> Vec<Series> {
             "Prompt tokens the engine then found cached for the requests routed to it.",
             &["engine"],
         ),
+        view(
+            "rankcast:lora_requests_found_total",
+            "Requests on an adapter, by where they found it: device slot, host tier or disk.",
+            &["engine", "adapter_name", "tier"],
+        ),
+        view(
+            "rankcast:lora_evictions_undone_total",
+            "Requests that needed an adapter back after it was evicted to make room for another.",
+            &["engine", "adapter_name"],
+        ),
     ]
 }
 
@@ -309,6 +321,21 @@ impl EngineMetrics {
             series[ROUTING_EXPECTED].family.set(e(), expected);
             let found = totals.show("found", stats.routing_hit_prefix_tokens as f64);
             series[ROUTING_HIT].family.set(e(), found);
+            for (adapter, by_tier) in &stats.lora_requests_found.0 {
+                for (tier, count) in &by_tier.0 {
+                    let shown = totals.show(&format!("adapter:{adapter}:{tier}"), *count as f64);
+                    let mut labels = e();
+                    labels.push(("adapter_name", adapter.clone()));
+                    labels.push(("tier", tier.clone()));
+                    series[LORA_FOUND].family.set(labels, shown);
+                }
+            }
+            for (adapter, count) in &stats.lora_evictions_undone.0 {
+                let shown = totals.show(&format!("undone:{adapter}"), *count as f64);
+                let mut labels = e();
+                labels.push(("adapter_name", adapter.clone()));
+                series[LORA_UNDONE].family.set(labels, shown);
+            }
         }
         series[KV_COMMITTED]
             .family

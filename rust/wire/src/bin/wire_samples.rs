@@ -112,6 +112,11 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             routing_decisions: Dict(vec![("prefix".into(), 3), ("load".into(), 1)]),
             routing_expected_prefix_tokens: 96,
             routing_hit_prefix_tokens: 80,
+            lora_requests_found: Dict(vec![(
+                "sql".into(),
+                Dict(vec![("device".into(), 5), ("disk".into(), 1)]),
+            )]),
+            lora_evictions_undone: Dict(vec![("sql".into(), 1)]),
         }),
         timestamp: 1700000003.5,
         utility_output: None,

@@ -12,11 +12,18 @@ Layouts, one after another on the same machine, the embedded SmolLM2 in each:
   `kv_aware` fed by the instances' vLLM-format KV events), when vllm-router is installed
   (tests/routing/vllm_router.py installs it under ~/.cache/rankcast-vllm-router).
 
-Reports per layout: the prefix-cache hit rate (the engines' own counters) and its share of the
-best possible (each tenant's prefix computed once), TTFT p50/p99, output tokens/s; a table, JSON
-and a PNG in bench/results/, with the CPU it ran on.
+Part `adapters` (what adapter routing exists for): 96 chat requests choosing among 12 adapters
+by Zipf popularity (s=1, seeded), 16 in flight, `--max-loras 2 --max-cpu-loras 4` per engine,
+`--data-parallel-size 2` with `load` and `auto`, and the base model (no adapter named) for the
+TTFT it would have. Reports adapter loads per 100 requests (disk reads and host-to-device
+copies, from the engines' own lifecycle counters), TTFT p50/p99 and tokens/s.
 
-    python bench/routing.py [--layouts load,auto,round_robin,cache_aware,kv_aware]
+Reports per layout of part `tenants`: the prefix-cache hit rate (the engines' own counters) and
+its share of the best possible (each tenant's prefix computed once), TTFT p50/p99, output
+tokens/s; a table, JSON and a PNG in bench/results/, with the CPU it ran on.
+
+    python bench/routing.py [--part tenants|adapters|all]
+                            [--layouts load,auto,round_robin,cache_aware,kv_aware]
 """
 
 from __future__ import annotations
@@ -192,6 +199,77 @@ def run_layout(layout: str, blocks: int, model_dir: Path) -> dict[str, Any]:
     return {"layout": name, **figures}
 
 
+ADAPTERS = 12
+ADAPTER_REQUESTS = 96
+ADAPTER_CONCURRENCY = 16
+
+
+def run_adapters(layout: str, adapters: list[Path] | None, prompts: list[str]) -> dict[str, Any]:
+    """One DP=2 server, `layout` routing, Zipf traffic over the adapters (None: base model)."""
+    from bench.lora import _load, lifecycle_counts, zipf_choices
+    from tests.entrypoints.server_process import ServerProcess
+
+    names = [f"a{i:02d}" for i in range(ADAPTERS)]
+    flags = ["--data-parallel-size", "2", "--routing-policy", layout, "--max-num-seqs", "32"]
+    flags += ["--kv-cache-space", "0.5"]
+    if adapters is not None:
+        flags += ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "4"]
+        flags += ["--max-lora-rank", "8", "--lora-modules"]
+        flags += [f"{n}={p}" for n, p in zip(names, adapters, strict=True)]
+    server = ServerProcess(*flags, api_server_count=1)
+    with server.running():
+        choices = zipf_choices(ADAPTER_REQUESTS, ADAPTERS)
+        models = [names[c] if adapters is not None else None for c in choices]
+        before = lifecycle_counts(server.url)
+        ttfts, produced, seconds = asyncio.run(
+            _load(server.url, models, prompts, TOKENS, ADAPTER_CONCURRENCY)
+        )
+        after = lifecycle_counts(server.url)
+
+    def per_100(event: str) -> float:
+        moved = sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == event)
+        return moved * 100 / ADAPTER_REQUESTS
+
+    label = f"DP=2, {layout}" + ("" if adapters is not None else ", base model")
+    return {
+        "layout": label,
+        "disk_loads_per_100": per_100("loaded"),
+        "activations_per_100": per_100("activated"),
+        "ttft_p50_ms": percentile(ttfts, 50) * 1000,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1000,
+        "tokens_per_s": produced / seconds,
+    }
+
+
+def adapters_part(layouts: list[str]) -> list[dict[str, Any]]:
+    from bench.lora import make_adapters
+    from bench.workload import load_prompts
+    from rankcast.model.source import resolve_model
+
+    root = ROOT / "bench" / "results" / "adapters"
+    adapters = make_adapters(resolve_model(None).model_dir, root, ADAPTERS, 8)
+    prompts, _ = load_prompts()
+    rows = [run_adapters(layout, adapters, prompts) for layout in layouts]
+    rows.append(run_adapters("auto", None, prompts))
+    return rows
+
+
+def print_adapters(rows: list[dict[str, Any]], machine: str) -> None:
+    print(
+        f"\nrouting, {ADAPTER_REQUESTS} chats over {ADAPTERS} adapters (Zipf), "
+        f"{ADAPTER_CONCURRENCY} in flight, 2 slots and a host tier of 4 per engine"
+    )
+    print(f"measured on {machine}")
+    heading = ("disk/100", "act./100", "TTFT p50", "TTFT p99", "tok/s")
+    print(f"{'layout':<28} " + " ".join(f"{h:>9}" for h in heading))
+    for row in rows:
+        print(
+            f"{row['layout']:<28} {row['disk_loads_per_100']:>9.1f} "
+            f"{row['activations_per_100']:>9.1f} {row['ttft_p50_ms']:>7.0f}ms "
+            f"{row['ttft_p99_ms']:>7.0f}ms {row['tokens_per_s']:>9.1f}"
+        )
+
+
 def print_table(rows: list[dict[str, Any]], best: float, machine: str) -> None:
     print(
         f"\nrouting, {TENANTS} tenants x ~1,000-token prefixes, {REQUESTS} chats, "
@@ -231,22 +309,28 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", default="all", choices=("tenants", "adapters", "all"))
     parser.add_argument("--layouts", default="load,auto,round_robin,cache_aware,kv_aware")
     parser.add_argument("--blocks", type=int, default=384, help="KV blocks per engine")
     args = parser.parse_args()
     from rankcast.model.source import resolve_model
 
-    model_dir = resolve_model(None).model_dir
     machine = machine_info()
-    best = best_hit_rate(model_dir)
-    rows = [run_layout(layout, args.blocks, model_dir) for layout in args.layouts.split(",")]
-    print_table(rows, best, describe(machine))
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
-    (out / "routing.json").write_text(
-        json.dumps({"machine": machine, "best_hit_rate": best, "rows": rows}, indent=2)
-    )
-    plot(rows, out / "routing.png")
+    result: dict[str, Any] = {"machine": machine}
+    if args.part in ("tenants", "all"):
+        model_dir = resolve_model(None).model_dir
+        best = best_hit_rate(model_dir)
+        rows = [run_layout(layout, args.blocks, model_dir) for layout in args.layouts.split(",")]
+        print_table(rows, best, describe(machine))
+        result.update(best_hit_rate=best, rows=rows)
+        plot(rows, out / "routing.png")
+    if args.part in ("adapters", "all"):
+        adapter_rows = adapters_part(["load", "auto"])
+        print_adapters(adapter_rows, describe(machine))
+        result["adapters"] = adapter_rows
+    (out / f"routing-{args.part}.json").write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -254,38 +255,54 @@ def adapters_part(layouts: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def print_adapters(rows: list[dict[str, Any]], machine: str) -> None:
-    print(
-        f"\nrouting, {ADAPTER_REQUESTS} chats over {ADAPTERS} adapters (Zipf), "
-        f"{ADAPTER_CONCURRENCY} in flight, 2 slots and a host tier of 4 per engine"
-    )
-    print(f"measured on {machine}")
-    heading = ("disk/100", "act./100", "TTFT p50", "TTFT p99", "tok/s")
-    print(f"{'layout':<28} " + " ".join(f"{h:>9}" for h in heading))
-    for row in rows:
-        print(
-            f"{row['layout']:<28} {row['disk_loads_per_100']:>9.1f} "
-            f"{row['activations_per_100']:>9.1f} {row['ttft_p50_ms']:>7.0f}ms "
-            f"{row['ttft_p99_ms']:>7.0f}ms {row['tokens_per_s']:>9.1f}"
-        )
-
-
-def print_table(rows: list[dict[str, Any]], best: float, machine: str) -> None:
-    print(
-        f"\nrouting, {TENANTS} tenants x ~1,000-token prefixes, {REQUESTS} chats, "
-        f"{CONCURRENCY} in flight"
-    )
-    print(f"measured on {machine}; best possible prefix hit rate {best:.1%}")
-    heading = ("hit rate", "of best", "TTFT p50", "TTFT p99", "tok/s")
+def print_rows(
+    title: str,
+    heading: tuple[str, ...],
+    rows: list[dict[str, Any]],
+    cells: Callable[[dict[str, Any]], list[str]],
+) -> None:
+    """A table: `title`, the heading, then `cells(row)` (right-aligned) after each layout."""
+    print(f"\n{title}")
     print(f"{'layout':<28} " + " ".join(f"{h:>9}" for h in heading))
     for row in rows:
         if "skipped" in row:
             print(f"{row['layout']:<28} skipped: {row['skipped']}")
-            continue
-        print(
-            f"{row['layout']:<28} {row['hit_rate']:>8.1%} {row['hit_rate'] / best:>7.0%} "
-            f"{row['ttft_p50_ms']:>7.0f}ms {row['ttft_p99_ms']:>7.0f}ms {row['tokens_per_s']:>7.1f}"
-        )
+        else:
+            print(f"{row['layout']:<28} " + " ".join(f"{c:>9}" for c in cells(row)))
+
+
+def print_adapters(rows: list[dict[str, Any]], machine: str) -> None:
+    print_rows(
+        f"routing, {ADAPTER_REQUESTS} chats over {ADAPTERS} adapters (Zipf), "
+        f"{ADAPTER_CONCURRENCY} in flight, 2 slots and a host tier of 4 per engine\n"
+        f"measured on {machine}",
+        ("disk/100", "act./100", "TTFT p50", "TTFT p99", "tok/s"),
+        rows,
+        lambda r: [
+            f"{r['disk_loads_per_100']:.1f}",
+            f"{r['activations_per_100']:.1f}",
+            f"{r['ttft_p50_ms']:.0f}ms",
+            f"{r['ttft_p99_ms']:.0f}ms",
+            f"{r['tokens_per_s']:.1f}",
+        ],
+    )
+
+
+def print_table(rows: list[dict[str, Any]], best: float, machine: str) -> None:
+    print_rows(
+        f"routing, {TENANTS} tenants x ~1,000-token prefixes, {REQUESTS} chats, "
+        f"{CONCURRENCY} in flight\nmeasured on {machine}; best possible prefix hit rate "
+        f"{best:.1%}",
+        ("hit rate", "of best", "TTFT p50", "TTFT p99", "tok/s"),
+        rows,
+        lambda r: [
+            f"{r['hit_rate']:.1%}",
+            f"{r['hit_rate'] / best:.0%}",
+            f"{r['ttft_p50_ms']:.0f}ms",
+            f"{r['ttft_p99_ms']:.0f}ms",
+            f"{r['tokens_per_s']:.1f}",
+        ],
+    )
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -152,8 +152,7 @@ class AsyncLLM:
             choice = self.route(prompt_token_ids, lora_name)
         engine = choice.engine
         client = self.clients[engine]
-        # With one engine nothing was chosen: the engine counts only real decisions.
-        reason = choice.reason if len(self.clients) > 1 else ""
+        reason = choice.reason  # "" with one engine: the engine counts only real choices
         stream = _Stream(
             asyncio.Queue(), time.time(), engine=engine, prompt_tokens=len(prompt_token_ids)
         )

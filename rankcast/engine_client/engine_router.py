@@ -62,7 +62,7 @@ class AdapterResidency(Protocol):
 class Choice:
     engine: int
     # What decided: "load", "prefix" or "adapter" (the term that moved the choice away from
-    # the least-loaded engine), "only" with one live engine.
+    # the least-loaded engine), "only" with one live engine of several, "" with one engine.
     reason: str
     # Prompt tokens the chosen engine's index said were cached.
     expected_prefix_tokens: int
@@ -127,6 +127,10 @@ class EngineRouter:
     # ---- the choice ----
 
     def choose(self, alive: list[bool], prompt: list[int], lora_name: str | None) -> Choice:
+        if len(self.indexes) == 1:  # one engine: nothing to choose, nothing to compute
+            if not alive[0]:
+                raise LookupError("no live engine core")
+            return Choice(0, "", 0)
         if self.policy == "load":
             return Choice(self.balancer.choose(alive), "load", 0)
         live = [engine for engine, up in enumerate(alive) if up]

@@ -537,7 +537,7 @@ class EngineCore:
         events = self.scheduler.blocks.take_kv_events()
         if not events:
             return
-        if self.kv_index is not None:
+        if self.kv_index is not None:  # --kv-events: the channel carries them too
             for event in events:
                 self.kv_index.apply(event)
                 self.notifications.publish_engine_event(event)

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from typing import overload
 from urllib.parse import urlsplit
 
 import zmq
@@ -28,10 +29,15 @@ logger = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-def endpoint_for_engine(endpoint: str, engine_index: int) -> str:
+@overload
+def endpoint_for_engine(endpoint: str, engine_index: int) -> str: ...
+@overload
+def endpoint_for_engine(endpoint: None, engine_index: int) -> None: ...
+def endpoint_for_engine(endpoint: str | None, engine_index: int) -> str | None:
     """Each data-parallel engine core gets its own endpoint: tcp ports count up (port 0, any
-    free port, stays 0), other transports get a suffix; engine 0 keeps the endpoint as given."""
-    if engine_index == 0:
+    free port, stays 0), other transports get a suffix; engine 0 keeps the endpoint as given
+    (None, no endpoint, stays None)."""
+    if endpoint is None or engine_index == 0:
         return endpoint
     if endpoint.startswith("tcp://"):
         parts = urlsplit(endpoint)

@@ -34,7 +34,7 @@ class NotificationPublisher(SequencedPublisher):
     def __init__(self, endpoint: str, replay_endpoint: str | None, engine_index: int) -> None:
         super().__init__(
             endpoint_for_engine(endpoint, engine_index),
-            endpoint_for_engine(replay_endpoint, engine_index) if replay_endpoint else None,
+            endpoint_for_engine(replay_endpoint, engine_index),
             TOPIC,
             name="notification-pub",
         )

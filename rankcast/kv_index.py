@@ -49,6 +49,8 @@ class IndexedBlock:
 class KVCacheIndex:
     def __init__(self) -> None:
         self.blocks: dict[int, IndexedBlock] = {}
+        # Blocks that start a sequence (no parent): how many distinct prefixes are held.
+        self.roots = 0
 
     def apply(self, n: Notification) -> None:
         """Apply one event (other notification types are ignored)."""
@@ -57,12 +59,17 @@ class KVCacheIndex:
             for i, name in enumerate(n.block_hashes):
                 parent = n.parent_block_hash if i == 0 else n.block_hashes[i - 1]
                 tokens = tuple(n.token_ids[i * bs : (i + 1) * bs])
+                if parent is None and name not in self.blocks:
+                    self.roots += 1
                 self.blocks[name] = IndexedBlock(parent, tokens, n.lora_id)
         elif isinstance(n, KVBlocksRemoved):
             for name in n.block_hashes:
-                self.blocks.pop(name, None)
+                gone = self.blocks.pop(name, None)
+                if gone is not None and gone.parent is None:
+                    self.roots -= 1
         elif isinstance(n, KVCacheCleared):
             self.blocks.clear()
+            self.roots = 0
 
     def cached_prefix(
         self,
@@ -97,4 +104,5 @@ class KVCacheIndex:
             index.blocks[block.block_hash] = IndexedBlock(
                 block.parent, tuple(block.token_ids), block.lora_id
             )
+            index.roots += int(block.parent is None)
         return index

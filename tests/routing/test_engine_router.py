@@ -157,3 +157,36 @@ def test_an_adapter_just_sent_to_an_engine_counts_as_loaded_there() -> None:
     second = r.choose([True, True], [4, 5, 6], "sql")
     assert (second.engine, second.reason) == (first.engine, "adapter")
     assert r.choose([True, True], [4, 5, 6], None).engine != first.engine, "base goes by load"
+
+
+def test_a_prompt_no_engine_holds_goes_where_fewer_prefixes_are_held() -> None:
+    """New content (a tenant's first request) is spread by the distinct prefixes each engine
+    holds, not by whichever engine happened to be less busy at that moment."""
+    r = router()
+    r.consume([stored(0, PREFIX)], [], 0.0)
+    assert r.indexes[0].roots == 1 and r.indexes[1].roots == 0
+    load(r, 1, 2)  # engine 1 is busier by two requests
+    other_tenant = [*range(900, 900 + 20 * BS), 7, 1, 9]
+    choice = r.choose([True, True], other_tenant, None)
+    assert choice.engine == 1, "the engine holding no prefix takes the new one"
+    # Sent, not yet reported: it counts there at once, so the next new tenant goes to 0.
+    load(r, 0, 2)
+    third = [*range(5000, 5000 + 20 * BS), 7, 1, 9]
+    assert r.choose([True, True], third, None).engine == 0
+    # A prompt some engine holds part of is not new content: the prefix rule decides.
+    assert r.choose([True, True], question(3), None).engine == 0
+
+
+def test_the_index_counts_the_prefixes_it_holds() -> None:
+    from rankcast.channel.events import KVBlocksRemoved
+
+    index = EngineRouter(1, "auto", BS).indexes[0]
+    index.apply(stored(0, PREFIX))
+    index.apply(stored(0, PREFIX))  # the same blocks again: still one prefix
+    index.apply(stored(0, list(range(7000, 7000 + 2 * BS))))
+    assert index.roots == 2
+    first = next(name for name, block in index.blocks.items() if block.parent is None)
+    index.apply(KVBlocksRemoved(block_hashes=[first]))
+    assert index.roots == 1
+    index.apply(KVCacheCleared())
+    assert (index.roots, index.blocks) == (0, {})

@@ -3,7 +3,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench lint format kernels bytecode mutants rust-deps rust-build rust-check
+.PHONY: serve test bench lint format kernels bytecode mutants rust-deps rust-build rust-check \
+	browser-deps
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,7 +29,7 @@ bytecode: $(STAMP)
 serve: kernels bytecode
 	$(VENV)/bin/rankcast serve --host 127.0.0.1 --port 8000 --max-num-seqs 32 --kv-cache-space 1
 
-test: kernels bytecode lint rust-build
+test: kernels bytecode lint rust-build browser-deps
 	$(VENV)/bin/pytest
 	$(MAKE) rust-check
 
@@ -52,6 +53,18 @@ rust-deps:
 		export DEBIAN_FRONTEND=noninteractive; \
 		$(SUDO) apt-get install -y -q $(RUST_DEBS) >/dev/null || \
 		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q $(RUST_DEBS) >/dev/null; }; \
+	fi
+
+# The dashboard's tests drive a real headless Chromium: Debian's, installed when missing. Where
+# it cannot be installed (no package source, no root) those tests skip and say why.
+browser-deps:
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+		echo "installing Chromium for the dashboard's browser tests"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		{ $(SUDO) apt-get update -q >/dev/null 2>&1 && \
+		  $(SUDO) apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \
+		echo "no Chromium could be installed: the dashboard's browser tests will skip"; \
 	fi
 
 # Release builds: the launcher runs target/release/rankcast-frontend (a debug build costs the

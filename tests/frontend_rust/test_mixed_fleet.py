@@ -19,6 +19,7 @@ from tests.lora.conftest import make_adapter
 from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
 
 MODEL = "SmolLM2-135M-Instruct"
+DASHBOARD = Path(__file__).resolve().parents[2] / "rankcast" / "dashboard"
 
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -36,6 +37,18 @@ def _by_server(url: str, rounds: int) -> dict[str, set[str]]:
     return seen
 
 
+def _dashboard_by_server(url: str, path: str) -> dict[str, bytes]:
+    """`path` as each of the three servers serves it (fresh connections until each answered)."""
+    seen: dict[str, bytes] = {}
+    deadline = time.monotonic() + 30
+    while len(seen) < 3:
+        assert time.monotonic() < deadline, f"{path} answered only by servers {sorted(seen)}"
+        response = httpx.get(f"{url}{path}", timeout=10)
+        assert response.status_code == 200, (path, response.text)
+        seen[response.headers["x-rankcast-api-server"]] = response.content
+    return seen
+
+
 def test_python_and_rust_servers_share_the_port_and_the_answers(tiny_llama_dir: Path) -> None:
     server = ServerProcess(
         *tiny_model_args(tiny_llama_dir),
@@ -48,6 +61,18 @@ def test_python_and_rust_servers_share_the_port_and_the_answers(tiny_llama_dir: 
         assert set(seen) == {"0", "1", "2"}, f"not every server answered: {seen}"
         texts = set().union(*seen.values())
         assert len(texts) == 1, f"the servers disagree: {seen}"
+        # The dashboard: the same bytes from every server, the package's own files.
+        for path, name in (
+            ("/dashboard", "index.html"),
+            ("/dashboard/dashboard.js", "dashboard.js"),
+            ("/dashboard/dashboard.css", "dashboard.css"),
+        ):
+            want = (DASHBOARD / name).read_bytes()
+            for index, body in _dashboard_by_server(server.url, path).items():
+                assert body == want, f"server {index} serves another {path}"
+        for index, body in _dashboard_by_server(server.url, "/health").items():
+            engines = json.loads(body)["engines"]
+            assert engines == [{"engine": 0, "up": True, "incarnation": 0}], (index, engines)
 
         kill_and_wait_for_restart(server)
         deadline = time.monotonic() + 60

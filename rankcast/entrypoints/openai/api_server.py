@@ -28,6 +28,7 @@ from rankcast.addresses import ClientAddresses
 from rankcast.engine_client.async_llm import AsyncLLM, NotificationSink
 from rankcast.engine_client.engine_router import EngineRouter
 from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError, UtilityError
+from rankcast.entrypoints.openai.dashboard import add_dashboard_routes
 from rankcast.entrypoints.openai.discovery import add_discovery_routes
 from rankcast.entrypoints.openai.drain import (
     RETRY_AFTER_S,
@@ -109,7 +110,7 @@ def build_app(
     app.add_middleware(DrainGate, drain=drain)
     app.add_middleware(TagAndAuthenticate, index=index, api_key=config.api_key)
     _add_error_handlers(app)
-    _add_probe_routes(app, serving, metrics)
+    _add_probe_routes(app, serving, metrics, events)
     _add_model_routes(app, config, serving)
     _add_prefix_cache_routes(app, serving)
     _add_lora_routes(app, serving, config.allow_runtime_lora_updating, config.model_name)
@@ -117,6 +118,7 @@ def build_app(
     _add_collective_rpc_route(app, serving)
     _add_completion_routes(app, serving)
     add_discovery_routes(app, config, serving)
+    add_dashboard_routes(app)
     _document_errors_as_answered(app)
     return app
 
@@ -191,7 +193,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return response
 
 
-def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetrics) -> None:
+def _add_probe_routes(
+    app: FastAPI, serving: ServingContext, metrics: ServerMetrics, events: EventHub
+) -> None:
     """What load balancers and scrapers ask: /health (503 once the engine died), /version,
     /metrics."""
 
@@ -199,12 +203,17 @@ def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetr
     async def health() -> Response:
         """200 while any engine core serves (a dead data-parallel sibling is named in the
         body), 503 once none does. A dead engine's entry says whether the launcher is
-        restarting it or has given up, and why."""
+        restarting it or has given up, and why; `incarnation` counts the engine core's
+        restarts (its events' ids carry it)."""
         health = serving.engine.engine_health()
         supervisor = read_states() if any(why for _, why in health) else {}
         engines = []
         for index, why in health:
-            entry: dict[str, object] = {"engine": index, "up": why is None}
+            entry: dict[str, object] = {
+                "engine": index,
+                "up": why is None,
+                "incarnation": events.incarnation.get(index, 0),
+            }
             if why is not None:
                 entry["error"] = why
                 state = supervisor.get(index)

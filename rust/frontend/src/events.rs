@@ -183,6 +183,12 @@ impl EventHub {
         store(&mut hub.incarnation, engine, incarnation);
     }
 
+    /// The incarnation of the engine core now connected (0 before any handshake).
+    pub fn incarnation(&self, engine: i64) -> i64 {
+        let hub = self.hub.lock().expect("events lock");
+        lookup(&hub.incarnation, engine).unwrap_or(0)
+    }
+
     /// The notifications of one message from the engine, in order. Types this server does not
     /// know are counted by the metrics but kept out of the ring, as the Python servers do.
     pub fn consume(&self, raws: &[Raw]) {

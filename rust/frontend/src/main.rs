@@ -7,6 +7,7 @@
 //!                       [--api-key KEY] [--shutdown-timeout SECONDS] [--model-origin WHERE]
 
 mod chat;
+mod dashboard;
 mod drain;
 mod engine;
 mod events;

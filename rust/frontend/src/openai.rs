@@ -49,7 +49,7 @@ enum Failure {
     Shutdown(String),
 }
 
-type Reply = Response<Body>;
+pub type Reply = Response<Body>;
 
 fn json_reply(status: StatusCode, body: &Value) -> Reply {
     Response::builder()
@@ -60,7 +60,7 @@ fn json_reply(status: StatusCode, body: &Value) -> Reply {
 }
 
 /// OpenAI's error shape, so official clients raise the right exception type.
-fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
+pub fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
     let kind = match status.as_u16() {
         400 => "BadRequestError",
         401 => "AuthenticationError",
@@ -344,7 +344,10 @@ impl Server {
         match (request.method(), path.as_str()) {
             (&Method::GET, "/health") => {
                 if self.engine.alive() {
-                    json_reply(StatusCode::OK, &json!({}))
+                    let incarnation = self.events.incarnation(self.engine_index);
+                    let engine = json!({"engine": self.engine_index, "up": true,
+                                        "incarnation": incarnation});
+                    json_reply(StatusCode::OK, &json!({"engines": [engine]}))
                 } else {
                     error(
                         StatusCode::SERVICE_UNAVAILABLE,
@@ -373,6 +376,9 @@ impl Server {
                 .body(Body::from(self.metrics.exposition(&self.adapters)))
                 .expect("a response"),
             (&Method::GET, "/v1/events") => self.event_stream(&request),
+            (&Method::GET, page) if page == "/dashboard" || page.starts_with("/dashboard/") => {
+                crate::dashboard::reply(&page["/dashboard".len()..])
+            }
             (&Method::POST, "/v1/completions") => self.generate(request, false).await,
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
             _ => error(StatusCode::NOT_FOUND, &format!("no route {path}"), None),

@@ -1,0 +1,181 @@
+"""What an open dashboard costs the API server, and the README's screenshot of it.
+
+`cost` (default): one `rankcast serve` (the embedded SmolLM2, one API server) serves the standard
+workload at 32 concurrent streams (bench/serve.py's client) `--runs` times without a page open
+and as many times with the dashboard open in a headless Chromium (polling /health and /metrics
+every 2 s and streaming /v1/events), alternating. For each run: the API server's CPU seconds
+(its /proc utime + stime over the run), output tokens/s, and the API server's CPU per 1,000
+output tokens; the page's cost is the difference of the medians, as a share of the API server's
+CPU without it (the issue's bar: at most 1 %). Chromium's own CPU is not the API server's, but
+it runs on the same two cores, so tokens/s shows what it takes from the engine too.
+
+`screenshot`: the page during a LoRA load on SmolLM2 with `--tensor-parallel-size 3`
+(docs/images/dashboard.png), after a few requests so the sparklines have something to show.
+
+    python bench/dashboard.py [cost|screenshot] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.serve import run_level  # noqa: E402
+from bench.workload import describe, load_prompts, machine_info  # noqa: E402
+
+CONCURRENCY = 32
+TOKENS = 64
+REQUESTS = 96
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def page_open(url: str) -> Iterator[None]:
+    """The dashboard open and streaming in a headless Chromium for the duration."""
+    from tests.dashboard.browser import chromium, wait_for
+
+    with chromium() as browser:
+        browser.get(f"{url}/dashboard")
+        wait_for(
+            lambda: browser.execute_script(
+                "return document.getElementById('events-state').dataset.server"
+            ),
+            30,
+            "the page's event stream",
+        )
+        yield
+
+
+def one_run(url: str, api_server: int, prompts: list[str], with_page: bool) -> dict[str, Any]:
+    with page_open(url) if with_page else nullcontext():
+        time.sleep(3)  # the page's first polls, as a page left open would have done
+        before = cpu_seconds(api_server)
+        row = asyncio.run(run_level(url, prompts, TOKENS, CONCURRENCY, count=REQUESTS))
+        used = cpu_seconds(api_server) - before
+    return {
+        "page": with_page,
+        "api_server_cpu_s": used,
+        "cpu_ms_per_1k_tokens": used * 1e6 / row["output_tokens"],
+        "tokens_per_s": row["tokens_per_s"],
+        "seconds": row["output_tokens"] / row["tokens_per_s"],
+    }
+
+
+def cost(runs: int) -> None:
+    from tests.dashboard.browser import find_chromium
+    from tests.entrypoints.server_process import ServerProcess
+
+    found = find_chromium()
+    if isinstance(found, str):
+        sys.exit(f"no headless Chromium: {found}")
+    prompts, _ = load_prompts()
+    server = ServerProcess("--kv-cache-space", "1", "--max-num-seqs", "32", api_server_count=1)
+    rows = []
+    with server.running():
+        api_server = server.pid_of("api_server_0")
+        asyncio.run(run_level(server.url, prompts, TOKENS, 4))  # warm-up
+        for _ in range(runs):
+            for with_page in (False, True):
+                rows.append(one_run(server.url, api_server, prompts, with_page))
+    machine = machine_info()
+
+    def median(page: bool, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["page"] is page)
+
+    without, with_ = median(False, "cpu_ms_per_1k_tokens"), median(True, "cpu_ms_per_1k_tokens")
+    share = (with_ - without) / without
+    print(f"\nthe dashboard's cost to the API server at {CONCURRENCY} concurrent streams")
+    print(f"measured on {describe(machine)}; {runs} runs each, alternating")
+    print(f"{'page':<10} {'API CPU s':>10} {'ms/1k tok':>10} {'tok/s':>8}")
+    for r in rows:
+        print(
+            f"{'open' if r['page'] else 'closed':<10} {r['api_server_cpu_s']:>10.2f} "
+            f"{r['cpu_ms_per_1k_tokens']:>10.1f} {r['tokens_per_s']:>8.1f}"
+        )
+    tps = median(True, "tokens_per_s") / median(False, "tokens_per_s")
+    print(
+        f"medians: {without:.1f} -> {with_:.1f} ms of API-server CPU per 1,000 tokens "
+        f"({share:+.1%}); tokens/s with the page open {tps:.2f}x"
+    )
+    out = ROOT / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    result = {"machine": machine, "runs": rows, "api_server_cpu_share": share, "tokens_ratio": tps}
+    (out / "dashboard-cost.json").write_text(json.dumps(result, indent=2))
+
+
+def screenshot() -> None:
+    """The page on SmolLM2 with TP=3 while an adapter loads on every rank."""
+    from bench.lora import make_adapters
+    from rankcast.model.source import resolve_model
+    from tests.dashboard.browser import chromium, wait_for
+    from tests.entrypoints.server_process import ServerProcess
+
+    adapters = make_adapters(
+        resolve_model(None).model_dir, ROOT / "bench" / "results" / "adapters", 2, 8
+    )
+    server = ServerProcess(
+        "--tensor-parallel-size", "3", "--kv-cache-space", "0.5",
+        "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "2", "--max-lora-rank", "8",
+        "--lora-modules", f"support={adapters[0]}",
+        "--allowed-lora-paths", str(adapters[1].parent), "--allow-runtime-lora-updating",
+        api_server_count=2,
+    )  # fmt: skip
+    prompts, _ = load_prompts()
+    path = ROOT / "docs" / "images" / "dashboard.png"
+    path.parent.mkdir(exist_ok=True)
+    with server.running(), chromium(1500, 1250) as browser:
+        browser.get(f"{server.url}/dashboard")
+        wait_for(
+            lambda: browser.execute_script(
+                "return document.getElementById('events-state').dataset.server"
+            ),
+            30,
+            "the page's event stream",
+        )
+        for _ in range(3):
+            asyncio.run(run_level(server.url, prompts, 32, 8, count=16))
+            asyncio.run(run_level(server.url, prompts, 32, 4, model="support", count=8))
+        loaded = httpx.post(
+            f"{server.url}/v1/load_lora_adapter",
+            json={"lora_name": "billing", "lora_path": str(adapters[1])},
+            timeout=60,
+        )
+        assert loaded.status_code == 200, loaded.text
+        asyncio.run(run_level(server.url, prompts, 32, 4, model="billing", count=8))
+        time.sleep(2.5)  # one more poll after the load
+        browser.save_screenshot(str(path))
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", nargs="?", default="cost", choices=("cost", "screenshot"))
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    if args.what == "cost":
+        cost(args.runs)
+    else:
+        screenshot()
+
+
+if __name__ == "__main__":
+    main()

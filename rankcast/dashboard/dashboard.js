@@ -1,0 +1,665 @@
+// rankcast's dashboard: one page over what every API server already serves.
+//
+// Sources, all same-origin: /health and /metrics polled every POLL_MS (the numbers), and the
+// engine notification stream /v1/events read live (what each rank did, as it happens; LoRA
+// events update the residency grid at once instead of waiting for the next poll). Nothing here
+// keeps state the server does not have: a reload starts from the next poll and the stream's
+// ring. No build step and no dependencies, so the page works offline from the package.
+"use strict";
+
+const POLL_MS = 2000; // how often /health and /metrics are read (the page says so)
+const HISTORY = 150; // samples per sparkline: 5 minutes at POLL_MS
+const QUANTILE_WINDOW = 15; // samples (30 s) a TTFT/ITL quantile is computed over
+const EVENTS_KEPT = 500; // events held (and shown) by the page
+const KEY_STORAGE = "rankcast-api-key";
+
+const page = {
+  key: sessionStorage.getItem(KEY_STORAGE) || "",
+  samples: [], // [{t, families}] newest last
+  engines: new Map(), // engine -> {state, incarnation, error}
+  ranks: new Map(), // engine -> Set(rank), from the weight-load gauges
+  residency: new Map(), // adapter -> Map("engine:rank" -> {tiers:Set, pinned:bool})
+  loadSeconds: new Map(), // adapter -> last seconds a rank took to move it
+  // adapter -> {ts: its last event's timestamp at the rank, shownAt: when the grid showed it}
+  // (seconds since the epoch; the rows carry both, so the delay from rank to page is visible)
+  loraShown: new Map(),
+  events: [], // {id, type, key, text, gap}
+  lastEventId: null,
+  filter: { type: "", key: "" },
+  stream: null, // AbortController of the open event stream
+};
+
+// ---- fetching ----
+
+function headers() {
+  return page.key ? { Authorization: `Bearer ${page.key}` } : {};
+}
+
+function noteServer(response) {
+  const index = response.headers.get("x-rankcast-api-server");
+  if (index !== null) document.getElementById("server").textContent = `API server ${index}`;
+}
+
+function needKey() {
+  document.getElementById("key-form").hidden = false;
+  setStatus("needs the API key");
+}
+
+function setStatus(text) {
+  document.getElementById("status").textContent = text;
+}
+
+// ---- Prometheus text exposition ----
+
+// name{labels} value -> {name: [{labels, value}]}
+function parseExposition(text) {
+  const families = new Map();
+  const line = /^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)/;
+  const label = /([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"/g;
+  for (const row of text.split("\n")) {
+    if (!row || row.startsWith("#")) continue;
+    const m = line.exec(row);
+    if (!m) continue;
+    const labels = {};
+    for (const l of (m[3] || "").matchAll(label)) {
+      labels[l[1]] = l[2].replace(/\\n/g, "\n").replace(/\\"/g, '"').replace(/\\\\/g, "\\");
+    }
+    if (!families.has(m[1])) families.set(m[1], []);
+    families.get(m[1]).push({ labels, value: Number(m[4]) });
+  }
+  return families;
+}
+
+function series(families, name, where = () => true) {
+  return (families.get(name) || []).filter((s) => where(s.labels));
+}
+
+function total(families, name, where) {
+  return series(families, name, where).reduce((sum, s) => sum + s.value, 0);
+}
+
+// A quantile from the growth of a histogram's buckets between two samples (as PromQL's
+// histogram_quantile over an increase), linear within the bucket; null without observations.
+function quantile(q, newer, older, name) {
+  const buckets = new Map();
+  for (const s of series(newer, `${name}_bucket`)) {
+    buckets.set(s.labels.le, (buckets.get(s.labels.le) || 0) + s.value);
+  }
+  if (older) {
+    for (const s of series(older, `${name}_bucket`)) {
+      buckets.set(s.labels.le, (buckets.get(s.labels.le) || 0) - s.value);
+    }
+  }
+  const sorted = [...buckets.entries()]
+    .map(([le, count]) => [le === "+Inf" ? Infinity : Number(le), count])
+    .sort((a, b) => a[0] - b[0]);
+  const count = sorted.length ? sorted[sorted.length - 1][1] : 0;
+  if (count <= 0) return null;
+  const rank = q * count;
+  let lower = 0;
+  let below = 0;
+  for (const [le, cumulative] of sorted) {
+    if (cumulative >= rank) {
+      if (le === Infinity) return lower;
+      const inBucket = cumulative - below;
+      return inBucket > 0 ? lower + ((le - lower) * (rank - below)) / inBucket : le;
+    }
+    lower = le;
+    below = cumulative;
+  }
+  return lower;
+}
+
+// ---- polling ----
+
+async function poll() {
+  try {
+    const [health, metrics] = await Promise.all([
+      fetch("/health", { headers: headers() }),
+      fetch("/metrics", { headers: headers() }),
+    ]);
+    noteServer(metrics);
+    if (metrics.status === 401 || health.status === 401) {
+      needKey();
+      return;
+    }
+    applyHealth(health.status, await health.json().catch(() => ({})));
+    const families = parseExposition(await metrics.text());
+    page.samples.push({ t: Date.now() / 1000, families });
+    if (page.samples.length > HISTORY + 1) page.samples.shift();
+    applyMetrics(families);
+    setStatus(`updated ${new Date().toLocaleTimeString()}`);
+  } catch (error) {
+    setStatus(`unreachable (${error.message}); retrying`);
+    for (const engine of page.engines.values()) engine.state = "down";
+  }
+  render();
+}
+
+// /health names every engine core: up, or why not and what the launcher is doing about it.
+function applyHealth(status, body) {
+  const engines = body.engines || [];
+  if (!engines.length) {
+    // A server that lists no engines (the Rust API server): one engine, up while it is 200.
+    const known = page.engines.get(0) || {};
+    page.engines.set(0, { ...known, state: status === 200 ? "up" : "down" });
+    return;
+  }
+  for (const entry of engines) {
+    const known = page.engines.get(entry.engine) || {};
+    let state = entry.up ? "up" : "down";
+    if (!entry.up && entry.supervisor) {
+      state = entry.supervisor.state === "given_up" ? "given up" : entry.supervisor.state;
+    }
+    const incarnation = entry.incarnation ?? known.incarnation ?? 0;
+    page.engines.set(entry.engine, { ...known, state, incarnation, error: entry.error || "" });
+  }
+}
+
+// The residency grid is rebuilt from the gauges at every poll (the authority); events between
+// polls update it at once.
+function applyMetrics(families) {
+  for (const s of series(families, "rankcast:worker_weights_load_seconds")) {
+    const engine = Number(s.labels.engine);
+    if (!page.ranks.has(engine)) page.ranks.set(engine, new Set());
+    page.ranks.get(engine).add(Number(s.labels.rank));
+  }
+  for (const s of series(families, "rankcast:engine_up")) {
+    const engine = Number(s.labels.engine);
+    if (!page.engines.has(engine)) page.engines.set(engine, { state: "up", incarnation: 0 });
+  }
+  const residency = new Map();
+  for (const s of series(families, "vllm:lora_adapter_loaded")) {
+    if (s.value !== 1) continue;
+    const place = `${s.labels.engine}:${s.labels.rank}`;
+    const held = holding(residency, s.labels.adapter_name, place);
+    held.tiers.add(s.labels.level === "gpu" ? "device" : s.labels.level);
+    held.pinned = held.pinned || s.labels.pinned === "true";
+  }
+  const registered = new Set();
+  for (const s of series(families, "rankcast:lora_adapter_partial")) {
+    registered.add(s.labels.adapter_name);
+  }
+  for (const name of registered) if (!residency.has(name)) residency.set(name, new Map());
+  page.residency = residency;
+  const info = series(families, "vllm:lora_requests_info")[0];
+  page.running = new Set((info?.labels.running_lora_adapters || "").split(",").filter(Boolean));
+  page.waiting = new Set((info?.labels.waiting_lora_adapters || "").split(",").filter(Boolean));
+}
+
+function holding(residency, adapter, place) {
+  if (!residency.has(adapter)) residency.set(adapter, new Map());
+  const places = residency.get(adapter);
+  if (!places.has(place)) places.set(place, { tiers: new Set(), pinned: false });
+  return places.get(place);
+}
+
+// ---- the event stream ----
+
+// fetch instead of EventSource: EventSource cannot send the API key. Reconnects resume with
+// Last-Event-ID, so a dropped connection loses nothing the server's ring still holds.
+async function streamEvents() {
+  for (;;) {
+    const controller = new AbortController();
+    page.stream = controller;
+    const params = new URLSearchParams();
+    if (page.filter.type) params.set("type", page.filter.type);
+    if (page.filter.key) params.set("key", page.filter.key);
+    const h = headers();
+    if (page.lastEventId) h["Last-Event-ID"] = page.lastEventId;
+    try {
+      const response = await fetch(`/v1/events?${params}`, {
+        headers: h,
+        signal: controller.signal,
+      });
+      if (response.status === 401) {
+        needKey();
+        await waitForKey();
+        continue;
+      }
+      if (!response.ok) throw new Error(`HTTP ${response.status}`);
+      const server = response.headers.get("x-rankcast-api-server");
+      setEventsState(`live from API server ${server}`);
+      document.getElementById("events-state").dataset.server = server ?? "";
+      await readEvents(response.body.getReader());
+      setEventsState("reconnecting");
+    } catch (error) {
+      if (controller.signal.aborted) continue; // the filter changed: reopen at once
+      setEventsState(`reconnecting (${error.message})`);
+    }
+    await new Promise((resolve) => setTimeout(resolve, 1000));
+  }
+}
+
+function setEventsState(text) {
+  document.getElementById("events-state").textContent = text;
+}
+
+let keyGiven = null;
+function waitForKey() {
+  return new Promise((resolve) => {
+    keyGiven = resolve;
+  });
+}
+
+async function readEvents(reader) {
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      onFrame(buffer.slice(0, end));
+      buffer = buffer.slice(end + 2);
+    }
+  }
+}
+
+function onFrame(frame) {
+  let id = null;
+  let name = "message";
+  const data = [];
+  for (const line of frame.split("\n")) {
+    if (line.startsWith(":")) continue;
+    const colon = line.indexOf(":");
+    const field = colon < 0 ? line : line.slice(0, colon);
+    const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+    if (field === "id") id = value;
+    else if (field === "event") name = value;
+    else if (field === "data") data.push(value);
+  }
+  if (!data.length) return;
+  let body;
+  try {
+    body = JSON.parse(data.join("\n"));
+  } catch {
+    return;
+  }
+  if (name !== "message") {
+    // The stream's own notices: replay_gap (the ring or a restart lost events), overflow.
+    addEvent({ id: "", type: name, key: "", text: body.message || "", gap: true });
+    return;
+  }
+  page.lastEventId = id;
+  const [engine, incarnation] = (id || "").split(":").map(Number);
+  const known = page.engines.get(engine);
+  if (known && incarnation > (known.incarnation ?? 0)) known.incarnation = incarnation;
+  onNotification(id, body);
+}
+
+function onNotification(id, n) {
+  const where = `engine ${n.engine_index} rank ${n.rank}`;
+  if (n.type === "notifications_dropped") {
+    const who = n.rank < 0 ? `engine ${n.engine_index} core` : where;
+    const text = `${n.count} event(s) dropped at ${who} before this point`;
+    addEvent({ id, type: n.type, key: "", text, gap: true });
+    return;
+  }
+  addEvent({ id, type: n.type, key: n.key || n.adapter_name || "", text: describe(n, where) });
+  if (n.type.startsWith("lora_adapter_")) {
+    applyLoraEvent(n);
+    renderResidency();
+    page.loraShown.set(n.adapter_name, { ts: n.timestamp, shownAt: Date.now() / 1000 });
+    markShown(n.adapter_name);
+  }
+}
+
+function describe(n, where) {
+  switch (n.type) {
+    case "lora_adapter_loaded":
+      return `${n.adapter_name} read into ${n.tier} in ${ms(n.seconds)} on ${where}`;
+    case "lora_adapter_activated":
+      return `${n.adapter_name} copied to slot ${n.slot} in ${ms(n.seconds)} on ${where}`;
+    case "lora_adapter_evicted":
+      return `${n.adapter_name} dropped from ${n.tier} (${n.reason}) on ${where}`;
+    case "lora_adapter_pinned":
+    case "lora_adapter_unpinned":
+      return `${n.adapter_name} on ${where}`;
+    case "lora_adapter_load_failed":
+      return `${n.adapter_name} failed on ${where}: ${n.error}`;
+    case "kv_blocks_stored":
+      return `${n.block_hashes.length} block(s)${n.lora_name ? ` of ${n.lora_name}` : ""}`;
+    case "kv_blocks_removed":
+      return `${n.block_hashes.length} block(s)`;
+    case "custom":
+      return `${where}: ${JSON.stringify(n.payload)}`;
+    default:
+      return where;
+  }
+}
+
+function ms(seconds) {
+  return `${(seconds * 1000).toFixed(1)} ms`;
+}
+
+function applyLoraEvent(n) {
+  const place = `${n.engine_index}:${n.rank}`;
+  const held = holding(page.residency, n.adapter_name, place);
+  switch (n.type) {
+    case "lora_adapter_loaded":
+      held.tiers.add(n.tier);
+      page.loadSeconds.set(n.adapter_name, n.seconds);
+      break;
+    case "lora_adapter_activated":
+      held.tiers.add("device");
+      page.loadSeconds.set(n.adapter_name, n.seconds);
+      break;
+    case "lora_adapter_evicted":
+      if (n.tier === "disk" || n.reason === "unload" || n.reason === "load_failed") {
+        held.tiers.clear();
+        held.pinned = false;
+      } else {
+        held.tiers.delete(n.tier);
+        if (n.tier === "device") held.pinned = false;
+      }
+      break;
+    case "lora_adapter_pinned":
+      held.pinned = true;
+      break;
+    case "lora_adapter_unpinned":
+      held.pinned = false;
+      break;
+  }
+}
+
+function addEvent(event) {
+  page.events.push(event);
+  if (page.events.length > EVENTS_KEPT) page.events.shift();
+  const list = document.getElementById("events");
+  list.prepend(eventItem(event));
+  while (list.children.length > EVENTS_KEPT) list.lastChild.remove();
+}
+
+function eventItem(event) {
+  const item = document.createElement("li");
+  item.className = event.gap ? "gap" : "event";
+  item.dataset.type = event.type;
+  const id = document.createElement("span");
+  id.className = "id";
+  id.textContent = event.id;
+  const type = document.createElement("span");
+  type.className = "type";
+  type.textContent = event.key ? `${event.type} ${event.key}` : event.type;
+  const text = document.createElement("span");
+  text.textContent = event.text;
+  item.append(id, type, text);
+  return item;
+}
+
+// ---- rendering ----
+
+function render() {
+  renderEngines();
+  renderSparklines();
+  renderResidency();
+}
+
+function latest() {
+  return page.samples[page.samples.length - 1]?.families || new Map();
+}
+
+// The sample about `back` polls before the newest (the oldest held when fewer).
+function earlier(back) {
+  const index = Math.max(0, page.samples.length - 1 - back);
+  return page.samples.length > 1 ? page.samples[index] : null;
+}
+
+function renderEngines() {
+  const body = document.querySelector("#engines tbody");
+  const now = latest();
+  const minuteAgo = earlier(Math.round(60000 / POLL_MS))?.families;
+  const rows = [];
+  for (const [engine, info] of [...page.engines.entries()].sort((a, b) => a[0] - b[0])) {
+    const mine = (l) => l.engine === String(engine);
+    const hits = total(now, "vllm:prefix_cache_hits_total", mine);
+    const queries = total(now, "vllm:prefix_cache_queries_total", mine);
+    const routed = series(now, "rankcast:routing_decisions_total", mine)
+      .map((s) => {
+        const before = minuteAgo
+          ? total(minuteAgo, "rankcast:routing_decisions_total", (l) =>
+              mine(l) && l.reason === s.labels.reason)
+          : 0;
+        return [s.labels.reason, s.value - before];
+      })
+      .filter(([, count]) => count > 0)
+      .map(([reason, count]) => `${reason} ${count}`)
+      .join(", ");
+    const expected = total(now, "rankcast:routing_expected_prefix_tokens_total", mine);
+    const hit = total(now, "rankcast:routing_hit_prefix_tokens_total", mine);
+    const ranks = page.ranks.get(engine);
+    const row = document.createElement("tr");
+    row.dataset.engine = engine;
+    const cells = [
+      ["engine", String(engine)],
+      ["state", info.state + (info.error ? `: ${info.error}` : "")],
+      ["incarnation", String(info.incarnation ?? 0)],
+      ["ranks", ranks ? String(ranks.size) : "?"],
+      ["running", String(total(now, "vllm:num_requests_running", mine))],
+      ["waiting", String(total(now, "vllm:num_requests_waiting", mine))],
+      ["kv", percent(total(now, "vllm:kv_cache_usage_perc", mine))],
+      ["hits", queries ? percent(hits / queries) : "-"],
+      ["routed", routed || "-"],
+      ["accuracy", expected ? percent(hit / expected) : "-"],
+    ];
+    for (const [name, text] of cells) {
+      const cell = document.createElement("td");
+      cell.className = name;
+      cell.textContent = text;
+      if (name === "state") cell.classList.add(`state-${info.state.replace(" ", "-")}`);
+      row.append(cell);
+    }
+    rows.push(row);
+  }
+  body.replaceChildren(...rows);
+}
+
+function percent(x) {
+  return `${(100 * x).toFixed(1)}%`;
+}
+
+// Each sparkline: a function of (newer sample, older sample, seconds between) -> value(s).
+const SPARKS = [
+  ["running / waiting", (n) => [
+    total(n, "vllm:num_requests_running"), total(n, "vllm:num_requests_waiting")], ""],
+  ["KV cache used", (n) => {
+    const usage = series(n, "vllm:kv_cache_usage_perc");
+    return [usage.length ? (100 * total(n, "vllm:kv_cache_usage_perc")) / usage.length : 0];
+  }, "%"],
+  ["prefix hit rate", (n, o) => {
+    const q = total(n, "vllm:prefix_cache_queries_total") -
+      (o ? total(o, "vllm:prefix_cache_queries_total") : 0);
+    const h = total(n, "vllm:prefix_cache_hits_total") -
+      (o ? total(o, "vllm:prefix_cache_hits_total") : 0);
+    return [q > 0 ? (100 * h) / q : null];
+  }, "%"],
+  ["tokens/s", (n, o, dt) => [o && dt > 0
+    ? (total(n, "vllm:generation_tokens_total") - total(o, "vllm:generation_tokens_total")) / dt
+    : null], ""],
+  ["TTFT p50 / p99", (n, o) => [
+    msOrNull(quantile(0.5, n, o, "vllm:time_to_first_token_seconds")),
+    msOrNull(quantile(0.99, n, o, "vllm:time_to_first_token_seconds"))], " ms"],
+  ["ITL p50 / p99", (n, o) => [
+    msOrNull(quantile(0.5, n, o, "vllm:inter_token_latency_seconds")),
+    msOrNull(quantile(0.99, n, o, "vllm:inter_token_latency_seconds"))], " ms"],
+];
+
+function msOrNull(seconds) {
+  return seconds === null ? null : seconds * 1000;
+}
+
+// Rates use the previous poll; quantiles the last QUANTILE_WINDOW polls.
+function sparkValues(index, i) {
+  const [, compute] = SPARKS[index];
+  const newer = page.samples[i];
+  const window = index >= 4 ? QUANTILE_WINDOW : 1;
+  const older = i - window >= 0 ? page.samples[i - window] : null;
+  if (!older && index >= 2) return compute(newer.families, null, 0).map(() => null);
+  return compute(newer.families, older?.families, older ? newer.t - older.t : 0);
+}
+
+function renderSparklines() {
+  const box = document.getElementById("sparklines");
+  document.getElementById("poll-note").textContent =
+    `(from /metrics every ${POLL_MS / 1000} s, last ${(HISTORY * POLL_MS) / 60000} min)`;
+  if (!box.children.length) {
+    for (const [label] of SPARKS) {
+      const spark = document.createElement("div");
+      spark.className = "spark";
+      spark.dataset.series = label;
+      spark.innerHTML = `<div class="label"><span>${label}</span><span class="value"></span>` +
+        `</div><svg viewBox="0 0 ${HISTORY} 36" preserveAspectRatio="none">` +
+        `<polyline></polyline><polyline class="second"></polyline></svg>`;
+      box.append(spark);
+    }
+  }
+  SPARKS.forEach(([, , unit], index) => {
+    const values = page.samples.map((_, i) => sparkValues(index, i));
+    const flat = values.flat().filter((v) => v !== null);
+    const top = Math.max(1e-9, ...flat);
+    const spark = box.children[index];
+    const lines = spark.querySelectorAll("polyline");
+    lines.forEach((line, k) => {
+      const points = values
+        .map((v, i) => (v[k] === null || v[k] === undefined ? null :
+          `${i + HISTORY - values.length},${(36 - (34 * v[k]) / top).toFixed(1)}`))
+        .filter(Boolean);
+      line.setAttribute("points", points.join(" "));
+    });
+    const last = values[values.length - 1] || [];
+    spark.querySelector(".value").textContent = last
+      .map((v) => (v === null || v === undefined ? "-" : `${v.toFixed(v < 10 ? 1 : 0)}${unit}`))
+      .join(" / ");
+  });
+}
+
+function renderResidency() {
+  const places = new Set();
+  for (const [engine, ranks] of page.ranks) for (const rank of ranks) places.add(`${engine}:${rank}`);
+  for (const held of page.residency.values()) for (const place of held.keys()) places.add(place);
+  const columns = [...places].sort((a, b) => {
+    const [ea, ra] = a.split(":").map(Number);
+    const [eb, rb] = b.split(":").map(Number);
+    return ea - eb || ra - rb;
+  });
+  const head = document.querySelector("#lora-grid thead");
+  const heading = document.createElement("tr");
+  heading.innerHTML = "<th>adapter</th>" +
+    columns.map((c) => `<th>e${c.split(":")[0]} r${c.split(":")[1]}</th>`).join("") +
+    "<th>requests</th><th>last move</th>";
+  head.replaceChildren(heading);
+  const rows = [];
+  for (const adapter of [...page.residency.keys()].sort()) {
+    const held = page.residency.get(adapter);
+    const row = document.createElement("tr");
+    row.dataset.adapter = adapter;
+    const name = document.createElement("td");
+    name.textContent = adapter;
+    row.append(name);
+    const partialEngines = partial(held, columns);
+    for (const place of columns) {
+      const cell = document.createElement("td");
+      const [engine, rank] = place.split(":");
+      cell.className = "cell";
+      cell.dataset.engine = engine;
+      cell.dataset.rank = rank;
+      const here = held.get(place);
+      const tier = here?.tiers.has("device") ? "device" : here?.tiers.has("cpu") ? "cpu" : "";
+      if (tier) {
+        cell.classList.add(`tier-${tier}`);
+        cell.textContent = tier === "device" ? "device" : "host";
+      }
+      if (here?.pinned) cell.classList.add("pinned");
+      if (partialEngines.has(engine)) cell.classList.add("partial");
+      cell.dataset.tier = tier;
+      row.append(cell);
+    }
+    rows.push(row);
+    const requests = document.createElement("td");
+    const flags = [];
+    if (page.running?.has(adapter)) flags.push("running");
+    if (page.waiting?.has(adapter)) flags.push("waiting");
+    requests.textContent = flags.join(", ") || "-";
+    const seconds = document.createElement("td");
+    seconds.textContent = page.loadSeconds.has(adapter) ? ms(page.loadSeconds.get(adapter)) : "-";
+    row.append(requests, seconds);
+  }
+  document.querySelector("#lora-grid tbody").replaceChildren(...rows);
+  document.getElementById("lora-empty").hidden = rows.length > 0;
+  for (const adapter of page.loraShown.keys()) markShown(adapter);
+}
+
+function markShown(adapter) {
+  const shown = page.loraShown.get(adapter);
+  const row = document.querySelector(`#lora-grid tr[data-adapter="${CSS.escape(adapter)}"]`);
+  if (!shown || !row) return;
+  row.dataset.eventTs = String(shown.ts);
+  row.dataset.shownAt = String(shown.shownAt);
+}
+
+// Engines whose ranks disagree on where the adapter is (some hold it, some do not, or in other
+// tiers): a request there must wait for a rank to load it.
+function partial(held, columns) {
+  const byEngine = new Map();
+  for (const place of columns) {
+    const [engine] = place.split(":");
+    const tiers = [...(held.get(place)?.tiers || [])].sort().join(",");
+    if (!byEngine.has(engine)) byEngine.set(engine, new Set());
+    byEngine.get(engine).add(tiers);
+  }
+  const out = new Set();
+  for (const [engine, kinds] of byEngine) {
+    if (kinds.size > 1) out.add(engine);
+  }
+  return out;
+}
+
+// ---- start ----
+
+document.getElementById("key-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  page.key = document.getElementById("api-key").value;
+  sessionStorage.setItem(KEY_STORAGE, page.key);
+  document.getElementById("key-form").hidden = true;
+  if (keyGiven) keyGiven();
+});
+
+document.getElementById("event-filter").addEventListener("submit", (e) => {
+  e.preventDefault();
+  page.filter = {
+    type: document.getElementById("filter-type").value.trim(),
+    key: document.getElementById("filter-key").value.trim(),
+  };
+  document.getElementById("events").replaceChildren();
+  page.events = [];
+  page.lastEventId = null; // a new filter starts from now, not from the old stream's place
+  page.stream?.abort();
+});
+
+// Where the server has an API key, the page shows nothing until it has one that works
+// (/v1/models answers 401 without it); then it polls and streams with it.
+async function start() {
+  for (;;) {
+    try {
+      const response = await fetch("/v1/models", { headers: headers() });
+      noteServer(response);
+      if (response.status === 401) {
+        needKey();
+        await waitForKey();
+        continue;
+      }
+      const models = await response.json();
+      document.getElementById("model").textContent = models.data?.[0]?.id || "";
+      break;
+    } catch (error) {
+      setStatus(`unreachable (${error.message}); retrying`);
+      await new Promise((resolve) => setTimeout(resolve, POLL_MS));
+    }
+  }
+  poll();
+  setInterval(poll, POLL_MS);
+  streamEvents();
+}
+
+start();

@@ -1,0 +1,207 @@
+"""The dashboard in a real headless Chromium, on a real fleet: the tiny model on two ranks (TP=2),
+two API servers behind one port, an API key, LoRA with runtime loading, and the test producer in
+every rank. Several tabs are opened until both API servers feed one (each page shows which server
+its event stream comes from); every check below holds on each of them.
+
+Steps of one session, in file order: the key gate, an adapter load reaching both servers' pages
+within a second of the event, an event burst's drop marker, and the engine core killed: shown
+down, then back under its next incarnation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from tests.dashboard.browser import chromium, find_chromium, wait_for
+from tests.entrypoints.notification_clients import producer_server_args
+from tests.entrypoints.server_process import ServerProcess
+
+if TYPE_CHECKING:
+    from selenium.webdriver.remote.webdriver import WebDriver
+
+pytestmark = pytest.mark.scenario
+
+KEY = "dashboard-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BUFFER = 16
+SERVERS = 2
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.lora.conftest import make_adapter
+
+    root = tmp_path_factory.mktemp("dashboard-adapters")
+    make_adapter(tiny_llama_dir, root / "runtime", rank=4)
+    proc = ServerProcess(
+        *producer_server_args(tiny_llama_dir, "--tensor-parallel-size", "2"),
+        "--worker-notification-buffer-size", str(BUFFER),
+        "--api-key", KEY,
+        "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2", "--max-lora-rank", "8",
+        "--allowed-lora-paths", str(root),
+        "--allow-runtime-lora-updating",
+        api_server_count=SERVERS,
+    )  # fmt: skip
+    proc.adapter = root / "runtime"  # type: ignore[attr-defined]
+    with proc.running():
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    found = find_chromium()
+    if isinstance(found, str):
+        pytest.skip(f"no headless Chromium here: {found}")
+    with chromium() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def pages(server: Any, browser: WebDriver) -> dict[str, str]:
+    """One tab per API server, keyed by the server its event stream comes from (tab handles).
+
+    The first tab also checks the key gate: nothing is shown until the key is given."""
+    from selenium.webdriver.common.by import By
+
+    tabs: dict[str, str] = {}
+    browser.get(f"{server.url}/dashboard")
+    wait_for(lambda: browser.find_element(By.ID, "key-form").is_displayed(), 10, "key form")
+    assert browser.find_element(By.ID, "status").text == "needs the API key"
+    assert browser.find_elements(By.CSS_SELECTOR, "#engines tbody tr") == []
+    assert browser.find_elements(By.CSS_SELECTOR, "#events li") == []
+    deadline = time.monotonic() + 60
+    first = True
+    while len(tabs) < SERVERS:
+        assert time.monotonic() < deadline, f"event streams only from servers {sorted(tabs)}"
+        if not first:
+            browser.switch_to.new_window("tab")
+            browser.get(f"{server.url}/dashboard")
+        first = False
+        # A new tab has no key yet (it is kept per tab): it asks again.
+        wait_for(lambda: browser.find_element(By.ID, "key-form").is_displayed(), 10, "key form")
+        browser.find_element(By.ID, "api-key").send_keys(KEY)
+        browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        stream = wait_for(
+            lambda: browser.find_element(By.ID, "events-state").get_attribute("data-server"),
+            20,
+            "the event stream to open",
+        )
+        wait_for(lambda: _engine_cell(browser, 0, "state") == "up", 20, "engine 0 shown up")
+        tabs.setdefault(stream, browser.current_window_handle)
+    return tabs
+
+
+def _engine_cell(browser: WebDriver, engine: int, name: str) -> str | None:
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        selector = f'#engines tr[data-engine="{engine}"] td.{name}'
+        return browser.find_element(By.CSS_SELECTOR, selector).text
+    except (NoSuchElementException, StaleElementReferenceException):
+        return None
+
+
+def _adapter_row(browser: WebDriver, adapter: str) -> dict[str, Any] | None:
+    """The grid row of `adapter` as the page shows it: tier per `engine:rank`, timings."""
+    row: dict[str, Any] | None = browser.execute_script(
+        """
+        const row = document.querySelector(`#lora-grid tr[data-adapter="${arguments[0]}"]`);
+        if (!row) return null;
+        const tiers = {};
+        for (const cell of row.querySelectorAll("td.cell")) {
+          tiers[`${cell.dataset.engine}:${cell.dataset.rank}`] = cell.dataset.tier;
+        }
+        return {tiers, eventTs: row.dataset.eventTs, shownAt: row.dataset.shownAt};
+        """,
+        adapter,
+    )
+    return row
+
+
+def test_an_adapter_loaded_shows_on_the_page_of_both_servers_within_a_second(
+    server: Any, browser: WebDriver, pages: dict[str, str]
+) -> None:
+    response = httpx.post(
+        f"{server.url}/v1/load_lora_adapter",
+        json={"lora_name": "runtime", "lora_path": str(server.adapter)},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    for stream, handle in pages.items():
+        browser.switch_to.window(handle)
+
+        def resident() -> dict[str, Any] | None:
+            row = _adapter_row(browser, "runtime")
+            if row and row["tiers"] == {"0:0": "device", "0:1": "device"} and row["shownAt"]:
+                return row
+            return None
+
+        row = wait_for(resident, 5, f"the adapter on both ranks (events from server {stream})")
+        delay = float(row["shownAt"]) - float(row["eventTs"])
+        assert 0 <= delay < 1.0, f"server {stream}'s page showed the load {delay:.3f} s late"
+
+
+def test_an_event_burst_that_overflows_shows_its_drop_marker(
+    server: Any, browser: WebDriver, pages: dict[str, str]
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    response = httpx.post(
+        f"{server.url}/collective_rpc",
+        json={"method": "publish_events", "args": [BUFFER + 9, "test.flood", [1]]},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    marker = "9 event(s) dropped at engine 0 rank 1 before this point"
+    for stream, handle in pages.items():
+        browser.switch_to.window(handle)
+
+        def gaps() -> list[str]:
+            return [li.text for li in browser.find_elements(By.CSS_SELECTOR, "#events li.gap")]
+
+        wait_for(lambda: any(marker in g for g in gaps()), 10, f"the drop marker ({stream})")
+        floods = browser.find_elements(By.CSS_SELECTOR, '#events li[data-type="custom"]')
+        assert sum("test.flood" in li.text for li in floods) == BUFFER, "the events kept"
+
+
+def test_a_killed_engine_core_shows_down_then_back_under_the_next_incarnation(
+    server: Any, browser: WebDriver, pages: dict[str, str]
+) -> None:
+    # Every state the engine row shows, recorded by the page itself: a restart may be quicker
+    # than this test's look at the page.
+    for handle in pages.values():
+        browser.switch_to.window(handle)
+        assert _engine_cell(browser, 0, "incarnation") == "0"
+        browser.execute_script(
+            """
+            window.seenStates = [];
+            const table = document.querySelector("#engines tbody");
+            new MutationObserver(() => {
+              const cell = table.querySelector('tr[data-engine="0"] td.state');
+              if (cell) window.seenStates.push(cell.textContent);
+            }).observe(table, {childList: true, subtree: true, characterData: true});
+            """
+        )
+    os.kill(server.pid_of("engine_core_dp0"), signal.SIGKILL)
+    for stream, handle in pages.items():
+        browser.switch_to.window(handle)
+        wait_for(
+            lambda: (
+                _engine_cell(browser, 0, "state") == "up"
+                and _engine_cell(browser, 0, "incarnation") == "1"
+            ),
+            90,
+            f"engine 0 back under incarnation 1 ({stream})",
+        )
+        seen = browser.execute_script("return window.seenStates")
+        assert any(not state.startswith("up") for state in seen), f"never shown down: {seen}"

@@ -20,9 +20,6 @@ const page = {
   ranks: new Map(), // engine -> Set(rank), from the weight-load gauges
   residency: new Map(), // adapter -> Map("engine:rank" -> {tiers:Set, pinned:bool})
   loadSeconds: new Map(), // adapter -> last seconds a rank took to move it
-  // adapter -> {ts: its last event's timestamp at the rank, shownAt: when the grid showed it}
-  // (seconds since the epoch; the rows carry both, so the delay from rank to page is visible)
-  loraShown: new Map(),
   events: [], // {id, type, key, text, gap}
   lastEventId: null,
   filter: { type: "", key: "" },
@@ -294,15 +291,14 @@ function onNotification(id, n) {
   if (n.type === "notifications_dropped") {
     const who = n.rank < 0 ? `engine ${n.engine_index} core` : where;
     const text = `${n.count} event(s) dropped at ${who} before this point`;
-    addEvent({ id, type: n.type, key: "", text, gap: true });
+    addEvent({ id, type: n.type, key: "", text, gap: true, ts: n.timestamp });
     return;
   }
-  addEvent({ id, type: n.type, key: n.key || n.adapter_name || "", text: describe(n, where) });
+  const key = n.key || n.adapter_name || "";
+  addEvent({ id, type: n.type, key, text: describe(n, where), ts: n.timestamp });
   if (n.type.startsWith("lora_adapter_")) {
     applyLoraEvent(n);
     renderResidency();
-    page.loraShown.set(n.adapter_name, { ts: n.timestamp, shownAt: Date.now() / 1000 });
-    markShown(n.adapter_name);
   }
 }
 
@@ -376,6 +372,7 @@ function eventItem(event) {
   const item = document.createElement("li");
   item.className = event.gap ? "gap" : "event";
   item.dataset.type = event.type;
+  if (event.ts !== undefined) item.dataset.ts = String(event.ts); // at the rank, epoch seconds
   const id = document.createElement("span");
   id.className = "id";
   id.textContent = event.id;
@@ -587,15 +584,6 @@ function renderResidency() {
   }
   document.querySelector("#lora-grid tbody").replaceChildren(...rows);
   document.getElementById("lora-empty").hidden = rows.length > 0;
-  for (const adapter of page.loraShown.keys()) markShown(adapter);
-}
-
-function markShown(adapter) {
-  const shown = page.loraShown.get(adapter);
-  const row = document.querySelector(`#lora-grid tr[data-adapter="${CSS.escape(adapter)}"]`);
-  if (!shown || !row) return;
-  row.dataset.eventTs = String(shown.ts);
-  row.dataset.shownAt = String(shown.shownAt);
 }
 
 // Engines whose ranks disagree on where the adapter is (some hold it, some do not, or in other

@@ -285,9 +285,6 @@ function onFrame(frame) {
     return;
   }
   page.lastEventId = id;
-  const [engine, incarnation] = (id || "").split(":").map(Number);
-  const known = page.engines.get(engine);
-  if (known && incarnation > (known.incarnation ?? 0)) known.incarnation = incarnation;
   onNotification(id, body);
 }
 

@@ -27,6 +27,7 @@ CACHE = "tests/lora/test_lora_cache.py"
 VLLM_KV = "tests/routing/test_vllm_kv_events.py"
 ROUTER = "tests/routing/test_engine_router.py"
 ROUTED = "tests/routing/test_engine_routing_served.py"
+DASHBOARD = "tests/dashboard/test_dashboard_browser.py"
 
 MUTANTS = [
     # ---- the notification contract (docs/architecture.md, rules 1-10) ----
@@ -210,7 +211,7 @@ MUTANTS = [
         "routing-ignores-adapter",
         "13 Routing: the engine holding an adapter in a device slot wins over load alone",
         "rankcast/engine_client/engine_router.py",
-        "            adapter = ADAPTER_COST[self.residency.tier_on(engine, lora_name)]",
+        "            adapter = ADAPTER_COST[tier]",
         "            adapter = 0",
         (ROUTER, ROUTED),
     ),
@@ -221,6 +222,54 @@ MUTANTS = [
         "        return uncached, adapter, LOAD_COST * requests, room",
         "        return uncached, adapter, 0, room",
         (ROUTER,),
+    ),
+    Mutant(
+        "routing-no-spread",
+        "13 Routing: a prompt no engine holds goes where fewer distinct prefixes are held",
+        "rankcast/engine_client/engine_router.py",
+        "                cost[engine] += SPREAD_COST * self._prefixes_held(engine)",
+        "                cost[engine] += 0",
+        (ROUTER,),
+    ),
+    Mutant(
+        "routing-no-provisional-names",
+        "13 Routing: a burst on an adapter no engine has reported follows its first request",
+        "rankcast/engine_client/engine_router.py",
+        "            lora_id = provisional_lora_id(lora_name)\n        expected",
+        "            return\n        expected",
+        (ROUTER,),
+    ),
+    Mutant(
+        "routing-forgets-sent-adapters",
+        "13 Routing: an adapter just sent to an engine counts as loaded there",
+        "rankcast/engine_client/engine_router.py",
+        '                tier = "device"  # sent there moments ago',
+        "                tier = None  # sent there moments ago",
+        (ROUTER,),
+    ),
+    Mutant(
+        "dashboard-waits-for-poll",
+        "14 The dashboard shows a rank's LoRA event within a second, on every API server's page",
+        "rankcast/dashboard/dashboard.js",
+        "    applyLoraEvent(n);\n    renderResidency();\n",
+        "",
+        (DASHBOARD,),
+    ),
+    Mutant(
+        "health-without-incarnation",
+        "14 The dashboard shows an engine core's restart under its next incarnation",
+        "rankcast/entrypoints/openai/api_server.py",
+        '"incarnation": events.incarnation.get(index, 0),',
+        '"incarnation": 0,',
+        (DASHBOARD,),
+    ),
+    Mutant(
+        "dashboard-drops-unmarked",
+        "14 The dashboard marks dropped events as a gap",
+        "rankcast/dashboard/dashboard.js",
+        '    addEvent({ id, type: n.type, key: "", text, gap: true, ts: n.timestamp });',
+        '    addEvent({ id, type: n.type, key: "", text, gap: false, ts: n.timestamp });',
+        (DASHBOARD,),
     ),
     Mutant(
         "event-ids-without-incarnation",

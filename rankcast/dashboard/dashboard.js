@@ -208,7 +208,8 @@ async function streamEvents() {
     if (page.filter.type) params.set("type", page.filter.type);
     if (page.filter.key) params.set("key", page.filter.key);
     const h = headers();
-    if (page.lastEventId) h["Last-Event-ID"] = page.lastEventId;
+    const resume = page.lastEventId;
+    if (resume) h["Last-Event-ID"] = resume;
     try {
       const response = await fetch(`/v1/events?${params}`, {
         headers: h,
@@ -221,8 +222,11 @@ async function streamEvents() {
       }
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       const server = response.headers.get("x-rankcast-api-server");
-      setEventsState(`live from API server ${server}`);
-      document.getElementById("events-state").dataset.server = server ?? "";
+      setEventsState(`live from API server ${server}` + (resume ? `, resumed after ${resume}` : ""));
+      const state = document.getElementById("events-state");
+      state.dataset.server = server ?? "";
+      state.dataset.resumedAfter = resume ?? "";
+      state.dataset.opened = String(Number(state.dataset.opened || 0) + 1);
       await readEvents(response.body.getReader());
       setEventsState("reconnecting");
     } catch (error) {

@@ -187,6 +187,95 @@ def test_an_event_burst_that_overflows_shows_its_drop_marker(
         assert sum("test.flood" in li.text for li in floods) == BUFFER, "the events kept"
 
 
+def _publish(server: Any, count: int, key: str) -> None:
+    """`count` custom events with `key` from every rank (through whichever server answers)."""
+    response = httpx.post(
+        f"{server.url}/collective_rpc",
+        json={"method": "publish_events", "args": [count, key]},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+
+
+def _listed(browser: WebDriver, key: str) -> list[str]:
+    """The ids of the listed events with `key`, newest first."""
+    from selenium.webdriver.common.by import By
+
+    items = browser.find_elements(By.CSS_SELECTOR, "#events li.event")
+    return [li.find_element(By.CLASS_NAME, "id").text for li in items if key in li.text]
+
+
+def _streams_opened(browser: WebDriver) -> int:
+    from selenium.webdriver.common.by import By
+
+    state = browser.find_element(By.ID, "events-state")
+    return int(state.get_attribute("data-opened") or 0)
+
+
+def _filter(browser: WebDriver, types: str, keys: str) -> None:
+    """Set the page's filter and wait for its stream to reopen with it."""
+    from selenium.webdriver.common.by import By
+
+    opened = _streams_opened(browser)
+    for field, value in (("filter-type", types), ("filter-key", keys)):
+        box = browser.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    browser.find_element(By.CSS_SELECTOR, "#event-filter button").click()
+    wait_for(lambda: _streams_opened(browser) > opened, 10, "the stream to reopen")
+
+
+def test_a_filter_shows_only_the_events_asked_for(server: Any, pages: dict[str, WebDriver]) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser = next(iter(pages.values()))
+    _filter(browser, "custom", "test.wanted")
+    assert browser.find_elements(By.CSS_SELECTOR, "#events li") == [], "the list starts over"
+    _publish(server, 2, "test.other")
+    _publish(server, 2, "test.wanted")
+    wait_for(lambda: len(_listed(browser, "test.wanted")) == 4, 10, "the wanted events")
+    items = browser.find_elements(By.CSS_SELECTOR, "#events li")
+    assert len(items) == 4 and not _listed(browser, "test.other"), [li.text for li in items]
+    _filter(browser, "", "")
+
+
+def test_a_page_whose_server_died_resumes_where_it_stopped(
+    server: Any, pages: dict[str, WebDriver]
+) -> None:
+    """The API server feeding a page is killed; events published meanwhile reach the page
+    once each, from its sibling, by the `Last-Event-ID` it reconnects with."""
+    from selenium.webdriver.common.by import By
+
+    stream, browser = next(iter(pages.items()))
+    _publish(server, 1, "test.before")
+    last = wait_for(lambda: _listed(browser, "test.before")[:1], 10, "the event before")[0]
+    role = f"api_server_{stream}"
+    old = server.pid_of(role)
+    os.kill(old, signal.SIGKILL)
+    _publish(server, 3, "test.resume")  # while the page reconnects (it waits a second)
+    state = browser.find_element(By.ID, "events-state")
+    wait_for(
+        lambda: state.get_attribute("data-resumed-after") == last,
+        20,
+        f"the page to resume after {last}",
+    )
+    wait_for(lambda: len(_listed(browser, "test.resume")) >= 6, 10, "the missed events")
+    ids = _listed(browser, "test.resume")
+    assert len(ids) == len(set(ids)) == 6, ids
+    gaps = browser.find_elements(By.CSS_SELECTOR, '#events li[data-type="replay_gap"]')
+    assert gaps == [], "a resume the sibling's ring could serve shows no gap"
+    wait_for(lambda: _pid(server, role) not in (None, old), 60, f"{role} restarted")
+    server.wait_healthy()
+
+
+def _pid(server: Any, role: str) -> int | None:
+    try:
+        return int(server.pid_of(role))
+    except LookupError:
+        return None
+
+
 def test_a_killed_engine_core_shows_down_then_back_under_the_next_incarnation(
     server: Any, pages: dict[str, WebDriver]
 ) -> None:

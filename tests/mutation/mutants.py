@@ -264,6 +264,14 @@ MUTANTS = [
         (DASHBOARD,),
     ),
     Mutant(
+        "dashboard-forgets-last-event-id",
+        "14 The dashboard resumes its event stream where it stopped after a reconnect",
+        "rankcast/dashboard/dashboard.js",
+        '    if (resume) h["Last-Event-ID"] = resume;',
+        "",
+        (DASHBOARD,),
+    ),
+    Mutant(
         "dashboard-drops-unmarked",
         "14 The dashboard marks dropped events as a gap",
         "rankcast/dashboard/dashboard.js",

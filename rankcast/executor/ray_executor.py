@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +97,7 @@ class RayExecutor(Executor):
         self.world_size = config.parallel.world_size
         self.failure: str | None = None
         self.stopping = False
+        self.stopped = threading.Event()  # wakes the monitor out of its wait between pings
         self.call_ids = 0
         self.remote_doorbell = False
         self.actors: list[Any] = []
@@ -150,6 +150,8 @@ class RayExecutor(Executor):
     def _watch_actors(self) -> None:
         while not self.stopping and self.failure is None:
             for rank, actor in enumerate(self.actors):
+                if self.stopping:
+                    return
                 try:
                     ping = actor.ping.options(concurrency_group="health").remote()
                     if self.ray.get(ping, timeout=_PING_TIMEOUT_S):
@@ -172,7 +174,8 @@ class RayExecutor(Executor):
                     return
                 except Exception:
                     continue
-            time.sleep(_PING_INTERVAL_S)
+            if self.stopped.wait(_PING_INTERVAL_S):
+                return
 
     def _dead_rank(self, refs: list[Any]) -> str | None:
         """A collective error on a live rank is usually the echo of a peer's death: find it."""
@@ -238,11 +241,19 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         self.stopping = True
+        self.stopped.set()
         for actor in getattr(self, "actors", []):
             try:
                 self.ray.kill(actor)
             except Exception:
                 logger.debug("actor already gone", exc_info=True)
+        # The monitor must be done with Ray before anyone shuts Ray down: a Ray call after
+        # `ray.shutdown()` makes Ray's core worker end the whole process with status 1, no
+        # traceback (it ended pytest after tests/executor/test_ray.py). Its ping to a killed
+        # actor fails at once; a ping in flight waits at most its timeout.
+        monitor = getattr(self, "monitor", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(_PING_TIMEOUT_S + 1.0)
         placement = getattr(self, "placement", None)
         if placement is not None:
             from ray.util.placement_group import remove_placement_group

@@ -47,6 +47,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -289,11 +290,8 @@ def tenants_part(layouts: list[str], blocks: int) -> list[dict[str, Any]]:
 
 
 def adapters_part(layouts: list[str]) -> list[dict[str, Any]]:
-    from bench.workload import load_prompts
-
-    prompts, _ = load_prompts()
     flags = ["--max-num-seqs", "32", "--kv-cache-space", "0.5"]
-    requests = adapters_workload(prompts)
+    requests = adapters_workload(_standard_prompts())
     rows = [
         run_layout(layout, [*flags, *lora_flags(ADAPTERS)], requests, ADAPTER_CONCURRENCY)
         for layout in layouts
@@ -401,13 +399,54 @@ def plot(parts: dict[str, list[dict[str, Any]]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+@dataclass(frozen=True)
+class Part:
+    """One traffic shape: its requests, how its layouts are run, the row its ratios are to."""
+
+    workload: Callable[[], list[Request]]
+    run: Callable[[list[str], int], list[dict[str, Any]]]
+    anchor: str
+    title: str
+
+
+PARTS = {
+    "tenants": Part(
+        tenants_workload,
+        tenants_part,
+        # The anchor: vllm-router's KV-aware policy, the router rankcast is judged by.
+        "vllm-router kv_aware",
+        f"part tenants: {TENANTS} tenants x ~1,000-token prefixes, {REQUESTS} chats, "
+        f"{CONCURRENCY} in flight",
+    ),
+    "adapters": Part(
+        lambda: adapters_workload(_standard_prompts()),
+        lambda layouts, _blocks: adapters_part(layouts),
+        layout_name("load"),  # no router routes by adapter residency
+        f"part adapters: {ADAPTER_REQUESTS} chats over {ADAPTERS} adapters (Zipf), "
+        f"{ADAPTER_CONCURRENCY} in flight, 2 slots and a host tier of 4 per engine",
+    ),
+    "mixed": Part(
+        mixed_workload,
+        mixed_part,
+        "vllm-router kv_aware",
+        f"part mixed: {TENANTS} tenants by Zipf, each its own ~1,000-token prefix and adapter, "
+        f"{MIXED_REQUESTS} chats, {MIXED_CONCURRENCY} in flight",
+    ),
+}
+
+
+def _standard_prompts() -> list[str]:
+    from bench.workload import load_prompts
+
+    return load_prompts()[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", default="all", choices=("tenants", "adapters", "mixed", "all"))
+    parser.add_argument("--part", default="all", choices=(*PARTS, "all"))
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--blocks", type=int, default=384, help="KV blocks per engine")
     args = parser.parse_args()
-    from bench.workload import load_prompts
     from rankcast.model.source import resolve_model
 
     machine = machine_info()
@@ -415,35 +454,14 @@ def main() -> None:
     out.mkdir(exist_ok=True)
     model_dir = resolve_model(None).model_dir
     layouts = args.layouts.split(",")
-    wanted = ("tenants", "adapters", "mixed") if args.part == "all" else (args.part,)
+    wanted = tuple(PARTS) if args.part == "all" else (args.part,)
     result: dict[str, Any] = {"machine": machine}
     parts: dict[str, list[dict[str, Any]]] = {}
     for part in wanted:
-        if part == "tenants":
-            requests = tenants_workload()
-            rows = tenants_part(layouts, args.blocks)
-            # The anchor: vllm-router's KV-aware policy, the router rankcast is judged by.
-            anchor = "vllm-router kv_aware"
-            title = (
-                f"part tenants: {TENANTS} tenants x ~1,000-token prefixes, {REQUESTS} chats, "
-                f"{CONCURRENCY} in flight"
-            )
-        elif part == "adapters":
-            requests = adapters_workload(load_prompts()[0])
-            rows = adapters_part(layouts)
-            anchor = layout_name("load")  # no router routes by adapter residency
-            title = (
-                f"part adapters: {ADAPTER_REQUESTS} chats over {ADAPTERS} adapters (Zipf), "
-                f"{ADAPTER_CONCURRENCY} in flight, 2 slots and a host tier of 4 per engine"
-            )
-        else:
-            requests = mixed_workload()
-            rows = mixed_part(layouts, args.blocks)
-            anchor = "vllm-router kv_aware"
-            title = (
-                f"part mixed: {TENANTS} tenants by Zipf, each its own ~1,000-token prefix and "
-                f"adapter, {MIXED_REQUESTS} chats, {MIXED_CONCURRENCY} in flight"
-            )
+        spec = PARTS[part]
+        requests = spec.workload()
+        rows = spec.run(layouts, args.blocks)
+        anchor, title = spec.anchor, spec.title
         # Part adapters shares no system prompt: its prompts share only what the chat template
         # puts first, so no "best" is meaningful there.
         best = best_hit_rate(model_dir, requests) if part != "adapters" else 0.0

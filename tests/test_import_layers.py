@@ -46,7 +46,7 @@ PACKAGE_DIR = REPO / "rankcast"
 ROOT = "rankcast"
 
 LEAF = "leaf"
-LEAF_PACKAGES = frozenset({"rankcast.kernels", "rankcast.channel"})
+LEAF_PACKAGES = frozenset({"rankcast.kernels", "rankcast.channel", "rankcast.dashboard"})
 LAYERS = [
     LEAF,
     "rankcast.model",

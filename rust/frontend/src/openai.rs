@@ -49,7 +49,7 @@ enum Failure {
     Shutdown(String),
 }
 
-pub type Reply = Response<Body>;
+type Reply = Response<Body>;
 
 fn json_reply(status: StatusCode, body: &Value) -> Reply {
     Response::builder()
@@ -60,7 +60,7 @@ fn json_reply(status: StatusCode, body: &Value) -> Reply {
 }
 
 /// OpenAI's error shape, so official clients raise the right exception type.
-pub fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
+fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
     let kind = match status.as_u16() {
         400 => "BadRequestError",
         401 => "AuthenticationError",
@@ -377,7 +377,18 @@ impl Server {
                 .expect("a response"),
             (&Method::GET, "/v1/events") => self.event_stream(&request),
             (&Method::GET, page) if page == "/dashboard" || page.starts_with("/dashboard/") => {
-                crate::dashboard::reply(&page["/dashboard".len()..])
+                match crate::dashboard::asset(&page["/dashboard".len()..]) {
+                    Some((body, content_type)) => Response::builder()
+                        .header("content-type", content_type)
+                        .header("cache-control", "no-cache")
+                        .body(Body::from(body))
+                        .expect("a response"),
+                    None => error(
+                        StatusCode::NOT_FOUND,
+                        &format!("no dashboard file {page:?}"),
+                        None,
+                    ),
+                }
             }
             (&Method::POST, "/v1/completions") => self.generate(request, false).await,
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,

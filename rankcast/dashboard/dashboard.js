@@ -548,9 +548,12 @@ function renderResidency() {
   });
   const head = document.querySelector("#lora-grid thead");
   const heading = document.createElement("tr");
-  heading.innerHTML = "<th>adapter</th>" +
-    columns.map((c) => `<th>e${c.split(":")[0]} r${c.split(":")[1]}</th>`).join("") +
-    "<th>requests</th><th>last move</th>";
+  const titles = ["adapter", ...columns.map((c) => `e${c.split(":")[0]} r${c.split(":")[1]}`)];
+  for (const title of [...titles, "requests", "last move"]) {
+    const cell = document.createElement("th");
+    cell.textContent = title; // label values are text, never markup
+    heading.append(cell);
+  }
   head.replaceChildren(heading);
   const rows = [];
   for (const adapter of [...page.residency.keys()].sort()) {

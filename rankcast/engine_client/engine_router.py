@@ -188,14 +188,15 @@ class EngineRouter:
         lora_id = self._lora_id(engine, lora_name)
         if lora_id is None:
             lora_id = provisional_lora_id(lora_name)
-        expected = self.expected[engine]
-        if len(expected) > 100_000:  # bounded: drop what expired
-            for name in [n for n, until in expected.items() if until < now]:
-                del expected[name]
+        expected, roots = self.expected[engine], self.sent_roots[engine]
+        for held in (expected, roots):
+            if len(held) > 100_000:  # bounded: drop what expired
+                for name in [n for n, until in held.items() if until < now]:
+                    del held[name]
         for i, name in enumerate(block_names(prompt[:-1], self.block_size, lora_id)):
             expected[name] = now + SPECULATION_S
             if i == 0:
-                self.sent_roots[engine][name] = now + SPECULATION_S
+                roots[name] = now + SPECULATION_S
 
     def _prefixes_held(self, engine: int) -> int:
         """Distinct prefixes the engine holds (its index's first blocks) or was sent moments

@@ -9,7 +9,8 @@ alternating: the API server's CPU per second and per 1,000 output tokens, and to
 page's share is its CPU per second over the API server's CPU per second at 32 streams (the
 issue's bar: at most 1 %); the paired runs are the cross-check, inside their run-to-run spread.
 Chromium's own CPU is not the API server's, but it runs on the same two cores, so tokens/s shows
-what it takes from the engine too.
+what it takes from the engine too. No anchor runs beside it: neither vLLM nor llama.cpp serves
+such a page, so the figure is the share of rankcast's own API server, as the issue asks.
 
 `screenshot`: the page during a LoRA load on SmolLM2 with `--tensor-parallel-size 3`
 (docs/images/dashboard.png), after a few requests so the sparklines have something to show.
@@ -59,17 +60,11 @@ def cpu_seconds(pid: int) -> float:
 @contextmanager
 def page_open(url: str) -> Iterator[None]:
     """The dashboard open and streaming in a headless Chromium for the duration."""
-    from tests.dashboard.browser import chromium, wait_for
+    from tests.dashboard.browser import chromium, wait_for_stream
 
     with chromium() as browser:
         browser.get(f"{url}/dashboard")
-        wait_for(
-            lambda: browser.execute_script(
-                "return document.getElementById('events-state').dataset.server"
-            ),
-            30,
-            "the page's event stream",
-        )
+        wait_for_stream(browser)
         yield
 
 
@@ -159,7 +154,7 @@ def screenshot() -> None:
     """The page on SmolLM2 with TP=3 while an adapter loads on every rank."""
     from bench.lora import make_adapters
     from rankcast.model.source import resolve_model
-    from tests.dashboard.browser import chromium, wait_for
+    from tests.dashboard.browser import chromium, wait_for_stream
     from tests.entrypoints.server_process import ServerProcess
 
     adapters = make_adapters(
@@ -177,13 +172,7 @@ def screenshot() -> None:
     path.parent.mkdir(exist_ok=True)
     with server.running(), chromium(1500, 740) as browser:
         browser.get(f"{server.url}/dashboard")
-        wait_for(
-            lambda: browser.execute_script(
-                "return document.getElementById('events-state').dataset.server"
-            ),
-            30,
-            "the page's event stream",
-        )
+        wait_for_stream(browser)
         for _ in range(3):
             asyncio.run(run_level(server.url, prompts, 32, 8, count=16))
             asyncio.run(run_level(server.url, prompts, 32, 4, model="support", count=8))

@@ -24,7 +24,6 @@ const page = {
   ranks: new Map(), // engine -> Set(rank), from the weight-load gauges
   residency: new Map(), // adapter -> Map("engine:rank" -> {tiers:Set, pinned:bool})
   loadSeconds: new Map(), // adapter -> last seconds a rank took to move it
-  events: [], // {id, type, key, text, gap}
   lastEventId: null,
   filter: { type: "", key: "" },
   stream: null, // AbortController of the open event stream
@@ -366,9 +365,8 @@ function applyLoraEvent(n) {
   }
 }
 
+// The list itself holds the events shown (the newest EVENTS_KEPT): nothing else reads them.
 function addEvent(event) {
-  page.events.push(event);
-  if (page.events.length > EVENTS_KEPT) page.events.shift();
   const list = document.getElementById("events");
   list.prepend(eventItem(event));
   while (list.children.length > EVENTS_KEPT) list.lastChild.remove();
@@ -629,7 +627,6 @@ document.getElementById("event-filter").addEventListener("submit", (e) => {
     key: document.getElementById("filter-key").value.trim(),
   };
   document.getElementById("events").replaceChildren();
-  page.events = [];
   page.lastEventId = null; // a new filter starts from now, not from the old stream's place
   page.stream?.abort();
 });

@@ -61,6 +61,18 @@ def chromium(width: int = 1500, height: int = 1100) -> Iterator[WebDriver]:
         driver.quit()
 
 
+def wait_for_stream(browser: WebDriver, timeout: float = 30) -> str:
+    """Wait for the open page's event stream; the API server it comes from."""
+    from selenium.webdriver.common.by import By
+
+    server: str = wait_for(
+        lambda: browser.find_element(By.ID, "events-state").get_attribute("data-server"),
+        timeout,
+        "the page's event stream",
+    )
+    return server
+
+
 def wait_for(condition: Callable[[], T | None], timeout: float, what: str) -> T:
     """Poll `condition` until it returns something truthy; fail naming `what` at the deadline."""
     deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from tests.dashboard.browser import chromium, find_chromium, wait_for
+from tests.dashboard.browser import chromium, find_chromium, wait_for, wait_for_stream
 from tests.entrypoints.notification_clients import producer_server_args
 from tests.entrypoints.server_process import ServerProcess
 
@@ -91,11 +91,7 @@ def _open_with_key(browser: WebDriver, url: str, check_gate: bool) -> str:
         assert browser.find_elements(By.CSS_SELECTOR, "#events li") == []
     browser.find_element(By.ID, "api-key").send_keys(KEY)
     browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
-    stream: str = wait_for(
-        lambda: browser.find_element(By.ID, "events-state").get_attribute("data-server"),
-        20,
-        "the event stream to open",
-    )
+    stream = wait_for_stream(browser, 20)
     wait_for(lambda: _engine_cell(browser, 0, "state") == "up", 20, "engine 0 shown up")
     return stream
 

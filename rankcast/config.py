@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from rankcast import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # How the ray executor places pipeline stages on nodes (Ray's placement-group strategies).
 RAY_PLACEMENTS = ("pack", "spread", "strict-spread")
@@ -60,6 +61,9 @@ class ModelConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    # "int8": linear weights quantized per output channel at load, activations per token
+    # (csrc/gemm_int8.cpp); "none": weights in `dtype`.
+    quantization: str = "none"
     max_model_len: int | None = None
     served_model_name: str | None = None
     seed: int = 0
@@ -70,6 +74,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            self.quantization in QUANTIZATIONS,
+            f"--quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
         _require(
             self.max_model_len is None or self.max_model_len > 0,
             f"--max-model-len must be positive, got {self.max_model_len}",

@@ -24,6 +24,7 @@ from rankcast.config import (
     DEFAULT_KV_CACHE_SPACE_GIB,
     DTYPES,
     EXECUTOR_BACKENDS,
+    QUANTIZATIONS,
     RAY_PLACEMENTS,
     ROUTING_POLICIES,
     ConfigError,
@@ -161,6 +162,13 @@ FLAGS: tuple[Flag, ...] = (
         "weight and activation precision; auto: bfloat16 where the CPU computes it natively, "
         "float32 elsewhere",
         choices=DTYPES,
+    ),
+    Flag(
+        "--quantization",
+        "quantization",
+        "int8: linear weights stored as int8 with a scale per output channel, activations "
+        "quantized per token (half of bfloat16's bytes per token; docs/quantization.md)",
+        choices=QUANTIZATIONS,
     ),
     Flag(
         "--max-model-len",

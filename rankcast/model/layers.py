@@ -60,15 +60,19 @@ class PackedLinearMixin:
     packed_weight: ops.PackedWeight | None = None
     weight: nn.Parameter  # the plain weight, which each layer defines
 
-    def prepack(self, weight: nn.Parameter, kernel: str, release_plain: bool) -> None:
+    def prepack(
+        self, weight: nn.Parameter, kernel: str, release_plain: bool, quantization: str = "none"
+    ) -> None:
         """Pack `weight` for `kernel` (the model's path: `linear_kernels.choose_linear_path`);
         with `release_plain`, drop its storage afterwards: the packed copy is
         then the only one any matmul reads, and keeping both would hold the layer twice (on
         SmolLM2-135M in bfloat16, 203 of the process's ~800 MB). The parameter keeps its shape,
         dtype and device (LoRA sizes its slots by them) over a single zero; where the kernel can,
-        the packed copy takes over the plain one's storage instead of a buffer of its own."""
+        the packed copy takes over the plain one's storage instead of a buffer of its own.
+        `quantization` "int8" stores the weight as int8 with per-channel scales
+        (`ops.quantize_int8_weight`); the plain weight is then released like a packed one."""
         self.packed_weight = ops.pack_linear_weight(
-            weight.detach(), kernel, reuse_storage=release_plain
+            weight.detach(), kernel, reuse_storage=release_plain, quantization=quantization
         )
         if self.packed_weight is not None and release_plain:
             _release(weight)
@@ -297,8 +301,11 @@ def packed_linears(model: nn.Module) -> list[tuple[str, PackedLinearMixin, bool]
     ]
 
 
-def prepack_linears(model: nn.Module, kernel: str, release_plain: bool = True) -> None:
+def prepack_linears(
+    model: nn.Module, kernel: str, release_plain: bool = True, quantization: str = "none"
+) -> None:
     """Prepack every linear-like layer's weight for `kernel` after loading (a no-op for
-    "torch") and, with `release_plain`, release the plain weights only their own matmul reads."""
+    "torch" unquantized), quantized as `quantization` says, and, with `release_plain`, release
+    the plain weights only their own matmul reads."""
     for _, module, own in packed_linears(model):
-        module.prepack(module.weight, kernel, release_plain and own)
+        module.prepack(module.weight, kernel, release_plain and own, quantization)

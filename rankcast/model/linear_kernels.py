@@ -45,19 +45,23 @@ class CpuFacts:
     family: str  # "amx", "avx512-bf16", "avx512", "avx2" or "other" (see `cpu_family`)
     packed: frozenset[torch.dtype]  # dtypes rankcast's loaded kernel build multiplies
     onednn: frozenset[torch.dtype]  # dtypes oneDNN packs on this CPU
+    int8: str = "none"  # the loaded build's int8 kernel: "avx512-vnni", "avx512bw", "avx2", "none"
 
     @classmethod
     def of_this_machine(cls) -> CpuFacts:
         dtypes = (torch.float32, torch.bfloat16)
         packed: frozenset[torch.dtype] = frozenset()
+        int8 = "none"
         if kernels.load():
             supported: Callable[[torch.dtype], bool] = torch.ops.rankcast.packed_linear_supported
             packed = frozenset(d for d in dtypes if supported(d))
+            int8_path: Callable[[], str] = torch.ops.rankcast.int8_path
+            int8 = int8_path()
         mkldnn_available: Callable[[], bool] = torch.backends.mkldnn.is_available
         onednn: frozenset[torch.dtype] = frozenset()
         if mkldnn_available():
             onednn = frozenset(d for d in dtypes if d == torch.float32 or onednn_packs_bf16())
-        return cls(cpu_family(), packed, onednn)
+        return cls(cpu_family(), packed, onednn, int8)
 
 
 @dataclass(frozen=True)
@@ -113,12 +117,16 @@ def choose_linear_path(
     device: torch.device,
     setting: str = "auto",
     facts: CpuFacts | None = None,
+    quantization: str = "none",
 ) -> LinearPath:
     """The path every linear of a `dtype` model on `device` takes, under the engine's
-    `RANKCAST_LINEAR_KERNEL` (`setting`). Raises ValueError naming the variable where a forced
-    path cannot run here. `facts` defaults to this machine's (tests pass other families')."""
+    `RANKCAST_LINEAR_KERNEL` (`setting`) and `--quantization`. Raises ValueError naming the
+    setting where a forced path cannot run here. `facts` defaults to this machine's (tests pass
+    other families')."""
     if setting not in LINEAR_KERNELS:
         raise ValueError(f"RANKCAST_LINEAR_KERNEL must be one of {LINEAR_KERNELS}, got {setting!r}")
+    if quantization == "int8":
+        return _int8_path(dtype, device, setting, facts)
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         if setting not in ("auto", "torch"):
             raise ValueError(
@@ -147,6 +155,30 @@ def choose_linear_path(
     if dtype in facts.onednn:
         return LinearPath("onednn", False, f"no packed {name} kernel in this build")
     return LinearPath("torch", False, f"neither rankcast's kernel nor oneDNN packs {name} here")
+
+
+def _int8_path(
+    dtype: torch.dtype, device: torch.device, setting: str, facts: CpuFacts | None
+) -> LinearPath:
+    """int8 weights (csrc/gemm_int8.cpp): rankcast's kernel wherever it is built, whatever the
+    activations' dtype; torch's reference arithmetic elsewhere (CUDA, kernels off)."""
+    if setting == "onednn":
+        raise ValueError(
+            "RANKCAST_LINEAR_KERNEL=onednn has no int8 path; --quantization int8 "
+            "runs rankcast's kernel (or torch)"
+        )
+    on_cpu = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if on_cpu and setting != "torch":
+        facts = CpuFacts.of_this_machine() if facts is None else facts
+        if facts.int8 != "none":
+            why = f"int8 weights, rows quantized per token, exact int32 sums ({facts.int8})"
+            return LinearPath("rankcast", True, why)
+    if setting == "rankcast":
+        raise ValueError(
+            "RANKCAST_LINEAR_KERNEL=rankcast: this kernel build has no int8 matmul "
+            "(kernels off or not built, or a CPU without AVX2)"
+        )
+    return LinearPath("torch", False, f"int8 weights through torch on {device.type} {dtype}")
 
 
 _WHY = {

@@ -195,6 +195,10 @@ class LlamaForCausalLM(nn.Module):
                 down.out_features,
                 attn.attn.key_cache,
                 attn.attn.value_cache,
+                qkv.scales,
+                o.scales,
+                gate_up.scales,
+                down.scales,
             )
         self.fused_layers = stack
         return True

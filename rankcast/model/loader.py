@@ -53,6 +53,7 @@ def load_model(
     keep_plain_weights: bool = False,
     weight_snapshots: bool = False,
     linear_kernel: str = "auto",
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Construct this rank's slice of the model and load its shard of the weights.
 
@@ -62,9 +63,11 @@ def load_model(
     (rankcast/model/weight_snapshot.py) is mapped instead of loading where there is one, and
     written in the background after loading where there is none. `linear_kernel` is the
     engine's RANKCAST_LINEAR_KERNEL: every linear takes the path `choose_linear_path` makes of
-    it, whatever a snapshot holds (one of another path is not used)."""
-    path = choose_linear_path(dtype, device, linear_kernel)
-    logger.info("%s linears run %s", dtype, path.describe())
+    it, whatever a snapshot holds (one of another path is not used). `quantization` ("int8")
+    stores the linears' weights as int8 (`ops.quantize_int8_weight`)."""
+    path = choose_linear_path(dtype, device, linear_kernel, quantization=quantization)
+    weights = f"{dtype}, int8 weights" if quantization == "int8" else f"{dtype}"
+    logger.info("%s linears run %s", weights, path.describe())
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -74,7 +77,9 @@ def load_model(
         torch.set_default_dtype(previous)
     snapshot = None
     if weight_snapshots and not keep_plain_weights:
-        snapshot = WeightSnapshot.for_rank(model_dir, dtype, device, tp, pp, path.kernel)
+        snapshot = WeightSnapshot.for_rank(
+            model_dir, dtype, device, tp, pp, path.kernel, quantization
+        )
     if snapshot is not None and snapshot.restore(model):
         logger.info("weights mapped from %s", snapshot.path)
         return model.eval()
@@ -84,7 +89,7 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFormatError(f"{model_dir}: checkpoint lacks {len(missing)} tensors: {shown}")
-    prepack_linears(model, path.kernel, release_plain=not keep_plain_weights)
+    prepack_linears(model, path.kernel, not keep_plain_weights, quantization)
     if snapshot is not None:
         snapshot.save_in_background(model)
     return model.eval()

@@ -22,15 +22,65 @@ from rankcast import kernels
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A linear layer's weight laid out once for the CPU's matmul kernel of choice."""
+    """A linear layer's weight laid out once for the CPU's matmul kernel of choice.
+
+    With int8 quantization `scales` holds each output channel's float32 scale and `tensor` the
+    int8 values: packed by csrc/gemm_int8.cpp (backend "rankcast"), or plain [out, in] int8 for
+    the torch path (backend "torch")."""
 
     tensor: torch.Tensor
-    backend: str  # "rankcast" (csrc/gemm.cpp) or "onednn"
+    backend: str  # "rankcast" (csrc/gemm.cpp, gemm_int8.cpp), "onednn", or "torch" (int8 only)
     out_features: int
+    scales: torch.Tensor | None = None
+
+    @property
+    def quantization(self) -> str:
+        return "none" if self.scales is None else "int8"
+
+
+def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (values in [-127, 127] as int8 [out, in], float32
+    scales [out]) with weight ~= values * scales[:, None]. Per channel rather than per group
+    keeps the kernel's inner loop pure integer; the perplexity this costs is measured in
+    bench/perplexity.py."""
+    values, scales = _quantize_rows(weight.float())
+    return values.to(torch.int8), scales
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of float32 `x` to integers in [-127, 127] (as float32) and its scale
+    max|row| / 127, rounding half to even: the arithmetic csrc/gemm_int8.cpp does for
+    activations, so that the reference below matches the kernel bit for bit."""
+    amax = x.abs().amax(dim=1)
+    # A true division: `127.0 / amax` would be torch's reciprocal-then-multiply, another rounding.
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    values = torch.round(x * inverse[:, None]).clamp_(-127, 127)
+    return values, amax / 127
+
+
+def int8_linear_reference(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    exact: bool = True,
+) -> torch.Tensor:
+    """x [rows, in] times int8 weights (`values` [out, in], `scales` [out]) in plain torch, as
+    csrc/gemm_int8.cpp computes it: each row quantized to int8 with its own scale, the integer
+    products summed exactly (float64 holds every such sum; `exact=False` sums in float32, the
+    faster path where the kernels are not built, rounding sums beyond 2^24), then
+    ((sum * weight scale) * row scale) + bias, rounded once to x's dtype."""
+    rows, row_scales = _quantize_rows(x.float())
+    accumulate = torch.float64 if exact else torch.float32
+    sums = (rows.to(accumulate) @ values.to(accumulate).T).float()
+    y = sums * scales * row_scales[:, None]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def pack_linear_weight(
-    weight: torch.Tensor, kernel: str, reuse_storage: bool = False
+    weight: torch.Tensor, kernel: str, reuse_storage: bool = False, quantization: str = "none"
 ) -> PackedWeight | None:
     """Pack a [out, in] weight for `kernel`, the path `linear_kernels.choose_linear_path` chose
     for the model: "rankcast" (csrc/gemm.cpp), "onednn" (its prepacked matmul), or "torch"
@@ -40,7 +90,22 @@ def pack_linear_weight(
     its own storage where the shapes allow (whole 16-row panels, an even K), and `weight` no
     longer holds the plain layout afterwards. That skips a second buffer the size of the weight
     and its first-touch page faults (~0.1 s of SmolLM2-135M's start on the Zen 3).
+
+    With `quantization="int8"` the weight is quantized per output channel
+    (`quantize_int8_weight`) and packed for csrc/gemm_int8.cpp ("rankcast"), or kept as plain
+    int8 for `int8_linear_reference` ("torch": CUDA, or the kernels not built).
     """
+    if quantization == "int8":
+        values, scales = quantize_int8_weight(weight)
+        out = weight.shape[0]
+        if kernel == "rankcast":
+            packed = torch.ops.rankcast.pack_int8_weight(values)
+            return PackedWeight(packed, "rankcast", out, scales)
+        if kernel == "torch":
+            return PackedWeight(values, "torch", out, scales)
+        raise ValueError(f"int8 weights run on rankcast's kernel or torch, not {kernel!r}")
+    if quantization != "none":
+        raise ValueError(f"unknown quantization {quantization!r}")
     if kernel == "rankcast":
         out, k = weight.shape
         if reuse_storage and weight.is_contiguous() and out % 16 == 0 and k % 2 == 0:
@@ -58,6 +123,15 @@ def pack_linear_weight(
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] times a packed weight (+ bias)."""
+    if weight.scales is not None:
+        if weight.backend == "rankcast":
+            return cast(
+                torch.Tensor,
+                torch.ops.rankcast.int8_linear(
+                    x.contiguous(), weight.tensor, weight.out_features, weight.scales, bias
+                ),
+            )
+        return int8_linear_reference(x, weight.tensor, weight.scales, bias, exact=False)
     if weight.backend == "rankcast":
         return cast(
             torch.Tensor,

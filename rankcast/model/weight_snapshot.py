@@ -44,8 +44,9 @@ from rankcast.process import abandoned_staging, staging_name
 logger = logging.getLogger(__name__)
 
 # Bump when what a snapshot holds, or how it is named, changes.
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
 _PACKED = "packed:"
+_SCALES = "scales:"  # int8 weights' per-channel scales
 _PARAM = "param:"
 
 
@@ -71,6 +72,7 @@ class WeightSnapshot:
     source: Path  # the checkpoint directory
     identity: str  # checkpoint_identity(source) when it was made
     kernels_library: Path  # the kernel build that packed it
+    quantization: str = "none"  # "int8": the linears are int8 with their scales
 
     @classmethod
     def for_rank(
@@ -81,6 +83,7 @@ class WeightSnapshot:
         tp: TensorParallelGroup | None,
         pp: PipelineStage | None,
         linear_kernel: str,
+        quantization: str = "none",
     ) -> WeightSnapshot | None:
         """This rank's snapshot location, or None where snapshots do not apply: the model's
         linears do not take rankcast's packed kernel (`linear_kernel`, the path chosen for
@@ -96,11 +99,11 @@ class WeightSnapshot:
         pp = pp or PipelineStage()
         library = kernels.library_path()
         identity = checkpoint_identity(model_dir)
-        layout = [str(dtype), tp.rank, tp.size, pp.rank, pp.size, str(library)]
+        layout = [str(dtype), quantization, tp.rank, tp.size, pp.rank, pp.size, str(library)]
         key = json.dumps([SNAPSHOT_FORMAT, identity, layout])
         digest = hashlib.sha256(key.encode()).hexdigest()[:20]
         path = snapshot_dir() / f"{model_dir.name}-{digest}.safetensors"
-        return cls(path, model_dir.resolve(), identity, library)
+        return cls(path, model_dir.resolve(), identity, library, quantization)
 
     def restore(self, model: nn.Module) -> bool:
         """Give `model` (built, not loaded) the snapshot's weights; False, with the model
@@ -113,7 +116,10 @@ class WeightSnapshot:
         except Exception as exc:
             return self._discard(f"cannot be read ({exc})")
         linears, params = _contents(model)
+        int8 = self.quantization == "int8"
         expected = {_PACKED + name for name, _, _ in linears} | {_PARAM + n for n in params}
+        if int8:
+            expected |= {_SCALES + name for name, _, _ in linears}
         if set(tensors) != expected:
             return self._discard("holds other tensors than this model's")
         for name, param in params.items():
@@ -121,13 +127,15 @@ class WeightSnapshot:
             if saved.shape != param.shape or saved.dtype != param.dtype:
                 return self._discard(f"{name} is {tuple(saved.shape)} {saved.dtype}")
         for name, module, _ in linears:
-            if tensors[_PACKED + name].dtype != module.weight.dtype:
+            packed_dtype = torch.uint8 if int8 else module.weight.dtype
+            if tensors[_PACKED + name].dtype != packed_dtype:
                 return self._discard(f"{name} is packed in {tensors[_PACKED + name].dtype}")
         for name, param in params.items():
             param.data = tensors[_PARAM + name]
         for name, module, own in linears:
             out_features = module.weight.shape[0]
-            packed = ops.PackedWeight(tensors[_PACKED + name], "rankcast", out_features)
+            scales = tensors[_SCALES + name] if int8 else None
+            packed = ops.PackedWeight(tensors[_PACKED + name], "rankcast", out_features, scales)
             module.adopt_packed(packed, release_plain=own)
         return True
 
@@ -149,7 +157,11 @@ class WeightSnapshot:
                 return None
             if own and module.weight.untyped_storage().nbytes() > module.weight.element_size():
                 return None  # the plain weight was kept (tests that compare shards)
+            if packed.quantization != self.quantization:
+                return None
             tensors[_PACKED + name] = packed.tensor
+            if packed.scales is not None:
+                tensors[_SCALES + name] = packed.scales
         tensors.update({_PARAM + name: param.detach() for name, param in params.items()})
         thread = threading.Thread(
             target=self._write, args=(tensors,), name="weight-snapshot", daemon=False

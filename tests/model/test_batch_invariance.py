@@ -62,11 +62,14 @@ class Other:
     lora_slot: int
     done: int = 0  # tokens whose K/V are cached
     rng: random.Random = field(default_factory=random.Random)
+    capacity: int = 0  # tokens its blocks hold: it finishes there (a chunk-1 target runs long)
 
     def next_work(self) -> ScheduledSequence | None:
         if self.rng.random() < 0.25:
             return None  # not scheduled this step
         if self.done >= len(self.tokens):
+            if len(self.tokens) >= self.capacity:
+                return None  # finished
             self.tokens.append(self.rng.randrange(50))  # a decode of a made-up token
         remaining = len(self.tokens) - self.done
         n = remaining if remaining == 1 else self.rng.randint(1, remaining)
@@ -131,7 +134,8 @@ class Harness:
                 "donor", prompt[: cached * bs], 0, table[:cached], lora_slot=slot
             )
             filler = Other("f", self._random_prompt(rng), [], 0, rng=rng)
-            filler.blocks = blocks.take(len(filler.tokens) + 8, bs)
+            filler.capacity = len(filler.tokens) + 8
+            filler.blocks = blocks.take(filler.capacity, bs)
             self.runner.compute_logits(SchedulerOutput([donor, *self._work([filler])]))
         chunk = data.draw(st.integers(1, len(prompt)), label="chunk size")
         others = [
@@ -145,7 +149,8 @@ class Harness:
             for i in range(data.draw(st.integers(0, 4), label="other sequences"))
         ]
         for other in others:
-            other.blocks = blocks.take(len(other.tokens) + GENERATED + 8, bs)
+            other.capacity = len(other.tokens) + GENERATED + 8
+            other.blocks = blocks.take(other.capacity, bs)
         done, logits = cached * bs, []
         while len(logits) < GENERATED + 1:
             n = min(chunk, len(prompt) - done) if done < len(prompt) else 1

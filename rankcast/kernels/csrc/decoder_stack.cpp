@@ -6,7 +6,7 @@
 // 50 us a layer. Here one call runs every layer of the stage. It holds references to the very
 // tensors the Python modules own (packed weights, norms, caches), so nothing is copied and the
 // module path stays the reference; the model uses this only where nothing it cannot do is needed
-// (one tensor-parallel rank, no LoRA adapters, rankcast's packed linears).
+// (one tensor-parallel rank, no LoRA adapters, rankcast's packed linears, float or int8).
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
@@ -18,11 +18,22 @@
 namespace rankcast {
 namespace {
 
+// One projection: a weight packed by csrc/gemm.cpp, or by csrc/gemm_int8.cpp with its scales.
+struct Projection {
+  at::Tensor packed;
+  c10::optional<at::Tensor> scales;  // int8 weights' per-channel scales
+  c10::optional<at::Tensor> bias;
+  int64_t n;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (scales.has_value()) return int8_linear(x, packed, n, *scales, bias);
+    return packed_linear(x, packed, n, bias);
+  }
+};
+
 struct Layer {
   at::Tensor input_norm, post_norm;
-  at::Tensor qkv, o, gate_up, down;  // packed weights
-  c10::optional<at::Tensor> qkv_bias, o_bias;
-  int64_t qkv_n, o_n, gate_up_n, down_n;
+  Projection qkv, o, gate_up, down;
   at::Tensor key_cache, value_cache;
 };
 
@@ -39,11 +50,15 @@ class DecoderStack : public torch::CustomClassHolder {
                  c10::optional<at::Tensor> qkv_bias, int64_t qkv_n, at::Tensor o,
                  c10::optional<at::Tensor> o_bias, int64_t o_n, at::Tensor gate_up,
                  int64_t gate_up_n, at::Tensor down, int64_t down_n, at::Tensor key_cache,
-                 at::Tensor value_cache) {
-    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down), std::move(qkv_bias),
-                       std::move(o_bias), qkv_n, o_n, gate_up_n, down_n, std::move(key_cache),
-                       std::move(value_cache)});
+                 at::Tensor value_cache, c10::optional<at::Tensor> qkv_scales,
+                 c10::optional<at::Tensor> o_scales, c10::optional<at::Tensor> gate_up_scales,
+                 c10::optional<at::Tensor> down_scales) {
+    layers_.push_back({std::move(input_norm), std::move(post_norm),
+                       {std::move(qkv), std::move(qkv_scales), std::move(qkv_bias), qkv_n},
+                       {std::move(o), std::move(o_scales), std::move(o_bias), o_n},
+                       {std::move(gate_up), std::move(gate_up_scales), {}, gate_up_n},
+                       {std::move(down), std::move(down_scales), {}, down_n},
+                       std::move(key_cache), std::move(value_cache)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -72,7 +87,7 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor qkv;
       {
         RECORD_FUNCTION("rankcast::packed_linear[qkv]", std::vector<c10::IValue>());
-        qkv = packed_linear(x, layer.qkv, layer.qkv_n, layer.qkv_bias);
+        qkv = layer.qkv(x);
       }
       {
         RECORD_FUNCTION("rankcast::rotary_embedding_cache", std::vector<c10::IValue>());
@@ -89,8 +104,7 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor h;
       {
         RECORD_FUNCTION("rankcast::packed_linear[o]", std::vector<c10::IValue>());
-        h = packed_linear(attn.view({tokens, heads_ * head_dim_}), layer.o, layer.o_n,
-                          layer.o_bias);
+        h = layer.o(attn.view({tokens, heads_ * head_dim_}));
       }
       {
         RECORD_FUNCTION("rankcast::add_rms_norm", std::vector<c10::IValue>());
@@ -99,7 +113,7 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor gate_up;
       {
         RECORD_FUNCTION("rankcast::packed_linear[gate_up]", std::vector<c10::IValue>());
-        gate_up = packed_linear(x, layer.gate_up, layer.gate_up_n, {});
+        gate_up = layer.gate_up(x);
       }
       at::Tensor act;
       {
@@ -108,7 +122,7 @@ class DecoderStack : public torch::CustomClassHolder {
       }
       {
         RECORD_FUNCTION("rankcast::packed_linear[down]", std::vector<c10::IValue>());
-        hidden = packed_linear(act, layer.down, layer.down_n, {});
+        hidden = layer.down(act);
       }
     }
     return {hidden, res};

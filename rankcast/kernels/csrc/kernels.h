@@ -31,5 +31,13 @@ at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor pack_linear_weight_(at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias);
+// int8 weights (csrc/gemm_int8.cpp): whether this build has the kernel, which instructions it
+// runs ("avx512-vnni", "avx512bw", "avx2" or "none"), and how many k its packing groups.
+bool int8_supported();
+std::string int8_path();
+int64_t int8_group();
+at::Tensor pack_int8_weight(const at::Tensor& weight);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                       const at::Tensor& scales, const c10::optional<at::Tensor>& bias);
 
 }  // namespace rankcast

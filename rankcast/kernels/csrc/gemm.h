@@ -1,0 +1,233 @@
+// The driver every packed linear kernel shares (csrc/gemm.cpp for float32 and bfloat16 weights,
+// csrc/gemm_int8.cpp for int8): how the packed weight is walked, shared between threads, and kept
+// streaming while each tile of rows multiplies one column group. A kernel family supplies only its
+// register tiles and what a tile does with its sums (its epilogue); the walk, and with it the
+// order every output sums k in, is the same for all of them (docs/cpu-paths.md).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "simd.h"
+
+namespace rankcast {
+namespace gemm {
+
+constexpr int kPanel = 16;  // output columns per packed panel (one zmm, two ymm of float32)
+constexpr int kPanels = 3;  // panels per column group (and per AVX-512 register tile)
+#if RANKCAST_SIMD_BITS == 512
+constexpr int kRows = 8;  // rows of x per register tile: 8 x 3 accumulators + 3 loads + 1 broadcast
+#else
+// AVX2: a tile is a whole row block, run in sub-tiles of at most 6 rows (see `tile_f32`).
+constexpr int kRows = 32;
+#endif
+constexpr int kRowBlock = 32;  // rows that share one pass over a column group
+constexpr int kOverlapRows = 4;  // fewer rows than this: no next-group prefetch (see below)
+constexpr int kAhead = 1024;  // bytes of each panel stream prefetched ahead of use
+constexpr int64_t kRunBytes = 512 * 1024;  // packed weight one thread works through per run
+
+inline void prefetch_ahead(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kAhead); }
+
+// Weight lines a tile pulls into cache for the column group after its own, spread over its k
+// loop: while the row tiles of a group compute on weights already in cache, the memory system
+// streams in the next group, so the stream and the FMAs overlap instead of taking turns (they
+// took turns before: the first row tile waited on memory, the others on the FMA units). With
+// 32 rows this made the step's linears 15-20 % faster on a 2-core Zen 5, in float32 and
+// bfloat16; PREFETCHT0 measured a little better than T1/T2 there.
+struct NextGroup {
+  const char* lines = nullptr;  // first cache line of this tile's share of the next group
+  int64_t count = 0;            // lines in that share
+};
+
+inline int lines_per_step(const NextGroup& next, int64_t steps) {
+  return static_cast<int>((next.count + steps - 1) / steps);
+}
+
+inline void prefetch_next(const NextGroup& next, int64_t step, int per_step) {
+  for (int i = 0; i < per_step; ++i) {
+    const int64_t line = step * per_step + i;
+    if (line < next.count) __builtin_prefetch(next.lines + line * 64, 0, 3);
+  }
+}
+
+template <typename Out>
+inline void store_tile_row(Out* c, Vec16 v, const float* bias, int cols) {
+  if (bias != nullptr) v = v + load16(bias, cols);
+  if (cols == kPanel) {
+    store16(c, v);
+  } else {
+    store16(c, v, cols);
+  }
+}
+
+// What a float tile does with a finished row of 16 sums: add the bias (if any) and store.
+struct BiasEpilogue {
+  const float* bias = nullptr;
+
+  BiasEpilogue at(int64_t /*row*/, int64_t col) const { return {bias ? bias + col : nullptr}; }
+  template <typename Out>
+  void store(Out* c, Vec16 v, int /*i*/, int j, int cols) const {
+    store_tile_row(c, v, bias ? bias + j * kPanel : nullptr, cols);
+  }
+};
+
+// Dispatch a tile of `rows` (1..kRows) x `panels` (1..kPanels) to its fixed-size instance, with
+// or without the next group's prefetch compiled in (a memory-bound tile loses to the extra check).
+// `Family` names the rows' type (In), the packed weight's (W), the output's (Out), the epilogue
+// (Epi) and `template <int MR, int NR, bool Next> static Fn tile()`, its register tile.
+template <typename Family, bool Next>
+struct Tiles {
+  using In = typename Family::In;
+  using W = typename Family::W;
+  using Out = typename Family::Out;
+  using Epi = typename Family::Epi;
+  using Fn = void (*)(const In*, int64_t, const W*, int64_t, int64_t, Out*, int64_t, const Epi&,
+                      int, bool, NextGroup);
+  template <int MR>
+  static constexpr std::array<Fn, kPanels> row() {
+    return {Family::template tile<MR, 1, Next>(), Family::template tile<MR, 2, Next>(),
+            Family::template tile<MR, 3, Next>()};
+  }
+  template <size_t... I>
+  static constexpr std::array<std::array<Fn, kPanels>, kRows> rows(std::index_sequence<I...>) {
+    return {row<static_cast<int>(I) + 1>()...};
+  }
+  static constexpr std::array<std::array<Fn, kPanels>, kRows> table() {
+    return rows(std::make_index_sequence<kRows>{});
+  }
+};
+
+// y [m, n] = the rows of x times the packed weight, through `Family`'s tiles; `k_steps` groups of
+// k per panel row, `panel_elems` elements of W per panel, `epi` the family's epilogue for the
+// whole output (each tile gets it shifted to its own rows and columns).
+template <typename Family>
+void packed_linear_impl(const typename Family::In* x, int64_t m, int64_t lda,
+                        const typename Family::W* packed, int64_t n, int64_t k_steps,
+                        int64_t panel_elems, const typename Family::Epi& epi,
+                        typename Family::Out* y) {
+  using W = typename Family::W;
+  static constexpr auto tiles = Tiles<Family, false>::table();
+  static constexpr auto tiles_prefetching = Tiles<Family, true>::table();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t groups = (panels + kPanels - 1) / kPanels;
+  // Threads take contiguous runs of column groups from a shared counter, a few runs each: every
+  // run streams its own stretch of the weight, and a thread that the OS preempts (an API server
+  // or the engine's I/O wanting the core) leaves its remaining runs to the others instead of
+  // holding the whole step at the join. A run is at most what fits in half the L2 cache.
+  //
+  // Within a run, rows go in blocks of kRowBlock: for each column group every row tile of the
+  // block runs while the group is in cache, and those tiles prefetch the next group (the packed
+  // panels are contiguous, so it starts where this one ends). For a decode batch that is the whole
+  // batch, and reading the weights overlaps the arithmetic. Later row blocks of a prompt find
+  // the run's weights in L2 and prefetch nothing.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  const int64_t group_bytes = kPanels * panel_elems * static_cast<int64_t>(sizeof(W));
+  const int64_t fits = std::max<int64_t>(1, kRunBytes / group_bytes);
+  const int64_t run = std::clamp<int64_t>(groups / (threads * 4), 1, fits);
+  // A few rows do too little arithmetic per weight to hide anything: there the stream of each
+  // panel just reads a little ahead of itself, which keeps more of the bandwidth.
+  const bool overlap = m >= kOverlapRows;
+  std::atomic<int64_t> next{0};
+  auto work = [&]() {
+    // The thread claims its following run when it starts the last group of this one, so that
+    // the following run's first group is prefetched like every other.
+    int64_t begin = next.fetch_add(run);
+    bool first_fetched = false;  // was this run's first group prefetched by the one before?
+    while (begin < groups) {
+      const int64_t end = std::min(groups, begin + run);
+      int64_t following = -1;
+      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+        const int64_t rows = std::min<int64_t>(kRowBlock, m - r0);
+        const int64_t tiles_in_block = (rows + kRows - 1) / kRows;
+        // The block's rows shared out evenly between its tiles (AVX-512, 8-row tiles: 30 rows
+        // are 8, 8, 7, 7 rather than three 8s and a 6; on AVX2 a tile is the whole block, split
+        // the same way inside): a thin tile has too few accumulators to keep the FMA units
+        // busy. Every tile sums k in the same order, so a row's bits do not depend on which
+        // tile it lands in.
+        const int64_t tile_rows = rows / tiles_in_block, wider = rows % tiles_in_block;
+        for (int64_t g = begin; g < end; ++g) {
+          const int64_t p0 = g * kPanels;
+          const int np = static_cast<int>(std::min<int64_t>(kPanels, panels - p0));
+          const int64_t col0 = p0 * kPanel;
+          const int last_cols =
+              static_cast<int>(std::min<int64_t>(kPanel, n - (p0 + np - 1) * kPanel));
+          // Which group comes next for this thread, and its lines shared out between the
+          // block's row tiles (only the first row block reads from memory).
+          int64_t upcoming = -1;
+          if (r0 == 0 && overlap) {
+            if (g + 1 < end) {
+              upcoming = g + 1;
+            } else {
+              following = next.fetch_add(run);
+              if (following < groups) upcoming = following;
+            }
+          }
+          const char* ahead = nullptr;
+          int64_t ahead_lines = 0;
+          if (upcoming >= 0) {
+            const int64_t q0 = upcoming * kPanels;
+            const int64_t q_panels = std::min<int64_t>(kPanels, panels - q0);
+            ahead = reinterpret_cast<const char*>(packed + q0 * panel_elems);
+            ahead_lines = q_panels * panel_elems * static_cast<int64_t>(sizeof(W)) / 64;
+          }
+          const int64_t share = (ahead_lines + tiles_in_block - 1) / tiles_in_block;
+          for (int64_t t = 0; t < tiles_in_block; ++t) {
+            const int64_t r = r0 + t * tile_rows + std::min(t, wider);
+            const int mr = static_cast<int>(tile_rows + (t < wider ? 1 : 0));
+            NextGroup pf;
+            pf.lines = ahead == nullptr ? nullptr : ahead + t * share * 64;
+            pf.count = std::max<int64_t>(0, std::min(share, ahead_lines - t * share));
+            // A first group nobody prefetched: its first tile reads ahead of itself.
+            const bool read_ahead = r0 == 0 && t == 0 && (!overlap || (g == begin && !first_fetched));
+            const auto& pick = pf.count > 0 ? tiles_prefetching : tiles;
+            pick[mr - 1][np - 1](x + r * lda, lda, packed + p0 * panel_elems, panel_elems,
+                                  k_steps, y + r * n + col0, n, epi.at(r, col0),
+                                  last_cols, read_ahead, pf);
+          }
+        }
+      }
+      first_fetched = overlap;
+      begin = overlap ? following : next.fetch_add(run);
+    }
+  };
+  if (threads == 1) {
+    work();
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  work();
+}
+
+// One panel of 16 output rows of `w` ([n, k], row-major) written in the packed order: for each
+// group of `pair` consecutive k (1; 2 for VDPBF16PS and int8 pairs; 4 for VNNI), the 16 rows'
+// groups side by side. Rows past n and the last group's missing k are `fill`. Each row is read
+// once, in order, and scattered into the panel, which stays in cache meanwhile (16 x k
+// elements). Elements are copied as raw bits (`T` is their width).
+template <typename T>
+void pack_panel(const T* w, int64_t n, int64_t k, int64_t panel, int pair, T* out, T fill = T(0)) {
+  const int64_t groups = (k + pair - 1) / pair;
+  const int64_t row0 = panel * 16;
+  const int64_t rows = std::min<int64_t>(16, n - row0);
+  if (rows < 16 || groups * pair != k) std::fill(out, out + groups * 16 * pair, fill);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = w + (row0 + r) * k;
+    T* dst = out + r * pair;
+    if (pair == 1) {
+      for (int64_t c = 0; c < k; ++c) dst[c * 16] = src[c];
+    } else if (pair == 2) {
+      for (int64_t c = 0; c < k; ++c) dst[(c >> 1) * 32 + (c & 1)] = src[c];
+    } else {
+      for (int64_t c = 0; c < k; ++c) dst[(c / pair) * 16 * pair + c % pair] = src[c];
+    }
+  }
+}
+
+}  // namespace gemm
+}  // namespace rankcast

@@ -36,8 +36,15 @@ _NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # (flags the CPU must have, compiler flags added)
     "native": ((), ()),
-    "avx512": (("avx512f", "avx512bw"), ("-mno-avx512bf16", "-mno-avx512fp16", *_NO_AMX)),
-    "avx2": (("avx2", "fma"), ("-mno-avx512f", "-mno-avx512bf16", "-mno-avx512fp16", *_NO_AMX)),
+    # Skylake-SP: AVX-512 without BF16 or VNNI (int8 through VPMADDWD, csrc/gemm_int8.cpp).
+    "avx512": (
+        ("avx512f", "avx512bw"),
+        ("-mno-avx512bf16", "-mno-avx512fp16", "-mno-avx512vnni", "-mno-avxvnni", *_NO_AMX),
+    ),
+    "avx2": (
+        ("avx2", "fma"),
+        ("-mno-avx512f", "-mno-avx512bf16", "-mno-avx512fp16", "-mno-avxvnni", *_NO_AMX),
+    ),
 }
 
 

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the decoder against transformers, and the model-level invariance property on the tiny model.
 TESTS = [
     "tests/model/test_ops.py",
+    "tests/model/test_int8.py",
     "tests/model/test_llama_logits.py",
     "tests/model/test_batch_invariance.py::test_the_tiny_models_logits_do_not_depend_on_the_batch",
 ]
@@ -48,7 +49,7 @@ def test_another_familys_build_passes_the_kernel_tests_here(isa: str) -> None:
             sys.executable,
             "-c",
             "import torch; from rankcast import kernels; kernels.load(); "
-            "print(torch.ops.rankcast.build_isa())",
+            "print(torch.ops.rankcast.build_isa(), torch.ops.rankcast.int8_path())",
         ],
         cwd=ROOT,
         env=env,
@@ -56,7 +57,9 @@ def test_another_familys_build_passes_the_kernel_tests_here(isa: str) -> None:
         text=True,
         timeout=120,
     )
-    assert probe.stdout.strip() == isa, probe.stdout + probe.stderr
+    # The int8 kernel of a family without VNNI: VPMADDWD on zmm (Skylake-SP) or ymm (AVX2).
+    int8 = {"avx512": "avx512bw", "avx2": "avx2"}[isa]
+    assert probe.stdout.split() == [isa, int8], probe.stdout + probe.stderr
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
         cwd=ROOT,

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from rankcast import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "w8a8")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # How the ray executor places pipeline stages on nodes (Ray's placement-group strategies).
 RAY_PLACEMENTS = ("pack", "spread", "strict-spread")
@@ -61,8 +61,8 @@ class ModelConfig:
 
     model: str | None = None
     dtype: str = "auto"
-    # "int8": linear weights quantized per output channel at load, activations per token
-    # (csrc/gemm_int8.cpp); "none": weights in `dtype`.
+    # Linear weights quantized at load, per output channel: "int8" (weight-only: activations
+    # stay in `dtype`), "w8a8" (activations quantized per token too); "none": weights in `dtype`.
     quantization: str = "none"
     max_model_len: int | None = None
     served_model_name: str | None = None

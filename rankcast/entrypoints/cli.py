@@ -166,8 +166,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--quantization",
         "quantization",
-        "int8: linear weights stored as int8 with a scale per output channel, activations "
-        "quantized per token (half of bfloat16's bytes per token; docs/quantization.md)",
+        "int8: linear weights stored as int8 with a scale per output channel (half of "
+        "bfloat16's bytes per token); w8a8: activations quantized per token as well "
+        "(docs/quantization.md)",
         choices=QUANTIZATIONS,
     ),
     Flag(

@@ -45,23 +45,23 @@ class CpuFacts:
     family: str  # "amx", "avx512-bf16", "avx512", "avx2" or "other" (see `cpu_family`)
     packed: frozenset[torch.dtype]  # dtypes rankcast's loaded kernel build multiplies
     onednn: frozenset[torch.dtype]  # dtypes oneDNN packs on this CPU
-    int8: str = "none"  # the loaded build's int8 kernel: "avx512-vnni", "avx512bw", "avx2", "none"
+    w8a8: str = "none"  # the loaded build's W8A8 kernel: "avx512-vnni", "avx512bw", "avx2", "none"
 
     @classmethod
     def of_this_machine(cls) -> CpuFacts:
         dtypes = (torch.float32, torch.bfloat16)
         packed: frozenset[torch.dtype] = frozenset()
-        int8 = "none"
+        w8a8 = "none"
         if kernels.load():
             supported: Callable[[torch.dtype], bool] = torch.ops.rankcast.packed_linear_supported
             packed = frozenset(d for d in dtypes if supported(d))
-            int8_path: Callable[[], str] = torch.ops.rankcast.int8_path
-            int8 = int8_path()
+            w8a8_path: Callable[[], str] = torch.ops.rankcast.w8a8_path
+            w8a8 = w8a8_path()
         mkldnn_available: Callable[[], bool] = torch.backends.mkldnn.is_available
         onednn: frozenset[torch.dtype] = frozenset()
         if mkldnn_available():
             onednn = frozenset(d for d in dtypes if d == torch.float32 or onednn_packs_bf16())
-        return cls(cpu_family(), packed, onednn, int8)
+        return cls(cpu_family(), packed, onednn, w8a8)
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,8 @@ def choose_linear_path(
     other families')."""
     if setting not in LINEAR_KERNELS:
         raise ValueError(f"RANKCAST_LINEAR_KERNEL must be one of {LINEAR_KERNELS}, got {setting!r}")
-    if quantization == "int8":
-        return _int8_path(dtype, device, setting, facts)
+    if quantization != "none":
+        return _quantized_path(dtype, device, setting, facts, quantization)
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         if setting not in ("auto", "torch"):
             raise ValueError(
@@ -157,28 +157,32 @@ def choose_linear_path(
     return LinearPath("torch", False, f"neither rankcast's kernel nor oneDNN packs {name} here")
 
 
-def _int8_path(
-    dtype: torch.dtype, device: torch.device, setting: str, facts: CpuFacts | None
+def _quantized_path(
+    dtype: torch.dtype, device: torch.device, setting: str, facts: CpuFacts | None, scheme: str
 ) -> LinearPath:
-    """int8 weights (csrc/gemm_int8.cpp): rankcast's kernel wherever it is built, whatever the
-    activations' dtype; torch's reference arithmetic elsewhere (CUDA, kernels off)."""
+    """int8 weights: rankcast's kernel wherever it is built (weight-only "int8" through the
+    float kernels of csrc/gemm.cpp, "w8a8" through csrc/gemm_w8a8.cpp); torch's reference
+    arithmetic elsewhere (CUDA, kernels off)."""
     if setting == "onednn":
         raise ValueError(
-            "RANKCAST_LINEAR_KERNEL=onednn has no int8 path; --quantization int8 "
+            f"RANKCAST_LINEAR_KERNEL=onednn has no {scheme} path; --quantization {scheme} "
             "runs rankcast's kernel (or torch)"
         )
     on_cpu = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if on_cpu and setting != "torch":
         facts = CpuFacts.of_this_machine() if facts is None else facts
-        if facts.int8 != "none":
-            why = f"int8 weights, rows quantized per token, exact int32 sums ({facts.int8})"
+        if scheme == "int8" and dtype in facts.packed:
+            why = f"int8 weights widened in registers, {_WHY[facts.family]}"
+            return LinearPath("rankcast", True, why)
+        if scheme == "w8a8" and facts.w8a8 != "none":
+            why = f"int8 weights and rows (per token), exact int32 sums ({facts.w8a8})"
             return LinearPath("rankcast", True, why)
     if setting == "rankcast":
         raise ValueError(
-            "RANKCAST_LINEAR_KERNEL=rankcast: this kernel build has no int8 matmul "
+            f"RANKCAST_LINEAR_KERNEL=rankcast: this kernel build has no {scheme} matmul "
             "(kernels off or not built, or a CPU without AVX2)"
         )
-    return LinearPath("torch", False, f"int8 weights through torch on {device.type} {dtype}")
+    return LinearPath("torch", False, f"{scheme} weights through torch on {device.type} {dtype}")
 
 
 _WHY = {

@@ -24,18 +24,15 @@ from rankcast import kernels
 class PackedWeight:
     """A linear layer's weight laid out once for the CPU's matmul kernel of choice.
 
-    With int8 quantization `scales` holds each output channel's float32 scale and `tensor` the
-    int8 values: packed by csrc/gemm_int8.cpp (backend "rankcast"), or plain [out, in] int8 for
-    the torch path (backend "torch")."""
+    Quantized ("int8", "w8a8"), `scales` holds each output channel's float32 scale and `tensor`
+    the int8 values: packed by csrc/gemm.cpp (int8) or csrc/gemm_w8a8.cpp (w8a8) for backend
+    "rankcast", plain [out, in] int8 for backend "torch"."""
 
     tensor: torch.Tensor
-    backend: str  # "rankcast" (csrc/gemm.cpp, gemm_int8.cpp), "onednn", or "torch" (int8 only)
+    backend: str  # "rankcast", "onednn", or "torch" (quantized weights only)
     out_features: int
     scales: torch.Tensor | None = None
-
-    @property
-    def quantization(self) -> str:
-        return "none" if self.scales is None else "int8"
+    quantization: str = "none"  # "none", "int8" (weight-only) or "w8a8"
 
 
 def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +46,7 @@ def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of float32 `x` to integers in [-127, 127] (as float32) and its scale
-    max|row| / 127, rounding half to even: the arithmetic csrc/gemm_int8.cpp does for
+    max|row| / 127, rounding half to even: the arithmetic csrc/gemm_w8a8.cpp does for
     activations, so that the reference below matches the kernel bit for bit."""
     amax = x.abs().amax(dim=1)
     # A true division: `127.0 / amax` would be torch's reciprocal-then-multiply, another rounding.
@@ -58,7 +55,19 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, amax / 127
 
 
-def int8_linear_reference(
+def int8_weight_reference(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [rows, in] times int8 weights, weight-only (what csrc/gemm.cpp computes for them, up to
+    the order of float32 sums): (x @ values^T) * scales + bias, in float32, rounded once to x's
+    dtype. The rows are not quantized, so the only cost in quality is the weights' rounding."""
+    y = F.linear(x.float(), values.float()) * scales
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def w8a8_linear_reference(
     x: torch.Tensor,
     values: torch.Tensor,
     scales: torch.Tensor,
@@ -66,7 +75,7 @@ def int8_linear_reference(
     exact: bool = True,
 ) -> torch.Tensor:
     """x [rows, in] times int8 weights (`values` [out, in], `scales` [out]) in plain torch, as
-    csrc/gemm_int8.cpp computes it: each row quantized to int8 with its own scale, the integer
+    csrc/gemm_w8a8.cpp computes it: each row quantized to int8 with its own scale, the integer
     products summed exactly (float64 holds every such sum; `exact=False` sums in float32, the
     faster path where the kernels are not built, rounding sums beyond 2^24), then
     ((sum * weight scale) * row scale) + bias, rounded once to x's dtype."""
@@ -91,19 +100,25 @@ def pack_linear_weight(
     longer holds the plain layout afterwards. That skips a second buffer the size of the weight
     and its first-touch page faults (~0.1 s of SmolLM2-135M's start on the Zen 3).
 
-    With `quantization="int8"` the weight is quantized per output channel
-    (`quantize_int8_weight`) and packed for csrc/gemm_int8.cpp ("rankcast"), or kept as plain
-    int8 for `int8_linear_reference` ("torch": CUDA, or the kernels not built).
+    With `quantization` "int8" (weight-only) or "w8a8" the weight is quantized per output
+    channel (`quantize_int8_weight`) and packed for csrc/gemm.cpp or csrc/gemm_w8a8.cpp
+    ("rankcast"), or kept as plain int8 for the references below ("torch": CUDA, or the kernels
+    not built).
     """
-    if quantization == "int8":
+    if quantization in ("int8", "w8a8"):
         values, scales = quantize_int8_weight(weight)
         out = weight.shape[0]
         if kernel == "rankcast":
-            packed = torch.ops.rankcast.pack_int8_weight(values)
-            return PackedWeight(packed, "rankcast", out, scales)
+            if quantization == "int8":
+                packed = torch.ops.rankcast.pack_int8_weight(values, weight.dtype)
+            else:
+                packed = torch.ops.rankcast.pack_w8a8_weight(values)
+            return PackedWeight(packed, "rankcast", out, scales, quantization)
         if kernel == "torch":
-            return PackedWeight(values, "torch", out, scales)
-        raise ValueError(f"int8 weights run on rankcast's kernel or torch, not {kernel!r}")
+            return PackedWeight(values, "torch", out, scales, quantization)
+        raise ValueError(
+            f"{quantization} weights run on rankcast's kernel or torch, not {kernel!r}"
+        )
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r}")
     if kernel == "rankcast":
@@ -123,20 +138,22 @@ def pack_linear_weight(
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] times a packed weight (+ bias)."""
-    if weight.scales is not None:
-        if weight.backend == "rankcast":
-            return cast(
-                torch.Tensor,
-                torch.ops.rankcast.int8_linear(
-                    x.contiguous(), weight.tensor, weight.out_features, weight.scales, bias
-                ),
-            )
-        return int8_linear_reference(x, weight.tensor, weight.scales, bias, exact=False)
+    if weight.scales is not None and weight.backend == "torch":
+        if weight.quantization == "w8a8":
+            return w8a8_linear_reference(x, weight.tensor, weight.scales, bias, exact=False)
+        return int8_weight_reference(x, weight.tensor, weight.scales, bias)
+    if weight.quantization == "w8a8":
+        return cast(
+            torch.Tensor,
+            torch.ops.rankcast.w8a8_linear(
+                x.contiguous(), weight.tensor, weight.out_features, weight.scales, bias
+            ),
+        )
     if weight.backend == "rankcast":
         return cast(
             torch.Tensor,
             torch.ops.rankcast.packed_linear(
-                x.contiguous(), weight.tensor, weight.out_features, bias
+                x.contiguous(), weight.tensor, weight.out_features, bias, weight.scales
             ),
         )
     return cast(

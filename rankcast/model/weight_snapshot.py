@@ -48,6 +48,8 @@ SNAPSHOT_FORMAT = 2
 _PACKED = "packed:"
 _SCALES = "scales:"  # int8 weights' per-channel scales
 _PARAM = "param:"
+# What quantized weights are packed as (csrc/gemm.cpp's int8, csrc/gemm_w8a8.cpp's offset bytes).
+_PACKED_DTYPES = {"int8": torch.int8, "w8a8": torch.uint8}
 
 
 def snapshot_dir() -> Path:
@@ -72,7 +74,7 @@ class WeightSnapshot:
     source: Path  # the checkpoint directory
     identity: str  # checkpoint_identity(source) when it was made
     kernels_library: Path  # the kernel build that packed it
-    quantization: str = "none"  # "int8": the linears are int8 with their scales
+    quantization: str = "none"  # "int8" or "w8a8": the linears are int8 with their scales
 
     @classmethod
     def for_rank(
@@ -116,9 +118,9 @@ class WeightSnapshot:
         except Exception as exc:
             return self._discard(f"cannot be read ({exc})")
         linears, params = _contents(model)
-        int8 = self.quantization == "int8"
+        quantized = self.quantization != "none"
         expected = {_PACKED + name for name, _, _ in linears} | {_PARAM + n for n in params}
-        if int8:
+        if quantized:
             expected |= {_SCALES + name for name, _, _ in linears}
         if set(tensors) != expected:
             return self._discard("holds other tensors than this model's")
@@ -127,15 +129,17 @@ class WeightSnapshot:
             if saved.shape != param.shape or saved.dtype != param.dtype:
                 return self._discard(f"{name} is {tuple(saved.shape)} {saved.dtype}")
         for name, module, _ in linears:
-            packed_dtype = torch.uint8 if int8 else module.weight.dtype
+            packed_dtype = _PACKED_DTYPES.get(self.quantization, module.weight.dtype)
             if tensors[_PACKED + name].dtype != packed_dtype:
                 return self._discard(f"{name} is packed in {tensors[_PACKED + name].dtype}")
         for name, param in params.items():
             param.data = tensors[_PARAM + name]
         for name, module, own in linears:
             out_features = module.weight.shape[0]
-            scales = tensors[_SCALES + name] if int8 else None
-            packed = ops.PackedWeight(tensors[_PACKED + name], "rankcast", out_features, scales)
+            scales = tensors[_SCALES + name] if quantized else None
+            packed = ops.PackedWeight(
+                tensors[_PACKED + name], "rankcast", out_features, scales, self.quantization
+            )
             module.adopt_packed(packed, release_plain=own)
         return True
 

@@ -78,6 +78,7 @@ SERVE_EVERYTHING = (
     "--allow-runtime-lora-updating",
     "--served-model-name=named",
     "--dtype=float32",
+    "--quantization=int8",
     "--max-model-len=100",
     "--max-num-seqs=3",
     "--max-num-batched-tokens=40",

@@ -49,7 +49,7 @@ def test_another_familys_build_passes_the_kernel_tests_here(isa: str) -> None:
             sys.executable,
             "-c",
             "import torch; from rankcast import kernels; kernels.load(); "
-            "print(torch.ops.rankcast.build_isa(), torch.ops.rankcast.int8_path())",
+            "print(torch.ops.rankcast.build_isa(), torch.ops.rankcast.w8a8_path())",
         ],
         cwd=ROOT,
         env=env,
@@ -57,9 +57,9 @@ def test_another_familys_build_passes_the_kernel_tests_here(isa: str) -> None:
         text=True,
         timeout=120,
     )
-    # The int8 kernel of a family without VNNI: VPMADDWD on zmm (Skylake-SP) or ymm (AVX2).
-    int8 = {"avx512": "avx512bw", "avx2": "avx2"}[isa]
-    assert probe.stdout.split() == [isa, int8], probe.stdout + probe.stderr
+    # The W8A8 kernel of a family without VNNI: VPMADDWD on zmm (Skylake-SP) or ymm (AVX2).
+    w8a8 = {"avx512": "avx512bw", "avx2": "avx2"}[isa]
+    assert probe.stdout.split() == [isa, w8a8], probe.stdout + probe.stderr
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
         cwd=ROOT,

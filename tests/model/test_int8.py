@@ -1,7 +1,8 @@
-"""int8 weights (`--quantization int8`): csrc/gemm_int8.cpp against torch, bit for bit, on every
-ISA build (tests/model/test_cpu_families.py runs this file on the AVX-512-without-VNNI and AVX2
-builds too); a quantized model against its float self; the decoder stack, the torch path and
-weight snapshots on int8 models."""
+"""int8 weights: `--quantization int8` (weight-only, csrc/gemm.cpp's float kernels widening int8)
+and `w8a8` (csrc/gemm_w8a8.cpp) against torch, on every ISA build
+(tests/model/test_cpu_families.py runs this file on the AVX-512-without-VNNI and AVX2 builds
+too); a quantized model against its float self; the decoder stack, the torch path and weight
+snapshots on quantized models."""
 
 from __future__ import annotations
 
@@ -27,13 +28,16 @@ CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _int8_kernel() -> str:
+SCHEMES = ["int8", "w8a8"]
+
+
+def _w8a8_kernel() -> str:
     if not kernels.load():
         return "none"
-    return str(torch.ops.rankcast.int8_path())
+    return str(torch.ops.rankcast.w8a8_path())
 
 
-needs_kernel = pytest.mark.skipif(_int8_kernel() == "none", reason="no int8 kernel in this build")
+needs_kernel = pytest.mark.skipif(_w8a8_kernel() == "none", reason="no int8 kernels in this build")
 
 
 def _quantized(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,8 +48,13 @@ def _quantized(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def _kernel(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias=None):
-    packed = torch.ops.rankcast.pack_int8_weight(values)
-    return torch.ops.rankcast.int8_linear(x, packed, values.shape[0], scales, bias)
+    packed = torch.ops.rankcast.pack_w8a8_weight(values)
+    return torch.ops.rankcast.w8a8_linear(x, packed, values.shape[0], scales, bias)
+
+
+def _weight_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias=None):
+    packed = torch.ops.rankcast.pack_int8_weight(values, x.dtype)
+    return torch.ops.rankcast.packed_linear(x, packed, values.shape[0], bias, scales)
 
 
 def test_weights_quantize_per_output_channel_within_half_a_step() -> None:
@@ -64,43 +73,56 @@ def test_weights_quantize_per_output_channel_within_half_a_step() -> None:
     ("m", "n", "k"),
     [(1, 1, 1), (1, 16, 4), (3, 17, 5), (8, 48, 64), (9, 50, 77), (33, 100, 3), (70, 49, 130)],
 )
-def test_the_kernel_equals_the_torch_reference_bit_for_bit(
+def test_both_kernels_equal_their_torch_references(
     dtype: torch.dtype, m: int, n: int, k: int
 ) -> None:
     """Ragged shapes (partial panels, k not a whole group, rows across tiles and row blocks),
-    with and without a bias: the integer sums are exact, so the result is the reference's."""
+    with and without a bias. W8A8's integer sums are exact, so it is the reference bit for bit;
+    weight-only int8 sums float32 products in its own order, so it is the reference up to that
+    (and one rounding of the output)."""
     _, values, scales = _quantized(n, k, seed=m * 1000 + n + k)
     gen = torch.Generator().manual_seed(k)
     x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
     bias = torch.randn(n, generator=gen)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     for b in (None, bias):
         got = _kernel(x, values, scales, b)
-        want = ops.int8_linear_reference(x, values, scales, b)
+        want = ops.w8a8_linear_reference(x, values, scales, b)
         assert got.dtype == dtype
         assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+        got = _weight_only(x, values, scales, b)
+        want = ops.int8_weight_reference(x, values, scales, b)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
-def test_the_kernel_is_close_to_dequantize_then_matmul(dtype: torch.dtype) -> None:
-    """The quantized product equals the float product of the dequantized operands up to float32
+def test_the_kernels_are_close_to_dequantize_then_matmul(dtype: torch.dtype) -> None:
+    """Each quantized product equals the float product of its dequantized operands up to float32
     accumulation (every operand dequantized exactly as the kernel scales it)."""
     _, values, scales = _quantized(96, 576, seed=5)
     x = torch.randn(12, 576, generator=torch.Generator().manual_seed(6)).to(dtype)
-    got = _kernel(x, values, scales).float()
+    weight = values.float() * scales[:, None]
     rows, row_scales = ops._quantize_rows(x.float())
-    want = (rows * row_scales[:, None]) @ (values.float() * scales[:, None]).T
-    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+    tolerance = {"rtol": 1e-5 if dtype == torch.float32 else 8e-3, "atol": 1e-4}
+    torch.testing.assert_close(
+        _kernel(x, values, scales).float(), (rows * row_scales[:, None]) @ weight.T, **tolerance
+    )
+    torch.testing.assert_close(
+        _weight_only(x, values, scales).float(), x.float() @ weight.T, **tolerance
+    )
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+@pytest.mark.parametrize("multiply", [_kernel, _weight_only], ids=SCHEMES)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(multiply) -> None:
     _, values, scales = _quantized(80, 200, seed=7)
     batch = torch.randn(40, 200, generator=torch.Generator().manual_seed(8)).bfloat16()
-    together = _kernel(batch, values, scales)
+    together = multiply(batch, values, scales)
     for i in (0, 13, 39):
-        assert torch.equal(_kernel(batch[i : i + 1], values, scales)[0], together[i])
-        assert torch.equal(_kernel(batch[i : i + 5], values, scales)[0], together[i])
+        assert torch.equal(multiply(batch[i : i + 1], values, scales)[0], together[i])
+        assert torch.equal(multiply(batch[i : i + 5], values, scales)[0], together[i])
 
 
 @needs_kernel
@@ -108,40 +130,54 @@ def test_a_zero_row_gives_the_bias_and_bad_input_is_refused() -> None:
     _, values, scales = _quantized(20, 33, seed=9)
     bias = torch.arange(20, dtype=torch.float32)
     assert torch.equal(_kernel(torch.zeros(2, 33), values, scales, bias)[1], bias)
-    packed = torch.ops.rankcast.pack_int8_weight(values)
+    assert torch.equal(_weight_only(torch.zeros(2, 33), values, scales, bias)[1], bias)
+    packed = torch.ops.rankcast.pack_w8a8_weight(values)
     with pytest.raises(RuntimeError, match="int8 \\[out, in\\]"):
-        torch.ops.rankcast.pack_int8_weight(values.float())
+        torch.ops.rankcast.pack_w8a8_weight(values.float())
     with pytest.raises(RuntimeError, match="another shape"):
-        torch.ops.rankcast.int8_linear(torch.zeros(1, 40), packed, 20, scales, None)
+        torch.ops.rankcast.w8a8_linear(torch.zeros(1, 40), packed, 20, scales, None)
     with pytest.raises(RuntimeError, match="scales must be float32"):
-        torch.ops.rankcast.int8_linear(torch.zeros(1, 33), packed, 20, scales[:5], None)
+        torch.ops.rankcast.w8a8_linear(torch.zeros(1, 33), packed, 20, scales[:5], None)
+    packed = torch.ops.rankcast.pack_int8_weight(values, torch.float32)
+    with pytest.raises(RuntimeError, match="int8 \\[out, in\\]"):
+        torch.ops.rankcast.pack_int8_weight(values.float(), torch.float32)
+    with pytest.raises(RuntimeError, match="another K"):
+        torch.ops.rankcast.packed_linear(torch.zeros(1, 40), packed, 20, None, scales)
+    with pytest.raises(RuntimeError, match="need float32 scales"):
+        torch.ops.rankcast.packed_linear(torch.zeros(1, 33), packed, 20, None, None)
 
 
-def test_the_torch_path_is_the_reference_up_to_float32_sums() -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_torch_path_is_the_reference(scheme: str) -> None:
     """Where the kernels are not built (CUDA too) int8 weights multiply through torch: the
-    reference with float32 instead of exact sums."""
+    references (W8A8's with float32 instead of exact sums)."""
     _, values, scales = _quantized(64, 300, seed=11)
     x = torch.randn(5, 300, generator=torch.Generator().manual_seed(12))
-    fast = ops.int8_linear_reference(x, values, scales, None, exact=False)
-    torch.testing.assert_close(fast, ops.int8_linear_reference(x, values, scales, None))
-    weight = ops.pack_linear_weight(torch.randn(64, 300), "torch", quantization="int8")
+    fast = ops.w8a8_linear_reference(x, values, scales, None, exact=False)
+    torch.testing.assert_close(fast, ops.w8a8_linear_reference(x, values, scales, None))
+    weight = ops.pack_linear_weight(torch.randn(64, 300), "torch", quantization=scheme)
     assert weight is not None and weight.backend == "torch" and weight.tensor.dtype == torch.int8
-    assert ops.packed_linear(x, weight, None).shape == (5, 64)
+    reference = ops.w8a8_linear_reference if scheme == "w8a8" else ops.int8_weight_reference
+    want = reference(x, weight.tensor, weight.scales, None)
+    torch.testing.assert_close(ops.packed_linear(x, weight, None), want)
 
 
-def test_the_path_for_int8_weights() -> None:
-    vnni = CpuFacts("avx512-bf16", frozenset(), frozenset(), "avx512-vnni")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_path_for_int8_weights(scheme: str) -> None:
+    both = frozenset({torch.float32, torch.bfloat16})
+    vnni = CpuFacts("avx512-bf16", both, frozenset(), "avx512-vnni")
     absent = CpuFacts("other", frozenset(), frozenset(), "none")
-    path = choose_linear_path(torch.bfloat16, CPU, "auto", vnni, quantization="int8")
-    assert path.kernel == "rankcast" and path.batch_invariant and "avx512-vnni" in path.reason
-    assert choose_linear_path(torch.float32, CPU, "auto", absent, "int8").kernel == "torch"
-    cuda = choose_linear_path(torch.float16, torch.device("cuda"), "auto", vnni, "int8")
+    path = choose_linear_path(torch.bfloat16, CPU, "auto", vnni, quantization=scheme)
+    assert path.kernel == "rankcast" and path.batch_invariant
+    assert ("avx512-vnni" in path.reason) == (scheme == "w8a8")
+    assert choose_linear_path(torch.float32, CPU, "auto", absent, scheme).kernel == "torch"
+    cuda = choose_linear_path(torch.float16, torch.device("cuda"), "auto", vnni, scheme)
     assert cuda.kernel == "torch" and not cuda.batch_invariant
-    assert choose_linear_path(torch.float32, CPU, "torch", vnni, "int8").kernel == "torch"
-    with pytest.raises(ValueError, match="onednn has no int8"):
-        choose_linear_path(torch.float32, CPU, "onednn", vnni, "int8")
-    with pytest.raises(ValueError, match="no int8 matmul"):
-        choose_linear_path(torch.float32, CPU, "rankcast", absent, "int8")
+    assert choose_linear_path(torch.float32, CPU, "torch", vnni, scheme).kernel == "torch"
+    with pytest.raises(ValueError, match=f"onednn has no {scheme}"):
+        choose_linear_path(torch.float32, CPU, "onednn", vnni, scheme)
+    with pytest.raises(ValueError, match=f"no {scheme} matmul"):
+        choose_linear_path(torch.float32, CPU, "rankcast", absent, scheme)
 
 
 # ---- a whole model
@@ -167,54 +203,57 @@ def _logits(runner: ModelRunner, prompt: list[int], steps: int = 4) -> torch.Ten
     return torch.cat(rows).float()
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
-def test_a_quantized_model_stays_close_to_the_float_one(tmp_path: Path, dtype) -> None:
+def test_a_quantized_model_stays_close_to_the_float_one(tmp_path: Path, dtype, scheme) -> None:
     """Bound on the tiny random model: int8 logits within 5 % of the float model's logit range
     (random weights have no outliers to hide; the real model's cost is the perplexity in
     bench/perplexity.py)."""
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=256, seed=3, tie_word_embeddings=False)
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(0)).tolist()
     want = _logits(_runner(model_dir, dtype, "none"), prompt)
-    quantized = _runner(model_dir, dtype, "int8")
+    quantized = _runner(model_dir, dtype, scheme)
     got = _logits(quantized, prompt)
     spread = float(want.max() - want.min())
     assert float((got - want).abs().max()) < 0.05 * spread
     linears = [m for m in quantized.model.modules() if isinstance(m, PackedLinearMixin)]
     assert linears and all(
-        m.packed_weight is not None and m.packed_weight.quantization == "int8" for m in linears
+        m.packed_weight is not None and m.packed_weight.quantization == scheme for m in linears
     )
 
 
 @needs_kernel
-def test_the_decoder_stack_runs_int8_layers_as_the_modules_do(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_decoder_stack_runs_int8_layers_as_the_modules_do(tmp_path: Path, scheme) -> None:
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=256, seed=4, arch="qwen2")
     prompt = list(range(3, 17))
-    fused = _runner(model_dir, torch.bfloat16, "int8")
+    fused = _runner(model_dir, torch.bfloat16, scheme)
     assert fused.model.fused_layers is not None
-    modules = _runner(model_dir, torch.bfloat16, "int8")
+    modules = _runner(model_dir, torch.bfloat16, scheme)
     modules.model.fused_layers = None
     assert torch.equal(_logits(fused, prompt), _logits(modules, prompt))
 
 
 @needs_kernel
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_an_int8_snapshot_is_mapped_and_computes_the_same(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str
 ) -> None:
     """A snapshot holds the int8 values and scales; a float start never maps it (the key holds
     the quantization) and an int8 start maps it."""
     monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=250, tie_word_embeddings=False)
     args = (model_dir, torch.bfloat16, CPU, None, None, "rankcast")
-    snapshot = WeightSnapshot.for_rank(*args, "int8")
+    snapshot = WeightSnapshot.for_rank(*args, scheme)
     assert snapshot is not None and snapshot != WeightSnapshot.for_rank(*args)
     prompt = list(range(5, 15))
-    first = _logits(_runner(model_dir, torch.bfloat16, "int8", weight_snapshots=True), prompt)
+    first = _logits(_runner(model_dir, torch.bfloat16, scheme, weight_snapshots=True), prompt)
     deadline = time.monotonic() + 30
     while not snapshot.path.is_file():
         assert time.monotonic() < deadline, "no int8 snapshot written"
         time.sleep(0.02)
     with captured("rankcast.model.loader") as log:
-        mapped = _runner(model_dir, torch.bfloat16, "int8", weight_snapshots=True)
+        mapped = _runner(model_dir, torch.bfloat16, scheme, weight_snapshots=True)
     assert f"{MAPPED} {snapshot.path}" in log.text
     assert torch.equal(_logits(mapped, prompt), first)
     plain = WeightSnapshot.for_rank(*args)

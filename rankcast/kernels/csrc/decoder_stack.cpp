@@ -18,7 +18,8 @@
 namespace rankcast {
 namespace {
 
-// One projection: a weight packed by csrc/gemm.cpp, or by csrc/gemm_int8.cpp with its scales.
+// One projection: a weight packed by csrc/gemm.cpp (float, or int8 with its scales), or by
+// csrc/gemm_w8a8.cpp (uint8, with its scales).
 struct Projection {
   at::Tensor packed;
   c10::optional<at::Tensor> scales;  // int8 weights' per-channel scales
@@ -26,8 +27,8 @@ struct Projection {
   int64_t n;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (scales.has_value()) return int8_linear(x, packed, n, *scales, bias);
-    return packed_linear(x, packed, n, bias);
+    if (packed.scalar_type() == at::kByte) return w8a8_linear(x, packed, n, *scales, bias);
+    return packed_linear(x, packed, n, bias, scales);
   }
 };
 

@@ -62,8 +62,20 @@ using namespace gemm;
 
 #if defined(__AVX512BF16__)
 // acc[i][j] over MR rows and NR panels, K/2 pairs of k; bf16 in, fp32 accumulate.
-template <int MR, int NR, bool Next, typename Out, typename Epi>
-inline void tile_bf16(const bf16* a, int64_t lda, const bf16* b, int64_t panel_elems, int64_t kpairs,
+// 32 packed weights (16 columns x a pair of k) as VDPBF16PS's operand: bfloat16 as they are,
+// int8 converted exactly (every integer up to 256 is a bfloat16).
+inline __m512bh load_pairs(const bf16* src) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(src));
+}
+inline __m512bh load_pairs(const int8_t* src) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+template <int MR, int NR, bool Next, typename Out, typename W, typename Epi>
+inline void tile_bf16(const bf16* a, int64_t lda, const W* b, int64_t panel_elems, int64_t kpairs,
                       Out* c, int64_t ldc, const Epi& epi, int last_cols, bool prefetch,
                       NextGroup next) {
   const int per_step = lines_per_step(next, kpairs);
@@ -74,9 +86,9 @@ inline void tile_bf16(const bf16* a, int64_t lda, const bf16* b, int64_t panel_e
     if constexpr (Next) prefetch_next(next, kp, per_step);
     __m512bh bv[NR];
     for (int j = 0; j < NR; ++j) {
-      const bf16* src = b + j * panel_elems + kp * 32;
+      const W* src = b + j * panel_elems + kp * 32;
       if (prefetch) prefetch_ahead(src);
-      bv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(src));
+      bv[j] = load_pairs(src);
     }
     for (int i = 0; i < MR; ++i) {
       int32_t pair;
@@ -97,6 +109,9 @@ inline void tile_bf16(const bf16* a, int64_t lda, const bf16* b, int64_t panel_e
 // 16 consecutive weights of one k as float32 lanes (bfloat16 widened exactly).
 inline __m512 load_panel_row(const float* src) { return _mm512_loadu_ps(src); }
 inline __m512 load_panel_row(const bf16* src) { return load16(src).v; }
+inline __m512 load_panel_row(const int8_t* src) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
 
 template <int MR, int NR, bool Next, typename Out, typename W, typename Epi>
 inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elems, int64_t k,
@@ -131,6 +146,11 @@ inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elem
 inline void load_panel_row(const float* src, __m256& b0, __m256& b1) {
   b0 = _mm256_loadu_ps(src);
   b1 = _mm256_loadu_ps(src + 8);
+}
+inline void load_panel_row(const int8_t* src, __m256& b0, __m256& b1) {
+  b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+  b1 = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8))));
 }
 inline void load_panel_row(const bf16* src, __m256& b0, __m256& b1) {
   b0 = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
@@ -229,14 +249,31 @@ inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elem
 }
 #endif
 
-// The float families: rows in float32 (tile_f32, weights float32 or bfloat16 widened) or in
-// bfloat16 pairs (tile_bf16, VDPBF16PS), sums plus bias stored.
-template <typename In_, typename W_, typename Out_>
+// int8 weights' epilogue: the sums (of int8 weights times the rows) scaled by each column's
+// scale, then the bias.
+struct ScaledEpilogue {
+  const float* col_scale = nullptr;
+  const float* bias = nullptr;
+
+  ScaledEpilogue at(int64_t /*row*/, int64_t col) const {
+    return {col_scale + col, bias ? bias + col : nullptr};
+  }
+  template <typename Out>
+  void store(Out* c, Vec16 v, int /*i*/, int j, int cols) const {
+    v = v * load16(col_scale + j * kPanel, cols);
+    store_tile_row(c, v, bias ? bias + j * kPanel : nullptr, cols);
+  }
+};
+
+// The float families: rows in float32 (tile_f32, weights float32, or bfloat16 or int8 widened)
+// or in bfloat16 pairs (tile_bf16, VDPBF16PS; weights bfloat16, or int8 converted), sums plus
+// bias stored (BiasEpilogue), scaled first for int8 weights (ScaledEpilogue).
+template <typename In_, typename W_, typename Out_, typename Epi_ = BiasEpilogue>
 struct FloatTiles {
   using In = In_;
   using W = W_;
   using Out = Out_;
-  using Epi = BiasEpilogue;
+  using Epi = Epi_;
   template <int MR, int NR, bool Next>
   static constexpr auto tile() {
     using Fn = typename Tiles<FloatTiles, Next>::Fn;
@@ -244,7 +281,7 @@ struct FloatTiles {
       return Fn{&tile_f32<MR, NR, Next, Out, W, Epi>};
     } else {
 #if defined(__AVX512BF16__)
-      return Fn{&tile_bf16<MR, NR, Next, Out, Epi>};
+      return Fn{&tile_bf16<MR, NR, Next, Out, W, Epi>};
 #else
       return Fn{nullptr};
 #endif
@@ -334,12 +371,90 @@ at::Tensor pack_linear_weight_(at::Tensor& weight) {
   return pairs ? weight.view({panels, k / 2, 16, 2}) : weight.view({panels, k, 16});
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear: x must be [rows, in], unit stride");
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x and weight dtypes differ");
-  TORCH_CHECK(packed.is_contiguous(), "packed_linear: packed weight must be contiguous");
+#if RANKCAST_SIMD_BITS >= 256
+namespace {
+
+// x [m, k] times a weight packed as W into y, through the float family the rows' dtype and this
+// build take: bfloat16 rows as VDPBF16PS pairs where the build has it, float32 rows otherwise
+// (bfloat16 rows converted once, exactly).
+template <typename W, typename Epi>
+void multiply(const at::Tensor& x, const at::Tensor& packed, int64_t n, const Epi& epi,
+              at::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1);
+  const int64_t panel_elems = packed.stride(0);
+  const W* w = static_cast<const W*>(packed.data_ptr());
+  if constexpr (std::is_same_v<W, float>) {
+    // float32 weights meet float32 rows only (packed_linear checks the dtypes agree).
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
+    gemm::packed_linear_impl<FloatTiles<float, float, float, Epi>>(
+        x.data_ptr<float>(), m, x.stride(0), w, n, k, panel_elems, epi, y.data_ptr<float>());
+    return;
+  } else if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512BF16__)
+    const int64_t kp = packed.size(1);
+    TORCH_CHECK(packed.dim() == 4 && (k + 1) / 2 == kp, "packed_linear: weight packed for another K");
+    at::Tensor a = x;
+    if (k % 2 != 0) {  // pairs of k: give the last one a zero partner
+      a = at::zeros({m, k + 1}, x.options());
+      a.narrow(1, 0, k).copy_(x);
+    }
+    gemm::packed_linear_impl<FloatTiles<bf16, W, bf16, Epi>>(
+        a.data_ptr<bf16>(), m, a.stride(0), w, n, kp, panel_elems, epi, y.data_ptr<bf16>());
+#else
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
+    const at::Tensor a = x.to(at::kFloat);  // exact; a few rows, converted once for every tile
+    gemm::packed_linear_impl<FloatTiles<float, W, bf16, Epi>>(
+        a.data_ptr<float>(), m, a.stride(0), w, n, k, panel_elems, epi, y.data_ptr<bf16>());
+#endif
+  } else {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
+    gemm::packed_linear_impl<FloatTiles<float, W, float, Epi>>(
+        x.data_ptr<float>(), m, x.stride(0), w, n, k, panel_elems, epi, y.data_ptr<float>());
+  }
+}
+
+}  // namespace
+#endif
+
+at::Tensor pack_int8_weight(const at::Tensor& values, at::ScalarType activations) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar,
+              "pack_int8_weight: weight must be int8 [out, in]");
+  TORCH_CHECK(gemm_supported(activations), "pack_int8_weight: this CPU build has no packed kernel for ",
+              activations);
+  const int64_t n = values.size(0), k = values.size(1);
+  const int64_t panels = (n + 15) / 16;
+  const at::Tensor w = values.contiguous();
+  // Laid out as the rows it will meet read weights: VDPBF16PS pairs for bfloat16 rows where the
+  // build has it, one k at a time otherwise.
+  const bool pairs = activations == at::kBFloat16 && kBf16Pairs;
+  const int pair = pairs ? 2 : 1;
+  at::Tensor packed = pairs ? at::empty({panels, (k + 1) / 2, 16, 2}, w.options())
+                            : at::empty({panels, k, 16}, w.options());
+  const int64_t panel_elems = packed.stride(0);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      pack_panel(static_cast<const uint8_t*>(w.data_ptr()), n, k, p, pair,
+                 static_cast<uint8_t*>(packed.data_ptr()) + p * panel_elems);
+  });
+  return packed;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear: x must be [rows, in], unit stride");
+  TORCH_CHECK(packed.is_contiguous(), "packed_linear: packed weight must be contiguous");
+  const bool int8 = packed.scalar_type() == at::kChar;
+  if (int8) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                "packed_linear: int8 weights take float32 or bfloat16 rows");
+    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat &&
+                    scales->numel() == n && scales->is_contiguous(),
+                "packed_linear: int8 weights need float32 scales [", n, "]");
+  } else {
+    TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x and weight dtypes differ");
+  }
+  const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   at::Tensor bias_f;
@@ -349,37 +464,19 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   }
   const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
 #if RANKCAST_SIMD_BITS >= 256
-  const int64_t panel_elems = packed.stride(0);
-  if (x.scalar_type() == at::kBFloat16) {
-#if defined(__AVX512BF16__)
-    const int64_t kp = packed.size(1);
-    TORCH_CHECK(packed.dim() == 4 && (k + 1) / 2 == kp, "packed_linear: weight packed for another K");
-    at::Tensor a = x;
-    if (k % 2 != 0) {  // pairs of k: give the last one a zero partner
-      a = at::zeros({m, k + 1}, x.options());
-      a.narrow(1, 0, k).copy_(x);
-    }
-    gemm::packed_linear_impl<FloatTiles<bf16, bf16, bf16>>(
-        a.data_ptr<bf16>(), m, a.stride(0), packed.data_ptr<bf16>(), n, kp, panel_elems, {bias_ptr},
-                                         y.data_ptr<bf16>());
-    return y;
-#else
-    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
-    const at::Tensor a = x.to(at::kFloat);  // exact; a few rows, converted once for every tile
-    gemm::packed_linear_impl<FloatTiles<float, bf16, bf16>>(
-        a.data_ptr<float>(), m, a.stride(0), packed.data_ptr<bf16>(), n, k, panel_elems, {bias_ptr},
-                                          y.data_ptr<bf16>());
-    return y;
-#endif
+  if (int8) {
+    multiply<int8_t>(x, packed, n, ScaledEpilogue{scales->data_ptr<float>(), bias_ptr}, y);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    multiply<bf16>(x, packed, n, BiasEpilogue{bias_ptr}, y);
   } else if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
-    gemm::packed_linear_impl<FloatTiles<float, float, float>>(
-        x.data_ptr<float>(), m, x.stride(0), packed.data_ptr<float>(), n, k, panel_elems, {bias_ptr},
-                                            y.data_ptr<float>());
-    return y;
+    multiply<float>(x, packed, n, BiasEpilogue{bias_ptr}, y);
+  } else {
+    TORCH_CHECK(false, "packed_linear: no packed kernel for ", x.scalar_type());
   }
-#endif
+  return y;
+#else
   TORCH_CHECK(false, "packed_linear: no packed kernel for ", x.scalar_type(), " in this CPU build");
+#endif
 }
 
 }  // namespace rankcast

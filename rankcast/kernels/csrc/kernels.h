@@ -29,15 +29,19 @@ bool gemm_supported(at::ScalarType dtype);
 std::string build_isa();
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor pack_linear_weight_(at::Tensor& weight);
+// int8 weights (weight-only: rows stay float32 or bfloat16) packed for the rows' dtype; then
+// `packed_linear` takes them with their per-column scales.
+at::Tensor pack_int8_weight(const at::Tensor& values, at::ScalarType activations);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias);
-// int8 weights (csrc/gemm_int8.cpp): whether this build has the kernel, which instructions it
-// runs ("avx512-vnni", "avx512bw", "avx2" or "none"), and how many k its packing groups.
-bool int8_supported();
-std::string int8_path();
-int64_t int8_group();
-at::Tensor pack_int8_weight(const at::Tensor& weight);
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& scales);
+// W8A8 (csrc/gemm_w8a8.cpp): whether this build has the kernel, which instructions it runs
+// ("avx512-vnni", "avx512bw", "avx2" or "none"), and how many k its packing groups.
+bool w8a8_supported();
+std::string w8a8_path();
+int64_t w8a8_group();
+at::Tensor pack_w8a8_weight(const at::Tensor& weight);
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                        const at::Tensor& scales, const c10::optional<at::Tensor>& bias);
 
 }  // namespace rankcast

@@ -59,13 +59,14 @@ TORCH_LIBRARY(rankcast, m) {
       "int[] out_offsets, int rank) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("pack_linear_weight_(Tensor(a!) weight) -> Tensor(a!)");
-  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor? scales=None) -> Tensor");
+  m.def("pack_int8_weight(Tensor values, ScalarType activations) -> Tensor");
   m.def("packed_linear_supported(ScalarType dtype) -> bool", &gemm_supported);
-  m.def("pack_int8_weight(Tensor weight) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor packed, int n, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("int8_supported() -> bool", &int8_supported);
-  m.def("int8_path() -> str", &int8_path);
-  m.def("int8_group() -> int", &int8_group);
+  m.def("pack_w8a8_weight(Tensor weight) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor packed, int n, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("w8a8_supported() -> bool", &w8a8_supported);
+  m.def("w8a8_path() -> str", &w8a8_path);
+  m.def("w8a8_group() -> int", &w8a8_group);
   m.def("build_isa() -> str", &build_isa);
   m.def("bind_threads(int[] cpus) -> int", &bind_threads);
   register_decoder_stack(m);
@@ -84,7 +85,8 @@ TORCH_LIBRARY_IMPL(rankcast, CPU, m) {
   m.impl("pack_linear_weight_", &pack_linear_weight_);
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_int8_weight", &pack_int8_weight);
-  m.impl("int8_linear", &int8_linear);
+  m.impl("pack_w8a8_weight", &pack_w8a8_weight);
+  m.impl("w8a8_linear", &w8a8_linear);
 }
 
 }  // namespace rankcast

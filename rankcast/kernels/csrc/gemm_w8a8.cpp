@@ -45,7 +45,7 @@ constexpr uint8_t kWeightOffset = 128;
 
 }  // namespace
 
-std::string int8_path() {
+std::string w8a8_path() {
 #if RANKCAST_SIMD_BITS == 512 && defined(__AVX512VNNI__)
   return "avx512-vnni";
 #elif RANKCAST_SIMD_BITS == 512
@@ -237,14 +237,14 @@ void quantize_rows(const T* x, int64_t lda, int64_t k, int64_t begin, int64_t en
 }  // namespace
 #endif
 
-bool int8_supported() { return RANKCAST_SIMD_BITS >= 256; }
+bool w8a8_supported() { return RANKCAST_SIMD_BITS >= 256; }
 
-int64_t int8_group() { return kInt8Group; }
+int64_t w8a8_group() { return kInt8Group; }
 
-at::Tensor pack_int8_weight(const at::Tensor& weight) {
+at::Tensor pack_w8a8_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar,
-              "pack_int8_weight: weight must be int8 [out, in]");
-  TORCH_CHECK(int8_supported(), "pack_int8_weight: this CPU build has no int8 kernel");
+              "pack_w8a8_weight: weight must be int8 [out, in]");
+  TORCH_CHECK(w8a8_supported(), "pack_w8a8_weight: this CPU build has no int8 kernel");
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t panels = (n + 15) / 16, steps = (k + kInt8Group - 1) / kInt8Group;
   // Offset by 128 into unsigned bytes (VPDPBUSD's unsigned operand; VPMADDWD widens them).
@@ -259,25 +259,25 @@ at::Tensor pack_int8_weight(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                        const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "int8_linear: x must be [rows, in], unit stride");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "w8a8_linear: x must be [rows, in], unit stride");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "int8_linear: x must be float32 or bfloat16");
+              "w8a8_linear: x must be float32 or bfloat16");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == kInt8Group,
-              "int8_linear: weight not packed by this build's pack_int8_weight");
+              "w8a8_linear: weight not packed by this build's pack_w8a8_weight");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == n && scales.is_contiguous(),
-              "int8_linear: scales must be float32 [", n, "]");
+              "w8a8_linear: scales must be float32 [", n, "]");
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t steps = packed.size(1);
   TORCH_CHECK((k + kInt8Group - 1) / kInt8Group == steps && packed.size(0) == (n + 15) / 16,
-              "int8_linear: weight packed for another shape");
+              "w8a8_linear: weight packed for another shape");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   at::Tensor bias_f;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "int8_linear: bias must have ", n, " elements");
+    TORCH_CHECK(bias->numel() == n, "w8a8_linear: bias must have ", n, " elements");
     bias_f = bias->to(at::kFloat).contiguous();
   }
 #if RANKCAST_SIMD_BITS >= 256
@@ -307,7 +307,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   }
   return y;
 #else
-  TORCH_CHECK(false, "int8_linear: this CPU build has no int8 kernel");
+  TORCH_CHECK(false, "w8a8_linear: this CPU build has no int8 kernel");
 #endif
 }
 

@@ -1,0 +1,215 @@
+"""What each weight type costs in quality: perplexity on a fixed text, and greedy agreement with
+bfloat16 over the standard workload.
+
+Perplexity is computed as llama.cpp's `llama-perplexity` computes it, so the two are comparable:
+the text (bench/text/perplexity.txt, the embedded SmolLM2-135M-Instruct's tokenizer) cut into
+windows of --ctx tokens, each window evaluated from scratch, and only the second half of each
+window scored (every scored token has at least ctx/2 tokens of context). rankcast runs every
+window side by side, its first half as one prompt and the rest one token per step, so it also
+exercises the decode path a served model takes. Where llama.cpp is installed (LLAMA_CPP_DIR,
+default ~/.cache/rankcast-llamacpp; see bench/llamacpp.py) its `llama-perplexity` runs on the
+same text for each GGUF weight type it has.
+
+Greedy agreement: the 32 standard chats, 128 tokens each with EOS ignored, generated with bf16
+weights and with each other type; reported as the chats whose text is identical and the mean
+number of tokens before the first difference.
+
+    python bench/perplexity.py [--ctx 256] [--no-llamacpp] [--no-agreement]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.workload import ROOT, describe, load_chats, machine_info
+
+TEXT = ROOT / "bench" / "text" / "perplexity.txt"
+RESULTS = ROOT / "bench" / "results" / "perplexity.json"
+# (name, dtype, quantization): the weight types rankcast serves.
+WEIGHT_TYPES = [
+    ("float32", "float32", "none"),
+    ("bfloat16", "bfloat16", "none"),
+    ("int8 (float32 activations)", "float32", "int8"),
+    ("int8 (bfloat16 activations)", "bfloat16", "int8"),
+]
+LLAMA_TYPES = ["F32", "BF16", "Q8_0", "Q4_1"]
+
+
+def text_tokens() -> list[int]:
+    from rankcast.model.source import resolve_model
+    from rankcast.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(None).model_dir)
+    return list(tokenizer.encode(TEXT.read_text(), add_special_tokens=False))
+
+
+def rankcast_perplexity(
+    tokens: list[int], ctx: int, dtype: str, quantization: str
+) -> dict[str, float]:
+    """Perplexity over the second half of every ctx-token window, all windows in one batch."""
+    from rankcast.model.arch import ArchConfig
+    from rankcast.model.loader import load_model
+    from rankcast.model.source import resolve_model
+    from rankcast.protocol import ScheduledSequence, SchedulerOutput
+    from rankcast.worker.model_runner import ModelRunner
+
+    model_dir = resolve_model(None).model_dir
+    arch = ArchConfig.from_model_dir(model_dir)
+    torch_dtype = getattr(torch, dtype)
+    cpu = torch.device("cpu")
+    model = load_model(model_dir, arch, torch_dtype, cpu, quantization=quantization)
+    block_size = 16
+    windows = [tokens[i * ctx : (i + 1) * ctx] for i in range(len(tokens) // ctx)]
+    blocks_each = -(-ctx // block_size)
+    runner = ModelRunner(model, arch, block_size, cpu, torch_dtype)
+    runner.initialize_cache(blocks_each * len(windows))
+    tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(windows))]
+    first = ctx // 2
+    nll, count = 0.0, 0
+    start = time.perf_counter()
+    # Step 0: each window's first half and one more token as a prompt (logits at `first`); then
+    # one token per step: the logits at position j score token j + 1, as llama-perplexity does.
+    steps = [
+        ScheduledSequence(f"w{i}", w[: first + 1], 0, tables[i]) for i, w in enumerate(windows)
+    ]
+    for position in range(first, ctx - 1):
+        logits = runner.compute_logits(SchedulerOutput(steps))
+        assert logits is not None
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for i, window in enumerate(windows):
+            nll -= float(logprobs[i, window[position + 1]])
+        count += len(windows)
+        steps = [
+            ScheduledSequence(f"w{i}", [w[position + 1]], position + 1, tables[i])
+            for i, w in enumerate(windows)
+        ]
+    return {
+        "perplexity": math.exp(nll / count),
+        "scored_tokens": count,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def llamacpp_dir() -> Path | None:
+    directory = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache/rankcast-llamacpp"))
+    return directory if (directory / "bin" / "llama-perplexity").exists() else None
+
+
+def llamacpp_perplexity(directory: Path, weight_type: str, ctx: int) -> float | None:
+    """llama-perplexity's final estimate for models/smol-<type>.gguf, or None if absent."""
+    model = directory / "models" / f"smol-{weight_type}.gguf"
+    if not model.exists():
+        return None
+    command = [
+        str(directory / "bin" / "llama-perplexity"),
+        "-m",
+        str(model),
+        "-f",
+        str(TEXT),
+        "-c",
+        str(ctx),
+        "-b",
+        str(ctx),
+        "-t",
+        str(os.cpu_count() or 1),
+    ]
+    if "amx_int8" in Path("/proc/cpuinfo").read_text() and weight_type.startswith("Q"):
+        command.append("--no-repack")  # its AMX int8 kernels die there (bench/llamacpp.py)
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if found is None:
+        print(f"  llama-perplexity {weight_type}: no estimate (exit {out.returncode})")
+        return None
+    return float(found.group(1))
+
+
+def greedy_outputs(dtype: str, quantization: str) -> list[list[int]]:
+    from rankcast import LLM, SamplingParams
+
+    chats, tokens = load_chats()
+    llm = LLM(dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    outs = llm.chat(chats, params)
+    llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
+    """Chats with identical tokens, and the mean count of tokens before the first difference."""
+    same, prefix = 0, 0
+    for a, b in zip(reference, other, strict=True):
+        same += a == b
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+    return {
+        "identical_chats": same,
+        "chats": len(reference),
+        "mean_common_prefix": prefix / len(reference),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ctx", type=int, default=256, help="window length in tokens")
+    parser.add_argument("--no-llamacpp", action="store_true", help="skip llama-perplexity")
+    parser.add_argument("--no-agreement", action="store_true", help="skip greedy agreement")
+    args = parser.parse_args()
+    machine = machine_info()
+    print(describe(machine))
+    tokens = text_tokens()
+    print(f"text: {TEXT.relative_to(ROOT)}, {len(tokens)} tokens, windows of {args.ctx}")
+    results: dict[str, Any] = {"machine": machine, "ctx": args.ctx, "text_tokens": len(tokens)}
+    ours = {}
+    for name, dtype, quantization in WEIGHT_TYPES:
+        ours[name] = rankcast_perplexity(tokens, args.ctx, dtype, quantization)
+    results["rankcast"] = ours
+    theirs: dict[str, float | None] = {}
+    directory = None if args.no_llamacpp else llamacpp_dir()
+    if directory is None:
+        why = "--no-llamacpp" if args.no_llamacpp else "not installed (LLAMA_CPP_DIR)"
+        print(f"llama.cpp: {why}; its rows are left out")
+    else:
+        theirs = {t: llamacpp_perplexity(directory, t, args.ctx) for t in LLAMA_TYPES}
+    results["llamacpp"] = theirs
+    base = ours["bfloat16"]["perplexity"]
+    print("\n| weights | perplexity | vs bfloat16 | scored tokens |\n|---|---|---|---|")
+    for name, row in ours.items():
+        change = 100 * (row["perplexity"] / base - 1)
+        ppl, scored = row["perplexity"], row["scored_tokens"]
+        print(f"| rankcast {name} | {ppl:.3f} | {change:+.2f} % | {scored} |")
+    for name, value in theirs.items():
+        if value is not None:
+            print(f"| llama.cpp {name} | {value:.3f} | {100 * (value / base - 1):+.2f} % | |")
+    if not args.no_agreement:
+        reference = greedy_outputs("bfloat16", "none")
+        results["agreement"] = {}
+        print("\n| weights | chats identical to bfloat16 | mean tokens before a difference |")
+        print("|---|---|---|")
+        for name, dtype, quantization in WEIGHT_TYPES:
+            if (dtype, quantization) == ("bfloat16", "none"):
+                continue
+            row = agreement(reference, greedy_outputs(dtype, quantization))
+            results["agreement"][name] = row
+            print(
+                f"| {name} | {row['identical_chats']} / {row['chats']} | "
+                f"{row['mean_common_prefix']:.1f} of {len(reference[0])} |"
+            )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -234,3 +234,42 @@ def test_tensor_parallel_slots_add_up_to_the_whole_delta(
     for rank, part in enumerate(xo.chunk(2, dim=1)):
         linear([SubProjection("o_proj", 0, hidden, in_shard=rank)], q // 2).add_to(part, partial)
     torch.testing.assert_close(partial, whole)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
+def test_adapters_apply_in_floating_point_on_a_quantized_base(
+    tiny_llama_dir: Path, mixed_adapters: list[Path], scheme: str
+) -> None:
+    """A quantized base model's adapters stay float (as vLLM and punica keep them): the logits of
+    the int8 base plus an adapter are as close to transformers + peft as the int8 base alone is
+    to transformers, and the adapter moves them as far as it moves the float model's."""
+    arch = ArchConfig.from_model_dir(tiny_llama_dir)
+    model = load_model(
+        tiny_llama_dir, arch, torch.float32, torch.device("cpu"), quantization=scheme
+    )
+    runner = ModelRunner(model, arch, 4, torch.device("cpu"), torch.float32)
+    runner.initialize_cache(64)
+    runner.enable_lora(max_loras=2, max_rank=8)
+    adapter = mixed_adapters[1]
+    runner.set_lora(0, load_peft_adapter(adapter.name, adapter, arch, max_lora_rank=8))
+    prompt = torch.randint(0, 1000, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def ours(slot: int, blocks: list[int]) -> torch.Tensor:
+        step = ScheduledSequence(f"s{slot}", prompt, 0, blocks, lora_slot=slot)
+        logits = runner.compute_logits(SchedulerOutput([step]))
+        assert logits is not None
+        return logits[0]
+
+    with_adapter, base = ours(0, [0, 1, 2]), ours(-1, [3, 4, 5])
+    want_adapter = _reference_logits(tiny_llama_dir, adapter, prompt)
+    want_base = _reference_logits(tiny_llama_dir, None, prompt)
+    spread = float(want_base.max() - want_base.min())
+    base_error = float((base - want_base).abs().max())
+    assert base_error < 0.05 * spread
+    assert float((with_adapter - want_adapter).abs().max()) < 2 * base_error + 1e-3
+    moved = (with_adapter - base) - (want_adapter - want_base)
+    assert (
+        float(moved.abs().max())
+        < 0.05 * float((want_adapter - want_base).abs().max()) + 2 * base_error
+    )
+    assert float((with_adapter - base).abs().max()) > 1e-2, "the adapter changed the output"

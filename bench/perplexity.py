@@ -42,8 +42,11 @@ RESULTS = ROOT / "bench" / "results" / "perplexity.json"
 WEIGHT_TYPES = [
     ("float32", "float32", "none"),
     ("bfloat16", "bfloat16", "none"),
-    ("int8 (float32 activations)", "float32", "int8"),
-    ("int8 (bfloat16 activations)", "bfloat16", "int8"),
+    ("int8 (float32 model)", "float32", "int8"),
+    ("int8 (bfloat16 model)", "bfloat16", "int8"),
+    ("w8a8 (bfloat16 model)", "bfloat16", "w8a8"),
+    ("q4_1 (float32 model)", "float32", "q4_1"),
+    ("q4_1 (bfloat16 model)", "bfloat16", "q4_1"),
 ]
 LLAMA_TYPES = ["F32", "BF16", "Q8_0", "Q4_1"]
 

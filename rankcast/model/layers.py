@@ -301,11 +301,22 @@ def packed_linears(model: nn.Module) -> list[tuple[str, PackedLinearMixin, bool]
     ]
 
 
+def layer_quantization(module: PackedLinearMixin, quantization: str) -> str:
+    """The scheme a layer's weight takes under the model's `quantization`: all the same, but
+    with 4-bit groups the LM head (often the embedding too) stays 8-bit, as llama.cpp's Q4_1
+    files keep it (the embedded SmolLM2's is Q8_0): its logits are what sampling reads, and 4
+    bits there cost the most (bench/perplexity.py)."""
+    if quantization == "q4_1" and isinstance(module, ParallelLMHead):
+        return "int8"
+    return quantization
+
+
 def prepack_linears(
     model: nn.Module, kernel: str, release_plain: bool = True, quantization: str = "none"
 ) -> None:
     """Prepack every linear-like layer's weight for `kernel` after loading (a no-op for
-    "torch" unquantized), quantized as `quantization` says, and, with `release_plain`, release
-    the plain weights only their own matmul reads."""
+    "torch" unquantized), quantized as `quantization` says (`layer_quantization`), and, with
+    `release_plain`, release the plain weights only their own matmul reads."""
     for _, module, own in packed_linears(model):
-        module.prepack(module.weight, kernel, release_plain and own, quantization)
+        scheme = layer_quantization(module, quantization)
+        module.prepack(module.weight, kernel, release_plain and own, scheme)

@@ -46,22 +46,25 @@ class CpuFacts:
     packed: frozenset[torch.dtype]  # dtypes rankcast's loaded kernel build multiplies
     onednn: frozenset[torch.dtype]  # dtypes oneDNN packs on this CPU
     w8a8: str = "none"  # the loaded build's W8A8 kernel: "avx512-vnni", "avx512bw", "avx2", "none"
+    q4: bool = False  # whether the loaded build has the 4-bit kernel
 
     @classmethod
     def of_this_machine(cls) -> CpuFacts:
         dtypes = (torch.float32, torch.bfloat16)
         packed: frozenset[torch.dtype] = frozenset()
-        w8a8 = "none"
+        w8a8, q4 = "none", False
         if kernels.load():
             supported: Callable[[torch.dtype], bool] = torch.ops.rankcast.packed_linear_supported
             packed = frozenset(d for d in dtypes if supported(d))
             w8a8_path: Callable[[], str] = torch.ops.rankcast.w8a8_path
             w8a8 = w8a8_path()
+            q4_supported: Callable[[], bool] = torch.ops.rankcast.q4_supported
+            q4 = q4_supported()
         mkldnn_available: Callable[[], bool] = torch.backends.mkldnn.is_available
         onednn: frozenset[torch.dtype] = frozenset()
         if mkldnn_available():
             onednn = frozenset(d for d in dtypes if d == torch.float32 or onednn_packs_bf16())
-        return cls(cpu_family(), packed, onednn, w8a8)
+        return cls(cpu_family(), packed, onednn, w8a8, q4)
 
 
 @dataclass(frozen=True)
@@ -160,9 +163,9 @@ def choose_linear_path(
 def _quantized_path(
     dtype: torch.dtype, device: torch.device, setting: str, facts: CpuFacts | None, scheme: str
 ) -> LinearPath:
-    """int8 weights: rankcast's kernel wherever it is built (weight-only "int8" through the
-    float kernels of csrc/gemm.cpp, "w8a8" through csrc/gemm_w8a8.cpp); torch's reference
-    arithmetic elsewhere (CUDA, kernels off)."""
+    """Quantized weights: rankcast's kernel wherever it is built (weight-only "int8" through
+    the float kernels of csrc/gemm.cpp, "w8a8" through csrc/gemm_w8a8.cpp, "q4_1" through
+    csrc/gemm_q4.cpp); torch's reference arithmetic elsewhere (CUDA, kernels off)."""
     if setting == "onednn":
         raise ValueError(
             f"RANKCAST_LINEAR_KERNEL=onednn has no {scheme} path; --quantization {scheme} "
@@ -176,6 +179,9 @@ def _quantized_path(
             return LinearPath("rankcast", True, why)
         if scheme == "w8a8" and facts.w8a8 != "none":
             why = f"int8 weights and rows (per token), exact int32 sums ({facts.w8a8})"
+            return LinearPath("rankcast", True, why)
+        if scheme == "q4_1" and facts.q4:
+            why = "4-bit groups rebuilt in registers, float32 rows and sums"
             return LinearPath("rankcast", True, why)
     if setting == "rankcast":
         raise ValueError(

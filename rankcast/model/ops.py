@@ -32,7 +32,9 @@ class PackedWeight:
     backend: str  # "rankcast", "onednn", or "torch" (quantized weights only)
     out_features: int
     scales: torch.Tensor | None = None
-    quantization: str = "none"  # "none", "int8" (weight-only) or "w8a8"
+    quantization: str = "none"  # "none", "int8" (weight-only), "w8a8" or "q4_1"
+    # q4_1 on the torch path: (d, m) float16 [out, groups], beside `tensor`'s q [out, in32].
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +55,45 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     values = torch.round(x * inverse[:, None]).clamp_(-127, 127)
     return values, amax / 127
+
+
+Q4_GROUP = 32  # k per 4-bit group (llama.cpp's Q4_1 block)
+
+
+def quantize_q4_1_weight(
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1 of a [out, in] weight: groups of 32 along `in` (zero-padded to whole
+    groups), each w ~= d * q + m with q in 0..15, m the group's minimum and d its range / 15;
+    (q as uint8 [out, in32], d and m as float16 [out, in32 / 32]). A weight that came from a
+    Q4_1 GGUF (the embedded SmolLM2) gives back that file's values: its groups hold q = 0 and
+    q = 15, so the minimum and range are the file's m and 15 d."""
+    out, k = weight.shape
+    padded = -(-k // Q4_GROUP) * Q4_GROUP
+    w = F.pad(weight.float(), (0, padded - k)).view(out, padded // Q4_GROUP, Q4_GROUP)
+    low, high = w.amin(dim=2), w.amax(dim=2)
+    scale = (high - low) / 15
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    values = torch.floor((w - low[..., None]) * inverse[..., None] + 0.5).clamp_(0, 15)
+    return values.to(torch.uint8).view(out, padded), scale.half(), low.half()
+
+
+def q4_1_weight_reference(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    minimums: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x times 4-bit weights (what csrc/gemm_q4.cpp computes, up to the order of float32 sums):
+    the weights rebuilt as d * q + m, then a float32 matmul, rounded once to x's dtype."""
+    out, padded = values.shape
+    groups = values.view(out, -1, Q4_GROUP).float()
+    weight = (groups * scales.float()[..., None] + minimums.float()[..., None]).view(out, padded)
+    y = F.linear(x.float(), weight[:, : x.shape[1]])
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def int8_weight_reference(
@@ -103,8 +144,17 @@ def pack_linear_weight(
     With `quantization` "int8" (weight-only) or "w8a8" the weight is quantized per output
     channel (`quantize_int8_weight`) and packed for csrc/gemm.cpp or csrc/gemm_w8a8.cpp
     ("rankcast"), or kept as plain int8 for the references below ("torch": CUDA, or the kernels
-    not built).
+    not built); "q4_1" in 4-bit groups (`quantize_q4_1_weight`) for csrc/gemm_q4.cpp.
     """
+    if quantization == "q4_1":
+        values, d, m = quantize_q4_1_weight(weight)
+        out = weight.shape[0]
+        if kernel == "rankcast":
+            packed = torch.ops.rankcast.pack_q4_weight(values, d, m)
+            return PackedWeight(packed, "rankcast", out, quantization="q4_1")
+        if kernel == "torch":
+            return PackedWeight(values, "torch", out, quantization="q4_1", groups=(d, m))
+        raise ValueError(f"q4_1 weights run on rankcast's kernel or torch, not {kernel}")
     if quantization in ("int8", "w8a8"):
         values, scales = quantize_int8_weight(weight)
         out = weight.shape[0]
@@ -138,6 +188,13 @@ def pack_linear_weight(
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] times a packed weight (+ bias)."""
+    if weight.quantization == "q4_1":
+        if weight.groups is not None:
+            return q4_1_weight_reference(x, weight.tensor, *weight.groups, bias)
+        return cast(
+            torch.Tensor,
+            torch.ops.rankcast.q4_linear(x.contiguous(), weight.tensor, weight.out_features, bias),
+        )
     if weight.scales is not None and weight.backend == "torch":
         if weight.quantization == "w8a8":
             return w8a8_linear_reference(x, weight.tensor, weight.scales, bias, exact=False)

@@ -37,7 +37,7 @@ from torch import nn
 from rankcast import envs, kernels
 from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.model import ops
-from rankcast.model.layers import PackedLinearMixin, packed_linears
+from rankcast.model.layers import PackedLinearMixin, layer_quantization, packed_linears
 from rankcast.model.safetensors_file import open_safetensors
 from rankcast.process import abandoned_staging, staging_name
 
@@ -49,7 +49,8 @@ _PACKED = "packed:"
 _SCALES = "scales:"  # int8 weights' per-channel scales
 _PARAM = "param:"
 # What quantized weights are packed as (csrc/gemm.cpp's int8, csrc/gemm_w8a8.cpp's offset bytes).
-_PACKED_DTYPES = {"int8": torch.int8, "w8a8": torch.uint8}
+_PACKED_DTYPES = {"int8": torch.int8, "w8a8": torch.uint8, "q4_1": torch.uint8}
+_SCALED = ("int8", "w8a8")  # schemes whose scales are a tensor of their own (q4_1's are inside)
 
 
 def snapshot_dir() -> Path:
@@ -74,7 +75,7 @@ class WeightSnapshot:
     source: Path  # the checkpoint directory
     identity: str  # checkpoint_identity(source) when it was made
     kernels_library: Path  # the kernel build that packed it
-    quantization: str = "none"  # "int8" or "w8a8": the linears are int8 with their scales
+    quantization: str = "none"  # "int8", "w8a8" or "q4_1": the linears are quantized
 
     @classmethod
     def for_rank(
@@ -118,10 +119,11 @@ class WeightSnapshot:
         except Exception as exc:
             return self._discard(f"cannot be read ({exc})")
         linears, params = _contents(model)
-        quantized = self.quantization != "none"
+        schemes = {
+            name: layer_quantization(module, self.quantization) for name, module, _ in linears
+        }
         expected = {_PACKED + name for name, _, _ in linears} | {_PARAM + n for n in params}
-        if quantized:
-            expected |= {_SCALES + name for name, _, _ in linears}
+        expected |= {_SCALES + name for name, scheme in schemes.items() if scheme in _SCALED}
         if set(tensors) != expected:
             return self._discard("holds other tensors than this model's")
         for name, param in params.items():
@@ -129,16 +131,16 @@ class WeightSnapshot:
             if saved.shape != param.shape or saved.dtype != param.dtype:
                 return self._discard(f"{name} is {tuple(saved.shape)} {saved.dtype}")
         for name, module, _ in linears:
-            packed_dtype = _PACKED_DTYPES.get(self.quantization, module.weight.dtype)
+            packed_dtype = _PACKED_DTYPES.get(schemes[name], module.weight.dtype)
             if tensors[_PACKED + name].dtype != packed_dtype:
                 return self._discard(f"{name} is packed in {tensors[_PACKED + name].dtype}")
         for name, param in params.items():
             param.data = tensors[_PARAM + name]
         for name, module, own in linears:
             out_features = module.weight.shape[0]
-            scales = tensors[_SCALES + name] if quantized else None
+            scales = tensors.get(_SCALES + name)
             packed = ops.PackedWeight(
-                tensors[_PACKED + name], "rankcast", out_features, scales, self.quantization
+                tensors[_PACKED + name], "rankcast", out_features, scales, schemes[name]
             )
             module.adopt_packed(packed, release_plain=own)
         return True
@@ -161,7 +163,7 @@ class WeightSnapshot:
                 return None
             if own and module.weight.untyped_storage().nbytes() > module.weight.element_size():
                 return None  # the plain weight was kept (tests that compare shards)
-            if packed.quantization != self.quantization:
+            if packed.quantization != layer_quantization(module, self.quantization):
                 return None
             tensors[_PACKED + name] = packed.tensor
             if packed.scales is not None:

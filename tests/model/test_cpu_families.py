@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the decoder against transformers, and the model-level invariance property on the tiny model.
 TESTS = [
     "tests/model/test_ops.py",
-    "tests/model/test_int8.py",
+    "tests/model/test_quantized_linears.py",
     "tests/model/test_llama_logits.py",
     "tests/model/test_batch_invariance.py::test_the_tiny_models_logits_do_not_depend_on_the_batch",
 ]

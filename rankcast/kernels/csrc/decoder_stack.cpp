@@ -18,8 +18,9 @@
 namespace rankcast {
 namespace {
 
-// One projection: a weight packed by csrc/gemm.cpp (float, or int8 with its scales), or by
-// csrc/gemm_w8a8.cpp (uint8, with its scales).
+// One projection: a weight packed by csrc/gemm.cpp (float, or int8 with its scales), by
+// csrc/gemm_w8a8.cpp (bytes [panels, steps, 16, group], with its scales) or by csrc/gemm_q4.cpp
+// (bytes [panels, groups, record], scales inside).
 struct Projection {
   at::Tensor packed;
   c10::optional<at::Tensor> scales;  // int8 weights' per-channel scales
@@ -27,7 +28,10 @@ struct Projection {
   int64_t n;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (packed.scalar_type() == at::kByte) return w8a8_linear(x, packed, n, *scales, bias);
+    if (packed.scalar_type() == at::kByte) {
+      if (packed.dim() == 3) return q4_linear(x, packed, n, bias);
+      return w8a8_linear(x, packed, n, *scales, bias);
+    }
     return packed_linear(x, packed, n, bias, scales);
   }
 };

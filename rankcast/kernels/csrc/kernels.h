@@ -35,6 +35,12 @@ at::Tensor pack_int8_weight(const at::Tensor& values, at::ScalarType activations
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias,
                          const c10::optional<at::Tensor>& scales);
+// 4-bit groups of 32 with a float16 scale and minimum (llama.cpp's Q4_1; csrc/gemm_q4.cpp).
+bool q4_supported();
+at::Tensor pack_q4_weight(const at::Tensor& values, const at::Tensor& scales,
+                          const at::Tensor& minimums);
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                     const c10::optional<at::Tensor>& bias);
 // W8A8 (csrc/gemm_w8a8.cpp): whether this build has the kernel, which instructions it runs
 // ("avx512-vnni", "avx512bw", "avx2" or "none"), and how many k its packing groups.
 bool w8a8_supported();

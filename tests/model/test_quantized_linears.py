@@ -1,5 +1,5 @@
-"""int8 weights: `--quantization int8` (weight-only, csrc/gemm.cpp's float kernels widening int8)
-and `w8a8` (csrc/gemm_w8a8.cpp) against torch, on every ISA build
+"""Quantized weights: `--quantization int8` (weight-only, csrc/gemm.cpp's float kernels widening
+int8), `w8a8` (csrc/gemm_w8a8.cpp) and `q4_1` (csrc/gemm_q4.cpp) against torch, on every ISA build
 (tests/model/test_cpu_families.py runs this file on the AVX-512-without-VNNI and AVX2 builds
 too); a quantized model against its float self; the decoder stack, the torch path and weight
 snapshots on quantized models."""
@@ -15,7 +15,7 @@ import torch
 from rankcast import kernels
 from rankcast.model import ops
 from rankcast.model.arch import ArchConfig
-from rankcast.model.layers import PackedLinearMixin
+from rankcast.model.layers import PackedLinearMixin, layer_quantization
 from rankcast.model.linear_kernels import CpuFacts, choose_linear_path
 from rankcast.model.loader import load_model
 from rankcast.model.weight_snapshot import WeightSnapshot
@@ -29,6 +29,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 SCHEMES = ["int8", "w8a8"]
+ALL_SCHEMES = [*SCHEMES, "q4_1"]
 
 
 def _w8a8_kernel() -> str:
@@ -50,6 +51,14 @@ def _quantized(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, t
 def _kernel(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias=None):
     packed = torch.ops.rankcast.pack_w8a8_weight(values)
     return torch.ops.rankcast.w8a8_linear(x, packed, values.shape[0], scales, bias)
+
+
+def _q4(x: torch.Tensor, weight: torch.Tensor, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel, reference) for `weight` quantized to 4-bit groups."""
+    values, d, m = ops.quantize_q4_1_weight(weight)
+    packed = torch.ops.rankcast.pack_q4_weight(values, d, m)
+    got = torch.ops.rankcast.q4_linear(x, packed, weight.shape[0], bias)
+    return got, ops.q4_1_weight_reference(x, values, d, m, bias)
 
 
 def _weight_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias=None):
@@ -94,6 +103,22 @@ def test_both_kernels_equal_their_torch_references(
         want = ops.int8_weight_reference(x, values, scales, b)
         assert got.dtype == dtype
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        got, want = _q4(x, torch.randn(n, k, generator=gen), b)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_4bit_groups_give_back_the_values_a_q4_1_file_held() -> None:
+    """Weights dequantized from llama.cpp's Q4_1 (the embedded SmolLM2's layers) quantize to the
+    very same q, d and m: serving them this way is serving the file's own weights."""
+    values, d, m = ops.quantize_q4_1_weight(torch.randn(40, 96))
+    assert int(values.max()) == 15 and int(values.min()) == 0
+    from_file = values.view(40, 3, 32).float() * d.float()[..., None] + m.float()[..., None]
+    again = ops.quantize_q4_1_weight(from_file.view(40, 96))
+    assert all(torch.equal(a, b) for a, b in zip(again, (values, d, m), strict=True))
+    # Ragged in: zero-padded to whole groups.
+    padded, _, _ = ops.quantize_q4_1_weight(torch.randn(3, 40))
+    assert padded.shape == (3, 64)
 
 
 @needs_kernel
@@ -112,10 +137,19 @@ def test_the_kernels_are_close_to_dequantize_then_matmul(dtype: torch.dtype) -> 
     torch.testing.assert_close(
         _weight_only(x, values, scales).float(), x.float() @ weight.T, **tolerance
     )
+    values, d, m = ops.quantize_q4_1_weight(torch.randn(96, 576))
+    dequantized = values.view(96, -1, 32).float() * d.float()[..., None] + m.float()[..., None]
+    got = torch.ops.rankcast.q4_linear(x, torch.ops.rankcast.pack_q4_weight(values, d, m), 96, None)
+    torch.testing.assert_close(got.float(), x.float() @ dequantized.view(96, 576).T, **tolerance)
+
+
+def _q4_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    weight = values.float() * scales[:, None]
+    return _q4(x, weight)[0]
 
 
 @needs_kernel
-@pytest.mark.parametrize("multiply", [_kernel, _weight_only], ids=SCHEMES)
+@pytest.mark.parametrize("multiply", [_kernel, _weight_only, _q4_only], ids=ALL_SCHEMES)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(multiply) -> None:
     _, values, scales = _quantized(80, 200, seed=7)
     batch = torch.randn(40, 200, generator=torch.Generator().manual_seed(8)).bfloat16()
@@ -145,9 +179,16 @@ def test_a_zero_row_gives_the_bias_and_bad_input_is_refused() -> None:
         torch.ops.rankcast.packed_linear(torch.zeros(1, 40), packed, 20, None, scales)
     with pytest.raises(RuntimeError, match="need float32 scales"):
         torch.ops.rankcast.packed_linear(torch.zeros(1, 33), packed, 20, None, None)
+    q, d, m = ops.quantize_q4_1_weight(torch.randn(20, 33))
+    packed = torch.ops.rankcast.pack_q4_weight(q, d, m)
+    assert torch.equal(torch.ops.rankcast.q4_linear(torch.zeros(2, 33), packed, 20, bias)[1], bias)
+    with pytest.raises(RuntimeError, match="whole groups of 32"):
+        torch.ops.rankcast.pack_q4_weight(q[:, :33], d, m)
+    with pytest.raises(RuntimeError, match="another shape"):
+        torch.ops.rankcast.q4_linear(torch.zeros(1, 70), packed, 20, None)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
 def test_the_torch_path_is_the_reference(scheme: str) -> None:
     """Where the kernels are not built (CUDA too) int8 weights multiply through torch: the
     references (W8A8's with float32 instead of exact sums)."""
@@ -156,16 +197,21 @@ def test_the_torch_path_is_the_reference(scheme: str) -> None:
     fast = ops.w8a8_linear_reference(x, values, scales, None, exact=False)
     torch.testing.assert_close(fast, ops.w8a8_linear_reference(x, values, scales, None))
     weight = ops.pack_linear_weight(torch.randn(64, 300), "torch", quantization=scheme)
-    assert weight is not None and weight.backend == "torch" and weight.tensor.dtype == torch.int8
-    reference = ops.w8a8_linear_reference if scheme == "w8a8" else ops.int8_weight_reference
-    want = reference(x, weight.tensor, weight.scales, None)
+    assert weight is not None and weight.backend == "torch"
+    if scheme == "q4_1":
+        assert weight.groups is not None and weight.tensor.dtype == torch.uint8
+        want = ops.q4_1_weight_reference(x, weight.tensor, *weight.groups, None)
+    elif scheme == "w8a8":
+        want = ops.w8a8_linear_reference(x, weight.tensor, weight.scales, None)
+    else:
+        want = ops.int8_weight_reference(x, weight.tensor, weight.scales, None)
     torch.testing.assert_close(ops.packed_linear(x, weight, None), want)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_the_path_for_int8_weights(scheme: str) -> None:
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_the_path_for_quantized_weights(scheme: str) -> None:
     both = frozenset({torch.float32, torch.bfloat16})
-    vnni = CpuFacts("avx512-bf16", both, frozenset(), "avx512-vnni")
+    vnni = CpuFacts("avx512-bf16", both, frozenset(), "avx512-vnni", True)
     absent = CpuFacts("other", frozenset(), frozenset(), "none")
     path = choose_linear_path(torch.bfloat16, CPU, "auto", vnni, quantization=scheme)
     assert path.kernel == "rankcast" and path.batch_invariant
@@ -203,13 +249,17 @@ def _logits(runner: ModelRunner, prompt: list[int], steps: int = 4) -> torch.Ten
     return torch.cat(rows).float()
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_a_quantized_model_stays_close_to_the_float_one(tmp_path: Path, dtype, scheme) -> None:
-    """Bound on the tiny random model: int8 logits within 5 % of the float model's logit range
-    (random weights have no outliers to hide; the real model's cost is the perplexity in
+    """Bound on the tiny random model: logits within 5 % of the float model's logit range. For
+    4-bit groups the model's layers are first made what a Q4_1 file holds (as the embedded
+    SmolLM2's are): those are served as they are, and only the 8-bit head differs (4 bits of
+    random Gaussian weights would be 16 % off; the real model's cost is the perplexity in
     bench/perplexity.py)."""
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=256, seed=3, tie_word_embeddings=False)
+    if scheme == "q4_1":
+        _as_if_from_a_q4_1_file(model_dir)
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(0)).tolist()
     want = _logits(_runner(model_dir, dtype, "none"), prompt)
     quantized = _runner(model_dir, dtype, scheme)
@@ -218,13 +268,34 @@ def test_a_quantized_model_stays_close_to_the_float_one(tmp_path: Path, dtype, s
     assert float((got - want).abs().max()) < 0.05 * spread
     linears = [m for m in quantized.model.modules() if isinstance(m, PackedLinearMixin)]
     assert linears and all(
-        m.packed_weight is not None and m.packed_weight.quantization == scheme for m in linears
+        m.packed_weight is not None
+        and m.packed_weight.quantization == layer_quantization(m, scheme)
+        for m in linears
     )
+    head = quantized.model.lm_head
+    assert head is not None and head.packed_weight is not None
+    assert head.packed_weight.quantization == ("int8" if scheme == "q4_1" else scheme)
+
+
+def _as_if_from_a_q4_1_file(model_dir: Path) -> None:
+    """Rewrite the checkpoint's decoder-layer projections as a Q4_1 GGUF's dequantized weights."""
+    from safetensors.torch import load_file, save_file
+
+    for path in model_dir.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name, tensor in tensors.items():
+            if name.startswith("model.layers.") and name.endswith("proj.weight"):
+                values, d, m = ops.quantize_q4_1_weight(tensor)
+                out = tensor.shape[0]
+                rebuilt = values.view(out, -1, 32).float() * d.float()[..., None]
+                rebuilt = rebuilt + m.float()[..., None]
+                tensors[name] = rebuilt.view(out, -1)[:, : tensor.shape[1]].to(tensor.dtype)
+        save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 @needs_kernel
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_the_decoder_stack_runs_int8_layers_as_the_modules_do(tmp_path: Path, scheme) -> None:
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_the_decoder_stack_runs_quantized_layers_as_the_modules_do(tmp_path: Path, scheme) -> None:
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=256, seed=4, arch="qwen2")
     prompt = list(range(3, 17))
     fused = _runner(model_dir, torch.bfloat16, scheme)
@@ -235,8 +306,8 @@ def test_the_decoder_stack_runs_int8_layers_as_the_modules_do(tmp_path: Path, sc
 
 
 @needs_kernel
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_an_int8_snapshot_is_mapped_and_computes_the_same(
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_a_quantized_snapshot_is_mapped_and_computes_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str
 ) -> None:
     """A snapshot holds the int8 values and scales; a float start never maps it (the key holds

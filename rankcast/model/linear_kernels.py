@@ -181,7 +181,7 @@ def _quantized_path(
             why = f"int8 weights and rows (per token), exact int32 sums ({facts.w8a8})"
             return LinearPath("rankcast", True, why)
         if scheme == "q4_1" and facts.q4:
-            why = "4-bit groups rebuilt in registers, float32 rows and sums"
+            why = "4-bit groups times 15-bit rows per token, exact int32 group sums"
             return LinearPath("rankcast", True, why)
     if setting == "rankcast":
         raise ValueError(

@@ -78,19 +78,32 @@ def quantize_q4_1_weight(
     return values.to(torch.uint8).view(out, padded), scale.half(), low.half()
 
 
-def q4_1_weight_reference(
+def q4_1_linear_reference(
     x: torch.Tensor,
     values: torch.Tensor,
     scales: torch.Tensor,
     minimums: torch.Tensor,
     bias: torch.Tensor | None,
+    exact: bool = True,
 ) -> torch.Tensor:
-    """x times 4-bit weights (what csrc/gemm_q4.cpp computes, up to the order of float32 sums):
-    the weights rebuilt as d * q + m, then a float32 matmul, rounded once to x's dtype."""
+    """x times 4-bit weights as csrc/gemm_q4.cpp computes it, up to the order of its float32
+    sums: each row quantized to 15-bit integers a (scale max|x| / 16383), each group's integer
+    sum of q * a and its sum of a, then scale * sum over groups of (d * that + m * sum(a)) +
+    bias, rounded once to x's dtype. `exact=False` (the torch path where the kernels are not
+    built) sums in float32 rather than float64."""
     out, padded = values.shape
-    groups = values.view(out, -1, Q4_GROUP).float()
-    weight = (groups * scales.float()[..., None] + minimums.float()[..., None]).view(out, padded)
-    y = F.linear(x.float(), weight[:, : x.shape[1]])
+    k = x.shape[1]
+    amax = x.float().abs().amax(dim=1)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 16383.0) / amax, torch.zeros_like(amax))
+    rows = torch.round(x.float() * inverse[:, None]).clamp_(-16383, 16383)
+    rows = F.pad(rows, (0, padded - k)).view(x.shape[0], -1, Q4_GROUP)
+    accumulate = torch.float64 if exact else torch.float32
+    q = values.view(out, -1, Q4_GROUP).to(accumulate)
+    products = torch.einsum("rgk,ogk->rog", rows.to(accumulate), q)  # [rows, out, groups]
+    terms = products * scales.to(accumulate) + rows.sum(dim=2).to(accumulate)[:, None, :] * (
+        minimums.to(accumulate)
+    )
+    y = (terms.sum(dim=2) * (amax / 16383).to(accumulate)[:, None]).float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -190,7 +203,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     """x [rows, in] times a packed weight (+ bias)."""
     if weight.quantization == "q4_1":
         if weight.groups is not None:
-            return q4_1_weight_reference(x, weight.tensor, *weight.groups, bias)
+            return q4_1_linear_reference(x, weight.tensor, *weight.groups, bias, exact=False)
         return cast(
             torch.Tensor,
             torch.ops.rankcast.q4_linear(x.contiguous(), weight.tensor, weight.out_features, bias),

@@ -6,15 +6,26 @@
 // in exactly this form, so quantizing its weights this way finds the file's own values again
 // (rankcast/model/ops.py `quantize_q4_1_weight`): the model is served as it was published.
 //
+// The products are integer. Each row is quantized per token to 15 bits (a = round(x * 16383 /
+// max|x|), an error of at most max|x| / 32766 per element, far below bfloat16's rounding) and
+// split a = 128 * hi + lo (hi signed, lo in 0..127), so that unsigned 4-bit weights meet signed
+// bytes in VPDPBUSD (AVX512-VNNI; elsewhere VPMADDUBSW + VPMADDWD, the same sums: no pair of
+// products reaches the int16 limit). A group's sum is 128 * sum(q * hi) + sum(q * lo), exact in
+// int32; then y = scale_x * sum over groups of (d * that + m * sum(a)), in float32, groups in
+// order. Every ISA path computes the same integers and the same float operations: one answer on
+// every x86 build, and a row's result never depends on the rows beside it (batch-invariant).
+// Rebuilding each weight in float32 registers instead (fma(q, d, m)) took ~4x the instructions
+// per weight and kept a single stream compute-bound.
+//
 // Packed per panel of 16 output columns, one record per group of 32 k (kQ4GroupBytes):
-//   d[16] float16 | m[16] float16 | 16 pairs of k x 16 columns, one byte each: q[k] | q[k+1] << 4
-// so a panel is one contiguous stream the thread reads front to back. Rows are float32 (bfloat16
-// rows converted once, exactly); each weight is rebuilt as fma(q, d, m) in registers and the
-// products summed in k order, whatever the number of rows: batch-invariant like the float kernels.
+//   d[16] float16 | m[16] float16 | 4 chunks of 64 bytes
+// chunk t's byte 4c + j holds column c's q at k = 8t + j (low nibble) and 8t + 4 + j (high), so
+// one chunk is two VPDPBUSD operands of 16 columns x 4 k. A panel is one contiguous stream.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "gemm.h"
@@ -25,7 +36,8 @@ namespace rankcast {
 
 namespace {
 constexpr int64_t kQ4Group = 32;
-constexpr int64_t kQ4GroupBytes = 2 * 16 * 2 + 16 * 16;  // d and m, then 16 pairs x 16 columns
+constexpr int64_t kQ4GroupBytes = 2 * 16 * 2 + 4 * 64;  // d and m, then 4 chunks
+constexpr int kActivationMax = 16383;  // rows quantized to 15 bits: 128 * hi + lo
 }  // namespace
 
 #if RANKCAST_SIMD_BITS >= 256 && defined(__F16C__)
@@ -33,114 +45,168 @@ namespace {
 
 using namespace gemm;
 
-// 16 float16 values as float32 lanes.
-inline Vec16 load_half16(const uint8_t* p) {
+// A row as the tiles read it (row stride `lda` bytes, kp = k rounded up to whole groups):
+//   hi[kp] int8 | lo[kp] int8 | group sums of a [groups] float32 | scale_x float32
+struct RowLayout {
+  int64_t kp, groups;
+  int64_t hi() const { return 0; }
+  int64_t lo() const { return kp; }
+  int64_t sums() const { return 2 * kp; }
+  int64_t scale() const { return 2 * kp + 4 * groups; }
+  int64_t bytes() const { return (scale() + 4 + 63) / 64 * 64; }
+};
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float row_float(const int8_t* row, int64_t offset) {
+  float v;
+  std::memcpy(&v, row + offset, sizeof(v));
+  return v;
+}
+
 #if RANKCAST_SIMD_BITS == 512
-  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+// acc + the four-byte dot products of unsigned w and signed a, per int32 lane.
+inline __m512i dot4(__m512i acc, __m512i w, __m512i a) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, w, a);
 #else
-  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+  const __m512i pairs = _mm512_maddubs_epi16(w, a);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
 }
 
-// The 16 columns' weights at k and k + 1 from their 16 bytes: fma(q, d, m).
-inline void unpack_pair(const uint8_t* p, Vec16 d, Vec16 m, Vec16& w0, Vec16& w1) {
-#if RANKCAST_SIMD_BITS == 512
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
-  const __m512i high = _mm512_srli_epi32(bytes, 4);
-  w0 = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(low), d.v, m.v)};
-  w1 = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(high), d.v, m.v)};
-#else
-  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  const __m256i fifteen = _mm256_set1_epi32(15);
-  w0 = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, fifteen)), d.lo, m.lo),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, fifteen)), d.hi, m.hi)};
-  w1 = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), d.lo, m.lo),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), d.hi, m.hi)};
-#endif
-}
-
-// R rows x NP panels over every group; sums left in `acc`.
-template <int R, int NP, bool Next>
-inline void q4_block(const float* a, int64_t lda, const uint8_t* b, int64_t panel_elems,
-                     int64_t groups, Vec16 (&acc)[R][NP], bool prefetch, const NextGroup& next) {
-  const int per_step = lines_per_step(next, groups);
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NP; ++j) acc[i][j] = zero16();
-  for (int64_t g = 0; g < groups; ++g) {
-    if constexpr (Next) prefetch_next(next, g, per_step);
-    Vec16 d[NP], m[NP];
-    for (int j = 0; j < NP; ++j) {
-      const uint8_t* record = b + j * panel_elems + g * kQ4GroupBytes;
+// MR rows x NR panels, a panel at a time: per group its 8 quads of weights are unpacked once
+// (8 zmm) and every row runs its hi pass, a shift, its lo pass, then the group's float terms.
+template <int MR, int NR, bool Next, typename Out>
+inline void tile_q4(const int8_t* a, int64_t lda, const uint8_t* b, int64_t panel_elems,
+                    int64_t groups, Out* c, int64_t ldc, const BiasEpilogue& epi, int last_cols,
+                    bool prefetch, NextGroup next) {
+  const RowLayout layout{groups * kQ4Group, groups};
+  const int per_step = lines_per_step(next, groups * NR);
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int j = 0; j < NR; ++j) {
+    const uint8_t* panel = b + j * panel_elems;
+    __m512 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      if constexpr (Next) prefetch_next(next, j * groups + g, per_step);
+      const uint8_t* record = panel + g * kQ4GroupBytes;
       if (prefetch)
         for (int64_t line = 0; line < kQ4GroupBytes; line += 64) prefetch_ahead(record + line);
-      d[j] = load_half16(record);
-      m[j] = load_half16(record + 32);
-    }
-    const float* x = a + g * kQ4Group;
-    for (int kp = 0; kp < 16; ++kp) {
-      for (int j = 0; j < NP; ++j) {
-        Vec16 w0, w1;
-        unpack_pair(b + j * panel_elems + g * kQ4GroupBytes + 64 + kp * 16, d[j], m[j], w0, w1);
-        for (int i = 0; i < R; ++i) {
-          acc[i][j] = fma(splat(x[i * lda + 2 * kp]), w0, acc[i][j]);
-          acc[i][j] = fma(splat(x[i * lda + 2 * kp + 1]), w1, acc[i][j]);
-        }
+      __m512i w[8];
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(record + 64 + 64 * t);
+        w[2 * t] = _mm512_and_si512(v, nibble);
+        w[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record)));
+      const __m512 m =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 32)));
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* row = a + i * lda;
+        const int8_t* hi = row + layout.hi() + g * kQ4Group;
+        const int8_t* lo = row + layout.lo() + g * kQ4Group;
+        __m512i sum = _mm512_setzero_si512();
+        for (int q = 0; q < 8; ++q) sum = dot4(sum, w[q], _mm512_set1_epi32(four_bytes(hi + 4 * q)));
+        sum = _mm512_slli_epi32(sum, 7);
+        for (int q = 0; q < 8; ++q) sum = dot4(sum, w[q], _mm512_set1_epi32(four_bytes(lo + 4 * q)));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, acc[i]);
+        const float group_sum = row_float(row, layout.sums() + 4 * g);
+        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(group_sum), m, acc[i]);
+      }
+    }
+    const int cols = j == NR - 1 ? last_cols : kPanel;
+    for (int i = 0; i < MR; ++i) {
+      const float scale = row_float(a + i * lda, layout.scale());
+      epi.store(c + i * ldc + j * kPanel, Vec16{_mm512_mul_ps(acc[i], _mm512_set1_ps(scale))}, i, j,
+                cols);
     }
   }
 }
 
-#if RANKCAST_SIMD_BITS == 512
-template <int MR, int NR, bool Next, typename Out>
-inline void tile_q4(const float* a, int64_t lda, const uint8_t* b, int64_t panel_elems,
-                    int64_t groups, Out* c, int64_t ldc, const BiasEpilogue& epi, int last_cols,
-                    bool prefetch, NextGroup next) {
-  Vec16 acc[MR][NR];
-  q4_block<MR, NR, Next>(a, lda, b, panel_elems, groups, acc, prefetch, next);
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j)
-      epi.store(c + i * ldc + j * kPanel, acc[i][j], i, j, j == NR - 1 ? last_cols : kPanel);
-}
 #else
-// AVX2: a tile is a whole row block; each panel is run by sub-tiles of at most 4 rows (8 ymm
-// sums, 4 for the two pairs' weights, 1 broadcast), the panel staying in L1 between them.
+// AVX2: the same arithmetic on 8-column halves of a panel, in sub-tiles of at most 3 rows (an
+// int and a float sum per row, 8 unpacked weight quads, 1 broadcast: 15 ymm registers).
+inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
+  const __m256i pairs = _mm256_maddubs_epi16(w, a);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
 template <int R>
-__attribute__((noinline)) void q4_rows(const float* a, int64_t lda, const uint8_t* panel,
-                                       int64_t groups, Vec16* sums, bool prefetch) {
-  Vec16 acc[R][1];
-  q4_block<R, 1, false>(a, lda, panel, 0, groups, acc, prefetch, NextGroup{});
-  for (int i = 0; i < R; ++i) sums[i] = acc[i][0];
+__attribute__((noinline)) void q4_half(const int8_t* a, int64_t lda, const uint8_t* panel,
+                                       int64_t groups, int half, __m256* out, bool prefetch) {
+  const RowLayout layout{groups * kQ4Group, groups};
+  const __m256i nibble = _mm256_set1_epi8(15);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = panel + g * kQ4GroupBytes;
+    if (prefetch)
+      for (int64_t line = 0; line < kQ4GroupBytes; line += 64) prefetch_ahead(record + line);
+    __m256i w[8];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i v =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 64 + 64 * t + 32 * half));
+      w[2 * t] = _mm256_and_si256(v, nibble);
+      w[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
+    const __m256 d =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 16 * half)));
+    const __m256 m =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 32 + 16 * half)));
+    for (int i = 0; i < R; ++i) {
+      const int8_t* row = a + i * lda;
+      const int8_t* hi = row + layout.hi() + g * kQ4Group;
+      const int8_t* lo = row + layout.lo() + g * kQ4Group;
+      __m256i sum = _mm256_setzero_si256();
+      for (int q = 0; q < 8; ++q) sum = dot4(sum, w[q], _mm256_set1_epi32(four_bytes(hi + 4 * q)));
+      sum = _mm256_slli_epi32(sum, 7);
+      for (int q = 0; q < 8; ++q) sum = dot4(sum, w[q], _mm256_set1_epi32(four_bytes(lo + 4 * q)));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[i]);
+      const float group_sum = row_float(row, layout.sums() + 4 * g);
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(group_sum), m, acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) out[i] = acc[i];
 }
 
 template <int MR, int NR, bool Next, typename Out>
-inline void tile_q4(const float* a, int64_t lda, const uint8_t* b, int64_t panel_elems,
+inline void tile_q4(const int8_t* a, int64_t lda, const uint8_t* b, int64_t panel_elems,
                     int64_t groups, Out* c, int64_t ldc, const BiasEpilogue& epi, int last_cols,
                     bool prefetch, NextGroup /*next: the AVX2 tile only reads ahead*/) {
-  Vec16 sums[MR];
+  const RowLayout layout{groups * kQ4Group, groups};
+  __m256 halves[2][MR];
   for (int j = 0; j < NR; ++j) {
     const uint8_t* panel = b + j * panel_elems;
-    for (int r = 0; r < MR; r += 4) {
-      const float* rows = a + r * lda;
-      const bool lead = prefetch && r == 0;
-      switch (std::min(4, MR - r)) {
-        case 1: q4_rows<1>(rows, lda, panel, groups, sums + r, lead); break;
-        case 2: q4_rows<2>(rows, lda, panel, groups, sums + r, lead); break;
-        case 3: q4_rows<3>(rows, lda, panel, groups, sums + r, lead); break;
-        default: q4_rows<4>(rows, lda, panel, groups, sums + r, lead); break;
+    for (int half = 0; half < 2; ++half) {
+      for (int r = 0; r < MR; r += 3) {
+        const int8_t* rows = a + r * lda;
+        __m256* out = halves[half] + r;
+        const bool lead = prefetch && r == 0 && half == 0;
+        switch (std::min(3, MR - r)) {
+          case 1: q4_half<1>(rows, lda, panel, groups, half, out, lead); break;
+          case 2: q4_half<2>(rows, lda, panel, groups, half, out, lead); break;
+          default: q4_half<3>(rows, lda, panel, groups, half, out, lead); break;
+        }
       }
     }
     const int cols = j == NR - 1 ? last_cols : kPanel;
-    for (int i = 0; i < MR; ++i) epi.store(c + i * ldc + j * kPanel, sums[i], i, j, cols);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 scale = _mm256_set1_ps(row_float(a + i * lda, layout.scale()));
+      const Vec16 v{_mm256_mul_ps(halves[0][i], scale), _mm256_mul_ps(halves[1][i], scale)};
+      epi.store(c + i * ldc + j * kPanel, v, i, j, cols);
+    }
   }
 }
 #endif
 
 template <typename Out_>
 struct Q4Tiles {
-  using In = float;
+  using In = int8_t;
   using W = uint8_t;
   using Out = Out_;
   using Epi = BiasEpilogue;
@@ -150,6 +216,36 @@ struct Q4Tiles {
     return Fn{&tile_q4<MR, NR, Next, Out>};
   }
 };
+
+// Rows [begin, end) of x quantized into the RowLayout buffer `out` (row stride layout.bytes()).
+template <typename T>
+void quantize_rows_q4(const T* x, int64_t ldx, int64_t k, int64_t begin, int64_t end,
+                      const RowLayout& layout, int8_t* out) {
+  for (int64_t i = begin; i < end; ++i) {
+    const T* src = x + i * ldx;
+    int8_t* row = out + i * layout.bytes();
+    float amax = 0.0f;
+    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(static_cast<float>(src[c])));
+    const float inverse = amax > 0.0f ? static_cast<float>(kActivationMax) / amax : 0.0f;
+    const float scale = amax / static_cast<float>(kActivationMax);
+    for (int64_t g = 0; g < layout.groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t c = g * kQ4Group; c < (g + 1) * kQ4Group; ++c) {
+        int32_t v = 0;
+        if (c < k) {
+          const float scaled = std::nearbyint(static_cast<float>(src[c]) * inverse);
+          v = static_cast<int32_t>(std::clamp(scaled, -16383.0f, 16383.0f));
+        }
+        row[layout.hi() + c] = static_cast<int8_t>(v >> 7);  // floor(v / 128)
+        row[layout.lo() + c] = static_cast<int8_t>(v & 127);
+        sum += v;
+      }
+      const float group_sum = static_cast<float>(sum);  // exact: |sum| <= 32 * 16383
+      std::memcpy(row + layout.sums() + 4 * g, &group_sum, sizeof(group_sum));
+    }
+    std::memcpy(row + layout.scale(), &scale, sizeof(scale));
+  }
+}
 
 }  // namespace
 #endif
@@ -189,9 +285,10 @@ at::Tensor pack_q4_weight(const at::Tensor& values, const at::Tensor& scales,
           std::memcpy(record + 2 * c, dv + row * groups + g, 2);
           std::memcpy(record + 32 + 2 * c, mv + row * groups + g, 2);
           const uint8_t* src = qv + row * k + g * kQ4Group;
-          for (int64_t kp = 0; kp < 16; ++kp)
-            record[64 + kp * 16 + c] =
-                static_cast<uint8_t>((src[2 * kp] & 15) | ((src[2 * kp + 1] & 15) << 4));
+          for (int64_t t = 0; t < 4; ++t)
+            for (int64_t j = 0; j < 4; ++j)
+              record[64 + 64 * t + 4 * c + j] = static_cast<uint8_t>(
+                  (src[8 * t + j] & 15) | ((src[8 * t + 4 + j] & 15) << 4));
         }
       }
     }
@@ -218,21 +315,25 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     bias_f = bias->to(at::kFloat).contiguous();
   }
 #if RANKCAST_SIMD_BITS >= 256 && defined(__F16C__)
-  // float32 rows (bfloat16 converted once, exactly), zero-padded to whole groups: the padding's
-  // weights are whatever the last group's minimum makes them, times zero.
-  at::Tensor a = x.to(at::kFloat);
-  if (k % kQ4Group != 0) {
-    a = at::zeros({m, groups * kQ4Group}, x.options().dtype(at::kFloat));
-    a.narrow(1, 0, k).copy_(x);
-  }
+  const RowLayout layout{groups * kQ4Group, groups};
+  at::Tensor rows = at::empty({m, layout.bytes()}, x.options().dtype(at::kChar));
+  int8_t* rows_ptr = rows.data_ptr<int8_t>();
+  // A decode step's few rows on this thread (waking the pool costs more than they do).
+  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+    if (x.scalar_type() == at::kFloat) {
+      quantize_rows_q4(x.data_ptr<float>(), x.stride(0), k, begin, end, layout, rows_ptr);
+    } else {
+      quantize_rows_q4(x.data_ptr<bf16>(), x.stride(0), k, begin, end, layout, rows_ptr);
+    }
+  });
   const BiasEpilogue epi{bias.has_value() ? bias_f.data_ptr<float>() : nullptr};
   const int64_t panel_elems = packed.stride(0);
   if (x.scalar_type() == at::kFloat) {
-    gemm::packed_linear_impl<Q4Tiles<float>>(a.data_ptr<float>(), m, a.stride(0),
+    gemm::packed_linear_impl<Q4Tiles<float>>(rows_ptr, m, layout.bytes(),
                                              packed.data_ptr<uint8_t>(), n, groups, panel_elems,
                                              epi, y.data_ptr<float>());
   } else {
-    gemm::packed_linear_impl<Q4Tiles<bf16>>(a.data_ptr<float>(), m, a.stride(0),
+    gemm::packed_linear_impl<Q4Tiles<bf16>>(rows_ptr, m, layout.bytes(),
                                             packed.data_ptr<uint8_t>(), n, groups, panel_elems,
                                             epi, y.data_ptr<bf16>());
   }

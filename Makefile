@@ -26,8 +26,11 @@ bytecode: $(STAMP)
 	$(PY) -m compileall -q rankcast tests bench > /dev/null
 
 # Defaults sized for a 2-core machine: one API server, 1 GiB of KV cache, 32 sequences a batch.
+# `--quantization auto` serves the embedded GGUF's own 4-bit layers (docs/quantization.md: the
+# fastest single stream, no loss against float32; `none` gives more throughput in big batches).
 serve: kernels bytecode
-	$(VENV)/bin/rankcast serve --host 127.0.0.1 --port 8000 --max-num-seqs 32 --kv-cache-space 1
+	$(VENV)/bin/rankcast serve --host 127.0.0.1 --port 8000 --max-num-seqs 32 --kv-cache-space 1 \
+		--quantization auto
 
 test: kernels bytecode lint rust-build browser-deps
 	$(VENV)/bin/pytest

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from rankcast import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "w8a8", "q4_1")
+QUANTIZATIONS = ("none", "auto", "int8", "w8a8", "q4_1")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # How the ray executor places pipeline stages on nodes (Ray's placement-group strategies).
 RAY_PLACEMENTS = ("pack", "spread", "strict-spread")
@@ -63,7 +63,8 @@ class ModelConfig:
     dtype: str = "auto"
     # Linear weights quantized at load: "int8" per output channel (weight-only: activations stay
     # in `dtype`), "w8a8" (activations quantized per token too), "q4_1" (4-bit groups of 32 as
-    # llama.cpp's Q4_1, activations in float32); "none": weights in `dtype`.
+    # llama.cpp's Q4_1); "auto": the format a GGUF file stores its layers in, where rankcast
+    # has it (a Q4_1 file: "q4_1"), else "none"; "none": weights in `dtype`.
     quantization: str = "none"
     max_model_len: int | None = None
     served_model_name: str | None = None

@@ -313,6 +313,25 @@ def open_gguf(path: Path) -> Any:
         ) from None
 
 
+# The decoder layers' projections in a GGUF file's names: what `native_quantization` looks at.
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# GGUF tensor types rankcast multiplies as they are stored (`--quantization` of the same name).
+_NATIVE = {"Q4_1": "q4_1"}
+
+
+def native_quantization(path: Path) -> str:
+    """The `--quantization` that serves a GGUF file's own weights: "q4_1" where every decoder
+    projection is stored as Q4_1 (the embedded SmolLM2), "none" otherwise (its converted
+    float32 weights, in the engine's dtype)."""
+    reader = open_gguf(path)
+    types = {
+        tensor.tensor_type.name
+        for tensor in reader.tensors
+        if tensor.name.startswith("blk.") and tensor.name.split(".")[-2] in _PROJECTIONS
+    }
+    return _NATIVE.get(types.pop(), "none") if len(types) == 1 else "none"
+
+
 def convert_gguf(path: Path) -> Path:
     """Return an HF-format directory for `path`, converting it on first use."""
     out_dir = cached_model_dir(path)

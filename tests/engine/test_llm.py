@@ -26,15 +26,22 @@ BATCH_PROMPTS = [
 ]
 
 
-def test_default_model_answers_paris() -> None:
-    """What `make serve` does: the embedded model, default precision, a chat question."""
-    with LLM(kv_cache_space_gib=0.25) as llm:
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_default_model_answers_paris(quantization: str) -> None:
+    """What `make serve` does: the embedded model, default precision, a chat question; with
+    `--quantization auto` (what `make serve` passes) its own 4-bit layers."""
+    with LLM(kv_cache_space_gib=0.25, quantization=quantization) as llm:
         out = llm.chat(
             [{"role": "user", "content": "What is the capital of France?"}],
             SamplingParams(temperature=0.0, max_tokens=32),
         )[0]
+        model = llm.engine.client.core.executor.worker.runner.model
+        head = model.lm_head.packed_weight
+        layer = model.layers["0"].mlp.down_proj.packed_weight
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
+    if quantization == "auto" and head is not None:  # packed where the kernels are built
+        assert (layer.quantization, head.quantization) == ("q4_1", "int8")
 
 
 GREEDY_40 = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -251,3 +251,30 @@ def test_pruning_removes_conversions_no_start_can_use(tmp_path: Path) -> None:
     assert removed == {changed, gone, unrecorded, dead_staging}
     assert all(not path.exists() for path in removed)
     assert kept.is_dir() and live_staging.is_dir() and stray_file.is_file()
+
+
+def test_auto_quantization_serves_a_gguf_in_its_own_format(
+    tmp_path: Path, embedded_gguf: Path, tiny_llama_dir: Path
+) -> None:
+    """`--quantization auto`: the embedded file's decoder projections are Q4_1, so it is served
+    as q4_1; a file whose projections are float (or mixed), and an HF directory, as "none"."""
+    import gguf
+
+    from rankcast.model.gguf_convert import native_quantization
+    from rankcast.model.source import ModelSource
+
+    assert native_quantization(embedded_gguf) == "q4_1"
+    path = tmp_path / "float.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.attn_q.weight", np.ones((32, 32), dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_up.weight", np.ones((32, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert native_quantization(path) == "none"
+    source = ModelSource(tiny_llama_dir, tiny_llama_dir, "tiny")
+    assert source.quantization("auto") == "none" and source.quantization("int8") == "int8"
+    embedded = ModelSource(embedded_gguf, tiny_llama_dir, "smol", native_quantization="q4_1")
+    assert embedded.quantization("auto") == "q4_1" and embedded.quantization("none") == "none"

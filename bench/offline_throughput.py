@@ -232,6 +232,17 @@ def print_table(
         print("(* llama.cpp's best weight type for that column: the 'x llama best' ratios' base)")
 
 
+def _bandwidth_row(name: str, weights: str, read: int, f: dict[str, Any], machine: float) -> None:
+    """One engine's single stream as weight bytes read a second, recorded in `f` and printed."""
+    rate = read * f["single_tokens_per_s"] / 1e9
+    f["single_weight_gb_per_s"] = rate
+    f["single_fraction_of_bandwidth"] = rate / machine
+    print(
+        f"{name:<30}{weights:<10}{read / 1e6:>10.1f}{f['single_tokens_per_s']:>16.1f}"
+        f"{rate:>11.1f}{rate / machine:>14.0%}"
+    )
+
+
 def print_bandwidth(
     rows: dict[str, dict[str, Any]], llama: dict[str, dict[str, Any]], probe: dict[str, Any]
 ) -> None:
@@ -247,28 +258,13 @@ def print_bandwidth(
     )
     for name, f in rows.items():
         read = f.get("weight_bytes_per_token", {}).get("total")
-        if not read:
-            continue
-        rate = read * f["single_tokens_per_s"] / 1e9
-        f["single_weight_gb_per_s"] = rate
-        f["single_fraction_of_bandwidth"] = rate / machine
-        print(
-            f"{name:<30}{weights_label(f):<10}{read / 1e6:>10.1f}{f['single_tokens_per_s']:>16.1f}"
-            f"{rate:>11.1f}{rate / machine:>14.0%}"
-        )
+        if read:
+            _bandwidth_row(name, weights_label(f), read, f, machine)
     for weight_type, f in llama.items():
-        if "error" in f:
-            continue
-        # llama.cpp reads its whole file per token, near enough (the tied output matrix once,
-        # one embedding row): the GGUF's size stands in for its bytes per token.
-        read = f["model_bytes"]
-        rate = read * f["single_tokens_per_s"] / 1e9
-        f["single_weight_gb_per_s"] = rate
-        f["single_fraction_of_bandwidth"] = rate / machine
-        print(
-            f"{llamacpp.label(weight_type):<30}{weight_type:<10}{read / 1e6:>10.1f}"
-            f"{f['single_tokens_per_s']:>16.1f}{rate:>11.1f}{rate / machine:>14.0%}"
-        )
+        if "error" not in f:
+            # llama.cpp reads its whole file per token, near enough (the tied output matrix
+            # once, one embedding row): the GGUF's size stands in for its bytes per token.
+            _bandwidth_row(llamacpp.label(weight_type), weight_type, f["model_bytes"], f, machine)
     print(
         "(rankcast: packed linear weights + scales + one embedding row, from the loaded model; "
         "llama.cpp: the GGUF file's size; KV cache reads not counted)"
@@ -288,7 +284,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--quantizations",
-        default="int8",
+        default="int8,w8a8,q4_1",
         help="rankcast's quantized rows, each under bfloat16 and float32 activations: comma "
         "list of --quantization values (int8, w8a8, q4_1), or none",
     )

@@ -457,12 +457,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "packed_linear: bias must have ", n, " elements");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const at::Tensor bias_f = gemm::bias_as_float(bias, n, "packed_linear");
+  const float* bias_ptr = gemm::float_data(bias_f);
 #if RANKCAST_SIMD_BITS >= 256
   if (int8) {
     multiply<int8_t>(x, packed, n, ScaledEpilogue{scales->data_ptr<float>(), bias_ptr}, y);

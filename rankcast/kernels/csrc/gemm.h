@@ -229,6 +229,17 @@ void pack_panel(const T* w, int64_t n, int64_t k, int64_t panel, int pair, T* ou
   }
 }
 
+// A linear's bias as float32, checked to have n elements (undefined without one), and the
+// pointer the epilogues take (null without one).
+inline at::Tensor bias_as_float(const c10::optional<at::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias.has_value()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, op, ": bias must have ", n, " elements");
+  return bias->to(at::kFloat).contiguous();
+}
+inline const float* float_data(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<float>() : nullptr;
+}
+
 // x [m, k] (float32 or bfloat16, unit stride) as float32 rows of `width` >= k elements, the tail
 // zero. bfloat16 widens exactly. A plain loop on this thread: a decode step's few rows are
 // converted in well under the time torch's parallel `to()` takes to wake its threads (that

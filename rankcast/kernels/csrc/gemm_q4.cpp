@@ -309,11 +309,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               "q4_linear: weight packed for another shape");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "q4_linear: bias must have ", n, " elements");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = gemm::bias_as_float(bias, n, "q4_linear");
 #if RANKCAST_SIMD_BITS >= 256 && defined(__F16C__)
   const RowLayout layout{groups * kQ4Group, groups};
   at::Tensor rows = at::empty({m, layout.bytes()}, x.options().dtype(at::kChar));
@@ -326,7 +322,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
       quantize_rows_q4(x.data_ptr<bf16>(), x.stride(0), k, begin, end, layout, rows_ptr);
     }
   });
-  const BiasEpilogue epi{bias.has_value() ? bias_f.data_ptr<float>() : nullptr};
+  const BiasEpilogue epi{gemm::float_data(bias_f)};
   const int64_t panel_elems = packed.stride(0);
   if (x.scalar_type() == at::kFloat) {
     gemm::packed_linear_impl<Q4Tiles<float>>(rows_ptr, m, layout.bytes(),

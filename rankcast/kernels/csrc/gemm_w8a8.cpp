@@ -275,11 +275,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               "w8a8_linear: weight packed for another shape");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "w8a8_linear: bias must have ", n, " elements");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = gemm::bias_as_float(bias, n, "w8a8_linear");
 #if RANKCAST_SIMD_BITS >= 256
   const int64_t ldq = steps * kInt8Group;
   at::Tensor q = at::empty({m, ldq}, x.options().dtype(sizeof(QuantRow) == 1 ? at::kChar : at::kShort));
@@ -297,7 +293,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   });
   const Int8Epilogue epi{scales.data_ptr<float>(), row_scale.data_ptr<float>(),
                          row_offset.data_ptr<int32_t>(),
-                         bias.has_value() ? bias_f.data_ptr<float>() : nullptr};
+                         gemm::float_data(bias_f)};
   if (x.scalar_type() == at::kFloat) {
     gemm::packed_linear_impl<Int8Tiles<float>>(q_ptr, m, ldq, packed.data_ptr<uint8_t>(), n,
                                                steps, packed.stride(0), epi, y.data_ptr<float>());

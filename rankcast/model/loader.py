@@ -63,8 +63,8 @@ def load_model(
     (rankcast/model/weight_snapshot.py) is mapped instead of loading where there is one, and
     written in the background after loading where there is none. `linear_kernel` is the
     engine's RANKCAST_LINEAR_KERNEL: every linear takes the path `choose_linear_path` makes of
-    it, whatever a snapshot holds (one of another path is not used). `quantization` ("int8")
-    stores the linears' weights as int8 (`ops.quantize_int8_weight`)."""
+    it, whatever a snapshot holds (one of another path is not used). `quantization` (a
+    scheme of rankcast/model/quantization.py, or "none") quantizes the linears' weights."""
     path = choose_linear_path(dtype, device, linear_kernel, quantization=quantization)
     weights = f"{dtype}, int8 weights" if quantization == "int8" else f"{dtype}"
     logger.info("%s linears run %s", weights, path.describe())

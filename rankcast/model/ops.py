@@ -15,6 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from rankcast import kernels
+from rankcast.model.quantization import (
+    int8_weight_reference,
+    q4_1_linear_reference,
+    quantize_int8_weight,
+    quantize_q4_1_weight,
+    w8a8_linear_reference,
+)
 
 # `torch.ops.*` ops are looked up at run time, so mypy sees their results as Any; each op whose
 # result is cast below is declared `-> Tensor` by its schema (csrc/*.cpp, or oneDNN's).
@@ -35,111 +42,6 @@ class PackedWeight:
     quantization: str = "none"  # "none", "int8" (weight-only), "w8a8" or "q4_1"
     # q4_1 on the torch path: (d, m) float16 [out, groups], beside `tensor`'s q [out, in32].
     groups: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel: (values in [-127, 127] as int8 [out, in], float32
-    scales [out]) with weight ~= values * scales[:, None]. Per channel rather than per group
-    keeps the kernel's inner loop pure integer; the perplexity this costs is measured in
-    bench/perplexity.py."""
-    values, scales = _quantize_rows(weight.float())
-    return values.to(torch.int8), scales
-
-
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of float32 `x` to integers in [-127, 127] (as float32) and its scale
-    max|row| / 127, rounding half to even: the arithmetic csrc/gemm_w8a8.cpp does for
-    activations, so that the reference below matches the kernel bit for bit."""
-    amax = x.abs().amax(dim=1)
-    # A true division: `127.0 / amax` would be torch's reciprocal-then-multiply, another rounding.
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    values = torch.round(x * inverse[:, None]).clamp_(-127, 127)
-    return values, amax / 127
-
-
-Q4_GROUP = 32  # k per 4-bit group (llama.cpp's Q4_1 block)
-
-
-def quantize_q4_1_weight(
-    weight: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """llama.cpp's Q4_1 of a [out, in] weight: groups of 32 along `in` (zero-padded to whole
-    groups), each w ~= d * q + m with q in 0..15, m the group's minimum and d its range / 15;
-    (q as uint8 [out, in32], d and m as float16 [out, in32 / 32]). A weight that came from a
-    Q4_1 GGUF (the embedded SmolLM2) gives back that file's values: its groups hold q = 0 and
-    q = 15, so the minimum and range are the file's m and 15 d."""
-    out, k = weight.shape
-    padded = -(-k // Q4_GROUP) * Q4_GROUP
-    w = F.pad(weight.float(), (0, padded - k)).view(out, padded // Q4_GROUP, Q4_GROUP)
-    low, high = w.amin(dim=2), w.amax(dim=2)
-    scale = (high - low) / 15
-    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
-    values = torch.floor((w - low[..., None]) * inverse[..., None] + 0.5).clamp_(0, 15)
-    return values.to(torch.uint8).view(out, padded), scale.half(), low.half()
-
-
-def q4_1_linear_reference(
-    x: torch.Tensor,
-    values: torch.Tensor,
-    scales: torch.Tensor,
-    minimums: torch.Tensor,
-    bias: torch.Tensor | None,
-    exact: bool = True,
-) -> torch.Tensor:
-    """x times 4-bit weights as csrc/gemm_q4.cpp computes it, up to the order of its float32
-    sums: each row quantized to 15-bit integers a (scale max|x| / 16383), each group's integer
-    sum of q * a and its sum of a, then scale * sum over groups of (d * that + m * sum(a)) +
-    bias, rounded once to x's dtype. `exact=False` (the torch path where the kernels are not
-    built) sums in float32 rather than float64."""
-    out, padded = values.shape
-    k = x.shape[1]
-    amax = x.float().abs().amax(dim=1)
-    inverse = torch.where(amax > 0, torch.full_like(amax, 16383.0) / amax, torch.zeros_like(amax))
-    rows = torch.round(x.float() * inverse[:, None]).clamp_(-16383, 16383)
-    rows = F.pad(rows, (0, padded - k)).view(x.shape[0], -1, Q4_GROUP)
-    accumulate = torch.float64 if exact else torch.float32
-    q = values.view(out, -1, Q4_GROUP).to(accumulate)
-    products = torch.einsum("rgk,ogk->rog", rows.to(accumulate), q)  # [rows, out, groups]
-    terms = products * scales.to(accumulate) + rows.sum(dim=2).to(accumulate)[:, None, :] * (
-        minimums.to(accumulate)
-    )
-    y = (terms.sum(dim=2) * (amax / 16383).to(accumulate)[:, None]).float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
-
-
-def int8_weight_reference(
-    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [rows, in] times int8 weights, weight-only (what csrc/gemm.cpp computes for them, up to
-    the order of float32 sums): (x @ values^T) * scales + bias, in float32, rounded once to x's
-    dtype. The rows are not quantized, so the only cost in quality is the weights' rounding."""
-    y = F.linear(x.float(), values.float()) * scales
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
-
-
-def w8a8_linear_reference(
-    x: torch.Tensor,
-    values: torch.Tensor,
-    scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    exact: bool = True,
-) -> torch.Tensor:
-    """x [rows, in] times int8 weights (`values` [out, in], `scales` [out]) in plain torch, as
-    csrc/gemm_w8a8.cpp computes it: each row quantized to int8 with its own scale, the integer
-    products summed exactly (float64 holds every such sum; `exact=False` sums in float32, the
-    faster path where the kernels are not built, rounding sums beyond 2^24), then
-    ((sum * weight scale) * row scale) + bias, rounded once to x's dtype."""
-    rows, row_scales = _quantize_rows(x.float())
-    accumulate = torch.float64 if exact else torch.float32
-    sums = (rows.to(accumulate) @ values.to(accumulate).T).float()
-    y = sums * scales * row_scales[:, None]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
 
 
 def pack_linear_weight(

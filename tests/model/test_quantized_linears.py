@@ -14,6 +14,7 @@ import torch
 
 from rankcast import kernels
 from rankcast.model import ops
+from rankcast.model import quantization as quantized
 from rankcast.model.arch import ArchConfig
 from rankcast.model.layers import PackedLinearMixin, layer_quantization
 from rankcast.model.linear_kernels import CpuFacts, choose_linear_path
@@ -44,7 +45,7 @@ needs_kernel = pytest.mark.skipif(_w8a8_kernel() == "none", reason="no int8 kern
 def _quantized(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen)
-    values, scales = ops.quantize_int8_weight(weight)
+    values, scales = quantized.quantize_int8_weight(weight)
     return weight, values, scales
 
 
@@ -55,10 +56,10 @@ def _kernel(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias=No
 
 def _q4(x: torch.Tensor, weight: torch.Tensor, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel, reference) for `weight` quantized to 4-bit groups."""
-    values, d, m = ops.quantize_q4_1_weight(weight)
+    values, d, m = quantized.quantize_q4_1_weight(weight)
     packed = torch.ops.rankcast.pack_q4_weight(values, d, m)
     got = torch.ops.rankcast.q4_linear(x, packed, weight.shape[0], bias)
-    return got, ops.q4_1_linear_reference(x, values, d, m, bias)
+    return got, quantized.q4_1_linear_reference(x, values, d, m, bias)
 
 
 def _weight_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias=None):
@@ -72,7 +73,7 @@ def test_weights_quantize_per_output_channel_within_half_a_step() -> None:
     assert int(values.abs().max()) == 127  # each row's largest weight takes the whole range
     error = (values.float() * scales[:, None] - weight).abs()
     assert bool((error <= scales[:, None] / 2 + 1e-7).all())
-    zero_values, zero_scales = ops.quantize_int8_weight(torch.zeros(3, 8))
+    zero_values, zero_scales = quantized.quantize_int8_weight(torch.zeros(3, 8))
     assert not zero_values.any() and not zero_scales.any()
 
 
@@ -96,11 +97,11 @@ def test_both_kernels_equal_their_torch_references(
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     for b in (None, bias):
         got = _kernel(x, values, scales, b)
-        want = ops.w8a8_linear_reference(x, values, scales, b)
+        want = quantized.w8a8_linear_reference(x, values, scales, b)
         assert got.dtype == dtype
         assert torch.equal(got, want), (got.float() - want.float()).abs().max()
         got = _weight_only(x, values, scales, b)
-        want = ops.int8_weight_reference(x, values, scales, b)
+        want = quantized.int8_weight_reference(x, values, scales, b)
         assert got.dtype == dtype
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
         got, want = _q4(x, torch.randn(n, k, generator=gen), b)
@@ -111,13 +112,13 @@ def test_both_kernels_equal_their_torch_references(
 def test_4bit_groups_give_back_the_values_a_q4_1_file_held() -> None:
     """Weights dequantized from llama.cpp's Q4_1 (the embedded SmolLM2's layers) quantize to the
     very same q, d and m: serving them this way is serving the file's own weights."""
-    values, d, m = ops.quantize_q4_1_weight(torch.randn(40, 96))
+    values, d, m = quantized.quantize_q4_1_weight(torch.randn(40, 96))
     assert int(values.max()) == 15 and int(values.min()) == 0
     from_file = values.view(40, 3, 32).float() * d.float()[..., None] + m.float()[..., None]
-    again = ops.quantize_q4_1_weight(from_file.view(40, 96))
+    again = quantized.quantize_q4_1_weight(from_file.view(40, 96))
     assert all(torch.equal(a, b) for a, b in zip(again, (values, d, m), strict=True))
     # Ragged in: zero-padded to whole groups.
-    padded, _, _ = ops.quantize_q4_1_weight(torch.randn(3, 40))
+    padded, _, _ = quantized.quantize_q4_1_weight(torch.randn(3, 40))
     assert padded.shape == (3, 64)
 
 
@@ -129,7 +130,7 @@ def test_the_kernels_are_close_to_dequantize_then_matmul(dtype: torch.dtype) -> 
     _, values, scales = _quantized(96, 576, seed=5)
     x = torch.randn(12, 576, generator=torch.Generator().manual_seed(6)).to(dtype)
     weight = values.float() * scales[:, None]
-    rows, row_scales = ops._quantize_rows(x.float())
+    rows, row_scales = quantized._quantize_rows(x.float())
     tolerance = {"rtol": 1e-5 if dtype == torch.float32 else 8e-3, "atol": 1e-4}
     torch.testing.assert_close(
         _kernel(x, values, scales).float(), (rows * row_scales[:, None]) @ weight.T, **tolerance
@@ -137,7 +138,7 @@ def test_the_kernels_are_close_to_dequantize_then_matmul(dtype: torch.dtype) -> 
     torch.testing.assert_close(
         _weight_only(x, values, scales).float(), x.float() @ weight.T, **tolerance
     )
-    values, d, m = ops.quantize_q4_1_weight(torch.randn(96, 576))
+    values, d, m = quantized.quantize_q4_1_weight(torch.randn(96, 576))
     dequantized = values.view(96, -1, 32).float() * d.float()[..., None] + m.float()[..., None]
     got = torch.ops.rankcast.q4_linear(x, torch.ops.rankcast.pack_q4_weight(values, d, m), 96, None)
     amax = x.float().abs().amax(dim=1, keepdim=True)  # rows in 15 bits, as the kernel takes them
@@ -181,7 +182,7 @@ def test_a_zero_row_gives_the_bias_and_bad_input_is_refused() -> None:
         torch.ops.rankcast.packed_linear(torch.zeros(1, 40), packed, 20, None, scales)
     with pytest.raises(RuntimeError, match="need float32 scales"):
         torch.ops.rankcast.packed_linear(torch.zeros(1, 33), packed, 20, None, None)
-    q, d, m = ops.quantize_q4_1_weight(torch.randn(20, 33))
+    q, d, m = quantized.quantize_q4_1_weight(torch.randn(20, 33))
     packed = torch.ops.rankcast.pack_q4_weight(q, d, m)
     assert torch.equal(torch.ops.rankcast.q4_linear(torch.zeros(2, 33), packed, 20, bias)[1], bias)
     with pytest.raises(RuntimeError, match="whole groups of 32"):
@@ -196,17 +197,17 @@ def test_the_torch_path_is_the_reference(scheme: str) -> None:
     references (W8A8's with float32 instead of exact sums)."""
     _, values, scales = _quantized(64, 300, seed=11)
     x = torch.randn(5, 300, generator=torch.Generator().manual_seed(12))
-    fast = ops.w8a8_linear_reference(x, values, scales, None, exact=False)
-    torch.testing.assert_close(fast, ops.w8a8_linear_reference(x, values, scales, None))
+    fast = quantized.w8a8_linear_reference(x, values, scales, None, exact=False)
+    torch.testing.assert_close(fast, quantized.w8a8_linear_reference(x, values, scales, None))
     weight = ops.pack_linear_weight(torch.randn(64, 300), "torch", quantization=scheme)
     assert weight is not None and weight.backend == "torch"
     if scheme == "q4_1":
         assert weight.groups is not None and weight.tensor.dtype == torch.uint8
-        want = ops.q4_1_linear_reference(x, weight.tensor, *weight.groups, None)
+        want = quantized.q4_1_linear_reference(x, weight.tensor, *weight.groups, None)
     elif scheme == "w8a8":
-        want = ops.w8a8_linear_reference(x, weight.tensor, weight.scales, None)
+        want = quantized.w8a8_linear_reference(x, weight.tensor, weight.scales, None)
     else:
-        want = ops.int8_weight_reference(x, weight.tensor, weight.scales, None)
+        want = quantized.int8_weight_reference(x, weight.tensor, weight.scales, None)
     torch.testing.assert_close(ops.packed_linear(x, weight, None), want)
 
 
@@ -287,7 +288,7 @@ def _as_if_from_a_q4_1_file(model_dir: Path) -> None:
         tensors = load_file(str(path))
         for name, tensor in tensors.items():
             if name.startswith("model.layers.") and name.endswith("proj.weight"):
-                values, d, m = ops.quantize_q4_1_weight(tensor)
+                values, d, m = quantized.quantize_q4_1_weight(tensor)
                 out = tensor.shape[0]
                 rebuilt = values.view(out, -1, 32).float() * d.float()[..., None]
                 rebuilt = rebuilt + m.float()[..., None]

@@ -4,7 +4,7 @@
 // Why: a single stream reads every weight once per token, so its speed is the bytes it reads;
 // 4-bit groups are 0.625 bytes a weight (bfloat16: 2, int8: ~1). The embedded SmolLM2 GGUF ships
 // in exactly this form, so quantizing its weights this way finds the file's own values again
-// (rankcast/model/ops.py `quantize_q4_1_weight`): the model is served as it was published.
+// (rankcast/model/quantization.py `quantize_q4_1_weight`): the model is served as it was published.
 //
 // The products are integer. Each row is quantized per token to 15 bits (a = round(x * 16383 /
 // max|x|), an error of at most max|x| / 32766 per element, far below bfloat16's rounding) and

@@ -5,7 +5,7 @@
 // multiply-adds per zmm instruction, VDPBF16PS 32, a float32 FMA 16), so batches gain too.
 //
 // Weights are quantized once (symmetric, one float32 scale per output channel, values in
-// [-127, 127]: `quantize_int8_weight` in rankcast/model/ops.py) and stored offset by 128 as
+// [-127, 127]: `quantize_int8_weight` in rankcast/model/quantization.py) and stored offset by 128 as
 // unsigned bytes, packed like the float kernels' panels of 16 output columns:
 //   with AVX512-VNNI: [N/16][K/4][16][4]  four consecutive k of one column, as VPDPBUSD reads them
 //   otherwise:        [N/16][K/2][16][2]  pairs of k, widened to int16 for VPMADDWD (AVX-512 BW
@@ -16,7 +16,7 @@
 // per row), so every ISA path gives the same sums bit for bit, and a row's result depends on
 // that row alone: batch-invariant like the float kernels. The sums are then converted to float32
 // and multiplied by the weight's scale, then the row's (in that order, never fused), and rounded
-// once to the output dtype; rankcast/model/ops.py's reference does the same arithmetic in torch.
+// once to the output dtype; rankcast/model/quantization.py's reference does the same arithmetic in torch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

@@ -72,21 +72,11 @@ def threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return set(value.split())
-    return set()
-
-
 def no_repack(weight_type: str) -> bool:
     """Whether `weight_type` runs with `--no-repack` here: quantized files where the CPU
     reports AMX int8 (llama.cpp's AMX kernels died with SIGILL there)."""
+    from rankcast.model.linear_kernels import cpu_flags
+
     return weight_type in QUANTIZED and "amx_int8" in cpu_flags()
 
 

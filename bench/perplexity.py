@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import llamacpp
 from bench.workload import ROOT, describe, load_chats, machine_info
 
 TEXT = ROOT / "bench" / "text" / "perplexity.txt"
@@ -48,7 +48,6 @@ WEIGHT_TYPES = [
     ("q4_1 (float32 model)", "float32", "q4_1"),
     ("q4_1 (bfloat16 model)", "bfloat16", "q4_1"),
 ]
-LLAMA_TYPES = ["F32", "BF16", "Q8_0", "Q4_1"]
 
 
 def text_tokens(model: str | None = None) -> list[int]:
@@ -106,31 +105,16 @@ def rankcast_perplexity(
     }
 
 
-def llamacpp_dir() -> Path | None:
-    directory = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache/rankcast-llamacpp"))
-    return directory if (directory / "bin" / "llama-perplexity").exists() else None
-
-
-def llamacpp_perplexity(directory: Path, weight_type: str, ctx: int) -> float | None:
-    """llama-perplexity's final estimate for models/smol-<type>.gguf, or None if absent."""
-    model = directory / "models" / f"smol-{weight_type}.gguf"
-    if not model.exists():
+def llamacpp_perplexity(weight_type: str, ctx: int) -> float | None:
+    """llama-perplexity's final estimate for the anchor's file of `weight_type` (found, and run
+    with `--no-repack` where it must be, by bench/llamacpp.py), or None if it has none."""
+    tool, model = llamacpp.binary("llama-perplexity"), llamacpp.models().get(weight_type)
+    if tool is None or model is None:
         return None
-    command = [
-        str(directory / "bin" / "llama-perplexity"),
-        "-m",
-        str(model),
-        "-f",
-        str(TEXT),
-        "-c",
-        str(ctx),
-        "-b",
-        str(ctx),
-        "-t",
-        str(os.cpu_count() or 1),
-    ]
-    if "amx_int8" in Path("/proc/cpuinfo").read_text() and weight_type.startswith("Q"):
-        command.append("--no-repack")  # its AMX int8 kernels die there (bench/llamacpp.py)
+    command = [str(tool), "-m", str(model), "-f", str(TEXT), "-c", str(ctx), "-b", str(ctx)]
+    command += ["-t", str(llamacpp.threads())]
+    if llamacpp.no_repack(weight_type):
+        command.append("--no-repack")
     out = subprocess.run(command, capture_output=True, text=True, timeout=900)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
     if found is None:
@@ -183,14 +167,12 @@ def main() -> None:
     results["rankcast"] = ours
     theirs: dict[str, float | None] = {}
     # llama.cpp's files are the embedded model's; another model has no llama.cpp rows here.
-    directory = None if args.no_llamacpp or args.model else llamacpp_dir()
-    if directory is None:
-        why = "--no-llamacpp" if args.no_llamacpp else "not installed (LLAMA_CPP_DIR)"
-        if args.model and not args.no_llamacpp:
-            why = "its files are the embedded model's, not --model's"
-        print(f"llama.cpp: {why}; its rows are left out")
+    missing = llamacpp.missing_message("llama-perplexity")
+    if args.no_llamacpp or args.model or missing:
+        why = missing or "its files are the embedded model's, not --model's"
+        print(f"llama.cpp: {'--no-llamacpp' if args.no_llamacpp else why}; its rows are left out")
     else:
-        theirs = {t: llamacpp_perplexity(directory, t, args.ctx) for t in LLAMA_TYPES}
+        theirs = {t: llamacpp_perplexity(t, args.ctx) for t in llamacpp.models()}
     results["llamacpp"] = theirs
     base = ours["bfloat16"]["perplexity"]
     print("\n| weights | perplexity | vs bfloat16 | scored tokens |\n|---|---|---|---|")

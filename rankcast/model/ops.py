@@ -61,29 +61,8 @@ def pack_linear_weight(
     ("rankcast"), or kept as plain int8 for the references below ("torch": CUDA, or the kernels
     not built); "q4_1" in 4-bit groups (`quantize_q4_1_weight`) for csrc/gemm_q4.cpp.
     """
-    if quantization == "q4_1":
-        values, d, m = quantize_q4_1_weight(weight)
-        out = weight.shape[0]
-        if kernel == "rankcast":
-            packed = torch.ops.rankcast.pack_q4_weight(values, d, m)
-            return PackedWeight(packed, "rankcast", out, quantization="q4_1")
-        if kernel == "torch":
-            return PackedWeight(values, "torch", out, quantization="q4_1", groups=(d, m))
-        raise ValueError(f"q4_1 weights run on rankcast's kernel or torch, not {kernel}")
-    if quantization in ("int8", "w8a8"):
-        values, scales = quantize_int8_weight(weight)
-        out = weight.shape[0]
-        if kernel == "rankcast":
-            if quantization == "int8":
-                packed = torch.ops.rankcast.pack_int8_weight(values, weight.dtype)
-            else:
-                packed = torch.ops.rankcast.pack_w8a8_weight(values)
-            return PackedWeight(packed, "rankcast", out, scales, quantization)
-        if kernel == "torch":
-            return PackedWeight(values, "torch", out, scales, quantization)
-        raise ValueError(
-            f"{quantization} weights run on rankcast's kernel or torch, not {kernel!r}"
-        )
+    if quantization in ("int8", "w8a8", "q4_1"):
+        return _pack_quantized(weight, kernel, quantization)
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r}")
     if kernel == "rankcast":
@@ -99,6 +78,28 @@ def pack_linear_weight(
     if kernel != "torch":
         raise ValueError(f"unknown linear kernel {kernel!r}")
     return None
+
+
+def _pack_quantized(weight: torch.Tensor, kernel: str, quantization: str) -> PackedWeight:
+    """`weight` quantized as `quantization` and laid out for `kernel` ("rankcast": its
+    kernel's packing; "torch": the plain quantized values the references read)."""
+    if kernel not in ("rankcast", "torch"):
+        raise ValueError(f"{quantization} weights run on rankcast's kernel or torch, not {kernel}")
+    out = weight.shape[0]
+    if quantization == "q4_1":
+        values, d, m = quantize_q4_1_weight(weight)
+        if kernel == "torch":
+            return PackedWeight(values, "torch", out, quantization="q4_1", groups=(d, m))
+        packed = torch.ops.rankcast.pack_q4_weight(values, d, m)
+        return PackedWeight(packed, "rankcast", out, quantization="q4_1")
+    values, scales = quantize_int8_weight(weight)
+    if kernel == "torch":
+        return PackedWeight(values, "torch", out, scales, quantization)
+    if quantization == "int8":
+        packed = torch.ops.rankcast.pack_int8_weight(values, weight.dtype)
+    else:
+        packed = torch.ops.rankcast.pack_w8a8_weight(values)
+    return PackedWeight(packed, "rankcast", out, scales, quantization)
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -6,7 +6,6 @@ snapshots on quantized models."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from rankcast.model.weight_snapshot import WeightSnapshot
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
 from tests.conftest import write_tiny_model
-from tests.model.test_weight_snapshot import MAPPED, captured
+from tests.model.test_weight_snapshot import MAPPED, _wait_for_snapshot, captured
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -322,10 +321,7 @@ def test_a_quantized_snapshot_is_mapped_and_computes_the_same(
     assert snapshot is not None and snapshot != WeightSnapshot.for_rank(*args)
     prompt = list(range(5, 15))
     first = _logits(_runner(model_dir, torch.bfloat16, scheme, weight_snapshots=True), prompt)
-    deadline = time.monotonic() + 30
-    while not snapshot.path.is_file():
-        assert time.monotonic() < deadline, "no int8 snapshot written"
-        time.sleep(0.02)
+    _wait_for_snapshot(snapshot)
     with captured("rankcast.model.loader") as log:
         mapped = _runner(model_dir, torch.bfloat16, scheme, weight_snapshots=True)
     assert f"{MAPPED} {snapshot.path}" in log.text

@@ -402,7 +402,7 @@ void multiply(const at::Tensor& x, const at::Tensor& packed, int64_t n, const Ep
         a.data_ptr<bf16>(), m, a.stride(0), w, n, kp, panel_elems, epi, y.data_ptr<bf16>());
 #else
     TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
-    const at::Tensor a = gemm::rows_as_float(x, k);  // exact; converted once for every tile
+    const at::Tensor a = gemm::rows_as_float(x);  // exact; converted once for every tile
     gemm::packed_linear_impl<FloatTiles<float, W, bf16, Epi>>(
         a.data_ptr<float>(), m, a.stride(0), w, n, k, panel_elems, epi, y.data_ptr<bf16>());
 #endif

@@ -240,24 +240,18 @@ inline const float* float_data(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<float>() : nullptr;
 }
 
-// x [m, k] (float32 or bfloat16, unit stride) as float32 rows of `width` >= k elements, the tail
-// zero. bfloat16 widens exactly. A plain loop on this thread: a decode step's few rows are
-// converted in well under the time torch's parallel `to()` takes to wake its threads (that
-// fork and join cost a 4-bit decode ~14 us per call).
-inline at::Tensor rows_as_float(const at::Tensor& x, int64_t width) {
+// x [m, k] (float32 or bfloat16, unit stride) as float32 rows, bfloat16 widened exactly: what
+// bfloat16 rows become where the build has no VDPBF16PS. A plain loop on this thread: a decode
+// step's few rows are converted in well under the time torch's parallel `to()` takes to wake
+// its threads (that fork and join cost a decode ~14 us per call).
+inline at::Tensor rows_as_float(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat) return x;
   const int64_t m = x.size(0), k = x.size(1);
-  if (x.scalar_type() == at::kFloat && width == k) return x;
-  at::Tensor a = at::empty({m, width}, x.options().dtype(at::kFloat));
+  at::Tensor a = at::empty({m, k}, x.options().dtype(at::kFloat));
   float* out = a.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) {
-    float* row = out + i * width;
-    if (x.scalar_type() == at::kFloat) {
-      std::memcpy(row, x.data_ptr<float>() + i * x.stride(0), sizeof(float) * k);
-    } else {
-      const bf16* src = x.data_ptr<bf16>() + i * x.stride(0);
-      for (int64_t c = 0; c < k; ++c) row[c] = static_cast<float>(src[c]);
-    }
-    std::fill(row + k, row + width, 0.0f);
+    const bf16* src = x.data_ptr<bf16>() + i * x.stride(0);
+    for (int64_t c = 0; c < k; ++c) out[i * k + c] = static_cast<float>(src[c]);
   }
   return a;
 }

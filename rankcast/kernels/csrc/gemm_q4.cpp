@@ -30,6 +30,7 @@
 
 #include "gemm.h"
 #include "kernels.h"
+#include "quantize_rows.h"
 #include "simd.h"
 
 namespace rankcast {
@@ -217,30 +218,26 @@ struct Q4Tiles {
   }
 };
 
-// Rows [begin, end) of x quantized into the RowLayout buffer `out` (row stride layout.bytes()).
+// Rows [begin, end) of x quantized into the RowLayout buffer `out` (row stride layout.bytes()),
+// sixteen lanes at a time (csrc/quantize_rows.h: the same integers as element by element).
 template <typename T>
 void quantize_rows_q4(const T* x, int64_t ldx, int64_t k, int64_t begin, int64_t end,
                       const RowLayout& layout, int8_t* out) {
   for (int64_t i = begin; i < end; ++i) {
     const T* src = x + i * ldx;
     int8_t* row = out + i * layout.bytes();
-    float amax = 0.0f;
-    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(static_cast<float>(src[c])));
+    const float amax = row_abs_max(src, k);
     const float inverse = amax > 0.0f ? static_cast<float>(kActivationMax) / amax : 0.0f;
     const float scale = amax / static_cast<float>(kActivationMax);
     for (int64_t g = 0; g < layout.groups; ++g) {
-      int32_t sum = 0;
-      for (int64_t c = g * kQ4Group; c < (g + 1) * kQ4Group; ++c) {
-        int32_t v = 0;
-        if (c < k) {
-          const float scaled = std::nearbyint(static_cast<float>(src[c]) * inverse);
-          v = static_cast<int32_t>(std::clamp(scaled, -16383.0f, 16383.0f));
-        }
-        row[layout.hi() + c] = static_cast<int8_t>(v >> 7);  // floor(v / 128)
-        row[layout.lo() + c] = static_cast<int8_t>(v & 127);
-        sum += v;
+      Ints16 sum = zero_ints();
+      for (int64_t c = g * kQ4Group; c < (g + 1) * kQ4Group; c += 16) {
+        const Ints16 v = scaled_ints(row_chunk(src, c, k), inverse, kActivationMax);
+        store_ints(row + layout.hi() + c, shift_right(v, 7));  // floor(v / 128)
+        store_ints(row + layout.lo() + c, low_bits(v, 127));
+        sum = sum + v;
       }
-      const float group_sum = static_cast<float>(sum);  // exact: |sum| <= 32 * 16383
+      const float group_sum = static_cast<float>(lane_sum(sum));  // exact: |sum| <= 32 * 16383
       std::memcpy(row + layout.sums() + 4 * g, &group_sum, sizeof(group_sum));
     }
     std::memcpy(row + layout.scale(), &scale, sizeof(scale));

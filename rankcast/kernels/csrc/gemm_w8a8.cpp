@@ -27,6 +27,7 @@
 
 #include "gemm.h"
 #include "kernels.h"
+#include "quantize_rows.h"
 #include "simd.h"
 
 namespace rankcast {
@@ -211,25 +212,33 @@ struct Int8Tiles {
 };
 
 // Quantize rows [begin, end) of x ([m, k], row stride lda) into q (row stride ldq, k rounded up to
-// whole groups, the padding zero), with each row's scale and weight-offset term.
+// whole groups, the padding zero), with each row's scale and weight-offset term; sixteen lanes at
+// a time (csrc/quantize_rows.h: the same integers as element by element), the last partial
+// sixteen one by one, so that a row never writes into the next (rows run on several threads).
 template <typename T>
 void quantize_rows(const T* x, int64_t lda, int64_t k, int64_t begin, int64_t end, QuantRow* q,
                    int64_t ldq, float* scale, int32_t* offset) {
   for (int64_t i = begin; i < end; ++i) {
     const T* row = x + i * lda;
-    float amax = 0.0f;
-    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(static_cast<float>(row[c])));
+    const float amax = row_abs_max(row, k);
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
     scale[i] = amax / 127.0f;
     QuantRow* out = q + i * ldq;
-    int32_t sum = 0;
-    for (int64_t c = 0; c < k; ++c) {
+    Ints16 lanes = zero_ints();
+    int64_t c = 0;
+    for (; c + 16 <= k; c += 16) {
+      const Ints16 v = scaled_ints(load16(row + c), inverse, 127);
+      store_ints(out + c, v);
+      lanes = lanes + v;
+    }
+    int32_t sum = lane_sum(lanes);
+    for (; c < k; ++c) {
       const float v = std::nearbyint(static_cast<float>(row[c]) * inverse);
       const int32_t iv = static_cast<int32_t>(std::clamp(v, -127.0f, 127.0f));
       out[c] = static_cast<QuantRow>(iv);
       sum += iv;
     }
-    for (int64_t c = k; c < ldq; ++c) out[c] = 0;
+    for (; c < ldq; ++c) out[c] = 0;
     offset[i] = static_cast<int32_t>(kWeightOffset) * sum;
   }
 }

@@ -69,7 +69,7 @@ class PackedLinearMixin:
         SmolLM2-135M in bfloat16, 203 of the process's ~800 MB). The parameter keeps its shape,
         dtype and device (LoRA sizes its slots by them) over a single zero; where the kernel can,
         the packed copy takes over the plain one's storage instead of a buffer of its own.
-        A `quantization` scheme ("int8", "w8a8", "q4_1": rankcast/model/quantization.py) stores
+        A `quantization` scheme ("int8", "w8a8", "q4_1", "q8_0": model/quantization.py) stores
         the weight quantized; the plain weight is then released like a packed one."""
         self.packed_weight = ops.pack_linear_weight(
             weight.detach(), kernel, reuse_storage=release_plain, quantization=quantization

@@ -47,12 +47,13 @@ class CpuFacts:
     onednn: frozenset[torch.dtype]  # dtypes oneDNN packs on this CPU
     w8a8: str = "none"  # the loaded build's W8A8 kernel: "avx512-vnni", "avx512bw", "avx2", "none"
     q4: bool = False  # whether the loaded build has the 4-bit kernel
+    q8: bool = False  # whether the loaded build has the 8-bit group kernel
 
     @classmethod
     def of_this_machine(cls) -> CpuFacts:
         dtypes = (torch.float32, torch.bfloat16)
         packed: frozenset[torch.dtype] = frozenset()
-        w8a8, q4 = "none", False
+        w8a8, q4, q8 = "none", False, False
         if kernels.load():
             supported: Callable[[torch.dtype], bool] = torch.ops.rankcast.packed_linear_supported
             packed = frozenset(d for d in dtypes if supported(d))
@@ -60,11 +61,13 @@ class CpuFacts:
             w8a8 = w8a8_path()
             q4_supported: Callable[[], bool] = torch.ops.rankcast.q4_supported
             q4 = q4_supported()
+            q8_supported: Callable[[], bool] = torch.ops.rankcast.q8_supported
+            q8 = q8_supported()
         mkldnn_available: Callable[[], bool] = torch.backends.mkldnn.is_available
         onednn: frozenset[torch.dtype] = frozenset()
         if mkldnn_available():
             onednn = frozenset(d for d in dtypes if d == torch.float32 or onednn_packs_bf16())
-        return cls(cpu_family(), packed, onednn, w8a8, q4)
+        return cls(cpu_family(), packed, onednn, w8a8, q4, q8)
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,8 @@ def _quantized_path(
 ) -> LinearPath:
     """Quantized weights: rankcast's kernel wherever it is built (weight-only "int8" through
     the float kernels of csrc/gemm.cpp, "w8a8" through csrc/gemm_w8a8.cpp, "q4_1" through
-    csrc/gemm_q4.cpp); torch's reference arithmetic elsewhere (CUDA, kernels off)."""
+    csrc/gemm_q4.cpp, "q8_0" through csrc/gemm_q8.cpp); torch's reference arithmetic elsewhere
+    (CUDA, kernels off)."""
     if setting == "onednn":
         raise ValueError(
             f"RANKCAST_LINEAR_KERNEL=onednn has no {scheme} path; --quantization {scheme} "
@@ -182,6 +186,9 @@ def _quantized_path(
             return LinearPath("rankcast", True, why)
         if scheme == "q4_1" and facts.q4:
             why = "4-bit groups times 15-bit rows per token, exact int32 group sums"
+            return LinearPath("rankcast", True, why)
+        if scheme == "q8_0" and facts.q8:
+            why = "8-bit groups times 15-bit rows per token, exact int32 group sums"
             return LinearPath("rankcast", True, why)
     if setting == "rankcast":
         raise ValueError(

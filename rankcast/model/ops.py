@@ -18,8 +18,10 @@ from rankcast import kernels
 from rankcast.model.quantization import (
     int8_weight_reference,
     q4_1_linear_reference,
+    q8_0_linear_reference,
     quantize_int8_weight,
     quantize_q4_1_weight,
+    quantize_q8_0_weight,
     w8a8_linear_reference,
 )
 
@@ -39,9 +41,10 @@ class PackedWeight:
     backend: str  # "rankcast", "onednn", or "torch" (quantized weights only)
     out_features: int
     scales: torch.Tensor | None = None
-    quantization: str = "none"  # "none", "int8" (weight-only), "w8a8" or "q4_1"
-    # q4_1 on the torch path: (d, m) float16 [out, groups], beside `tensor`'s q [out, in32].
-    groups: tuple[torch.Tensor, torch.Tensor] | None = None
+    quantization: str = "none"  # "none", "int8" (weight-only), "w8a8", "q4_1" or "q8_0"
+    # Group schemes on the torch path, beside `tensor`'s q [out, in32]: (d, m) float16 [out,
+    # groups] for q4_1, (d,) for q8_0.
+    groups: tuple[torch.Tensor, ...] | None = None
 
 
 def pack_linear_weight(
@@ -59,9 +62,10 @@ def pack_linear_weight(
     With `quantization` "int8" (weight-only) or "w8a8" the weight is quantized per output
     channel (`quantize_int8_weight`) and packed for csrc/gemm.cpp or csrc/gemm_w8a8.cpp
     ("rankcast"), or kept as plain int8 for the references below ("torch": CUDA, or the kernels
-    not built); "q4_1" in 4-bit groups (`quantize_q4_1_weight`) for csrc/gemm_q4.cpp.
+    not built); "q4_1" in 4-bit groups (`quantize_q4_1_weight`) for csrc/gemm_q4.cpp, "q8_0"
+    in 8-bit groups (`quantize_q8_0_weight`) for csrc/gemm_q8.cpp.
     """
-    if quantization in ("int8", "w8a8", "q4_1"):
+    if quantization in ("int8", "w8a8", "q4_1", "q8_0"):
         return _pack_quantized(weight, kernel, quantization)
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r}")
@@ -92,6 +96,12 @@ def _pack_quantized(weight: torch.Tensor, kernel: str, quantization: str) -> Pac
             return PackedWeight(values, "torch", out, quantization="q4_1", groups=(d, m))
         packed = torch.ops.rankcast.pack_q4_weight(values, d, m)
         return PackedWeight(packed, "rankcast", out, quantization="q4_1")
+    if quantization == "q8_0":
+        q8_values, q8_d = quantize_q8_0_weight(weight)
+        if kernel == "torch":
+            return PackedWeight(q8_values, "torch", out, quantization="q8_0", groups=(q8_d,))
+        packed = torch.ops.rankcast.pack_q8_weight(q8_values, q8_d)
+        return PackedWeight(packed, "rankcast", out, quantization="q8_0")
     values, scales = quantize_int8_weight(weight)
     if kernel == "torch":
         return PackedWeight(values, "torch", out, scales, quantization)
@@ -106,10 +116,19 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     """x [rows, in] times a packed weight (+ bias)."""
     if weight.quantization == "q4_1":
         if weight.groups is not None:
-            return q4_1_linear_reference(x, weight.tensor, *weight.groups, bias, exact=False)
+            d, m = weight.groups
+            return q4_1_linear_reference(x, weight.tensor, d, m, bias, exact=False)
         return cast(
             torch.Tensor,
             torch.ops.rankcast.q4_linear(x.contiguous(), weight.tensor, weight.out_features, bias),
+        )
+    if weight.quantization == "q8_0":
+        if weight.groups is not None:
+            (d,) = weight.groups
+            return q8_0_linear_reference(x, weight.tensor, d, bias, exact=False)
+        return cast(
+            torch.Tensor,
+            torch.ops.rankcast.q8_linear(x.contiguous(), weight.tensor, weight.out_features, bias),
         )
     if weight.scales is not None and weight.backend == "torch":
         if weight.quantization == "w8a8":

@@ -1,10 +1,10 @@
 """Quantizing a linear layer's weights, and what each quantized matmul computes in plain torch.
 
 The schemes of `--quantization` (docs/quantization.md): int8 per output channel (weight-only
-`int8`, and `w8a8` whose rows are quantized per token too) and llama.cpp's Q4_1 (`q4_1`). The
-quantizers run once at load; the references are the arithmetic the CPU kernels (csrc/gemm.cpp,
-gemm_w8a8.cpp, gemm_q4.cpp) are tested against, and what the model runs where they are not built
-(CUDA, `RANKCAST_KERNELS=off`).
+`int8`, and `w8a8` whose rows are quantized per token too) and llama.cpp's Q4_1 (`q4_1`) and
+Q8_0 (`q8_0`). The quantizers run once at load; the references are the arithmetic the CPU
+kernels (csrc/gemm.cpp, gemm_w8a8.cpp, gemm_q4.cpp, gemm_q8.cpp) are tested against, and what
+the model runs where they are not built (CUDA, `RANKCAST_KERNELS=off`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,52 @@ def quantize_q4_1_weight(
     return values.to(torch.uint8).view(out, padded), scale.half(), low.half()
 
 
+def quantize_q8_0_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 of a [out, in] weight: groups of 32 along `in` (zero-padded to whole
+    groups), each w ~= d * q with q in -127..127 and d the group's max |w| / 127; (q as int8
+    [out, in32], d as float16 [out, in32 / 32]). q is rounded against the float16 d, so a
+    weight that came from a Q8_0 GGUF (every group holds a q of +-127, d * q exact in float32)
+    gives back that file's values."""
+    out, k = weight.shape
+    padded = -(-k // Q4_GROUP) * Q4_GROUP
+    w = F.pad(weight.float(), (0, padded - k)).view(out, padded // Q4_GROUP, Q4_GROUP)
+    scale = (w.abs().amax(dim=2) / 127).half()
+    d = scale.float()[..., None]
+    values = torch.where(d != 0, torch.round(w / torch.where(d != 0, d, 1.0)), 0.0)
+    return values.clamp_(-127, 127).to(torch.int8).view(out, padded), scale
+
+
+def _quantize_rows_15(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `x` to 15-bit integers (as float32, zero-padded to `padded` columns) and its
+    scale max|row| / 16383: what csrc/quantize_rows.h does for the 4- and 8-bit group kernels."""
+    amax = x.float().abs().amax(dim=1)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 16383.0) / amax, torch.zeros_like(amax))
+    rows = torch.round(x.float() * inverse[:, None]).clamp_(-16383, 16383)
+    return F.pad(rows, (0, padded - x.shape[1])), amax / 16383
+
+
+def q8_0_linear_reference(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    exact: bool = True,
+) -> torch.Tensor:
+    """x times 8-bit group weights as csrc/gemm_q8.cpp computes it, up to the order of its
+    float32 sums: each row quantized to 15-bit integers a, each group's integer sum of q * a,
+    then scale * sum over groups of d * that + bias, rounded once to x's dtype. `exact=False`
+    (the torch path where the kernels are not built) sums in float32 rather than float64."""
+    out, padded = values.shape
+    rows, row_scales = _quantize_rows_15(x, padded)
+    accumulate = torch.float64 if exact else torch.float32
+    grouped = rows.view(x.shape[0], -1, Q4_GROUP).to(accumulate)
+    products = torch.einsum("rgk,ogk->rog", grouped, values.view(out, -1, Q4_GROUP).to(accumulate))
+    y = ((products * scales.to(accumulate)).sum(dim=2) * row_scales.to(accumulate)[:, None]).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 def q4_1_linear_reference(
     x: torch.Tensor,
     values: torch.Tensor,
@@ -68,18 +114,15 @@ def q4_1_linear_reference(
     bias, rounded once to x's dtype. `exact=False` (the torch path where the kernels are not
     built) sums in float32 rather than float64."""
     out, padded = values.shape
-    k = x.shape[1]
-    amax = x.float().abs().amax(dim=1)
-    inverse = torch.where(amax > 0, torch.full_like(amax, 16383.0) / amax, torch.zeros_like(amax))
-    rows = torch.round(x.float() * inverse[:, None]).clamp_(-16383, 16383)
-    rows = F.pad(rows, (0, padded - k)).view(x.shape[0], -1, Q4_GROUP)
+    flat, row_scales = _quantize_rows_15(x, padded)
+    rows = flat.view(x.shape[0], -1, Q4_GROUP)
     accumulate = torch.float64 if exact else torch.float32
     q = values.view(out, -1, Q4_GROUP).to(accumulate)
     products = torch.einsum("rgk,ogk->rog", rows.to(accumulate), q)  # [rows, out, groups]
     terms = products * scales.to(accumulate) + rows.sum(dim=2).to(accumulate)[:, None, :] * (
         minimums.to(accumulate)
     )
-    y = (terms.sum(dim=2) * (amax / 16383).to(accumulate)[:, None]).float()
+    y = (terms.sum(dim=2) * row_scales.to(accumulate)[:, None]).float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -22,7 +22,8 @@ class ModelSource:
     model_dir: Path
     name: str
     # The `--quantization` that serves the weights as they were published ("q4_1" for a Q4_1
-    # GGUF such as the embedded model's; "none" for float weights): what "auto" resolves to.
+    # GGUF such as the embedded model's, "q8_0" for a Q8_0 one; "none" for float weights): what
+    # "auto" resolves to.
     native_quantization: str = "none"
 
     def quantization(self, setting: str) -> str:

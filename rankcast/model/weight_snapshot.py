@@ -49,8 +49,8 @@ _PACKED = "packed:"
 _SCALES = "scales:"  # int8 weights' per-channel scales
 _PARAM = "param:"
 # What quantized weights are packed as (csrc/gemm.cpp's int8, csrc/gemm_w8a8.cpp's offset bytes).
-_PACKED_DTYPES = {"int8": torch.int8, "w8a8": torch.uint8, "q4_1": torch.uint8}
-_SCALED = ("int8", "w8a8")  # schemes whose scales are a tensor of their own (q4_1's are inside)
+_PACKED_DTYPES = {"int8": torch.int8, "w8a8": torch.uint8, "q4_1": torch.uint8, "q8_0": torch.int8}
+_SCALED = ("int8", "w8a8")  # schemes whose scales are a tensor of their own (q4_1/q8_0: inside)
 
 
 def snapshot_dir() -> Path:
@@ -75,7 +75,7 @@ class WeightSnapshot:
     source: Path  # the checkpoint directory
     identity: str  # checkpoint_identity(source) when it was made
     kernels_library: Path  # the kernel build that packed it
-    quantization: str = "none"  # "int8", "w8a8" or "q4_1": the linears are quantized
+    quantization: str = "none"  # "int8", "w8a8", "q4_1" or "q8_0": the linears are quantized
 
     @classmethod
     def for_rank(

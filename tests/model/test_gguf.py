@@ -253,11 +253,30 @@ def test_pruning_removes_conversions_no_start_can_use(tmp_path: Path) -> None:
     assert kept.is_dir() and live_staging.is_dir() and stray_file.is_file()
 
 
+def test_8bit_groups_are_a_q8_0_files_own_values() -> None:
+    """What `gguf` (llama.cpp's encoding) writes for a Q8_0 tensor, dequantized as the converter
+    does, quantizes back to the file's very q and d: `--quantization q8_0` (or auto) serves the
+    file's weights, not a second rounding of them."""
+    import gguf
+    import torch
+
+    from rankcast.model.quantization import quantize_q8_0_weight
+
+    Q8_0 = gguf.GGMLQuantizationType.Q8_0
+    weight = (np.random.default_rng(0).standard_normal((40, 96)) * 0.05).astype(np.float32)
+    raw = gguf.quants.quantize(weight, Q8_0)
+    values, scales = quantize_q8_0_weight(torch.from_numpy(gguf.quants.dequantize(raw, Q8_0)))
+    blocks = raw.reshape(40, 3, 34)  # per block of 32: float16 d, then 32 int8 q
+    assert np.array_equal(blocks[..., :2].copy().view(np.float16)[..., 0], scales.numpy())
+    assert np.array_equal(blocks[..., 2:].copy().view(np.int8).reshape(40, 96), values.numpy())
+
+
 def test_auto_quantization_serves_a_gguf_in_its_own_format(
     tmp_path: Path, embedded_gguf: Path, tiny_llama_dir: Path
 ) -> None:
     """`--quantization auto`: the embedded file's decoder projections are Q4_1, so it is served
-    as q4_1; a file whose projections are float (or mixed), and an HF directory, as "none"."""
+    as q4_1; a file of Q8_0 projections as q8_0; a file whose projections are float (or mixed),
+    and an HF directory, as "none"."""
     import gguf
 
     from rankcast.model.gguf_convert import native_quantization
@@ -274,6 +293,18 @@ def test_auto_quantization_serves_a_gguf_in_its_own_format(
     writer.write_tensors_to_file()
     writer.close()
     assert native_quantization(path) == "none"
+    Q8_0 = gguf.GGMLQuantizationType.Q8_0
+    q8 = tmp_path / "q8.gguf"
+    writer = gguf.GGUFWriter(str(q8), "llama")
+    writer.add_block_count(1)
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
+        raw = gguf.quants.quantize(np.ones((32, 64), dtype=np.float32), Q8_0)
+        writer.add_tensor(name, raw, raw_dtype=Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert native_quantization(q8) == "q8_0"
     source = ModelSource(tiny_llama_dir, tiny_llama_dir, "tiny")
     assert source.quantization("auto") == "none" and source.quantization("int8") == "int8"
     embedded = ModelSource(embedded_gguf, tiny_llama_dir, "smol", native_quantization="q4_1")

@@ -1,5 +1,6 @@
 """Quantized weights: `--quantization int8` (weight-only, csrc/gemm.cpp's float kernels widening
-int8), `w8a8` (csrc/gemm_w8a8.cpp) and `q4_1` (csrc/gemm_q4.cpp) against torch, on every ISA build
+int8), `w8a8` (csrc/gemm_w8a8.cpp), `q4_1` (csrc/gemm_q4.cpp) and `q8_0` (csrc/gemm_q8.cpp)
+against torch, on every ISA build
 (tests/model/test_cpu_families.py runs this file on the AVX-512-without-VNNI and AVX2 builds
 too); a quantized model against its float self; the decoder stack, the torch path and weight
 snapshots on quantized models."""
@@ -29,7 +30,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 SCHEMES = ["int8", "w8a8"]
-ALL_SCHEMES = [*SCHEMES, "q4_1"]
+ALL_SCHEMES = [*SCHEMES, "q4_1", "q8_0"]
 
 
 def _w8a8_kernel() -> str:
@@ -59,6 +60,14 @@ def _q4(x: torch.Tensor, weight: torch.Tensor, bias=None) -> tuple[torch.Tensor,
     packed = torch.ops.rankcast.pack_q4_weight(values, d, m)
     got = torch.ops.rankcast.q4_linear(x, packed, weight.shape[0], bias)
     return got, quantized.q4_1_linear_reference(x, values, d, m, bias)
+
+
+def _q8(x: torch.Tensor, weight: torch.Tensor, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel, reference) for `weight` quantized to 8-bit groups."""
+    values, d = quantized.quantize_q8_0_weight(weight)
+    packed = torch.ops.rankcast.pack_q8_weight(values, d)
+    got = torch.ops.rankcast.q8_linear(x, packed, weight.shape[0], bias)
+    return got, quantized.q8_0_linear_reference(x, values, d, bias)
 
 
 def _weight_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias=None):
@@ -103,9 +112,22 @@ def test_both_kernels_equal_their_torch_references(
         want = quantized.int8_weight_reference(x, values, scales, b)
         assert got.dtype == dtype
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
-        got, want = _q4(x, torch.randn(n, k, generator=gen), b)
-        assert got.dtype == dtype
-        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        for grouped in (_q4, _q8):
+            got, want = grouped(x, torch.randn(n, k, generator=gen), b)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_8bit_groups_give_back_the_values_a_q8_0_file_held() -> None:
+    """Weights dequantized from llama.cpp's Q8_0 (each group's largest |q| is 127, d float16)
+    quantize to the very same q and d."""
+    values, d = quantized.quantize_q8_0_weight(torch.randn(40, 96))
+    assert int(values.abs().view(40, 3, 32).amax(dim=2).min()) == 127
+    from_file = values.view(40, 3, 32).float() * d.float()[..., None]
+    again = quantized.quantize_q8_0_weight(from_file.view(40, 96))
+    assert torch.equal(again[0], values) and torch.equal(again[1], d)
+    zeros, zero_d = quantized.quantize_q8_0_weight(torch.zeros(2, 40))  # padded, all-zero groups
+    assert zeros.shape == (2, 64) and not zeros.any() and not zero_d.any()
 
 
 def test_4bit_groups_give_back_the_values_a_q4_1_file_held() -> None:
@@ -143,6 +165,10 @@ def test_the_kernels_are_close_to_dequantize_then_matmul(dtype: torch.dtype) -> 
     amax = x.float().abs().amax(dim=1, keepdim=True)  # rows in 15 bits, as the kernel takes them
     rows = torch.round(x.float() * (torch.full_like(amax, 16383.0) / amax)) * (amax / 16383)
     torch.testing.assert_close(got.float(), rows @ dequantized.view(96, 576).T, **tolerance)
+    values8, d8 = quantized.quantize_q8_0_weight(torch.randn(96, 576))
+    dequantized = (values8.view(96, -1, 32).float() * d8.float()[..., None]).view(96, 576)
+    got = torch.ops.rankcast.q8_linear(x, torch.ops.rankcast.pack_q8_weight(values8, d8), 96, None)
+    torch.testing.assert_close(got.float(), rows @ dequantized.T, **tolerance)
 
 
 def _q4_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -150,8 +176,13 @@ def _q4_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> tor
     return _q4(x, weight)[0]
 
 
+def _q8_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    weight = values.float() * scales[:, None]
+    return _q8(x, weight)[0]
+
+
 @needs_kernel
-@pytest.mark.parametrize("multiply", [_kernel, _weight_only, _q4_only], ids=ALL_SCHEMES)
+@pytest.mark.parametrize("multiply", [_kernel, _weight_only, _q4_only, _q8_only], ids=ALL_SCHEMES)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(multiply) -> None:
     _, values, scales = _quantized(80, 200, seed=7)
     batch = torch.randn(40, 200, generator=torch.Generator().manual_seed(8)).bfloat16()
@@ -188,6 +219,15 @@ def test_a_zero_row_gives_the_bias_and_bad_input_is_refused() -> None:
         torch.ops.rankcast.pack_q4_weight(q[:, :33], d, m)
     with pytest.raises(RuntimeError, match="another shape"):
         torch.ops.rankcast.q4_linear(torch.zeros(1, 70), packed, 20, None)
+    q8, d8 = quantized.quantize_q8_0_weight(torch.randn(20, 33))
+    packed = torch.ops.rankcast.pack_q8_weight(q8, d8)
+    assert torch.equal(torch.ops.rankcast.q8_linear(torch.zeros(2, 33), packed, 20, bias)[1], bias)
+    with pytest.raises(RuntimeError, match="whole groups of 32"):
+        torch.ops.rankcast.pack_q8_weight(q8[:, :33], d8)
+    with pytest.raises(RuntimeError, match="float16"):
+        torch.ops.rankcast.pack_q8_weight(q8, d8.float())
+    with pytest.raises(RuntimeError, match="another shape"):
+        torch.ops.rankcast.q8_linear(torch.zeros(1, 70), packed, 20, None)
 
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
@@ -203,6 +243,9 @@ def test_the_torch_path_is_the_reference(scheme: str) -> None:
     if scheme == "q4_1":
         assert weight.groups is not None and weight.tensor.dtype == torch.uint8
         want = quantized.q4_1_linear_reference(x, weight.tensor, *weight.groups, None)
+    elif scheme == "q8_0":
+        assert weight.groups is not None and weight.tensor.dtype == torch.int8
+        want = quantized.q8_0_linear_reference(x, weight.tensor, *weight.groups, None)
     elif scheme == "w8a8":
         want = quantized.w8a8_linear_reference(x, weight.tensor, weight.scales, None)
     else:
@@ -213,7 +256,7 @@ def test_the_torch_path_is_the_reference(scheme: str) -> None:
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
 def test_the_path_for_quantized_weights(scheme: str) -> None:
     both = frozenset({torch.float32, torch.bfloat16})
-    vnni = CpuFacts("avx512-bf16", both, frozenset(), "avx512-vnni", True)
+    vnni = CpuFacts("avx512-bf16", both, frozenset(), "avx512-vnni", True, True)
     absent = CpuFacts("other", frozenset(), frozenset(), "none")
     path = choose_linear_path(torch.bfloat16, CPU, "auto", vnni, quantization=scheme)
     assert path.kernel == "rankcast" and path.batch_invariant
@@ -258,7 +301,7 @@ def test_a_quantized_model_stays_close_to_the_float_one(tmp_path: Path, dtype, s
     4-bit groups the model's layers are first made what a Q4_1 file holds (as the embedded
     SmolLM2's are): those are served as they are, and only the 8-bit head differs (4 bits of
     random Gaussian weights would be 16 % off; the real model's cost is the perplexity in
-    bench/perplexity.py)."""
+    bench/perplexity.py). 8-bit groups quantize the random weights themselves, head included."""
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=256, seed=3, tie_word_embeddings=False)
     if scheme == "q4_1":
         _as_if_from_a_q4_1_file(model_dir)

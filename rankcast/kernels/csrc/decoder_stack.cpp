@@ -19,8 +19,9 @@ namespace rankcast {
 namespace {
 
 // One projection: a weight packed by csrc/gemm.cpp (float, or int8 with its scales), by
-// csrc/gemm_w8a8.cpp (bytes [panels, steps, 16, group], with its scales) or by csrc/gemm_q4.cpp
-// (bytes [panels, groups, record], scales inside).
+// csrc/gemm_w8a8.cpp (bytes [panels, steps, 16, group], with its scales), by csrc/gemm_q4.cpp
+// (bytes [panels, groups, record], scales inside) or by csrc/gemm_q8.cpp (int8 [panels, groups,
+// record], scales inside).
 struct Projection {
   at::Tensor packed;
   c10::optional<at::Tensor> scales;  // int8 weights' per-channel scales
@@ -32,6 +33,7 @@ struct Projection {
       if (packed.dim() == 3) return q4_linear(x, packed, n, bias);
       return w8a8_linear(x, packed, n, *scales, bias);
     }
+    if (packed.scalar_type() == at::kChar && !scales.has_value()) return q8_linear(x, packed, n, bias);
     return packed_linear(x, packed, n, bias, scales);
   }
 };

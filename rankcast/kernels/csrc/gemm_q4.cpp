@@ -38,7 +38,7 @@ namespace rankcast {
 namespace {
 constexpr int64_t kQ4Group = 32;
 constexpr int64_t kQ4GroupBytes = 2 * 16 * 2 + 4 * 64;  // d and m, then 4 chunks
-constexpr int kActivationMax = 16383;  // rows quantized to 15 bits: 128 * hi + lo
+constexpr int kActivationMax = kRow15Max;  // rows quantized to 15 bits: 128 * hi + lo
 }  // namespace
 
 #if RANKCAST_SIMD_BITS >= 256 && defined(__F16C__)

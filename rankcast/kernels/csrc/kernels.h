@@ -41,6 +41,11 @@ at::Tensor pack_q4_weight(const at::Tensor& values, const at::Tensor& scales,
                           const at::Tensor& minimums);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                      const c10::optional<at::Tensor>& bias);
+// 8-bit groups of 32 with a float16 scale (llama.cpp's Q8_0; csrc/gemm_q8.cpp).
+bool q8_supported();
+at::Tensor pack_q8_weight(const at::Tensor& values, const at::Tensor& scales);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                     const c10::optional<at::Tensor>& bias);
 // W8A8 (csrc/gemm_w8a8.cpp): whether this build has the kernel, which instructions it runs
 // ("avx512-vnni", "avx512bw", "avx2" or "none"), and how many k its packing groups.
 bool w8a8_supported();

@@ -65,6 +65,9 @@ TORCH_LIBRARY(rankcast, m) {
   m.def("pack_q4_weight(Tensor values, Tensor scales, Tensor minimums) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q4_supported() -> bool", &q4_supported);
+  m.def("pack_q8_weight(Tensor values, Tensor scales) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("q8_supported() -> bool", &q8_supported);
   m.def("pack_w8a8_weight(Tensor weight) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor packed, int n, Tensor scales, Tensor? bias) -> Tensor");
   m.def("w8a8_supported() -> bool", &w8a8_supported);
@@ -90,6 +93,8 @@ TORCH_LIBRARY_IMPL(rankcast, CPU, m) {
   m.impl("pack_int8_weight", &pack_int8_weight);
   m.impl("pack_q4_weight", &pack_q4_weight);
   m.impl("q4_linear", &q4_linear);
+  m.impl("pack_q8_weight", &pack_q8_weight);
+  m.impl("q8_linear", &q8_linear);
   m.impl("pack_w8a8_weight", &pack_w8a8_weight);
   m.impl("w8a8_linear", &w8a8_linear);
 }

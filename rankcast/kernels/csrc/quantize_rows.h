@@ -1,5 +1,6 @@
 // Rows of activations quantized per token to integers, sixteen lanes at a time, for the integer
-// kernels (csrc/gemm_w8a8.cpp: int8 rows; csrc/gemm_q4.cpp: 15-bit rows split in two bytes).
+// kernels (csrc/gemm_w8a8.cpp: int8 rows; csrc/gemm_q4.cpp: 15-bit rows split in two bytes;
+// csrc/gemm_q8.cpp: 15-bit rows as int16).
 //
 // Why vectorized: a scalar loop (fabs, nearbyint, clamp per element) took longer than the matmul
 // it feeds once a batch has a few rows: 32 rows of 1,536 cost 21 us before a W8A8 matmul and 90
@@ -15,6 +16,10 @@
 #include "simd.h"
 
 namespace rankcast {
+
+// The largest integer of a row quantized to 15 bits (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): its
+// rounding, max|x| / 32766 per element, is far below what bfloat16 already rounds.
+constexpr int32_t kRow15Max = 16383;
 
 #if RANKCAST_SIMD_BITS == 512
 

@@ -1,0 +1,288 @@
+// Linear layers with 8-bit weights in groups of 32 k, llama.cpp's Q8_0 arithmetic: each weight is
+// w = d * q with q in -127..127 and a float16 scale d per output column and group.
+//
+// Why: Q8_0 is the GGUF type people pick when 4 bits cost too much quality, and the one llama.cpp
+// is fastest with on a single stream here. Served as it is, a Q8_0 file's weights are its own
+// values (quantizing the converted weights finds them again: rankcast/model/quantization.py
+// `quantize_q8_0_weight`), at 1.06 bytes a weight; a per-channel int8 requantization (`int8`)
+// would round them a second time.
+//
+// The products are integer, as in csrc/gemm_q4.cpp: each row is quantized per token to 15 bits
+// (a = round(x * 16383 / max|x|), csrc/quantize_rows.h) and kept as int16; a group's sum of
+// q * a is exact in int32 (VPDPWSSD on AVX512-VNNI, VPMADDWD + VPADDD elsewhere: the same sums),
+// then y = scale_x * sum over groups of d * that, in float32, groups in order. Every ISA path
+// computes the same integers and the same float operations: one answer on every x86 build, and a
+// row's result never depends on the rows beside it (batch-invariant).
+//
+// Packed per panel of 16 output columns, one record per group of 32 k (kQ8GroupBytes):
+//   d[16] float16 | 16 steps of [16 columns][2 k] int8
+// so that one step, widened to int16, is one VPDPWSSD operand. A panel is one contiguous stream.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "gemm.h"
+#include "kernels.h"
+#include "quantize_rows.h"
+#include "simd.h"
+
+namespace rankcast {
+
+namespace {
+constexpr int64_t kQ8Group = 32;
+constexpr int64_t kQ8Steps = kQ8Group / 2;                   // pairs of k per group
+constexpr int64_t kQ8GroupBytes = 2 * 16 + 16 * kQ8Group;  // d, then 16 columns x 32 k
+}  // namespace
+
+#if RANKCAST_SIMD_BITS >= 256 && defined(__F16C__)
+namespace {
+
+using namespace gemm;
+
+// A row as the tiles read it (row stride `lda` bytes, kp = k rounded up to whole groups):
+//   a[kp] int16 | scale_x float32
+struct Q8RowLayout {
+  int64_t kp;
+  int64_t scale() const { return 2 * kp; }
+  int64_t bytes() const { return (scale() + 4 + 63) / 64 * 64; }
+};
+
+inline int32_t pair_at(const int8_t* row, int64_t k) {  // a[k], a[k + 1] as one int32
+  int32_t v;
+  std::memcpy(&v, row + 2 * k, sizeof(v));
+  return v;
+}
+
+inline float row_scale(const int8_t* row, const Q8RowLayout& layout) {
+  float v;
+  std::memcpy(&v, row + layout.scale(), sizeof(v));
+  return v;
+}
+
+#if RANKCAST_SIMD_BITS == 512
+inline __m512i dot2(__m512i acc, __m512i w, __m512i a) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, a);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a));
+#endif
+}
+
+// MR rows x NR panels, a panel at a time: per group, each of its 16 steps is widened once and
+// every row adds its pair of k; then each row's group sum times the group's scales.
+template <int MR, int NR, bool Next, typename Out>
+inline void tile_q8(const int8_t* a, int64_t lda, const int8_t* b, int64_t panel_elems,
+                    int64_t groups, Out* c, int64_t ldc, const BiasEpilogue& epi, int last_cols,
+                    bool prefetch, NextGroup next) {
+  const Q8RowLayout layout{groups * kQ8Group};
+  const int per_step = lines_per_step(next, groups * NR);
+  for (int j = 0; j < NR; ++j) {
+    const int8_t* panel = b + j * panel_elems;
+    __m512 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      if constexpr (Next) prefetch_next(next, j * groups + g, per_step);
+      const int8_t* record = panel + g * kQ8GroupBytes;
+      if (prefetch)
+        for (int64_t line = 0; line < kQ8GroupBytes; line += 64) prefetch_ahead(record + line);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record)));
+      __m512i sum[MR];
+      for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_si512();
+      for (int s = 0; s < kQ8Steps; ++s) {
+        const __m512i w = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 32 + 32 * s)));
+        for (int i = 0; i < MR; ++i)
+          sum[i] = dot2(sum[i], w, _mm512_set1_epi32(pair_at(a + i * lda, g * kQ8Group + 2 * s)));
+      }
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), d, acc[i]);
+    }
+    const int cols = j == NR - 1 ? last_cols : kPanel;
+    for (int i = 0; i < MR; ++i) {
+      const float scale = row_scale(a + i * lda, layout);
+      epi.store(c + i * ldc + j * kPanel, Vec16{_mm512_mul_ps(acc[i], _mm512_set1_ps(scale))}, i, j,
+                cols);
+    }
+  }
+}
+
+#else
+// AVX2: the same arithmetic on 8-column halves of a panel, in sub-tiles of at most 6 rows (an
+// int and a float sum per row, a widened step, a broadcast and the scales: 15 ymm registers).
+template <int R>
+__attribute__((noinline)) void q8_half(const int8_t* a, int64_t lda, const int8_t* panel,
+                                       int64_t groups, int half, __m256* out, bool prefetch) {
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* record = panel + g * kQ8GroupBytes;
+    if (prefetch)
+      for (int64_t line = 0; line < kQ8GroupBytes; line += 64) prefetch_ahead(record + line);
+    const __m256 d =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 16 * half)));
+    __m256i sum[R];
+    for (int i = 0; i < R; ++i) sum[i] = _mm256_setzero_si256();
+    for (int s = 0; s < kQ8Steps; ++s) {
+      const __m256i w = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 32 + 32 * s + 16 * half)));
+      for (int i = 0; i < R; ++i) {
+        const __m256i av = _mm256_set1_epi32(pair_at(a + i * lda, g * kQ8Group + 2 * s));
+        sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(w, av));
+      }
+    }
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), d, acc[i]);
+  }
+  for (int i = 0; i < R; ++i) out[i] = acc[i];
+}
+
+template <int MR, int NR, bool Next, typename Out>
+inline void tile_q8(const int8_t* a, int64_t lda, const int8_t* b, int64_t panel_elems,
+                    int64_t groups, Out* c, int64_t ldc, const BiasEpilogue& epi, int last_cols,
+                    bool prefetch, NextGroup /*next: the AVX2 tile only reads ahead*/) {
+  const Q8RowLayout layout{groups * kQ8Group};
+  __m256 halves[2][MR];
+  for (int j = 0; j < NR; ++j) {
+    const int8_t* panel = b + j * panel_elems;
+    for (int half = 0; half < 2; ++half) {
+      for (int r = 0; r < MR; r += 6) {
+        const int8_t* rows = a + r * lda;
+        __m256* out = halves[half] + r;
+        const bool lead = prefetch && r == 0 && half == 0;
+        switch (std::min(6, MR - r)) {
+          case 1: q8_half<1>(rows, lda, panel, groups, half, out, lead); break;
+          case 2: q8_half<2>(rows, lda, panel, groups, half, out, lead); break;
+          case 3: q8_half<3>(rows, lda, panel, groups, half, out, lead); break;
+          case 4: q8_half<4>(rows, lda, panel, groups, half, out, lead); break;
+          case 5: q8_half<5>(rows, lda, panel, groups, half, out, lead); break;
+          default: q8_half<6>(rows, lda, panel, groups, half, out, lead); break;
+        }
+      }
+    }
+    const int cols = j == NR - 1 ? last_cols : kPanel;
+    for (int i = 0; i < MR; ++i) {
+      const __m256 scale = _mm256_set1_ps(row_scale(a + i * lda, layout));
+      const Vec16 v{_mm256_mul_ps(halves[0][i], scale), _mm256_mul_ps(halves[1][i], scale)};
+      epi.store(c + i * ldc + j * kPanel, v, i, j, cols);
+    }
+  }
+}
+#endif
+
+template <typename Out_>
+struct Q8Tiles {
+  using In = int8_t;
+  using W = int8_t;
+  using Out = Out_;
+  using Epi = BiasEpilogue;
+  template <int MR, int NR, bool Next>
+  static constexpr auto tile() {
+    using Fn = typename Tiles<Q8Tiles, Next>::Fn;
+    return Fn{&tile_q8<MR, NR, Next, Out>};
+  }
+};
+
+// Rows [begin, end) of x quantized into the Q8RowLayout buffer `out` (row stride
+// layout.bytes()): 15-bit integers as int16, zero past k, then the row's scale.
+template <typename T>
+void quantize_rows_q8(const T* x, int64_t ldx, int64_t k, int64_t begin, int64_t end,
+                      const Q8RowLayout& layout, int8_t* out) {
+  for (int64_t i = begin; i < end; ++i) {
+    const T* src = x + i * ldx;
+    int8_t* row = out + i * layout.bytes();
+    const float amax = row_abs_max(src, k);
+    const float inverse = amax > 0.0f ? static_cast<float>(kRow15Max) / amax : 0.0f;
+    const float scale = amax / static_cast<float>(kRow15Max);
+    auto* values = reinterpret_cast<int16_t*>(row);
+    for (int64_t c = 0; c < layout.kp; c += 16)
+      store_ints(values + c, scaled_ints(row_chunk(src, c, k), inverse, kRow15Max));
+    std::memcpy(row + layout.scale(), &scale, sizeof(scale));
+  }
+}
+
+}  // namespace
+#endif
+
+bool q8_supported() {
+#if RANKCAST_SIMD_BITS >= 256 && defined(__F16C__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_q8_weight(const at::Tensor& values, const at::Tensor& scales) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar,
+              "pack_q8_weight: values must be int8 [out, in]");
+  const int64_t n = values.size(0), k = values.size(1);
+  TORCH_CHECK(k % kQ8Group == 0, "pack_q8_weight: in (", k, ") must be whole groups of 32");
+  const int64_t groups = k / kQ8Group, panels = (n + 15) / 16;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.sizes() == at::IntArrayRef({n, groups}),
+              "pack_q8_weight: scales must be float16 [out, in / 32]");
+  const at::Tensor q = values.contiguous(), d = scales.contiguous();
+  // Columns past n get zero scales and weights.
+  at::Tensor packed = at::zeros({panels, groups, kQ8GroupBytes}, q.options());
+  const int8_t* qv = q.data_ptr<int8_t>();
+  const uint16_t* dv = static_cast<const uint16_t*>(d.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min<int64_t>(16, n - p * 16);
+      for (int64_t g = 0; g < groups; ++g) {
+        int8_t* record = packed.data_ptr<int8_t>() + (p * groups + g) * kQ8GroupBytes;
+        for (int64_t c = 0; c < cols; ++c) {
+          const int64_t row = p * 16 + c;
+          std::memcpy(record + 2 * c, dv + row * groups + g, 2);
+          const int8_t* src = qv + row * k + g * kQ8Group;
+          for (int64_t s = 0; s < kQ8Steps; ++s) {
+            record[32 + 32 * s + 2 * c] = src[2 * s];
+            record[32 + 32 * s + 2 * c + 1] = src[2 * s + 1];
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "q8_linear: x must be [rows, in], unit stride");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "q8_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == kQ8GroupBytes,
+              "q8_linear: weight not packed by pack_q8_weight");
+  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(1);
+  TORCH_CHECK((k + kQ8Group - 1) / kQ8Group == groups && packed.size(0) == (n + 15) / 16,
+              "q8_linear: weight packed for another shape");
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const at::Tensor bias_f = gemm::bias_as_float(bias, n, "q8_linear");
+#if RANKCAST_SIMD_BITS >= 256 && defined(__F16C__)
+  const Q8RowLayout layout{groups * kQ8Group};
+  at::Tensor rows = at::empty({m, layout.bytes()}, x.options().dtype(at::kChar));
+  int8_t* rows_ptr = rows.data_ptr<int8_t>();
+  // A decode step's few rows on this thread (waking the pool costs more than they do).
+  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+    if (x.scalar_type() == at::kFloat) {
+      quantize_rows_q8(x.data_ptr<float>(), x.stride(0), k, begin, end, layout, rows_ptr);
+    } else {
+      quantize_rows_q8(x.data_ptr<bf16>(), x.stride(0), k, begin, end, layout, rows_ptr);
+    }
+  });
+  const BiasEpilogue epi{gemm::float_data(bias_f)};
+  const int64_t panel_elems = packed.stride(0);
+  if (x.scalar_type() == at::kFloat) {
+    gemm::packed_linear_impl<Q8Tiles<float>>(rows_ptr, m, layout.bytes(), packed.data_ptr<int8_t>(),
+                                             n, groups, panel_elems, epi, y.data_ptr<float>());
+  } else {
+    gemm::packed_linear_impl<Q8Tiles<bf16>>(rows_ptr, m, layout.bytes(), packed.data_ptr<int8_t>(),
+                                            n, groups, panel_elems, epi, y.data_ptr<bf16>());
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "q8_linear: this CPU build has no 8-bit group kernel");
+#endif
+}
+
+}  // namespace rankcast

@@ -47,6 +47,8 @@ WEIGHT_TYPES = [
     ("w8a8 (bfloat16 model)", "bfloat16", "w8a8"),
     ("q4_1 (float32 model)", "float32", "q4_1"),
     ("q4_1 (bfloat16 model)", "bfloat16", "q4_1"),
+    ("q8_0 (float32 model)", "float32", "q8_0"),
+    ("q8_0 (bfloat16 model)", "bfloat16", "q8_0"),
 ]
 
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from rankcast import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "auto", "int8", "w8a8", "q4_1", "q8_0")
+QUANTIZATIONS = ("none", "auto", "int8", "w8a8", "q4_0", "q4_1", "q8_0")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # How the ray executor places pipeline stages on nodes (Ray's placement-group strategies).
 RAY_PLACEMENTS = ("pack", "spread", "strict-spread")
@@ -62,9 +62,10 @@ class ModelConfig:
     model: str | None = None
     dtype: str = "auto"
     # Linear weights quantized at load: "int8" per output channel (weight-only: activations stay
-    # in `dtype`), "w8a8" (activations quantized per token too), "q4_1" / "q8_0" (4- / 8-bit
-    # groups of 32 as llama.cpp's Q4_1 / Q8_0); "auto": the format a GGUF file stores its layers
-    # in, where rankcast has it (Q4_1 or Q8_0), else "none"; "none": weights in `dtype`.
+    # in `dtype`), "w8a8" (activations quantized per token too), "q4_0" / "q4_1" / "q8_0"
+    # (groups of 32 as llama.cpp's Q4_0 / Q4_1 / Q8_0); "auto": the format a GGUF file stores
+    # its layers in, where rankcast has it (one of those three), else "none"; "none": weights
+    # in `dtype`.
     quantization: str = "none"
     max_model_len: int | None = None
     served_model_name: str | None = None

@@ -316,13 +316,13 @@ def open_gguf(path: Path) -> Any:
 # The decoder layers' projections in a GGUF file's names: what `native_quantization` looks at.
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # GGUF tensor types rankcast multiplies as they are stored (`--quantization` of the same name).
-_NATIVE = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+_NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 
 
 def native_quantization(path: Path) -> str:
     """The `--quantization` that serves a GGUF file's own weights: "q4_1" where every decoder
-    projection is stored as Q4_1 (the embedded SmolLM2), "q8_0" where every one is Q8_0, "none"
-    otherwise (its converted float32 weights, in the engine's dtype)."""
+    projection is stored as Q4_1 (the embedded SmolLM2), "q4_0" / "q8_0" where every one is
+    Q4_0 / Q8_0, "none" otherwise (its converted float32 weights, in the engine's dtype)."""
     reader = open_gguf(path)
     types = {
         tensor.tensor_type.name

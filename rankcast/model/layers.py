@@ -69,7 +69,7 @@ class PackedLinearMixin:
         SmolLM2-135M in bfloat16, 203 of the process's ~800 MB). The parameter keeps its shape,
         dtype and device (LoRA sizes its slots by them) over a single zero; where the kernel can,
         the packed copy takes over the plain one's storage instead of a buffer of its own.
-        A `quantization` scheme ("int8", "w8a8", "q4_1", "q8_0": model/quantization.py) stores
+        A `quantization` scheme (ops.QUANTIZED; rankcast/model/quantization.py) stores
         the weight quantized; the plain weight is then released like a packed one."""
         self.packed_weight = ops.pack_linear_weight(
             weight.detach(), kernel, reuse_storage=release_plain, quantization=quantization
@@ -303,11 +303,12 @@ def packed_linears(model: nn.Module) -> list[tuple[str, PackedLinearMixin, bool]
 
 def layer_quantization(module: PackedLinearMixin, quantization: str) -> str:
     """The scheme a layer's weight takes under the model's `quantization`: all the same, but
-    with 4-bit groups the LM head (often the embedding too) stays 8-bit, as llama.cpp's Q4_1
-    files keep it (the embedded SmolLM2's is Q8_0): its logits are what sampling reads, and 4
-    bits there cost the most (bench/perplexity.py)."""
-    if quantization == "q4_1" and isinstance(module, ParallelLMHead):
-        return "int8"
+    with 4-bit groups the LM head (often the embedding too) takes 8-bit groups (q8_0), as
+    llama.cpp's Q4_1 files keep it (the embedded SmolLM2's is Q8_0, so its head is served as
+    the file holds it): its logits are what sampling reads, and 4 bits there cost the most
+    (bench/perplexity.py)."""
+    if quantization in ("q4_0", "q4_1") and isinstance(module, ParallelLMHead):
+        return "q8_0"
     return quantization
 
 

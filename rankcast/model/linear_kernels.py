@@ -167,9 +167,9 @@ def _quantized_path(
     dtype: torch.dtype, device: torch.device, setting: str, facts: CpuFacts | None, scheme: str
 ) -> LinearPath:
     """Quantized weights: rankcast's kernel wherever it is built (weight-only "int8" through
-    the float kernels of csrc/gemm.cpp, "w8a8" through csrc/gemm_w8a8.cpp, "q4_1" through
-    csrc/gemm_q4.cpp, "q8_0" through csrc/gemm_q8.cpp); torch's reference arithmetic elsewhere
-    (CUDA, kernels off)."""
+    the float kernels of csrc/gemm.cpp, "w8a8" through csrc/gemm_w8a8.cpp, "q4_0" and
+    "q4_1" through csrc/gemm_q4.cpp, "q8_0" through csrc/gemm_q8.cpp); torch's reference
+    arithmetic elsewhere (CUDA, kernels off)."""
     if setting == "onednn":
         raise ValueError(
             f"RANKCAST_LINEAR_KERNEL=onednn has no {scheme} path; --quantization {scheme} "
@@ -184,7 +184,7 @@ def _quantized_path(
         if scheme == "w8a8" and facts.w8a8 != "none":
             why = f"int8 weights and rows (per token), exact int32 sums ({facts.w8a8})"
             return LinearPath("rankcast", True, why)
-        if scheme == "q4_1" and facts.q4:
+        if scheme in ("q4_0", "q4_1") and facts.q4:
             why = "4-bit groups times 15-bit rows per token, exact int32 group sums"
             return LinearPath("rankcast", True, why)
         if scheme == "q8_0" and facts.q8:

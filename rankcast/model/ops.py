@@ -20,6 +20,7 @@ from rankcast.model.quantization import (
     q4_1_linear_reference,
     q8_0_linear_reference,
     quantize_int8_weight,
+    quantize_q4_0_weight,
     quantize_q4_1_weight,
     quantize_q8_0_weight,
     w8a8_linear_reference,
@@ -27,6 +28,12 @@ from rankcast.model.quantization import (
 
 # `torch.ops.*` ops are looked up at run time, so mypy sees their results as Any; each op whose
 # result is cast below is declared `-> Tensor` by its schema (csrc/*.cpp, or oneDNN's).
+
+
+# The `--quantization` schemes a weight can be stored in; the 4-bit ones share one kernel
+# (Q4_0 is Q4_1's arithmetic with m = -8 d).
+QUANTIZED = ("int8", "w8a8", "q4_0", "q4_1", "q8_0")
+FOUR_BIT = ("q4_0", "q4_1")
 
 
 @dataclass(frozen=True)
@@ -41,9 +48,9 @@ class PackedWeight:
     backend: str  # "rankcast", "onednn", or "torch" (quantized weights only)
     out_features: int
     scales: torch.Tensor | None = None
-    quantization: str = "none"  # "none", "int8" (weight-only), "w8a8", "q4_1" or "q8_0"
+    quantization: str = "none"  # "none", "int8" (weight-only), "w8a8", "q4_0", "q4_1", "q8_0"
     # Group schemes on the torch path, beside `tensor`'s q [out, in32]: (d, m) float16 [out,
-    # groups] for q4_1, (d,) for q8_0.
+    # groups] for q4_0 and q4_1, (d,) for q8_0.
     groups: tuple[torch.Tensor, ...] | None = None
 
 
@@ -62,10 +69,11 @@ def pack_linear_weight(
     With `quantization` "int8" (weight-only) or "w8a8" the weight is quantized per output
     channel (`quantize_int8_weight`) and packed for csrc/gemm.cpp or csrc/gemm_w8a8.cpp
     ("rankcast"), or kept as plain int8 for the references below ("torch": CUDA, or the kernels
-    not built); "q4_1" in 4-bit groups (`quantize_q4_1_weight`) for csrc/gemm_q4.cpp, "q8_0"
+    not built); "q4_1" and "q4_0" in 4-bit groups (`quantize_q4_1_weight`,
+    `quantize_q4_0_weight`: Q4_0 as Q4_1 with m = -8 d) for csrc/gemm_q4.cpp, "q8_0"
     in 8-bit groups (`quantize_q8_0_weight`) for csrc/gemm_q8.cpp.
     """
-    if quantization in ("int8", "w8a8", "q4_1", "q8_0"):
+    if quantization in QUANTIZED:
         return _pack_quantized(weight, kernel, quantization)
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r}")
@@ -90,12 +98,13 @@ def _pack_quantized(weight: torch.Tensor, kernel: str, quantization: str) -> Pac
     if kernel not in ("rankcast", "torch"):
         raise ValueError(f"{quantization} weights run on rankcast's kernel or torch, not {kernel}")
     out = weight.shape[0]
-    if quantization == "q4_1":
-        values, d, m = quantize_q4_1_weight(weight)
+    if quantization in FOUR_BIT:
+        quantize = quantize_q4_0_weight if quantization == "q4_0" else quantize_q4_1_weight
+        values, d, m = quantize(weight)
         if kernel == "torch":
-            return PackedWeight(values, "torch", out, quantization="q4_1", groups=(d, m))
+            return PackedWeight(values, "torch", out, quantization=quantization, groups=(d, m))
         packed = torch.ops.rankcast.pack_q4_weight(values, d, m)
-        return PackedWeight(packed, "rankcast", out, quantization="q4_1")
+        return PackedWeight(packed, "rankcast", out, quantization=quantization)
     if quantization == "q8_0":
         q8_values, q8_d = quantize_q8_0_weight(weight)
         if kernel == "torch":
@@ -114,7 +123,7 @@ def _pack_quantized(weight: torch.Tensor, kernel: str, quantization: str) -> Pac
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] times a packed weight (+ bias)."""
-    if weight.quantization == "q4_1":
+    if weight.quantization in FOUR_BIT:
         if weight.groups is not None:
             d, m = weight.groups
             return q4_1_linear_reference(x, weight.tensor, d, m, bias, exact=False)

@@ -54,6 +54,25 @@ def quantize_q4_1_weight(
     return values.to(torch.uint8).view(out, padded), scale.half(), low.half()
 
 
+def quantize_q4_0_weight(
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_0 of a [out, in] weight, as Q4_1's arithmetic takes it: groups of 32,
+    w ~= d * (q - 8) with q in 0..15 and d = (the group's element of largest |w|) / -8, so
+    (q as uint8 [out, in32], d and m = -8 d as float16 [out, in32 / 32]), m exact. A weight that
+    came from a Q4_0 GGUF gives back that file's values: its largest |w| is its q = 0 element,
+    -8 d exactly; so a Q4_0 file runs through csrc/gemm_q4.cpp as it is."""
+    out, k = weight.shape
+    padded = -(-k // Q4_GROUP) * Q4_GROUP
+    w = F.pad(weight.float(), (0, padded - k)).view(out, padded // Q4_GROUP, Q4_GROUP)
+    index = w.abs().argmax(dim=2, keepdim=True)  # the first of equals, as llama.cpp takes it
+    scale = w.gather(2, index) / -8
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    values = torch.floor(w * inverse + 8.5).clamp_(0, 15)  # llama.cpp: (int8)(x * id + 8.5)
+    d = scale[..., 0].half()
+    return values.to(torch.uint8).view(out, padded), d, (d.float() * -8).half()
+
+
 def quantize_q8_0_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp's Q8_0 of a [out, in] weight: groups of 32 along `in` (zero-padded to whole
     groups), each w ~= d * q with q in -127..127 and d the group's max |w| / 127; (q as int8

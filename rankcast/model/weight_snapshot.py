@@ -44,13 +44,19 @@ from rankcast.process import abandoned_staging, staging_name
 logger = logging.getLogger(__name__)
 
 # Bump when what a snapshot holds, or how it is named, changes.
-SNAPSHOT_FORMAT = 2
+SNAPSHOT_FORMAT = 3  # 3: a 4-bit model's LM head is q8_0 (was int8)
 _PACKED = "packed:"
 _SCALES = "scales:"  # int8 weights' per-channel scales
 _PARAM = "param:"
 # What quantized weights are packed as (csrc/gemm.cpp's int8, csrc/gemm_w8a8.cpp's offset bytes).
-_PACKED_DTYPES = {"int8": torch.int8, "w8a8": torch.uint8, "q4_1": torch.uint8, "q8_0": torch.int8}
-_SCALED = ("int8", "w8a8")  # schemes whose scales are a tensor of their own (q4_1/q8_0: inside)
+_PACKED_DTYPES = {
+    "int8": torch.int8,
+    "w8a8": torch.uint8,
+    "q4_0": torch.uint8,
+    "q4_1": torch.uint8,
+    "q8_0": torch.int8,
+}
+_SCALED = ("int8", "w8a8")  # schemes whose scales are a tensor of their own (groups': inside)
 
 
 def snapshot_dir() -> Path:
@@ -75,7 +81,7 @@ class WeightSnapshot:
     source: Path  # the checkpoint directory
     identity: str  # checkpoint_identity(source) when it was made
     kernels_library: Path  # the kernel build that packed it
-    quantization: str = "none"  # "int8", "w8a8", "q4_1" or "q8_0": the linears are quantized
+    quantization: str = "none"  # one of ops.QUANTIZED: the linears are quantized
 
     @classmethod
     def for_rank(

@@ -271,12 +271,32 @@ def test_8bit_groups_are_a_q8_0_files_own_values() -> None:
     assert np.array_equal(blocks[..., 2:].copy().view(np.int8).reshape(40, 96), values.numpy())
 
 
+def test_4bit_groups_are_a_q4_0_files_own_values() -> None:
+    """The same for Q4_0 (w = d * (q - 8)), served through the Q4_1 kernel with m = -8 d."""
+    import gguf
+    import torch
+
+    from rankcast.model.quantization import quantize_q4_0_weight
+
+    Q4_0 = gguf.GGMLQuantizationType.Q4_0
+    weight = (np.random.default_rng(1).standard_normal((40, 96)) * 0.05).astype(np.float32)
+    raw = gguf.quants.quantize(weight, Q4_0)
+    values, scales, minimums = quantize_q4_0_weight(
+        torch.from_numpy(gguf.quants.dequantize(raw, Q4_0))
+    )
+    blocks = raw.reshape(40, 3, 18)  # per block of 32: float16 d, then 16 bytes of two nibbles
+    assert np.array_equal(blocks[..., :2].copy().view(np.float16)[..., 0], scales.numpy())
+    nibbles = np.concatenate([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], axis=-1)
+    assert np.array_equal(nibbles.reshape(40, 96), values.numpy())
+    assert torch.equal(minimums.float(), scales.float() * -8)
+
+
 def test_auto_quantization_serves_a_gguf_in_its_own_format(
     tmp_path: Path, embedded_gguf: Path, tiny_llama_dir: Path
 ) -> None:
     """`--quantization auto`: the embedded file's decoder projections are Q4_1, so it is served
-    as q4_1; a file of Q8_0 projections as q8_0; a file whose projections are float (or mixed),
-    and an HF directory, as "none"."""
+    as q4_1; a file of Q8_0 (Q4_0) projections as q8_0 (q4_0); a file whose projections are
+    float (or mixed), and an HF directory, as "none"."""
     import gguf
 
     from rankcast.model.gguf_convert import native_quantization
@@ -305,6 +325,16 @@ def test_auto_quantization_serves_a_gguf_in_its_own_format(
     writer.write_tensors_to_file()
     writer.close()
     assert native_quantization(q8) == "q8_0"
+    q4 = tmp_path / "q4_0.gguf"
+    writer = gguf.GGUFWriter(str(q4), "llama")
+    writer.add_block_count(1)
+    raw = gguf.quants.quantize(np.ones((32, 64), dtype=np.float32), gguf.GGMLQuantizationType.Q4_0)
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert native_quantization(q4) == "q4_0"
     source = ModelSource(tiny_llama_dir, tiny_llama_dir, "tiny")
     assert source.quantization("auto") == "none" and source.quantization("int8") == "int8"
     embedded = ModelSource(embedded_gguf, tiny_llama_dir, "smol", native_quantization="q4_1")

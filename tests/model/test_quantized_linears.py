@@ -30,7 +30,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 SCHEMES = ["int8", "w8a8"]
-ALL_SCHEMES = [*SCHEMES, "q4_1", "q8_0"]
+ALL_SCHEMES = [*SCHEMES, "q4_0", "q4_1", "q8_0"]
 
 
 def _w8a8_kernel() -> str:
@@ -130,6 +130,24 @@ def test_8bit_groups_give_back_the_values_a_q8_0_file_held() -> None:
     assert zeros.shape == (2, 64) and not zeros.any() and not zero_d.any()
 
 
+def test_q4_0_is_q4_1_arithmetic_with_its_own_values() -> None:
+    """Q4_0 groups (w = d * (q - 8)) as the 4-bit kernel takes them: m = -8 d exactly, and a
+    Q4_0 file's dequantized weights give back its q and d (llama.cpp's own encoding:
+    tests/model/test_gguf.py), so the kernel multiplies the file's weights."""
+    values, d, m = quantized.quantize_q4_0_weight(torch.randn(40, 96))
+    assert torch.equal(m.float(), d.float() * -8)
+    from_file = ((values.view(40, 3, 32).float() - 8) * d.float()[..., None]).view(40, 96)
+    again = quantized.quantize_q4_0_weight(from_file)
+    assert all(torch.equal(a, b) for a, b in zip(again, (values, d, m), strict=True))
+    weight = ops.pack_linear_weight(from_file, "torch", quantization="q4_0")
+    assert weight is not None and weight.groups is not None
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
+    rows, scale = quantized._quantize_rows_15(x, 96)  # the rows as every 4-bit path takes them
+    torch.testing.assert_close(
+        ops.packed_linear(x, weight, None), (rows * scale[:, None]) @ from_file.T
+    )
+
+
 def test_4bit_groups_give_back_the_values_a_q4_1_file_held() -> None:
     """Weights dequantized from llama.cpp's Q4_1 (the embedded SmolLM2's layers) quantize to the
     very same q, d and m: serving them this way is serving the file's own weights."""
@@ -182,7 +200,9 @@ def _q8_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> tor
 
 
 @needs_kernel
-@pytest.mark.parametrize("multiply", [_kernel, _weight_only, _q4_only, _q8_only], ids=ALL_SCHEMES)
+@pytest.mark.parametrize(
+    "multiply", [_kernel, _weight_only, _q4_only, _q8_only], ids=["w8a8", "int8", "q4_1", "q8_0"]
+)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(multiply) -> None:
     _, values, scales = _quantized(80, 200, seed=7)
     batch = torch.randn(40, 200, generator=torch.Generator().manual_seed(8)).bfloat16()
@@ -240,7 +260,7 @@ def test_the_torch_path_is_the_reference(scheme: str) -> None:
     torch.testing.assert_close(fast, quantized.w8a8_linear_reference(x, values, scales, None))
     weight = ops.pack_linear_weight(torch.randn(64, 300), "torch", quantization=scheme)
     assert weight is not None and weight.backend == "torch"
-    if scheme == "q4_1":
+    if scheme in ("q4_0", "q4_1"):
         assert weight.groups is not None and weight.tensor.dtype == torch.uint8
         want = quantized.q4_1_linear_reference(x, weight.tensor, *weight.groups, None)
     elif scheme == "q8_0":
@@ -303,8 +323,8 @@ def test_a_quantized_model_stays_close_to_the_float_one(tmp_path: Path, dtype, s
     random Gaussian weights would be 16 % off; the real model's cost is the perplexity in
     bench/perplexity.py). 8-bit groups quantize the random weights themselves, head included."""
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=256, seed=3, tie_word_embeddings=False)
-    if scheme == "q4_1":
-        _as_if_from_a_q4_1_file(model_dir)
+    if scheme in ("q4_0", "q4_1"):
+        _as_if_from_a_4bit_file(model_dir, scheme)
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(0)).tolist()
     want = _logits(_runner(model_dir, dtype, "none"), prompt)
     quantized = _runner(model_dir, dtype, scheme)
@@ -319,18 +339,22 @@ def test_a_quantized_model_stays_close_to_the_float_one(tmp_path: Path, dtype, s
     )
     head = quantized.model.lm_head
     assert head is not None and head.packed_weight is not None
-    assert head.packed_weight.quantization == ("int8" if scheme == "q4_1" else scheme)
+    assert head.packed_weight.quantization == ("q8_0" if scheme in ("q4_0", "q4_1") else scheme)
 
 
-def _as_if_from_a_q4_1_file(model_dir: Path) -> None:
-    """Rewrite the checkpoint's decoder-layer projections as a Q4_1 GGUF's dequantized weights."""
+def _as_if_from_a_4bit_file(model_dir: Path, scheme: str) -> None:
+    """Rewrite the checkpoint's decoder-layer projections as a Q4_1 (or Q4_0) GGUF's
+    dequantized weights."""
     from safetensors.torch import load_file, save_file
+
+    four_bit = {"q4_0": quantized.quantize_q4_0_weight, "q4_1": quantized.quantize_q4_1_weight}
+    quantize = four_bit[scheme]
 
     for path in model_dir.glob("*.safetensors"):
         tensors = load_file(str(path))
         for name, tensor in tensors.items():
             if name.startswith("model.layers.") and name.endswith("proj.weight"):
-                values, d, m = quantized.quantize_q4_1_weight(tensor)
+                values, d, m = quantize(tensor)
                 out = tensor.shape[0]
                 rebuilt = values.view(out, -1, 32).float() * d.float()[..., None]
                 rebuilt = rebuilt + m.float()[..., None]

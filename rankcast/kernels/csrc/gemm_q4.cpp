@@ -73,7 +73,7 @@ inline float row_float(const int8_t* row, int64_t offset) {
 // acc + the four-byte dot products of unsigned w and signed a, per int32 lane.
 inline __m512i dot4(__m512i acc, __m512i w, __m512i a) {
 #if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, w, a);
+  return dpbusd(acc, w, a);
 #else
   const __m512i pairs = _mm512_maddubs_epi16(w, a);
   return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));

@@ -64,7 +64,7 @@ inline float row_scale(const int8_t* row, const Q8RowLayout& layout) {
 #if RANKCAST_SIMD_BITS == 512
 inline __m512i dot2(__m512i acc, __m512i w, __m512i a) {
 #if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, w, a);
+  return dpwssd(acc, w, a);
 #else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a));
 #endif

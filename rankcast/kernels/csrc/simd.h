@@ -79,6 +79,23 @@ inline void store16(bf16* p, Vec16 x) {
 }
 inline void store16(bf16* p, Vec16 x, int n) { _mm256_mask_storeu_epi16(p, tail_mask(n), narrow(x.v)); }
 
+#if defined(__AVX512VNNI__)
+// acc + the dot products of VPDPBUSD (unsigned bytes of w times signed bytes of a, four per
+// int32 lane) / VPDPWSSD (int16 pairs), the accumulator updated in its own register. Through
+// GCC 12's intrinsics the accumulator was not kept in the instruction's destination: each one was
+// copied in and out around every instruction, and a register tile of 24 then spilled to the
+// stack (the W8A8 tile at batch 32 ran no faster than bfloat16's, which does half the work an
+// instruction).
+inline __m512i dpbusd(__m512i acc, __m512i w, __m512i a) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
+  return acc;
+}
+inline __m512i dpwssd(__m512i acc, __m512i w, __m512i a) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
+  return acc;
+}
+#endif
+
 inline Vec16 operator+(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec16 operator-(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec16 operator*(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }

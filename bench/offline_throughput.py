@@ -16,7 +16,7 @@ rankcast's cold start (GGUF to first token, empty cache) and warm start (cached 
 of three) in fresh processes, beside vLLM's own start to first token.
 
     python bench/offline_throughput.py [--runs 3] [--no-anchor] [--no-llamacpp] [--quick]
-        [--quantizations int8,w8a8,q4_1]
+        [--quantizations int8,w8a8,q4_1,q8_0]
 """
 
 from __future__ import annotations
@@ -284,9 +284,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--quantizations",
-        default="int8,w8a8,q4_1",
+        default="int8,w8a8,q4_1,q8_0",
         help="rankcast's quantized rows, each under bfloat16 and float32 activations: comma "
-        "list of --quantization values (int8, w8a8, q4_1), or none",
+        "list of --quantization values (int8, w8a8, q4_0, q4_1, q8_0), or none",
     )
     parser.add_argument(
         "--no-bandwidth", action="store_true", help="skip the memory-bandwidth probe"

@@ -118,6 +118,34 @@ def test_both_kernels_equal_their_torch_references(
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_rows_round_half_to_even_as_the_references_do(dtype: torch.dtype) -> None:
+    """Activations that land exactly half-way between integers (the row's largest element set so
+    that its scale is 1) round to even in every integer kernel, as torch.round does in the
+    references: the vectorized row quantization (csrc/quantize_rows.h) keeps the scalar
+    definition. Weights chosen so that every later step is exact: the results are equal. (The
+    15-bit kernels' scale-1 row needs 16383, which bfloat16 cannot hold: float32 rows only.)"""
+    halves = torch.tensor([2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 6.5, -7.5] * 8)
+    gen = torch.Generator().manual_seed(3)
+    for top in (127.0, 16383.0):  # the W8A8 and the 15-bit group kernels' largest integer
+        if top == 16383.0 and dtype == torch.bfloat16:
+            continue
+        x = torch.cat([torch.tensor([top]), halves[: 64 - 1]]).view(1, 64).to(dtype)
+        if top == 127.0:
+            values = torch.randint(-127, 128, (16, 64), generator=gen, dtype=torch.int8)
+            scales = torch.ones(16)
+            want = quantized.w8a8_linear_reference(x, values, scales, None)
+            assert torch.equal(_kernel(x, values, scales), want)
+            continue
+        q8 = torch.randint(-3, 4, (16, 64), generator=gen).float()  # float32 sums stay exact
+        q8[:, 0], q8[:, 32] = 127.0, -127.0  # every group's scale is exactly 1
+        values, d = quantized.quantize_q8_0_weight(q8)
+        assert bool((d == 1).all())
+        got, want = _q8(x, q8)
+        assert torch.equal(got, want)
+
+
 def test_8bit_groups_give_back_the_values_a_q8_0_file_held() -> None:
     """Weights dequantized from llama.cpp's Q8_0 (each group's largest |q| is 127, d float16)
     quantize to the very same q and d."""

@@ -29,7 +29,7 @@ BATCH_PROMPTS = [
 @pytest.mark.parametrize("quantization", ["none", "auto"])
 def test_default_model_answers_paris(quantization: str) -> None:
     """What `make serve` does: the embedded model, default precision, a chat question; with
-    `--quantization auto` (what `make serve` passes) its own 4-bit layers."""
+    `--quantization auto` (what `make serve` passes) its own 4-bit layers and Q8_0 head."""
     with LLM(kv_cache_space_gib=0.25, quantization=quantization) as llm:
         out = llm.chat(
             [{"role": "user", "content": "What is the capital of France?"}],
@@ -41,7 +41,7 @@ def test_default_model_answers_paris(quantization: str) -> None:
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
     if quantization == "auto" and head is not None:  # packed where the kernels are built
-        assert (layer.quantization, head.quantization) == ("q4_1", "int8")
+        assert (layer.quantization, head.quantization) == ("q4_1", "q8_0")
 
 
 GREEDY_40 = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

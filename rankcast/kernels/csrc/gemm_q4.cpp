@@ -80,51 +80,91 @@ inline __m512i dot4(__m512i acc, __m512i w, __m512i a) {
 #endif
 }
 
-// MR rows x NR panels, a panel at a time: per group its 8 quads of weights are unpacked once
-// (8 zmm) and every row runs its hi pass, a shift, its lo pass, then the group's float terms.
+// R rows x NR panels over every group: per quad of k, the NR panels' 4-bit weights are unpacked
+// once and each row's four bytes broadcast once for all of them (a panel at a time broadcast
+// them NR times, and batches paid for it). Per group a row runs its hi pass, a shift, its lo
+// pass, then the group's float terms: the same integers and float operations in the same order
+// as ever. Registers: R x NR int and float sums, NR weights, a broadcast, the nibble mask: R <= 4.
+template <int R, int NR>
+__attribute__((always_inline)) inline void rows_q4(const int8_t* a, int64_t lda, const uint8_t* b,
+                                                   int64_t panel_elems, int64_t groups,
+                                                   __m512 (&acc)[R][NR], bool prefetch,
+                                                   const NextGroup& next, int per_step) {
+  const RowLayout layout{groups * kQ4Group, groups};
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    if (next.count > 0) prefetch_next(next, g, per_step);
+    const uint8_t* record[NR];
+    for (int j = 0; j < NR; ++j) {
+      record[j] = b + j * panel_elems + g * kQ4GroupBytes;
+      if (prefetch)
+        for (int64_t line = 0; line < kQ4GroupBytes; line += 64) prefetch_ahead(record[j] + line);
+    }
+    __m512i sum[R][NR];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < NR; ++j) sum[i][j] = _mm512_setzero_si512();
+    for (int pass = 0; pass < 2; ++pass) {  // the rows' high bytes, then their low bytes
+      if (pass == 1)
+        for (int i = 0; i < R; ++i)
+          for (int j = 0; j < NR; ++j) sum[i][j] = _mm512_slli_epi32(sum[i][j], 7);
+      const int64_t bytes = (pass == 0 ? layout.hi() : layout.lo()) + g * kQ4Group;
+      for (int q = 0; q < 8; ++q) {
+        __m512i w[NR];
+        for (int j = 0; j < NR; ++j) {
+          const __m512i v = _mm512_loadu_si512(record[j] + 64 + 64 * (q / 2));
+          w[j] = _mm512_and_si512(q % 2 == 0 ? v : _mm512_srli_epi16(v, 4), nibble);
+        }
+        for (int i = 0; i < R; ++i) {
+          const __m512i av = _mm512_set1_epi32(four_bytes(a + i * lda + bytes + 4 * q));
+          for (int j = 0; j < NR; ++j) sum[i][j] = dot4(sum[i][j], w[j], av);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m512 d =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record[j])));
+      const __m512 m =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record[j] + 32)));
+      for (int i = 0; i < R; ++i) {
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][j]), d, acc[i][j]);
+        const float group_sum = row_float(a + i * lda, layout.sums() + 4 * g);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(group_sum), m, acc[i][j]);
+      }
+    }
+  }
+}
+
+// MR rows x NR panels in sub-tiles of at most 4 rows (the first reads ahead and prefetches the
+// next column group; the others find the weights in cache).
 template <int MR, int NR, bool Next, typename Out>
 inline void tile_q4(const int8_t* a, int64_t lda, const uint8_t* b, int64_t panel_elems,
                     int64_t groups, Out* c, int64_t ldc, const BiasEpilogue& epi, int last_cols,
                     bool prefetch, NextGroup next) {
   const RowLayout layout{groups * kQ4Group, groups};
-  const int per_step = lines_per_step(next, groups * NR);
-  const __m512i nibble = _mm512_set1_epi8(15);
-  for (int j = 0; j < NR; ++j) {
-    const uint8_t* panel = b + j * panel_elems;
-    __m512 acc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      if constexpr (Next) prefetch_next(next, j * groups + g, per_step);
-      const uint8_t* record = panel + g * kQ4GroupBytes;
-      if (prefetch)
-        for (int64_t line = 0; line < kQ4GroupBytes; line += 64) prefetch_ahead(record + line);
-      __m512i w[8];
-      for (int t = 0; t < 4; ++t) {
-        const __m512i v = _mm512_loadu_si512(record + 64 + 64 * t);
-        w[2 * t] = _mm512_and_si512(v, nibble);
-        w[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  const int per_step = lines_per_step(next, groups);
+  constexpr int kSub = 4;
+  for (int r = 0; r < MR; r += kSub) {
+    const NextGroup lead = r == 0 && Next ? next : NextGroup{};
+    const bool ahead = prefetch && r == 0;
+    auto finish = [&](auto& acc, int rows) {
+      for (int i = 0; i < rows; ++i) {
+        const __m512 scale = _mm512_set1_ps(row_float(a + (r + i) * lda, layout.scale()));
+        for (int j = 0; j < NR; ++j)
+          epi.store(c + (r + i) * ldc + j * kPanel, Vec16{_mm512_mul_ps(acc[i][j], scale)}, r + i,
+                    j, j == NR - 1 ? last_cols : kPanel);
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record)));
-      const __m512 m =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 32)));
-      for (int i = 0; i < MR; ++i) {
-        const int8_t* row = a + i * lda;
-        const int8_t* hi = row + layout.hi() + g * kQ4Group;
-        const int8_t* lo = row + layout.lo() + g * kQ4Group;
-        __m512i sum = _mm512_setzero_si512();
-        for (int q = 0; q < 8; ++q) sum = dot4(sum, w[q], _mm512_set1_epi32(four_bytes(hi + 4 * q)));
-        sum = _mm512_slli_epi32(sum, 7);
-        for (int q = 0; q < 8; ++q) sum = dot4(sum, w[q], _mm512_set1_epi32(four_bytes(lo + 4 * q)));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, acc[i]);
-        const float group_sum = row_float(row, layout.sums() + 4 * g);
-        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(group_sum), m, acc[i]);
-      }
-    }
-    const int cols = j == NR - 1 ? last_cols : kPanel;
-    for (int i = 0; i < MR; ++i) {
-      const float scale = row_float(a + i * lda, layout.scale());
-      epi.store(c + i * ldc + j * kPanel, Vec16{_mm512_mul_ps(acc[i], _mm512_set1_ps(scale))}, i, j,
-                cols);
+    };
+    constexpr int kLeft = MR % kSub == 0 ? kSub : MR % kSub;
+    if (r + kSub <= MR) {
+      __m512 acc[kSub][NR];
+      rows_q4<kSub, NR>(a + r * lda, lda, b, panel_elems, groups, acc, ahead, lead, per_step);
+      finish(acc, kSub);
+    } else {
+      __m512 acc[kLeft][NR];
+      rows_q4<kLeft, NR>(a + r * lda, lda, b, panel_elems, groups, acc, ahead, lead, per_step);
+      finish(acc, kLeft);
     }
   }
 }

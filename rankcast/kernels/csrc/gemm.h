@@ -78,6 +78,39 @@ struct BiasEpilogue {
   }
 };
 
+#if RANKCAST_SIMD_BITS == 512
+// The group kernels' register tile (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): MR rows in sub-tiles of
+// at most 4, each over all NR panels of the column group, so that a row's integers are broadcast
+// once for every panel (one float32 sum per row and panel, and one int32 per group: 2 x 4 x 3 of
+// the 32 registers). `rows.template operator()<R>(a, acc, read_ahead, next)` fills a sub-tile's
+// sums; the first sub-tile reads ahead and prefetches the next column group, the others find the
+// weights in cache. Each row's sums are then multiplied by `row_scale(row)` and stored.
+template <int MR, int NR, typename Rows, typename RowScale, typename Out>
+inline void group_sub_tiles(const Rows& rows, const RowScale& row_scale, const int8_t* a,
+                            int64_t lda, Out* c, int64_t ldc, const BiasEpilogue& epi,
+                            int last_cols, bool prefetch, NextGroup next) {
+  constexpr int kSub = 4;
+  for (int r = 0; r < MR; r += kSub) {
+    auto run = [&]<int R>() {
+      __m512 acc[R][NR];
+      rows.template operator()<R>(a + r * lda, acc, prefetch && r == 0,
+                                  r == 0 ? next : NextGroup{});
+      for (int i = 0; i < R; ++i) {
+        const __m512 scale = _mm512_set1_ps(row_scale(a + (r + i) * lda));
+        for (int j = 0; j < NR; ++j)
+          epi.store(c + (r + i) * ldc + j * kPanel, Vec16{_mm512_mul_ps(acc[i][j], scale)}, r + i,
+                    j, j == NR - 1 ? last_cols : kPanel);
+      }
+    };
+    if (r + kSub <= MR) {
+      run.template operator()<kSub>();
+    } else {
+      run.template operator()<(MR % kSub == 0 ? kSub : MR % kSub)>();
+    }
+  }
+}
+#endif
+
 // Dispatch a tile of `rows` (1..kRows) x `panels` (1..kPanels) to its fixed-size instance, with
 // or without the next group's prefetch compiled in (a memory-bound tile loses to the extra check).
 // `Family` names the rows' type (In), the packed weight's (W), the output's (Out), the epilogue

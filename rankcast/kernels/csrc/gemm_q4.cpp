@@ -136,37 +136,19 @@ __attribute__((always_inline)) inline void rows_q4(const int8_t* a, int64_t lda,
   }
 }
 
-// MR rows x NR panels in sub-tiles of at most 4 rows (the first reads ahead and prefetches the
-// next column group; the others find the weights in cache).
+// MR rows x NR panels: `rows_q4` in the group kernels' sub-tiles (gemm.h).
 template <int MR, int NR, bool Next, typename Out>
 inline void tile_q4(const int8_t* a, int64_t lda, const uint8_t* b, int64_t panel_elems,
                     int64_t groups, Out* c, int64_t ldc, const BiasEpilogue& epi, int last_cols,
                     bool prefetch, NextGroup next) {
   const RowLayout layout{groups * kQ4Group, groups};
   const int per_step = lines_per_step(next, groups);
-  constexpr int kSub = 4;
-  for (int r = 0; r < MR; r += kSub) {
-    const NextGroup lead = r == 0 && Next ? next : NextGroup{};
-    const bool ahead = prefetch && r == 0;
-    auto finish = [&](auto& acc, int rows) {
-      for (int i = 0; i < rows; ++i) {
-        const __m512 scale = _mm512_set1_ps(row_float(a + (r + i) * lda, layout.scale()));
-        for (int j = 0; j < NR; ++j)
-          epi.store(c + (r + i) * ldc + j * kPanel, Vec16{_mm512_mul_ps(acc[i][j], scale)}, r + i,
-                    j, j == NR - 1 ? last_cols : kPanel);
-      }
-    };
-    constexpr int kLeft = MR % kSub == 0 ? kSub : MR % kSub;
-    if (r + kSub <= MR) {
-      __m512 acc[kSub][NR];
-      rows_q4<kSub, NR>(a + r * lda, lda, b, panel_elems, groups, acc, ahead, lead, per_step);
-      finish(acc, kSub);
-    } else {
-      __m512 acc[kLeft][NR];
-      rows_q4<kLeft, NR>(a + r * lda, lda, b, panel_elems, groups, acc, ahead, lead, per_step);
-      finish(acc, kLeft);
-    }
-  }
+  const auto rows = [&]<int R>(const int8_t* rows_a, __m512 (&acc)[R][NR], bool ahead,
+                               const NextGroup& lead) {
+    rows_q4<R, NR>(rows_a, lda, b, panel_elems, groups, acc, ahead, lead, per_step);
+  };
+  const auto scale = [&](const int8_t* row) { return row_float(row, layout.scale()); };
+  group_sub_tiles<MR, NR>(rows, scale, a, lda, c, ldc, epi, last_cols, prefetch, next);
 }
 
 #else

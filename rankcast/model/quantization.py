@@ -33,7 +33,14 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, amax / 127
 
 
-Q4_GROUP = 32  # k per 4-bit group (llama.cpp's Q4_1 block)
+GROUP = 32  # k per group of the group schemes (llama.cpp's Q4_0, Q4_1 and Q8_0 blocks)
+
+
+def _groups(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight as float32 groups [out, in32 / 32, 32], zero-padded to whole groups."""
+    out, k = weight.shape
+    padded = -(-k // GROUP) * GROUP
+    return F.pad(weight.float(), (0, padded - k)).view(out, padded // GROUP, GROUP)
 
 
 def quantize_q4_1_weight(
@@ -44,14 +51,12 @@ def quantize_q4_1_weight(
     (q as uint8 [out, in32], d and m as float16 [out, in32 / 32]). A weight that came from a
     Q4_1 GGUF (the embedded SmolLM2) gives back that file's values: its groups hold q = 0 and
     q = 15, so the minimum and range are the file's m and 15 d."""
-    out, k = weight.shape
-    padded = -(-k // Q4_GROUP) * Q4_GROUP
-    w = F.pad(weight.float(), (0, padded - k)).view(out, padded // Q4_GROUP, Q4_GROUP)
+    w = _groups(weight)
     low, high = w.amin(dim=2), w.amax(dim=2)
     scale = (high - low) / 15
     inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
     values = torch.floor((w - low[..., None]) * inverse[..., None] + 0.5).clamp_(0, 15)
-    return values.to(torch.uint8).view(out, padded), scale.half(), low.half()
+    return values.to(torch.uint8).flatten(1), scale.half(), low.half()
 
 
 def quantize_q4_0_weight(
@@ -62,15 +67,13 @@ def quantize_q4_0_weight(
     (q as uint8 [out, in32], d and m = -8 d as float16 [out, in32 / 32]), m exact. A weight that
     came from a Q4_0 GGUF gives back that file's values: its largest |w| is its q = 0 element,
     -8 d exactly; so a Q4_0 file runs through csrc/gemm_q4.cpp as it is."""
-    out, k = weight.shape
-    padded = -(-k // Q4_GROUP) * Q4_GROUP
-    w = F.pad(weight.float(), (0, padded - k)).view(out, padded // Q4_GROUP, Q4_GROUP)
+    w = _groups(weight)
     index = w.abs().argmax(dim=2, keepdim=True)  # the first of equals, as llama.cpp takes it
     scale = w.gather(2, index) / -8
     inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
     values = torch.floor(w * inverse + 8.5).clamp_(0, 15)  # llama.cpp: (int8)(x * id + 8.5)
     d = scale[..., 0].half()
-    return values.to(torch.uint8).view(out, padded), d, (d.float() * -8).half()
+    return values.to(torch.uint8).flatten(1), d, (d.float() * -8).half()
 
 
 def quantize_q8_0_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,13 +82,11 @@ def quantize_q8_0_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     [out, in32], d as float16 [out, in32 / 32]). q is rounded against the float16 d, so a
     weight that came from a Q8_0 GGUF (every group holds a q of +-127, d * q exact in float32)
     gives back that file's values."""
-    out, k = weight.shape
-    padded = -(-k // Q4_GROUP) * Q4_GROUP
-    w = F.pad(weight.float(), (0, padded - k)).view(out, padded // Q4_GROUP, Q4_GROUP)
+    w = _groups(weight)
     scale = (w.abs().amax(dim=2) / 127).half()
     d = scale.float()[..., None]
     values = torch.where(d != 0, torch.round(w / torch.where(d != 0, d, 1.0)), 0.0)
-    return values.clamp_(-127, 127).to(torch.int8).view(out, padded), scale
+    return values.clamp_(-127, 127).to(torch.int8).flatten(1), scale
 
 
 def _quantize_rows_15(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +112,8 @@ def q8_0_linear_reference(
     out, padded = values.shape
     rows, row_scales = _quantize_rows_15(x, padded)
     accumulate = torch.float64 if exact else torch.float32
-    grouped = rows.view(x.shape[0], -1, Q4_GROUP).to(accumulate)
-    products = torch.einsum("rgk,ogk->rog", grouped, values.view(out, -1, Q4_GROUP).to(accumulate))
+    grouped = rows.view(x.shape[0], -1, GROUP).to(accumulate)
+    products = torch.einsum("rgk,ogk->rog", grouped, values.view(out, -1, GROUP).to(accumulate))
     y = ((products * scales.to(accumulate)).sum(dim=2) * row_scales.to(accumulate)[:, None]).float()
     if bias is not None:
         y = y + bias.float()
@@ -134,9 +135,9 @@ def q4_1_linear_reference(
     built) sums in float32 rather than float64."""
     out, padded = values.shape
     flat, row_scales = _quantize_rows_15(x, padded)
-    rows = flat.view(x.shape[0], -1, Q4_GROUP)
+    rows = flat.view(x.shape[0], -1, GROUP)
     accumulate = torch.float64 if exact else torch.float32
-    q = values.view(out, -1, Q4_GROUP).to(accumulate)
+    q = values.view(out, -1, GROUP).to(accumulate)
     products = torch.einsum("rgk,ogk->rog", rows.to(accumulate), q)  # [rows, out, groups]
     terms = products * scales.to(accumulate) + rows.sum(dim=2).to(accumulate)[:, None, :] * (
         minimums.to(accumulate)

@@ -1,8 +1,8 @@
 // Linear layers with 8-bit weights in groups of 32 k, llama.cpp's Q8_0 arithmetic: each weight is
 // w = d * q with q in -127..127 and a float16 scale d per output column and group.
 //
-// Why: Q8_0 is the GGUF type people pick when 4 bits cost too much quality, and the one llama.cpp
-// is fastest with on a single stream here. Served as it is, a Q8_0 file's weights are its own
+// Why: Q8_0 is the GGUF type people pick when 4 bits cost too much quality (and often llama.cpp's
+// fastest single stream on these CPUs). Served as it is, a Q8_0 file's weights are its own
 // values (quantizing the converted weights finds them again: rankcast/model/quantization.py
 // `quantize_q8_0_weight`), at 1.06 bytes a weight; a per-channel int8 requantization (`int8`)
 // would round them a second time.
@@ -32,7 +32,7 @@ namespace rankcast {
 
 namespace {
 constexpr int64_t kQ8Group = 32;
-constexpr int64_t kQ8Steps = kQ8Group / 2;                   // pairs of k per group
+constexpr int64_t kQ8Steps = kQ8Group / 2;                 // pairs of k per group
 constexpr int64_t kQ8GroupBytes = 2 * 16 + 16 * kQ8Group;  // d, then 16 columns x 32 k
 }  // namespace
 

@@ -465,7 +465,8 @@ def main() -> None:
         "--quantization",
         default="none",
         help="rankcast's weights, passed to `rankcast serve --quantization` and the offline "
-        "LLM: comma list of none, auto, int8, w8a8, q4_1 (each gets its own rows)",
+        "LLM: comma list of --quantization values (none, auto, int8, w8a8, q4_0, q4_1, q8_0; "
+        "each gets its own rows)",
     )
     parser.add_argument("--anchor-dtypes", default="bfloat16", help="comma list, or none")
     parser.add_argument(

@@ -17,6 +17,7 @@ from torch import nn
 
 from rankcast.distributed import TensorParallelGroup
 from rankcast.model import ops
+from rankcast.model.quantization import FOUR_BIT
 
 WeightLoader = Callable[..., None]
 
@@ -69,7 +70,7 @@ class PackedLinearMixin:
         SmolLM2-135M in bfloat16, 203 of the process's ~800 MB). The parameter keeps its shape,
         dtype and device (LoRA sizes its slots by them) over a single zero; where the kernel can,
         the packed copy takes over the plain one's storage instead of a buffer of its own.
-        A `quantization` scheme (ops.QUANTIZED; rankcast/model/quantization.py) stores
+        A `quantization` scheme (rankcast/model/quantization.py SCHEMES) stores
         the weight quantized; the plain weight is then released like a packed one."""
         self.packed_weight = ops.pack_linear_weight(
             weight.detach(), kernel, reuse_storage=release_plain, quantization=quantization
@@ -307,7 +308,7 @@ def layer_quantization(module: PackedLinearMixin, quantization: str) -> str:
     llama.cpp's Q4_1 files keep it (the embedded SmolLM2's is Q8_0, so its head is served as
     the file holds it): its logits are what sampling reads, and 4 bits there cost the most
     (bench/perplexity.py)."""
-    if quantization in ("q4_0", "q4_1") and isinstance(module, ParallelLMHead):
+    if quantization in FOUR_BIT and isinstance(module, ParallelLMHead):
         return "q8_0"
     return quantization
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from rankcast import kernels
+from rankcast.model.quantization import FOUR_BIT
 
 LINEAR_KERNELS = ("auto", "rankcast", "onednn", "torch")
 
@@ -184,7 +185,7 @@ def _quantized_path(
         if scheme == "w8a8" and facts.w8a8 != "none":
             why = f"int8 weights and rows (per token), exact int32 sums ({facts.w8a8})"
             return LinearPath("rankcast", True, why)
-        if scheme in ("q4_0", "q4_1") and facts.q4:
+        if scheme in FOUR_BIT and facts.q4:
             why = "4-bit groups times 15-bit rows per token, exact int32 group sums"
             return LinearPath("rankcast", True, why)
         if scheme == "q8_0" and facts.q8:

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from rankcast import kernels
 from rankcast.model.quantization import (
+    FOUR_BIT,
+    SCHEMES,
     int8_weight_reference,
     q4_1_linear_reference,
     q8_0_linear_reference,
@@ -28,12 +30,6 @@ from rankcast.model.quantization import (
 
 # `torch.ops.*` ops are looked up at run time, so mypy sees their results as Any; each op whose
 # result is cast below is declared `-> Tensor` by its schema (csrc/*.cpp, or oneDNN's).
-
-
-# The `--quantization` schemes a weight can be stored in; the 4-bit ones share one kernel
-# (Q4_0 is Q4_1's arithmetic with m = -8 d).
-QUANTIZED = ("int8", "w8a8", "q4_0", "q4_1", "q8_0")
-FOUR_BIT = ("q4_0", "q4_1")
 
 
 @dataclass(frozen=True)
@@ -73,7 +69,7 @@ def pack_linear_weight(
     `quantize_q4_0_weight`: Q4_0 as Q4_1 with m = -8 d) for csrc/gemm_q4.cpp, "q8_0"
     in 8-bit groups (`quantize_q8_0_weight`) for csrc/gemm_q8.cpp.
     """
-    if quantization in QUANTIZED:
+    if quantization in SCHEMES:
         return _pack_quantized(weight, kernel, quantization)
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r}")

@@ -33,6 +33,10 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, amax / 127
 
 
+# The schemes a linear's weight can be stored in (`--quantization` adds "none" and "auto"); the
+# 4-bit ones share one kernel (Q4_0 is Q4_1's arithmetic with m = -8 d).
+SCHEMES = ("int8", "w8a8", "q4_0", "q4_1", "q8_0")
+FOUR_BIT = ("q4_0", "q4_1")
 GROUP = 32  # k per group of the group schemes (llama.cpp's Q4_0, Q4_1 and Q8_0 blocks)
 
 
@@ -105,19 +109,9 @@ def q8_0_linear_reference(
     bias: torch.Tensor | None,
     exact: bool = True,
 ) -> torch.Tensor:
-    """x times 8-bit group weights as csrc/gemm_q8.cpp computes it, up to the order of its
-    float32 sums: each row quantized to 15-bit integers a, each group's integer sum of q * a,
-    then scale * sum over groups of d * that + bias, rounded once to x's dtype. `exact=False`
-    (the torch path where the kernels are not built) sums in float32 rather than float64."""
-    out, padded = values.shape
-    rows, row_scales = _quantize_rows_15(x, padded)
-    accumulate = torch.float64 if exact else torch.float32
-    grouped = rows.view(x.shape[0], -1, GROUP).to(accumulate)
-    products = torch.einsum("rgk,ogk->rog", grouped, values.view(out, -1, GROUP).to(accumulate))
-    y = ((products * scales.to(accumulate)).sum(dim=2) * row_scales.to(accumulate)[:, None]).float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    """x times 8-bit group weights as csrc/gemm_q8.cpp computes it: `_group_linear_reference`
+    without minimums."""
+    return _group_linear_reference(x, values, scales, None, bias, exact)
 
 
 def q4_1_linear_reference(
@@ -128,20 +122,32 @@ def q4_1_linear_reference(
     bias: torch.Tensor | None,
     exact: bool = True,
 ) -> torch.Tensor:
-    """x times 4-bit weights as csrc/gemm_q4.cpp computes it, up to the order of its float32
-    sums: each row quantized to 15-bit integers a (scale max|x| / 16383), each group's integer
-    sum of q * a and its sum of a, then scale * sum over groups of (d * that + m * sum(a)) +
-    bias, rounded once to x's dtype. `exact=False` (the torch path where the kernels are not
-    built) sums in float32 rather than float64."""
+    """x times 4-bit weights as csrc/gemm_q4.cpp computes it: `_group_linear_reference`."""
+    return _group_linear_reference(x, values, scales, minimums, bias, exact)
+
+
+def _group_linear_reference(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    minimums: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    exact: bool,
+) -> torch.Tensor:
+    """x times group weights (q [out, in32], d and m [out, in32 / 32]) as the 15-bit group
+    kernels compute it, up to the order of their float32 sums: each row quantized to 15-bit
+    integers a (scale max|x| / 16383), each group's integer sum of q * a (and, with minimums,
+    its sum of a), then scale * sum over groups of (d * that + m * sum(a)) + bias, rounded once
+    to x's dtype. `exact=False` (the torch path where the kernels are not built) sums in
+    float32 rather than float64."""
     out, padded = values.shape
     flat, row_scales = _quantize_rows_15(x, padded)
-    rows = flat.view(x.shape[0], -1, GROUP)
     accumulate = torch.float64 if exact else torch.float32
+    rows = flat.view(x.shape[0], -1, GROUP).to(accumulate)
     q = values.view(out, -1, GROUP).to(accumulate)
-    products = torch.einsum("rgk,ogk->rog", rows.to(accumulate), q)  # [rows, out, groups]
-    terms = products * scales.to(accumulate) + rows.sum(dim=2).to(accumulate)[:, None, :] * (
-        minimums.to(accumulate)
-    )
+    terms = torch.einsum("rgk,ogk->rog", rows, q) * scales.to(accumulate)  # [rows, out, groups]
+    if minimums is not None:
+        terms = terms + rows.sum(dim=2)[:, None, :] * minimums.to(accumulate)
     y = (terms.sum(dim=2) * row_scales.to(accumulate)[:, None]).float()
     if bias is not None:
         y = y + bias.float()

@@ -81,7 +81,7 @@ class WeightSnapshot:
     source: Path  # the checkpoint directory
     identity: str  # checkpoint_identity(source) when it was made
     kernels_library: Path  # the kernel build that packed it
-    quantization: str = "none"  # one of ops.QUANTIZED: the linears are quantized
+    quantization: str = "none"  # one of quantization.SCHEMES: the linears are quantized
 
     @classmethod
     def for_rank(

@@ -238,6 +238,34 @@ void packed_linear_impl(const typename Family::In* x, int64_t m, int64_t lda,
   work();
 }
 
+// The 15-bit group kernels' call (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): the rows of x (float32 or
+// bfloat16) quantized into a buffer of `row_bytes` a row by `quantize(src, begin, end, out)`, then
+// `Family<Out>`'s tiles over them into y, of x's dtype. A decode step's few rows are quantized on
+// this thread (waking the pool costs more than they do).
+template <template <typename> class Family, typename W, typename Quantize>
+void quantized_rows_linear(const at::Tensor& x, int64_t row_bytes, const Quantize& quantize,
+                           const W* packed, int64_t n, int64_t k_steps, int64_t panel_elems,
+                           const BiasEpilogue& epi, at::Tensor& y) {
+  const int64_t m = x.size(0);
+  at::Tensor rows = at::empty({m, row_bytes}, x.options().dtype(at::kChar));
+  int8_t* rows_ptr = rows.data_ptr<int8_t>();
+  const bool f32 = x.scalar_type() == at::kFloat;
+  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+    if (f32) {
+      quantize(x.data_ptr<float>(), begin, end, rows_ptr);
+    } else {
+      quantize(x.data_ptr<bf16>(), begin, end, rows_ptr);
+    }
+  });
+  if (f32) {
+    packed_linear_impl<Family<float>>(rows_ptr, m, row_bytes, packed, n, k_steps, panel_elems, epi,
+                                      y.data_ptr<float>());
+  } else {
+    packed_linear_impl<Family<bf16>>(rows_ptr, m, row_bytes, packed, n, k_steps, panel_elems, epi,
+                                     y.data_ptr<bf16>());
+  }
+}
+
 // One panel of 16 output rows of `w` ([n, k], row-major) written in the packed order: for each
 // group of `pair` consecutive k (1; 2 for VDPBF16PS and int8 pairs; 4 for VNNI), the 16 rows'
 // groups side by side. Rows past n and the last group's missing k are `fill`. Each row is read

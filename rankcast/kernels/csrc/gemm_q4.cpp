@@ -331,27 +331,12 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const at::Tensor bias_f = gemm::bias_as_float(bias, n, "q4_linear");
 #if RANKCAST_SIMD_BITS >= 256 && defined(__F16C__)
   const RowLayout layout{groups * kQ4Group, groups};
-  at::Tensor rows = at::empty({m, layout.bytes()}, x.options().dtype(at::kChar));
-  int8_t* rows_ptr = rows.data_ptr<int8_t>();
-  // A decode step's few rows on this thread (waking the pool costs more than they do).
-  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
-    if (x.scalar_type() == at::kFloat) {
-      quantize_rows_q4(x.data_ptr<float>(), x.stride(0), k, begin, end, layout, rows_ptr);
-    } else {
-      quantize_rows_q4(x.data_ptr<bf16>(), x.stride(0), k, begin, end, layout, rows_ptr);
-    }
-  });
-  const BiasEpilogue epi{gemm::float_data(bias_f)};
-  const int64_t panel_elems = packed.stride(0);
-  if (x.scalar_type() == at::kFloat) {
-    gemm::packed_linear_impl<Q4Tiles<float>>(rows_ptr, m, layout.bytes(),
-                                             packed.data_ptr<uint8_t>(), n, groups, panel_elems,
-                                             epi, y.data_ptr<float>());
-  } else {
-    gemm::packed_linear_impl<Q4Tiles<bf16>>(rows_ptr, m, layout.bytes(),
-                                            packed.data_ptr<uint8_t>(), n, groups, panel_elems,
-                                            epi, y.data_ptr<bf16>());
-  }
+  const auto quantize = [&](const auto* src, int64_t begin, int64_t end, int8_t* out) {
+    quantize_rows_q4(src, x.stride(0), k, begin, end, layout, out);
+  };
+  gemm::quantized_rows_linear<Q4Tiles>(x, layout.bytes(), quantize, packed.data_ptr<uint8_t>(), n,
+                                       groups, packed.stride(0),
+                                       BiasEpilogue{gemm::float_data(bias_f)}, y);
   return y;
 #else
   TORCH_CHECK(false, "q4_linear: this CPU build has no 4-bit kernel");

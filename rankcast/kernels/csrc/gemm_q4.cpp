@@ -248,9 +248,7 @@ void quantize_rows_q4(const T* x, int64_t ldx, int64_t k, int64_t begin, int64_t
   for (int64_t i = begin; i < end; ++i) {
     const T* src = x + i * ldx;
     int8_t* row = out + i * layout.bytes();
-    const float amax = row_abs_max(src, k);
-    const float inverse = amax > 0.0f ? static_cast<float>(kActivationMax) / amax : 0.0f;
-    const float scale = amax / static_cast<float>(kActivationMax);
+    const auto [inverse, scale] = row_scale_of(src, k, kActivationMax);
     for (int64_t g = 0; g < layout.groups; ++g) {
       Ints16 sum = zero_ints();
       for (int64_t c = g * kQ4Group; c < (g + 1) * kQ4Group; c += 16) {

@@ -210,9 +210,7 @@ void quantize_rows_q8(const T* x, int64_t ldx, int64_t k, int64_t begin, int64_t
   for (int64_t i = begin; i < end; ++i) {
     const T* src = x + i * ldx;
     int8_t* row = out + i * layout.bytes();
-    const float amax = row_abs_max(src, k);
-    const float inverse = amax > 0.0f ? static_cast<float>(kRow15Max) / amax : 0.0f;
-    const float scale = amax / static_cast<float>(kRow15Max);
+    const auto [inverse, scale] = row_scale_of(src, k, kRow15Max);
     auto* values = reinterpret_cast<int16_t*>(row);
     for (int64_t c = 0; c < layout.kp; c += 16)
       store_ints(values + c, scaled_ints(row_chunk(src, c, k), inverse, kRow15Max));

@@ -228,9 +228,8 @@ void quantize_rows(const T* x, int64_t lda, int64_t k, int64_t begin, int64_t en
                    int64_t ldq, float* scale, int32_t* offset) {
   for (int64_t i = begin; i < end; ++i) {
     const T* row = x + i * lda;
-    const float amax = row_abs_max(row, k);
-    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    scale[i] = amax / 127.0f;
+    const auto [inverse, row_scale] = row_scale_of(row, k, 127);
+    scale[i] = row_scale;
     QuantRow* out = q + i * ldq;
     Ints16 lanes = zero_ints();
     int64_t c = 0;

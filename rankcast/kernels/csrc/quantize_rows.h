@@ -119,6 +119,18 @@ inline float row_abs_max(const T* row, int64_t k) {
   for (int64_t c = 0; c < k; c += 16) m = abs_max_step(row_chunk(row, c, k), m);
   return reduce_max(m);
 }
+
+// A row's quantization to integers in [-limit, limit]: x * inverse rounds to them (`scaled_ints`),
+// and they times `scale` give the row back (limit / max|x| and max|x| / limit; 0 for a zero row).
+struct RowScale {
+  float inverse, scale;
+};
+template <typename T>
+inline RowScale row_scale_of(const T* row, int64_t k, int32_t limit) {
+  const float amax = row_abs_max(row, k);
+  const float top = static_cast<float>(limit);
+  return {amax > 0.0f ? top / amax : 0.0f, amax / top};
+}
 #endif
 
 }  // namespace rankcast

@@ -8,7 +8,10 @@ rankcast's figures as ratios to its best type.
 The anchor lives outside this repository in `$LLAMA_CPP_DIR` (default
 `~/.cache/rankcast-llamacpp`): `bin/llama-batched-bench`, `bin/llama-server`, and the embedded
 SmolLM2-135M-Instruct as `models/smol-{Q4_1,Q8_0,BF16,F32}.gguf` (the shipped Q4_1 file and the
-same weights requantized), built natively for the CPU. Where the CPU reports `amx_int8`,
+same weights requantized), built natively for the CPU. `models()` derives `smol-Q4_K_M.gguf`
+beside them with the anchor's `llama-quantize` on first use: the kind of GGUF most downloaded
+(llama.cpp's K-quant mix; on SmolLM2, whose rows are 576 wide, mostly Q5_0 with Q4_K, Q6_K and
+Q8_0 tensors), which rankcast also serves in the same run. Where the CPU reports `amx_int8`,
 llama.cpp's AMX int8 kernels have died with an illegal instruction on the quantized files, so
 those run with `--no-repack` (its AVX-512 kernels, what a user there ends up running), and every
 result says so. Without the anchor the benchmarks say so and report rankcast's figures only.
@@ -32,8 +35,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-WEIGHT_TYPES = ("Q4_1", "Q8_0", "BF16", "F32")
-QUANTIZED = frozenset({"Q4_1", "Q8_0"})
+WEIGHT_TYPES = ("Q4_1", "Q8_0", "BF16", "F32", "Q4_K_M")
+QUANTIZED = frozenset({"Q4_1", "Q8_0", "Q4_K_M"})
+# Weight types derived here from the F32 file when missing (the anchor's install makes the others).
+DERIVED = ("Q4_K_M",)
 PROMPT_TOKENS = 40  # the standard workload's prompts, chat template applied: ~40 tokens
 PARALLEL = (1, 32)
 
@@ -48,10 +53,28 @@ def binary(name: str) -> Path | None:
 
 
 def models() -> dict[str, Path]:
-    """The GGUF file of each weight type present, in WEIGHT_TYPES order."""
+    """The GGUF file of each weight type present, in WEIGHT_TYPES order; the DERIVED types are
+    made from the F32 file first where the anchor has `llama-quantize` and they are missing."""
     folder = llamacpp_dir() / "models"
     found = {t: folder / f"smol-{t}.gguf" for t in WEIGHT_TYPES}
+    quantize, source = binary("llama-quantize"), found["F32"]
+    for weight_type in DERIVED:
+        if not found[weight_type].is_file() and quantize is not None and source.is_file():
+            _derive(quantize, source, found[weight_type], weight_type)
     return {t: path for t, path in found.items() if path.is_file()}
+
+
+def _derive(quantize: Path, source: Path, target: Path, weight_type: str) -> None:
+    """`llama-quantize source target weight_type`, written under a temporary name first so an
+    interrupted run leaves no half file behind."""
+    partial = target.with_suffix(".partial")
+    command = [str(quantize), str(source), str(partial), weight_type, str(threads())]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode == 0 and partial.is_file():
+        partial.rename(target)
+    else:
+        partial.unlink(missing_ok=True)
+        print(f"llama-quantize {weight_type} failed (exit {done.returncode}); no {target.name}")
 
 
 def missing_message(tool: str = "llama-batched-bench") -> str | None:

@@ -62,11 +62,17 @@ def time_start(cache_dir: str | None) -> float:
 
 
 def bench_rankcast(
-    dtype: str, chats: list[Chat], tokens: int, runs: int, quantization: str = "none"
+    dtype: str,
+    chats: list[Chat],
+    tokens: int,
+    runs: int,
+    quantization: str = "none",
+    model: str | None = None,
 ) -> dict[str, Any]:
+    """rankcast's `LLM` on `model` (the embedded SmolLM2 when None): batch and single rates."""
     from rankcast import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
+    llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
 
@@ -79,6 +85,7 @@ def bench_rankcast(
     batch = [rate(chats) for _ in range(runs)]
     worker = llm.engine.client.core.executor.worker
     resolved = str(worker.dtype).replace("torch.", "")
+    quantization = worker.source.quantization(quantization)
     paths = linear_paths(worker.runner.model)
     read = weight_bytes_per_token(worker.runner.model)
     llm.shutdown()
@@ -289,6 +296,12 @@ def main() -> None:
         "list of --quantization values (int8, w8a8, q4_0, q4_1, q8_0), or none",
     )
     parser.add_argument(
+        "--gguf-mixes",
+        default="Q4_K_M",
+        help="llama.cpp weight types whose file (bench/llamacpp.py) rankcast also serves, with "
+        "--quantization auto in bfloat16: comma list, or none",
+    )
+    parser.add_argument(
         "--no-bandwidth", action="store_true", help="skip the memory-bandwidth probe"
     )
     parser.add_argument("--transformers", action="store_true", help="add transformers generate")
@@ -323,6 +336,13 @@ def main() -> None:
         for dtype in ("bfloat16", "float32"):
             rows[f"rankcast {quantization} ({dtype} act.)"] = bench_rankcast(
                 dtype, chats, tokens, args.runs, quantization=quantization
+            )
+    mixes = [m for m in args.gguf_mixes.split(",") if m and m != "none"]
+    files = llamacpp.models() if mixes and not args.no_llamacpp else {}
+    for mix in mixes:
+        if mix in files:
+            rows[f"rankcast {mix} file (auto)"] = bench_rankcast(
+                "bfloat16", chats, tokens, args.runs, quantization="auto", model=str(files[mix])
             )
     if args.transformers:
         for dtype in ("float32", "bfloat16"):

@@ -70,7 +70,8 @@ def rankcast_perplexity(
     from rankcast.protocol import ScheduledSequence, SchedulerOutput
     from rankcast.worker.model_runner import ModelRunner
 
-    model_dir = resolve_model(model).model_dir
+    source = resolve_model(model)
+    model_dir, quantization = source.model_dir, source.quantization(quantization)
     arch = ArchConfig.from_model_dir(model_dir)
     torch_dtype = getattr(torch, dtype)
     cpu = torch.device("cpu")
@@ -166,6 +167,15 @@ def main() -> None:
     ours = {}
     for name, dtype, quantization in WEIGHT_TYPES:
         ours[name] = rankcast_perplexity(tokens, args.ctx, dtype, quantization, args.model)
+    # The K-quant mixes llama.cpp's anchor derives from the same weights (bench/llamacpp.py),
+    # served by rankcast as `auto` takes them.
+    mixes = {} if args.no_llamacpp or args.model else llamacpp.models()
+    for mix in (m for m in llamacpp.DERIVED if m in mixes):
+        for dtype in ("float32", "bfloat16"):
+            name = f"{mix} file, none / auto ({dtype} model)"
+            exact = rankcast_perplexity(tokens, args.ctx, dtype, "none", str(mixes[mix]))
+            ours[name] = rankcast_perplexity(tokens, args.ctx, dtype, "auto", str(mixes[mix]))
+            ours[name]["perplexity_float_weights"] = exact["perplexity"]
     results["rankcast"] = ours
     theirs: dict[str, float | None] = {}
     # llama.cpp's files are the embedded model's; another model has no llama.cpp rows here.
@@ -181,6 +191,12 @@ def main() -> None:
     for name, row in ours.items():
         change = 100 * (row["perplexity"] / base - 1)
         ppl, scored = row["perplexity"], row["scored_tokens"]
+        if "perplexity_float_weights" in row:  # a file's float conversion, then `auto`
+            floats = row["perplexity_float_weights"]
+            change = 100 * (floats / base - 1)
+            shown = f"{floats:.3f} / {ppl:.3f} | {change:+.2f} / {100 * (ppl / base - 1):+.2f} %"
+            print(f"| rankcast {name} | {shown} | {scored} |")
+            continue
         print(f"| rankcast {name} | {ppl:.3f} | {change:+.2f} % | {scored} |")
     for name, value in theirs.items():
         if value is not None:

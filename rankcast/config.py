@@ -64,8 +64,8 @@ class ModelConfig:
     # Linear weights quantized at load: "int8" per output channel (weight-only: activations stay
     # in `dtype`), "w8a8" (activations quantized per token too), "q4_0" / "q4_1" / "q8_0"
     # (groups of 32 as llama.cpp's Q4_0 / Q4_1 / Q8_0); "auto": the format a GGUF file stores
-    # its layers in, where rankcast has it (one of those three), else "none"; "none": weights
-    # in `dtype`.
+    # its layers in, where rankcast has it (one of those three), "q8_0" for other quantized
+    # files (K-quant mixes), "none" for float ones; "none": weights in `dtype`.
     quantization: str = "none"
     max_model_len: int | None = None
     served_model_name: str | None = None

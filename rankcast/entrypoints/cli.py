@@ -170,7 +170,8 @@ FLAGS: tuple[Flag, ...] = (
         "bfloat16's bytes per token); w8a8: activations quantized per token as well; q4_1: "
         "4-bit groups of 32 as llama.cpp's Q4_1 (the embedded model's own format); q4_0, q8_0: "
         "llama.cpp's Q4_0 and Q8_0; auto: "
-        "a GGUF file's own format where rankcast multiplies it (docs/quantization.md)",
+        "a GGUF file's own format where rankcast multiplies it, 8-bit groups for other "
+        "quantized files such as K-quant mixes (docs/quantization.md)",
         choices=QUANTIZATIONS,
     ),
     Flag(

@@ -317,19 +317,26 @@ def open_gguf(path: Path) -> Any:
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # GGUF tensor types rankcast multiplies as they are stored (`--quantization` of the same name).
 _NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
 def native_quantization(path: Path) -> str:
     """The `--quantization` that serves a GGUF file's own weights: "q4_1" where every decoder
     projection is stored as Q4_1 (the embedded SmolLM2), "q4_0" / "q8_0" where every one is
-    Q4_0 / Q8_0, "none" otherwise (its converted float32 weights, in the engine's dtype)."""
+    Q4_0 / Q8_0; "q8_0" too for any other file whose projections are all quantized (the
+    K-quant mixes, Q5_0, Q5_1, Q6_K, ...: its Q8_0, Q5_0 and Q4_0 tensors keep their very
+    integers, `quantize_q8_0_weight`, and the others are rounded to 8 bits, finer than their
+    own 4 to 6, docs/quantization.md); "none" where any projection is float (its converted
+    weights, in the engine's dtype)."""
     reader = open_gguf(path)
     types = {
         tensor.tensor_type.name
         for tensor in reader.tensors
         if tensor.name.startswith("blk.") and tensor.name.split(".")[-2] in _PROJECTIONS
     }
-    return _NATIVE.get(types.pop(), "none") if len(types) == 1 else "none"
+    if not types or types & _FLOAT_TYPES:
+        return "none"
+    return _NATIVE[types.pop()] if len(types) == 1 and types <= _NATIVE.keys() else "q8_0"
 
 
 def convert_gguf(path: Path) -> Path:

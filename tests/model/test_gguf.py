@@ -12,6 +12,7 @@ import pytest
 from rankcast.model.arch import ModelFormatError
 from rankcast.model.gguf_convert import cache_key, convert_gguf, hf_tensor_name, undo_rope_permute
 from rankcast.model.source import resolve_model
+from tests.conftest import TINY_LLAMA
 from tests.model.gguf_reference import NEW_TOKENS, PROMPTS, reference_continuations
 
 
@@ -296,7 +297,7 @@ def test_auto_quantization_serves_a_gguf_in_its_own_format(
 ) -> None:
     """`--quantization auto`: the embedded file's decoder projections are Q4_1, so it is served
     as q4_1; a file of Q8_0 (Q4_0) projections as q8_0 (q4_0); a file whose projections are
-    float (or mixed), and an HF directory, as "none"."""
+    float, and an HF directory, as "none" (a mix of quantized types: the test below)."""
     import gguf
 
     from rankcast.model.gguf_convert import native_quantization
@@ -339,3 +340,119 @@ def test_auto_quantization_serves_a_gguf_in_its_own_format(
     assert source.quantization("auto") == "none" and source.quantization("int8") == "int8"
     embedded = ModelSource(embedded_gguf, tiny_llama_dir, "smol", native_quantization="q4_1")
     assert embedded.quantization("auto") == "q4_1" and embedded.quantization("none") == "none"
+
+
+def test_8bit_groups_keep_a_q5_0_or_q4_0_files_own_values() -> None:
+    """Q5_0 (w = d * (q - 16)) and Q4_0 tensors, which llama.cpp's K-quant mixes write where rows
+    are not a multiple of 256 wide (SmolLM2's 576), run through the 8-bit kernel with the file's
+    own d and integers: nothing is rounded a second time."""
+    import gguf
+    import torch
+
+    from rankcast.model.quantization import quantize_q8_0_weight
+
+    for kind, half_range, seed in (("Q5_0", 16, 2), ("Q4_0", 8, 3)):
+        weight_type = gguf.GGMLQuantizationType[kind]
+        weight = (np.random.default_rng(seed).standard_normal((40, 96)) * 0.05).astype(np.float32)
+        raw = gguf.quants.quantize(weight, weight_type)
+        from_file = gguf.quants.dequantize(raw, weight_type)
+        values, scales = quantize_q8_0_weight(torch.from_numpy(from_file))
+        file_d = raw.reshape(40, 3, -1)[..., :2].copy().view(np.float16)[..., 0]
+        assert np.array_equal(scales.numpy(), file_d), kind
+        assert int(values.abs().max()) <= half_range
+        rebuilt = values.view(40, 3, 32).float() * scales.float()[..., None]
+        assert torch.equal(rebuilt.view(40, 96), torch.from_numpy(from_file)), kind
+
+
+def _write_gguf_mix(path: Path, model_dir: Path, embedded_gguf: Path, types: dict) -> None:
+    """The tiny checkpoint in `model_dir` as a GGUF file whose tensors have `types` (by GGUF
+    tensor kind; unnamed 2-D tensors Q8_0, norms F32), with the embedded file's tokenizer.
+    Q and K are not permuted as llama.cpp would: the test compares the file with itself."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from rankcast.model.gguf_convert import open_gguf
+
+    config = json.loads((model_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(TINY_LLAMA["rope_theta"])  # type: ignore[arg-type]
+    for field in open_gguf(embedded_gguf).fields.values():
+        if field.name.startswith("tokenizer."):
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    names = {hf: gguf_name for gguf_name, hf in _gguf_names(config["num_hidden_layers"])}
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        if name not in names:
+            continue
+        array = tensor.float().numpy()
+        kind = names[name].split(".")[-2]
+        if array.ndim == 1:
+            writer.add_tensor(names[name], array)
+            continue
+        weight_type = gguf.GGMLQuantizationType[types.get(kind, "Q8_0")]
+        writer.add_tensor(
+            names[name], gguf.quants.quantize(array, weight_type), raw_dtype=weight_type
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_names(layers: int) -> list[tuple[str, str]]:
+    """(GGUF name, HF name) of every tensor of a `layers`-layer llama without an LM head."""
+    kinds = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output"]
+    kinds += ["ffn_gate", "ffn_up", "ffn_down"]
+    names = [f"blk.{i}.{kind}.weight" for i in range(layers) for kind in kinds]
+    names += ["token_embd.weight", "output_norm.weight"]
+    return [(name, str(hf_tensor_name(name))) for name in names]
+
+
+def test_a_k_quant_mix_is_served_as_8bit_groups(
+    tmp_path: Path, embedded_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of the kind llama.cpp's Q4_K_M / Q5_K_M write for SmolLM2 (Q5_0 or Q5_1 layers, Q8_0
+    value projections and embedding, another type in the down projections) is served by `auto`
+    as q8_0, end to end from the file: its logits stay within 2 % of the logit range of the same
+    file served from its float conversion, and its Q5_0 and Q8_0 weights keep the file's values
+    (the test above); a float projection anywhere makes `auto` serve the float weights."""
+    import torch
+
+    from rankcast.model.arch import ArchConfig
+    from rankcast.model.loader import load_model
+    from rankcast.protocol import ScheduledSequence, SchedulerOutput
+    from rankcast.worker.model_runner import ModelRunner
+    from tests.conftest import write_tiny_model
+
+    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = write_tiny_model(tmp_path / "hf", seed=5)
+    mix = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0"}
+    mix |= {"ffn_up": "Q5_0", "ffn_down": "Q5_1"}
+    path = tmp_path / "mix.gguf"
+    _write_gguf_mix(path, model_dir, embedded_gguf, mix)
+    source = resolve_model(str(path))
+    assert source.quantization("auto") == "q8_0"
+    arch = ArchConfig.from_model_dir(source.model_dir)
+    cpu = torch.device("cpu")
+
+    def logits(quantization: str) -> torch.Tensor:
+        model = load_model(source.model_dir, arch, torch.float32, cpu, quantization=quantization)
+        runner = ModelRunner(model, arch, 4, cpu, torch.float32)
+        runner.initialize_cache(16)
+        step = SchedulerOutput([ScheduledSequence("r", list(range(100, 131)), 0, list(range(8)))])
+        got = runner.compute_logits(step)
+        assert got is not None
+        return got.float()
+
+    want, got = logits("none"), logits("q8_0")
+    assert float((got - want).abs().max()) < 0.02 * float(want.max() - want.min())
+    float_layer = tmp_path / "float-layer.gguf"
+    _write_gguf_mix(float_layer, model_dir, embedded_gguf, {**mix, "ffn_up": "F32"})
+    assert resolve_model(str(float_layer)).quantization("auto") == "none"

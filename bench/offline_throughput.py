@@ -7,8 +7,9 @@ with int8 weights (`quantization="int8"`; --quantizations adds others) under eit
 dtype; vLLM, when installed (bench/anchor.py), runs in its own virtualenv on the float32 weights
 rankcast converts the embedded SmolLM2-135M-Instruct GGUF into, in both bfloat16 and float32;
 llama.cpp, when installed (bench/llamacpp.py), runs `llama-batched-bench` on the same weights as
-GGUF files of each weight type (Q4_1 as shipped, Q8_0, BF16, F32), its generation rate being the
-figure. Every rankcast figure is printed as a ratio to vLLM's faster dtype, to vLLM in the same
+GGUF files of each weight type (Q4_1 as shipped, Q8_0, BF16, F32, and the K-quant mix Q4_K_M),
+its generation rate being the figure, and rankcast serves the --gguf-mixes files too (`auto`,
+bfloat16). Every rankcast figure is printed as a ratio to vLLM's faster dtype, to vLLM in the same
 dtype, and to llama.cpp's fastest weight type for that column. A memory-bandwidth probe
 (bench/bandwidth.py) runs first; each single-stream figure is then also shown as the fraction of
 that bandwidth its weight reads take (bytes of weights read per token x tokens/s). Start-up:
@@ -16,7 +17,7 @@ rankcast's cold start (GGUF to first token, empty cache) and warm start (cached 
 of three) in fresh processes, beside vLLM's own start to first token.
 
     python bench/offline_throughput.py [--runs 3] [--no-anchor] [--no-llamacpp] [--quick]
-        [--quantizations int8,w8a8,q4_1,q8_0]
+        [--quantizations int8,w8a8,q4_1,q8_0] [--gguf-mixes Q4_K_M]
 """
 
 from __future__ import annotations

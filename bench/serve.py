@@ -472,8 +472,8 @@ def main() -> None:
     parser.add_argument(
         "--llamacpp-types",
         default="all",
-        help="llama-server weight types (comma list of Q4_1, Q8_0, BF16, F32; all: every "
-        "one installed; none: skip llama.cpp)",
+        help="llama-server weight types (comma list of Q4_1, Q8_0, BF16, F32, Q4_K_M; all: "
+        "every one installed; none: skip llama.cpp)",
     )
     parser.add_argument(
         "--llamacpp-levels", default="1,32", help="concurrency levels for llama-server"

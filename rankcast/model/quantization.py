@@ -85,33 +85,27 @@ def quantize_q8_0_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     groups), each w ~= d * q with q in -127..127 and d the group's max |w| / 127; (q as int8
     [out, in32], d as float16 [out, in32 / 32]). q is rounded against the float16 d, so a
     weight that came from a Q8_0 GGUF (every group holds a q of +-127, d * q exact in float32)
-    gives back that file's values. A group that already lies on a coarser symmetric grid, as
-    llama.cpp's Q5_0 (w = d * (q - 16)) and Q4_0 (w = d * (q - 8)) write them, keeps that grid's
-    d and integers, exactly: the group sums the kernel makes are then the file's own, and a
-    GGUF mixing Q8_0 and Q5_0 tensors (llama.cpp's K-quant mixes on models whose rows are not
-    a multiple of 256 wide) runs as 8-bit groups without rounding any weight again."""
+    gives back that file's values. A group that already lies on Q5_0's grid (w = d * i with i
+    in -16..15 and d its element of largest |w| over -16, as llama.cpp writes Q5_0, and so also
+    Q4_0's, whose i in -8..7 are the even ones of d / 2) keeps that grid's d and integers
+    exactly: the group sums the kernel makes are then the file's own, and a GGUF mixing Q8_0 and
+    Q5_0 tensors (llama.cpp's K-quant mixes on models whose rows are not a multiple of 256 wide)
+    runs as 8-bit groups without rounding any weight again."""
     w = _groups(weight)
-    scale = (w.abs().amax(dim=2) / 127).half()
+    low, high = torch.aminmax(w, dim=2)
+    scale = (torch.maximum(high, -low) / 127).half()
     d = scale.float()[..., None]
     values = torch.where(d != 0, torch.round(w / torch.where(d != 0, d, 1.0)), 0.0)
     values = values.clamp_(-127, 127)
-    for half_range in (16, 8):  # Q5_0's grid, then Q4_0's
-        grid, on_grid = _symmetric_grid(w, half_range)
-        scale = torch.where(on_grid, grid, scale)
-        values = torch.where(on_grid[..., None], torch.round(w / grid.float()[..., None]), values)
+    # Q5_0's grid: its extreme element is its only one at i = -16 (i = +16 does not exist).
+    grid = (torch.where(-low >= high, low, high) / -16).half()
+    step = grid.float()[..., None]
+    steps = torch.round(w / torch.where(step != 0, step, 1.0))
+    exact = (steps * step == w) & (steps >= -16) & (steps < 16)
+    on_grid = exact.all(dim=2) & (grid != 0)
+    scale = torch.where(on_grid, grid, scale)
+    values = torch.where(on_grid[..., None], steps, values)
     return values.to(torch.int8).flatten(1), scale
-
-
-def _symmetric_grid(w: torch.Tensor, half_range: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For groups [out, groups, 32]: the float16 d of llama.cpp's grid w = d * i, i in
-    -half_range..half_range - 1, whose d is the group's element of largest |w| over -half_range
-    (how Q4_0 and Q5_0 choose it), and whether every element of the group lies on it exactly."""
-    index = w.abs().argmax(dim=2, keepdim=True)
-    grid = (w.gather(2, index)[..., 0] / -half_range).half()
-    d = grid.float()[..., None]
-    steps = torch.round(w / torch.where(d != 0, d, 1.0))
-    exact = (steps * d == w) & (steps >= -half_range) & (steps < half_range)
-    return grid, exact.all(dim=2) & (grid != 0)
 
 
 def _quantize_rows_15(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -345,21 +345,21 @@ def test_auto_quantization_serves_a_gguf_in_its_own_format(
 def test_8bit_groups_keep_a_q5_0_or_q4_0_files_own_values() -> None:
     """Q5_0 (w = d * (q - 16)) and Q4_0 tensors, which llama.cpp's K-quant mixes write where rows
     are not a multiple of 256 wide (SmolLM2's 576), run through the 8-bit kernel with the file's
-    own d and integers: nothing is rounded a second time."""
+    own d and integers (Q4_0's as the even steps of d / 2): nothing is rounded a second time."""
     import gguf
     import torch
 
     from rankcast.model.quantization import quantize_q8_0_weight
 
-    for kind, half_range, seed in (("Q5_0", 16, 2), ("Q4_0", 8, 3)):
+    for kind, per_step, seed in (("Q5_0", 1, 2), ("Q4_0", 2, 3)):
         weight_type = gguf.GGMLQuantizationType[kind]
         weight = (np.random.default_rng(seed).standard_normal((40, 96)) * 0.05).astype(np.float32)
         raw = gguf.quants.quantize(weight, weight_type)
         from_file = gguf.quants.dequantize(raw, weight_type)
         values, scales = quantize_q8_0_weight(torch.from_numpy(from_file))
         file_d = raw.reshape(40, 3, -1)[..., :2].copy().view(np.float16)[..., 0]
-        assert np.array_equal(scales.numpy(), file_d), kind
-        assert int(values.abs().max()) <= half_range
+        assert np.array_equal(scales.numpy() * per_step, file_d), kind
+        assert int(values.abs().max()) <= 16 and bool((values % per_step == 0).all())
         rebuilt = values.view(40, 3, 32).float() * scales.float()[..., None]
         assert torch.equal(rebuilt.view(40, 96), torch.from_numpy(from_file)), kind
 

@@ -324,8 +324,8 @@ def native_quantization(path: Path) -> str:
     """The `--quantization` that serves a GGUF file's own weights: "q4_1" where every decoder
     projection is stored as Q4_1 (the embedded SmolLM2), "q4_0" / "q8_0" where every one is
     Q4_0 / Q8_0; "q8_0" too for any other file whose projections are all quantized (the
-    K-quant mixes, Q5_0, Q5_1, Q6_K, ...: its Q8_0, Q5_0 and Q4_0 tensors keep their very
-    integers, `quantize_q8_0_weight`, and the others are rounded to 8 bits, finer than their
+    K-quant mixes, Q5_0, Q5_1, Q6_K, ...: its Q8_0, Q5_0 and Q4_0 tensors keep their exact
+    values, `quantize_q8_0_weight`, and the others are rounded to 8 bits, finer than their
     own 4 to 6, docs/quantization.md); "none" where any projection is float (its converted
     weights, in the engine's dtype)."""
     reader = open_gguf(path)

@@ -44,7 +44,7 @@ from rankcast.process import abandoned_staging, staging_name
 logger = logging.getLogger(__name__)
 
 # Bump when what a snapshot holds, or how it is named, changes.
-SNAPSHOT_FORMAT = 3  # 3: a 4-bit model's LM head is q8_0 (was int8)
+SNAPSHOT_FORMAT = 4  # 3: a 4-bit model's LM head is q8_0 (was int8); 4: q8_0 keeps Q5_0 grids
 _PACKED = "packed:"
 _SCALES = "scales:"  # int8 weights' per-channel scales
 _PARAM = "param:"

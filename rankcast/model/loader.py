@@ -66,7 +66,7 @@ def load_model(
     it, whatever a snapshot holds (one of another path is not used). `quantization` (a
     scheme of rankcast/model/quantization.py, or "none") quantizes the linears' weights."""
     path = choose_linear_path(dtype, device, linear_kernel, quantization=quantization)
-    weights = f"{dtype}, int8 weights" if quantization == "int8" else f"{dtype}"
+    weights = f"{dtype}" if quantization == "none" else f"{dtype}, {quantization} weights"
     logger.info("%s linears run %s", weights, path.describe())
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

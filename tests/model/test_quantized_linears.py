@@ -370,6 +370,16 @@ def test_a_quantized_model_stays_close_to_the_float_one(tmp_path: Path, dtype, s
     assert head.packed_weight.quantization == ("q8_0" if scheme in ("q4_0", "q4_1") else scheme)
 
 
+@pytest.mark.parametrize("scheme", ["none", "q4_1", "q8_0"])
+def test_the_start_up_log_names_the_scheme(tmp_path: Path, scheme: str) -> None:
+    """What `auto` made of a file is visible: each rank's loader names the scheme it runs."""
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=256)
+    with captured("rankcast.model.loader") as log:
+        _runner(model_dir, torch.bfloat16, scheme)
+    assert "linears run" in log.text
+    assert (f"{scheme} weights linears run" in log.text) == (scheme != "none")
+
+
 def _as_if_from_a_4bit_file(model_dir: Path, scheme: str) -> None:
     """Rewrite the checkpoint's decoder-layer projections as a Q4_1 (or Q4_0) GGUF's
     dequantized weights."""

@@ -297,11 +297,14 @@ def serve_rankcast(
     levels: list[int],
     runs: int,
     quantization: str = "none",
+    model: Path | None = None,
 ) -> dict:
+    """`rankcast serve` (of `model`, a GGUF file, or the embedded SmolLM2) at each level."""
     from tests.entrypoints.server_process import ServerProcess
 
     started = time.perf_counter()
     server = ServerProcess(
+        *([str(model)] if model is not None else []),
         "--kv-cache-space", "1", "--max-num-seqs", "32", *quantization_args(quantization),
         api_server_count=api_servers,
     )  # fmt: skip
@@ -314,6 +317,8 @@ def serve_rankcast(
     name = f"rankcast, {api_servers} API server(s)"
     if quantization != "none":
         name += f", {quantization}"
+    if model is not None:
+        name += f", {model.name}"
     return {
         "engine": name,
         "quantization": quantization,
@@ -468,6 +473,12 @@ def main() -> None:
         "LLM: comma list of --quantization values (none, auto, int8, w8a8, q4_0, q4_1, q8_0; "
         "each gets its own rows)",
     )
+    parser.add_argument(
+        "--gguf-mixes",
+        default="none",
+        help="llama.cpp weight types whose file (bench/llamacpp.py) rankcast also serves, one "
+        "API server, --quantization auto: comma list (e.g. Q4_K_M), or none",
+    )
     parser.add_argument("--anchor-dtypes", default="bfloat16", help="comma list, or none")
     parser.add_argument(
         "--llamacpp-types",
@@ -506,6 +517,16 @@ def main() -> None:
         for q in quantizations
         for k in counts
     ]
+    mixes = [m for m in args.gguf_mixes.split(",") if m and m != "none"]
+    if mixes:
+        from bench import llamacpp
+
+        files = llamacpp.models()
+        for mix in mixes:
+            if mix not in files:
+                print(f"no llama.cpp {mix} file in {llamacpp.llamacpp_dir()}: not served")
+                continue
+            runs.append(serve_rankcast(1, prompts, tokens, levels, args.runs, "auto", files[mix]))
     rust_counts = tuple(int(k) for k in args.rust_api_server_counts.split(",") if k)
     if rust_counts and frontend_binary() is None:
         print("no current rankcast-frontend build (make rust-build): Rust fleets not measured")

@@ -72,8 +72,10 @@ def bench_rankcast(
 ) -> dict[str, Any]:
     """rankcast's `LLM` on `model` (the embedded SmolLM2 when None): batch and single rates."""
     from rankcast import LLM, SamplingParams
+    from rankcast.model.weight_snapshot import wait_for_writes
 
     llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
+    wait_for_writes()  # a first start's snapshot, written in the background, is not timed
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
 

@@ -33,8 +33,10 @@ def _chats() -> tuple[list[list[dict[str, str]]], int]:
 
 def run_layout(tp: int, pp: int, chats: list, tokens: int, result: dict | None = None) -> dict:
     from rankcast import LLM, SamplingParams
+    from rankcast.model.weight_snapshot import wait_for_writes
 
     llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_space_gib=0.5)
+    wait_for_writes()  # each rank's first-start snapshot, written in the background
     llm.chat(chats[:2], SamplingParams(temperature=0.0, max_tokens=4))
     start = time.perf_counter()
     outs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))

@@ -121,6 +121,7 @@ async def _arrival(url: str, model: str | None, questions: list[str]) -> dict[st
 def run_engine(name: str, parts: list[str], questions: list[str]) -> dict[str, Any]:
     from bench import anchor
     from rankcast.model.source import resolve_model
+    from rankcast.model.weight_snapshot import wait_for_writes
     from tests.entrypoints.server_process import ServerProcess, free_port
 
     flags = {"rankcast": [], "no-cache": ["--no-enable-prefix-caching"]}
@@ -144,6 +145,7 @@ def run_engine(name: str, parts: list[str], questions: list[str]) -> dict[str, A
             api_server_count=1,
         )
         server.wait_healthy()
+        wait_for_writes()  # the worker's first-start snapshot, written while it serves
         url, model, stop = server.url, None, server.stop
     result: dict[str, Any] = {"start_s": time.perf_counter() - started}
     try:

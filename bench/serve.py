@@ -156,8 +156,10 @@ def offline_throughput(
 ) -> float:
     """The offline `LLM` on the same 32 prompts: the median of `runs` runs."""
     from rankcast import LLM, SamplingParams
+    from rankcast.model.weight_snapshot import wait_for_writes
 
     llm = LLM(kv_cache_space_gib=1.0, quantization=quantization)
+    wait_for_writes()  # a first start's snapshot, written in the background, is not timed
     chats = [[{"role": "user", "content": p}] for p in prompts]
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))
     rates = []
@@ -176,8 +178,10 @@ def _offline_process(
     """The offline `LLM` in a process of its own, one timed run per request on `conn`: its
     rank binds this process's threads to the cores, which must not bind the client's."""
     from rankcast import LLM, SamplingParams
+    from rankcast.model.weight_snapshot import wait_for_writes
 
     llm = LLM(kv_cache_space_gib=1.0, quantization=quantization)
+    wait_for_writes()
     chats = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))
@@ -207,6 +211,7 @@ def serving_overhead(
     runs with `quantization`."""
     import multiprocessing
 
+    from rankcast.model.weight_snapshot import wait_for_writes
     from tests.entrypoints.server_process import ServerProcess
 
     spawn = multiprocessing.get_context("spawn")
@@ -228,6 +233,7 @@ def serving_overhead(
             )  # fmt: skip
         for server in servers.values():
             server.wait_healthy()
+            wait_for_writes()
             asyncio.run(run_level(server.url, prompts, tokens, 2))
 
         def measure(item: str) -> float:
@@ -300,6 +306,7 @@ def serve_rankcast(
     model: Path | None = None,
 ) -> dict:
     """`rankcast serve` (of `model`, a GGUF file, or the embedded SmolLM2) at each level."""
+    from rankcast.model.weight_snapshot import wait_for_writes
     from tests.entrypoints.server_process import ServerProcess
 
     started = time.perf_counter()
@@ -311,6 +318,7 @@ def serve_rankcast(
     try:
         server.wait_healthy()
         ready = time.perf_counter() - started
+        wait_for_writes()  # the worker's first-start snapshot, written while it serves
         rows = run_levels(server.url, prompts, tokens, levels, None, runs)
     finally:
         server.stop()

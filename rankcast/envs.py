@@ -148,6 +148,14 @@ def linear_kernel() -> str:
     return value
 
 
+def kernels_library() -> str | None:
+    """A build of rankcast's CPU kernels to load instead of the one made for this checkout's
+    sources: the path of its `rankcast_kernels.so`, so that two builds of the kernels (before
+    and after a change) can be compared in one benchmark (`bench/decode_step.py --libraries`).
+    Unset: the build for these sources and this machine."""
+    return os.environ.get("RANKCAST_KERNELS_LIBRARY", "").strip() or None
+
+
 def kernels_isa() -> str:
     """The instruction set rankcast's CPU kernels are compiled for: `native` (the default:
     everything this CPU has), or a lower level this CPU also runs, `avx512` (AVX-512 without

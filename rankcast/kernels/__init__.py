@@ -92,8 +92,16 @@ def build_dir() -> Path:
     return Path(__file__).parent / "build" / build_key()
 
 
-def library_path() -> Path:
+def built_library_path() -> Path:
+    """Where this checkout's sources are built for this machine (`python -m
+    rankcast.kernels.build`)."""
     return build_dir() / f"{LIBRARY_NAME}.so"
+
+
+def library_path() -> Path:
+    """The build this process loads: this checkout's, or RANKCAST_KERNELS_LIBRARY's."""
+    chosen = envs.kernels_library()
+    return Path(chosen) if chosen is not None else built_library_path()
 
 
 # The process's one decision (a loaded library cannot be unloaded): made by the first `load`.
@@ -129,6 +137,8 @@ def _load(mode: str) -> bool:
     if not isa_runs_here(isa):
         raise RuntimeError(f"RANKCAST_KERNELS_ISA={isa}: this CPU lacks what such a build uses")
     path = library_path()
+    if envs.kernels_library() is not None and not path.exists():
+        raise RuntimeError(f"RANKCAST_KERNELS_LIBRARY={path}: no such file")
     if not path.exists():
         message = (
             f"rankcast's CPU kernels are not built for this machine ({path}); running the "

@@ -17,7 +17,7 @@ from rankcast import envs, kernels
 
 
 def build(force: bool = False, verbose: bool = False) -> Path:
-    target = kernels.library_path()
+    target = kernels.built_library_path()
     if target.exists() and not force:
         return target
     isa = envs.kernels_isa()

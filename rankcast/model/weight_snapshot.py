@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,7 @@ SNAPSHOT_FORMAT = 4  # 3: a 4-bit model's LM head is q8_0 (was int8); 4: q8_0 ke
 _PACKED = "packed:"
 _SCALES = "scales:"  # int8 weights' per-channel scales
 _PARAM = "param:"
+_WRITER = "weight-snapshot"  # the name of the thread that writes one
 # What quantized weights are packed as (csrc/gemm.cpp's int8, csrc/gemm_w8a8.cpp's offset bytes).
 _PACKED_DTYPES = {
     "int8": torch.int8,
@@ -61,6 +63,28 @@ _SCALED = ("int8", "w8a8")  # schemes whose scales are a tensor of their own (gr
 
 def snapshot_dir() -> Path:
     return envs.cache_dir() / "snapshots"
+
+
+def writes_in_progress() -> list[Path]:
+    """Snapshots some live process (this one or another) is still writing into this cache."""
+    directory = snapshot_dir()
+    if not directory.is_dir():
+        return []
+    return [path for path in directory.iterdir() if abandoned_staging(path.name) is False]
+
+
+def wait_for_writes(timeout_s: float = 600.0) -> None:
+    """Return once no snapshot is being written, this process's or a server's: a start that
+    packed its weights writes them out in the background while it already serves (hundreds of
+    MB, seconds of disk and memory traffic), and a benchmark must time the model, not that."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread.name == _WRITER:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    while writes_in_progress():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"weight snapshots still being written: {writes_in_progress()}")
+        time.sleep(0.1)
 
 
 def checkpoint_identity(model_dir: Path) -> str:
@@ -175,9 +199,7 @@ class WeightSnapshot:
             if packed.scales is not None:
                 tensors[_SCALES + name] = packed.scales
         tensors.update({_PARAM + name: param.detach() for name, param in params.items()})
-        thread = threading.Thread(
-            target=self._write, args=(tensors,), name="weight-snapshot", daemon=False
-        )
+        thread = threading.Thread(target=self._write, args=(tensors,), name=_WRITER, daemon=False)
         thread.start()
         return thread
 

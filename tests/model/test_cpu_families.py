@@ -70,3 +70,46 @@ def test_another_familys_build_passes_the_kernel_tests_here(isa: str) -> None:
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout
+
+
+def _build_isa_loaded(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch; from rankcast import kernels; kernels.load(); "
+            "print(torch.ops.rankcast.build_isa())",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_named_kernels_build_is_loaded_instead_of_this_checkouts() -> None:
+    """RANKCAST_KERNELS_LIBRARY, with which bench/decode_step.py times two builds against each
+    other: the process loads the named build (here the AVX2 family's, which says so), and a
+    path that is not there is an error naming the setting, not a silent fallback."""
+    if not kernels.isa_runs_here("avx2"):
+        pytest.skip("this CPU cannot run an avx2 build")
+    build = subprocess.run(
+        [sys.executable, "-m", "rankcast.kernels.build"],
+        cwd=ROOT,
+        env={**os.environ, "RANKCAST_KERNELS_ISA": "avx2"},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    library = build.stdout.strip().splitlines()[-1]
+    assert Path(library).is_file(), build.stdout
+    env = {k: v for k, v in os.environ.items() if k != "RANKCAST_KERNELS_ISA"}
+    loaded = _build_isa_loaded({**env, "RANKCAST_KERNELS_LIBRARY": library})
+    assert loaded.stdout.split() == ["avx2"], loaded.stdout + loaded.stderr
+    missing = _build_isa_loaded({**env, "RANKCAST_KERNELS_LIBRARY": f"{library}.missing"})
+    assert missing.returncode != 0
+    assert (
+        "RANKCAST_KERNELS_LIBRARY" in missing.stderr and ".missing: no such file" in missing.stderr
+    )

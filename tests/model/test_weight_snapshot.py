@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,12 @@ from rankcast.model.layers import PackedLinearMixin
 from rankcast.model.linear_kernels import CpuFacts, choose_linear_path
 from rankcast.model.llama import LlamaForCausalLM
 from rankcast.model.loader import load_model
-from rankcast.model.weight_snapshot import WeightSnapshot, prune_stale_snapshots
+from rankcast.model.weight_snapshot import (
+    WeightSnapshot,
+    prune_stale_snapshots,
+    wait_for_writes,
+    writes_in_progress,
+)
 from tests.conftest import write_tiny_model
 
 CPU = torch.device("cpu")
@@ -218,9 +222,7 @@ def test_no_snapshot_when_turned_off_or_when_plain_weights_are_kept(
     model_dir = write_tiny_model(tmp_path / "m", vocab_size=250)
     _load(model_dir, keep_plain_weights=True)
     _load(model_dir, weight_snapshots=False)
-    for thread in threading.enumerate():  # a snapshot's writer would have started by now
-        if thread.name == "weight-snapshot":
-            thread.join(timeout=30)
+    wait_for_writes(timeout_s=30)  # a snapshot's writer would have started by now
     assert not cache.exists() or not any(cache.iterdir())
     assert ModelConfig().weight_snapshots
     monkeypatch.setenv("RANKCAST_WEIGHT_SNAPSHOTS", "0")
@@ -274,6 +276,24 @@ def test_pruning_removes_what_no_start_can_use(tmp_path: Path, cache: Path) -> N
     assert kept.path.exists() and live.exists()
 
 
+def test_a_benchmark_waits_for_snapshots_being_written(tmp_path: Path, cache: Path) -> None:
+    """What benchmarks wait on before they time anything: this process's writer threads, and
+    the staging files of live writers (a server's worker); a dead writer's file is no write."""
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=250)
+    _load(model_dir)
+    wait_for_writes(timeout_s=60)  # this process's writer: joined, the snapshot in place
+    assert _snapshot_of(model_dir).path.is_file() and writes_in_progress() == []
+    dead = cache / f".staging-{_dead_pid()}-x.safetensors"
+    live = cache / f".staging-{os.getpid()}-y.safetensors"
+    for path in (dead, live):
+        path.write_bytes(b"partial")
+    assert writes_in_progress() == [live]
+    with pytest.raises(TimeoutError, match="still being written"):
+        wait_for_writes(timeout_s=0.3)
+    live.unlink()
+    wait_for_writes(timeout_s=5)
+
+
 def _dead_pid() -> int:
     """A pid no process has: a child that has exited and been reaped."""
     import subprocess
@@ -301,9 +321,7 @@ def test_the_path_is_chosen_by_the_setting_never_by_what_the_cache_holds(
     assert MAPPED not in log.text
     backends = {m.packed_weight.backend for m in forced.modules() if _packed(m)}
     assert backends == {"onednn"}
-    for thread in threading.enumerate():
-        if thread.name == "weight-snapshot":
-            thread.join()
+    wait_for_writes()
     assert snapshot.path.stat().st_mtime_ns == written
     reference = _load(model_dir, keep_plain_weights=True)
     torch.testing.assert_close(_computed(forced), _computed(reference), atol=1e-4, rtol=1e-5)

@@ -1,0 +1,201 @@
+"""One decode step of the model alone: the time a kernel change moves, without the engine's noise.
+
+A single stream's speed end to end (bench/offline_throughput.py) also holds the scheduler, the
+sampler and detokenizing, and on a shared 2-core VM it moves by 10-20 % between runs of one
+build. This benchmark times only what the kernels do in a step: the model's forward for
+`--batch` sequences decoding at position `--context` (embedding, the decoder layers, final norm,
+LM head), `--steps` times, and reports the 10th percentile and the median in ms with the bytes
+of weights a step reads and the rate they are read at, beside the machine's streaming-read
+bandwidth (bench/bandwidth.py). Every figure runs in a fresh process.
+
+`--libraries A.so,B.so` compares builds of the kernels (RANKCAST_KERNELS_LIBRARY): each round
+runs every (weights, library) pair once, the libraries alternating, so a drift of the machine
+touches them alike; the table gives each pair's best round and the ratio to the first library.
+Build the "before" first (`git stash; python -m rankcast.kernels.build; git stash pop`): the
+build directory of each source tree is kept.
+
+    python bench/decode_step.py [--quantizations none,q4_1] [--dtype bfloat16] [--batch 1]
+        [--context 150] [--steps 400] [--rounds 1] [--libraries A.so,B.so] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import bandwidth
+from bench.workload import ROOT, describe, machine_info
+
+
+def time_steps(
+    quantization: str, dtype: str, batch: int, context: int, steps: int
+) -> dict[str, Any]:
+    """In this process: the model's decode step for `batch` sequences at `context`, `steps`
+    times (after 20 unmeasured), with what the kernels loaded were."""
+    import torch
+
+    from bench.offline_throughput import weight_bytes_per_token
+    from rankcast import LLM, kernels
+    from rankcast.model.attention import AttentionMetadata
+    from rankcast.model.weight_snapshot import wait_for_writes
+
+    llm = LLM(dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
+    try:
+        wait_for_writes()  # a first start's snapshot, written in the background, is not timed
+        worker = llm.engine.client.core.executor.worker
+        runner = worker.runner
+        model = runner.model
+        size = runner.block_size
+        per_sequence = (context + 8) // size + 2  # blocks a sequence needs up to context + 8
+        tables = [
+            list(range(1 + b * per_sequence, 1 + (b + 1) * per_sequence)) for b in range(batch)
+        ]
+
+        def metadata(position: int) -> AttentionMetadata:
+            slots = [table[position // size] * size + position % size for table in tables]
+            return AttentionMetadata(
+                positions=torch.full((batch,), position, dtype=torch.long),
+                slot_mapping=torch.tensor(slots, dtype=torch.long),
+                query_lens=[1] * batch,
+                block_tables=torch.tensor(tables, dtype=torch.int32),
+                seq_lens=torch.full((batch,), position + 1, dtype=torch.int32),
+                query_start=torch.arange(batch + 1, dtype=torch.int32),
+                from_scratch=False,
+            )
+
+        # Eight positions in turn: each step writes its K/V and attends over context+1.. tokens.
+        metas = [metadata(context + i) for i in range(8)]
+        ids = torch.full((batch,), 42, dtype=torch.long)
+        seconds = []
+        with torch.inference_mode():
+            for i in range(20 + steps):
+                start = time.perf_counter()
+                hidden, _ = model(ids, metas[i % 8])
+                model.compute_logits(hidden)
+                if i >= 20:
+                    seconds.append(time.perf_counter() - start)
+        seconds.sort()
+        read = weight_bytes_per_token(model)["total"]
+        built = kernels.load()
+        return {
+            "quantization": worker.source.quantization(quantization),
+            "dtype": str(worker.dtype).replace("torch.", ""),
+            "library": str(kernels.library_path()) if built else None,
+            "step_ms_p10": seconds[len(seconds) // 10] * 1e3,
+            "step_ms_median": seconds[len(seconds) // 2] * 1e3,
+            "weight_bytes_per_step": read,
+        }
+    finally:
+        llm.shutdown()
+
+
+def run_child(args: argparse.Namespace, quantization: str, library: str | None) -> dict[str, Any]:
+    """`time_steps` in a fresh interpreter (one kernels build per process)."""
+    env = dict(os.environ, RANKCAST_DISABLE_PROGRESS="1", RANKCAST_LOG_LEVEL="WARNING")
+    if library is not None:
+        env["RANKCAST_KERNELS_LIBRARY"] = library
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        quantization,
+        "--dtype",
+        args.dtype,
+        "--batch",
+        str(args.batch),
+        "--context",
+        str(args.context),
+        "--steps",
+        str(args.steps),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(
+            f"{quantization} ({library or 'this build'}) failed:\n{done.stderr[-3000:]}"
+        )
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quantizations", default="none,q4_1,q8_0,w8a8")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--libraries", default="", help="comma list of rankcast_kernels.so")
+    parser.add_argument("--no-bandwidth", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_step.json"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        figures = time_steps(args.child, args.dtype, args.batch, args.context, args.steps)
+        print(json.dumps(figures))
+        return
+
+    machine = machine_info()
+    probe = None if args.no_bandwidth else bandwidth.probe()
+    libraries: list[str | None] = [lib for lib in args.libraries.split(",") if lib] or [None]
+    quantizations = [q for q in args.quantizations.split(",") if q]
+    runs: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
+    for round_index in range(args.rounds):
+        for quantization in quantizations:
+            for library in libraries:
+                figures = run_child(args, quantization, library)
+                runs.setdefault((quantization, library), []).append(figures)
+                print(
+                    f"round {round_index + 1}: {quantization} {library or 'this build'}: "
+                    f"p10 {figures['step_ms_p10']:.3f} ms",
+                    flush=True,
+                )
+
+    print(f"\n{describe(machine)}")
+    gbps = probe["gb_per_s"] if probe else None
+    if gbps:
+        print(f"streaming-read bandwidth: {gbps:.1f} GB/s")
+    print(
+        f"decode step alone: {args.dtype}, {args.batch} sequence(s) at position {args.context}, "
+        f"{args.steps} steps a run, best of {args.rounds} round(s)\n"
+    )
+    header = f"{'weights':<10} {'library':<40} {'p10 ms':>8} {'median':>8} {'MB':>7} {'GB/s':>6}"
+    print(header + (f" {'of bw':>6}" if gbps else "") + f" {'speed x first':>14}")
+    rows = []
+    for quantization in quantizations:
+        first = None
+        for library in libraries:
+            best = min(runs[(quantization, library)], key=lambda r: r["step_ms_p10"])
+            first = first or best["step_ms_p10"]
+            rate = best["weight_bytes_per_step"] / best["step_ms_p10"] / 1e6
+            name = "this build" if library is None else Path(library).parent.name
+            line = (
+                f"{quantization:<10} {name:<40} {best['step_ms_p10']:>8.3f} "
+                f"{best['step_ms_median']:>8.3f} {best['weight_bytes_per_step'] / 1e6:>7.1f} "
+                f"{rate:>6.1f}"
+            )
+            if gbps:
+                line += f" {rate / gbps:>6.0%}"
+            print(line + f" {first / best['step_ms_p10']:>13.2f}x")
+            rows.append({"library": library, "best": best, "runs": runs[(quantization, library)]})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {"machine": machine, "bandwidth": probe, "args": vars(args), "rows": rows}, indent=2
+        )
+    )
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

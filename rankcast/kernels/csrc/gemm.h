@@ -39,7 +39,8 @@ constexpr int64_t kRunBytes = 512 * 1024;  // packed weight one thread works thr
 // blocks attention reads, the activations). This (2 KB ahead; it was 1 KB with PREFETCHT0) and
 // a decode's contiguous stretches (packed_linear_impl) took a 4-bit SmolLM2 decode step from
 // 2.8-2.9 to 2.4-2.5 ms on the 2-core Zen 5 (the model's step alone, builds alternated, 400
-// steps each); float and 8-bit weights, already at the memory's speed, and batches unchanged.
+// steps each); float and 8-bit weights, already near the memory's speed, and batches of 32
+// unchanged within the VM's noise (a batch reads ahead only at the first group of a run).
 inline void prefetch_ahead(const void* p) {
   __builtin_prefetch(static_cast<const char*>(p) + kAhead, 0, 0);
 }

@@ -87,7 +87,7 @@ inline void tile_bf16(const bf16* a, int64_t lda, const W* b, int64_t panel_elem
     __m512bh bv[NR];
     for (int j = 0; j < NR; ++j) {
       const W* src = b + j * panel_elems + kp * 32;
-      if (prefetch) prefetch_ahead(src);
+      if (prefetch) prefetch_ahead<MR>(src);
       bv[j] = load_pairs(src);
     }
     for (int i = 0; i < MR; ++i) {
@@ -126,7 +126,7 @@ inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elem
     __m512 bv[NR];
     for (int j = 0; j < NR; ++j) {
       const W* src = b + j * panel_elems + kk * kPanel;
-      if (prefetch) prefetch_ahead(src);
+      if (prefetch) prefetch_ahead<MR>(src);
       bv[j] = load_panel_row(src);
     }
     for (int i = 0; i < MR; ++i) {
@@ -169,7 +169,7 @@ constexpr int64_t kChunk = 12288 / (kPanel * static_cast<int64_t>(sizeof(W)));
 
 // Never inlined: inlined into `tile_f32`, GCC merged the registers with `acc` and kept an
 // accumulator in memory (a store-to-load chain on every k; single rows ran at half speed).
-template <int R, bool Next, typename W>
+template <int R, bool Next, typename W, int TileRows>
 __attribute__((noinline)) void sub_tile(const float* a, int64_t lda, const W* panel, int64_t k0,
                                         int64_t k1, float* acc, bool first, bool prefetch,
                                         const NextGroup& next, int64_t step_base, int per_step) {
@@ -184,7 +184,7 @@ __attribute__((noinline)) void sub_tile(const float* a, int64_t lda, const W* pa
   for (int64_t kk = k0; kk < k1; ++kk) {
     if constexpr (Next) prefetch_next(next, step_base + kk, per_step);
     const W* src = panel + kk * kPanel;
-    if (prefetch) prefetch_ahead(src);
+    if (prefetch) prefetch_ahead<TileRows>(src);
     __m256 b0, b1;
     load_panel_row(src, b0, b1);
 #pragma GCC unroll 8
@@ -225,20 +225,20 @@ inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elem
         if constexpr (wider > 0) {
           if (s < wider) {
             if (lead) {
-              sub_tile<base + 1, Next, W>(rows, lda, panel, k0, k1, sums, first, prefetch, next,
+              sub_tile<base + 1, Next, W, MR>(rows, lda, panel, k0, k1, sums, first, prefetch, next,
                                           j * k, per_step);
             } else {
-              sub_tile<base + 1, false, W>(rows, lda, panel, k0, k1, sums, first, false, next, 0,
+              sub_tile<base + 1, false, W, MR>(rows, lda, panel, k0, k1, sums, first, false, next, 0,
                                            0);
             }
             continue;
           }
         }
         if (lead) {
-          sub_tile<base, Next, W>(rows, lda, panel, k0, k1, sums, first, prefetch, next, j * k,
+          sub_tile<base, Next, W, MR>(rows, lda, panel, k0, k1, sums, first, prefetch, next, j * k,
                                   per_step);
         } else {
-          sub_tile<base, false, W>(rows, lda, panel, k0, k1, sums, first, false, next, 0, 0);
+          sub_tile<base, false, W, MR>(rows, lda, panel, k0, k1, sums, first, false, next, 0, 0);
         }
       }
     }

@@ -30,19 +30,26 @@ constexpr int kRows = 32;
 #endif
 constexpr int kRowBlock = 32;  // rows that share one pass over a column group
 constexpr int kOverlapRows = 4;  // fewer rows than this: no next-group prefetch (see below)
-constexpr int kAhead = 2048;  // bytes of each panel stream prefetched ahead of use
+constexpr int kAhead = 1024;  // bytes a batch tile's panel stream is read ahead of use
+constexpr int kStreamAhead = 2048;  // the same for a decode's tile (fewer than kOverlapRows rows)
 constexpr int64_t kRunBytes = 512 * 1024;  // packed weight one thread works through per run
 
-// A panel stream reading ahead of itself (a decode step's rows, and the first group of a run).
-// Non-temporal: a weight streamed for a step is not read again until the next step, after the
-// rest of the model has gone through the caches, so it should not push out what is (the KV
-// blocks attention reads, the activations). This (2 KB ahead; it was 1 KB with PREFETCHT0) and
-// a decode's contiguous stretches (packed_linear_impl) took a 4-bit SmolLM2 decode step from
-// 2.8-2.9 to 2.4-2.5 ms on the 2-core Zen 5 (the model's step alone, builds alternated, 400
-// steps each); float and 8-bit weights, already near the memory's speed, and batches of 32
-// unchanged within the VM's noise (a batch reads ahead only at the first group of a run).
+// A panel stream reading ahead of itself, in a tile of `Rows` rows. A decode's tile (fewer than
+// kOverlapRows rows) streams every group it reads: 2 KB ahead, non-temporal, since a weight read
+// for a step is not read again until the next step, after the rest of the model has gone
+// through the caches, and should not push out what is (the KV blocks attention reads, the
+// activations). That and a decode's contiguous stretches (packed_linear_impl) took a 4-bit
+// SmolLM2 decode step from 2.8-2.9 to 2.4-2.5 ms on the 2-core Zen 5 (the model's step alone,
+// builds alternated, 400 steps each; 1 KB with PREFETCHT0 before). A batch's tile reads ahead
+// only at the first group of a run, which its other row tiles then read from cache: it keeps
+// PREFETCHT0 1 KB ahead, as it was measured with.
+template <int Rows>
 inline void prefetch_ahead(const void* p) {
-  __builtin_prefetch(static_cast<const char*>(p) + kAhead, 0, 0);
+  if constexpr (Rows < kOverlapRows) {
+    __builtin_prefetch(static_cast<const char*>(p) + kStreamAhead, 0, 0);
+  } else {
+    __builtin_prefetch(static_cast<const char*>(p) + kAhead);
+  }
 }
 
 // Weight lines a tile pulls into cache for the column group after its own, spread over its k

@@ -85,7 +85,7 @@ inline __m512i dot4(__m512i acc, __m512i w, __m512i a) {
 // them NR times, and batches paid for it). Per group a row runs its hi pass, a shift, its lo
 // pass, then the group's float terms: the same integers and float operations in the same order
 // as ever. Registers: R x NR int and float sums, NR weights, a broadcast, the nibble mask: R <= 4.
-template <int R, int NR>
+template <int R, int NR, int TileRows>
 __attribute__((always_inline)) inline void rows_q4(const int8_t* a, int64_t lda, const uint8_t* b,
                                                    int64_t panel_elems, int64_t groups,
                                                    __m512 (&acc)[R][NR], bool prefetch,
@@ -100,7 +100,8 @@ __attribute__((always_inline)) inline void rows_q4(const int8_t* a, int64_t lda,
     for (int j = 0; j < NR; ++j) {
       record[j] = b + j * panel_elems + g * kQ4GroupBytes;
       if (prefetch)
-        for (int64_t line = 0; line < kQ4GroupBytes; line += 64) prefetch_ahead(record[j] + line);
+        for (int64_t line = 0; line < kQ4GroupBytes; line += 64)
+          prefetch_ahead<TileRows>(record[j] + line);
     }
     __m512i sum[R][NR];
     for (int i = 0; i < R; ++i)
@@ -145,7 +146,7 @@ inline void tile_q4(const int8_t* a, int64_t lda, const uint8_t* b, int64_t pane
   const int per_step = lines_per_step(next, groups);
   const auto rows = [&]<int R>(const int8_t* rows_a, __m512 (&acc)[R][NR], bool ahead,
                                const NextGroup& lead) {
-    rows_q4<R, NR>(rows_a, lda, b, panel_elems, groups, acc, ahead, lead, per_step);
+    rows_q4<R, NR, MR>(rows_a, lda, b, panel_elems, groups, acc, ahead, lead, per_step);
   };
   const auto scale = [&](const int8_t* row) { return row_float(row, layout.scale()); };
   group_sub_tiles<MR, NR>(rows, scale, a, lda, c, ldc, epi, last_cols, prefetch, next);
@@ -159,7 +160,7 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-template <int R>
+template <int R, int TileRows>
 __attribute__((noinline)) void q4_half(const int8_t* a, int64_t lda, const uint8_t* panel,
                                        int64_t groups, int half, __m256* out, bool prefetch) {
   const RowLayout layout{groups * kQ4Group, groups};
@@ -169,7 +170,8 @@ __attribute__((noinline)) void q4_half(const int8_t* a, int64_t lda, const uint8
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* record = panel + g * kQ4GroupBytes;
     if (prefetch)
-      for (int64_t line = 0; line < kQ4GroupBytes; line += 64) prefetch_ahead(record + line);
+      for (int64_t line = 0; line < kQ4GroupBytes; line += 64)
+        prefetch_ahead<TileRows>(record + line);
     __m256i w[8];
     for (int t = 0; t < 4; ++t) {
       const __m256i v =
@@ -211,9 +213,9 @@ inline void tile_q4(const int8_t* a, int64_t lda, const uint8_t* b, int64_t pane
         __m256* out = halves[half] + r;
         const bool lead = prefetch && r == 0 && half == 0;
         switch (std::min(3, MR - r)) {
-          case 1: q4_half<1>(rows, lda, panel, groups, half, out, lead); break;
-          case 2: q4_half<2>(rows, lda, panel, groups, half, out, lead); break;
-          default: q4_half<3>(rows, lda, panel, groups, half, out, lead); break;
+          case 1: q4_half<1, MR>(rows, lda, panel, groups, half, out, lead); break;
+          case 2: q4_half<2, MR>(rows, lda, panel, groups, half, out, lead); break;
+          default: q4_half<3, MR>(rows, lda, panel, groups, half, out, lead); break;
         }
       }
     }

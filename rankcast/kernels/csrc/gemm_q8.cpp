@@ -74,7 +74,7 @@ inline __m512i dot2(__m512i acc, __m512i w, __m512i a) {
 // each row's pair of k is broadcast once for all of them (a panel at a time broadcast it NR
 // times: batches ran ~1.6x slower than bfloat16's tile). Int32 group sums and float32 sums per
 // row and panel: 2 x R x NR registers, so R <= 4 (29 of 32 with 3 panels).
-template <int R, int NR>
+template <int R, int NR, int TileRows>
 __attribute__((always_inline)) inline void rows_q8(const int8_t* a, int64_t lda, const int8_t* b,
                                                    int64_t panel_elems, int64_t groups,
                                                    __m512 (&acc)[R][NR], bool prefetch,
@@ -87,7 +87,8 @@ __attribute__((always_inline)) inline void rows_q8(const int8_t* a, int64_t lda,
     for (int j = 0; j < NR; ++j) {
       record[j] = b + j * panel_elems + g * kQ8GroupBytes;
       if (prefetch)
-        for (int64_t line = 0; line < kQ8GroupBytes; line += 64) prefetch_ahead(record[j] + line);
+        for (int64_t line = 0; line < kQ8GroupBytes; line += 64)
+          prefetch_ahead<TileRows>(record[j] + line);
     }
     __m512i sum[R][NR];
     for (int i = 0; i < R; ++i)
@@ -121,7 +122,7 @@ inline void tile_q8(const int8_t* a, int64_t lda, const int8_t* b, int64_t panel
   const int per_step = lines_per_step(next, groups);
   const auto rows = [&]<int R>(const int8_t* rows_a, __m512 (&acc)[R][NR], bool ahead,
                                const NextGroup& lead) {
-    rows_q8<R, NR>(rows_a, lda, b, panel_elems, groups, acc, ahead, lead, per_step);
+    rows_q8<R, NR, MR>(rows_a, lda, b, panel_elems, groups, acc, ahead, lead, per_step);
   };
   const auto scale = [&](const int8_t* row) { return row_scale(row, layout); };
   group_sub_tiles<MR, NR>(rows, scale, a, lda, c, ldc, epi, last_cols, prefetch, next);
@@ -130,7 +131,7 @@ inline void tile_q8(const int8_t* a, int64_t lda, const int8_t* b, int64_t panel
 #else
 // AVX2: the same arithmetic on 8-column halves of a panel, in sub-tiles of at most 6 rows (an
 // int and a float sum per row, a widened step, a broadcast and the scales: 15 ymm registers).
-template <int R>
+template <int R, int TileRows>
 __attribute__((noinline)) void q8_half(const int8_t* a, int64_t lda, const int8_t* panel,
                                        int64_t groups, int half, __m256* out, bool prefetch) {
   __m256 acc[R];
@@ -138,7 +139,8 @@ __attribute__((noinline)) void q8_half(const int8_t* a, int64_t lda, const int8_
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* record = panel + g * kQ8GroupBytes;
     if (prefetch)
-      for (int64_t line = 0; line < kQ8GroupBytes; line += 64) prefetch_ahead(record + line);
+      for (int64_t line = 0; line < kQ8GroupBytes; line += 64)
+        prefetch_ahead<TileRows>(record + line);
     const __m256 d =
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 16 * half)));
     __m256i sum[R];
@@ -170,12 +172,12 @@ inline void tile_q8(const int8_t* a, int64_t lda, const int8_t* b, int64_t panel
         __m256* out = halves[half] + r;
         const bool lead = prefetch && r == 0 && half == 0;
         switch (std::min(6, MR - r)) {
-          case 1: q8_half<1>(rows, lda, panel, groups, half, out, lead); break;
-          case 2: q8_half<2>(rows, lda, panel, groups, half, out, lead); break;
-          case 3: q8_half<3>(rows, lda, panel, groups, half, out, lead); break;
-          case 4: q8_half<4>(rows, lda, panel, groups, half, out, lead); break;
-          case 5: q8_half<5>(rows, lda, panel, groups, half, out, lead); break;
-          default: q8_half<6>(rows, lda, panel, groups, half, out, lead); break;
+          case 1: q8_half<1, MR>(rows, lda, panel, groups, half, out, lead); break;
+          case 2: q8_half<2, MR>(rows, lda, panel, groups, half, out, lead); break;
+          case 3: q8_half<3, MR>(rows, lda, panel, groups, half, out, lead); break;
+          case 4: q8_half<4, MR>(rows, lda, panel, groups, half, out, lead); break;
+          case 5: q8_half<5, MR>(rows, lda, panel, groups, half, out, lead); break;
+          default: q8_half<6, MR>(rows, lda, panel, groups, half, out, lead); break;
         }
       }
     }

@@ -118,7 +118,7 @@ inline void tile_int8(const QuantRow* a, int64_t lda, const uint8_t* b, int64_t 
 #pragma GCC unroll 3
     for (int j = 0; j < NR; ++j) {
       const uint8_t* src = b + j * panel_elems + s * kPanel * kInt8Group;
-      if (prefetch) prefetch_ahead(src);
+      if (prefetch) prefetch_ahead<MR>(src);
 #if defined(__AVX512VNNI__)
       bv[j] = _mm512_loadu_si512(src);
 #else
@@ -152,7 +152,7 @@ inline void tile_int8(const QuantRow* a, int64_t lda, const uint8_t* b, int64_t 
 // AVX2: a tile is a whole row block (up to 32 rows). Each panel is run by sub-tiles of at most 6
 // rows, 2 ymm of int32 sums per row (12 + 2 weights + 1 broadcast of the 16 registers), over
 // every k; the panel (16 x K bytes) stays in L1 between sub-tiles.
-template <int R>
+template <int R, int TileRows>
 __attribute__((noinline)) void sub_tile_int8(const int16_t* a, int64_t lda, const uint8_t* panel,
                                              int64_t steps, int32_t* sums, bool prefetch) {
   __m256i lo[R], hi[R];
@@ -160,7 +160,7 @@ __attribute__((noinline)) void sub_tile_int8(const int16_t* a, int64_t lda, cons
   for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
   for (int64_t s = 0; s < steps; ++s) {
     const uint8_t* src = panel + s * kPanel * 2;
-    if (prefetch) prefetch_ahead(src);
+    if (prefetch) prefetch_ahead<TileRows>(src);
     const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     const __m256i b1 =
         _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
@@ -192,12 +192,12 @@ inline void tile_int8(const QuantRow* a, int64_t lda, const uint8_t* b, int64_t 
       int32_t* out = sums + r * kPanel;
       const bool lead = prefetch && r == 0;
       switch (std::min(6, MR - r)) {
-        case 1: sub_tile_int8<1>(rows, lda, panel, steps, out, lead); break;
-        case 2: sub_tile_int8<2>(rows, lda, panel, steps, out, lead); break;
-        case 3: sub_tile_int8<3>(rows, lda, panel, steps, out, lead); break;
-        case 4: sub_tile_int8<4>(rows, lda, panel, steps, out, lead); break;
-        case 5: sub_tile_int8<5>(rows, lda, panel, steps, out, lead); break;
-        default: sub_tile_int8<6>(rows, lda, panel, steps, out, lead); break;
+        case 1: sub_tile_int8<1, MR>(rows, lda, panel, steps, out, lead); break;
+        case 2: sub_tile_int8<2, MR>(rows, lda, panel, steps, out, lead); break;
+        case 3: sub_tile_int8<3, MR>(rows, lda, panel, steps, out, lead); break;
+        case 4: sub_tile_int8<4, MR>(rows, lda, panel, steps, out, lead); break;
+        case 5: sub_tile_int8<5, MR>(rows, lda, panel, steps, out, lead); break;
+        default: sub_tile_int8<6, MR>(rows, lda, panel, steps, out, lead); break;
       }
     }
     const int cols = j == NR - 1 ? last_cols : kPanel;

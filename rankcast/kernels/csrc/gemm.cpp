@@ -225,18 +225,18 @@ inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elem
         if constexpr (wider > 0) {
           if (s < wider) {
             if (lead) {
-              sub_tile<base + 1, Next, W, MR>(rows, lda, panel, k0, k1, sums, first, prefetch, next,
-                                          j * k, per_step);
+              sub_tile<base + 1, Next, W, MR>(rows, lda, panel, k0, k1, sums, first, prefetch,
+                                              next, j * k, per_step);
             } else {
-              sub_tile<base + 1, false, W, MR>(rows, lda, panel, k0, k1, sums, first, false, next, 0,
-                                           0);
+              sub_tile<base + 1, false, W, MR>(rows, lda, panel, k0, k1, sums, first, false,
+                                               next, 0, 0);
             }
             continue;
           }
         }
         if (lead) {
-          sub_tile<base, Next, W, MR>(rows, lda, panel, k0, k1, sums, first, prefetch, next, j * k,
-                                  per_step);
+          sub_tile<base, Next, W, MR>(rows, lda, panel, k0, k1, sums, first, prefetch, next,
+                                      j * k, per_step);
         } else {
           sub_tile<base, false, W, MR>(rows, lda, panel, k0, k1, sums, first, false, next, 0, 0);
         }

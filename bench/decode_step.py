@@ -14,6 +14,10 @@ touches them alike; the table gives each pair's best round and the ratio to the 
 Build the "before" first (`git stash; python -m rankcast.kernels.build; git stash pop`): the
 build directory of each source tree is kept.
 
+There is no anchor row: neither vLLM-cpu nor llama.cpp times its model step apart from its own
+engine, so the side-by-side comparison stays with bench/offline_throughput.py and
+bench/serve.py; this one says what a kernel change did, as a ratio to the first library.
+
     python bench/decode_step.py [--quantizations none,q4_1] [--dtype bfloat16] [--batch 1]
         [--context 150] [--steps 400] [--rounds 1] [--libraries A.so,B.so] [--out FILE]
 """
@@ -117,7 +121,9 @@ def run_child(args: argparse.Namespace, quantization: str, library: str | None) 
         "--steps",
         str(args.steps),
     ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, check=False, timeout=1800
+    )
     if done.returncode != 0:
         raise SystemExit(
             f"{quantization} ({library or 'this build'}) failed:\n{done.stderr[-3000:]}"

@@ -330,10 +330,18 @@ class LoRAConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     # Host-tier capacity per rank (a superset of the device slots); None: --max-loras.
     max_cpu_loras: int | None = None
+    # Steps an adapter keeps its device slot while a request for another waits for one; then
+    # its running requests are parked, KV kept, until their turn comes again (0: it keeps the
+    # slot until they finish). See rankcast/engine_core/scheduler.py.
+    lora_turn_steps: int = 8
 
     def __post_init__(self) -> None:
         _require(self.max_loras >= 1, f"--max-loras must be >= 1, got {self.max_loras}")
         _require(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        _require(
+            self.lora_turn_steps >= 0,
+            f"--lora-turn-steps must be >= 0, got {self.lora_turn_steps}",
+        )
         _require(
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
             f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras}): "

@@ -148,6 +148,7 @@ class EngineCore:
             ),
             self.max_model_len,
             self.loras,
+            config.lora.lora_turn_steps,
         )
         if self.loras is not None:
             for name, path in config.lora.lora_modules:
@@ -409,7 +410,7 @@ class EngineCore:
         return sum(1 for r in self.scheduler.unfinished_requests() if r.lora_name == name)
 
     def _running_adapters(self) -> set[str]:
-        return {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
+        return self.scheduler.adapters_in_flight()
 
     def _lora_registry(self) -> LoRARegistry:
         if self.loras is None:
@@ -515,7 +516,11 @@ class EngineCore:
         stats.notification_gathers = self.notifications.gathers
         stats.notification_gather_seconds = self.notifications.gather_seconds
         if self.loras is not None:
-            running = collections.Counter(r.lora_name for r in self.scheduler.running)
+            # Parked requests (their adapter's turn is over) count as running: started, and
+            # holding their KV blocks.
+            running = collections.Counter(
+                r.lora_name for r in (*self.scheduler.running, *self.scheduler.parked)
+            )
             waiting = collections.Counter(r.lora_name for r in self.scheduler.waiting)
             running.pop(None, None)
             waiting.pop(None, None)

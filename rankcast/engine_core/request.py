@@ -12,6 +12,7 @@ from rankcast.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    PARKED = enum.auto()  # started, KV kept, out of the batch until its adapter's turn
     FINISHED = enum.auto()
 
 
@@ -51,6 +52,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_preemptions: int = 0
+    parked_at: int = 0  # the scheduler's step when it was last parked
     error: str | None = None  # why the scheduler ended it, if it did
     # Tokens and logprobs sampled since the last output was sent.
     pending_token_ids: list[int] = field(default_factory=list)

@@ -14,7 +14,13 @@ whose adapter cannot get a slot because every slot serves running requests, is d
 keeps its place at the head of the queue) and later requests may go first. So that a popular
 adapter cannot hold its slot forever against a deferred one, the scheduler then drains one slot:
 the running adapter with the fewest running requests (not pinned) takes no new requests until
-they finish, and its slot goes to the adapter that waited.
+they finish, and its slot goes to the adapter that waited. With `--lora-turn-steps N` it waits
+at most N steps: then the drained adapter's running requests are parked (kept with their KV
+blocks and their place, out of the batch) and its slot changes hands; parked requests take a
+slot back in turn the same way (a parked adapter waiting for a slot drains another), after the
+queue's requests unless one has waited PARKED_PATIENCE_TURNS turns, so adapters share the slots
+by turns of at least N steps instead of by whole requests. Parked requests are the first to be
+preempted when blocks run out.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 
 AdapterState = Literal["ready", "reading", "no_room"]
+
+# Turns a parked request waits before parked requests claim slots ahead of the queue.
+PARKED_PATIENCE_TURNS = 4
 
 
 class AdapterSlots(Protocol):
@@ -85,9 +94,17 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         adapters: AdapterSlots | None = None,
+        lora_turn_steps: int = 0,
     ) -> None:
         self.config = config
         self.adapters = adapters
+        # Steps a drained adapter keeps its slot before its requests are parked (0: until they
+        # finish), the requests parked, and the step count that times a drain.
+        self.lora_turn_steps = lora_turn_steps
+        self.parked: list[Request] = []
+        self.num_parked = 0  # requests parked so far (one request may be parked many times)
+        self.steps = 0
+        self.drain_since = 0
         # Requests the scheduler itself ended (their adapter could not be served).
         self.rejected: list[Request] = []
         # The adapter whose slot is being freed for a deferred request (takes no new requests).
@@ -129,6 +146,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.PARKED:
+                self.parked.remove(request)
             else:
                 self.waiting.remove(request)
             request.finish_reason = FinishReason.ABORT
@@ -137,10 +156,15 @@ class Scheduler:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     def unfinished_requests(self) -> list[Request]:
-        return [*self.running, *self.waiting]
+        return [*self.running, *self.parked, *self.waiting]
+
+    def adapters_in_flight(self) -> set[str]:
+        """Adapters of running and parked requests: the host tier keeps them (a parked
+        request resumes from there), though a parked one's device slot may go to another."""
+        return {r.lora_name for r in (*self.running, *self.parked) if r.lora_name is not None}
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
@@ -183,7 +207,9 @@ class Scheduler:
         if self.draining not in running:
             self.draining = None  # drained: its slot is free for the request that waited
         active = set(running)
-        while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
+        parked = {r.lora_name for r in self.parked if r.lora_name is not None}
+        in_flight = len(self.running) + len(self.parked)
+        while self.waiting and in_flight + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = self.blocks.match_prefix(request)
             count = self._chunk(request, budget, not admitted)
@@ -202,7 +228,7 @@ class Scheduler:
                 try:
                     # Adapters running, in this batch, or wanted by requests ahead stay put.
                     wanted = {r.lora_name for r in deferred if r.lora_name is not None}
-                    state = self._adapter_ready(request.lora_name, active | wanted)
+                    state = self._adapter_ready(request.lora_name, active | wanted | parked)
                     ready = state == "ready"
                     slot = self._adapter_slot(request.lora_name, active) if ready else None
                 except ValueError as exc:
@@ -215,8 +241,7 @@ class Scheduler:
                 if slot is None:
                     self._release(request)
                     deferred.append(request)
-                    if self.draining is None:
-                        self.draining = self._drain_target(running)
+                    self._start_drain(running)
                     continue
                 request.lora_slot = slot
                 active.add(request.lora_name)
@@ -251,6 +276,80 @@ class Scheduler:
             return None  # one adapter too many for this batch
         return self.adapters.acquire(name, active)
 
+    def _start_drain(self, running: collections.Counter[str]) -> None:
+        """A request waits for a slot: drain one, unless one is being drained already."""
+        if self.draining is None:
+            self.draining = self._drain_target(running)
+            self.drain_since = self.steps
+
+    def _park_drained(self) -> str | None:
+        """After `lora_turn_steps` steps of draining, the drained adapter's running requests
+        leave the batch, keeping their blocks; returns that adapter (None: nothing parked)."""
+        name = self.draining
+        if name is None or self.lora_turn_steps <= 0:
+            return None
+        if self.steps - self.drain_since < self.lora_turn_steps:
+            return None
+        leaving = [r for r in self.running if r.lora_name == name]
+        self.running = [r for r in self.running if r.lora_name != name]
+        for request in leaving:
+            request.status = RequestStatus.PARKED
+            request.parked_at = self.steps
+        self.parked.extend(leaving)
+        self.num_parked += len(leaving)
+        return name if leaving else None
+
+    def _parked_overdue(self) -> bool:
+        """Whether a parked request has waited PARKED_PATIENCE_TURNS turns: then parked
+        requests claim slots before the queue does. Otherwise the queue goes first (a request
+        with no token yet before one that has been streaming), which halved TTFT p50 and kept
+        p99 against parked-first in bench/routing.py's adapter part; the patience bounds how
+        long a stream of new adapters' requests can hold a parked one back."""
+        patience = PARKED_PATIENCE_TURNS * self.lora_turn_steps
+        return any(self.steps - r.parked_at >= patience for r in self.parked)
+
+    def _resume_parked(self, budget: int, skip: str | None) -> list[tuple[Request, int]]:
+        """Parked requests (but `skip`'s) back into the batch, oldest first, wherever their
+        adapter gets a slot; one that cannot drains a slot for it as a waiting request would."""
+        resumed: list[tuple[Request, int]] = []
+        if not self.parked:
+            return resumed
+        running: collections.Counter[str] = collections.Counter(
+            r.lora_name for r in self.running if r.lora_name
+        )
+        if self.draining not in running:
+            self.draining = None
+        active = set(running)
+        protected = active | {r.lora_name for r in self.parked if r.lora_name is not None}
+        for request in list(self.parked):
+            assert request.lora_name is not None, "only adapters' requests are parked"
+            if request.lora_name in (skip, self.draining):
+                continue
+            count = self._chunk(request, budget, False)
+            need = request.num_computed_tokens + count
+            if count == 0 or not self.blocks.can_allocate(request, need):
+                continue
+            try:
+                ready = self._adapter_ready(request.lora_name, protected) == "ready"
+                slot = self._adapter_slot(request.lora_name, active) if ready else None
+            except ValueError as exc:  # unregistered meanwhile cannot happen: it is in use
+                self.parked.remove(request)
+                self._reject(request, str(exc))
+                continue
+            if slot is None:
+                if ready:
+                    self._start_drain(running)
+                continue
+            request.lora_slot = slot
+            active.add(request.lora_name)
+            self.parked.remove(request)
+            self.blocks.allocate(request, need)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            resumed.append((request, count))
+            budget -= count
+        return resumed
+
     def _drain_target(self, running: collections.Counter[str]) -> str | None:
         """The running adapter that frees a slot soonest: fewest running requests, not pinned."""
         assert self.adapters is not None
@@ -283,10 +382,13 @@ class Scheduler:
                 continue  # the budget is spent: it goes on next step
             need = request.num_computed_tokens + count
             while not self.blocks.can_allocate(request, need):
+                preempted = True
+                if self.parked:  # out of the batch anyway: the newest parked goes first
+                    self._preempt(self.parked.pop())
+                    continue
                 victim = queue.pop() if queue else request
                 self._preempt(victim)
                 self.running.remove(victim)
-                preempted = True
                 if victim is request:
                     break
             else:
@@ -298,9 +400,28 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         finished = self.finished_since_last_step
         self.finished_since_last_step = []
+        self.steps += 1
+        just_parked = self._park_drained()
         scheduled, budget, preempted = self._schedule_running(self.config.max_num_batched_tokens)
-        admitted = [] if preempted else self._schedule_waiting(budget)
-        self.running.extend(request for request, _ in admitted)
+        admitted: list[tuple[Request, int]] = []
+        if not preempted:
+            # The queue claims slots before parked requests, unless one of those is overdue:
+            # then they go first, except the adapter parked just now (its slot is for the
+            # request that waited).
+            if self._parked_overdue():
+                scheduled += self._resume_parked(budget, skip=just_parked)
+                budget = self.config.max_num_batched_tokens - sum(c for _, c in scheduled)
+            admitted = self._schedule_waiting(budget)
+            self.running.extend(request for request, _ in admitted)
+            budget -= sum(count for _, count in admitted)
+            scheduled += self._resume_parked(budget, skip=None)
+            if not scheduled and not admitted and self.parked and not self.running:
+                # Parked requests hold the blocks the next of them needs, and nothing runs
+                # that would preempt them: they are recomputed instead of waiting forever.
+                while self.parked:
+                    self._preempt(self.parked.pop())
+                admitted = self._schedule_waiting(self.config.max_num_batched_tokens)
+                self.running.extend(request for request, _ in admitted)
         self.scheduled = scheduled + admitted
         sequences = []
         for i, (request, count) in enumerate(self.scheduled):
@@ -358,7 +479,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running_reqs=len(self.running),
+            num_running_reqs=len(self.running) + len(self.parked),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.blocks.usage,
             num_preemptions=self.num_preemptions,

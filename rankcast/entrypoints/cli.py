@@ -299,6 +299,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--max-lora-rank", "max_lora_rank", "largest adapter rank served"),
     Flag(
+        "--lora-turn-steps",
+        "lora_turn_steps",
+        "steps an adapter keeps its slot while another waits; then its requests pause, KV "
+        "kept, until their turn (0: until they finish)",
+    ),
+    Flag(
         "--lora-modules",
         "lora_modules",
         "PEFT adapters every engine core loads at start",

@@ -24,7 +24,7 @@ import pytest
 from rankcast.config import SchedulerConfig
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.request import Request, RequestStatus
-from rankcast.engine_core.scheduler import Scheduler
+from rankcast.engine_core.scheduler import PARKED_PATIENCE_TURNS, Scheduler
 from rankcast.protocol import FinishReason, LoRAMove, ModelRunnerOutput, ScheduledSequence
 from rankcast.sampling_params import SamplingParams
 
@@ -411,3 +411,167 @@ def test_a_request_the_slots_refuse_for_good_is_ended_and_the_rest_go_on(case: s
     assert output.request_id == "doomed" and output.finish_reason == FinishReason.ABORT
     assert output.error and name in output.error
     assert scheduler.take_rejected() == [], "reported once"
+
+
+# ---- turns (--lora-turn-steps) ----
+
+
+def _turns(slots: FakeSlots, turn_steps: int = 2, blocks: int = 256) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=16)
+    return Scheduler(config, BlockManager(blocks, 4), 1024, slots, lora_turn_steps=turn_steps)
+
+
+def test_with_turns_a_waiting_adapter_runs_after_n_steps_and_the_holder_is_parked() -> None:
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _turns(slots, turn_steps=2)
+    _start(scheduler, slots, _request("a1", "a"))
+    holder = scheduler.requests["a1"]
+    scheduler.add_request(_request("on-b", "b"))
+    assert set(_step(scheduler, slots)) == {"a1"}  # "on-b" waits: "a" drains
+    assert scheduler.draining == "a"
+    assert set(_step(scheduler, slots)) == {"a1"}  # the first step of "a"'s last turn
+    blocks, computed = list(holder.block_ids), holder.num_computed_tokens
+    ran = _step(scheduler, slots)  # the turn is over: "a1" is parked, "on-b" takes the slot
+    assert set(ran) == {"on-b"} and ran["on-b"].lora_slot == 0
+    assert slots.moves == [("evict", "a", 0), ("load", "b", 0)]
+    assert holder.status == RequestStatus.PARKED and scheduler.parked == [holder]
+    assert holder.block_ids == blocks and holder.num_computed_tokens == computed, "KV kept"
+    assert holder.num_preemptions == 0 and scheduler.num_preemptions == 0
+    assert scheduler.stats().num_running_reqs == 2, "a parked request is still in flight"
+
+
+def test_parked_requests_take_their_turn_back_and_go_on_where_they_stopped() -> None:
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _turns(slots, turn_steps=2)
+    _start(scheduler, slots, _request("a1", "a", max_tokens=20))
+    scheduler.add_request(_request("on-b", "b", max_tokens=20))
+    for _ in range(3):
+        _step(scheduler, slots)  # "a1" runs two more steps, then is parked for "on-b"
+    holder = scheduler.requests["a1"]
+    tokens = len(holder.output_token_ids)
+    # The parked request now waits as "on-b" did: "b" drains, and after its turn (the step it
+    # was admitted in and one more) "a1" resumes on the slot, from the token it stopped at.
+    assert scheduler.draining == "b"
+    assert set(_step(scheduler, slots)) == {"on-b"}
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"a1"} and scheduler.parked == [scheduler.requests["on-b"]]
+    assert ran["a1"].sampling_params is None, "the ranks still hold its parameters"
+    assert ran["a1"].start_position == holder.num_computed_tokens - 1 and ran["a1"].lora_slot == 0
+    assert len(ran["a1"].token_ids) == 1, "no prompt computed again"
+    assert len(holder.output_token_ids) == tokens + 1
+    assert scheduler.num_parked == 2 and scheduler.num_preemptions == 0
+    # Turn by turn, both finish with every token.
+    for _ in range(60):
+        if not scheduler.has_unfinished_requests():
+            break
+        _step(scheduler, slots)
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_with_no_one_waiting_for_its_slot_a_parked_adapter_runs_again_at_once() -> None:
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _turns(slots, turn_steps=2)
+    _start(scheduler, slots, _request("a1", "a"))
+    scheduler.add_request(_request("on-b", "b"))
+    _step(scheduler, slots)
+    scheduler.abort_requests(["on-b"])  # the request that waited went away
+    assert set(_step(scheduler, slots)) == {"a1"}
+    assert set(_step(scheduler, slots)) == {"a1"}, "parked and resumed in the same step"
+    assert slots.moves == [] and not scheduler.parked
+
+
+def test_a_parked_request_is_preempted_before_any_running_one_when_blocks_run_out() -> None:
+    # 12 blocks of 4 tokens: "a1" parks holding 2, "on-b" grows until the pool is empty.
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _turns(slots, turn_steps=1, blocks=12)
+    _start(scheduler, slots, _request("a1", "a", max_tokens=200))
+    scheduler.add_request(_request("on-b", "b", max_tokens=200))
+    _step(scheduler, slots)
+    _step(scheduler, slots)
+    parked = scheduler.requests["a1"]
+    assert parked.status == RequestStatus.PARKED and parked.block_ids
+    scheduler.lora_turn_steps = 1000  # "on-b" keeps the slot from now on
+    for _ in range(60):
+        if parked.status != RequestStatus.PARKED:
+            break
+        assert set(_step(scheduler, slots)) == {"on-b"}
+    assert parked.status == RequestStatus.WAITING and parked.block_ids == []
+    assert parked.num_preemptions == 1 and scheduler.requests["on-b"].num_preemptions == 0
+    assert scheduler.requests["on-b"].status == RequestStatus.RUNNING
+
+
+def test_aborting_a_parked_request_frees_its_blocks() -> None:
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _turns(slots, turn_steps=1)
+    _start(scheduler, slots, _request("a1", "a"))
+    scheduler.add_request(_request("on-b", "b"))
+    _step(scheduler, slots)
+    _step(scheduler, slots)
+    assert [r.request_id for r in scheduler.parked] == ["a1"]
+    free = len(scheduler.blocks.free_blocks)
+    scheduler.abort_requests(["a1"])
+    assert not scheduler.parked and "a1" not in scheduler.requests
+    assert len(scheduler.blocks.free_blocks) > free
+    assert scheduler.unfinished_requests() == [scheduler.requests["on-b"]]
+
+
+@pytest.mark.parametrize("blocks", [4, 5, 6, 8])
+@pytest.mark.parametrize("turn_steps", [1, 2, 3])
+def test_turns_under_block_pressure_always_make_progress(blocks: int, turn_steps: int) -> None:
+    """Two adapters on one slot in a pool too small for both: whatever is parked or
+    preempted, every step runs something until every request has all its tokens."""
+    slots = FakeSlots(1, resident={"a": 0}, known={"b", "c"})
+    scheduler = _turns(slots, turn_steps=turn_steps, blocks=blocks)
+    requests = [_request(f"r{i}", "abc"[i % 3], max_tokens=10) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(400):
+        if not scheduler.has_unfinished_requests():
+            break
+        assert _step(scheduler, slots), (
+            f"an empty step: parked {[r.request_id for r in scheduler.parked]}, free "
+            f"{len(scheduler.blocks.free_blocks)}, waiting {_waiting(scheduler)}"
+        )
+    assert not scheduler.has_unfinished_requests()
+    assert all(len(r.output_token_ids) == 10 for r in requests)
+
+
+def test_parked_requests_holding_every_block_with_nothing_running_are_recomputed() -> None:
+    # 3 blocks of 4: "a1" (8 prompt tokens) holds 2, "b1" (4) holds 1, both at a block's end.
+    slots = FakeSlots(2, resident={"a": 0, "b": 1})
+    scheduler = _turns(slots, blocks=3)
+    a1 = _request("a1", "a")
+    a1.prompt_token_ids = list(range(500, 508))
+    _start(scheduler, slots, a1, _request("b1", "b"))
+    assert not scheduler.blocks.free_blocks
+    for request in list(scheduler.running):  # both parked: nothing runs to preempt them
+        scheduler.running.remove(request)
+        request.status = RequestStatus.PARKED
+        scheduler.parked.append(request)
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"a1"}, "the oldest is recomputed at once, not left to wait forever"
+    assert scheduler.requests["a1"].num_preemptions == 1  # (its own cached blocks shorten it)
+    assert _waiting(scheduler) == ["b1"] and not scheduler.parked
+
+
+def test_the_queue_claims_a_slot_before_parked_requests_until_one_is_overdue() -> None:
+    """A request with no token yet goes before one that has been streaming; but a stream of
+    new adapters cannot hold a parked request back for more than PARKED_PATIENCE_TURNS."""
+    slots = FakeSlots(1, resident={"a": 0}, known={f"n{i}" for i in range(20)})
+    scheduler = _turns(slots, turn_steps=1)
+    _start(scheduler, slots, _request("a1", "a"))
+    parked_at = resumed_at = None
+    ran_while_parked: list[str] = []
+    for i in range(20):
+        scheduler.add_request(_request(f"new{i}", f"n{i}"))  # a new adapter every step
+        ran = _step(scheduler, slots)
+        if parked_at is None and scheduler.requests["a1"].status == RequestStatus.PARKED:
+            parked_at = scheduler.steps
+        elif parked_at is not None and "a1" in ran:
+            resumed_at = scheduler.steps
+            break
+        if parked_at is not None:
+            ran_while_parked += ran
+    assert parked_at is not None and resumed_at is not None
+    assert ran_while_parked[:2] == ["new0", "new1"], "the queue went first while it could"
+    assert resumed_at - parked_at <= PARKED_PATIENCE_TURNS * 1 + 2, "held back too long"

@@ -104,6 +104,7 @@ SERVE_EVERYTHING = (
     "--max-loras=2",
     "--max-cpu-loras=3",
     "--max-lora-rank=8",
+    "--lora-turn-steps=3",
     "--lora-modules",
     "a=/adapters/a",
     "b=/adapters/b",

@@ -160,9 +160,10 @@ def test_a_busy_adapter_is_drained_for_a_deferred_one_instead_of_starving_it(
 ) -> None:
     """One slot, a's request running, then b's and another a's arrive. Admitting the second a
     at once would keep the slot busy and b waiting for as long as a's keep coming; instead the
-    slot drains: b runs when the first a finishes, the second a after b."""
+    slot drains: b runs when the first a finishes, the second a after b (without turns: with
+    them the first a would be parked for b, tests/engine/test_scheduler_policy.py)."""
     a, b = requests[:2]
-    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2, lora_turn_steps=0) as llm:
         llm.generate([PROMPT], GREEDY, lora_request=a)
         llm.engine.call(AddLoRA(b.name, b.path))
         _lifecycle(llm)

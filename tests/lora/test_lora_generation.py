@@ -90,3 +90,16 @@ def test_chunked_prefill_changes_no_adapter_output(
         with lora_llm(tiny_llama_dir, max_loras=3, max_num_seqs=8, **options) as llm:
             outputs.append(_tokens(llm.generate(prompts, GREEDY, lora_request=requests)))
     assert outputs[0] == outputs[1]
+
+
+def test_adapters_taking_turns_on_one_slot_change_no_output(
+    tiny_llama_dir: Path, mixed_adapters: list[Path], alone: list[list[int]]
+) -> None:
+    """One slot, three adapters and turns of 2 steps: requests are parked mid-answer and
+    resumed from their kept KV blocks, and every answer is still what it is alone."""
+    with lora_llm(tiny_llama_dir, max_loras=1, lora_turn_steps=2) as llm:
+        got = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=_requests(mixed_adapters)))
+        scheduler = llm.engine.client.core.scheduler
+        assert scheduler.num_parked >= 2, "the adapters never took turns"
+        assert scheduler.num_preemptions == 0
+    assert got == alone

@@ -105,6 +105,7 @@ class Scheduler:
         self.num_parked = 0  # requests parked so far (one request may be parked many times)
         self.steps = 0
         self.drain_since = 0
+        self.drain_parks = True
         # Requests the scheduler itself ended (their adapter could not be served).
         self.rejected: list[Request] = []
         # The adapter whose slot is being freed for a deferred request (takes no new requests).
@@ -238,10 +239,10 @@ class Scheduler:
                     self._release(request)
                     deferred.append(request)
                     continue
-                if slot is None:
+                if slot is None:  # no slot, or (not ready) no room in the host tier
                     self._release(request)
                     deferred.append(request)
-                    self._start_drain(running)
+                    self._start_drain(running, parks=ready)
                     continue
                 request.lora_slot = slot
                 active.add(request.lora_name)
@@ -276,17 +277,21 @@ class Scheduler:
             return None  # one adapter too many for this batch
         return self.adapters.acquire(name, active)
 
-    def _start_drain(self, running: collections.Counter[str]) -> None:
-        """A request waits for a slot: drain one, unless one is being drained already."""
+    def _start_drain(self, running: collections.Counter[str], parks: bool = True) -> None:
+        """A request waits for a slot (`parks`: the drained adapter is parked after its turn)
+        or for room in the host tier (it is not: a parked adapter keeps its place there, so
+        only requests finishing make room): drain one, unless one is being drained already."""
         if self.draining is None:
             self.draining = self._drain_target(running)
-            self.drain_since = self.steps
+            self.drain_since, self.drain_parks = self.steps, parks
+        elif parks and not self.drain_parks:
+            self.drain_since, self.drain_parks = self.steps, True
 
     def _park_drained(self) -> str | None:
         """After `lora_turn_steps` steps of draining, the drained adapter's running requests
         leave the batch, keeping their blocks; returns that adapter (None: nothing parked)."""
         name = self.draining
-        if name is None or self.lora_turn_steps <= 0:
+        if name is None or self.lora_turn_steps <= 0 or not self.drain_parks:
             return None
         if self.steps - self.drain_since < self.lora_turn_steps:
             return None

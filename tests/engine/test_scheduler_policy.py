@@ -575,3 +575,20 @@ def test_the_queue_claims_a_slot_before_parked_requests_until_one_is_overdue() -
     assert parked_at is not None and resumed_at is not None
     assert ran_while_parked[:2] == ["new0", "new1"], "the queue went first while it could"
     assert resumed_at - parked_at <= PARKED_PATIENCE_TURNS * 1 + 2, "held back too long"
+
+
+def test_waiting_for_room_in_the_host_tier_parks_no_one() -> None:
+    """Parking frees a slot, not a place in the host tier (a parked adapter keeps its place):
+    a request waiting for host room drains an adapter but lets its requests finish."""
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    slots.no_room.add("b")
+    scheduler = _turns(slots, turn_steps=1)
+    _start(scheduler, slots, _request("a1", "a", max_tokens=20))
+    scheduler.add_request(_request("on-b", "b"))
+    for _ in range(4):
+        assert set(_step(scheduler, slots)) == {"a1"}
+        assert scheduler.draining == "a" and not scheduler.parked
+    slots.no_room.discard("b")  # room now: from here on it waits for the slot, as usual
+    assert set(_step(scheduler, slots)) == {"a1"}
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"on-b"} and [r.request_id for r in scheduler.parked] == ["a1"]

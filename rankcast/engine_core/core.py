@@ -410,7 +410,7 @@ class EngineCore:
         return sum(1 for r in self.scheduler.unfinished_requests() if r.lora_name == name)
 
     def _running_adapters(self) -> set[str]:
-        return {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
+        return self.scheduler.adapters_in_flight()
 
     def _lora_registry(self) -> LoRARegistry:
         if self.loras is None:

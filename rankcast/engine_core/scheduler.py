@@ -16,12 +16,11 @@ adapter cannot hold its slot forever against a deferred one, the scheduler then 
 the running adapter with the fewest running requests (not pinned) takes no new requests until
 they finish, and its slot goes to the adapter that waited. With `--lora-turn-steps N` it waits
 at most N steps: then the drained adapter's running requests are parked (kept with their KV
-blocks and their place, out of the batch) and its slot changes hands; its place in the host
-tier too, where a read finds no other room (it is read again to resume: 10-30 ms against a
-turn of a few hundred). Parked requests take a slot back in turn the same way (a parked
-adapter waiting for a slot drains another), after the queue's requests unless one has waited
-PARKED_PATIENCE_TURNS turns, so adapters share the slots by turns of at least N steps instead
-of by whole requests. Parked requests are the first to be preempted when blocks run out.
+blocks and their place, out of the batch) and its slot changes hands; parked requests take a
+slot back in turn the same way (a parked adapter waiting for a slot drains another), after the
+queue's requests unless one has waited PARKED_PATIENCE_TURNS turns, so adapters share the slots
+by turns of at least N steps instead of by whole requests. Parked requests are the first to be
+preempted when blocks run out.
 """
 
 from __future__ import annotations
@@ -106,6 +105,7 @@ class Scheduler:
         self.num_parked = 0  # requests parked so far (one request may be parked many times)
         self.steps = 0
         self.drain_since = 0
+        self.drain_parks = True
         # Requests the scheduler itself ended (their adapter could not be served).
         self.rejected: list[Request] = []
         # The adapter whose slot is being freed for a deferred request (takes no new requests).
@@ -162,6 +162,11 @@ class Scheduler:
     def unfinished_requests(self) -> list[Request]:
         return [*self.running, *self.parked, *self.waiting]
 
+    def adapters_in_flight(self) -> set[str]:
+        """Adapters of running and parked requests: the host tier keeps them (a parked
+        request resumes from there), though a parked one's device slot may go to another."""
+        return {r.lora_name for r in (*self.running, *self.parked) if r.lora_name is not None}
+
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
         self.blocks.free(request)
@@ -203,6 +208,7 @@ class Scheduler:
         if self.draining not in running:
             self.draining = None  # drained: its slot is free for the request that waited
         active = set(running)
+        parked = {r.lora_name for r in self.parked if r.lora_name is not None}
         in_flight = len(self.running) + len(self.parked)
         while self.waiting and in_flight + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -223,7 +229,7 @@ class Scheduler:
                 try:
                     # Adapters running, in this batch, or wanted by requests ahead stay put.
                     wanted = {r.lora_name for r in deferred if r.lora_name is not None}
-                    state = self._host_state(request.lora_name, active | wanted)
+                    state = self._adapter_ready(request.lora_name, active | wanted | parked)
                     ready = state == "ready"
                     slot = self._adapter_slot(request.lora_name, active) if ready else None
                 except ValueError as exc:
@@ -233,10 +239,10 @@ class Scheduler:
                     self._release(request)
                     deferred.append(request)
                     continue
-                if slot is None:
+                if slot is None:  # no slot, or (not ready) no room in the host tier
                     self._release(request)
                     deferred.append(request)
-                    self._start_drain(running)
+                    self._start_drain(running, parks=ready)
                     continue
                 request.lora_slot = slot
                 active.add(request.lora_name)
@@ -265,34 +271,27 @@ class Scheduler:
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
         return self.adapters.prepare(name, protected)
 
-    def _host_state(self, name: str, protected: set[str]) -> AdapterState:
-        """`prepare` keeping parked adapters' host places as well as `protected`, unless that
-        leaves no room: then one of them goes (it is read again to resume). Measured in
-        bench/routing.py's adapter part: never giving them up left the slowest requests waiting
-        seconds for room; always, read adapters from disk 4x as often for the same TTFT p50."""
-        parked = {r.lora_name for r in self.parked if r.lora_name is not None} - {name}
-        state = self._adapter_ready(name, protected | parked)
-        if state == "no_room" and parked - protected:
-            state = self._adapter_ready(name, protected)
-        return state
-
     def _adapter_slot(self, name: str, active: set[str]) -> int | None:
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
         if name not in active and len(active) >= self.adapters.max_loras:
             return None  # one adapter too many for this batch
         return self.adapters.acquire(name, active)
 
-    def _start_drain(self, running: collections.Counter[str]) -> None:
-        """A request waits for a slot: drain one, unless one is being drained already."""
+    def _start_drain(self, running: collections.Counter[str], parks: bool = True) -> None:
+        """A request waits for a slot (`parks`: the drained adapter is parked after its turn)
+        or for room in the host tier (it is not: a parked adapter keeps its place there, so
+        only requests finishing make room): drain one, unless one is being drained already."""
         if self.draining is None:
             self.draining = self._drain_target(running)
-            self.drain_since = self.steps
+            self.drain_since, self.drain_parks = self.steps, parks
+        elif parks and not self.drain_parks:
+            self.drain_since, self.drain_parks = self.steps, True
 
     def _park_drained(self) -> str | None:
         """After `lora_turn_steps` steps of draining, the drained adapter's running requests
         leave the batch, keeping their blocks; returns that adapter (None: nothing parked)."""
         name = self.draining
-        if name is None or self.lora_turn_steps <= 0:
+        if name is None or self.lora_turn_steps <= 0 or not self.drain_parks:
             return None
         if self.steps - self.drain_since < self.lora_turn_steps:
             return None
@@ -326,6 +325,7 @@ class Scheduler:
         if self.draining not in running:
             self.draining = None
         active = set(running)
+        protected = active | {r.lora_name for r in self.parked if r.lora_name is not None}
         for request in list(self.parked):
             assert request.lora_name is not None, "only adapters' requests are parked"
             if request.lora_name in (skip, self.draining):
@@ -335,14 +335,14 @@ class Scheduler:
             if count == 0 or not self.blocks.can_allocate(request, need):
                 continue
             try:
-                state = self._host_state(request.lora_name, active)
-                slot = self._adapter_slot(request.lora_name, active) if state == "ready" else None
+                ready = self._adapter_ready(request.lora_name, protected) == "ready"
+                slot = self._adapter_slot(request.lora_name, active) if ready else None
             except ValueError as exc:  # unregistered meanwhile cannot happen: it is in use
                 self.parked.remove(request)
                 self._reject(request, str(exc))
                 continue
             if slot is None:
-                if state != "reading":  # no slot, or no room in the host tier to read it
+                if ready:
                     self._start_drain(running)
                 continue
             request.lora_slot = slot

@@ -49,9 +49,6 @@ class FakeSlots:
         self.reading = set()
         self.reads_started = []
         self.no_room: set[str] = set()
-        self.prepared: list[tuple[str, frozenset[str]]] = []  # prepare(name, protected)
-        # With `no_room`: room after all once one of these may go (not protected).
-        self.no_room_unless_free: set[str] = set()
 
     # Adapters still being read from disk (not ready for a slot), and reads started;
     # adapters whose read cannot start (the host tier holds only adapters that must stay).
@@ -59,10 +56,9 @@ class FakeSlots:
     reads_started: list[str]
 
     def prepare(self, name: str, protected: set[str]) -> str:
-        self.prepared.append((name, frozenset(protected)))
         if name not in self.known:
             raise ValueError(f"unknown LoRA adapter {name!r}")
-        if name in self.no_room and not (self.no_room_unless_free - set(protected)):
+        if name in self.no_room:
             return "no_room"
         if name in self.reading:
             if name not in self.reads_started:
@@ -581,37 +577,18 @@ def test_the_queue_claims_a_slot_before_parked_requests_until_one_is_overdue() -
     assert resumed_at - parked_at <= PARKED_PATIENCE_TURNS * 1 + 2, "held back too long"
 
 
-def test_a_parked_adapter_gives_up_its_host_place_only_for_a_read_with_no_other_room() -> None:
-    """A parked adapter keeps its host place while the tier has another to give; where it has
-    none, a read a waiting request needs may take the parked adapter's (holding it would keep
-    the request waiting for whole requests to finish); to resume, it is read again first."""
-    slots = FakeSlots(1, resident={"a": 0}, known={"b", "c", "d"})
+def test_waiting_for_room_in_the_host_tier_parks_no_one() -> None:
+    """Parking frees a slot, not a place in the host tier (a parked adapter keeps its place):
+    a request waiting for host room drains an adapter but lets its requests finish."""
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    slots.no_room.add("b")
     scheduler = _turns(slots, turn_steps=1)
-    _start(scheduler, slots, _request("a1", "a"))
-    scheduler.add_request(_request("on-b", "b", max_tokens=4))
-    _step(scheduler, slots)
-    _step(scheduler, slots)  # "a1" parked, "on-b" runs
-    assert [r.request_id for r in scheduler.parked] == ["a1"]
-    slots.reading.add("c")  # the tier has room: "c"'s read starts, "a" keeps its place
-    slots.no_room.add("d")  # no room unless "a" may go
-    slots.no_room_unless_free.add("a")
-    scheduler.add_request(_request("on-c", "c"))
-    scheduler.add_request(_request("on-d", "d"))
-    _step(scheduler, slots)
-    asked = {name: [p for n, p in slots.prepared if n == name] for name in "cd"}
-    assert len(asked["c"]) == 1 and "a" in asked["c"][0], "a parked place given for nothing"
-    assert len(asked["d"]) == 2 and "a" in asked["d"][0], "asked first keeping parked places"
-    assert "a" not in asked["d"][1] and "c" in asked["d"][1], "then without them, but no more"
-    # Say the read for "d" took "a"'s host place: "a1" waits for "a" to be read again.
-    slots.no_room.clear()
-    slots.reading.add("a")
-    while "on-b" in scheduler.requests:
-        assert "a1" not in _step(scheduler, slots)
-    assert "a" in slots.reads_started
-    slots.reading.clear()
-    ran = {}
-    for _ in range(20):
-        ran = _step(scheduler, slots)
-        if "a1" in ran:
-            break
-    assert "a1" in ran and scheduler.requests["a1"].num_preemptions == 0, "KV kept throughout"
+    _start(scheduler, slots, _request("a1", "a", max_tokens=20))
+    scheduler.add_request(_request("on-b", "b"))
+    for _ in range(4):
+        assert set(_step(scheduler, slots)) == {"a1"}
+        assert scheduler.draining == "a" and not scheduler.parked
+    slots.no_room.discard("b")  # room now: from here on it waits for the slot, as usual
+    assert set(_step(scheduler, slots)) == {"a1"}
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"on-b"} and [r.request_id for r in scheduler.parked] == ["a1"]

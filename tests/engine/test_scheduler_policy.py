@@ -421,12 +421,20 @@ def _turns(slots: FakeSlots, turn_steps: int = 2, blocks: int = 256) -> Schedule
     return Scheduler(config, BlockManager(blocks, 4), 1024, slots, lora_turn_steps=turn_steps)
 
 
-def test_with_turns_a_waiting_adapter_runs_after_n_steps_and_the_holder_is_parked() -> None:
+def _b_waits_for_a(
+    turn_steps: int, blocks: int = 256, a_tokens: int = 100, b_tokens: int = 100
+) -> tuple[FakeSlots, Scheduler]:
+    """One slot held by "a", whose request "a1" runs; "on-b" has just arrived for it."""
     slots = FakeSlots(1, resident={"a": 0}, known={"b"})
-    scheduler = _turns(slots, turn_steps=2)
-    _start(scheduler, slots, _request("a1", "a"))
+    scheduler = _turns(slots, turn_steps=turn_steps, blocks=blocks)
+    _start(scheduler, slots, _request("a1", "a", max_tokens=a_tokens))
+    scheduler.add_request(_request("on-b", "b", max_tokens=b_tokens))
+    return slots, scheduler
+
+
+def test_with_turns_a_waiting_adapter_runs_after_n_steps_and_the_holder_is_parked() -> None:
+    slots, scheduler = _b_waits_for_a(2)
     holder = scheduler.requests["a1"]
-    scheduler.add_request(_request("on-b", "b"))
     assert set(_step(scheduler, slots)) == {"a1"}  # "on-b" waits: "a" drains
     assert scheduler.draining == "a"
     assert set(_step(scheduler, slots)) == {"a1"}  # the first step of "a"'s last turn
@@ -441,10 +449,7 @@ def test_with_turns_a_waiting_adapter_runs_after_n_steps_and_the_holder_is_parke
 
 
 def test_parked_requests_take_their_turn_back_and_go_on_where_they_stopped() -> None:
-    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
-    scheduler = _turns(slots, turn_steps=2)
-    _start(scheduler, slots, _request("a1", "a", max_tokens=20))
-    scheduler.add_request(_request("on-b", "b", max_tokens=20))
+    slots, scheduler = _b_waits_for_a(2, a_tokens=20, b_tokens=20)
     for _ in range(3):
         _step(scheduler, slots)  # "a1" runs two more steps, then is parked for "on-b"
     holder = scheduler.requests["a1"]
@@ -469,10 +474,7 @@ def test_parked_requests_take_their_turn_back_and_go_on_where_they_stopped() -> 
 
 
 def test_with_no_one_waiting_for_its_slot_a_parked_adapter_runs_again_at_once() -> None:
-    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
-    scheduler = _turns(slots, turn_steps=2)
-    _start(scheduler, slots, _request("a1", "a"))
-    scheduler.add_request(_request("on-b", "b"))
+    slots, scheduler = _b_waits_for_a(2)
     _step(scheduler, slots)
     scheduler.abort_requests(["on-b"])  # the request that waited went away
     assert set(_step(scheduler, slots)) == {"a1"}
@@ -482,10 +484,7 @@ def test_with_no_one_waiting_for_its_slot_a_parked_adapter_runs_again_at_once() 
 
 def test_a_parked_request_is_preempted_before_any_running_one_when_blocks_run_out() -> None:
     # 12 blocks of 4 tokens: "a1" parks holding 2, "on-b" grows until the pool is empty.
-    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
-    scheduler = _turns(slots, turn_steps=1, blocks=12)
-    _start(scheduler, slots, _request("a1", "a", max_tokens=200))
-    scheduler.add_request(_request("on-b", "b", max_tokens=200))
+    slots, scheduler = _b_waits_for_a(1, blocks=12, a_tokens=200, b_tokens=200)
     _step(scheduler, slots)
     _step(scheduler, slots)
     parked = scheduler.requests["a1"]
@@ -501,10 +500,7 @@ def test_a_parked_request_is_preempted_before_any_running_one_when_blocks_run_ou
 
 
 def test_aborting_a_parked_request_frees_its_blocks() -> None:
-    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
-    scheduler = _turns(slots, turn_steps=1)
-    _start(scheduler, slots, _request("a1", "a"))
-    scheduler.add_request(_request("on-b", "b"))
+    slots, scheduler = _b_waits_for_a(1)
     _step(scheduler, slots)
     _step(scheduler, slots)
     assert [r.request_id for r in scheduler.parked] == ["a1"]

@@ -396,7 +396,7 @@ MUTANTS = [
         "no-lora-turns",
         "A drained adapter's requests are parked after --lora-turn-steps, KV kept",
         "rankcast/engine_core/scheduler.py",
-        "        if name is None or self.lora_turn_steps <= 0:",
+        "        if name is None or self.lora_turn_steps <= 0 or not self.drain_parks:",
         "        if True:",
         ("tests/engine/test_scheduler_policy.py", "tests/lora/test_lora_generation.py"),
     ),

@@ -165,7 +165,11 @@ class Scheduler:
     def adapters_in_flight(self) -> set[str]:
         """Adapters of running and parked requests: the host tier keeps them (a parked
         request resumes from there), though a parked one's device slot may go to another."""
-        return {r.lora_name for r in (*self.running, *self.parked) if r.lora_name is not None}
+        running = {r.lora_name for r in self.running if r.lora_name is not None}
+        return running | self._parked_adapters()
+
+    def _parked_adapters(self) -> set[str]:
+        return {r.lora_name for r in self.parked if r.lora_name is not None}
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
@@ -208,7 +212,7 @@ class Scheduler:
         if self.draining not in running:
             self.draining = None  # drained: its slot is free for the request that waited
         active = set(running)
-        parked = {r.lora_name for r in self.parked if r.lora_name is not None}
+        parked = self._parked_adapters()
         in_flight = len(self.running) + len(self.parked)
         while self.waiting and in_flight + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -325,7 +329,7 @@ class Scheduler:
         if self.draining not in running:
             self.draining = None
         active = set(running)
-        protected = active | {r.lora_name for r in self.parked if r.lora_name is not None}
+        protected = active | self._parked_adapters()
         for request in list(self.parked):
             assert request.lora_name is not None, "only adapters' requests are parked"
             if request.lora_name in (skip, self.draining):
@@ -337,7 +341,7 @@ class Scheduler:
             try:
                 ready = self._adapter_ready(request.lora_name, protected) == "ready"
                 slot = self._adapter_slot(request.lora_name, active) if ready else None
-            except ValueError as exc:  # unregistered meanwhile cannot happen: it is in use
+            except ValueError as exc:  # its adapter was dropped meanwhile: refused, as queued
                 self.parked.remove(request)
                 self._reject(request, str(exc))
                 continue

@@ -11,11 +11,22 @@ from rankcast import kernels
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def device_for_rank(local_rank: int) -> torch.device:
-    """One CUDA device per local rank when torch sees CUDA, the CPU otherwise."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+def device_for_rank(local_rank: int, ranks_per_engine: int = 1) -> torch.device:
+    """One CUDA device per local rank when torch sees CUDA, the CPU otherwise.
+
+    Data-parallel engines may share a GPU (each is a world of its own), but the ranks of one
+    engine may not: NCCL refuses two ranks of a group on one device, with an error about
+    duplicate GPUs that names neither the flag nor the fix, so this says both first."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if ranks_per_engine > count:
+        raise RuntimeError(
+            f"{ranks_per_engine} ranks per engine (--tensor-parallel-size x "
+            f"--pipeline-parallel-size) need as many CUDA devices, and this machine has {count}: "
+            "lower the parallel sizes, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on the CPU"
+        )
+    return torch.device("cuda", local_rank % count)
 
 
 def cpu_has_fast_bf16() -> bool:

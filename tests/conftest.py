@@ -7,6 +7,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -107,10 +108,19 @@ def embedded_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Path:
-    return write_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=embedded_model_dir
-    )
+def tokenizer_source(request: pytest.FixtureRequest) -> Path:
+    """Where the tiny models' tokenizer comes from: the embedded model's, or the directory
+    RANKCAST_TEST_TOKENIZER_DIR names (a machine without the embedded model, such as the GPU
+    machine the CUDA tests run on, which cannot take its 98 MB file along)."""
+    given = os.environ.get("RANKCAST_TEST_TOKENIZER_DIR")
+    if given:
+        return Path(given)
+    return cast(Path, request.getfixturevalue("embedded_model_dir"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=tokenizer_source)
 
 
 @pytest.fixture(scope="session")

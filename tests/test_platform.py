@@ -85,3 +85,22 @@ def test_adapters_compute_in_float32_where_half_precision_matmuls_are_emulated(
     monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: True)
     assert platform.lora_compute_dtype(torch.bfloat16, cpu) == torch.bfloat16
     assert platform.lora_compute_dtype(torch.float16, cpu) == torch.float32
+
+
+def test_ranks_of_one_engine_get_a_gpu_each_and_engines_may_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device choice on a GPU machine (the count patched: these machines have none; the
+    real run is tests/test_cuda.py). Data-parallel engines wrap around the GPUs; one engine
+    asking for more ranks than GPUs is refused with the flags and the way out named."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert platform.device_for_rank(0, 2) == torch.device("cuda", 0)
+    assert platform.device_for_rank(1, 2) == torch.device("cuda", 1)
+    assert platform.device_for_rank(3, 1) == torch.device("cuda", 1)  # engine 3 of DP 4
+    with pytest.raises(RuntimeError, match=r"3 ranks per engine .* this machine has 2") as refused:
+        platform.device_for_rank(0, 3)
+    assert "--tensor-parallel-size" in str(refused.value)
+    assert "CUDA_VISIBLE_DEVICES" in str(refused.value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert platform.device_for_rank(5, 8) == torch.device("cpu")

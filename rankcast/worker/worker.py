@@ -106,7 +106,7 @@ class Worker:
         """Pick the device and precision, and give this rank its share of the cores: threads
         capped so ranks do not oversubscribe them, and bound to them where that applies
         (`platform.cpus_for_rank`)."""
-        self.device = platform.device_for_rank(self.local_rank)
+        self.device = platform.device_for_rank(self.local_rank, self.config.parallel.world_size)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         parallel = self.config.parallel

@@ -48,10 +48,33 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-def cflags(isa: str | None = None) -> tuple[str, ...]:
+# Choices measured to differ between Intel's and AMD's memory systems, by /proc/cpuinfo's
+# vendor_id (docs/cpu-paths.md). A decode tile's read-ahead (csrc/gemm.h, `prefetch_ahead`) is
+# non-temporal on AMD, as measured on Zen 5, and PREFETCHT0 on Intel: on an Emerald Rapids Xeon
+# (2 pinned cores) non-temporal lines left the single-row linears 1.4-2.5x slower than
+# PREFETCHT0, and a single stream ran at 35.6 against 60.6 tok/s end to end.
+VENDOR_CFLAGS: dict[str, tuple[str, ...]] = {
+    "GenuineIntel": ("-DRANKCAST_DECODE_PREFETCH_LOCALITY=3",),
+}
+
+
+def cflags(isa: str | None = None, vendor: str | None = None) -> tuple[str, ...]:
     """The compiler flags of the build for RANKCAST_KERNELS_ISA (`isa`, default the
-    environment's)."""
-    return CFLAGS + ISA_LEVELS[envs.kernels_isa() if isa is None else isa][1]
+    environment's) on a CPU of `vendor` (default this one's)."""
+    chosen = ISA_LEVELS[envs.kernels_isa() if isa is None else isa][1]
+    return CFLAGS + chosen + VENDOR_CFLAGS.get(cpu_vendor() if vendor is None else vendor, ())
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or "" where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
 def isa_runs_here(isa: str) -> bool:

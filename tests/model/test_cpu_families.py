@@ -113,3 +113,15 @@ def test_a_named_kernels_build_is_loaded_instead_of_this_checkouts() -> None:
     assert (
         "RANKCAST_KERNELS_LIBRARY" in missing.stderr and ".missing: no such file" in missing.stderr
     )
+
+
+def test_a_decodes_read_ahead_follows_the_cpu_vendor() -> None:
+    """Intel builds read a decode's weights ahead with PREFETCHT0, AMD's non-temporally (each
+    measured faster on its own vendor's CPUs: docs/cpu-paths.md). The flag is one of the
+    build's compiler flags, so it is part of the build's key as well."""
+    intel = kernels.cflags("native", "GenuineIntel")
+    amd = kernels.cflags("native", "AuthenticAMD")
+    assert "-DRANKCAST_DECODE_PREFETCH_LOCALITY=3" in intel
+    assert not any("PREFETCH_LOCALITY" in flag for flag in amd)
+    assert kernels.cflags("avx2", "GenuineIntel")[-1] == "-DRANKCAST_DECODE_PREFETCH_LOCALITY=3"
+    assert kernels.cflags() == kernels.cflags(vendor=kernels.cpu_vendor())

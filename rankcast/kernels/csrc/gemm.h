@@ -29,7 +29,18 @@ constexpr int kRows = 8;  // rows of x per register tile: 8 x 3 accumulators + 3
 constexpr int kRows = 32;
 #endif
 constexpr int kRowBlock = 32;  // rows that share one pass over a column group
+// A decode tile's read-ahead hint: 0 (non-temporal) unless the build sets it by CPU vendor
+// (rankcast/kernels/__init__.py, VENDOR_CFLAGS: 3, PREFETCHT0, on Intel).
+#ifndef RANKCAST_DECODE_PREFETCH_LOCALITY
+#define RANKCAST_DECODE_PREFETCH_LOCALITY 0
+#endif
 constexpr int kOverlapRows = 4;  // fewer rows than this: no next-group prefetch (see below)
+// The same for the 15-bit group kernels (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): unpacking and
+// scaling their groups is enough arithmetic per weight byte that even one row gains from the
+// overlap. SmolLM2's decode step alone on the 2-core Zen 4 (bench/decode_step.py, builds
+// alternated, best of 4 rounds): q4_1 4.24 -> 3.64 ms, q8_0 6.08 -> 4.93 ms; bfloat16 weights,
+// already streamed at the probe's rate, went 8.03 -> 8.77 ms with it and keep kOverlapRows.
+constexpr int kGroupOverlapRows = 1;
 constexpr int kAhead = 1024;  // bytes a batch tile's panel stream is read ahead of use
 constexpr int kStreamAhead = 2048;  // the same for a decode's tile (fewer than kOverlapRows rows)
 constexpr int64_t kRunBytes = 512 * 1024;  // packed weight one thread works through per run
@@ -40,17 +51,32 @@ constexpr int64_t kRunBytes = 512 * 1024;  // packed weight one thread works thr
 // through the caches, and should not push out what is (the KV blocks attention reads, the
 // activations). That and a decode's contiguous stretches (packed_linear_impl) took a 4-bit
 // SmolLM2 decode step from 2.8-2.9 to 2.4-2.5 ms on the 2-core Zen 5 (the model's step alone,
-// builds alternated, 400 steps each; 1 KB with PREFETCHT0 before). A batch's tile reads ahead
-// only at the first group of a run, which its other row tiles then read from cache: it keeps
-// PREFETCHT0 1 KB ahead, as it was measured with.
-template <int Rows>
+// builds alternated, 400 steps each; 1 KB with PREFETCHT0 before). Not on Intel: on an Emerald
+// Rapids Xeon the same non-temporal stream left single-row linears 1.4-2.5x slower than
+// PREFETCHT0 2 KB ahead, so Intel builds take that (RANKCAST_DECODE_PREFETCH_LOCALITY above).
+// A batch's tile reads ahead only at the first group of a run, which its other row tiles then
+// read from cache: it keeps PREFETCHT0 1 KB ahead, as it was measured with.
+template <int Rows, int OverlapRows = kOverlapRows>
 inline void prefetch_ahead(const void* p) {
-  if constexpr (Rows < kOverlapRows) {
-    __builtin_prefetch(static_cast<const char*>(p) + kStreamAhead, 0, 0);
+  if constexpr (Rows < OverlapRows) {
+    __builtin_prefetch(static_cast<const char*>(p) + kStreamAhead, 0,
+                       RANKCAST_DECODE_PREFETCH_LOCALITY);
   } else {
     __builtin_prefetch(static_cast<const char*>(p) + kAhead);
   }
 }
+
+// The rows from which a family's tiles overlap the next group's stream with their arithmetic
+// (below): kOverlapRows, or the family's own `kOverlapRows` where its tiles do enough arithmetic
+// per weight byte to gain from it at fewer rows (the 15-bit group kernels, csrc/gemm_q4.cpp).
+template <typename Family, typename = void>
+struct OverlapRows {
+  static constexpr int value = kOverlapRows;
+};
+template <typename Family>
+struct OverlapRows<Family, std::void_t<decltype(Family::kOverlapRows)>> {
+  static constexpr int value = Family::kOverlapRows;
+};
 
 // Weight lines a tile pulls into cache for the column group after its own, spread over its k
 // loop: while the row tiles of a group compute on weights already in cache, the memory system
@@ -185,7 +211,7 @@ void packed_linear_impl(const typename Family::In* x, int64_t m, int64_t lda,
   // takes one contiguous stretch (up to kRunBytes) instead of a group at a time: a decode step's
   // projections are 0.2-1 MB, so single groups were 17 KB pieces that each started their streams
   // cold, and a stretch streams on from one group into the next.
-  const bool overlap = m >= kOverlapRows;
+  const bool overlap = m >= OverlapRows<Family>::value;
   const int64_t run = overlap ? std::clamp<int64_t>(groups / (threads * 4), 1, fits)
                               : std::clamp<int64_t>((groups + threads - 1) / threads, 1, fits);
   std::atomic<int64_t> next{0};

@@ -101,7 +101,7 @@ __attribute__((always_inline)) inline void rows_q4(const int8_t* a, int64_t lda,
       record[j] = b + j * panel_elems + g * kQ4GroupBytes;
       if (prefetch)
         for (int64_t line = 0; line < kQ4GroupBytes; line += 64)
-          prefetch_ahead<TileRows>(record[j] + line);
+          prefetch_ahead<TileRows, kGroupOverlapRows>(record[j] + line);
     }
     __m512i sum[R][NR];
     for (int i = 0; i < R; ++i)
@@ -171,7 +171,7 @@ __attribute__((noinline)) void q4_half(const int8_t* a, int64_t lda, const uint8
     const uint8_t* record = panel + g * kQ4GroupBytes;
     if (prefetch)
       for (int64_t line = 0; line < kQ4GroupBytes; line += 64)
-        prefetch_ahead<TileRows>(record + line);
+        prefetch_ahead<TileRows, kGroupOverlapRows>(record + line);
     __m256i w[8];
     for (int t = 0; t < 4; ++t) {
       const __m256i v =
@@ -231,6 +231,7 @@ inline void tile_q4(const int8_t* a, int64_t lda, const uint8_t* b, int64_t pane
 
 template <typename Out_>
 struct Q4Tiles {
+  static constexpr int kOverlapRows = kGroupOverlapRows;
   using In = int8_t;
   using W = uint8_t;
   using Out = Out_;

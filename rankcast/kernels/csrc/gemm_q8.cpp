@@ -88,7 +88,7 @@ __attribute__((always_inline)) inline void rows_q8(const int8_t* a, int64_t lda,
       record[j] = b + j * panel_elems + g * kQ8GroupBytes;
       if (prefetch)
         for (int64_t line = 0; line < kQ8GroupBytes; line += 64)
-          prefetch_ahead<TileRows>(record[j] + line);
+          prefetch_ahead<TileRows, kGroupOverlapRows>(record[j] + line);
     }
     __m512i sum[R][NR];
     for (int i = 0; i < R; ++i)
@@ -140,7 +140,7 @@ __attribute__((noinline)) void q8_half(const int8_t* a, int64_t lda, const int8_
     const int8_t* record = panel + g * kQ8GroupBytes;
     if (prefetch)
       for (int64_t line = 0; line < kQ8GroupBytes; line += 64)
-        prefetch_ahead<TileRows>(record + line);
+        prefetch_ahead<TileRows, kGroupOverlapRows>(record + line);
     const __m256 d =
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 16 * half)));
     __m256i sum[R];
@@ -193,6 +193,7 @@ inline void tile_q8(const int8_t* a, int64_t lda, const int8_t* b, int64_t panel
 
 template <typename Out_>
 struct Q8Tiles {
+  static constexpr int kOverlapRows = kGroupOverlapRows;
   using In = int8_t;
   using W = int8_t;
   using Out = Out_;

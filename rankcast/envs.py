@@ -139,11 +139,13 @@ def linear_kernel() -> str:
     """Which matmul every linear layer runs (rankcast/model/linear_kernels.py): `auto` (the
     default: rankcast's packed kernel wherever it is built for the dtype, batch-invariant),
     `rankcast`, `onednn` (oneDNN's prepacked matmul: on AMX CPUs faster for large batches, but a
-    request's results then depend on its batch) or `torch` (plain F.linear)."""
+    request's results then depend on its batch), `rows` (rankcast's kernel for steps of few rows,
+    oneDNN's for many: both speeds on AMX, results dependent on the batch) or `torch` (plain
+    F.linear)."""
     value = os.environ.get("RANKCAST_LINEAR_KERNEL", "auto").strip().lower() or "auto"
-    if value not in ("auto", "rankcast", "onednn", "torch"):
+    if value not in ("auto", "rankcast", "onednn", "rows", "torch"):
         raise ValueError(
-            f"RANKCAST_LINEAR_KERNEL must be auto, rankcast, onednn or torch, got {value!r}"
+            f"RANKCAST_LINEAR_KERNEL must be auto, rankcast, onednn, rows or torch, got {value!r}"
         )
     return value
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from rankcast.distributed import TensorParallelGroup
 from rankcast.model import ops
+from rankcast.model.linear_kernels import ROWS_SPLIT
 from rankcast.model.quantization import FOUR_BIT
 
 WeightLoader = Callable[..., None]
@@ -59,6 +60,9 @@ class PackedLinearMixin:
     weight is released unless another module reads it (see `prepack`)."""
 
     packed_weight: ops.PackedWeight | None = None
+    # Under the `rows` path (linear_kernels.py), oneDNN's packing beside rankcast's, for steps
+    # of ROWS_SPLIT rows or more.
+    tiles_weight: ops.PackedWeight | None = None
     weight: nn.Parameter  # the plain weight, which each layer defines
 
     def prepack(
@@ -71,7 +75,11 @@ class PackedLinearMixin:
         dtype and device (LoRA sizes its slots by them) over a single zero; where the kernel can,
         the packed copy takes over the plain one's storage instead of a buffer of its own.
         A `quantization` scheme (rankcast/model/quantization.py SCHEMES) stores
-        the weight quantized; the plain weight is then released like a packed one."""
+        the weight quantized; the plain weight is then released like a packed one. Under
+        "rows" it is packed for oneDNN first, then for rankcast's kernel."""
+        if kernel == "rows":
+            self.tiles_weight = ops.pack_linear_weight(weight.detach(), "onednn")
+            kernel = "rankcast"
         self.packed_weight = ops.pack_linear_weight(
             weight.detach(), kernel, reuse_storage=release_plain, quantization=quantization
         )
@@ -90,10 +98,12 @@ class PackedLinearMixin:
     ) -> torch.Tensor:
         if self.packed_weight is None:
             return F.linear(x, weight, bias)
-        if x.dim() == 2:
-            return ops.packed_linear(x, self.packed_weight, bias)
-        rows = ops.packed_linear(x.reshape(-1, x.shape[-1]), self.packed_weight, bias)
-        return rows.view(*x.shape[:-1], rows.shape[-1])
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        packed = self.packed_weight
+        if self.tiles_weight is not None and flat.shape[0] >= ROWS_SPLIT:
+            packed = self.tiles_weight
+        rows = ops.packed_linear(flat, packed, bias)
+        return rows if x.dim() == 2 else rows.view(*x.shape[:-1], rows.shape[-1])
 
 
 def _release(weight: nn.Parameter) -> None:

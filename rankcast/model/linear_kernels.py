@@ -21,7 +21,10 @@ from what a cache holds, because two rules depend on it:
 measurements behind it. On AMX CPUs oneDNN's tiles are faster for batches of many rows (the
 price of invariance there until rankcast has an AMX kernel of its own):
 `RANKCAST_LINEAR_KERNEL=onednn` chooses them for a deployment that wants that throughput and
-accepts batch-dependent results.
+accepts batch-dependent results, and `rows` keeps both packings and picks by the step's rows
+(rankcast's kernel below `ROWS_SPLIT`, the tiles from there): the single stream of the one and
+the batches of the other, results dependent on the batch, no weight snapshots (oneDNN's packing
+is made at every start), the weights in memory twice.
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ import torch
 from rankcast import kernels
 from rankcast.model.quantization import FOUR_BIT
 
-LINEAR_KERNELS = ("auto", "rankcast", "onednn", "torch")
+LINEAR_KERNELS = ("auto", "rankcast", "onednn", "rows", "torch")
+
+# `rows`: a step of fewer rows than this runs rankcast's kernel, a larger one oneDNN's. Measured
+# per shape on an Emerald Rapids Xeon (2 cores, bfloat16, SmolLM2's projections and LM head,
+# docs/cpu-paths.md): rankcast's kernel 1.7-3.6x faster at 4 rows, oneDNN's AMX tiles 1.1-2.0x at
+# 16; between them the kernel's time grows with the rows and the tiles' stays flat, crossing at
+# ~8 rows for the attention projections and ~12 for the MLP and the head.
+ROWS_SPLIT = 8
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,7 @@ class LinearPath:
     """The chosen path: which kernel, whether a request's results are then independent of the
     batch it runs in, and why it was chosen (for the start-up log)."""
 
-    kernel: str  # "rankcast", "onednn" or "torch"
+    kernel: str  # "rankcast", "onednn", "rows" (both packed, by the step's rows) or "torch"
     batch_invariant: bool
     reason: str
 
@@ -151,6 +161,18 @@ def choose_linear_path(
                 f"RANKCAST_LINEAR_KERNEL=onednn: oneDNN cannot pack {name} weights on this CPU"
             )
         return LinearPath("onednn", False, "forced by RANKCAST_LINEAR_KERNEL")
+    if setting == "rows":
+        if dtype not in facts.packed or dtype not in facts.onednn:
+            missing = "rankcast's kernel build" if dtype not in facts.packed else "oneDNN"
+            raise ValueError(
+                f"RANKCAST_LINEAR_KERNEL=rows needs both matmuls for {name} weights, and "
+                f"{missing} has none on this CPU"
+            )
+        why = (
+            f"rankcast's kernel below {ROWS_SPLIT} rows a step, oneDNN's from {ROWS_SPLIT}: "
+            "forced by RANKCAST_LINEAR_KERNEL"
+        )
+        return LinearPath("rows", False, why)
     if dtype in facts.packed:
         why = "forced by RANKCAST_LINEAR_KERNEL" if setting == "rankcast" else _WHY[facts.family]
         return LinearPath("rankcast", True, why)
@@ -171,9 +193,9 @@ def _quantized_path(
     the float kernels of csrc/gemm.cpp, "w8a8" through csrc/gemm_w8a8.cpp, "q4_0" and
     "q4_1" through csrc/gemm_q4.cpp, "q8_0" through csrc/gemm_q8.cpp); torch's reference
     arithmetic elsewhere (CUDA, kernels off)."""
-    if setting == "onednn":
+    if setting in ("onednn", "rows"):
         raise ValueError(
-            f"RANKCAST_LINEAR_KERNEL=onednn has no {scheme} path; --quantization {scheme} "
+            f"RANKCAST_LINEAR_KERNEL={setting} has no {scheme} path; --quantization {scheme} "
             "runs rankcast's kernel (or torch)"
         )
     on_cpu = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)

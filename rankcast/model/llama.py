@@ -27,6 +27,7 @@ from rankcast.model.layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
+from rankcast.model.linear_kernels import ROWS_SPLIT
 from rankcast.model.rotary import RotaryEmbedding
 
 # checkpoint suffix -> (stacked parameter suffix, shard id)
@@ -138,6 +139,9 @@ class LlamaForCausalLM(nn.Module):
         # Adapter slots on this stage's projections: a step where any of them adds a delta runs
         # the module path (the C++ stack has no LoRA); steps without adapters run the stack.
         self.fused_bypass: list[LinearDelta] = []
+        # Steps of at least this many tokens run the modules (the `rows` path: their linears
+        # take oneDNN's packing there); None: every step may run the stack.
+        self.fused_max_rows: int | None = None
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's layers, in order."""
@@ -154,6 +158,7 @@ class LlamaForCausalLM(nn.Module):
         Returns whether it could; the module path stays in use for everything else."""
         self.fused_layers = None
         self.fused_bypass = []
+        self.fused_max_rows = None
         layers = self.decoder_layers()
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
             return False
@@ -168,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
             ready = [w for w in packed if w is not None and w.backend == "rankcast"]
             if len(ready) != len(group):
                 return False
+            if any(p.tiles_weight is not None for p in group):
+                self.fused_max_rows = ROWS_SPLIT
             projections.append(ready)
         first = layers[0].self_attn.attn
         stack = torch.classes.rankcast.DecoderStack(
@@ -217,8 +224,11 @@ class LlamaForCausalLM(nn.Module):
             assert intermediate is not None
             hidden, residual = intermediate
         meta.cos_sin = self.rope.cos_sin
-        if self.fused_layers is not None and not any(
-            delta.adds_this_step() for delta in self.fused_bypass
+        fits = self.fused_max_rows is None or hidden.shape[0] < self.fused_max_rows
+        if (
+            self.fused_layers is not None
+            and fits
+            and not any(delta.adds_this_step() for delta in self.fused_bypass)
         ):
             hidden, residual = self.fused_layers.forward(
                 hidden,

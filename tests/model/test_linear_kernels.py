@@ -4,12 +4,26 @@ and the machine's own family through its real probes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from rankcast import kernels
 from rankcast.config import ConfigError, ParallelConfig
-from rankcast.model.linear_kernels import CpuFacts, LinearPath, choose_linear_path, cpu_family
+from rankcast.model.arch import ArchConfig
+from rankcast.model.linear_kernels import (
+    ROWS_SPLIT,
+    CpuFacts,
+    LinearPath,
+    choose_linear_path,
+    cpu_family,
+)
+from rankcast.model.llama import LlamaForCausalLM
+from rankcast.model.loader import load_model
+from rankcast.protocol import ScheduledSequence, SchedulerOutput
+from rankcast.worker.model_runner import ModelRunner
+from tests.conftest import write_tiny_model
 
 F32, BF16 = torch.float32, torch.bfloat16
 CPU = torch.device("cpu")
@@ -99,3 +113,63 @@ def test_a_bad_setting_stops_the_engine_at_configuration(monkeypatch: pytest.Mon
         ParallelConfig()
     monkeypatch.setenv("RANKCAST_LINEAR_KERNEL", "OneDNN")
     assert ParallelConfig().linear_kernel == "onednn"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rows_is_taken_where_both_matmuls_pack_the_dtype_and_refused_by_name_elsewhere(
+    family: str,
+) -> None:
+    """`rows` keeps both packings and picks by the step's rows, so it needs both: AMX and the
+    AVX-512 families for either dtype, AVX2 for float32 only (oneDNN packs no bfloat16 there),
+    nothing without the kernels; never batch-invariant, never for quantized weights."""
+    facts = FAMILIES[family]
+    for dtype in (F32, BF16):
+        if dtype in facts.packed and dtype in facts.onednn:
+            path = choose_linear_path(dtype, CPU, "rows", facts)
+            assert path.kernel == "rows" and not path.batch_invariant
+            assert f"below {ROWS_SPLIT} rows" in path.reason
+        else:
+            with pytest.raises(ValueError, match="RANKCAST_LINEAR_KERNEL=rows needs both"):
+                choose_linear_path(dtype, CPU, "rows", facts)
+    with pytest.raises(ValueError, match="RANKCAST_LINEAR_KERNEL=rows has no q4_1 path"):
+        choose_linear_path(BF16, CPU, "rows", facts, quantization="q4_1")
+
+
+def _tiny_step(
+    model_dir: Path, kernel: str, rows: int
+) -> tuple[torch.Tensor, set[str], LlamaForCausalLM]:
+    """One decode step of `rows` sequences after a 5-token prompt each, under the linear path
+    `kernel`: its logits, the names of the ops it ran (torch.profiler: the stack's kernels name
+    their ranges), and the model."""
+    arch = ArchConfig.from_model_dir(model_dir)
+    model = load_model(model_dir, arch, BF16, CPU, linear_kernel=kernel)
+    runner = ModelRunner(model, arch, 4, CPU, BF16)
+    runner.initialize_cache(4 * (rows + 1) + 4)
+    prompt = [5, 17, 200, 42, 9]
+    tables = [[2 * b + 1, 2 * b + 2] for b in range(rows)]
+    runner.compute_logits(SchedulerOutput([ScheduledSequence("r", prompt, 0, t) for t in tables]))
+    step = [ScheduledSequence("r", [7 + b], len(prompt), t) for b, t in enumerate(tables)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        logits = runner.compute_logits(SchedulerOutput(step))
+    return logits, {event.key for event in profile.key_averages()}, model
+
+
+def test_rows_runs_rankcasts_kernel_for_few_rows_and_onednns_for_many(tmp_path: Path) -> None:
+    """On a real model: a step below ROWS_SPLIT rows runs the C++ decoder stack on rankcast's
+    kernel (its bits), a step of ROWS_SPLIT rows or more runs every linear through oneDNN (its
+    bits), and neither touches the other's matmul."""
+    facts = CpuFacts.of_this_machine()
+    if BF16 not in facts.packed or BF16 not in facts.onednn:
+        pytest.skip("this CPU lacks one of the two bfloat16 matmuls")
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=256, seed=3)
+    few, many = ROWS_SPLIT - 1, ROWS_SPLIT + 1
+    got, ran, model = _tiny_step(model_dir, "rows", few)
+    assert model.fused_layers is not None and model.fused_max_rows == ROWS_SPLIT
+    assert "rankcast::packed_linear[qkv]" in ran and ONEDNN_OP not in ran
+    assert torch.equal(got, _tiny_step(model_dir, "rankcast", few)[0])
+    got, ran, _ = _tiny_step(model_dir, "rows", many)
+    assert ONEDNN_OP in ran and not any(name.startswith("rankcast::packed_linear") for name in ran)
+    assert torch.equal(got, _tiny_step(model_dir, "onednn", many)[0])
+
+
+ONEDNN_OP = "mkldnn::_linear_pointwise"

@@ -109,12 +109,17 @@ def linear_paths(model: torch.nn.Module) -> dict[str, str]:
     build's instruction set (docs/cpu-paths.md)."""
     from rankcast import kernels
     from rankcast.model.layers import packed_linears
+    from rankcast.model.linear_kernels import ROWS_SPLIT
 
     paths = {}
     for _, module, _ in packed_linears(model):
         out_features, in_features = module.weight.shape
         packed = module.packed_weight
-        paths[f"{out_features}x{in_features}"] = packed.backend if packed is not None else "torch"
+        path = packed.backend if packed is not None else "torch"
+        tiles = module.tiles_weight  # RANKCAST_LINEAR_KERNEL=rows
+        if tiles is not None:
+            path = f"{path} below {ROWS_SPLIT} rows, {tiles.backend} from {ROWS_SPLIT}"
+        paths[f"{out_features}x{in_features}"] = path
     if kernels.load():
         paths["kernel build"] = str(torch.ops.rankcast.build_isa())
     return paths

@@ -39,27 +39,10 @@ from tests.model.test_quantized_linears import ALL_SCHEMES, _as_if_from_a_4bit_f
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 
 GPU = torch.device("cuda", 0)
-EXTENSION = "tests.test_cuda:DeviceReport"
+EXTENSION = "tests.worker.device_report:DeviceReport"
 TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 42, 9], [1, 2, 3], [900, 800, 700, 600, 500, 400], [77, 78]]
-
-
-class DeviceReport:
-    """A worker extension: where this rank's model, cache and LoRA slots are."""
-
-    device: torch.device
-    dtype: torch.dtype
-    runner: ModelRunner
-
-    def device_report(self) -> dict[str, str]:
-        weights = {str(p.device) for p in self.runner.model.parameters() if p.numel()}
-        return {
-            "device": str(self.device),
-            "dtype": str(self.dtype),
-            "cache": str(self.runner.kv_caches[0].device),
-            "weights": ",".join(sorted(weights)),
-        }
 
 
 @pytest.fixture(autouse=True)

@@ -104,3 +104,34 @@ def test_ranks_of_one_engine_get_a_gpu_each_and_engines_may_share(
     assert "CUDA_VISIBLE_DEVICES" in str(refused.value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert platform.device_for_rank(5, 8) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_a_rank_counts_its_engines_ranks_on_its_machine_except_under_ray(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Two ranks of one engine and one GPU: refused with the multiprocess executor (both would
+    be on this machine), left to Ray (which may place them on two machines, a GPU each)."""
+    from pathlib import Path
+
+    from rankcast.config import EngineConfig
+    from rankcast.model.source import ModelSource
+    from rankcast.worker.worker import Worker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    config = EngineConfig.from_kwargs(tensor_parallel_size=2, distributed_executor_backend=backend)
+    worker = Worker(config, ModelSource(Path("unused"), Path("unused"), "unused"), rank=1)
+    threads = torch.get_num_threads()
+    # init_device seeds torch and sets its thread count: neither may leak into other tests.
+    with torch.random.fork_rng(devices=[]):
+        try:
+            if backend == "mp":
+                with pytest.raises(RuntimeError, match="2 ranks per engine"):
+                    worker.init_device()
+            else:
+                worker.init_device()
+                assert worker.device == torch.device("cuda", 0)
+        finally:
+            torch.set_num_threads(threads)

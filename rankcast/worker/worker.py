@@ -106,10 +106,13 @@ class Worker:
         """Pick the device and precision, and give this rank its share of the cores: threads
         capped so ranks do not oversubscribe them, and bound to them where that applies
         (`platform.cpus_for_rank`)."""
-        self.device = platform.device_for_rank(self.local_rank, self.config.parallel.world_size)
+        parallel = self.config.parallel
+        # An engine's ranks share this machine's GPUs, except under Ray, which may spread them
+        # over machines (each rank then counts only itself here).
+        ranks_here = 1 if parallel.backend == "ray" else parallel.world_size
+        self.device = platform.device_for_rank(self.local_rank, ranks_here)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        parallel = self.config.parallel
         # The kernels first: whether they run decides what `auto` precision is fastest.
         uses_kernels = self.device.type == "cpu" and kernels.load(parallel.kernels)
         self.dtype = platform.resolve_dtype(self.config.model.dtype, self.device)

@@ -206,11 +206,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: int) -> list[tuple[Request, int]]:
         admitted: list[tuple[Request, int]] = []
         deferred: list[Request] = []
-        running: collections.Counter[str] = collections.Counter()
-        if self.adapters is not None:  # the base-model path does no per-adapter work
-            running.update(r.lora_name for r in self.running if r.lora_name)
-        if self.draining not in running:
-            self.draining = None  # drained: its slot is free for the request that waited
+        running = self._running_per_adapter()
         active = set(running)
         parked = self._parked_adapters()
         in_flight = len(self.running) + len(self.parked)
@@ -281,6 +277,16 @@ class Scheduler:
             return None  # one adapter too many for this batch
         return self.adapters.acquire(name, active)
 
+    def _running_per_adapter(self) -> collections.Counter[str]:
+        """Running requests per adapter; a drain whose adapter runs no more is over (its slot is
+        free for the request that waited)."""
+        running: collections.Counter[str] = collections.Counter()
+        if self.adapters is not None:  # the base-model path does no per-adapter work
+            running.update(r.lora_name for r in self.running if r.lora_name)
+        if self.draining not in running:
+            self.draining = None
+        return running
+
     def _start_drain(self, running: collections.Counter[str], parks: bool = True) -> None:
         """A request waits for a slot (`parks`: the drained adapter is parked after its turn)
         or for room in the host tier (it is not: a parked adapter keeps its place there, so
@@ -323,11 +329,7 @@ class Scheduler:
         resumed: list[tuple[Request, int]] = []
         if not self.parked:
             return resumed
-        running: collections.Counter[str] = collections.Counter(
-            r.lora_name for r in self.running if r.lora_name
-        )
-        if self.draining not in running:
-            self.draining = None
+        running = self._running_per_adapter()
         active = set(running)
         protected = active | self._parked_adapters()
         for request in list(self.parked):

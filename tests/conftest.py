@@ -59,6 +59,25 @@ def write_tiny_model(
     return path
 
 
+def reference_greedy(
+    model_dir: Path, prompt: list[int], count: int, adapter: Path | None = None
+) -> list[int]:
+    """The `count` tokens transformers (with `adapter` through peft, if given) picks greedily
+    after `prompt`, in float32 on the CPU: the reference generated text is held to."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if adapter is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, str(adapter))
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(count):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The suite runs in random order (pytest-randomly, seed printed at the top); a module

@@ -30,7 +30,7 @@ from rankcast.model.linear_kernels import choose_linear_path
 from rankcast.model.loader import load_model
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
-from tests.conftest import write_tiny_model
+from tests.conftest import reference_greedy, write_tiny_model
 from tests.entrypoints.server_process import ServerProcess, tiny_model_args
 from tests.lora.conftest import MIXED_RANKS, lora_llm, make_adapter
 from tests.model.test_llama_logits import VARIANTS
@@ -151,17 +151,6 @@ def test_quantized_weights_on_the_gpu_stay_close_to_the_float_model(
     assert float((got - want).abs().max()) < 0.05 * float(want.max() - want.min())
 
 
-def _transformers_greedy(model_dir: Path, prompt: list[int]) -> list[int]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(TOKENS):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
-
-
 def _tokens(outputs: list[Any]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -175,7 +164,7 @@ def test_the_engine_generates_on_the_gpu_what_transformers_generates(
 
     shared = list(range(100, 140))
     prompts = [*PROMPTS, [*shared, 1, 2], [*shared, 3]]
-    want = [_transformers_greedy(tiny_llama_dir, p) for p in prompts]
+    want = [reference_greedy(tiny_llama_dir, p, TOKENS) for p in prompts]
     with LLM(
         str(tiny_llama_dir),
         dtype="float32",
@@ -210,8 +199,6 @@ def test_adapters_on_the_gpu_generate_what_peft_generates(
 ) -> None:
     """LoRA slots on the device: each adapter alone equals peft, and a batch mixing three
     adapters and the base model equals each alone (two slots, so adapters also take turns)."""
-    from tests.lora.test_lora_generation import _peft_greedy
-
     requests: list[LoRARequest | None] = [LoRARequest(p.name, str(p)) for p in adapters]
     requests.append(None)
     with lora_llm(tiny_llama_dir, max_loras=2, worker_extension_cls=EXTENSION) as llm:
@@ -223,7 +210,7 @@ def test_adapters_on_the_gpu_generate_what_peft_generates(
         ]
         assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=requests)) == alone
     for prompt, adapter, tokens in zip(PROMPTS, adapters, alone, strict=False):
-        assert tokens == _peft_greedy(tiny_llama_dir, adapter, prompt)
+        assert tokens == reference_greedy(tiny_llama_dir, prompt, TOKENS, adapter)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 1, reason="this machine has a GPU per rank")

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from rankcast import LoRARequest, SamplingParams
 from rankcast.lora.peft_adapter import LoRAAdapterError
+from tests.conftest import reference_greedy
 from tests.lora.conftest import lora_llm
 
 TOKENS = 12
@@ -26,19 +26,6 @@ def _tokens(outputs: list) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def _peft_greedy(model_dir: Path, adapter: Path, prompt: list[int]) -> list[int]:
-    import peft
-    import transformers
-
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, str(adapter))
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(TOKENS):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
-
-
 @pytest.fixture(scope="module")
 def alone(tiny_llama_dir: Path, mixed_adapters: list[Path]) -> Iterator[list[list[int]]]:
     """Each prompt generated on its own with its adapter (TP=1): the reference for batches."""
@@ -52,7 +39,7 @@ def alone(tiny_llama_dir: Path, mixed_adapters: list[Path]) -> Iterator[list[lis
 def test_an_adapter_generates_what_transformers_and_peft_generate(
     tiny_llama_dir: Path, mixed_adapters: list[Path], alone: list[list[int]]
 ) -> None:
-    want = _peft_greedy(tiny_llama_dir, mixed_adapters[0], PROMPTS[0])
+    want = reference_greedy(tiny_llama_dir, PROMPTS[0], TOKENS, mixed_adapters[0])
     assert alone[0] == want
     assert alone[0] != alone[3] or PROMPTS[0] != PROMPTS[3]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
+from tests.conftest import reference_greedy
 from tests.entrypoints.notification_clients import scrape_each
 from tests.entrypoints.server_process import ServerProcess
 from tests.lora.conftest import make_adapter
@@ -92,18 +92,10 @@ def test_every_server_shows_both_adapters_on_all_three_ranks(server: ServerProce
 def test_greedy_output_with_an_adapter_equals_transformers_and_peft(
     server: ServerProcess, embedded_model_dir: Path, smol_adapters: dict[str, Path]
 ) -> None:
-    import peft
     import transformers
 
     prompt = _prompt(embedded_model_dir)
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        str(embedded_model_dir), dtype=torch.float32
-    )
-    model = peft.PeftModel.from_pretrained(base, str(smol_adapters["y"]))
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(TOKENS):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    reference = reference_greedy(embedded_model_dir, prompt, TOKENS, smol_adapters["y"])
     body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
     with httpx.Client(timeout=120) as http:
         got = http.post(f"{server.url}/v1/completions", json={**body, "model": "y", "logprobs": 1})
@@ -111,9 +103,7 @@ def test_greedy_output_with_an_adapter_equals_transformers_and_peft(
     # y had no slot: serving it moved it to the device on all three ranks, evicting x.
     generated = got.json()["choices"][0]["logprobs"]["tokens"]
     assert len(generated) == TOKENS
-    want = transformers.AutoTokenizer.from_pretrained(str(embedded_model_dir)).decode(
-        tokens[len(prompt) :]
-    )
+    want = transformers.AutoTokenizer.from_pretrained(str(embedded_model_dir)).decode(reference)
     assert got.json()["choices"][0]["text"] == want
 
 

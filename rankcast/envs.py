@@ -160,10 +160,12 @@ def kernels_library() -> str | None:
 
 def kernels_isa() -> str:
     """The instruction set rankcast's CPU kernels are compiled for: `native` (the default:
-    everything this CPU has), or a lower level this CPU also runs, `avx512` (AVX-512 without
-    BF16, AMX or FP16) or `avx2` (AVX2 and FMA only), so that one machine can build and test
-    the code paths other CPU families take (rankcast/kernels/__init__.py)."""
+    everything this CPU has), or a lower level this CPU also runs, `avx512-bf16` (without AMX),
+    `avx512` (AVX-512 without BF16, AMX or FP16) or `avx2` (AVX2 and FMA only), so that one
+    machine can build and test the code paths other CPU families take
+    (rankcast/kernels/__init__.py)."""
     value = os.environ.get("RANKCAST_KERNELS_ISA", "native").strip().lower() or "native"
-    if value not in ("native", "avx512", "avx2"):
-        raise ValueError(f"RANKCAST_KERNELS_ISA must be native, avx512 or avx2, got {value!r}")
+    levels = ("native", "avx512-bf16", "avx512", "avx2")
+    if value not in levels:
+        raise ValueError(f"RANKCAST_KERNELS_ISA must be one of {levels}, got {value!r}")
     return value

@@ -8,8 +8,9 @@ feature flags: a checkout shared by different machines never loads a foreign bui
 
 Without a built library (or with `RANKCAST_KERNELS=off`) the model runs its plain-torch path,
 which is also what CUDA uses; `python -m rankcast.kernels.build` builds it. With
-`RANKCAST_KERNELS_ISA=avx512` or `avx2` a build leaves out this CPU's newer instructions, so one
-machine can build and test the code other CPU families run (each such build is keyed apart).
+`RANKCAST_KERNELS_ISA=avx512-bf16`, `avx512` or `avx2` a build leaves out this CPU's newer
+instructions, so one machine can build and test the code other CPU families run (each such build
+is keyed apart).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ _NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # (flags the CPU must have, compiler flags added)
     "native": ((), ()),
+    # AVX512-BF16 without AMX (Zen 4/5, Cooper Lake): on an AMX Xeon, the dot-product kernel its
+    # native build replaces by tiles for bfloat16 (csrc/gemm_amx.cpp).
+    "avx512-bf16": (("avx512_bf16",), _NO_AMX),
     # Skylake-SP: AVX-512 without BF16 or VNNI (int8 through VPMADDWD, csrc/gemm_int8.cpp).
     "avx512": (
         ("avx512f", "avx512bw"),

@@ -59,12 +59,14 @@ class CpuFacts:
     w8a8: str = "none"  # the loaded build's W8A8 kernel: "avx512-vnni", "avx512bw", "avx2", "none"
     q4: bool = False  # whether the loaded build has the 4-bit kernel
     q8: bool = False  # whether the loaded build has the 8-bit group kernel
+    # the loaded build's instructions (`build_isa`): "amx" multiplies bfloat16 on AMX tiles
+    build: str = ""
 
     @classmethod
     def of_this_machine(cls) -> CpuFacts:
         dtypes = (torch.float32, torch.bfloat16)
         packed: frozenset[torch.dtype] = frozenset()
-        w8a8, q4, q8 = "none", False, False
+        w8a8, q4, q8, build = "none", False, False, ""
         if kernels.load():
             supported: Callable[[torch.dtype], bool] = torch.ops.rankcast.packed_linear_supported
             packed = frozenset(d for d in dtypes if supported(d))
@@ -74,11 +76,13 @@ class CpuFacts:
             q4 = q4_supported()
             q8_supported: Callable[[], bool] = torch.ops.rankcast.q8_supported
             q8 = q8_supported()
+            build_isa: Callable[[], str] = torch.ops.rankcast.build_isa
+            build = build_isa()
         mkldnn_available: Callable[[], bool] = torch.backends.mkldnn.is_available
         onednn: frozenset[torch.dtype] = frozenset()
         if mkldnn_available():
             onednn = frozenset(d for d in dtypes if d == torch.float32 or onednn_packs_bf16())
-        return cls(cpu_family(), packed, onednn, w8a8, q4, q8)
+        return cls(cpu_family(), packed, onednn, w8a8, q4, q8, build)
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,9 @@ def choose_linear_path(
         )
         return LinearPath("rows", False, why)
     if dtype in facts.packed:
-        why = "forced by RANKCAST_LINEAR_KERNEL" if setting == "rankcast" else _WHY[facts.family]
+        why = _why_rankcast(facts, dtype)
+        if setting == "rankcast":
+            why = f"forced by RANKCAST_LINEAR_KERNEL; {why}"
         return LinearPath("rankcast", True, why)
     if setting == "rankcast":
         raise ValueError(
@@ -219,6 +225,17 @@ def _quantized_path(
             "(kernels off or not built, or a CPU without AVX2)"
         )
     return LinearPath("torch", False, f"{scheme} weights through torch on {device.type} {dtype}")
+
+
+def _why_rankcast(facts: CpuFacts, dtype: torch.dtype) -> str:
+    """Why rankcast's kernel is the path for `dtype` here, naming the tiles where an AMX build
+    multiplies bfloat16 on them."""
+    if facts.build == "amx" and dtype == torch.bfloat16:
+        return (
+            "AMX tiles at every row count (a single stream and a batch on one kernel, one order "
+            "of summation), K a multiple of 32; other Ks on the AVX512-BF16 kernel"
+        )
+    return _WHY[facts.family]
 
 
 _WHY = {

@@ -4,8 +4,9 @@ A machine of a newer family also runs the instructions of the older ones, so the
 built again without this CPU's newer instructions (`RANKCAST_KERNELS_ISA`, one build each, keyed
 apart) and the matmul, attention and batch-invariance tests run on that build in a process of
 their own (a process loads one kernel library). A Zen 4/5 or Xeon tests the AVX-512 without BF16
-family (Skylake-SP to Ice Lake) and the AVX2 one (Zen 2/3, Haswell); a Zen 3 only its own. AMX
-has no build of its own: an AMX CPU runs the AVX512-BF16 build (docs/cpu-paths.md).
+family (Skylake-SP to Ice Lake) and the AVX2 one (Zen 2/3, Haswell); a Zen 3 only its own; an AMX
+Xeon also the AVX512-BF16 one (Zen 4/5), which its own build replaces by tiles for bfloat16
+(docs/cpu-paths.md).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ TESTS = [
 ]
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("isa", ["avx512-bf16", "avx512", "avx2"])
 def test_another_familys_build_passes_the_kernel_tests_here(isa: str) -> None:
     if not kernels.isa_runs_here(isa):
         pytest.skip(f"this CPU cannot run a {isa} build")
+    if isa == "avx512-bf16" and "amx_bf16" not in kernels.cpu_fingerprint().split():
+        pytest.skip("without AMX this CPU's own build is the avx512-bf16 one")
     env = {**os.environ, "RANKCAST_KERNELS_ISA": isa, "RANKCAST_KERNELS": "require"}
     build = subprocess.run(
         [sys.executable, "-m", "rankcast.kernels.build"],
@@ -57,8 +60,9 @@ def test_another_familys_build_passes_the_kernel_tests_here(isa: str) -> None:
         text=True,
         timeout=120,
     )
-    # The W8A8 kernel of a family without VNNI: VPMADDWD on zmm (Skylake-SP) or ymm (AVX2).
-    w8a8 = {"avx512": "avx512bw", "avx2": "avx2"}[isa]
+    # The W8A8 kernel of each family: VNNI where it has it, else VPMADDWD on zmm (Skylake-SP) or
+    # ymm (AVX2).
+    w8a8 = {"avx512-bf16": "avx512-vnni", "avx512": "avx512bw", "avx2": "avx2"}[isa]
     assert probe.stdout.split() == [isa, w8a8], probe.stdout + probe.stderr
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],

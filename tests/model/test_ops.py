@@ -103,14 +103,16 @@ def test_the_chosen_path_is_the_one_the_weights_are_packed_for(dtype: torch.dtyp
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 8, 33, 70])
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (40, 24), (16, 7), (200, 301)])
+@pytest.mark.parametrize(
+    "out_features,in_features", [(96, 64), (40, 24), (16, 7), (200, 301), (40, 96), (50, 576)]
+)
 def test_packed_linear_matches_f_linear(
     dtype: torch.dtype, rows: int, out_features: int, in_features: int
 ) -> None:
     """Every packed path this CPU runs, the chosen one and the ones a setting forces."""
-    # Row counts around the 6-row (AVX2) and 8-row (AVX-512) register tiles and the 32-row
-    # block, widths with partial
-    # panels, an odd K, and a K that spans several of the kernel's k-blocks.
+    # Row counts around the 6-row (AVX2) and 8-row (AVX-512) register tiles and the 16-row
+    # (AMX) tiles and 32-row blocks, widths with partial panels and odd panel counts, an odd K,
+    # a K that spans several of the kernel's k-blocks, and Ks of whole AMX tiles (32 k).
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)
@@ -155,13 +157,17 @@ def test_packing_over_the_weights_own_storage_gives_the_same_layout(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("in_features", [301, 320])
+def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(
+    dtype: torch.dtype, in_features: int
+) -> None:
     """Prefix caching reuses K/V computed in another batch: a row's output must not depend on
     which rows share its step (tiles, row blocks and k-blocks may only change the order of work,
-    never the order of a sum)."""
+    never the order of a sum). 320 is whole AMX tiles of k: an AMX build multiplies it on tiles
+    at every row count, 301 through the dot-product kernel."""
     gen = torch.Generator().manual_seed(7)
-    weight = torch.randn(200, 301, generator=gen).to(dtype)
-    x = torch.randn(70, 301, generator=gen).to(dtype)
+    weight = torch.randn(200, in_features, generator=gen).to(dtype)
+    x = torch.randn(70, in_features, generator=gen).to(dtype)
     if "rankcast" not in runnable_kernels(dtype):
         pytest.skip(f"no packed {dtype} kernel in this build")
     packed = _packed_or_skip(weight, "rankcast")

@@ -44,7 +44,9 @@ bool gemm_supported(at::ScalarType dtype) {
 }
 
 std::string build_isa() {
-#if defined(__AVX512BF16__)
+#if RANKCAST_AMX_BF16
+  return "amx";
+#elif defined(__AVX512BF16__)
   return "avx512-bf16";
 #elif RANKCAST_SIMD_BITS == 512
   return "avx512";
@@ -397,6 +399,15 @@ void multiply(const at::Tensor& x, const at::Tensor& packed, int64_t n, const Ep
     if (k % 2 != 0) {  // pairs of k: give the last one a zero partner
       a = at::zeros({m, k + 1}, x.options());
       a.narrow(1, 0, k).copy_(x);
+    }
+    // bfloat16 weights on an AMX build: tiles for every step, whatever its rows (one kernel, so
+    // results do not depend on the batch; csrc/gemm_amx.cpp), where K fills whole tiles.
+    if constexpr (std::is_same_v<W, bf16> && std::is_same_v<Epi, BiasEpilogue>) {
+      if (kp % gemm::kAmxPairs == 0 && gemm::amx_ready()) {
+        gemm::amx_bf16_linear(a.data_ptr<bf16>(), m, a.stride(0), w, n, kp, panel_elems, epi,
+                              y.data_ptr<bf16>());
+        return;
+      }
     }
     gemm::packed_linear_impl<FloatTiles<bf16, W, bf16, Epi>>(
         a.data_ptr<bf16>(), m, a.stride(0), w, n, kp, panel_elems, epi, y.data_ptr<bf16>());

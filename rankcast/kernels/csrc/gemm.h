@@ -45,6 +45,14 @@ constexpr int kAhead = 1024;  // bytes a batch tile's panel stream is read ahead
 constexpr int kStreamAhead = 2048;  // the same for a decode's tile (fewer than kOverlapRows rows)
 constexpr int64_t kRunBytes = 512 * 1024;  // packed weight one thread works through per run
 
+// Whether this build multiplies bfloat16 on AMX tiles (csrc/gemm_amx.cpp): -march=native on a
+// CPU with AMX-BF16, unless RANKCAST_KERNELS_ISA narrowed the build (rankcast/kernels).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define RANKCAST_AMX_BF16 1
+#else
+#define RANKCAST_AMX_BF16 0
+#endif
+
 // A panel stream reading ahead of itself, in a tile of `Rows` rows. A decode's tile (fewer than
 // kOverlapRows rows) streams every group it reads: 2 KB ahead, non-temporal, since a weight read
 // for a step is not read again until the next step, after the rest of the model has gone
@@ -284,6 +292,15 @@ void packed_linear_impl(const typename Family::In* x, int64_t m, int64_t lda,
 #pragma omp parallel num_threads(threads)
   work();
 }
+
+// bfloat16 rows times bfloat16 weights packed in pairs ([N/16][K/2][16][2]) on AMX tiles, for
+// any number of rows (csrc/gemm_amx.cpp). `amx_ready()` says whether this build has the tiles
+// and the OS granted this process their state; the call needs it, and K a multiple of 32
+// (`kpairs` of 16).
+bool amx_ready();
+void amx_bf16_linear(const bf16* x, int64_t m, int64_t lda, const bf16* packed, int64_t n,
+                     int64_t kpairs, int64_t panel_elems, const BiasEpilogue& epi, bf16* y);
+constexpr int64_t kAmxPairs = 16;  // pairs of k in one tile: K must be a multiple of 2 x this
 
 // The 15-bit group kernels' call (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): the rows of x (float32 or
 // bfloat16) quantized into a buffer of `row_bytes` a row by `quantize(src, begin, end, out)`, then

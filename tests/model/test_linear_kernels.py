@@ -51,6 +51,21 @@ def test_auto_takes_rankcasts_batch_invariant_kernel_on_every_x86_family(
     assert path.kernel == "rankcast" and path.batch_invariant
 
 
+def test_an_amx_build_names_its_tiles_for_bfloat16_and_its_dot_products_for_float32() -> None:
+    """The start-up log says which kernel family a linear runs: an AMX build multiplies
+    bfloat16 on tiles (every row count), float32 on the FMA kernel; the same CPU with a build
+    narrowed to AVX512-BF16 (RANKCAST_KERNELS_ISA) names no tiles."""
+    amx_build = CpuFacts("amx", packed=BOTH, onednn=BOTH, build="amx")
+    tiles = choose_linear_path(BF16, CPU, "auto", amx_build)
+    assert tiles.kernel == "rankcast" and tiles.batch_invariant
+    assert "AMX tiles at every row count" in tiles.reason
+    assert "AMX tiles" not in choose_linear_path(F32, CPU, "auto", amx_build).reason
+    narrowed = CpuFacts("amx", packed=BOTH, onednn=BOTH, build="avx512-bf16")
+    assert "AMX tiles" not in choose_linear_path(BF16, CPU, "auto", narrowed).reason
+    forced = choose_linear_path(BF16, CPU, "rankcast", amx_build)
+    assert forced.reason.startswith("forced by RANKCAST_LINEAR_KERNEL; AMX tiles")
+
+
 def test_without_the_kernels_float32_goes_to_onednn_and_bfloat16_to_plain_torch() -> None:
     facts = FAMILIES["kernels-off"]
     assert choose_linear_path(F32, CPU, "auto", facts) == LinearPath(
@@ -103,6 +118,7 @@ def test_this_machine_takes_the_path_its_family_row_says() -> None:
     if facts.family == "other":
         pytest.skip("not an x86 CPU with AVX2 and FMA")
     assert facts.packed == BOTH
+    assert facts.build == torch.ops.rankcast.build_isa()
     for dtype in (F32, BF16):
         assert choose_linear_path(dtype, CPU).kernel == "rankcast"
 

@@ -18,13 +18,13 @@ from what a cache holds, because two rules depend on it:
 
 `auto` is rankcast's kernel wherever it is built for the dtype: every x86 family with AVX2 and FMA
 (AVX2 only, AVX-512 without BF16, AVX512-BF16, AMX); `docs/cpu-paths.md` has the table with the
-measurements behind it. On AMX CPUs oneDNN's tiles are faster for batches of many rows (the
-price of invariance there until rankcast has an AMX kernel of its own):
-`RANKCAST_LINEAR_KERNEL=onednn` chooses them for a deployment that wants that throughput and
-accepts batch-dependent results, and `rows` keeps both packings and picks by the step's rows
-(rankcast's kernel below `ROWS_SPLIT`, the tiles from there): the single stream of the one and
-the batches of the other, results dependent on the batch, no weight snapshots (oneDNN's packing
-is made at every start), the weights in memory twice.
+measurements behind it. On an AMX build rankcast's kernel multiplies bfloat16 on AMX tiles at
+every row count (csrc/gemm_amx.cpp), faster than oneDNN's tiles in a batch and on a single
+stream. `RANKCAST_LINEAR_KERNEL=onednn` forces oneDNN (batch-dependent results), and `rows`
+keeps both packings and picks by the step's rows (rankcast's kernel below `ROWS_SPLIT`,
+oneDNN's from there; measured when rankcast had no tiles, so it buys nothing on an AMX build
+now): results dependent on the batch, no weight snapshots (oneDNN's packing is made at every
+start), the weights in memory twice.
 """
 
 from __future__ import annotations

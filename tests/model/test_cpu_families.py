@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,30 @@ def test_a_decodes_read_ahead_follows_the_cpu_vendor() -> None:
     assert not any("PREFETCH_LOCALITY" in flag for flag in amd)
     assert kernels.cflags("avx2", "GenuineIntel")[-1] == "-DRANKCAST_DECODE_PREFETCH_LOCALITY=3"
     assert kernels.cflags() == kernels.cflags(vendor=kernels.cpu_vendor())
+
+
+@pytest.mark.parametrize("source", ["gemm_amx.cpp", "gemm.cpp"])
+def test_the_amx_tile_code_compiles_for_an_amx_cpu_on_any_machine(source: str) -> None:
+    """The tile kernel (csrc/gemm_amx.cpp, and gemm.cpp's branch into it) is compiled only where
+    -march=native has AMX, so a machine without it would never notice the code broken. It is
+    compiled here for Sapphire Rapids (checked, not run: this CPU may lack the tiles), after
+    the preprocessor says that target does take the tile path."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    includes.append(f"-I{sysconfig.get_paths()['include']}")
+    command = [compiler, "-std=c++20", "-march=sapphirerapids", "-fopenmp", *includes]
+    path = str(kernels.SOURCE_DIR / source)
+    macros = subprocess.run(
+        [*command, "-dM", "-E", path], capture_output=True, text=True, timeout=120
+    )
+    if macros.returncode != 0 and "sapphirerapids" in macros.stderr:
+        pytest.skip(f"{compiler} does not know -march=sapphirerapids")
+    assert macros.returncode == 0, macros.stderr[-3000:]
+    assert "#define RANKCAST_AMX_BF16 1" in macros.stdout
+    checked = subprocess.run(
+        [*command, "-fsyntax-only", "-Wall", path], capture_output=True, text=True, timeout=300
+    )
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert "warning" not in checked.stderr, checked.stderr[-3000:]

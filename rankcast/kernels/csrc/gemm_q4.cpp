@@ -80,6 +80,18 @@ inline __m512i dot4(__m512i acc, __m512i w, __m512i a) {
 #endif
 }
 
+// Quad `q` (0..7: k 4q..4q+3) of a group's 4-bit weights for NR panels, one byte per weight:
+// chunk q / 2's low nibbles for even q, its high ones for odd.
+template <int NR>
+__attribute__((always_inline)) inline void unpack_quad(const uint8_t* const* record, int q,
+                                                        __m512i (&w)[NR]) {
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int j = 0; j < NR; ++j) {
+    const __m512i v = _mm512_loadu_si512(record[j] + 64 + 64 * (q / 2));
+    w[j] = _mm512_and_si512(q % 2 == 0 ? v : _mm512_srli_epi16(v, 4), nibble);
+  }
+}
+
 // R rows x NR panels over every group: per quad of k, the NR panels' 4-bit weights are unpacked
 // once and each row's four bytes broadcast once for all of them (a panel at a time broadcast
 // them NR times, and batches paid for it). Per group a row runs its hi pass, a shift, its lo
@@ -91,7 +103,6 @@ __attribute__((always_inline)) inline void rows_q4(const int8_t* a, int64_t lda,
                                                    __m512 (&acc)[R][NR], bool prefetch,
                                                    const NextGroup& next, int per_step) {
   const RowLayout layout{groups * kQ4Group, groups};
-  const __m512i nibble = _mm512_set1_epi8(15);
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -118,10 +129,7 @@ __attribute__((always_inline)) inline void rows_q4(const int8_t* a, int64_t lda,
         for (int j = 0; j < NR; ++j) low[i][j] = _mm512_setzero_si512();
       for (int q = 0; q < 8; ++q) {
         __m512i w[NR];
-        for (int j = 0; j < NR; ++j) {
-          const __m512i v = _mm512_loadu_si512(record[j] + 64 + 64 * (q / 2));
-          w[j] = _mm512_and_si512(q % 2 == 0 ? v : _mm512_srli_epi16(v, 4), nibble);
-        }
+        unpack_quad(record, q, w);
         for (int i = 0; i < R; ++i) {
           const __m512i ah = _mm512_set1_epi32(four_bytes(a + i * lda + hi_bytes + 4 * q));
           const __m512i al = _mm512_set1_epi32(four_bytes(a + i * lda + lo_bytes + 4 * q));
@@ -142,10 +150,7 @@ __attribute__((always_inline)) inline void rows_q4(const int8_t* a, int64_t lda,
         const int64_t bytes = (pass == 0 ? layout.hi() : layout.lo()) + g * kQ4Group;
         for (int q = 0; q < 8; ++q) {
           __m512i w[NR];
-          for (int j = 0; j < NR; ++j) {
-            const __m512i v = _mm512_loadu_si512(record[j] + 64 + 64 * (q / 2));
-            w[j] = _mm512_and_si512(q % 2 == 0 ? v : _mm512_srli_epi16(v, 4), nibble);
-          }
+          unpack_quad(record, q, w);
           for (int i = 0; i < R; ++i) {
             const __m512i av = _mm512_set1_epi32(four_bytes(a + i * lda + bytes + 4 * q));
             for (int j = 0; j < NR; ++j) sum[i][j] = dot4(sum[i][j], w[j], av);

@@ -3,8 +3,10 @@
 rankcast's packed kernel to oneDNN's, measured rather than guessed.
 
 A decode step multiplies each weight by a few rows, a batch or a prompt by many; which matmul is
-faster depends on the row count and the CPU (on an AMX Xeon the tiles win from 8-16 rows, on AMD
-rankcast's kernel wins at every count measured; docs/cpu-paths.md). For every shape (the fused
+faster depends on the row count and the CPU (on an AMX Xeon oneDNN's tiles beat rankcast's
+VDPBF16PS kernel from 8-16 rows, and rankcast's own tiles, which an AMX build runs at every row
+count, lose to them only at hundreds of rows; on AMD rankcast's kernel wins at every count
+measured; docs/cpu-paths.md). For every shape (the fused
 QKV, O, gate-up and down projections, the LM head) and row count this times one call of each
 matmul, the weights rotated over enough copies that every call reads them from memory as a
 model's step does, on the threads torch has (`--threads`, default 2 like the machines here).

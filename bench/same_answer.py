@@ -71,9 +71,15 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "RANKCAST_LINEAR_KERNEL": kernel}
     if isa:
         env["RANKCAST_KERNELS_ISA"] = isa
-        subprocess.run(
-            [sys.executable, "-m", "rankcast.kernels.build"], env=env, cwd=ROOT, check=True
+        build = subprocess.run(
+            [sys.executable, "-m", "rankcast.kernels.build"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
         )
+        if build.returncode != 0:
+            return {"path": path, "error": (build.stdout + build.stderr).strip().splitlines()[-1:]}
     command = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -89,11 +95,14 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"path": path, **result}
 
 
-def default_paths() -> list[str]:
-    """`auto`, oneDNN where it packs bfloat16, and on an AMX CPU the dot-product build too."""
+def default_paths(dtype: str) -> list[str]:
+    """`auto`, oneDNN where it packs the dtype, and on an AMX CPU the dot-product build too."""
     from rankcast import kernels
+    from rankcast.model.linear_kernels import onednn_packs_bf16
 
-    paths = ["auto", "onednn"]
+    paths = ["auto"]
+    if dtype == "float32" or onednn_packs_bf16():
+        paths.append("onednn")
     if "amx_bf16" in kernels.cpu_fingerprint().split():
         paths.append("auto@avx512-bf16")
     return paths
@@ -112,7 +121,7 @@ def main() -> None:
         print(json.dumps(check(args.dtype, args.alone, args.tokens)))
         return
     machine = machine_info()
-    paths = [p for p in args.paths.split(",") if p] or default_paths()
+    paths = [p for p in args.paths.split(",") if p] or default_paths(args.dtype)
     rows = [run_path(path, args) for path in paths]
     print(f"\n{describe(machine)}")
     print(

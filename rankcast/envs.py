@@ -138,10 +138,10 @@ def kernels_mode() -> str:
 def linear_kernel() -> str:
     """Which matmul every linear layer runs (rankcast/model/linear_kernels.py): `auto` (the
     default: rankcast's packed kernel wherever it is built for the dtype, batch-invariant),
-    `rankcast`, `onednn` (oneDNN's prepacked matmul: on AMX CPUs faster for large batches, but a
-    request's results then depend on its batch), `rows` (rankcast's kernel for steps of few rows,
-    oneDNN's for many: both speeds on AMX, results dependent on the batch) or `torch` (plain
-    F.linear)."""
+    `rankcast`, `onednn` (oneDNN's prepacked matmul: a request's results then depend on its
+    batch; on an AMX CPU faster than rankcast's tiles only for prompts of hundreds of rows),
+    `rows` (rankcast's kernel for steps of few rows, oneDNN's for many: results dependent on the
+    batch) or `torch` (plain F.linear)."""
     value = os.environ.get("RANKCAST_LINEAR_KERNEL", "auto").strip().lower() or "auto"
     if value not in ("auto", "rankcast", "onednn", "rows", "torch"):
         raise ValueError(

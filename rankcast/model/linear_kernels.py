@@ -22,9 +22,9 @@ measurements behind it. On an AMX build rankcast's kernel multiplies bfloat16 on
 every row count (csrc/gemm_amx.cpp), faster than oneDNN's tiles in a batch and on a single
 stream. `RANKCAST_LINEAR_KERNEL=onednn` forces oneDNN (batch-dependent results), and `rows`
 keeps both packings and picks by the step's rows (rankcast's kernel below `ROWS_SPLIT`,
-oneDNN's from there; measured when rankcast had no tiles, so it buys nothing on an AMX build
-now): results dependent on the batch, no weight snapshots (oneDNN's packing is made at every
-start), the weights in memory twice.
+oneDNN's from there; measured when rankcast had no tiles: on an AMX build it now gains only
+on prompts of hundreds of rows): results dependent on the batch, no weight snapshots (oneDNN's
+packing is made at every start), the weights in memory twice.
 """
 
 from __future__ import annotations
@@ -233,7 +233,8 @@ def _why_rankcast(facts: CpuFacts, dtype: torch.dtype) -> str:
     if facts.build == "amx" and dtype == torch.bfloat16:
         return (
             "AMX tiles at every row count (a single stream and a batch on one kernel, one order "
-            "of summation), K a multiple of 32; other Ks on the AVX512-BF16 kernel"
+            "of summation) where K, rounded up to even, is a multiple of 32; other Ks on the "
+            "AVX512-BF16 kernel"
         )
     return _WHY[facts.family]
 

@@ -102,17 +102,19 @@ def test_the_chosen_path_is_the_one_the_weights_are_packed_for(dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 8, 33, 70])
+@pytest.mark.parametrize("rows", [1, 5, 8, 16, 20, 31, 33, 70])
 @pytest.mark.parametrize(
-    "out_features,in_features", [(96, 64), (40, 24), (16, 7), (200, 301), (40, 96), (50, 576)]
+    "out_features,in_features",
+    [(96, 64), (40, 24), (16, 7), (200, 301), (40, 96), (50, 576), (40, 63)],
 )
 def test_packed_linear_matches_f_linear(
     dtype: torch.dtype, rows: int, out_features: int, in_features: int
 ) -> None:
     """Every packed path this CPU runs, the chosen one and the ones a setting forces."""
     # Row counts around the 6-row (AVX2) and 8-row (AVX-512) register tiles and the 16-row
-    # (AMX) tiles and 32-row blocks, widths with partial panels and odd panel counts, an odd K,
-    # a K that spans several of the kernel's k-blocks, and Ks of whole AMX tiles (32 k).
+    # (AMX) tiles and 32-row blocks (a lower AMX tile partly filled: 20, 31), widths with partial
+    # panels and odd panel counts, an odd K, a K that spans several of the kernel's k-blocks, and
+    # Ks of whole AMX tiles (32 k; 63 is padded to 64 and runs on them too).
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)

@@ -18,8 +18,9 @@
 // and multiplying rows converted to float32 once per call (exact too): float32 FMAs, products
 // and sums rounded as float32's are, the output rounded once to bfloat16. Half the weight bytes
 // of float32 is what a decode step's memory stream needs; those CPUs have no bfloat16
-// arithmetic to do better. Elsewhere `gemm_supported()` is false and the model keeps oneDNN's
-// path. Whatever the path, every output sums k in one order for any number of rows, so a row's
+// arithmetic to do better. On an AMX build bfloat16 runs on tiles instead (csrc/gemm_amx.cpp),
+// at every row count, wherever K fills whole tiles. Elsewhere `gemm_supported()` is false and the
+// model keeps oneDNN's path. Whatever the path, every output sums k in one order for any number of rows, so a row's
 // bits never depend on the rows beside it (batch invariance, docs/cpu-paths.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,7 +46,9 @@ bool gemm_supported(at::ScalarType dtype) {
 
 std::string build_isa() {
 #if RANKCAST_AMX_BF16
-  return "amx";
+  // "amx" only where the tiles run: where the OS refuses this process their state, the build
+  // multiplies bfloat16 through VDPBF16PS at every row count, and says so.
+  return gemm::amx_ready() ? "amx" : "avx512-bf16";
 #elif defined(__AVX512BF16__)
   return "avx512-bf16";
 #elif RANKCAST_SIMD_BITS == 512

@@ -2,7 +2,8 @@
 // csrc/gemm_int8.cpp for int8): how the packed weight is walked, shared between threads, and kept
 // streaming while each tile of rows multiplies one column group. A kernel family supplies only its
 // register tiles and what a tile does with its sums (its epilogue); the walk, and with it the
-// order every output sums k in, is the same for all of them (docs/cpu-paths.md).
+// order every output sums k in, is the same for all of them (docs/cpu-paths.md). The AMX tiles
+// (csrc/gemm_amx.cpp) have a walk of their own, in the same spirit: k in order for every output.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
-// bfloat16 linear layers on AMX tiles (TDPBF16PS), for steps of many rows on the CPUs that have
-// them (Sapphire Rapids and later Xeons), reading the same packed weight as the AVX512-BF16
+// bfloat16 linear layers on AMX tiles (TDPBF16PS), for steps of every row count on the CPUs that
+// have them (Sapphire Rapids and later Xeons), reading the same packed weight as the AVX512-BF16
 // kernel (csrc/gemm.cpp): [N/16][K/2][16][2] is, sixteen pairs of k at a time, exactly a tile's
 // B operand (16 rows of 64 bytes), so one packing (and one weight snapshot) serves both.
 //

@@ -95,8 +95,9 @@ __attribute__((always_inline)) inline void unpack_quad(const uint8_t* const* rec
 // R rows x NR panels over every group: per quad of k, the NR panels' 4-bit weights are unpacked
 // once and each row's four bytes broadcast once for all of them (a panel at a time broadcast
 // them NR times, and batches paid for it). Per group a row runs its hi pass, a shift, its lo
-// pass, then the group's float terms: the same integers and float operations in the same order
-// as ever. Registers: R x NR int and float sums, NR weights, a broadcast, the nibble mask: R <= 4.
+// pass (one or two rows: both in one pass, below), then the group's float terms: the same
+// integers and float operations in the same order as ever. Registers: R x NR int and float sums,
+// NR weights, a broadcast, the nibble mask: R <= 4.
 template <int R, int NR, int TileRows>
 __attribute__((always_inline)) inline void rows_q4(const int8_t* a, int64_t lda, const uint8_t* b,
                                                    int64_t panel_elems, int64_t groups,

@@ -24,8 +24,9 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::T
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& token_slots, at::TensorList a,
               at::TensorList b, at::IntArrayRef out_offsets, int64_t rank);
 bool gemm_supported(at::ScalarType dtype);
-// The instruction set this build's matmul was compiled for: "amx" (bfloat16 on AMX tiles,
-// csrc/gemm_amx.cpp), "avx512-bf16", "avx512", "avx2" or "other" (docs/cpu-paths.md).
+// The instruction set this build's matmul runs: "amx" (bfloat16 on AMX tiles, csrc/gemm_amx.cpp;
+// an AMX build whose tiles the OS refuses says "avx512-bf16"), "avx512-bf16", "avx512", "avx2" or
+// "other" (docs/cpu-paths.md).
 std::string build_isa();
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor pack_linear_weight_(at::Tensor& weight);

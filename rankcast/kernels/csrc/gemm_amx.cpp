@@ -8,9 +8,9 @@
 // 8 of 12 chats changed text on an AMX Xeon). Here every output is one tile element summed over
 // k in order, 32 k a tile, whatever the rows (docs/cpu-paths.md).
 //
-// The walk is the AVX512-BF16 driver's: threads take contiguous runs of column groups (two
-// panels, 32 output columns) from a shared counter, each run small enough to stay in L2 while
-// every block of 32 rows multiplies it. A block keeps 2 x 2 tiles of sums (32 rows x 32 columns)
+// The walk follows the AVX512-BF16 driver's (gemm.h): threads take contiguous runs of column
+// groups (two panels, 32 output columns) from a shared counter, each run small enough to stay in
+// L2 while every block of 32 rows multiplies it. A block keeps 2 x 2 tiles of sums (32 rows x 32 columns)
 // in tmm0-3, its two row tiles in tmm4-5 and the two panels' weights in tmm6-7.
 //
 // Not bitwise the AVX512-BF16 kernel's results: measured on an Emerald Rapids Xeon, TDPBF16PS

@@ -4,9 +4,10 @@ The standard workload's 32 chats are generated greedily in one batch, then `--al
 at a time, in the same `LLM` with prefix caching off, and the greedy texts compared: a path that
 sums every output in one order whatever the batch gives 0 differing chats (docs/cpu-paths.md).
 Each path runs in a fresh process (`RANKCAST_LINEAR_KERNEL`, and for the matmul build
-`RANKCAST_KERNELS_ISA`): by default `auto` and every forced path this machine can run, so the
-count is shown beside what giving the rule up would cost or buy (the batch's tokens/s is
-printed with it). Prints a table, writes JSON, records the CPU.
+`RANKCAST_KERNELS_ISA`): by default `auto`, `onednn` where oneDNN packs the dtype, and on an AMX
+CPU the AVX512-BF16 build (`auto@avx512-bf16`), so the count is shown beside what giving the rule
+up would cost or buy (the batch's tokens/s is printed with it); `--paths` names others (`rows`).
+Prints a table, writes JSON, records the CPU.
 
 There is no anchor row: vLLM-cpu and llama.cpp do not promise this (vLLM has an opt-in
 batch-invariant mode on GPUs only), so "alone vs batch" for them would measure their kernels,

@@ -20,8 +20,9 @@
 // of float32 is what a decode step's memory stream needs; those CPUs have no bfloat16
 // arithmetic to do better. On an AMX build bfloat16 runs on tiles instead (csrc/gemm_amx.cpp),
 // at every row count, wherever K fills whole tiles. Elsewhere `gemm_supported()` is false and the
-// model keeps oneDNN's path. Whatever the path, every output sums k in one order for any number of rows, so a row's
-// bits never depend on the rows beside it (batch invariance, docs/cpu-paths.md).
+// model keeps oneDNN's path. Whatever the path, every output sums k in one order for any number
+// of rows, so a row's bits never depend on the rows beside it (batch invariance,
+// docs/cpu-paths.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

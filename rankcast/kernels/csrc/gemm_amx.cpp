@@ -184,8 +184,8 @@ void amx_bf16_linear(const bf16* x, int64_t m, int64_t lda, const bf16* packed, 
             for (int j = 0; j < np; ++j) {
               const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - col0 - j * kPanel));
               block_epi.store(y + (r0 + i) * n + col0 + j * kPanel,
-                       load16(sums + i * kGroupPanels * kPanel + j * kPanel),
-                       static_cast<int>(i), j, cols);
+                              load16(sums + i * kGroupPanels * kPanel + j * kPanel),
+                              static_cast<int>(i), j, cols);
             }
         }
       }

@@ -3,7 +3,9 @@
 Part `shared` (the traffic prefix caching exists for): 32 concurrent chat requests whose system
 prompt of ~1,100 tokens is the same, each with one of the standard workload's questions, greedy.
 After one request has warmed the cache, 32 at once with `max_tokens=1` (wall time, TTFT p50/p99),
-then 32 at once with 64 tokens (wall, output tokens/s).
+then 32 at once with 64 tokens (wall, output tokens/s). The 64-token texts are kept: with
+`no-cache` in the run, each engine's are compared with them, since a request's greedy text must
+not depend on whether its prefix came from the cache (docs/cpu-paths.md, batch invariance).
 
 Part `arrival` (what chunked prefill exists for): 16 streams decode 256 tokens each; one second
 in, 8 prompts of ~2,000 tokens arrive. Reports the running streams' inter-token latency p50 and
@@ -59,10 +61,14 @@ def long_prompt(i: int, sentences: int = 67) -> str:
 async def _burst(url: str, model: str | None, prompts: list[str], system: str, tokens: int):
     ttfts: list[float] = []
     itls: list[float] = []
+    pieces: list[list[str]] = [[] for _ in prompts]
     async with client_session(url, len(prompts) + 4) as http:
         start = time.perf_counter()
         produced = await asyncio.gather(
-            *(one_request(http, p, tokens, ttfts, itls, model, system) for p in prompts)
+            *(
+                one_request(http, p, tokens, ttfts, itls, model, system, pieces=pieces[i])
+                for i, p in enumerate(prompts)
+            )
         )
         wall = time.perf_counter() - start
     return {
@@ -70,6 +76,7 @@ async def _burst(url: str, model: str | None, prompts: list[str], system: str, t
         "tokens_per_s": sum(produced) / wall,
         "ttft_p50_ms": percentile(ttfts, 50) * 1000,
         "ttft_p99_ms": percentile(ttfts, 99) * 1000,
+        "texts": ["".join(parts) for parts in pieces],
     }
 
 
@@ -164,6 +171,22 @@ def _ratio(ours: float, theirs: float | None, lower_is_better: bool = False) -> 
     return f"{(theirs / ours if lower_is_better else ours / theirs):.2f}x"
 
 
+def texts_differing(results: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Per engine, how many of the shared part's 64-token greedy texts differ from `no-cache`'s
+    (the same requests with every prefix computed afresh); empty without `no-cache`."""
+    reference = results.get("no-cache", {}).get("shared")
+    if reference is None:
+        return {}
+    expected = reference["max_tokens_64"]["texts"]
+    return {
+        name: sum(
+            a != b for a, b in zip(r["shared"]["max_tokens_64"]["texts"], expected, strict=True)
+        )
+        for name, r in results.items()
+        if "shared" in r and name != "no-cache"
+    }
+
+
 def print_tables(results: dict[str, dict[str, Any]]) -> None:
     vllm = results.get("vllm", {})
     if any("shared" in r for r in results.values()):
@@ -185,6 +208,9 @@ def print_tables(results: dict[str, dict[str, Any]]) -> None:
                 f"{full['wall_s']:>12.2f}s{full['tokens_per_s']:>8.1f}"
                 f"{_ratio(full['tokens_per_s'], their_rate):>8}"
             )
+        for name, count in texts_differing(results).items():
+            total = len(results[name]["shared"]["max_tokens_64"]["texts"])
+            print(f"{name}: {count} of {total} greedy texts differ from no-cache's")
     if any("arrival" in r for r in results.values()):
         print("\n16 streams decoding while 8 prompts of ~2,000 tokens arrive (ms)")
         print(
@@ -225,7 +251,8 @@ def main() -> None:
     print_tables(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "engines": results}, indent=2))
+    record = {"machine": machine, "engines": results, "texts_differing": texts_differing(results)}
+    out.write_text(json.dumps(record, indent=2))
     print(f"\nwrote {out}")
 
 

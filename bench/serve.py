@@ -67,10 +67,12 @@ async def one_request(
     model: str | None = None,
     system: str | None = None,
     stamps: list[float] | None = None,
+    pieces: list[str] | None = None,
 ) -> int:
     """One streaming chat request (on `model`, e.g. a LoRA adapter, if given; after a `system`
     message, if given); appends its time to first token and inter-token gaps (and, given
-    `stamps`, the clock time of every token), returns the tokens produced."""
+    `stamps`, the clock time of every token; given `pieces`, the text of every chunk), returns
+    the tokens produced."""
     messages = [{"role": "user", "content": prompt}]
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
@@ -100,6 +102,8 @@ async def one_request(
             return
         if stamps is not None:
             stamps.append(now)
+        if pieces is not None:
+            pieces.append(chunk["choices"][0]["delta"]["content"])
         if last is None:
             ttfts.append(now - start)
         else:

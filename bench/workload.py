@@ -43,8 +43,25 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
+def physical_cores(cpus: set[int]) -> int | None:
+    """How many physical cores the logical CPUs `cpus` lie on, as sysfs tells it (None where it
+    does not): two logical CPUs of one core (SMT siblings) share its execution units and caches,
+    AMX tiles included, so "2 cores" measured on siblings is half the machine it sounds like."""
+    cores: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            core = (topology / "core_id").read_text().strip()
+        except OSError:
+            return None
+        cores.add((package, core))
+    return len(cores)
+
+
 def machine_info() -> dict[str, Any]:
-    """CPU model, usable cores and the ISA features that matter for inference speed."""
+    """CPU model, usable cores (and the physical cores under them) and the ISA features that
+    matter for inference speed."""
     import torch
 
     info = _cpuinfo()
@@ -61,6 +78,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_family": info.get("cpu family"),
         "cpu_model": info.get("model"),
         "cores": len(os.sched_getaffinity(0)),
+        "physical_cores": physical_cores(os.sched_getaffinity(0)),
         "isa": isa,
         "best_isa": best,
         "torch": torch.__version__,
@@ -70,7 +88,11 @@ def machine_info() -> dict[str, Any]:
 def describe(machine: dict[str, Any]) -> str:
     """One line for a table's heading: what the figures were measured on."""
     features = ", ".join(name for name, present in machine["isa"].items() if present) or "none"
+    cores = f"{machine['cores']} cores"
+    physical = machine.get("physical_cores")
+    if physical is not None and physical < machine["cores"]:
+        cores = f"{machine['cores']} logical CPUs on {physical} physical core(s)"
     return (
         f"{machine['cpu']} (family {machine['cpu_family']} model {machine['cpu_model']}), "
-        f"{machine['cores']} cores, ISA: {features}; torch {machine['torch']}"
+        f"{cores}, ISA: {features}; torch {machine['torch']}"
     )

@@ -23,7 +23,7 @@ pub fn format_value(v: f64) -> String {
             let digits = format!("{}{}", &s[1..dot], &s[dot + 1..]);
             let mantissa = format!("{}.{}", &s[..1], digits);
             let mantissa = mantissa.trim_end_matches(['0', '.']);
-            return format!("{mantissa}e+0{}", dot - 1);
+            return format!("{mantissa}e+{:02}", dot - 1);
         }
     }
     s
@@ -39,16 +39,46 @@ fn python_repr(v: f64) -> String {
             "0.0".into()
         };
     }
-    let exponent = v.abs().log10().floor() as i32;
-    if (-4..16).contains(&exponent) {
-        let s = format!("{v}");
-        return if s.contains('.') { s } else { format!("{s}.0") };
+    let (mantissa, exp) = shortest_scientific(v);
+    if !(-4..16).contains(&exp) {
+        let sign = if exp < 0 { '-' } else { '+' };
+        return format!("{mantissa}e{sign}{:02}", exp.abs());
     }
-    let s = format!("{v:e}"); // e.g. "1.5e-5"
-    let (mantissa, exp) = s.split_once('e').expect("an exponent");
-    let exp: i32 = exp.parse().expect("an integer exponent");
-    let sign = if exp < 0 { '-' } else { '+' };
-    format!("{mantissa}e{sign}{:02}", exp.abs())
+    let negative = mantissa.starts_with('-');
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let fixed = if exp < 0 {
+        format!("0.{}{digits}", "0".repeat((-exp - 1) as usize))
+    } else {
+        let point = exp as usize + 1;
+        let whole = format!("{digits:0<point$}");
+        let fraction = digits.get(point..).unwrap_or("");
+        let fraction = if fraction.is_empty() { "0" } else { fraction };
+        format!("{}.{fraction}", &whole[..point])
+    };
+    if negative {
+        format!("-{fixed}")
+    } else {
+        fixed
+    }
+}
+
+/// `v` as the shortest significant digits that read back as `v` (mantissa as in "1.5", and
+/// the power of ten), chosen as Python chooses them: where two such strings are equally close
+/// to `v`, the one ending in an even digit. Rust's own shortest form breaks that tie upward
+/// (76365/131072 = 0.58261871337890625 is "0.5826187133789063" in Rust, "...062" in Python:
+/// one fleet's servers once showed a histogram sum both ways), so `v` is rounded exactly to the
+/// shortest form's number of digits, which Rust does ties-to-even; that string reads back as
+/// `v` too, being at least as close to it.
+fn shortest_scientific(v: f64) -> (String, i32) {
+    let shortest = format!("{v:e}");
+    let (mantissa, _) = shortest.split_once('e').expect("an exponent");
+    let digits = mantissa.chars().filter(char::is_ascii_digit).count();
+    let exact = format!("{:.*e}", digits.saturating_sub(1), v);
+    let (mantissa, exp) = exact.split_once('e').expect("an exponent");
+    (
+        mantissa.to_string(),
+        exp.parse().expect("an integer exponent"),
+    )
 }
 
 fn escape_label(value: &str) -> String {
@@ -79,4 +109,37 @@ pub fn write_sample(out: &mut String, name: &str, labels: &[(&str, String)], val
         rendered.join(","),
         format_value(value)
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::format_value;
+    use std::path::PathBuf;
+
+    /// Every value of `tests/fixtures/metrics/values.txt` spelt as prometheus_client spells it
+    /// (the Python servers of the same fleet), ties between two shortest forms included.
+    #[test]
+    fn values_match_prometheus_clients_spelling() {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/metrics/values.txt");
+        let text = std::fs::read_to_string(&path).expect("the values fixture");
+        let mut checked = 0;
+        let mut wrong = Vec::new();
+        for line in text.lines() {
+            let (bits, want) = line.split_once(' ').expect("bits and text");
+            let value = f64::from_bits(u64::from_str_radix(bits, 16).expect("hex bits"));
+            let got = format_value(value);
+            if got != want {
+                wrong.push(format!("{bits}: {got} (want {want})"));
+            }
+            checked += 1;
+        }
+        assert!(checked > 4000, "only {checked} values");
+        assert!(
+            wrong.is_empty(),
+            "{} of {checked} differ: {:?}",
+            wrong.len(),
+            &wrong[..wrong.len().min(5)]
+        );
+    }
 }

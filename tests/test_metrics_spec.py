@@ -44,20 +44,19 @@ def test_the_exposition_parser_reads_families_labels_and_skips_created() -> None
         parse_exposition('# HELP b B.\n# TYPE b gauge\nb{x="1"} 1.0\nb{y="1"} 1.0\n')
 
 
-def test_the_values_fixture_is_how_prometheus_client_writes_them() -> None:
-    """tests/fixtures/metrics/values.txt, the spellings the Rust server's exposition is held to
-    (rust/frontend/src/exposition.rs), is what the installed prometheus_client writes for each
-    double, so both kinds of API server render a fleet's sums alike (rewrite it on purpose:
+def test_the_values_fixture_is_how_prometheus_client_and_msgspec_write_them() -> None:
+    """tests/fixtures/metrics/values.txt, the spellings the Rust server is held to in its
+    expositions and its event JSON (rust/frontend/src/exposition.rs), is what the installed
+    prometheus_client and msgspec write for each double, so both kinds of API server render a
+    fleet's sums and stream its events alike (rewrite it on purpose:
     .venv/bin/python tests/fixtures/metrics/values.py)."""
     import struct
 
-    from prometheus_client.utils import floatToGoString
-
-    from tests.fixtures.metrics.values import VALUES
+    from tests.fixtures.metrics.values import VALUES, spellings
 
     lines = VALUES.read_text().splitlines()
     assert len(lines) > 4000
     for line in lines:
-        bits, text = line.split(" ")
+        bits, text = line.split(" ", 1)
         value = struct.unpack("<d", struct.pack("<Q", int(bits, 16)))[0]
-        assert floatToGoString(value) == text, line
+        assert spellings(value) == text, line

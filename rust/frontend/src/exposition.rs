@@ -116,21 +116,28 @@ mod tests {
     use super::format_value;
     use std::path::PathBuf;
 
-    /// Every value of `tests/fixtures/metrics/values.txt` spelt as prometheus_client spells it
-    /// (the Python servers of the same fleet), ties between two shortest forms included.
+    /// Every value of `tests/fixtures/metrics/values.txt` spelt as the Python servers of the
+    /// same fleet spell it: in an exposition as prometheus_client does, ties between two
+    /// shortest forms included, and in `/v1/events` JSON (serde_json here) as msgspec does.
     #[test]
-    fn values_match_prometheus_clients_spelling() {
+    fn values_match_prometheus_clients_and_msgspecs_spelling() {
         let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/metrics/values.txt");
         let text = std::fs::read_to_string(&path).expect("the values fixture");
         let mut checked = 0;
         let mut wrong = Vec::new();
         for line in text.lines() {
-            let (bits, want) = line.split_once(' ').expect("bits and text");
+            let fields: Vec<&str> = line.split(' ').collect();
+            let [bits, exposition, json] = fields[..] else {
+                panic!("bits, exposition and JSON: {line}");
+            };
             let value = f64::from_bits(u64::from_str_radix(bits, 16).expect("hex bits"));
-            let got = format_value(value);
-            if got != want {
-                wrong.push(format!("{bits}: {got} (want {want})"));
+            let got = (
+                format_value(value),
+                serde_json::to_string(&value).expect("a finite double"),
+            );
+            if got.0 != exposition || got.1 != json {
+                wrong.push(format!("{bits}: {got:?} (want {exposition} {json})"));
             }
             checked += 1;
         }

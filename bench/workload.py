@@ -59,6 +59,20 @@ def physical_cores(cpus: set[int]) -> int | None:
     return len(cores)
 
 
+# Settings that move a figure without changing the code: how the worker's OpenMP threads wait
+# between parallel regions (a single stream served halved with OMP_WAIT_POLICY=passive on a
+# Zen 4) and how many there are and where they run. A result records those that were set.
+TUNING_ENV = (
+    "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
+    "OMP_NUM_THREADS",
+    "RANKCAST_NUM_THREADS",
+    "RANKCAST_CPU_BIND",
+    "RANKCAST_LINEAR_KERNEL",
+    "RANKCAST_KERNELS_ISA",
+)
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, usable cores (and the physical cores under them) and the ISA features that
     matter for inference speed."""
@@ -82,6 +96,7 @@ def machine_info() -> dict[str, Any]:
         "isa": isa,
         "best_isa": best,
         "torch": torch.__version__,
+        "env": {name: os.environ[name] for name in TUNING_ENV if name in os.environ},
     }
 
 
@@ -92,7 +107,8 @@ def describe(machine: dict[str, Any]) -> str:
     physical = machine.get("physical_cores")
     if physical is not None and physical < machine["cores"]:
         cores = f"{machine['cores']} logical CPUs on {physical} physical core(s)"
+    settings = "".join(f"; {name}={value}" for name, value in machine.get("env", {}).items())
     return (
         f"{machine['cpu']} (family {machine['cpu_family']} model {machine['cpu_model']}), "
-        f"{cores}, ISA: {features}; torch {machine['torch']}"
+        f"{cores}, ISA: {features}; torch {machine['torch']}{settings}"
     )

@@ -93,6 +93,14 @@ struct OverlapRows<Family, std::void_t<decltype(Family::kOverlapRows)>> {
 // took turns before: the first row tile waited on memory, the others on the FMA units). With
 // 32 rows this made the step's linears 15-20 % faster on a 2-core Zen 5, in float32 and
 // bfloat16; PREFETCHT0 measured a little better than T1/T2 there.
+//
+// A decode's tile (fewer than kOverlapRows rows: the 15-bit group kernels overlap from one row)
+// fetches the next group with PREFETCHT2 instead, into L2 only: its group of a 4-bit projection
+// is ~17 kB and the one it computes on is as large, so fetching the next into L1 pushed out the
+// lines in use from the 32 kB L1 of a Zen 4. The model's 4-bit decode step alone on the 2-core
+// Zen 4 (bench/decode_step.py, builds alternated): 3.72-4.14 -> 3.41-3.51 ms, faster in 4 of 4
+// rounds (T1: 3 of 4); `q8_0` 5.08-5.64 -> 4.96-5.23 ms. Batches keep PREFETCHT0: at 32 rows T2
+// was ~1 % slower in every round (bfloat16).
 struct NextGroup {
   const char* lines = nullptr;  // first cache line of this tile's share of the next group
   int64_t count = 0;            // lines in that share
@@ -102,10 +110,12 @@ inline int lines_per_step(const NextGroup& next, int64_t steps) {
   return static_cast<int>((next.count + steps - 1) / steps);
 }
 
+template <int Rows = kOverlapRows>
 inline void prefetch_next(const NextGroup& next, int64_t step, int per_step) {
+  constexpr int locality = Rows < kOverlapRows ? 1 : 3;
   for (int i = 0; i < per_step; ++i) {
     const int64_t line = step * per_step + i;
-    if (line < next.count) __builtin_prefetch(next.lines + line * 64, 0, 3);
+    if (line < next.count) __builtin_prefetch(next.lines + line * 64, 0, locality);
   }
 }
 

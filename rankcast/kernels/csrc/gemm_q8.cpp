@@ -82,7 +82,7 @@ __attribute__((always_inline)) inline void rows_q8(const int8_t* a, int64_t lda,
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    if (next.count > 0) prefetch_next(next, g, per_step);
+    if (next.count > 0) prefetch_next<TileRows>(next, g, per_step);
     const int8_t* record[NR];
     for (int j = 0; j < NR; ++j) {
       record[j] = b + j * panel_elems + g * kQ8GroupBytes;

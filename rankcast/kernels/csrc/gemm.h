@@ -35,6 +35,10 @@ constexpr int kRowBlock = 32;  // rows that share one pass over a column group
 #ifndef RANKCAST_DECODE_PREFETCH_LOCALITY
 #define RANKCAST_DECODE_PREFETCH_LOCALITY 0
 #endif
+// And its fetch of the next column group (`prefetch_next`): 1 (PREFETCHT2, into L2), 3 on Intel.
+#ifndef RANKCAST_DECODE_NEXT_LOCALITY
+#define RANKCAST_DECODE_NEXT_LOCALITY 1
+#endif
 constexpr int kOverlapRows = 4;  // fewer rows than this: no next-group prefetch (see below)
 // The same for the 15-bit group kernels (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): unpacking and
 // scaling their groups is enough arithmetic per weight byte that even one row gains from the
@@ -100,7 +104,8 @@ struct OverlapRows<Family, std::void_t<decltype(Family::kOverlapRows)>> {
 // lines in use from the 32 kB L1 of a Zen 4. The model's 4-bit decode step alone on the 2-core
 // Zen 4 (bench/decode_step.py, builds alternated): 3.72-4.14 -> 3.41-3.51 ms, faster in 4 of 4
 // rounds (T1: 3 of 4); `q8_0` 5.08-5.64 -> 4.96-5.23 ms. Batches keep PREFETCHT0: at 32 rows T2
-// was ~1 % slower in every round (bfloat16).
+// was ~1 % slower in every round (bfloat16). Intel builds keep PREFETCHT0 for decodes too
+// (RANKCAST_DECODE_NEXT_LOCALITY above) until measured there.
 struct NextGroup {
   const char* lines = nullptr;  // first cache line of this tile's share of the next group
   int64_t count = 0;            // lines in that share
@@ -112,7 +117,7 @@ inline int lines_per_step(const NextGroup& next, int64_t steps) {
 
 template <int Rows = kOverlapRows>
 inline void prefetch_next(const NextGroup& next, int64_t step, int per_step) {
-  constexpr int locality = Rows < kOverlapRows ? 1 : 3;
+  constexpr int locality = Rows < kOverlapRows ? RANKCAST_DECODE_NEXT_LOCALITY : 3;
   for (int i = 0; i < per_step; ++i) {
     const int64_t line = step * per_step + i;
     if (line < next.count) __builtin_prefetch(next.lines + line * 64, 0, locality);

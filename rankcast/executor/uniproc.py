@@ -48,5 +48,6 @@ class UniProcExecutor(Executor):
         return self.doorbell.take()
 
     def shutdown(self) -> None:
+        self.worker.close()
         self.worker.notifications.unregister()
         self.worker.runner = None

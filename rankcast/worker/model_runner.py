@@ -53,6 +53,11 @@ def commit_pages(tensor: torch.Tensor) -> None:
     tensor.view(-1).view(torch.uint8)[:: mmap.PAGESIZE].zero_()
 
 
+# The commit touches the cache in pieces of this many bytes, so that `close` stops it within
+# one piece (~10-30 ms) rather than one layer's whole cache.
+_COMMIT_CHUNK_BYTES = 64 * 2**20
+
+
 @dataclass
 class _RequestState:
     params: SamplingParams
@@ -78,6 +83,7 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
         self._commit: threading.Thread | None = None  # the cache's commit, until it is done
+        self._stop_commit = threading.Event()
         self.requests: dict[str, _RequestState] = {}
         self.lora_context: LoRAContext | None = None
         self.lora_layers: dict[int, list[LoRALinear]] = {}
@@ -142,7 +148,11 @@ class ModelRunner:
     def _commit_cache(self) -> None:
         start = time.perf_counter()
         for cache in self.kv_caches:
-            commit_pages(cache)
+            flat = cache.view(-1).view(torch.uint8)
+            for offset in range(0, flat.numel(), _COMMIT_CHUNK_BYTES):
+                if self._stop_commit.is_set():
+                    return
+                commit_pages(flat[offset : offset + _COMMIT_CHUNK_BYTES])
         nbytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         logger.info(
             "KV cache committed: %.0f MiB in %.2f s", nbytes / 2**20, time.perf_counter() - start
@@ -153,6 +163,14 @@ class ModelRunner:
         if self._commit is not None:
             self._commit.join()
             self._commit = None
+
+    def close(self) -> None:
+        """Stop a commit still under way and wait for its thread. An engine stopped before its
+        first step (a script that only starts and stops an `LLM`) otherwise left the thread
+        touching pages as the interpreter exited, which killed it inside torch and aborted the
+        process (exit status 134, "terminate called without an active exception")."""
+        self._stop_commit.set()
+        self.wait_for_cache()
 
     # ---- one step ----
 

@@ -181,6 +181,12 @@ class Worker:
         """Make the engine's adapter moves on this rank, in order (a utility's, at once)."""
         self._lora().apply(moves)
 
+    def close(self) -> None:
+        """Stop this rank's background work (the KV cache's commit) before the process or the
+        executor lets go of it."""
+        if self.runner is not None:
+            self.runner.close()
+
     def take_notifications(self) -> list[WorkerNotification] | None:
         """Drain this rank's notification buffer (None, allocating nothing, when empty)."""
         return self.notifications.take()

@@ -127,6 +127,7 @@ def run_worker(
         reply = dispatch(worker, call)
         if call.reply_rank in (-1, rank):
             replies.send(encoder.encode(reply))
+    worker.close()
     context.destroy(linger=0)
     if dist.is_initialized():
         dist.destroy_process_group()

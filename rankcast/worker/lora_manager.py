@@ -49,6 +49,7 @@ class LoRAManager:
         # read is dropped when the read ends.
         self.lock = threading.Lock()
         self.reading: set[int] = set()
+        self.readers: list[threading.Thread] = []  # their threads, joined by `close`
         self.cancelled: set[int] = set()
         # Background reads that ended since the engine last took them (with the rank's next
         # step reply): what the engine's registry acts on, never dropped like an event can be.
@@ -79,9 +80,20 @@ class LoRAManager:
             self.reading.add(adapter_id)
             self.cancelled.discard(adapter_id)
             self.names[adapter_id] = name
-        threading.Thread(
+        reader = threading.Thread(
             target=self._read, args=(adapter_id, name, path), name=f"lora-read-{name}", daemon=True
-        ).start()
+        )
+        self.readers = [t for t in self.readers if t.is_alive()]
+        self.readers.append(reader)
+        reader.start()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Wait for the reads in flight: a read's thread left running as the process exits is
+        killed inside torch, which aborts the process (as the KV cache's commit did)."""
+        deadline = time.monotonic() + timeout_s
+        for reader in self.readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        self.readers = []
 
     def _read(self, adapter_id: int, name: str, path: str) -> None:
         start = time.perf_counter()

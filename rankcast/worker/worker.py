@@ -182,8 +182,10 @@ class Worker:
         self._lora().apply(moves)
 
     def close(self) -> None:
-        """Stop this rank's background work (the KV cache's commit) before the process or the
-        executor lets go of it."""
+        """Stop this rank's background work (the KV cache's commit, adapter reads in flight)
+        before the process or the executor lets go of it."""
+        if self.loras is not None:
+            self.loras.close()
         if self.runner is not None:
             self.runner.close()
 

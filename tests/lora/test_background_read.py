@@ -4,9 +4,14 @@ reported the adapter read."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+import rankcast.worker.lora_manager as lora_manager
 from rankcast import SamplingParams
 from rankcast.channel.events import LoRAAdapterLoaded, NotificationsDropped
 from rankcast.protocol import AddLoRA
@@ -92,3 +97,35 @@ def test_an_adapter_is_ready_when_read_even_if_the_event_saying_so_is_dropped(
         assert not [n for n in events if isinstance(n, LoRAAdapterLoaded) and n.adapter_name == "a"]
         assert any(isinstance(n, NotificationsDropped) for n in events)
         assert "cpu" in {a.name: a.tiers for a in llm.list_loras()}["a"]
+
+
+def test_stopping_the_engine_waits_for_an_adapter_read_in_flight(
+    tiny_llama_dir: Path, mixed_adapters: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine stopped while a rank reads an adapter in the background waits for the read: a
+    read's thread left running as the interpreter exits is killed inside torch, which aborts
+    the process (the KV cache's commit did exactly that, tests/worker/test_kv_memory.py)."""
+    read = lora_manager.load_peft_adapter
+
+    def slow(*args: Any, **kwargs: Any) -> Any:  # a cold disk: the read is still going on
+        time.sleep(0.5)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(lora_manager, "load_peft_adapter", slow)
+    llm = lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=1)
+    try:
+        engine = llm.engine
+        engine.call(AddLoRA("a", str(mixed_adapters[0])))
+        engine.call(AddLoRA("b", str(mixed_adapters[1])))  # "a" back to disk
+        engine.add_request([7, 8, 9], SHORT, lora_name="a")
+        deadline = time.monotonic() + 30
+        while not _reading() and time.monotonic() < deadline:
+            engine.step()
+        assert _reading(), "no background read of 'a' started"
+    finally:
+        llm.shutdown()
+    assert not _reading()
+
+
+def _reading() -> bool:
+    return any(t.name.startswith("lora-read-") and t.is_alive() for t in threading.enumerate())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rankcast.channel.decoder import NotificationDecoder
@@ -28,6 +30,12 @@ class LLMEngine:
         self.source = resolve_model(config.model.model)
         self.tokenizer = load_tokenizer(self.source.model_dir)
         self.client = InprocClient(config, self.source, build_core)
+        # A script that never calls `shutdown` still ends: without this, its rank processes
+        # (tensor or pipeline parallel) waited for calls while multiprocessing's exit hook
+        # waited for them, forever, and an in-process rank's cache commit was killed inside
+        # torch, aborting the process. Registered after multiprocessing's hook, so it runs first.
+        self._stop_at_exit = _stopper(self.client)
+        atexit.register(self._stop_at_exit)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.notification_decoder = NotificationDecoder()
@@ -107,4 +115,15 @@ class LLMEngine:
         return apply_chat_template(self.tokenizer, messages)
 
     def shutdown(self) -> None:
+        atexit.unregister(self._stop_at_exit)
         self.client.shutdown()
+
+
+def _stopper(client: InprocClient) -> Callable[[], None]:
+    """The exit hook of one engine (its own function, so that `atexit.unregister` removes
+    this engine's hook and no other's)."""
+
+    def stop() -> None:
+        client.shutdown()
+
+    return stop

@@ -148,7 +148,8 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine and thaw what its start froze. `gc.freeze` is process-wide: objects
         the caller held when this engine started are frozen with it until now, and a caller's
-        own earlier `gc.freeze` is undone here too."""
+        own earlier `gc.freeze` is undone here too. An engine never stopped is stopped at
+        interpreter exit (and kept until then), so a script that never calls this still ends."""
         self.engine.shutdown()
         release_startup_heap()
 

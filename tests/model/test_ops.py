@@ -320,6 +320,61 @@ def test_a_token_attends_bit_identically_alone_or_inside_a_prompt(dtype: torch.d
         assert torch.equal(alone[0], whole[position])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads,kv_heads,block_size", [(9, 3, 16), (6, 1, 8), (12, 2, 32), (4, 4, 16)]
+)
+def test_a_long_context_decode_split_between_threads_gives_the_tiles_bits(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, heads: int, kv_heads: int, block_size: int
+) -> None:
+    """A lone decode over a long context is shared out between the threads by stretches of its
+    context (csrc/attention.cpp, `attend_split`); each chunk's weighted values are then summed
+    on the thread that owns it and the chunks' sums added in order. The token must come out
+    with the bits one thread gives it, and the bits it gets inside a prompt."""
+    if not kernels.load():
+        pytest.skip("kernel property")
+    head_dim = 64
+    gen = torch.Generator().manual_seed(11)
+    previous = torch.get_num_threads()
+    for length in (256, 300, 701):
+        need = -(-length // block_size)
+        keys, values = _caches(need + 5, kv_heads, head_dim, block_size, dtype)
+        order = (torch.randperm(need + 5, generator=gen)[:need]).tolist()  # scattered blocks
+        table = torch.tensor([order], dtype=torch.int32)
+        prompt = torch.randn(3, heads, head_dim, generator=gen).to(dtype)
+        args = (keys, values, table, torch.tensor([length], dtype=torch.int32))
+        scale = head_dim**-0.5
+        inside = torch.empty_like(prompt)  # the last three positions as one chunk: the tiles
+        ops.paged_attention(
+            inside, prompt, *args, torch.tensor([0, 3], dtype=torch.int32), scale, [3]
+        )
+        decoded = []
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                alone = torch.empty_like(prompt[2:])
+                ops.paged_attention(
+                    alone, prompt[2:], *args, torch.tensor([0, 1], dtype=torch.int32), scale, [1]
+                )
+                decoded.append(alone)
+        finally:
+            torch.set_num_threads(previous)
+        assert torch.equal(decoded[0], decoded[1]), f"{length} tokens: threads changed the bits"
+        assert torch.equal(decoded[1][0], inside[2]), f"{length} tokens: a prompt's bits differ"
+        want = torch.empty_like(decoded[1])
+        reference(
+            monkeypatch,
+            ops.paged_attention,
+            want,
+            prompt[2:],
+            *args,
+            torch.tensor([0, 1], dtype=torch.int32),
+            scale,
+            [1],
+        )
+        torch.testing.assert_close(decoded[1], want, **tolerance(dtype))
+
+
 def _lora_layer(kernel: bool, subs: list, in_size: int, adapters: list):
     from rankcast.lora.layers import LoRAContext, LoRALinear
 

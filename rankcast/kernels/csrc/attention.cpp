@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "kernels.h"
@@ -84,32 +85,76 @@ inline void key_scores(const float* qf, int D, const T* kt, int bs, int n, Vec16
   }
 }
 
-// out[r, d0 + c*16 ..] = sum_t p[r, t] * v[t, d0 + c*16 ..] over every visible token, block by
-// block, with R * C accumulators held in registers for the whole context.
+// Tokens whose products a row sums in one chain before adding that chain to its total: the
+// weighted sum of values is the sum, in order, of the sums of 16-token chunks (from position 0),
+// each chunk summed in token order. A decode step splits a long context's chunks between
+// threads (`attend_split`) and adds their sums in the same order, so a token's output does not
+// depend on whether it was decoded alone, in a batch, or in a prompt.
+constexpr int kChunk = 16;
+
+// The sum over tokens [t_begin, t_end) (within one chunk) of p[r, t] * v[t, d0 + c*16 ..] for R
+// rows and C vectors of dimensions, from zero, in token order.
 template <typename T, int R, int C>
-inline void weighted_values(float* acc, int D, const float* p, int64_t p_stride, int reach,
-                            const T* value_cache, const int64_t* offsets, int bs, int d0) {
-  Vec16 a[R][C];
+inline void chunk_values(Vec16 (&a)[R][C], const float* p, int64_t p_stride, int t_begin,
+                         int t_end, const T* value_cache, const int64_t* offsets, int bs, int D,
+                         int d0) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = zero16();
-  for (int j = 0, base = 0; base < reach; ++j, base += bs) {
-    const int ntok = std::min(bs, reach - base);
-    const T* vb = value_cache + offsets[j] + d0;
-    for (int t = 0; t < ntok; ++t) {
-      const T* row = vb + static_cast<int64_t>(t) * D;
+  for (int t = t_begin; t < t_end;) {
+    const int j = t / bs;
+    const int stop = std::min(t_end, (j + 1) * bs);
+    const T* row = value_cache + offsets[j] + static_cast<int64_t>(t - j * bs) * D + d0;
+    for (; t < stop; ++t, row += D) {
       for (int c = 0; c < C; ++c) {
         const Vec16 v = load16(row + c * 16);
-        for (int r = 0; r < R; ++r) a[r][c] = fma(splat(p[r * p_stride + base + t]), v, a[r][c]);
+        for (int r = 0; r < R; ++r) a[r][c] = fma(splat(p[r * p_stride + t]), v, a[r][c]);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store16(acc + r * D + d0 + c * 16, a[r][c]);
+}
+
+// out[r, d0 + c*16 ..] = sum_t p[r, t] * v[t, d0 + c*16 ..] over every visible token: the chunks'
+// sums (`chunk_values`) added in order into `acc`, R * C of them in registers at a time.
+template <typename T, int R, int C>
+inline void weighted_values(float* acc, int D, const float* p, int64_t p_stride, int reach,
+                            const T* value_cache, const int64_t* offsets, int bs, int d0) {
+  for (int t0 = 0; t0 < reach; t0 += kChunk) {
+    Vec16 a[R][C];
+    chunk_values<T, R, C>(a, p, p_stride, t0, std::min(reach, t0 + kChunk), value_cache, offsets,
+                          bs, D, d0);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        float* out = acc + r * D + d0 + c * 16;
+        store16(out, t0 == 0 ? a[r][c] : load16(out) + a[r][c]);
+      }
+  }
+}
+
+// A row's scores (`reach` of them, -inf where hidden) made its probabilities in place: the
+// exact softmax, every path the same way.
+inline void softmax_row(float* pr, int reach) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  Vec16 mx = splat(neg_inf);
+  for (int t = 0; t < reach; t += 16)
+    mx = max(mx, keep_first(load16(pr + t, std::min(16, reach - t)), reach - t, neg_inf));
+  const float row_max = reduce_max(mx);
+  Vec16 sum = zero16();
+  for (int t = 0; t < reach; t += 16) {
+    const int n = std::min(16, reach - t);
+    const Vec16 e = keep_first(exp16(load16(pr + t, n) - splat(row_max)), n, 0.0f);
+    store16(pr + t, e, n);
+    sum = sum + e;
+  }
+  const float inv = 1.0f / reduce_add(sum);
+  for (int t = 0; t < reach; t += 16) {
+    const int n = std::min(16, reach - t);
+    store16(pr + t, load16(pr + t, n) * splat(inv), n);
+  }
 }
 
 // One tile: R query rows sharing a sequence and a KV head; row r sees keys [0, limit[r]).
 // Two passes over the context: every score first (so the softmax is exact and done once per
-// row), then the weighted sum of values with the accumulators in registers throughout.
+// row), then the weighted sum of values, chunk by chunk (`weighted_values`).
 template <typename T, int R>
 void attend_tile(const T* const* q, T* const* out, const int* limit, const T* key_cache,
                  const T* value_cache, const int* table, int kv_head, const Geometry& g,
@@ -172,24 +217,7 @@ void attend_tile(const T* const* q, T* const* out, const int* limit, const T* ke
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float* pr = p + r * p_stride;
-    Vec16 mx = splat(neg_inf);
-    for (int t = 0; t < reach; t += 16) mx = max(mx, keep_first(load16(pr + t, std::min(16, reach - t)), reach - t, neg_inf));
-    const float row_max = reduce_max(mx);
-    Vec16 sum = zero16();
-    for (int t = 0; t < reach; t += 16) {
-      const int n = std::min(16, reach - t);
-      const Vec16 e = keep_first(exp16(load16(pr + t, n) - splat(row_max)), n, 0.0f);
-      store16(pr + t, e, n);
-      sum = sum + e;
-    }
-    const float inv = 1.0f / reduce_add(sum);
-    for (int t = 0; t < reach; t += 16) {
-      const int n = std::min(16, reach - t);
-      store16(pr + t, load16(pr + t, n) * splat(inv), n);
-    }
-  }
+  for (int r = 0; r < R; ++r) softmax_row(p + r * p_stride, reach);
   int d0 = 0;
   constexpr int C = R <= 3 ? 4 : 2;
   for (; d0 + C * 16 <= D; d0 += C * 16) {
@@ -200,6 +228,128 @@ void attend_tile(const T* const* q, T* const* out, const int* limit, const T* ke
   }
   for (int r = 0; r < R; ++r) {
     for (int d = 0; d < D; d += 16) store16(out[r] + d, load16(acc + r * D + d));
+  }
+}
+
+// One sequence's single query token against every KV head, its context shared out between the
+// threads: the decode of a lone stream, which has only kv_heads items for the tiles above (3 on
+// SmolLM2: on two threads one of them did two thirds), each reading a head's part of every block
+// (2 kB of a 6 kB block), a short stream that starts cold at each block. Here each thread takes a
+// contiguous stretch of the context in whole chunks and reads every head of each block in it, in
+// the cache's order; the phases meet at barriers: scores, then each row's softmax over the whole
+// context, then each chunk's weighted values, then the chunks' sums added in order. Every number
+// is the one `attend_tile` computes for that token (the same scores, softmax and chunk sums, in
+// the same order), so a decode gives the same bits either way.
+// Blocks ahead of the one being scored whose keys `attend_split` prefetches (1, 4 and 8 measured
+// within noise of each other).
+constexpr int kSplitAheadBlocks = 8;
+// Contexts from which a lone decode is split between threads. SmolLM2's q4_1 decode step alone,
+// 2-core Zen 4, builds alternated (bench/decode_step.py): at 150 tokens the split changed nothing,
+// at 600 it was 1.03-1.09x faster, at 2,000 1.24x (6.70 -> 5.39 ms); its barriers cost about
+// what it saves on a short context.
+constexpr int kSplitMinTokens = 256;
+
+template <typename T, int R>
+void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len,
+                  const int* table, const T* key_cache, const T* value_cache, const Geometry& g,
+                  float scale, int threads) {
+  const int D = g.head_dim, bs = g.block_size, rows = g.kv_heads * R;
+  const int reach = seq_len;
+  const int num_blocks = (reach + bs - 1) / bs;
+  const int chunks = (reach + kChunk - 1) / kChunk;
+  const int64_t p_stride = (static_cast<int64_t>(num_blocks) * bs + 15) / 16 * 16;
+  const int64_t block_elems = static_cast<int64_t>(D) * bs;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
+  // Offsets of head 0's part of each block; head h's is h * block_elems further.
+  std::vector<int64_t> offsets(num_blocks);
+  for (int j = 0; j < num_blocks; ++j)
+    offsets[j] = static_cast<int64_t>(table[j]) * g.kv_heads * block_elems;
+  // Uninitialized: every element read is written first (zeroing them cost more than a
+  // short context's whole attention).
+  const std::unique_ptr<float[]> p(new float[static_cast<size_t>(rows) * p_stride]);
+  const std::unique_ptr<float[]> partials(new float[static_cast<size_t>(chunks) * rows * D]);
+  // Stretches in units of whole blocks and whole chunks, so a thread's chunks lie in its blocks.
+  const int unit = std::max(bs, kChunk);
+  const int units = (reach + unit - 1) / unit;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int block_lines = static_cast<int>(block_bytes / 64);
+  const int sub_chunks = (bs + 15) / 16;
+  const int lines_per_chunk = (block_lines + sub_chunks - 1) / sub_chunks;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int first = std::min(reach, units * tid / nt * unit);
+    const int last = std::min(reach, units * (tid + 1) / nt * unit);
+    std::vector<float> qf(static_cast<size_t>(rows) * D);
+    for (int r = 0; r < rows; ++r)
+      for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[r * q_head + d]) * scale;
+    // Scores: each block of the stretch, head after head (the cache's order), prefetching the
+    // next block's keys and this block's values as the tiles do.
+    for (int j = first / bs, base = j * bs; base < last; ++j, base += bs) {
+      const int ntok = std::min(bs, reach - base);
+      const int j_ahead = j + kSplitAheadBlocks;
+      const bool ahead = j_ahead * bs < last;
+      for (int h = 0; h < g.kv_heads; ++h) {
+        const T* kb = key_cache + offsets[j] + h * block_elems;
+        const char* key_ahead =
+            ahead ? reinterpret_cast<const char*>(key_cache + offsets[j_ahead] + h * block_elems)
+                  : nullptr;
+        const char* values =
+            reinterpret_cast<const char*>(value_cache + offsets[j] + h * block_elems);
+        for (int t0 = 0, c = 0; t0 < ntok; t0 += 16, ++c) {
+          Prefetches pf;
+          const int first_line = c * lines_per_chunk;
+          pf.lines = std::max(0, std::min(lines_per_chunk, block_lines - first_line));
+          pf.first[0] = key_ahead == nullptr ? nullptr : key_ahead + first_line * 64;
+          pf.first[1] = values + first_line * 64;
+          const int n = std::min(16, ntok - t0);
+          Vec16 sc[R];
+          key_scores<T, R>(qf.data() + h * R * D, D, kb + t0, bs, n, sc, pf);
+          for (int r = 0; r < R; ++r)
+            store16(p.get() + (h * R + r) * p_stride + base + t0, keep_first(sc[r], n, neg_inf),
+                    n);
+        }
+      }
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r) softmax_row(p.get() + r * p_stride, reach);
+    // (the implicit barrier of the loop: every probability is in place)
+    for (int h = 0; h < g.kv_heads; ++h) {
+      std::vector<int64_t> head_offsets(offsets);
+      for (int64_t& o : head_offsets) o += h * block_elems;
+      for (int t0 = first; t0 < last; t0 += kChunk) {
+        float* part = partials.get() + (static_cast<size_t>(t0 / kChunk) * rows + h * R) * D;
+        const float* ph = p.get() + h * R * p_stride;
+        const int t1 = std::min(last, t0 + kChunk);
+        int d0 = 0;
+        constexpr int C = R <= 3 ? 4 : 2;
+        for (; d0 + C * 16 <= D; d0 += C * 16) {
+          Vec16 a[R][C];
+          chunk_values<T, R, C>(a, ph, p_stride, t0, t1, value_cache, head_offsets.data(), bs, D,
+                                d0);
+          for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) store16(part + r * D + d0 + c * 16, a[r][c]);
+        }
+        for (; d0 < D; d0 += 16) {
+          Vec16 a[R][1];
+          chunk_values<T, R, 1>(a, ph, p_stride, t0, t1, value_cache, head_offsets.data(), bs, D,
+                                d0);
+          for (int r = 0; r < R; ++r) store16(part + r * D + d0, a[r][0]);
+        }
+      }
+    }
+#pragma omp barrier
+    // The chunks' sums added in order, as `weighted_values` adds them.
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r) {
+      for (int d = 0; d < D; d += 16) {
+        Vec16 total = load16(partials.get() + static_cast<size_t>(r) * D + d);
+        for (int c = 1; c < chunks; ++c)
+          total = total + load16(partials.get() + (static_cast<size_t>(c) * rows + r) * D + d);
+        store16(out + r * o_head + d, total);
+      }
+    }
   }
 }
 
@@ -240,6 +390,29 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
 
+  // Lone decodes (each sequence one query token, too few (sequence, head) items to keep every
+  // thread busy): each sequence's context shared out between the threads instead.
+  const int available = at::get_num_threads();
+  bool lone_decodes = available > 1 && group <= kMaxRows && num_seqs * g.kv_heads < 2 * available;
+  for (int b = 0; b < num_seqs && lone_decodes; ++b)
+    lone_decodes = starts[b + 1] - starts[b] == 1 && lens[b] >= kSplitMinTokens;
+  if (lone_decodes) {
+    for (int b = 0; b < num_seqs; ++b) {
+      const T* qb = q + starts[b] * q_tok;
+      T* ob = o + starts[b] * o_tok;
+      const int* table = tables + b * g.max_blocks;
+      const float sc = static_cast<float>(scale);
+      switch (group) {
+        case 1: attend_split<T, 1>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
+        case 2: attend_split<T, 2>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
+        case 3: attend_split<T, 3>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
+        case 4: attend_split<T, 4>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
+        case 5: attend_split<T, 5>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
+        default: attend_split<T, 6>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
+      }
+    }
+    return;
+  }
   // Positions per item: enough rows (positions x heads in the group) to fill kMaxRows.
   const int positions = std::max(1, kMaxRows / group);
   std::vector<WorkItem> items;

@@ -16,7 +16,9 @@ The serving overhead (served/offline at 32 streams) is also measured paired: the
 and each server up at once, a round being one run of each a few seconds apart, in an order
 rotated every round (--overhead-rounds); the drift of the machine over minutes then cancels.
 Fleets of Rust API servers alone (--rust-api-server-counts, when rankcast-frontend is built)
-are measured the same way.
+are measured the same way, and at every level beside the Python fleets: on two cores the API
+servers' CPU per streamed token is taken from the model's threads, so the fleet is part of
+what a single stream gets.
 
     python bench/serve.py [--api-server-counts 1,2] [--quantization none,int8]
         [--anchor-dtypes bfloat16,float32] [--llamacpp-types Q8_0,Q4_1] [--runs 3]
@@ -308,8 +310,10 @@ def serve_rankcast(
     runs: int,
     quantization: str = "none",
     model: Path | None = None,
+    rust_api_servers: int = 0,
 ) -> dict:
-    """`rankcast serve` (of `model`, a GGUF file, or the embedded SmolLM2) at each level."""
+    """`rankcast serve` (of `model`, a GGUF file, or the embedded SmolLM2) at each level, with
+    `api_servers` Python and `rust_api_servers` Rust API servers."""
     from rankcast.model.weight_snapshot import wait_for_writes
     from tests.entrypoints.server_process import ServerProcess
 
@@ -317,7 +321,7 @@ def serve_rankcast(
     server = ServerProcess(
         *([str(model)] if model is not None else []),
         "--kv-cache-space", "1", "--max-num-seqs", "32", *quantization_args(quantization),
-        api_server_count=api_servers,
+        api_server_count=api_servers, rust_api_server_count=rust_api_servers,
     )  # fmt: skip
     try:
         server.wait_healthy()
@@ -327,6 +331,10 @@ def serve_rankcast(
     finally:
         server.stop()
     name = f"rankcast, {api_servers} API server(s)"
+    if rust_api_servers:
+        name = f"rankcast, {rust_api_servers} Rust API server(s)"
+        if api_servers:
+            name += f" + {api_servers} Python"
     if quantization != "none":
         name += f", {quantization}"
     if model is not None:
@@ -511,7 +519,7 @@ def main() -> None:
     parser.add_argument(
         "--rust-api-server-counts",
         default="1,2",
-        help="Rust API servers alone, in the paired overhead (empty: none)",
+        help="Rust API servers alone, at every level and in the paired overhead (empty: none)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = parser.parse_args()
@@ -543,6 +551,11 @@ def main() -> None:
     if rust_counts and frontend_binary() is None:
         print("no current rankcast-frontend build (make rust-build): Rust fleets not measured")
         rust_counts = ()
+    runs += [
+        serve_rankcast(0, prompts, tokens, levels, args.runs, q, rust_api_servers=k)
+        for q in quantizations
+        for k in rust_counts
+    ]
     overhead = (
         serving_overhead(
             prompts, tokens, counts, args.overhead_rounds, rust_counts, quantizations[0]

@@ -60,6 +60,18 @@ struct Prefetches {
   int lines = 0;                              // lines of each stream to fetch here
 };
 
+// Sub-chunk `c` of a block's share of the two streams: the lines of the key block ahead and of
+// this block's values (`first` null for a stream not fetched) that its scores' loop fetches.
+inline Prefetches chunk_prefetches(const char* key_ahead, const char* values, int c,
+                                   int lines_per_chunk, int block_lines) {
+  Prefetches pf;
+  const int first_line = c * lines_per_chunk;
+  pf.lines = std::max(0, std::min(lines_per_chunk, block_lines - first_line));
+  pf.first[0] = key_ahead == nullptr ? nullptr : key_ahead + first_line * 64;
+  pf.first[1] = values + first_line * 64;
+  return pf;
+}
+
 template <typename T, int R>
 inline void key_scores(const float* qf, int D, const T* kt, int bs, int n, Vec16* s,
                        const Prefetches& pf) {
@@ -197,11 +209,7 @@ void attend_tile(const T* const* q, T* const* out, const int* limit, const T* ke
     const T* kb = key_cache + offsets[j];
     for (int t0 = 0, c = 0; t0 < bs; t0 += 16, ++c) {
       // Every chunk of the block passes, visible or not, so that the prefetches all happen.
-      Prefetches pf;
-      const int first_line = c * lines_per_chunk;
-      pf.lines = std::max(0, std::min(lines_per_chunk, block_lines - first_line));
-      pf.first[0] = key_ahead == nullptr ? nullptr : key_ahead + first_line * 64;
-      pf.first[1] = values + first_line * 64;
+      const Prefetches pf = chunk_prefetches(key_ahead, values, c, lines_per_chunk, block_lines);
       if (t0 >= ntok) {
         for (int l = 0; l < pf.lines; ++l)
           for (const char* stream : pf.first)
@@ -297,11 +305,8 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
         const char* values =
             reinterpret_cast<const char*>(value_cache + offsets[j] + h * block_elems);
         for (int t0 = 0, c = 0; t0 < ntok; t0 += 16, ++c) {
-          Prefetches pf;
-          const int first_line = c * lines_per_chunk;
-          pf.lines = std::max(0, std::min(lines_per_chunk, block_lines - first_line));
-          pf.first[0] = key_ahead == nullptr ? nullptr : key_ahead + first_line * 64;
-          pf.first[1] = values + first_line * 64;
+          const Prefetches pf =
+              chunk_prefetches(key_ahead, values, c, lines_per_chunk, block_lines);
           const int n = std::min(16, ntok - t0);
           Vec16 sc[R];
           key_scores<T, R>(qf.data() + h * R * D, D, kb + t0, bs, n, sc, pf);

@@ -20,6 +20,9 @@ from rankcast.model.linear_kernels import CpuFacts, choose_linear_path, cpu_fami
 from rankcast.model.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
+# (heads, KV heads, block size) of the decode paths' bit-identity tests: SmolLM2's, one KV head
+# with blocks of 8, two with blocks of 32, one query row per KV head.
+DECODE_GEOMETRIES = [(9, 3, 16), (6, 1, 8), (12, 2, 32), (4, 4, 16)]
 CPU = torch.device("cpu")
 
 
@@ -321,9 +324,7 @@ def test_a_token_attends_bit_identically_alone_or_inside_a_prompt(dtype: torch.d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "heads,kv_heads,block_size", [(9, 3, 16), (6, 1, 8), (12, 2, 32), (4, 4, 16)]
-)
+@pytest.mark.parametrize("heads,kv_heads,block_size", DECODE_GEOMETRIES)
 def test_a_long_context_decode_split_between_threads_gives_the_tiles_bits(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, heads: int, kv_heads: int, block_size: int
 ) -> None:
@@ -373,6 +374,73 @@ def test_a_long_context_decode_split_between_threads_gives_the_tiles_bits(
             [1],
         )
         torch.testing.assert_close(decoded[1], want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,block_size", DECODE_GEOMETRIES)
+def test_a_batch_of_decodes_gives_each_token_the_bits_it_gets_alone(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, heads: int, kv_heads: int, block_size: int
+) -> None:
+    """A step of decodes only, with sequences enough to share out, takes one sequence (every KV
+    head) per item (csrc/attention.cpp, `attend_sequence`) where other steps take one (sequence,
+    head) pair: each token must still get the bits it gets decoded alone on one thread (the
+    tiles) and inside a prompt."""
+    if not kernels.load():
+        pytest.skip("kernel property")
+    head_dim, scale = 64, 64**-0.5
+    lengths = [1, 17, 150, 300, 45, 700, 16, 3]
+    gen = torch.Generator().manual_seed(5)
+    needs = [-(-n // block_size) for n in lengths]
+    keys, values = _caches(sum(needs) + 3, kv_heads, head_dim, block_size, dtype)
+    order = torch.randperm(sum(needs) + 3, generator=gen).tolist()  # scattered blocks
+    width = max(needs)
+    tables = []
+    for need in needs:
+        tables.append([order.pop() for _ in range(need)] + [0] * (width - need))
+    table = torch.tensor(tables, dtype=torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    query = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dtype)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = torch.empty_like(query)
+        starts = torch.arange(len(lengths) + 1, dtype=torch.int32)
+        ops.paged_attention(
+            batch, query, keys, values, table, seq_lens, starts, scale, [1] * len(lengths)
+        )
+        torch.set_num_threads(1)
+        for b, length in enumerate(lengths):
+            alone = torch.empty_like(query[b : b + 1])
+            one = (keys, values, table[b : b + 1], seq_lens[b : b + 1])
+            ops.paged_attention(
+                alone, query[b : b + 1], *one, torch.tensor([0, 1], dtype=torch.int32), scale, [1]
+            )
+            assert torch.equal(alone[0], batch[b]), f"a {length}-token decode's bits differ"
+            if length >= 2:  # the same token as the last of a two-token chunk
+                pair = torch.cat([torch.randn(1, heads, head_dim, generator=gen).to(dtype), alone])
+                pair[1] = query[b]
+                inside = torch.empty_like(pair)
+                ops.paged_attention(
+                    inside, pair, *one, torch.tensor([0, 2], dtype=torch.int32), scale, [2]
+                )
+                assert torch.equal(inside[1], batch[b]), f"{length} tokens: a chunk's bits differ"
+    finally:
+        torch.set_num_threads(previous)
+    want = torch.empty_like(query)
+    reference(
+        monkeypatch,
+        ops.paged_attention,
+        want,
+        query,
+        keys,
+        values,
+        table,
+        seq_lens,
+        torch.arange(len(lengths) + 1, dtype=torch.int32),
+        scale,
+        [1] * len(lengths),
+    )
+    torch.testing.assert_close(batch, want, **tolerance(dtype))
 
 
 def _lora_layer(kernel: bool, subs: list, in_size: int, adapters: list):

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <type_traits>
 #include <memory>
 #include <vector>
 
@@ -256,6 +257,108 @@ constexpr int kSplitAheadBlocks = 8;
 // at 600 it was 1.03-1.09x faster, at 2,000 1.24x (6.70 -> 5.39 ms); its barriers cost about
 // what it saves on a short context.
 constexpr int kSplitMinTokens = 256;
+// Decode steps with at least this many sequences per thread take one sequence per item
+// (`attend_sequence`). SmolLM2's decode step alone on the 2-core Zen 4, builds alternated
+// (bench/decode_step.py, bfloat16 weights unless named): 32 sequences at 200 tokens 36.4 -> 30.8
+// ms (q4_1 40.4 -> 31.1), 32 at 40 tokens 1.03x, 4 at 200 1.03x, 8 at 1,000 21.4 -> 17.7 ms.
+constexpr int kSequenceItemsPerThread = 2;
+
+// Every KV head's R query rows of one token scored against the blocks holding tokens
+// [first, last) of a context of `reach`, block after block and head after head within a block
+// (the cache's order: a block's heads lie side by side), into p [kv_heads * R, p_stride]; the
+// keys kSplitAheadBlocks blocks on and each block's values are prefetched meanwhile. `qf` holds
+// the scaled queries, row h * R + r for head h; `offsets` head 0's part of each block.
+template <typename T, int R>
+void score_stretch(const float* qf, float* p, int64_t p_stride, int first, int last, int reach,
+                   const int64_t* offsets, const T* key_cache, const T* value_cache,
+                   const Geometry& g) {
+  const int D = g.head_dim, bs = g.block_size;
+  const int64_t block_elems = static_cast<int64_t>(D) * bs;
+  const int block_lines = static_cast<int>(block_elems * static_cast<int64_t>(sizeof(T)) / 64);
+  const int sub_chunks = (bs + 15) / 16;
+  const int lines_per_chunk = (block_lines + sub_chunks - 1) / sub_chunks;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int j = first / bs, base = j * bs; base < last; ++j, base += bs) {
+    const int ntok = std::min(bs, reach - base);
+    const int j_ahead = j + kSplitAheadBlocks;
+    const bool ahead = j_ahead * bs < last;
+    for (int h = 0; h < g.kv_heads; ++h) {
+      const T* kb = key_cache + offsets[j] + h * block_elems;
+      const char* key_ahead =
+          ahead ? reinterpret_cast<const char*>(key_cache + offsets[j_ahead] + h * block_elems)
+                : nullptr;
+      const char* values =
+          reinterpret_cast<const char*>(value_cache + offsets[j] + h * block_elems);
+      for (int t0 = 0, c = 0; t0 < ntok; t0 += 16, ++c) {
+        const Prefetches pf = chunk_prefetches(key_ahead, values, c, lines_per_chunk, block_lines);
+        const int n = std::min(16, ntok - t0);
+        Vec16 sc[R];
+        key_scores<T, R>(qf + h * R * D, D, kb + t0, bs, n, sc, pf);
+        for (int r = 0; r < R; ++r)
+          store16(p + (h * R + r) * p_stride + base + t0, keep_first(sc[r], n, neg_inf), n);
+      }
+    }
+  }
+}
+
+// A single-token sequence's working memory on one thread, kept across the sequences it takes.
+struct SequenceScratch {
+  std::vector<int64_t> offsets, head_offsets;
+  std::vector<float> qf, p, acc;
+};
+
+// Head 0's part of each of a context's blocks; head h's is h * block_elems further.
+inline void block_offsets(std::vector<int64_t>& offsets, const int* table, int num_blocks,
+                          const Geometry& g) {
+  const int64_t block_elems = static_cast<int64_t>(g.head_dim) * g.block_size;
+  offsets.resize(num_blocks);
+  for (int j = 0; j < num_blocks; ++j)
+    offsets[j] = static_cast<int64_t>(table[j]) * g.kv_heads * block_elems;
+}
+
+// One sequence's single query token against every KV head on this thread: the decodes of a
+// batch, one sequence per item instead of one (sequence, head) pair, so that its blocks are read
+// whole, in the cache's order (`score_stretch`), rather than as each head's 2 kB of a 6 kB
+// block. The scores, softmax and chunk sums are `attend_tile`'s, in its order.
+template <typename T, int R>
+void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len,
+                     const int* table, const T* key_cache, const T* value_cache,
+                     const Geometry& g, float scale, SequenceScratch& scratch) {
+  const int D = g.head_dim, bs = g.block_size, rows = g.kv_heads * R;
+  const int reach = seq_len;
+  const int num_blocks = (reach + bs - 1) / bs;
+  const int64_t p_stride = (static_cast<int64_t>(num_blocks) * bs + 15) / 16 * 16;
+  const int64_t block_elems = static_cast<int64_t>(D) * bs;
+  block_offsets(scratch.offsets, table, num_blocks, g);
+  scratch.qf.resize(static_cast<size_t>(rows) * D);
+  scratch.p.resize(static_cast<size_t>(rows) * p_stride);
+  scratch.acc.resize(static_cast<size_t>(R) * D);
+  float* qf = scratch.qf.data();
+  float* p = scratch.p.data();
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[r * q_head + d]) * scale;
+  score_stretch<T, R>(qf, p, p_stride, 0, reach, reach, scratch.offsets.data(), key_cache,
+                      value_cache, g);
+  for (int r = 0; r < rows; ++r) softmax_row(p + r * p_stride, reach);
+  scratch.head_offsets.resize(num_blocks);
+  float* acc = scratch.acc.data();
+  for (int h = 0; h < g.kv_heads; ++h) {
+    for (int j = 0; j < num_blocks; ++j)
+      scratch.head_offsets[j] = scratch.offsets[j] + h * block_elems;
+    const float* ph = p + h * R * p_stride;
+    int d0 = 0;
+    constexpr int C = R <= 3 ? 4 : 2;
+    for (; d0 + C * 16 <= D; d0 += C * 16)
+      weighted_values<T, R, C>(acc, D, ph, p_stride, reach, value_cache,
+                               scratch.head_offsets.data(), bs, d0);
+    for (; d0 < D; d0 += 16)
+      weighted_values<T, R, 1>(acc, D, ph, p_stride, reach, value_cache,
+                               scratch.head_offsets.data(), bs, d0);
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < D; d += 16)
+        store16(out + (h * R + r) * o_head + d, load16(acc + r * D + d));
+  }
+}
 
 template <typename T, int R>
 void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len,
@@ -267,11 +370,8 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
   const int chunks = (reach + kChunk - 1) / kChunk;
   const int64_t p_stride = (static_cast<int64_t>(num_blocks) * bs + 15) / 16 * 16;
   const int64_t block_elems = static_cast<int64_t>(D) * bs;
-  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
-  // Offsets of head 0's part of each block; head h's is h * block_elems further.
-  std::vector<int64_t> offsets(num_blocks);
-  for (int j = 0; j < num_blocks; ++j)
-    offsets[j] = static_cast<int64_t>(table[j]) * g.kv_heads * block_elems;
+  std::vector<int64_t> offsets;
+  block_offsets(offsets, table, num_blocks, g);
   // Uninitialized: every element read is written first (zeroing them cost more than a
   // short context's whole attention).
   const std::unique_ptr<float[]> p(new float[static_cast<size_t>(rows) * p_stride]);
@@ -279,10 +379,6 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
   // Stretches in units of whole blocks and whole chunks, so a thread's chunks lie in its blocks.
   const int unit = std::max(bs, kChunk);
   const int units = (reach + unit - 1) / unit;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int block_lines = static_cast<int>(block_bytes / 64);
-  const int sub_chunks = (bs + 15) / 16;
-  const int lines_per_chunk = (block_lines + sub_chunks - 1) / sub_chunks;
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -291,31 +387,9 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
     std::vector<float> qf(static_cast<size_t>(rows) * D);
     for (int r = 0; r < rows; ++r)
       for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[r * q_head + d]) * scale;
-    // Scores: each block of the stretch, head after head (the cache's order), prefetching the
-    // next block's keys and this block's values as the tiles do.
-    for (int j = first / bs, base = j * bs; base < last; ++j, base += bs) {
-      const int ntok = std::min(bs, reach - base);
-      const int j_ahead = j + kSplitAheadBlocks;
-      const bool ahead = j_ahead * bs < last;
-      for (int h = 0; h < g.kv_heads; ++h) {
-        const T* kb = key_cache + offsets[j] + h * block_elems;
-        const char* key_ahead =
-            ahead ? reinterpret_cast<const char*>(key_cache + offsets[j_ahead] + h * block_elems)
-                  : nullptr;
-        const char* values =
-            reinterpret_cast<const char*>(value_cache + offsets[j] + h * block_elems);
-        for (int t0 = 0, c = 0; t0 < ntok; t0 += 16, ++c) {
-          const Prefetches pf =
-              chunk_prefetches(key_ahead, values, c, lines_per_chunk, block_lines);
-          const int n = std::min(16, ntok - t0);
-          Vec16 sc[R];
-          key_scores<T, R>(qf.data() + h * R * D, D, kb + t0, bs, n, sc, pf);
-          for (int r = 0; r < R; ++r)
-            store16(p.get() + (h * R + r) * p_stride + base + t0, keep_first(sc[r], n, neg_inf),
-                    n);
-        }
-      }
-    }
+    // Scores of the stretch (every head of each block, in the cache's order).
+    score_stretch<T, R>(qf.data(), p.get(), p_stride, first, last, reach, offsets.data(),
+                        key_cache, value_cache, g);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) softmax_row(p.get() + r * p_stride, reach);
@@ -358,6 +432,21 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
   }
 }
 
+// fn(std::integral_constant<int, R>{}) for R = `group` (1..kMaxRows): the query rows per KV head
+// as a template argument.
+template <typename Fn>
+void with_group(int group, Fn&& fn) {
+  static_assert(kMaxRows == 6, "one case per row count");
+  switch (group) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    default: fn(std::integral_constant<int, 6>{}); break;
+  }
+}
+
 template <typename T>
 using TileFn = void (*)(const T* const*, T* const*, const int*, const T*, const T*, const int*,
                         int, const Geometry&, float, float*, int64_t);
@@ -395,26 +484,48 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
 
-  // Lone decodes (each sequence one query token, too few (sequence, head) items to keep every
-  // thread busy): each sequence's context shared out between the threads instead.
+  // Steps of decodes only (every sequence one query token) read each sequence's blocks whole,
+  // every head of a block in turn: with enough sequences to share out, one sequence per item
+  // (`attend_sequence`); with too few (sequence, head) items to keep every thread busy and long
+  // contexts, each sequence's context shared out between the threads (`attend_split`).
   const int available = at::get_num_threads();
-  bool lone_decodes = available > 1 && group <= kMaxRows && num_seqs * g.kv_heads < 2 * available;
-  for (int b = 0; b < num_seqs && lone_decodes; ++b)
-    lone_decodes = starts[b + 1] - starts[b] == 1 && lens[b] >= kSplitMinTokens;
+  bool decodes = group <= kMaxRows;
+  bool long_contexts = true;
+  for (int b = 0; b < num_seqs && decodes; ++b) {
+    decodes = starts[b + 1] - starts[b] == 1;
+    long_contexts = long_contexts && lens[b] >= kSplitMinTokens;
+  }
+  if (decodes && num_seqs >= kSequenceItemsPerThread * available) {
+    const int threads = std::min(available, num_seqs);
+    std::atomic<int> next_seq{0};
+#pragma omp parallel num_threads(threads)
+    {
+      SequenceScratch scratch;
+      for (int b = next_seq.fetch_add(1); b < num_seqs; b = next_seq.fetch_add(1)) {
+        const T* qb = q + starts[b] * q_tok;
+        T* ob = o + starts[b] * o_tok;
+        const int* table = tables + b * g.max_blocks;
+        const float sc = static_cast<float>(scale);
+        with_group(group, [&](auto rows) {
+          attend_sequence<T, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b], table, kc, vc,
+                                                    g, sc, scratch);
+        });
+      }
+    }
+    return;
+  }
+  const bool lone_decodes = decodes && long_contexts && available > 1 &&
+                            num_seqs * g.kv_heads < 2 * available;
   if (lone_decodes) {
     for (int b = 0; b < num_seqs; ++b) {
       const T* qb = q + starts[b] * q_tok;
       T* ob = o + starts[b] * o_tok;
       const int* table = tables + b * g.max_blocks;
       const float sc = static_cast<float>(scale);
-      switch (group) {
-        case 1: attend_split<T, 1>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
-        case 2: attend_split<T, 2>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
-        case 3: attend_split<T, 3>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
-        case 4: attend_split<T, 4>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
-        case 5: attend_split<T, 5>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
-        default: attend_split<T, 6>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g, sc, available); break;
-      }
+      with_group(group, [&](auto rows) {
+        attend_split<T, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g,
+                                               sc, available);
+      });
     }
     return;
   }

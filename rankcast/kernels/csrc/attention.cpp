@@ -240,15 +240,6 @@ void attend_tile(const T* const* q, T* const* out, const int* limit, const T* ke
   }
 }
 
-// One sequence's single query token against every KV head, its context shared out between the
-// threads: the decode of a lone stream, which has only kv_heads items for the tiles above (3 on
-// SmolLM2: on two threads one of them did two thirds), each reading a head's part of every block
-// (2 kB of a 6 kB block), a short stream that starts cold at each block. Here each thread takes a
-// contiguous stretch of the context in whole chunks and reads every head of each block in it, in
-// the cache's order; the phases meet at barriers: scores, then each row's softmax over the whole
-// context, then each chunk's weighted values, then the chunks' sums added in order. Every number
-// is the one `attend_tile` computes for that token (the same scores, softmax and chunk sums, in
-// the same order), so a decode gives the same bits either way.
 // Blocks ahead of the one being scored whose keys `attend_split` prefetches (1, 4 and 8 measured
 // within noise of each other).
 constexpr int kSplitAheadBlocks = 8;
@@ -360,6 +351,15 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
   }
 }
 
+// One sequence's single query token against every KV head, its context shared out between the
+// threads: the decode of a lone stream, which has only kv_heads items for the tiles above (3 on
+// SmolLM2: on two threads one of them did two thirds), each reading a head's part of every block
+// (2 kB of a 6 kB block), a short stream that starts cold at each block. Here each thread takes a
+// contiguous stretch of the context in whole chunks and reads every head of each block in it, in
+// the cache's order; the phases meet at barriers: scores, then each row's softmax over the whole
+// context, then each chunk's weighted values, then the chunks' sums added in order. Every number
+// is the one `attend_tile` computes for that token (the same scores, softmax and chunk sums, in
+// the same order), so a decode gives the same bits either way.
 template <typename T, int R>
 void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len,
                   const int* table, const T* key_cache, const T* value_cache, const Geometry& g,

@@ -42,6 +42,7 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import process_cpu  # noqa: E402
 from bench.sse_client import SSEClient  # noqa: E402
 
 _decode = msgspec.json.Decoder().decode
@@ -284,16 +285,37 @@ def print_overhead(overhead: dict) -> None:
         print(f"  {name}: served/offline {median:.2f}  ({rounds})")
 
 
+def measured_level(
+    url: str, prompts: list[str], tokens: int, n: int, model: str | None, pid: int | None
+) -> dict:
+    """`run_level`, with the CPU time per output token of the server's processes (the tree
+    under `pid`, by role) and of this client (bench/process_cpu.py) when `pid` is given."""
+    if pid is None:
+        return asyncio.run(run_level(url, prompts, tokens, n, model))
+    before, client = process_cpu.tree_cpu(pid), process_cpu.client_cpu()
+    row = asyncio.run(run_level(url, prompts, tokens, n, model))
+    after, client = process_cpu.tree_cpu(pid), process_cpu.client_cpu() - client
+    row["cpu_ms_per_token"] = process_cpu.per_token_ms(before, after, client, row["output_tokens"])
+    return row
+
+
 def run_levels(
-    url: str, prompts: list[str], tokens: int, levels: list[int], model: str | None, runs: int
+    url: str,
+    prompts: list[str],
+    tokens: int,
+    levels: list[int],
+    model: str | None,
+    runs: int,
+    pid: int | None = None,
 ) -> list[dict]:
     """Each level `runs` times after one warm-up; a level's row is its median run (by tokens/s),
-    with every run's tokens/s beside it: one run on a 2-core machine moves by 5-15 %."""
+    with every run's tokens/s beside it: one run on a 2-core machine moves by 5-15 %. Given the
+    server's `pid`, each row also carries the CPU each role spent per token."""
     asyncio.run(run_level(url, prompts, tokens, 2, model))  # warm-up: first requests, buffers
     rows = []
     for n in levels:
         tries = sorted(
-            (asyncio.run(run_level(url, prompts, tokens, n, model)) for _ in range(runs)),
+            (measured_level(url, prompts, tokens, n, model, pid) for _ in range(runs)),
             key=lambda row: row["tokens_per_s"],
         )
         row = dict(tries[len(tries) // 2])
@@ -327,7 +349,7 @@ def serve_rankcast(
         server.wait_healthy()
         ready = time.perf_counter() - started
         wait_for_writes()  # the worker's first-start snapshot, written while it serves
-        rows = run_levels(server.url, prompts, tokens, levels, None, runs)
+        rows = run_levels(server.url, prompts, tokens, levels, None, runs, server.proc.pid)
     finally:
         server.stop()
     name = f"rankcast, {api_servers} API server(s)"
@@ -370,7 +392,7 @@ def serve_llamacpp(
 
     with llamacpp.LlamaServer(weight_type, free_port(), parallel=32) as server:
         ready = server.wait_ready()
-        rows = run_levels(server.url, prompts, tokens, levels, "llama", runs)
+        rows = run_levels(server.url, prompts, tokens, levels, "llama", runs, server.process.pid)
     return {
         "engine": llamacpp.label(weight_type).replace("llama.cpp", "llama-server"),
         "weight_type": weight_type,
@@ -422,6 +444,26 @@ def print_table(offline: dict[str, float], runs: list[dict]) -> None:
         print(f"llama-server's best at N={n}: {row['engine']} ({row['tokens_per_s']:.1f} tok/s)")
     for run in runs:
         print(f"start to ready: {run['engine']}: {run['start_seconds']:.1f} s")
+    print_cpu(runs)
+
+
+def print_cpu(runs: list[dict]) -> None:
+    """Each median run's CPU per output token by role (bench/process_cpu.py): on two cores
+    what the API servers and the client take is taken from the model's threads."""
+    roles = ("engine_core", "api_servers", "rest", "client")
+    rows = [
+        (run["engine"], row["concurrency"], row["cpu_ms_per_token"])
+        for run in runs
+        for row in run["levels"]
+        if row.get("cpu_ms_per_token")
+    ]
+    if not rows:
+        return
+    print("\nCPU per output token (ms; the median run; rest: launcher, or a one-process server)")
+    print(f"{'engine':<40}{'N':>3}" + "".join(f"{role:>13}" for role in roles))
+    for engine, n, cpu in rows:
+        cells = "".join(f"{cpu[r]:>13.3f}" if r in cpu else f"{'-':>13}" for r in roles)
+        print(f"{engine:<40}{n:>3}{cells}")
 
 
 def plot(offline: float, runs: list[dict], path: Path) -> None:

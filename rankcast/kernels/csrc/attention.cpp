@@ -165,6 +165,17 @@ inline void softmax_row(float* pr, int reach) {
   }
 }
 
+// fn.template operator()<C>(d0) over a head's dimensions in groups of C vectors (4 for up to 3
+// rows, 2 for more: R * C accumulators fit the registers), then single vectors for the rest.
+// How the dimensions are grouped does not change any lane's sum.
+template <int R, typename Fn>
+inline void for_dim_groups(int D, const Fn& fn) {
+  constexpr int C = R <= 3 ? 4 : 2;
+  int d0 = 0;
+  for (; d0 + C * 16 <= D; d0 += C * 16) fn.template operator()<C>(d0);
+  for (; d0 < D; d0 += 16) fn.template operator()<1>(d0);
+}
+
 // One tile: R query rows sharing a sequence and a KV head; row r sees keys [0, limit[r]).
 // Two passes over the context: every score first (so the softmax is exact and done once per
 // row), then the weighted sum of values, chunk by chunk (`weighted_values`).
@@ -227,14 +238,9 @@ void attend_tile(const T* const* q, T* const* out, const int* limit, const T* ke
     }
   }
   for (int r = 0; r < R; ++r) softmax_row(p + r * p_stride, reach);
-  int d0 = 0;
-  constexpr int C = R <= 3 ? 4 : 2;
-  for (; d0 + C * 16 <= D; d0 += C * 16) {
+  for_dim_groups<R>(D, [&]<int C>(int d0) {
     weighted_values<T, R, C>(acc, D, p, p_stride, reach, value_cache, offsets, bs, d0);
-  }
-  for (; d0 < D; d0 += 16) {
-    weighted_values<T, R, 1>(acc, D, p, p_stride, reach, value_cache, offsets, bs, d0);
-  }
+  });
   for (int r = 0; r < R; ++r) {
     for (int d = 0; d < D; d += 16) store16(out[r] + d, load16(acc + r * D + d));
   }
@@ -337,14 +343,10 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
     for (int j = 0; j < num_blocks; ++j)
       scratch.head_offsets[j] = scratch.offsets[j] + h * block_elems;
     const float* ph = p + h * R * p_stride;
-    int d0 = 0;
-    constexpr int C = R <= 3 ? 4 : 2;
-    for (; d0 + C * 16 <= D; d0 += C * 16)
+    for_dim_groups<R>(D, [&]<int C>(int d0) {
       weighted_values<T, R, C>(acc, D, ph, p_stride, reach, value_cache,
                                scratch.head_offsets.data(), bs, d0);
-    for (; d0 < D; d0 += 16)
-      weighted_values<T, R, 1>(acc, D, ph, p_stride, reach, value_cache,
-                               scratch.head_offsets.data(), bs, d0);
+    });
     for (int r = 0; r < R; ++r)
       for (int d = 0; d < D; d += 16)
         store16(out + (h * R + r) * o_head + d, load16(acc + r * D + d));
@@ -394,28 +396,20 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) softmax_row(p.get() + r * p_stride, reach);
     // (the implicit barrier of the loop: every probability is in place)
+    std::vector<int64_t> head_offsets(num_blocks);
     for (int h = 0; h < g.kv_heads; ++h) {
-      std::vector<int64_t> head_offsets(offsets);
-      for (int64_t& o : head_offsets) o += h * block_elems;
+      for (int b = 0; b < num_blocks; ++b) head_offsets[b] = offsets[b] + h * block_elems;
+      const float* ph = p.get() + h * R * p_stride;
       for (int t0 = first; t0 < last; t0 += kChunk) {
         float* part = partials.get() + (static_cast<size_t>(t0 / kChunk) * rows + h * R) * D;
-        const float* ph = p.get() + h * R * p_stride;
         const int t1 = std::min(last, t0 + kChunk);
-        int d0 = 0;
-        constexpr int C = R <= 3 ? 4 : 2;
-        for (; d0 + C * 16 <= D; d0 += C * 16) {
+        for_dim_groups<R>(D, [&]<int C>(int d0) {
           Vec16 a[R][C];
           chunk_values<T, R, C>(a, ph, p_stride, t0, t1, value_cache, head_offsets.data(), bs, D,
                                 d0);
           for (int r = 0; r < R; ++r)
             for (int c = 0; c < C; ++c) store16(part + r * D + d0 + c * 16, a[r][c]);
-        }
-        for (; d0 < D; d0 += 16) {
-          Vec16 a[R][1];
-          chunk_values<T, R, 1>(a, ph, p_stride, t0, t1, value_cache, head_offsets.data(), bs, D,
-                                d0);
-          for (int r = 0; r < R; ++r) store16(part + r * D + d0, a[r][0]);
-        }
+        });
       }
     }
 #pragma omp barrier

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import time
-from collections.abc import Callable
 from typing import Any
 
 from rankcast.channel.decoder import NotificationDecoder
@@ -33,9 +32,9 @@ class LLMEngine:
         # A script that never calls `shutdown` still ends: without this, its rank processes
         # (tensor or pipeline parallel) waited for calls while multiprocessing's exit hook
         # waited for them, forever, and an in-process rank's cache commit was killed inside
-        # torch, aborting the process. Registered after multiprocessing's hook, so it runs first.
-        self._stop_at_exit = _stopper(self.client)
-        atexit.register(self._stop_at_exit)
+        # torch, aborting the process. Registered after multiprocessing's hook, so it runs first;
+        # a bound method equals only itself, so `shutdown` unregisters this engine's hook alone.
+        atexit.register(self.client.shutdown)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.notification_decoder = NotificationDecoder()
@@ -115,15 +114,5 @@ class LLMEngine:
         return apply_chat_template(self.tokenizer, messages)
 
     def shutdown(self) -> None:
-        atexit.unregister(self._stop_at_exit)
+        atexit.unregister(self.client.shutdown)
         self.client.shutdown()
-
-
-def _stopper(client: InprocClient) -> Callable[[], None]:
-    """The exit hook of one engine (its own function, so that `atexit.unregister` removes
-    this engine's hook and no other's)."""
-
-    def stop() -> None:
-        client.shutdown()
-
-    return stop

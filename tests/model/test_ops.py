@@ -21,7 +21,8 @@ from rankcast.model.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (heads, KV heads, block size) of the decode paths' bit-identity tests: SmolLM2's, one KV head
-# with blocks of 8, two with blocks of 32, one query row per KV head.
+# with blocks of 8, two with blocks of 32, one query row per KV head (whose 4 heads are items
+# enough for two threads: a lone decode there keeps the tiles, the comparison still holds).
 DECODE_GEOMETRIES = [(9, 3, 16), (6, 1, 8), (12, 2, 32), (4, 4, 16)]
 CPU = torch.device("cpu")
 

@@ -104,7 +104,7 @@ def test_stopping_the_engine_waits_for_an_adapter_read_in_flight(
 ) -> None:
     """An engine stopped while a rank reads an adapter in the background waits for the read: a
     read's thread left running as the interpreter exits is killed inside torch, which aborts
-    the process (the KV cache's commit did exactly that, tests/worker/test_kv_memory.py)."""
+    the process (the KV cache's commit did exactly that, tests/entrypoints/test_llm_exit.py)."""
     read = lora_manager.load_peft_adapter
 
     def slow(*args: Any, **kwargs: Any) -> Any:  # a cold disk: the read is still going on

@@ -57,14 +57,11 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # non-temporal on AMD, as measured on Zen 5, and PREFETCHT0 on Intel: on an Emerald Rapids Xeon
 # (2 pinned cores) non-temporal lines left the single-row linears 1.4-2.5x slower than
 # PREFETCHT0, and a single stream ran at 35.6 against 60.6 tok/s end to end. A decode tile's
-# fetch of the next column group (`prefetch_next`) goes to L2 only (PREFETCHT2) on AMD, measured
-# faster on a Zen 4 whose 32 kB L1 could not hold two 4-bit groups; Intel keeps PREFETCHT0 there
-# until it is measured on an Intel CPU (their L1 is 48 kB).
+# fetch of the next column group (`prefetch_next`) goes to L2 only (PREFETCHT2) on both: measured
+# faster on a Zen 4 and then on a Sapphire Rapids Xeon (q8_0's decode step 1.13-1.17x, q4_1's
+# 1.03x, 1.13x at 4 rows), so it is no vendor choice.
 VENDOR_CFLAGS: dict[str, tuple[str, ...]] = {
-    "GenuineIntel": (
-        "-DRANKCAST_DECODE_PREFETCH_LOCALITY=3",
-        "-DRANKCAST_DECODE_NEXT_LOCALITY=3",
-    ),
+    "GenuineIntel": ("-DRANKCAST_DECODE_PREFETCH_LOCALITY=3",),
 }
 
 

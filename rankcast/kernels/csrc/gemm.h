@@ -35,7 +35,7 @@ constexpr int kRowBlock = 32;  // rows that share one pass over a column group
 #ifndef RANKCAST_DECODE_PREFETCH_LOCALITY
 #define RANKCAST_DECODE_PREFETCH_LOCALITY 0
 #endif
-// And its fetch of the next column group (`prefetch_next`): 1 (PREFETCHT2, into L2), 3 on Intel.
+// And its fetch of the next column group (`prefetch_next`): 1 (PREFETCHT2, into L2) on every CPU.
 #ifndef RANKCAST_DECODE_NEXT_LOCALITY
 #define RANKCAST_DECODE_NEXT_LOCALITY 1
 #endif
@@ -104,8 +104,9 @@ struct OverlapRows<Family, std::void_t<decltype(Family::kOverlapRows)>> {
 // lines in use from the 32 kB L1 of a Zen 4. The model's 4-bit decode step alone on the 2-core
 // Zen 4 (bench/decode_step.py, builds alternated): 3.72-4.14 -> 3.41-3.51 ms, faster in 4 of 4
 // rounds (T1: 3 of 4); `q8_0` 5.08-5.64 -> 4.96-5.23 ms. Batches keep PREFETCHT0: at 32 rows T2
-// was ~1 % slower in every round (bfloat16). Intel builds keep PREFETCHT0 for decodes too
-// (RANKCAST_DECODE_NEXT_LOCALITY above) until measured there.
+// was ~1 % slower in every round (bfloat16). The same on a 2-core Sapphire Rapids Xeon, builds
+// alternated: `q8_0` 4.47-4.79 -> 3.81-4.24 ms, q4_1 2.89-2.91 -> 2.80-2.81, at 4 rows q4_1
+// 5.37 -> 4.75; bfloat16 (one row) 8.71 -> 8.54.
 struct NextGroup {
   const char* lines = nullptr;  // first cache line of this tile's share of the next group
   int64_t count = 0;            // lines in that share

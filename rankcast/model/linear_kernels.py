@@ -208,6 +208,9 @@ def _quantized_path(
     if on_cpu and setting != "torch":
         facts = CpuFacts.of_this_machine() if facts is None else facts
         if scheme == "int8" and dtype in facts.packed:
+            if facts.build == "amx" and dtype == torch.bfloat16:
+                how = "int8 weights converted to bfloat16 a column group at a time, then"
+                return LinearPath("rankcast", True, f"{how} {_why_rankcast(facts, dtype)}")
             why = f"int8 weights widened in registers, {_WHY[facts.family]}"
             return LinearPath("rankcast", True, why)
         if scheme == "w8a8" and facts.w8a8 != "none":

@@ -53,8 +53,9 @@ def test_auto_takes_rankcasts_batch_invariant_kernel_on_every_x86_family(
 
 def test_an_amx_build_names_its_tiles_for_bfloat16_and_its_dot_products_for_float32() -> None:
     """The start-up log says which kernel family a linear runs: an AMX build multiplies
-    bfloat16 on tiles (every row count), float32 on the FMA kernel; the same CPU with a build
-    narrowed to AVX512-BF16 (RANKCAST_KERNELS_ISA) names no tiles."""
+    bfloat16 (and int8 weights under bfloat16 rows) on tiles (every row count), float32 on the
+    FMA kernel; the same CPU with a build narrowed to AVX512-BF16 (RANKCAST_KERNELS_ISA) names
+    no tiles."""
     amx_build = CpuFacts("amx", packed=BOTH, onednn=BOTH, build="amx")
     tiles = choose_linear_path(BF16, CPU, "auto", amx_build)
     assert tiles.kernel == "rankcast" and tiles.batch_invariant
@@ -64,6 +65,14 @@ def test_an_amx_build_names_its_tiles_for_bfloat16_and_its_dot_products_for_floa
     assert "AMX tiles" not in choose_linear_path(BF16, CPU, "auto", narrowed).reason
     forced = choose_linear_path(BF16, CPU, "rankcast", amx_build)
     assert forced.reason.startswith("forced by RANKCAST_LINEAR_KERNEL; AMX tiles")
+    # Weight-only int8 under bfloat16 activations takes the tiles too; under float32, FMAs.
+    int8_tiles = choose_linear_path(BF16, CPU, "auto", amx_build, quantization="int8")
+    assert int8_tiles.batch_invariant and "converted to bfloat16" in int8_tiles.reason
+    assert "AMX tiles at every row count" in int8_tiles.reason
+    int8_f32 = choose_linear_path(F32, CPU, "auto", amx_build, quantization="int8")
+    assert "AMX tiles" not in int8_f32.reason and "widened in registers" in int8_f32.reason
+    int8_narrowed = choose_linear_path(BF16, CPU, "auto", narrowed, quantization="int8")
+    assert "AMX tiles" not in int8_narrowed.reason
 
 
 def test_without_the_kernels_float32_goes_to_onednn_and_bfloat16_to_plain_torch() -> None:

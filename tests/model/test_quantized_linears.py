@@ -89,7 +89,16 @@ def test_weights_quantize_per_output_channel_within_half_a_step() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(1, 1, 1), (1, 16, 4), (3, 17, 5), (8, 48, 64), (9, 50, 77), (33, 100, 3), (70, 49, 130)],
+    [
+        (1, 1, 1),
+        (1, 16, 4),
+        (3, 17, 5),
+        (8, 48, 64),
+        (9, 50, 77),
+        (33, 100, 3),
+        (70, 49, 130),
+        (40, 50, 96),
+    ],
 )
 def test_both_kernels_equal_their_torch_references(
     dtype: torch.dtype, m: int, n: int, k: int
@@ -234,13 +243,17 @@ def _q8_only(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> tor
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(multiply, dtype) -> None:
     """40 rows against 1 and 5: a batch's blocks run several row tiles per column group (and
-    widen weight-only int8 once for all of them, csrc/gemm.h), a few rows one tile."""
-    _, values, scales = _quantized(80, 200, seed=7)
-    batch = torch.randn(40, 200, generator=torch.Generator().manual_seed(8)).to(dtype)
-    together = multiply(batch, values, scales)
-    for i in (0, 13, 39):
-        assert torch.equal(multiply(batch[i : i + 1], values, scales)[0], together[i])
-        assert torch.equal(multiply(batch[i : i + 5], values, scales)[0], together[i])
+    widen weight-only int8 once for all of them, csrc/gemm.h), a few rows one tile. K 256 as
+    well as 200: on an AMX build weight-only int8 under bfloat16 rows takes the tiles where K is
+    a multiple of 32, converting a column group once for a step of more than 32 rows and each
+    tile as it is used for fewer (csrc/gemm_amx.cpp)."""
+    for k in (200, 256):
+        _, values, scales = _quantized(80, k, seed=7)
+        batch = torch.randn(40, k, generator=torch.Generator().manual_seed(8)).to(dtype)
+        together = multiply(batch, values, scales)
+        for i in (0, 13, 39):
+            assert torch.equal(multiply(batch[i : i + 1], values, scales)[0], together[i])
+            assert torch.equal(multiply(batch[i : i + 5], values, scales)[0], together[i])
 
 
 @needs_kernel

@@ -255,22 +255,6 @@ inline void tile_f32(const float* a, int64_t lda, const W* b, int64_t panel_elem
 }
 #endif
 
-// int8 weights' epilogue: the sums (of int8 weights times the rows) scaled by each column's
-// scale, then the bias.
-struct ScaledEpilogue {
-  const float* col_scale = nullptr;
-  const float* bias = nullptr;
-
-  ScaledEpilogue at(int64_t /*row*/, int64_t col) const {
-    return {col_scale + col, bias ? bias + col : nullptr};
-  }
-  template <typename Out>
-  void store(Out* c, Vec16 v, int /*i*/, int j, int cols) const {
-    v = v * load16(col_scale + j * kPanel, cols);
-    store_tile_row(c, v, bias ? bias + j * kPanel : nullptr, cols);
-  }
-};
-
 // The float families: rows in float32 (tile_f32, weights float32, or bfloat16 or int8 widened)
 // or in bfloat16 pairs (tile_bf16, VDPBF16PS; weights bfloat16, or int8 converted), sums plus
 // bias stored (BiasEpilogue), scaled first for int8 weights (ScaledEpilogue).
@@ -406,12 +390,11 @@ void multiply(const at::Tensor& x, const at::Tensor& packed, int64_t n, const Ep
     }
     // bfloat16 weights on an AMX build: tiles for every step, whatever its rows (one kernel, so
     // results do not depend on the batch; csrc/gemm_amx.cpp), where K fills whole tiles.
-    if constexpr (std::is_same_v<W, bf16> && std::is_same_v<Epi, BiasEpilogue>) {
-      if (kp % gemm::kAmxPairs == 0 && gemm::amx_ready()) {
-        gemm::amx_bf16_linear(a.data_ptr<bf16>(), m, a.stride(0), w, n, kp, panel_elems, epi,
-                              y.data_ptr<bf16>());
-        return;
-      }
+    // int8 weights likewise, each tile of them converted to bfloat16 (exactly) before it loads.
+    if (kp % gemm::kAmxPairs == 0 && gemm::amx_ready()) {
+      gemm::amx_bf16_linear(a.data_ptr<bf16>(), m, a.stride(0), w, n, kp, panel_elems, epi,
+                            y.data_ptr<bf16>());
+      return;
     }
     gemm::packed_linear_impl<FloatTiles<bf16, W, bf16, Epi>>(
         a.data_ptr<bf16>(), m, a.stride(0), w, n, kp, panel_elems, epi, y.data_ptr<bf16>());

@@ -146,6 +146,22 @@ struct BiasEpilogue {
   }
 };
 
+// int8 weights' epilogue: the sums (of int8 weights times the rows) scaled by each column's
+// scale, then the bias.
+struct ScaledEpilogue {
+  const float* col_scale = nullptr;
+  const float* bias = nullptr;
+
+  ScaledEpilogue at(int64_t /*row*/, int64_t col) const {
+    return {col_scale + col, bias ? bias + col : nullptr};
+  }
+  template <typename Out>
+  void store(Out* c, Vec16 v, int /*i*/, int j, int cols) const {
+    v = v * load16(col_scale + j * kPanel, cols);
+    store_tile_row(c, v, bias ? bias + j * kPanel : nullptr, cols);
+  }
+};
+
 #if RANKCAST_SIMD_BITS == 512
 // The group kernels' register tile (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): MR rows in sub-tiles of
 // at most 4, each over all NR panels of the column group, so that a row's integers are broadcast
@@ -314,9 +330,13 @@ void packed_linear_impl(const typename Family::In* x, int64_t m, int64_t lda,
 // any number of rows (csrc/gemm_amx.cpp). `amx_ready()` says whether this build has the tiles
 // and the OS granted this process their state; the call needs it, and K a multiple of 32
 // (`kpairs` of 16).
+// Weight-only int8 weights, packed the same way, take the tiles too: each weight tile converted
+// to bfloat16 (exactly: every integer up to 256 is one) before it loads, scaled per column after.
 bool amx_ready();
 void amx_bf16_linear(const bf16* x, int64_t m, int64_t lda, const bf16* packed, int64_t n,
                      int64_t kpairs, int64_t panel_elems, const BiasEpilogue& epi, bf16* y);
+void amx_bf16_linear(const bf16* x, int64_t m, int64_t lda, const int8_t* packed, int64_t n,
+                     int64_t kpairs, int64_t panel_elems, const ScaledEpilogue& epi, bf16* y);
 constexpr int64_t kAmxPairs = 16;  // pairs of k in one tile: K must be a multiple of 2 x this
 
 // The 15-bit group kernels' call (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): the rows of x (float32 or

@@ -3,8 +3,9 @@
 // kernel (csrc/gemm.cpp): [N/16][K/2][16][2] is, sixteen pairs of k at a time, exactly a tile's
 // B operand (16 rows of 64 bytes), so one packing (and one weight snapshot) serves both.
 // Weight-only int8 weights (`--quantization int8`, bfloat16 rows) are packed the same way with
-// int8 elements: each column group is converted to bfloat16 (exactly) into a thread's buffer,
-// then multiplied as bfloat16 weights are.
+// int8 elements and converted to bfloat16 (exactly) before they load: tile by tile into L1 for
+// a step of up to 32 rows, a column group at a time for more (`ConvertedTiles`, below). On the
+// 2-core Sapphire Rapids Xeon that took a batch of 32 from 520 to 2,122 tok/s.
 //
 // Why an own kernel and not oneDNN's: oneDNN chooses its blocking by the number of rows, and so
 // the order each output sums k in; a request's bits then depend on the batch (issue 37's check:

@@ -73,12 +73,7 @@ using namespace gemm;
 inline __m512bh load_pairs(const bf16* src) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(src));
 }
-inline __m512bh load_pairs(const int8_t* src) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
+inline __m512bh load_pairs(const int8_t* src) { return int8_as_bf16_pairs(src); }
 
 template <int MR, int NR, bool Next, typename Out, typename W, typename Epi>
 inline void tile_bf16(const bf16* a, int64_t lda, const W* b, int64_t panel_elems, int64_t kpairs,

@@ -162,6 +162,19 @@ struct ScaledEpilogue {
   }
 };
 
+#if defined(__AVX512BF16__)
+// 32 packed int8 weights (16 columns x a pair of k) as bfloat16 pairs, converted exactly (every
+// integer up to 256 is a bfloat16): VDPBF16PS's operand (csrc/gemm.cpp) and, stored, an AMX
+// tile's (csrc/gemm_amx.cpp).
+inline __m512bh int8_as_bf16_pairs(const int8_t* src) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
+
 #if RANKCAST_SIMD_BITS == 512
 // The group kernels' register tile (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): MR rows in sub-tiles of
 // at most 4, each over all NR panels of the column group, so that a row's integers are broadcast

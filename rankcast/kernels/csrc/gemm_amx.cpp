@@ -127,11 +127,7 @@ constexpr int64_t kInt8Ahead = 1024;
 void int8_to_bf16(const int8_t* src, int64_t elems, bf16* dst) {
   for (int64_t e = 0; e < elems; e += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(src + e) + kInt8Ahead, _MM_HINT_T0);
-    const __m512 lo = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e))));
-    const __m512 hi = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e + 16))));
-    _mm512_storeu_si512(dst + e, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    _mm512_storeu_si512(dst + e, reinterpret_cast<__m512i>(int8_as_bf16_pairs(src + e)));
   }
 }
 
@@ -219,7 +215,8 @@ void amx_linear(const bf16* x, int64_t m, int64_t lda, const W* packed, int64_t 
   // unlike the dot-product kernel's decode, one contiguous stretch a thread was slower here
   // (single stream 76.0 against 94.7 tok/s on that Xeon, without the read-ahead).
   const int64_t run = std::clamp<int64_t>(groups / (threads * 4), 1, fits);
-  // bfloat16 weights are read in place, ahead of use in a decode; int8 ones as they convert.
+  // bfloat16 weights are read in place, ahead of use in a decode (PackedTiles<true>); int8
+  // weights are read ahead by their conversion at every row count (int8_to_bf16).
   const bool ahead = m < kOverlapRows;
   const int64_t a_stride = lda * static_cast<int64_t>(sizeof(bf16));
   std::atomic<int64_t> next{0};

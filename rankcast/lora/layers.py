@@ -30,6 +30,7 @@ import torch
 
 from rankcast.lora.peft_adapter import LoRAAdapter
 from rankcast.model import ops
+from rankcast.model.layers import KernelSlots
 from rankcast.platform import lora_compute_dtype
 
 if TYPE_CHECKING:
@@ -169,6 +170,18 @@ class LoRALinear:
 
     def adds_this_step(self) -> bool:
         return self.context.batch is not None and any(self.active)
+
+    def kernel_slots(self) -> KernelSlots | None:
+        """Every sub-projection's slots (an empty sub's are zero and add nothing), so they
+        stay right whatever is written into the slots later."""
+        if not self.context.kernel:
+            return None
+        a = [self.a.narrow(0, i * self.columns, self.columns) for i in range(len(self.subs))]
+        return a, list(self.b), [sub.out_offset for sub in self.subs], self.max_rank
+
+    def token_slots(self) -> torch.Tensor | None:
+        batch = self.context.batch
+        return None if batch is None else batch.token_slots
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add every token's own adapter delta to its row of `out` (in place)."""

@@ -23,6 +23,11 @@ from rankcast.model.quantization import FOUR_BIT
 WeightLoader = Callable[..., None]
 
 
+# A projection's adapter slots as csrc/lora.cpp reads them: each sub-projection's A and B, its
+# column offset in the output, the slots' rank.
+KernelSlots = tuple[list[torch.Tensor], list[torch.Tensor], list[int], int]
+
+
 class LinearDelta(Protocol):
     """What a linear layer adds to its output when adapters are on (rankcast/lora/layers.py's
     `LoRALinear`): named by its shape here so the model layer does not import the LoRA one."""
@@ -32,6 +37,17 @@ class LinearDelta(Protocol):
     def adds_this_step(self) -> bool:
         """Whether `add_to` changes anything in the current step (some token uses an adapter
         this projection holds): when none does, the model may take a path without adapters."""
+        ...
+
+    def kernel_slots(self) -> KernelSlots | None:
+        """The slots as csrc/lora.cpp reads them, for the C++ decoder stack to add deltas in
+        place of `add_to`: views of the tensors adapters are written into. None where the
+        kernel does not apply them (torch's masked matmuls: the stack cannot)."""
+        ...
+
+    def token_slots(self) -> torch.Tensor | None:
+        """The current step's adapter slot per token (-1: none), as the kernel reads it; None
+        when no token uses an adapter."""
         ...
 
 

@@ -18,6 +18,7 @@ from rankcast.model import ops
 from rankcast.model.arch import ArchConfig
 from rankcast.model.attention import AttentionMetadata, PagedAttention
 from rankcast.model.layers import (
+    KernelSlots,
     LinearDelta,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -136,9 +137,11 @@ class LlamaForCausalLM(nn.Module):
         # This stage's layers as one C++ call where it can run them (fuse_layers): a
         # torch.classes.rankcast.DecoderStack.
         self.fused_layers: Any = None
-        # Adapter slots on this stage's projections: a step where any of them adds a delta runs
-        # the module path (the C++ stack has no LoRA); steps without adapters run the stack.
+        # Adapter slots on this stage's projections. The stack adds their deltas itself when
+        # csrc/lora.cpp applies them (fused_deltas); otherwise a step where any of them adds a
+        # delta runs the module path, and steps without adapters run the stack.
         self.fused_bypass: list[LinearDelta] = []
+        self.fused_deltas = False
         # Steps of at least this many tokens run the modules (the `rows` path: their linears
         # take oneDNN's packing there); None: every step may run the stack.
         self.fused_max_rows: int | None = None
@@ -154,10 +157,12 @@ class LlamaForCausalLM(nn.Module):
     def fuse_layers(self) -> bool:
         """Hand this stage's layers to the C++ decoder stack, where it can run them all: one
         rank (no all-reduce between layers), rankcast's packed linears, caches set; with LoRA
-        slots attached, only for steps where no adapter applies.
+        slots attached, the stack adds their deltas where csrc/lora.cpp applies them, and
+        otherwise runs only steps where no adapter applies.
         Returns whether it could; the module path stays in use for everything else."""
         self.fused_layers = None
         self.fused_bypass = []
+        self.fused_deltas = False
         self.fused_max_rows = None
         layers = self.decoder_layers()
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
@@ -207,7 +212,36 @@ class LlamaForCausalLM(nn.Module):
                 gate_up.scales,
                 down.scales,
             )
+        self.fused_deltas = self._hand_deltas_to(stack, layers)
         self.fused_layers = stack
+        return True
+
+    def _hand_deltas_to(self, stack: Any, layers: list[LlamaDecoderLayer]) -> bool:
+        """Give the stack every projection's adapter slots, if it can add all their deltas as
+        the modules do: each through csrc/lora.cpp, and no row-parallel bias (the modules add
+        o_proj's after the delta, the stack's kernel before it). Returns whether it took them."""
+        if not self.fused_bypass:
+            return False
+        handed: list[tuple[int, int, KernelSlots]] = []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.o_proj.lora is not None and attn.o_proj.bias is not None:
+                return False
+            deltas = (
+                attn.qkv_proj.lora,
+                attn.o_proj.lora,
+                mlp.gate_up_proj.lora,
+                mlp.down_proj.lora,
+            )
+            for j, delta in enumerate(deltas):
+                if delta is None:
+                    continue
+                slots = delta.kernel_slots()
+                if slots is None:
+                    return False
+                handed.append((i, j, slots))
+        for i, j, (a, b, offsets, rank) in handed:
+            stack.set_lora(i, j, a, b, offsets, rank)
         return True
 
     def forward(
@@ -225,11 +259,8 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = intermediate
         meta.cos_sin = self.rope.cos_sin
         fits = self.fused_max_rows is None or hidden.shape[0] < self.fused_max_rows
-        if (
-            self.fused_layers is not None
-            and fits
-            and not any(delta.adds_this_step() for delta in self.fused_bypass)
-        ):
+        adapters = any(delta.adds_this_step() for delta in self.fused_bypass)
+        if self.fused_layers is not None and fits and (self.fused_deltas or not adapters):
             hidden, residual = self.fused_layers.forward(
                 hidden,
                 residual,
@@ -238,6 +269,7 @@ class LlamaForCausalLM(nn.Module):
                 meta.block_tables,
                 meta.seq_lens,
                 meta.query_start,
+                self.fused_bypass[0].token_slots() if adapters else None,
             )
         else:
             for layer in self.decoder_layers():

@@ -121,12 +121,13 @@ class _CountingStack:
 def test_steps_without_an_adapter_keep_the_fused_decoder_stack(
     tiny_llama_dir: Path, mixed_adapters: list[Path]
 ) -> None:
-    """Enabling LoRA keeps the C++ stack for steps where no token uses a loaded adapter; a step
-    with one takes the module path, where the adapters are."""
+    """Enabling LoRA keeps the C++ stack for steps where no token uses a loaded adapter, and, with
+    the adapters applied by the CPU kernel, for steps where one does: the stack adds the deltas."""
     runner = _runner(tiny_llama_dir)
     assert (runner.model.fused_layers is not None) == decoder_stack_expected(torch.float32)
     if runner.model.fused_layers is None:
         pytest.skip("the C++ decoder stack does not run on this CPU")
+    assert runner.model.fused_deltas
     stack = _CountingStack(runner.model.fused_layers)
     runner.model.fused_layers = stack
     prompt = [5, 17, 300, 41]
@@ -146,9 +147,51 @@ def test_steps_without_an_adapter_keep_the_fused_decoder_stack(
     runner.set_lora(1, load_peft_adapter("a", mixed_adapters[0], runner.arch, max_lora_rank=8))
     want = _reference_logits(tiny_llama_dir, mixed_adapters[0], prompt)
     torch.testing.assert_close(step(1), want, atol=1e-4, rtol=0)
-    assert stack.calls == 2
-    torch.testing.assert_close(step(-1), base, atol=1e-4, rtol=0)
     assert stack.calls == 3
+    torch.testing.assert_close(step(-1), base, atol=1e-4, rtol=0)
+    assert stack.calls == 4
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scheme"),
+    [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.bfloat16, "int8")],
+    ids=["float32", "bfloat16", "bfloat16-int8"],
+)
+def test_the_fused_stack_adds_each_tokens_adapter_as_the_modules_do(
+    tiny_llama_dir: Path, mixed_adapters: list[Path], dtype: torch.dtype, scheme: str
+) -> None:
+    """A step mixing adapters of different ranks and the base model gives the same logits, bit
+    for bit, through the C++ stack (deltas added by csrc/lora.cpp after each projection) as
+    through the modules; slots written after the stack was built are the ones it reads."""
+    arch = ArchConfig.from_model_dir(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, arch, dtype, torch.device("cpu"), quantization=scheme)
+    runner = ModelRunner(model, arch, 4, torch.device("cpu"), dtype)
+    runner.initialize_cache(64)
+    runner.enable_lora(max_loras=4, max_rank=8)
+    if runner.model.fused_layers is None or not decoder_stack_expected(dtype):
+        pytest.skip("the C++ decoder stack does not run on this CPU")
+    stack = _CountingStack(runner.model.fused_layers)
+    for slot, path in enumerate(mixed_adapters):
+        runner.set_lora(slot, load_peft_adapter(path.name, path, arch, max_lora_rank=8))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (6, 3, 9, 4)]
+    slots = [2, -1, 0, 1]
+
+    def logits(fused: bool, first_block: int) -> torch.Tensor:
+        runner.model.fused_layers = stack if fused else None
+        steps = []
+        for i, (p, s) in enumerate(zip(prompts, slots, strict=True)):
+            blocks = list(range(first_block + 3 * i, first_block + 3 * i + 3))  # 4 tokens each
+            steps.append(ScheduledSequence(f"r{i}", p, 0, blocks, lora_slot=s))
+        got = runner.compute_logits(SchedulerOutput(steps))
+        assert got is not None
+        return got
+
+    fused, modules = logits(True, 0), logits(False, 12)
+    assert stack.calls == 1
+    assert torch.equal(fused, modules)
+    base = _reference_logits(tiny_llama_dir, None, prompts[0])
+    assert (fused[0].float() - base).abs().max() > 1e-2, "the adapter changed the output"
 
 
 @pytest.mark.parametrize("native_bf16", [False, True], ids=["emulated-bf16", "native-bf16"])

@@ -505,6 +505,32 @@ def test_the_lora_kernel_adds_each_tokens_own_adapter_as_the_masked_matmuls_do(
     assert not torch.equal(got, base)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_lora_kernel_gives_a_token_the_same_bits_alone_as_in_any_batch(
+    dtype: torch.dtype,
+) -> None:
+    """Tokens on one slot go through the kernel up to four at a time, sharing each row of A and
+    B: a token's delta must not depend on which tokens share its block (runs of 1 to 6 tokens
+    on a slot, broken by other slots and by tokens without one), or adapters would change the
+    answer with the batch."""
+    if not kernels.load():
+        pytest.skip("kernel property")
+    gen = torch.Generator().manual_seed(5)
+    slots_held, rank, in_size, width = 3, 8, 200, 72
+    a = torch.randn(slots_held * rank, in_size, generator=gen)
+    b = torch.randn(slots_held * rank, width, generator=gen)
+    slots = [0, 0, 0, 0, 0, 0, 2, 2, -1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 1]
+    x = torch.randn(len(slots), in_size, generator=gen).to(dtype)
+    base = torch.randn(len(slots), width, generator=gen).to(dtype)
+    batch = base.clone()
+    torch.ops.rankcast.lora_add(batch, x, torch.tensor(slots), [a], [b], [0], rank)
+    for t, slot in enumerate(slots):
+        alone = base[t : t + 1].clone()
+        torch.ops.rankcast.lora_add(alone, x[t : t + 1], torch.tensor([slot]), [a], [b], [0], rank)
+        assert torch.equal(batch[t : t + 1], alone), f"token {t} (slot {slot})"
+    assert not torch.equal(batch, base)
+
+
 def test_the_lora_kernel_refuses_a_slot_it_does_not_have() -> None:
     if not kernels.load():
         pytest.skip("kernel property")

@@ -5,12 +5,13 @@
 // with A_i[s] the slot's [rank, in] rows of A and B_i[s] its [rank, n_i] rows of B (transposed,
 // scaling folded in), both float32. The torch path multiplies every token by every slot and masks
 // the result (two matmuls whatever the mix of adapters, but slots x the work, and a dozen small
-// ops per projection); here each token reads only its own adapter's rows, which stay in cache
-// from one token to the next. Rank rows a smaller adapter leaves empty are zero, so they add
+// ops per projection); here each token reads only its own adapter's rows, up to four tokens of
+// one adapter at a time (kBlock). Rank rows a smaller adapter leaves empty are zero, so they add
 // nothing. A bfloat16 output is read, added to in float32 and rounded once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "kernels.h"
@@ -19,23 +20,65 @@
 namespace rankcast {
 namespace {
 
-template <typename T>
-float dot(const T* x, const float* a, int64_t n) {
-  Vec16 acc = zero16();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = fma(load16(x + i), load16(a + i), acc);
-  if (i < n) {
-    const int m = static_cast<int>(n - i);
-    acc = fma(load16(x + i, m), load16(a + i, m), acc);
-  }
-  return reduce_add(acc);
-}
-
 struct SubProjection {
   const float* a;  // [slots * rank, in]
   const float* b;  // [slots * rank, n]
   int64_t offset, n;
 };
+
+// Up to kBlock tokens on the same slot go through together (a step's tokens are taken in slot
+// order): each row of A and B is loaded once for all of them instead of once per token (from
+// L2: a slot's A and B for one SmolLM2 layer are ~250 KB at rank 8). Every token's own sums keep
+// the one-token order (its dot in 16 lanes then reduced; its delta added rank row by rank row),
+// so a token's output is the same bits whichever tokens share its block: adapters stay
+// batch-invariant.
+constexpr int kBlock = 4;
+
+// shrunk[r * rank + j] = x_r . A[j] for the block's R rows (float32 copies of the inputs).
+template <int R>
+void shrink(const float* rows, int64_t in, const float* a, int64_t rank, float* shrunk) {
+  for (int64_t j = 0; j < rank; ++j) {
+    const float* aj = a + j * in;
+    Vec16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = zero16();
+    int64_t i = 0;
+    for (; i + 16 <= in; i += 16) {
+      const Vec16 w = load16(aj + i);
+      for (int r = 0; r < R; ++r) acc[r] = fma(load16(rows + r * in + i), w, acc[r]);
+    }
+    if (i < in) {
+      const int m = static_cast<int>(in - i);
+      const Vec16 w = load16(aj + i, m);
+      for (int r = 0; r < R; ++r) acc[r] = fma(load16(rows + r * in + i, m), w, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) shrunk[r * rank + j] = reduce_add(acc[r]);
+  }
+}
+
+// out[r][offset : offset + n] += shrunk_r B for the block's R rows, 16 columns at a time.
+template <int R, typename T>
+void expand(T* const* out, const float* shrunk, const float* b, int64_t rank,
+            const SubProjection& sub) {
+  for (int64_t c = 0; c < sub.n; c += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, sub.n - c));
+    Vec16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = load16(out[r] + sub.offset + c, m);
+    for (int64_t j = 0; j < rank; ++j) {
+      const Vec16 w = load16(b + j * sub.n + c, m);
+      for (int r = 0; r < R; ++r) acc[r] = fma(splat(shrunk[r * rank + j]), w, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) store16(out[r] + sub.offset + c, acc[r], m);
+  }
+}
+
+template <int R, typename T>
+void add_block(T* const* out, const float* rows, int64_t in, int64_t slot,
+               const std::vector<SubProjection>& subs, int64_t rank, float* shrunk) {
+  for (const SubProjection& sub : subs) {
+    shrink<R>(rows, in, sub.a + slot * rank * in, rank, shrunk);
+    expand<R>(out, shrunk, sub.b + slot * rank * sub.n, rank, sub);
+  }
+}
 
 template <typename T>
 void lora_add_impl(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t in,
@@ -43,23 +86,31 @@ void lora_add_impl(T* out, int64_t out_stride, const T* x, int64_t x_stride, int
                    int64_t rank) {
   // A decode step's 32 tokens in a few chunks: enough to share between cores, few wake-ups.
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> shrunk(rank);
+    std::vector<int64_t> order;  // the chunk's tokens that use a slot, in slot order
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;
-      const T* row = x + t * x_stride;
-      T* dst = out + t * out_stride;
-      for (const SubProjection& sub : subs) {
-        const float* a = sub.a + slot * rank * in;
-        for (int64_t j = 0; j < rank; ++j) shrunk[j] = dot(row, a + j * in, in);
-        const float* b = sub.b + slot * rank * sub.n;
-        for (int64_t c = 0; c < sub.n; c += 16) {
-          const int m = static_cast<int>(std::min<int64_t>(16, sub.n - c));
-          Vec16 acc = load16(dst + sub.offset + c, m);
-          for (int64_t j = 0; j < rank; ++j) acc = fma(splat(shrunk[j]), load16(b + j * sub.n + c, m), acc);
-          store16(dst + sub.offset + c, acc, m);
-        }
+      if (slots[t] >= 0) order.push_back(t);
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t p, int64_t q) { return slots[p] < slots[q]; });
+    std::vector<float> rows(kBlock * in), shrunk(kBlock * rank);
+    T* dst[kBlock];
+    for (size_t first = 0; first < order.size();) {
+      const int64_t slot = slots[order[first]];
+      int count = 0;
+      while (count < kBlock && first + count < order.size() && slots[order[first + count]] == slot) {
+        const int64_t t = order[first + count];
+        // The inputs in float32 once (exact), not once per rank row of every sub-projection.
+        const T* row = x + t * x_stride;
+        for (int64_t i = 0; i < in; ++i) rows[count * in + i] = static_cast<float>(row[i]);
+        dst[count++] = out + t * out_stride;
       }
+      switch (count) {
+        case 1: add_block<1>(dst, rows.data(), in, slot, subs, rank, shrunk.data()); break;
+        case 2: add_block<2>(dst, rows.data(), in, slot, subs, rank, shrunk.data()); break;
+        case 3: add_block<3>(dst, rows.data(), in, slot, subs, rank, shrunk.data()); break;
+        default: add_block<4>(dst, rows.data(), in, slot, subs, rank, shrunk.data()); break;
+      }
+      first += count;
     }
   });
 }

@@ -9,6 +9,8 @@ cheapest (`--routing-policy`):
                                             blocks in the engine's index, adapter included)
          + ADAPTER_COST[tier]              (adapter, auto: device slot on every rank 0, host
                                             tier 64, otherwise, partial residency included, 512)
+         + HOST_FULL_COST                  (adapter, auto: when the engine's host tier is
+                                            taken by other adapters of requests in flight)
          + LOAD_COST * requests            (all: waiting + running + sent since its last stats)
          + NO_ROOM_COST                    (when the uncached blocks exceed its free blocks)
          + SPREAD_COST * prefixes held     (prefix, auto, only for a prompt no engine holds
@@ -28,6 +30,14 @@ one went, instead of being spread by load before any of them is cached or loaded
 own events replace the guess as they arrive. Block names include the engine's id for the
 adapter, which a server learns only from that engine's events; until then the blocks it sends
 are named under a provisional id derived from the adapter's name (the same on every server).
+
+An engine's host tier holds the adapters of its requests in flight (running, parked or
+waiting), so a request for one more adapter where those already fill it (--max-cpu-loras) waits
+until one of them has finished every request: seconds on a busy engine. Such an engine costs
+HOST_FULL_COST more, more than reading the adapter from disk on another engine (~7 ms): in
+bench/routing.py's adapter part on the 2-core Sapphire Rapids, 4 runs each alternated, TTFT p90
+522-746 ms against 726-1,015 without it, p99 928-1,539 against 1,579-1,840, disk reads 25-29 per
+100 requests against 25-28.
 
 `load` keeps the least-loaded choice with rotating ties. The other policies break ties by a
 hash of the request's tokens and adapter, so every API server makes the same choice for the
@@ -61,6 +71,7 @@ assert set(ROUTING_POLICIES) == set(typing.get_args(RoutingPolicy))
 LOAD_COST = 32
 ADAPTER_COST = {"device": 0, "cpu": 64, None: 512}
 NO_ROOM_COST = 100_000
+HOST_FULL_COST = 1024
 SPECULATION_S = 10.0
 SPREAD_COST = 4 * LOAD_COST
 
@@ -90,8 +101,10 @@ class EngineRouter:
         policy: str = "load",
         block_size: int = 16,
         residency: AdapterResidency | None = None,
+        host_places: int | None = None,
     ) -> None:
         self.policy = policy
+        self.host_places = host_places
         self.block_size = block_size
         self.residency = residency
         self.balancer = LoadBalancer(num_engines)
@@ -106,6 +119,8 @@ class EngineRouter:
         self.sent_adapters: list[dict[str, float]] = [{} for _ in range(num_engines)]
         # Per engine, the first block of each prompt this server sent it, and until when.
         self.sent_roots: list[dict[int, float]] = [{} for _ in range(num_engines)]
+        # Per engine, the adapters of requests this server sent it since its last stats.
+        self.sent_since_stats: list[set[str]] = [set() for _ in range(num_engines)]
 
     @property
     def uses_prefix(self) -> bool:
@@ -127,6 +142,7 @@ class EngineRouter:
         self.lora_ids[engine] = {}
         self.expected[engine] = {}
         self.sent_adapters[engine] = {}
+        self.sent_since_stats[engine] = set()
         self.sent_roots[engine] = {}
 
     def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
@@ -142,6 +158,7 @@ class EngineRouter:
     def record_stats(self, engine: int, stats: SchedulerStats) -> None:
         self.balancer.record_stats(engine, stats)
         self.stats[engine] = stats
+        self.sent_since_stats[engine].clear()
 
     # ---- the choice ----
 
@@ -183,6 +200,7 @@ class EngineRouter:
         now = time.monotonic()
         if lora_name is not None and self.uses_adapter:
             self.sent_adapters[engine][lora_name] = now + SPECULATION_S
+            self.sent_since_stats[engine].add(lora_name)
         if not self.uses_prefix:
             return
         lora_id = self._lora_id(engine, lora_name)
@@ -220,6 +238,8 @@ class EngineRouter:
             if tier is None and self.sent_adapters[engine].get(lora_name, 0.0) >= time.monotonic():
                 tier = "device"  # sent there moments ago: loaded by the time this runs
             adapter = ADAPTER_COST[tier]
+            if self._host_full(engine, lora_name):
+                adapter += HOST_FULL_COST
         waiting, running = self.balancer.reported[engine]
         requests = waiting + running + self.balancer.sent_since_report[engine]
         room = 0
@@ -229,6 +249,17 @@ class EngineRouter:
             if -(-uncached // self.block_size) > free:
                 room = NO_ROOM_COST
         return uncached, adapter, LOAD_COST * requests, room
+
+    def _host_full(self, engine: int, lora_name: str) -> bool:
+        """Whether the engine's host tier is taken by other adapters' requests in flight
+        (running, parked, waiting, or just sent): a request for one more would wait there until
+        one of them has finished all its requests, which on a busy engine takes seconds."""
+        stats = self.stats[engine]
+        if self.host_places is None or stats is None:
+            return False
+        in_flight = set(stats.running_lora_adapters) | set(stats.waiting_lora_adapters)
+        in_flight |= self.sent_since_stats[engine]
+        return lora_name not in in_flight and len(in_flight) >= self.host_places
 
     def _lora_id(self, engine: int, lora_name: str | None) -> int | None:
         """The engine's id for the adapter (0: the base model; None: not yet seen there)."""

@@ -334,6 +334,7 @@ def _api_server_specs(
         config.parallel.data_parallel_size,
         config.cache.kv_events_config,
         server.routing_policy,
+        config.lora.host_capacity if config.lora.enable_lora else None,
     )
     python = [
         (

@@ -248,6 +248,14 @@ MUTANTS = [
         (ROUTER,),
     ),
     Mutant(
+        "routing-overfills-host-tier",
+        "13 Routing: an adapter goes where the host tier has room beside the adapters in flight",
+        "rankcast/engine_client/engine_router.py",
+        "                adapter += HOST_FULL_COST",
+        "                adapter += 0",
+        (ROUTER,),
+    ),
+    Mutant(
         "dashboard-waits-for-poll",
         "14 The dashboard shows a rank's LoRA event within a second, on every API server's page",
         "rankcast/dashboard/dashboard.js",

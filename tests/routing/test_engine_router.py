@@ -159,6 +159,32 @@ def test_an_adapter_just_sent_to_an_engine_counts_as_loaded_there() -> None:
     assert r.choose([True, True], [4, 5, 6], None).engine != first.engine, "base goes by load"
 
 
+def test_an_adapter_goes_where_the_host_tier_has_room_for_it() -> None:
+    """An engine whose host tier (2 places here) is taken by other adapters' requests in flight
+    would hold a request for a third adapter until one of them finished all its requests: the
+    request goes to the other engine, though it is busier; an adapter already in flight there
+    still goes to it, and so does any adapter once the stats show room."""
+    residency = LoRAResidency()
+    residency.world_size = {0: 1, 1: 1}
+    r = EngineRouter(2, "auto", BS, residency, host_places=2)
+    full = SchedulerStats(num_running_reqs=2, num_blocks=100, running_lora_adapters=["a", "b"])
+    r.record_stats(0, full)
+    load(r, 1, 6)
+    choice = r.choose([True, True], [1, 2, 3], "c")
+    assert (choice.engine, choice.reason) == (1, "adapter")
+    assert r.choose([True, True], [4, 5, 6], "a").engine == 0, "in flight there: no new place"
+    r.record_stats(
+        0, SchedulerStats(num_running_reqs=1, num_blocks=100, running_lora_adapters=["a"])
+    )
+    assert r.choose([True, True], [1, 2, 3], "d").engine == 0, "room again"
+    # Requests this server just sent count before the engine's stats show them.
+    r.record_stats(0, SchedulerStats(num_running_reqs=0, num_blocks=100))
+    load(r, 1, 6)
+    assert r.choose([True, True], [7], "e").engine == 0
+    assert r.choose([True, True], [8], "f").engine == 0
+    assert r.choose([True, True], [9], "g").engine == 1, "e and f now fill engine 0's tier"
+
+
 def test_a_prompt_no_engine_holds_goes_where_fewer_prefixes_are_held() -> None:
     """New content (a tenant's first request) is spread by the distinct prefixes each engine
     holds, not by whichever engine happened to be less busy at that moment."""

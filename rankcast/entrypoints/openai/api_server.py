@@ -441,7 +441,9 @@ def run_api_server(
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
         clients = [AsyncMPClient(addresses, index) for addresses in engines]
         sinks: list[NotificationSink] = [metrics, events, loras, metrics.lora]
-        router = EngineRouter(len(clients), config.routing_policy, config.block_size, loras)
+        router = EngineRouter(
+            len(clients), config.routing_policy, config.block_size, loras, config.lora_host_places
+        )
         engine = AsyncLLM(clients, tokenizer, metrics, sinks=sinks, router=router)
         try:
             await engine.start()

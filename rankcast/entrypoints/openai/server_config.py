@@ -28,3 +28,6 @@ class ApiServerConfig:
     data_parallel_size: int = 1
     kv_events_config: KVEventsConfig | None = None
     routing_policy: str = "load"
+    # Adapters each engine's host tier holds (--max-cpu-loras), which the router keeps a
+    # request from overfilling; None without LoRA.
+    lora_host_places: int | None = None

@@ -24,10 +24,6 @@
 namespace rankcast {
 namespace {
 
-// One projection: a weight packed by csrc/gemm.cpp (float, or int8 with its scales), by
-// csrc/gemm_w8a8.cpp (bytes [panels, steps, 16, group], with its scales), by csrc/gemm_q4.cpp
-// (bytes [panels, groups, record], scales inside) or by csrc/gemm_q8.cpp (int8 [panels, groups,
-// record], scales inside).
 // A projection's adapter slots as csrc/lora.cpp reads them: one A and one B per sub-projection
 // (q, k, v of a fused QKV, ...), each sub's column offset, the slots' rank. Empty: no adapters.
 struct LoRASlots {
@@ -42,6 +38,10 @@ struct LoRASlots {
   }
 };
 
+// One projection: a weight packed by csrc/gemm.cpp (float, or int8 with its scales), by
+// csrc/gemm_w8a8.cpp (bytes [panels, steps, 16, group], with its scales), by csrc/gemm_q4.cpp
+// (bytes [panels, groups, record], scales inside) or by csrc/gemm_q8.cpp (int8 [panels, groups,
+// record], scales inside).
 struct Projection {
   at::Tensor packed;
   c10::optional<at::Tensor> scales;  // int8 weights' per-channel scales

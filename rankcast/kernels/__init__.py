@@ -59,9 +59,14 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # PREFETCHT0, and a single stream ran at 35.6 against 60.6 tok/s end to end. A decode tile's
 # fetch of the next column group (`prefetch_next`) goes to L2 only (PREFETCHT2) on both: measured
 # faster on a Zen 4 and then on a Sapphire Rapids Xeon (q8_0's decode step 1.13-1.17x, q4_1's
-# 1.03x, 1.13x at 4 rows), so it is no vendor choice.
+# 1.03x, 1.13x at 4 rows), so it is no vendor choice. A batch tile's fetch of the next group
+# is: PREFETCHT0 on AMD (T2 ~1 % slower at 32 rows on a Zen 4), PREFETCHT2 on Intel (the
+# Sapphire Rapids Xeon's step at 32 rows 1.01-1.05x faster, float32 at 8 rows 1.13x).
 VENDOR_CFLAGS: dict[str, tuple[str, ...]] = {
-    "GenuineIntel": ("-DRANKCAST_DECODE_PREFETCH_LOCALITY=3",),
+    "GenuineIntel": (
+        "-DRANKCAST_DECODE_PREFETCH_LOCALITY=3",
+        "-DRANKCAST_BATCH_NEXT_LOCALITY=1",
+    ),
 }
 
 

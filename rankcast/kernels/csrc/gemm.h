@@ -39,6 +39,11 @@ constexpr int kRowBlock = 32;  // rows that share one pass over a column group
 #ifndef RANKCAST_DECODE_NEXT_LOCALITY
 #define RANKCAST_DECODE_NEXT_LOCALITY 1
 #endif
+// A batch tile's fetch of the next column group: 3 (PREFETCHT0), or 1 (PREFETCHT2) where the
+// build sets it by CPU vendor (VENDOR_CFLAGS: on Intel).
+#ifndef RANKCAST_BATCH_NEXT_LOCALITY
+#define RANKCAST_BATCH_NEXT_LOCALITY 3
+#endif
 constexpr int kOverlapRows = 4;  // fewer rows than this: no next-group prefetch (see below)
 // The same for the 15-bit group kernels (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): unpacking and
 // scaling their groups is enough arithmetic per weight byte that even one row gains from the
@@ -103,10 +108,14 @@ struct OverlapRows<Family, std::void_t<decltype(Family::kOverlapRows)>> {
 // is ~17 kB and the one it computes on is as large, so fetching the next into L1 pushed out the
 // lines in use from the 32 kB L1 of a Zen 4. The model's 4-bit decode step alone on the 2-core
 // Zen 4 (bench/decode_step.py, builds alternated): 3.72-4.14 -> 3.41-3.51 ms, faster in 4 of 4
-// rounds (T1: 3 of 4); `q8_0` 5.08-5.64 -> 4.96-5.23 ms. Batches keep PREFETCHT0: at 32 rows T2
-// was ~1 % slower in every round (bfloat16). The same on a 2-core Sapphire Rapids Xeon, builds
-// alternated: `q8_0` 4.47-4.79 -> 3.81-4.24 ms, q4_1 2.89-2.91 -> 2.80-2.81, at 4 rows q4_1
-// 5.37 -> 4.75; bfloat16 (one row) 8.71 -> 8.54.
+// rounds (T1: 3 of 4); `q8_0` 5.08-5.64 -> 4.96-5.23 ms. Batches keep PREFETCHT0 on AMD: at 32
+// rows T2 was ~1 % slower in every round (bfloat16, Zen 4). The same on a 2-core Sapphire Rapids
+// Xeon, builds alternated: `q8_0` 4.47-4.79 -> 3.81-4.24 ms, q4_1 2.89-2.91 -> 2.80-2.81, at 4
+// rows q4_1 5.37 -> 4.75; bfloat16 (one row) 8.71 -> 8.54. There batches gain from T2 as well
+// (its L1 is 48 kB; a float32 group of 3 panels is 110 kB at K=576): the model's step at 32 rows,
+// builds alternated, best of 2-3 rounds: float32 1.02-1.05x, `w8a8` 1.04x, `q4_1` 1.05x, `q8_0`
+// 1.01x, int8 under float32 rows 1.01x; at 8 rows float32 1.13x, `q4_1` 1.05x (bfloat16 runs on
+// the AMX tiles there, which do not take this path). So Intel builds set it by vendor.
 struct NextGroup {
   const char* lines = nullptr;  // first cache line of this tile's share of the next group
   int64_t count = 0;            // lines in that share
@@ -118,7 +127,8 @@ inline int lines_per_step(const NextGroup& next, int64_t steps) {
 
 template <int Rows = kOverlapRows>
 inline void prefetch_next(const NextGroup& next, int64_t step, int per_step) {
-  constexpr int locality = Rows < kOverlapRows ? RANKCAST_DECODE_NEXT_LOCALITY : 3;
+  constexpr int locality =
+      Rows < kOverlapRows ? RANKCAST_DECODE_NEXT_LOCALITY : RANKCAST_BATCH_NEXT_LOCALITY;
   for (int i = 0; i < per_step; ++i) {
     const int64_t line = step * per_step + i;
     if (line < next.count) __builtin_prefetch(next.lines + line * 64, 0, locality);

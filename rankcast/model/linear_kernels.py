@@ -209,7 +209,8 @@ def _quantized_path(
         facts = CpuFacts.of_this_machine() if facts is None else facts
         if scheme == "int8" and dtype in facts.packed:
             if facts.build == "amx" and dtype == torch.bfloat16:
-                how = "int8 weights converted to bfloat16 a column group at a time, then"
+                how = "int8 weights converted to bfloat16 tile by tile (a column group "
+                how += "at a time above 32 rows), then"
                 return LinearPath("rankcast", True, f"{how} {_why_rankcast(facts, dtype)}")
             why = f"int8 weights widened in registers, {_WHY[facts.family]}"
             return LinearPath("rankcast", True, why)

@@ -138,10 +138,10 @@ class LlamaForCausalLM(nn.Module):
         # torch.classes.rankcast.DecoderStack.
         self.fused_layers: Any = None
         # Adapter slots on this stage's projections. The stack adds their deltas itself when
-        # csrc/lora.cpp applies them (fused_deltas); otherwise a step where any of them adds a
-        # delta runs the module path, and steps without adapters run the stack.
-        self.fused_bypass: list[LinearDelta] = []
-        self.fused_deltas = False
+        # csrc/lora.cpp applies them (stack_adds_deltas); otherwise a step where any of them
+        # adds a delta runs the module path, and steps without adapters run the stack.
+        self.adapter_deltas: list[LinearDelta] = []
+        self.stack_adds_deltas = False
         # Steps of at least this many tokens run the modules (the `rows` path: their linears
         # take oneDNN's packing there); None: every step may run the stack.
         self.fused_max_rows: int | None = None
@@ -161,8 +161,8 @@ class LlamaForCausalLM(nn.Module):
         otherwise runs only steps where no adapter applies.
         Returns whether it could; the module path stays in use for everything else."""
         self.fused_layers = None
-        self.fused_bypass = []
-        self.fused_deltas = False
+        self.adapter_deltas = []
+        self.stack_adds_deltas = False
         self.fused_max_rows = None
         layers = self.decoder_layers()
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
@@ -174,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
             packed = [p.packed_weight for p in group]
             if attn.attn.key_cache is None:
                 return False
-            self.fused_bypass.extend(p.lora for p in group if p.lora is not None)
+            self.adapter_deltas.extend(p.lora for p in group if p.lora is not None)
             ready = [w for w in packed if w is not None and w.backend == "rankcast"]
             if len(ready) != len(group):
                 return False
@@ -212,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
                 gate_up.scales,
                 down.scales,
             )
-        self.fused_deltas = self._hand_deltas_to(stack, layers)
+        self.stack_adds_deltas = self._hand_deltas_to(stack, layers)
         self.fused_layers = stack
         return True
 
@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         """Give the stack every projection's adapter slots, if it can add all their deltas as
         the modules do: each through csrc/lora.cpp, and no row-parallel bias (the modules add
         o_proj's after the delta, the stack's kernel before it). Returns whether it took them."""
-        if not self.fused_bypass:
+        if not self.adapter_deltas:
             return False
         handed: list[tuple[int, int, KernelSlots]] = []
         for i, layer in enumerate(layers):
@@ -259,8 +259,8 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = intermediate
         meta.cos_sin = self.rope.cos_sin
         fits = self.fused_max_rows is None or hidden.shape[0] < self.fused_max_rows
-        adapters = any(delta.adds_this_step() for delta in self.fused_bypass)
-        if self.fused_layers is not None and fits and (self.fused_deltas or not adapters):
+        adapters = any(delta.adds_this_step() for delta in self.adapter_deltas)
+        if self.fused_layers is not None and fits and (self.stack_adds_deltas or not adapters):
             hidden, residual = self.fused_layers.forward(
                 hidden,
                 residual,
@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
                 meta.block_tables,
                 meta.seq_lens,
                 meta.query_start,
-                self.fused_bypass[0].token_slots() if adapters else None,
+                self.adapter_deltas[0].token_slots() if adapters else None,
             )
         else:
             for layer in self.decoder_layers():

@@ -127,7 +127,7 @@ def test_steps_without_an_adapter_keep_the_fused_decoder_stack(
     assert (runner.model.fused_layers is not None) == decoder_stack_expected(torch.float32)
     if runner.model.fused_layers is None:
         pytest.skip("the C++ decoder stack does not run on this CPU")
-    assert runner.model.fused_deltas
+    assert runner.model.stack_adds_deltas
     stack = _CountingStack(runner.model.fused_layers)
     runner.model.fused_layers = stack
     prompt = [5, 17, 300, 41]

@@ -138,7 +138,6 @@ def run(tiny_llama_dir: Path) -> Iterator[Run]:
         )
         _complete(server.url, random_workload(seed=6, count=8))
 
-        restart_at = len(streams[0].snapshot())
         old = server.pid_of("engine_core_dp0")
         os.kill(old, signal.SIGKILL)
 
@@ -165,7 +164,10 @@ def run(tiny_llama_dir: Path) -> Iterator[Run]:
             live = stream.snapshot()
             first_live = live[0].seq if live else 0
             frames.append([f for f in early_frames if f.seq < first_live] + live)
-        restart_at += len(frames[0]) - len(streams[0].snapshot())
+        # Where engine 0's sequence first breaks: the new incarnation's first frame. (Counting
+        # the frames heard before the kill raced the old incarnation's last frames in transit.)
+        seqs = [f.seq for f in frames[0]]
+        restart_at = next((i for i in range(1, len(seqs)) if seqs[i] != seqs[i - 1] + 1), len(seqs))
         yield Run(frames, restart_at, [replay(endpoint, 0) for endpoint in replays], matched)
 
 

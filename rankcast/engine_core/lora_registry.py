@@ -82,6 +82,9 @@ class RegisteredAdapter:
     loaded_ranks: set[int] = field(default_factory=set)
     makes_room_from: str | None = None
     leaving: bool = False  # reserved to leave the host tier when a read in flight ends
+    # Its read took a parked adapter's place (`prepare`'s `spare`): that one leaves when the
+    # read is done even though requests still name it, unless it is back in a device slot.
+    room_from_parked: bool = False
 
     @property
     def tiers(self) -> list[str]:
@@ -158,8 +161,14 @@ class LoRARegistry:
         request started on it meanwhile: then the tier holds one more until it goes idle)."""
         entry.loading, entry.in_host = False, True
         self._touch(entry)
+        from_parked, entry.room_from_parked = entry.room_from_parked, False
         victim = self._release_reservation(entry)
-        if victim is not None and victim.name not in self.running_adapters():
+        if victim is None:
+            return
+        # A parked adapter out of the device slots serves no request now; one back in a slot
+        # (its requests resumed) stays, as does any adapter requests started on meanwhile.
+        gone = victim.slot is None if from_parked else victim.name not in self.running_adapters()
+        if gone:
             self._move(LoRAMove("evict", victim.adapter_id, tier="cpu", reason="capacity"))
             victim.in_host, victim.slot = False, None
 
@@ -175,7 +184,7 @@ class LoRARegistry:
         """A rank could not read it (the files changed since it was registered): every request
         for it would fail the same way, so it is unregistered, undone on every rank, and the
         requests waiting for it are refused with the rank's error."""
-        entry.loading = False
+        entry.loading, entry.room_from_parked = False, False
         self._release_reservation(entry)  # the adapter it would have replaced stays
         self._move(LoRAMove("evict", entry.adapter_id, tier="cpu", reason="load_failed"))
         del self.adapters[entry.name]
@@ -287,7 +296,9 @@ class LoRARegistry:
 
     # ---- residency on demand (the scheduler's side) ----
 
-    def prepare(self, name: str, protected: set[str]) -> AdapterState:
+    def prepare(
+        self, name: str, protected: set[str], spare: frozenset[str] = frozenset()
+    ) -> AdapterState:
         """Whether `name` is in every rank's host tier; if not, its read is started (on each
         rank's own thread) and the request waits. Raises for an adapter that cannot be served:
         unknown, or dropped because a rank could not read it.
@@ -296,7 +307,10 @@ class LoRARegistry:
         least recently used idle adapter, never one of `protected` (those of running requests,
         of the batch being formed and of requests ahead in the queue), which leaves only when
         the read is done; with no such adapter the read waits ("no_room"), so reads never push
-        out each other's adapters before they are used."""
+        out each other's adapters before they are used. Only when no idle adapter is left may
+        it take the place of one of `spare` (parked adapters, offered by a scheduler whose
+        request has waited long enough): the most recently used one out of the device slots,
+        the last its requests will want back when adapters take turns."""
         entry = self.adapters.get(name)
         if entry is None:
             if name in self.failed:
@@ -309,7 +323,10 @@ class LoRARegistry:
         try:
             victim = self._host_victim(protected | {name})
         except LoRACapacityError:
-            return "no_room"
+            victim = self._spare_victim(spare - {name})
+            if victim is None:
+                return "no_room"
+            entry.room_from_parked = True
         if victim is not None:
             victim.leaving = True  # leaves once the read is done, not before
             entry.makes_room_from = victim.name
@@ -387,6 +404,20 @@ class LoRARegistry:
                 "adapters that requests use or that are pinned"
             )
         return min(idle, key=lambda a: (a.slot is not None, a.last_used))
+
+    def _spare_victim(self, spare: frozenset[str]) -> RegisteredAdapter | None:
+        """Of the parked adapters offered, the one whose place a read may take: in the host
+        tier only (not in a slot, not pinned, not already promised), most recently used."""
+        candidates = [
+            a
+            for name in spare
+            if (a := self.adapters.get(name)) is not None
+            and a.in_host
+            and a.slot is None
+            and not a.pinned
+            and not a.leaving
+        ]
+        return max(candidates, key=lambda a: a.last_used, default=None)
 
     def _evict_device(self, victim: RegisteredAdapter, reason: str) -> int:
         assert victim.slot is not None

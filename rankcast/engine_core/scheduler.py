@@ -19,7 +19,10 @@ at most N steps: then the drained adapter's running requests are parked (kept wi
 blocks and their place, out of the batch) and its slot changes hands; parked requests take a
 slot back in turn the same way (a parked adapter waiting for a slot drains another), after the
 queue's requests unless one has waited PARKED_PATIENCE_TURNS turns, so adapters share the slots
-by turns of at least N steps instead of by whole requests. Parked requests are the first to be
+by turns of at least N steps instead of by whole requests. A queued request, which has no token
+yet, ends the drained adapter's turn after FIRST_TOKEN_TURN_STEPS instead, and may take a parked
+adapter's place in the host tier (`_adapter_ready`): time to first token waits for neither a
+whole turn nor every request of the adapters in flight. Parked requests are the first to be
 preempted when blocks run out.
 """
 
@@ -51,6 +54,11 @@ AdapterState = Literal["ready", "reading", "no_room"]
 # Turns a parked request waits before parked requests claim slots ahead of the queue.
 PARKED_PATIENCE_TURNS = 4
 
+# Steps a drained adapter keeps its slot when the request waiting for it is queued (has no
+# token yet): in bench/routing.py's adapter part, full turns for those (8 steps) put TTFT p99
+# at 0.8-2.1 s, one step at 0.3-0.6 s against the base model's 0.17 s.
+FIRST_TOKEN_TURN_STEPS = 1
+
 
 class AdapterSlots(Protocol):
     """What the scheduler needs from the engine's LoRA registry."""
@@ -66,12 +74,15 @@ class AdapterSlots(Protocol):
         """Whether the adapter is pinned to its device slot (never drained for another)."""
         ...
 
-    def prepare(self, name: str, protected: set[str]) -> AdapterState:
+    def prepare(
+        self, name: str, protected: set[str], spare: frozenset[str] = frozenset()
+    ) -> AdapterState:
         """ "ready": in every rank's host tier, a slot may be asked for. "reading": its read
         is under way (started now if need be, making room without evicting any of
-        `protected`); the request waits, draining nothing. "no_room": the host tier holds only
-        adapters that must stay; like a missing slot, a running adapter is drained. Raises
-        ValueError when it can never be served."""
+        `protected`, and one of `spare` only when nothing else can go); the request waits,
+        draining nothing. "no_room": the host tier holds only adapters that must stay; like a
+        missing slot, a running adapter is drained. Raises ValueError when it can never be
+        served."""
         ...
 
     def take_moves(self) -> list[LoRAMove]:
@@ -106,6 +117,9 @@ class Scheduler:
         self.steps = 0
         self.drain_since = 0
         self.drain_parks = True
+        self.drain_turn = lora_turn_steps  # steps before the drained adapter is parked
+        # The step a read last took a parked adapter's host place (at most one a step).
+        self.parked_place_taken_at = -1
         # Requests the scheduler itself ended (their adapter could not be served).
         self.rejected: list[Request] = []
         # The adapter whose slot is being freed for a deferred request (takes no new requests).
@@ -229,7 +243,7 @@ class Scheduler:
                 try:
                     # Adapters running, in this batch, or wanted by requests ahead stay put.
                     wanted = {r.lora_name for r in deferred if r.lora_name is not None}
-                    state = self._adapter_ready(request.lora_name, active | wanted | parked)
+                    state = self._adapter_ready(request.lora_name, active | wanted, parked, True)
                     ready = state == "ready"
                     slot = self._adapter_slot(request.lora_name, active) if ready else None
                 except ValueError as exc:
@@ -242,7 +256,7 @@ class Scheduler:
                 if slot is None:  # no slot, or (not ready) no room in the host tier
                     self._release(request)
                     deferred.append(request)
-                    self._start_drain(running, parks=ready)
+                    self._start_drain(running, parks=ready, first_token=True)
                     continue
                 request.lora_slot = slot
                 active.add(request.lora_name)
@@ -267,9 +281,29 @@ class Scheduler:
         if where != "device" and self.adapters.undo_displacement(request.lora_name):
             self.lora_evictions_undone[request.lora_name] += 1
 
-    def _adapter_ready(self, name: str, protected: set[str]) -> AdapterState:
+    def _adapter_ready(
+        self, name: str, protected: set[str], parked: set[str], queued: bool
+    ) -> AdapterState:
+        """Whether the adapter is in the host tier, its read started if not, never making room
+        from `protected` or `parked` adapters, with one exception.
+
+        Parked adapters keep their places: a parked request resumes from there. But when a
+        `queued` request (no token yet) finds no other room, its read takes the place of the
+        parked adapter that will want it back last (the registry's choice), at most one such
+        read a step: otherwise its first token waits until every request of some adapter in
+        flight has finished, seconds (TTFT p99 1.3-1.8 s in bench/routing.py's adapter part,
+        against the base model's 0.14-0.26 s). Parked requests never take a place this way: a
+        read for one to take another's was what made parked adapters take turns through the
+        disk (338 reads per 100 requests under load routing, against 48).
+        """
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
-        return self.adapters.prepare(name, protected)
+        state = self.adapters.prepare(name, protected | parked)
+        if state != "no_room" or not queued or self.parked_place_taken_at == self.steps:
+            return state
+        state = self.adapters.prepare(name, protected | parked, frozenset(parked - protected))
+        if state == "reading":
+            self.parked_place_taken_at = self.steps
+        return state
 
     def _adapter_slot(self, name: str, active: set[str]) -> int | None:
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
@@ -287,23 +321,30 @@ class Scheduler:
             self.draining = None
         return running
 
-    def _start_drain(self, running: collections.Counter[str], parks: bool = True) -> None:
-        """A request waits for a slot (`parks`: the drained adapter is parked after its turn)
-        or for room in the host tier (it is not: a parked adapter keeps its place there, so
-        only requests finishing make room): drain one, unless one is being drained already."""
+    def _start_drain(
+        self, running: collections.Counter[str], parks: bool = True, first_token: bool = False
+    ) -> None:
+        """A request waits for a slot (`parks`: the drained adapter is parked after its turn,
+        shortened for a request with no token yet, `first_token`) or for room in the host tier
+        (it is not: a parked adapter keeps its place there, so only requests finishing make
+        room): drain one, unless one is being drained already."""
+        turn = FIRST_TOKEN_TURN_STEPS if first_token else self.lora_turn_steps
         if self.draining is None:
             self.draining = self._drain_target(running)
-            self.drain_since, self.drain_parks = self.steps, parks
+            self.drain_since, self.drain_parks, self.drain_turn = self.steps, parks, turn
         elif parks and not self.drain_parks:
-            self.drain_since, self.drain_parks = self.steps, True
+            self.drain_since, self.drain_parks, self.drain_turn = self.steps, True, turn
+        elif parks:
+            self.drain_turn = min(self.drain_turn, turn)
 
     def _park_drained(self) -> str | None:
-        """After `lora_turn_steps` steps of draining, the drained adapter's running requests
-        leave the batch, keeping their blocks; returns that adapter (None: nothing parked)."""
+        """After its turn of draining (`drain_turn` steps), the drained adapter's running
+        requests leave the batch, keeping their blocks; returns that adapter (None: nothing
+        parked). With `--lora-turn-steps 0` nothing is ever parked."""
         name = self.draining
         if name is None or self.lora_turn_steps <= 0 or not self.drain_parks:
             return None
-        if self.steps - self.drain_since < self.lora_turn_steps:
+        if self.steps - self.drain_since < self.drain_turn:
             return None
         leaving = [r for r in self.running if r.lora_name == name]
         self.running = [r for r in self.running if r.lora_name != name]
@@ -331,7 +372,7 @@ class Scheduler:
             return resumed
         running = self._running_per_adapter()
         active = set(running)
-        protected = active | self._parked_adapters()
+        parked = self._parked_adapters()
         for request in list(self.parked):
             assert request.lora_name is not None, "only adapters' requests are parked"
             if request.lora_name in (skip, self.draining):
@@ -341,7 +382,8 @@ class Scheduler:
             if count == 0 or not self.blocks.can_allocate(request, need):
                 continue
             try:
-                ready = self._adapter_ready(request.lora_name, protected) == "ready"
+                state = self._adapter_ready(request.lora_name, active, parked, False)
+                ready = state == "ready"
                 slot = self._adapter_slot(request.lora_name, active) if ready else None
             except ValueError as exc:  # its adapter was dropped meanwhile: refused, as queued
                 self.parked.remove(request)

@@ -24,7 +24,11 @@ import pytest
 from rankcast.config import SchedulerConfig
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.request import Request, RequestStatus
-from rankcast.engine_core.scheduler import PARKED_PATIENCE_TURNS, Scheduler
+from rankcast.engine_core.scheduler import (
+    FIRST_TOKEN_TURN_STEPS,
+    PARKED_PATIENCE_TURNS,
+    Scheduler,
+)
 from rankcast.protocol import FinishReason, LoRAMove, ModelRunnerOutput, ScheduledSequence
 from rankcast.sampling_params import SamplingParams
 
@@ -49,17 +53,29 @@ class FakeSlots:
         self.reading = set()
         self.reads_started = []
         self.no_room: set[str] = set()
+        self.spare_places: set[str] = set()
+        self.places_taken: list[tuple[str, str]] = []
+        self.offers: list[tuple[str, frozenset[str]]] = []  # prepare(name, _, spare)
 
     # Adapters still being read from disk (not ready for a slot), and reads started;
-    # adapters whose read cannot start (the host tier holds only adapters that must stay).
+    # adapters whose read cannot start (the host tier holds only adapters that must stay);
+    # adapters in the host tier whose place a read may take when offered as `spare`, and the
+    # (read, adapter whose place it took) so far.
     reading: set[str]
     reads_started: list[str]
 
-    def prepare(self, name: str, protected: set[str]) -> str:
+    def prepare(self, name: str, protected: set[str], spare: frozenset[str] = frozenset()) -> str:
         if name not in self.known:
             raise ValueError(f"unknown LoRA adapter {name!r}")
+        self.offers.append((name, spare))
         if name in self.no_room:
-            return "no_room"
+            taken = sorted(spare & self.spare_places - {name})
+            if not taken:
+                return "no_room"
+            self.spare_places.discard(taken[0])
+            self.places_taken.append((name, taken[0]))
+            self.no_room.discard(name)
+            self.reading.add(name)
         if name in self.reading:
             if name not in self.reads_started:
                 self.reads_started.append(name)
@@ -432,14 +448,15 @@ def _b_waits_for_a(
     return slots, scheduler
 
 
-def test_with_turns_a_waiting_adapter_runs_after_n_steps_and_the_holder_is_parked() -> None:
-    slots, scheduler = _b_waits_for_a(2)
+def test_a_queued_request_ends_the_holders_turn_after_one_step_and_the_holder_is_parked() -> None:
+    """A request with no token yet waits FIRST_TOKEN_TURN_STEPS for the slot, not a turn."""
+    assert FIRST_TOKEN_TURN_STEPS == 1
+    slots, scheduler = _b_waits_for_a(4)
     holder = scheduler.requests["a1"]
-    assert set(_step(scheduler, slots)) == {"a1"}  # "on-b" waits: "a" drains
+    assert set(_step(scheduler, slots)) == {"a1"}  # "on-b" waits: "a" drains, its last step
     assert scheduler.draining == "a"
-    assert set(_step(scheduler, slots)) == {"a1"}  # the first step of "a"'s last turn
     blocks, computed = list(holder.block_ids), holder.num_computed_tokens
-    ran = _step(scheduler, slots)  # the turn is over: "a1" is parked, "on-b" takes the slot
+    ran = _step(scheduler, slots)  # its turn is over: "a1" is parked, "on-b" takes the slot
     assert set(ran) == {"on-b"} and ran["on-b"].lora_slot == 0
     assert slots.moves == [("evict", "a", 0), ("load", "b", 0)]
     assert holder.status == RequestStatus.PARKED and scheduler.parked == [holder]
@@ -450,12 +467,13 @@ def test_with_turns_a_waiting_adapter_runs_after_n_steps_and_the_holder_is_parke
 
 def test_parked_requests_take_their_turn_back_and_go_on_where_they_stopped() -> None:
     slots, scheduler = _b_waits_for_a(2, a_tokens=20, b_tokens=20)
-    for _ in range(3):
-        _step(scheduler, slots)  # "a1" runs two more steps, then is parked for "on-b"
+    for _ in range(2):
+        _step(scheduler, slots)  # "a1" runs one more step, then is parked for "on-b"
     holder = scheduler.requests["a1"]
     tokens = len(holder.output_token_ids)
-    # The parked request now waits as "on-b" did: "b" drains, and after its turn (the step it
-    # was admitted in and one more) "a1" resumes on the slot, from the token it stopped at.
+    # The parked request now waits as "on-b" did, but for a whole turn (it has tokens): "b"
+    # drains, and after its turn (the step it was admitted in and one more) "a1" resumes on
+    # the slot, from the token it stopped at.
     assert scheduler.draining == "b"
     assert set(_step(scheduler, slots)) == {"on-b"}
     ran = _step(scheduler, slots)
@@ -489,7 +507,8 @@ def test_a_parked_request_is_preempted_before_any_running_one_when_blocks_run_ou
     _step(scheduler, slots)
     parked = scheduler.requests["a1"]
     assert parked.status == RequestStatus.PARKED and parked.block_ids
-    scheduler.lora_turn_steps = 1000  # "on-b" keeps the slot from now on
+    # "on-b" keeps the slot from now on (its drain for "a1" started with a turn of 1 step).
+    scheduler.lora_turn_steps = scheduler.drain_turn = 1000
     for _ in range(60):
         if parked.status != RequestStatus.PARKED:
             break
@@ -588,3 +607,50 @@ def test_waiting_for_room_in_the_host_tier_parks_no_one() -> None:
     assert set(_step(scheduler, slots)) == {"a1"}
     ran = _step(scheduler, slots)
     assert set(ran) == {"on-b"} and [r.request_id for r in scheduler.parked] == ["a1"]
+
+
+def _two_parked() -> tuple[FakeSlots, Scheduler]:
+    """One slot: "a1" and then "b1" parked for newer adapters, "c1" running on the slot."""
+    slots = FakeSlots(1, resident={"a": 0}, known={"b", "c", "d", "e"})
+    scheduler = _turns(slots, turn_steps=4)
+    _start(scheduler, slots, _request("a1", "a"))
+    scheduler.add_request(_request("b1", "b"))
+    _step(scheduler, slots)
+    _step(scheduler, slots)  # "a1" parked, "b1" runs
+    scheduler.add_request(_request("c1", "c"))
+    _step(scheduler, slots)
+    _step(scheduler, slots)  # "b1" parked, "c1" runs
+    assert {r.request_id for r in scheduler.parked} == {"a1", "b1"}
+    assert [r.request_id for r in scheduler.running] == ["c1"]
+    return slots, scheduler
+
+
+def test_a_queued_request_finding_no_host_room_takes_a_parked_adapters_place() -> None:
+    """Parked adapters hold the host tier; a request with no token yet may take the place of
+    one of them (never the running adapter's), one such read a step."""
+    slots, scheduler = _two_parked()
+    slots.no_room |= {"d", "e"}
+    slots.spare_places |= {"a", "b", "c"}
+    scheduler.add_request(_request("d1", "d"))
+    scheduler.add_request(_request("e1", "e"))
+    _step(scheduler, slots)
+    assert [read for read, _ in slots.places_taken] == ["d"], "one read a step"
+    assert slots.places_taken[0][1] in {"a", "b"}, "a parked adapter's place, not c's"
+    assert all("c" not in spare for _, spare in slots.offers), "the running adapter stays"
+    assert slots.reads_started == ["d"]
+    _step(scheduler, slots)
+    assert [read for read, _ in slots.places_taken] == ["d", "e"]
+    assert {taken for _, taken in slots.places_taken} == {"a", "b"}
+
+
+def test_a_parked_request_never_takes_another_parked_adapters_place() -> None:
+    """Parked adapters taking each other's places is what made turns go through the disk: a
+    parked request whose adapter lost its place waits for room made otherwise."""
+    slots, scheduler = _two_parked()
+    slots.no_room.add("a")  # "a" lost its place in the host tier
+    slots.spare_places.add("b")
+    for _ in range(6):
+        _step(scheduler, slots)
+    assert not slots.places_taken
+    assert all(not spare for name, spare in slots.offers if name == "a")
+    assert scheduler.requests["a1"].status == RequestStatus.PARKED

@@ -56,7 +56,8 @@ def test_one_slot_two_adapters_defers_rather_than_evicting_a_running_adapter(
     tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
 ) -> None:
     a, b = requests[:2]
-    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+    # Turns off: with them, b's first token would end a's turn after a step and park it.
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2, lora_turn_steps=0) as llm:
         outputs = llm.generate([PROMPT] * 4, GREEDY, lora_request=[a, b, a, b])
         events = _lifecycle(llm)
     # Both a-requests ran together, then b took the slot: had b been let in (or a evicted)

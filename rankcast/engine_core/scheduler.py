@@ -16,7 +16,8 @@ adapter cannot hold its slot forever against a deferred one, the scheduler then 
 the running adapter with the fewest running requests (not pinned) takes no new requests until
 they finish, and its slot goes to the adapter that waited. With `--lora-turn-steps N` it waits
 at most N steps: then the drained adapter's running requests are parked (kept with their KV
-blocks and their place, out of the batch) and its slot changes hands; parked requests take a
+blocks and their place, out of the batch) and its slot changes hands (meanwhile it still takes
+new requests, parked with the rest when the turn ends); parked requests take a
 slot back in turn the same way (a parked adapter waiting for a slot drains another), after the
 queue's requests unless one has waited PARKED_PATIENCE_TURNS turns, so adapters share the slots
 by turns of at least N steps instead of by whole requests. A queued request, which has no token
@@ -122,7 +123,8 @@ class Scheduler:
         self.parked_place_taken_at = -1
         # Requests the scheduler itself ended (their adapter could not be served).
         self.rejected: list[Request] = []
-        # The adapter whose slot is being freed for a deferred request (takes no new requests).
+        # The adapter whose slot is being freed for a deferred request (without turns it
+        # takes no new requests).
         self.draining: str | None = None
         self.blocks = block_manager
         self.max_model_len = max_model_len
@@ -236,7 +238,7 @@ class Scheduler:
             if request.lora_name is not None:
                 if not request.adapter_found_counted:
                     self._count_adapter_found(request)
-                if request.lora_name == self.draining:
+                if request.lora_name == self.draining and not self._drain_parks_on_time():
                     self._release(request)
                     deferred.append(request)
                     continue
@@ -336,6 +338,14 @@ class Scheduler:
             self.drain_since, self.drain_parks, self.drain_turn = self.steps, True, turn
         elif parks:
             self.drain_turn = min(self.drain_turn, turn)
+
+    def _drain_parks_on_time(self) -> bool:
+        """Whether the drain ends by parking at the end of its turn (turns on, a slot wanted)
+        rather than when its adapter's requests finish: then a new request on the drained
+        adapter may still join it, takes its first token at once and is parked with the
+        others, which delays no one (bench/routing.py's adapter part showed requests waiting
+        7 steps for the adapter already on a slot)."""
+        return self.lora_turn_steps > 0 and self.drain_parks
 
     def _park_drained(self) -> str | None:
         """After its turn of draining (`drain_turn` steps), the drained adapter's running

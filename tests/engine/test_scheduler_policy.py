@@ -654,3 +654,27 @@ def test_a_parked_request_never_takes_another_parked_adapters_place() -> None:
     assert not slots.places_taken
     assert all(not spare for name, spare in slots.offers if name == "a")
     assert scheduler.requests["a1"].status == RequestStatus.PARKED
+
+
+def test_with_turns_the_drained_adapter_takes_new_requests_and_parks_them_with_the_rest() -> None:
+    """A turn ends at a fixed step, so a new request on the drained adapter delays no one: it
+    gets its first token at once instead of waiting out the turn and the next ones."""
+    slots, scheduler = _b_waits_for_a(4)
+    _step(scheduler, slots)  # "on-b" waits: "a" drains
+    scheduler.drain_turn = 3  # as long as a turn for a parked request
+    assert scheduler.draining == "a"
+    scheduler.add_request(_request("a2", "a"))
+    assert set(_step(scheduler, slots)) == {"a1", "a2"}, "joined the drained adapter"
+    _step(scheduler, slots)
+    ran = _step(scheduler, slots)  # the turn is over: both parked, "on-b" takes the slot
+    assert set(ran) == {"on-b"}
+    assert {r.request_id for r in scheduler.parked} == {"a1", "a2"}
+    assert scheduler.requests["a2"].output_token_ids, "parked after its first token"
+
+
+def test_without_turns_the_drained_adapter_takes_no_new_requests() -> None:
+    slots, scheduler = _b_waits_for_a(0)
+    _step(scheduler, slots)
+    assert scheduler.draining == "a"
+    scheduler.add_request(_request("a2", "a"))
+    assert set(_step(scheduler, slots)) == {"a1"}, "its slot frees only when a1 finishes"

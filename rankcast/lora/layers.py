@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rankcast.lora.peft_adapter import LoRAAdapter
+from rankcast.lora.peft_adapter import LoRAAdapter, SlotImage
 from rankcast.model import ops
 from rankcast.model.layers import KernelSlots
 from rankcast.platform import lora_compute_dtype
@@ -127,6 +127,8 @@ class LoRALinear:
             torch.zeros(self.columns, sub.out_size, dtype=dtype, device=device) for sub in subs
         ]
         self.active = [set[int]() for _ in subs]
+        # What an adapter's slot image for this layer depends on (beside the layer index).
+        self.image_key = (tuple(subs), in_size, context.max_rank, context.dtype)
         # The kernel's arguments: each sub-projection holding an adapter, as views of the above.
         self.kernel_args: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = ([], [], [])
 
@@ -135,22 +137,50 @@ class LoRALinear:
         return slice(first, first + self.max_rank)
 
     def set_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
-        """Write this layer's shard of `adapter` into `slot` (modules it does not target: zero)."""
-        self.clear_slot(slot)
-        for i, sub in enumerate(self.subs):
-            weights = adapter.weights.get((layer, sub.module))
-            if weights is None:
-                continue
-            a, b = weights.a, weights.b * adapter.scaling
-            if sub.in_shard is None:
-                b = b.narrow(0, sub.shard_index * sub.out_size, sub.out_size)
+        """Write this layer's shard of `adapter` into `slot` (modules it does not target: zero):
+        one copy for every sub-projection's A and one per B, from the adapter's slot image."""
+        key = (layer, self.image_key)
+        image = adapter.slot_images.get(key)
+        if image is None:
+            image = adapter.slot_images[key] = self._slot_image(adapter, layer)
+        first = slot * self.max_rank
+        self._slot_a(slot).copy_(image.a)
+        for i, b in enumerate(image.b):
+            self.b[i][first : first + self.max_rank].copy_(b)
+            if image.targets[i]:
+                self.active[i].add(slot)
             else:
-                a = a.narrow(1, sub.in_shard * self.in_size, self.in_size)
-            rank, first = a.shape[0], slot * self.max_rank
-            self.a[self._rows(i, slot)][:rank].copy_(a)
-            self.b[i][first : first + rank].copy_(b.T)
-            self.active[i].add(slot)
+                self.active[i].discard(slot)
         self._update_kernel_args()
+
+    def _slot_a(self, slot: int) -> torch.Tensor:
+        """The slot's rows of every sub-projection's A, as one [subs, max_rank, in] view."""
+        stacked = self.a.view(len(self.subs), self.context.max_loras, self.max_rank, self.in_size)
+        return stacked[:, slot]
+
+    def _slot_image(self, adapter: LoRAAdapter, layer: int) -> SlotImage:
+        """This rank's shard of the adapter's projections in this layer, scaled, B transposed,
+        zero-padded to the slot's rank, in the slots' dtype."""
+        dtype, device = self.context.dtype, self.context.device
+        a_image = torch.zeros(
+            len(self.subs), self.max_rank, self.in_size, dtype=dtype, device=device
+        )
+        b_images, targets = [], []
+        for i, sub in enumerate(self.subs):
+            b_image = torch.zeros(self.max_rank, sub.out_size, dtype=dtype, device=device)
+            weights = adapter.weights.get((layer, sub.module))
+            if weights is not None:
+                a, b = weights.a, weights.b * adapter.scaling
+                if sub.in_shard is None:
+                    b = b.narrow(0, sub.shard_index * sub.out_size, sub.out_size)
+                else:
+                    a = a.narrow(1, sub.in_shard * self.in_size, self.in_size)
+                rank = a.shape[0]
+                a_image[i, :rank].copy_(a)
+                b_image[:rank].copy_(b.T)
+            b_images.append(b_image)
+            targets.append(weights is not None)
+        return SlotImage(a_image, b_images, targets)
 
     def clear_slot(self, slot: int) -> None:
         first = slot * self.max_rank

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,17 @@ class LoRAWeights:
 
 
 @dataclass(frozen=True)
+class SlotImage:
+    """One LoRA layer's slot contents for one adapter: A of every sub-projection stacked
+    [subs, max_rank, in], B transposed per sub-projection [max_rank, out]; zeros where the
+    adapter's rank is smaller or it leaves a sub-projection alone (`targets` False)."""
+
+    a: torch.Tensor
+    b: list[torch.Tensor]
+    targets: list[bool]
+
+
+@dataclass(frozen=True)
 class LoRAAdapter:
     name: str
     path: Path
@@ -45,6 +57,13 @@ class LoRAAdapter:
     scaling: float
     # (layer index, module name) -> weights; the module names are the checkpoint's (q_proj, ...).
     weights: dict[tuple[int, str], LoRAWeights]
+    # What each LoRA layer of this rank copies into a slot (its shard, scaled, B transposed,
+    # padded to the slot's rank), made at the first activation: adapters taking turns for slots
+    # are activated again and again, and slicing, scaling and transposing every projection
+    # each time was ~7 ms of Python per activation (rankcast/lora/layers.py `set_slot`).
+    slot_images: dict[tuple[int, Hashable], SlotImage] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def target_modules(self) -> frozenset[str]:

@@ -142,7 +142,11 @@ class LoRALinear:
         key = (layer, self.image_key)
         image = adapter.slot_images.get(key)
         if image is None:
-            image = adapter.slot_images[key] = self._slot_image(adapter, layer)
+            if not adapter.weights:
+                raise RuntimeError(
+                    f"adapter {adapter.name!r} keeps only slot images, none for layer {layer}"
+                )
+            image = adapter.slot_images[key] = self.slot_image(adapter, layer)
         first = slot * self.max_rank
         self._slot_a(slot).copy_(image.a)
         for i, b in enumerate(image.b):
@@ -158,7 +162,7 @@ class LoRALinear:
         stacked = self.a.view(len(self.subs), self.context.max_loras, self.max_rank, self.in_size)
         return stacked[:, slot]
 
-    def _slot_image(self, adapter: LoRAAdapter, layer: int) -> SlotImage:
+    def slot_image(self, adapter: LoRAAdapter, layer: int) -> SlotImage:
         """This rank's shard of the adapter's projections in this layer, scaled, B transposed,
         zero-padded to the slot's rank, in the slots' dtype."""
         dtype, device = self.context.dtype, self.context.device

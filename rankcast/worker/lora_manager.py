@@ -98,7 +98,9 @@ class LoRAManager:
     def _read(self, adapter_id: int, name: str, path: str) -> None:
         start = time.perf_counter()
         try:
-            adapter = load_peft_adapter(name, path, self.arch, self.max_lora_rank)
+            adapter = self.runner.host_tier_form(
+                load_peft_adapter(name, path, self.arch, self.max_lora_rank)
+            )
         except Exception as exc:
             with self.lock:
                 self.reading.discard(adapter_id)
@@ -141,7 +143,9 @@ class LoRAManager:
             return 0.0
         start = time.perf_counter()
         try:
-            adapter = load_peft_adapter(name, path, self.arch, self.max_lora_rank)
+            adapter = self.runner.host_tier_form(
+                load_peft_adapter(name, path, self.arch, self.max_lora_rank)
+            )
         except Exception as exc:
             self.publish(
                 LoRAAdapterLoadFailed(adapter_name=name, adapter_id=adapter_id, error=str(exc))

@@ -6,19 +6,21 @@ request, its sampling parameters, random generator and (structured outputs) gram
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import mmap
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rankcast.lora.layers import LoRABatch, LoRAContext, LoRALinear, attach_lora
-from rankcast.lora.peft_adapter import LoRAAdapter
+from rankcast.lora.peft_adapter import LoRAAdapter, SlotImage
 from rankcast.model.arch import ArchConfig
 from rankcast.model.attention import AttentionMetadata
 from rankcast.model.llama import LlamaForCausalLM
@@ -102,6 +104,19 @@ class ModelRunner:
         for layer, projections in self.lora_layers.items():
             for projection in projections:
                 projection.set_slot(slot, adapter, layer)
+
+    def host_tier_form(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """The adapter as this rank keeps it in its host tier: every LoRA layer's slot image
+        made now (on the thread that read it), the checkpoint's tensors dropped, so an
+        activation is a few copies and the tier holds one form of each adapter, not two."""
+        if self.lora_context is None:
+            raise RuntimeError("LoRA is not enabled on this engine (enable_lora)")
+        images: dict[tuple[int, Hashable], SlotImage] = {
+            (layer, projection.image_key): projection.slot_image(adapter, layer)
+            for layer, projections in self.lora_layers.items()
+            for projection in projections
+        }
+        return dataclasses.replace(adapter, weights={}, slot_images=images)
 
     def clear_lora(self, slot: int) -> None:
         for projections in self.lora_layers.values():

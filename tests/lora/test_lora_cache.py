@@ -244,3 +244,23 @@ def test_with_two_slots_the_running_adapter_is_never_the_victim_even_when_least_
         assert _lifecycle(llm) == [("evicted", x.name, "lru"), ("activated", b.name, "device")]
         assert _tokens([outputs[running]]) == [want], "a kept its slot while it ran"
         assert late in outputs
+
+
+def test_the_host_tier_holds_each_adapter_as_slot_images_not_checkpoint_tensors(
+    tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
+) -> None:
+    """A rank keeps one form of an adapter (what each LoRA layer copies into a slot), so turns
+    activate it with a few copies and the tier holds no second copy; answers unchanged."""
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2, lora_turn_steps=2) as llm:
+        a, b = requests[:2]
+        outputs = llm.generate([PROMPT] * 4, GREEDY, lora_request=[a, b, a, b])
+        worker = llm.engine.client.core.executor.worker
+        keys = {
+            (layer, projection.image_key)
+            for layer, projections in worker.runner.lora_layers.items()
+            for projection in projections
+        }
+        held = list(worker.loras.host.values())
+        assert held and all(not adapter.weights for adapter in held)
+        assert all(set(adapter.slot_images) == keys for adapter in held)
+    assert _tokens(outputs) == [alone["a"], alone["b"], alone["a"], alone["b"]]

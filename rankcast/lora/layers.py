@@ -164,8 +164,9 @@ class LoRALinear:
 
     def slot_image(self, adapter: LoRAAdapter, layer: int) -> SlotImage:
         """This rank's shard of the adapter's projections in this layer, scaled, B transposed,
-        zero-padded to the slot's rank, in the slots' dtype."""
-        dtype, device = self.context.dtype, self.context.device
+        zero-padded to the slot's rank, in the slots' dtype, in host memory (the host tier is
+        host memory on a GPU too: an activation copies it to the device)."""
+        dtype, device = self.context.dtype, torch.device("cpu")
         a_image = torch.zeros(
             len(self.subs), self.max_rank, self.in_size, dtype=dtype, device=device
         )

@@ -301,8 +301,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--lora-turn-steps",
         "lora_turn_steps",
-        "steps an adapter keeps its slot while another waits; then its requests pause, KV "
-        "kept, until their turn (0: until they finish)",
+        "steps an adapter keeps its slot while a paused adapter waits (1 while a new "
+        "request waits); then its requests pause, KV kept, until their turn (0: until they "
+        "finish)",
     ),
     Flag(
         "--lora-modules",

@@ -308,9 +308,9 @@ class LoRARegistry:
         of the batch being formed and of requests ahead in the queue), which leaves only when
         the read is done; with no such adapter the read waits ("no_room"), so reads never push
         out each other's adapters before they are used. Only when no idle adapter is left may
-        it take the place of one of `spare` (parked adapters, offered by a scheduler whose
-        request has waited long enough): the most recently used one out of the device slots,
-        the last its requests will want back when adapters take turns."""
+        it take the place of one of `spare` (parked adapters, which the scheduler offers for a
+        request with no token yet): the most recently used one out of the device slots, the
+        last its requests will want back when adapters take turns."""
         entry = self.adapters.get(name)
         if entry is None:
             if name in self.failed:

@@ -245,7 +245,9 @@ class Scheduler:
                 try:
                     # Adapters running, in this batch, or wanted by requests ahead stay put.
                     wanted = {r.lora_name for r in deferred if r.lora_name is not None}
-                    state = self._adapter_ready(request.lora_name, active | wanted, parked, True)
+                    state = self._adapter_ready(
+                        request.lora_name, active | wanted, parked, first_token=True
+                    )
                     ready = state == "ready"
                     slot = self._adapter_slot(request.lora_name, active) if ready else None
                 except ValueError as exc:
@@ -284,23 +286,23 @@ class Scheduler:
             self.lora_evictions_undone[request.lora_name] += 1
 
     def _adapter_ready(
-        self, name: str, protected: set[str], parked: set[str], queued: bool
+        self, name: str, protected: set[str], parked: set[str], first_token: bool
     ) -> AdapterState:
         """Whether the adapter is in the host tier, its read started if not, never making room
         from `protected` or `parked` adapters, with one exception.
 
         Parked adapters keep their places: a parked request resumes from there. But when a
-        `queued` request (no token yet) finds no other room, its read takes the place of the
-        parked adapter that will want it back last (the registry's choice), at most one such
-        read a step: otherwise its first token waits until every request of some adapter in
-        flight has finished, seconds (TTFT p99 1.3-1.8 s in bench/routing.py's adapter part,
-        against the base model's 0.14-0.26 s). Parked requests never take a place this way: a
-        read for one to take another's was what made parked adapters take turns through the
-        disk (338 reads per 100 requests under load routing, against 48).
+        queued request (`first_token`: no token yet) finds no other room, its read takes the
+        place of the parked adapter that will want it back last (the registry's choice), at
+        most one such read a step: otherwise its first token waits until every request of some
+        adapter in flight has finished, seconds (TTFT p99 1.3-1.8 s in bench/routing.py's
+        adapter part, against the base model's 0.14-0.26 s). Parked requests never take a place
+        this way: a read for one to take another's was what made parked adapters take turns
+        through the disk (338 reads per 100 requests under load routing, against 48).
         """
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
         state = self.adapters.prepare(name, protected | parked)
-        if state != "no_room" or not queued or self.parked_place_taken_at == self.steps:
+        if state != "no_room" or not first_token or self.parked_place_taken_at == self.steps:
             return state
         state = self.adapters.prepare(name, protected | parked, frozenset(parked - protected))
         if state == "reading":
@@ -392,7 +394,7 @@ class Scheduler:
             if count == 0 or not self.blocks.can_allocate(request, need):
                 continue
             try:
-                state = self._adapter_ready(request.lora_name, active, parked, False)
+                state = self._adapter_ready(request.lora_name, active, parked, first_token=False)
                 ready = state == "ready"
                 slot = self._adapter_slot(request.lora_name, active) if ready else None
             except ValueError as exc:  # its adapter was dropped meanwhile: refused, as queued

@@ -139,14 +139,13 @@ class LoRALinear:
     def set_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         """Write this layer's shard of `adapter` into `slot` (modules it does not target: zero):
         one copy for every sub-projection's A and one per B, from the adapter's slot image."""
-        key = (layer, self.image_key)
-        image = adapter.slot_images.get(key)
-        if image is None:
+        image = adapter.slot_images.get((layer, self.image_key))
+        if image is None:  # an adapter as read from its files (not a rank's host tier)
             if not adapter.weights:
                 raise RuntimeError(
                     f"adapter {adapter.name!r} keeps only slot images, none for layer {layer}"
                 )
-            image = adapter.slot_images[key] = self.slot_image(adapter, layer)
+            image = self.slot_image(adapter, layer)
         first = slot * self.max_rank
         self._slot_a(slot).copy_(image.a)
         for i, b in enumerate(image.b):

@@ -58,10 +58,10 @@ class LoRAAdapter:
     # (layer index, module name) -> weights; the module names are the checkpoint's (q_proj, ...).
     weights: dict[tuple[int, str], LoRAWeights]
     # What each LoRA layer of this rank copies into a slot (its shard, scaled, B transposed,
-    # padded to the slot's rank): made by the rank as it reads the adapter, which then drops
-    # `weights` (ModelRunner.host_tier_form), or at the first activation of an adapter handed
-    # over whole. Adapters taking turns for slots are activated again and again, and slicing,
-    # scaling and transposing every projection each time was ~7 ms of Python per activation.
+    # padded to the slot's rank), made by the rank as it reads the adapter, which then drops
+    # `weights` (ModelRunner.host_tier_form); empty as read from the files. Adapters taking
+    # turns for slots are activated again and again, and slicing, scaling and transposing
+    # every projection each time was ~7 ms of Python per activation.
     slot_images: dict[tuple[int, Hashable], SlotImage] = field(
         default_factory=dict, compare=False, repr=False
     )

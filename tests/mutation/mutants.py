@@ -428,8 +428,8 @@ MUTANTS = [
         "parked-host-places-never-taken",
         "A queued request finding the host tier full takes a parked adapter's place",
         "rankcast/engine_core/scheduler.py",
-        '        if state != "no_room" or not queued or self.parked_place_taken_at == self.steps:',
-        "        if True:",
+        "not first_token or self.parked_place_taken_at == self.steps:",
+        "True:",
         ("tests/engine/test_scheduler_policy.py",),
     ),
     Mutant(

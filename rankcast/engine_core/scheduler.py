@@ -14,22 +14,25 @@ whose adapter cannot get a slot because every slot serves running requests, is d
 keeps its place at the head of the queue) and later requests may go first. So that a popular
 adapter cannot hold its slot forever against a deferred one, the scheduler then drains one slot:
 the running adapter with the fewest running requests (not pinned) takes no new requests until
-they finish, and its slot goes to the adapter that waited. With `--lora-turn-steps N` it waits
-at most N steps: then the drained adapter's running requests are parked (kept with their KV
-blocks and their place, out of the batch) and its slot changes hands (meanwhile it still takes
-new requests, parked with the rest when the turn ends); parked requests take a
-slot back in turn the same way (a parked adapter waiting for a slot drains another), after the
-queue's requests unless one has waited PARKED_PATIENCE_TURNS turns, so adapters share the slots
-by turns of at least N steps instead of by whole requests. A queued request, which has no token
-yet, ends the drained adapter's turn after FIRST_TOKEN_TURN_STEPS instead, and may take a parked
-adapter's place in the host tier (`_adapter_ready`): time to first token waits for neither a
-whole turn nor every request of the adapters in flight. Parked requests are the first to be
-preempted when blocks run out.
+they finish, and its slot goes to the adapter that waited.
+
+With `--lora-turn-steps N` (N > 0) adapters take turns instead. A queued request, which has no
+token yet, waits for no turn: before the step, as many running adapters as the queue's ready
+adapters need slots for are parked (their requests kept with their KV blocks and their place,
+out of the batch), and the queued requests take the slots in that step (`_park_for_queue`); it
+may also take a parked adapter's place in the host tier (`_adapter_ready`). A parked request
+waiting for a slot drains one: after N steps the drained adapter's requests are parked and its
+slot changes hands (meanwhile it still takes new requests, parked with the rest when the turn
+ends). Parked requests go after the queue's unless one has waited PARKED_PATIENCE_TURNS turns,
+so adapters share the slots by turns instead of by whole requests, and time to first token waits
+for neither a turn nor every request of the adapters in flight. Parked requests are the first to
+be preempted when blocks run out.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 from collections import deque
 from typing import Literal, Protocol
@@ -54,11 +57,6 @@ AdapterState = Literal["ready", "reading", "no_room"]
 
 # Turns a parked request waits before parked requests claim slots ahead of the queue.
 PARKED_PATIENCE_TURNS = 4
-
-# Steps a drained adapter keeps its slot when the request waiting for it is queued (has no
-# token yet): in bench/routing.py's adapter part, full turns for those (8 steps) put TTFT p99
-# at 0.8-2.1 s, one step at 0.3-0.6 s against the base model's 0.17 s.
-FIRST_TOKEN_TURN_STEPS = 1
 
 
 class AdapterSlots(Protocol):
@@ -118,7 +116,7 @@ class Scheduler:
         self.steps = 0
         self.drain_since = 0
         self.drain_parks = True
-        self.drain_turn = lora_turn_steps  # steps before the drained adapter is parked
+        self.parked_short_of_blocks = False  # a parked request found no blocks this step
         # The step a read last took a parked adapter's host place (at most one a step).
         self.parked_place_taken_at = -1
         # Requests the scheduler itself ended (their adapter could not be served).
@@ -260,7 +258,8 @@ class Scheduler:
                 if slot is None:  # no slot, or (not ready) no room in the host tier
                     self._release(request)
                     deferred.append(request)
-                    self._start_drain(running, parks=ready, first_token=True)
+                    if not (ready and self.lora_turn_steps > 0):  # else: `_park_for_queue`
+                        self._start_drain(running, parks=ready)
                     continue
                 request.lora_slot = slot
                 active.add(request.lora_name)
@@ -325,21 +324,15 @@ class Scheduler:
             self.draining = None
         return running
 
-    def _start_drain(
-        self, running: collections.Counter[str], parks: bool = True, first_token: bool = False
-    ) -> None:
-        """A request waits for a slot (`parks`: the drained adapter is parked after its turn,
-        shortened for a request with no token yet, `first_token`) or for room in the host tier
-        (it is not: a parked adapter keeps its place there, so only requests finishing make
-        room): drain one, unless one is being drained already."""
-        turn = FIRST_TOKEN_TURN_STEPS if first_token else self.lora_turn_steps
+    def _start_drain(self, running: collections.Counter[str], parks: bool = True) -> None:
+        """A request waits for a slot (`parks`: the drained adapter is parked after its turn)
+        or for room in the host tier (it is not: a parked adapter keeps its place there, so
+        only requests finishing make room): drain one, unless one is being drained already."""
         if self.draining is None:
             self.draining = self._drain_target(running)
-            self.drain_since, self.drain_parks, self.drain_turn = self.steps, parks, turn
+            self.drain_since, self.drain_parks = self.steps, parks
         elif parks and not self.drain_parks:
-            self.drain_since, self.drain_parks, self.drain_turn = self.steps, True, turn
-        elif parks:
-            self.drain_turn = min(self.drain_turn, turn)
+            self.drain_since, self.drain_parks = self.steps, True
 
     def _drain_parks_on_time(self) -> bool:
         """Whether the drain ends by parking at the end of its turn (turns on, a slot wanted)
@@ -350,14 +343,19 @@ class Scheduler:
         return self.lora_turn_steps > 0 and self.drain_parks
 
     def _park_drained(self) -> str | None:
-        """After its turn of draining (`drain_turn` steps), the drained adapter's running
+        """After its turn of draining (`--lora-turn-steps`), the drained adapter's running
         requests leave the batch, keeping their blocks; returns that adapter (None: nothing
         parked). With `--lora-turn-steps 0` nothing is ever parked."""
         name = self.draining
         if name is None or self.lora_turn_steps <= 0 or not self.drain_parks:
             return None
-        if self.steps - self.drain_since < self.drain_turn:
+        if self.steps - self.drain_since < self.lora_turn_steps:
             return None
+        return name if self._park(name) else None
+
+    def _park(self, name: str) -> bool:
+        """The adapter's running requests leave the batch, keeping their blocks and place;
+        whether there were any."""
         leaving = [r for r in self.running if r.lora_name == name]
         self.running = [r for r in self.running if r.lora_name != name]
         for request in leaving:
@@ -365,7 +363,50 @@ class Scheduler:
             request.parked_at = self.steps
         self.parked.extend(leaving)
         self.num_parked += len(leaving)
-        return name if leaving else None
+        return bool(leaving)
+
+    def _park_for_queue(self) -> None:
+        """With turns, before the step: park as many running adapters as the queue's ready
+        adapters need slots for, so each takes a slot in this very step.
+
+        A queued request has no token yet, so it waits for no turn; and every adapter it
+        needs gets a slot at once, not one drain after another: in bench/routing.py's adapter
+        part the opening burst (five adapters for eight requests on two slots) put its last
+        first token five steps after the first with one-step drains. A parked request that has
+        waited PARKED_PATIENCE_TURNS turns counts as queued, ahead of the queue (it resumes
+        first, `_parked_overdue`), and then keeps its slot for a whole turn
+        (`keeps_slot_until`). An adapter is parked only once every running request of it has
+        its first token (no request without one is parked for another), and never when
+        pinned; the fewest running requests go first, as in `_drain_target`.
+        """
+        if self.adapters is None or self.lora_turn_steps <= 0:
+            return
+        running = self._running_per_adapter()
+        patience = PARKED_PATIENCE_TURNS * self.lora_turn_steps
+        overdue = [r for r in self.parked if self.steps - r.parked_at >= patience]
+        room = self.config.max_num_seqs - len(self.running) - len(self.parked)
+        wanted: list[str] = []
+        for request in itertools.chain(overdue, itertools.islice(self.waiting, max(0, room))):
+            name = request.lora_name
+            if name is None or name in running or name in wanted:
+                continue
+            if self.adapters.whereabouts(name) != "disk":  # a read in flight is not ready
+                wanted.append(name)
+        short = len(running) + len(wanted) - self.adapters.max_loras
+        if short <= 0:
+            return
+        staying = {
+            r.lora_name
+            for r in self.running
+            if not r.output_token_ids or r.keeps_slot_until > self.steps
+        }
+        candidates = sorted(
+            (count, name)
+            for name, count in running.items()
+            if name not in staying and not self.adapters.is_pinned(name)
+        )
+        for _, name in candidates[:short]:
+            self._park(name)
 
     def _parked_overdue(self) -> bool:
         """Whether a parked request has waited PARKED_PATIENCE_TURNS turns: then parked
@@ -376,25 +417,38 @@ class Scheduler:
         patience = PARKED_PATIENCE_TURNS * self.lora_turn_steps
         return any(self.steps - r.parked_at >= patience for r in self.parked)
 
-    def _resume_parked(self, budget: int, skip: str | None) -> list[tuple[Request, int]]:
-        """Parked requests (but `skip`'s) back into the batch, oldest first, wherever their
-        adapter gets a slot; one that cannot drains a slot for it as a waiting request would."""
+    def _resume_parked(
+        self, budget: int, skip: str | None = None, overdue_only: bool = False
+    ) -> list[tuple[Request, int]]:
+        """Parked requests (but `skip`'s; with `overdue_only`, only those that waited
+        PARKED_PATIENCE_TURNS) back into the batch, oldest first, wherever their adapter gets
+        a slot; one that cannot drains a slot for it as a waiting request would."""
         resumed: list[tuple[Request, int]] = []
         if not self.parked:
             return resumed
         running = self._running_per_adapter()
         active = set(running)
         parked = self._parked_adapters()
+        # A parked adapter read back never pushes out a queued request's adapter: the queue
+        # takes slots first, and the queued request would read it again, taking a parked
+        # place in turn (in bench/routing.py's adapter part one request went round that loop
+        # for 12 steps).
+        queued = {r.lora_name for r in self.waiting if r.lora_name is not None}
+        patience = PARKED_PATIENCE_TURNS * self.lora_turn_steps
         for request in list(self.parked):
             assert request.lora_name is not None, "only adapters' requests are parked"
-            if request.lora_name in (skip, self.draining):
+            overdue = self.steps - request.parked_at >= patience
+            if request.lora_name in (skip, self.draining) or (overdue_only and not overdue):
                 continue
             count = self._chunk(request, budget, False)
             need = request.num_computed_tokens + count
             if count == 0 or not self.blocks.can_allocate(request, need):
+                self.parked_short_of_blocks = True
                 continue
             try:
-                state = self._adapter_ready(request.lora_name, active, parked, first_token=False)
+                state = self._adapter_ready(
+                    request.lora_name, active | queued, parked, first_token=False
+                )
                 ready = state == "ready"
                 slot = self._adapter_slot(request.lora_name, active) if ready else None
             except ValueError as exc:  # its adapter was dropped meanwhile: refused, as queued
@@ -407,6 +461,8 @@ class Scheduler:
                 continue
             request.lora_slot = slot
             active.add(request.lora_name)
+            if overdue:  # a whole turn now
+                request.keeps_slot_until = self.steps + self.lora_turn_steps
             self.parked.remove(request)
             self.blocks.allocate(request, need)
             request.status = RequestStatus.RUNNING
@@ -467,22 +523,27 @@ class Scheduler:
         self.finished_since_last_step = []
         self.steps += 1
         just_parked = self._park_drained()
+        self.parked_short_of_blocks = False  # set by `_resume_parked`
+        self._park_for_queue()
         scheduled, budget, preempted = self._schedule_running(self.config.max_num_batched_tokens)
         admitted: list[tuple[Request, int]] = []
         if not preempted:
-            # The queue claims slots before parked requests, unless one of those is overdue:
-            # then they go first, except the adapter parked just now (its slot is for the
-            # request that waited).
+            # The queue claims slots before parked requests, except those overdue: they go
+            # first (`_park_for_queue` made room for them as well), but not the adapter
+            # parked just now (its slot is for the request that waited), and only they: a
+            # slot made for a queued request went to any parked one otherwise, step after
+            # step (a queued request waited 35 steps so in bench/routing.py's adapter part).
             if self._parked_overdue():
-                scheduled += self._resume_parked(budget, skip=just_parked)
+                scheduled += self._resume_parked(budget, skip=just_parked, overdue_only=True)
                 budget = self.config.max_num_batched_tokens - sum(c for _, c in scheduled)
             admitted = self._schedule_waiting(budget)
             self.running.extend(request for request, _ in admitted)
             budget -= sum(count for _, count in admitted)
-            scheduled += self._resume_parked(budget, skip=None)
-            if not scheduled and not admitted and self.parked and not self.running:
+            scheduled += self._resume_parked(budget)
+            if not scheduled and not admitted and self.parked_short_of_blocks and not self.running:
                 # Parked requests hold the blocks the next of them needs, and nothing runs
                 # that would preempt them: they are recomputed instead of waiting forever.
+                # (Not when they wait for their adapter's read: that ends by itself.)
                 while self.parked:
                     self._preempt(self.parked.pop())
                 admitted = self._schedule_waiting(self.config.max_num_batched_tokens)

@@ -301,9 +301,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--lora-turn-steps",
         "lora_turn_steps",
-        "steps an adapter keeps its slot while a paused adapter waits (1 while a new "
-        "request waits); then its requests pause, KV kept, until their turn (0: until they "
-        "finish)",
+        "steps an adapter keeps its slot while a paused adapter waits (a new request waits "
+        "for none: the holder pauses at once); then its requests pause, KV kept, until their "
+        "turn (0: a slot is kept until its requests finish)",
     ),
     Flag(
         "--lora-modules",

@@ -24,11 +24,7 @@ import pytest
 from rankcast.config import SchedulerConfig
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.request import Request, RequestStatus
-from rankcast.engine_core.scheduler import (
-    FIRST_TOKEN_TURN_STEPS,
-    PARKED_PATIENCE_TURNS,
-    Scheduler,
-)
+from rankcast.engine_core.scheduler import PARKED_PATIENCE_TURNS, Scheduler
 from rankcast.protocol import FinishReason, LoRAMove, ModelRunnerOutput, ScheduledSequence
 from rankcast.sampling_params import SamplingParams
 
@@ -56,6 +52,7 @@ class FakeSlots:
         self.spare_places: set[str] = set()
         self.places_taken: list[tuple[str, str]] = []
         self.offers: list[tuple[str, frozenset[str]]] = []  # prepare(name, _, spare)
+        self.protections: list[tuple[str, frozenset[str]]] = []  # prepare(name, protected)
 
     # Adapters still being read from disk (not ready for a slot), and reads started;
     # adapters whose read cannot start (the host tier holds only adapters that must stay);
@@ -68,6 +65,7 @@ class FakeSlots:
         if name not in self.known:
             raise ValueError(f"unknown LoRA adapter {name!r}")
         self.offers.append((name, spare))
+        self.protections.append((name, frozenset(protected)))
         if name in self.no_room:
             taken = sorted(spare & self.spare_places - {name})
             if not taken:
@@ -86,7 +84,10 @@ class FakeSlots:
         return []
 
     def whereabouts(self, name: str) -> str:
-        return "device" if name in self.slots else "disk"
+        if name in self.slots:
+            return "device"
+        unready = name not in self.known or name in self.reading or name in self.no_room
+        return "disk" if unready else "host"
 
     def undo_displacement(self, name: str) -> bool:
         if name in self.evicted:
@@ -432,8 +433,10 @@ def test_a_request_the_slots_refuse_for_good_is_ended_and_the_rest_go_on(case: s
 # ---- turns (--lora-turn-steps) ----
 
 
-def _turns(slots: FakeSlots, turn_steps: int = 2, blocks: int = 256) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=16)
+def _turns(
+    slots: FakeSlots, turn_steps: int = 2, blocks: int = 256, step_tokens: int = 512
+) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=step_tokens)
     return Scheduler(config, BlockManager(blocks, 4), 1024, slots, lora_turn_steps=turn_steps)
 
 
@@ -448,15 +451,12 @@ def _b_waits_for_a(
     return slots, scheduler
 
 
-def test_a_queued_request_ends_the_holders_turn_after_one_step_and_the_holder_is_parked() -> None:
-    """A request with no token yet waits FIRST_TOKEN_TURN_STEPS for the slot, not a turn."""
-    assert FIRST_TOKEN_TURN_STEPS == 1
+def test_a_queued_request_takes_the_slot_in_the_next_step_and_the_holder_is_parked() -> None:
+    """A request with no token yet waits for no turn: the holder is parked before the step."""
     slots, scheduler = _b_waits_for_a(4)
     holder = scheduler.requests["a1"]
-    assert set(_step(scheduler, slots)) == {"a1"}  # "on-b" waits: "a" drains, its last step
-    assert scheduler.draining == "a"
     blocks, computed = list(holder.block_ids), holder.num_computed_tokens
-    ran = _step(scheduler, slots)  # its turn is over: "a1" is parked, "on-b" takes the slot
+    ran = _step(scheduler, slots)
     assert set(ran) == {"on-b"} and ran["on-b"].lora_slot == 0
     assert slots.moves == [("evict", "a", 0), ("load", "b", 0)]
     assert holder.status == RequestStatus.PARKED and scheduler.parked == [holder]
@@ -465,13 +465,107 @@ def test_a_queued_request_ends_the_holders_turn_after_one_step_and_the_holder_is
     assert scheduler.stats().num_running_reqs == 2, "a parked request is still in flight"
 
 
+def test_every_queued_adapter_gets_a_slot_in_the_same_step() -> None:
+    """Two slots held, two new adapters queued: both holders are parked at once, not one
+    drain after the other."""
+    slots = FakeSlots(2, resident={"a": 0, "b": 1}, known={"c", "d"})
+    scheduler = _turns(slots, turn_steps=4)
+    _start(scheduler, slots, _request("a1", "a"), _request("a2", "a"), _request("b1", "b"))
+    scheduler.add_request(_request("c1", "c"))
+    scheduler.add_request(_request("d1", "d"))
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"c1", "d1"}
+    assert {r.request_id for r in scheduler.parked} == {"a1", "a2", "b1"}
+    assert not scheduler.waiting
+
+
+def test_only_as_many_adapters_are_parked_as_the_queue_needs_fewest_requests_first() -> None:
+    slots = FakeSlots(2, resident={"a": 0, "b": 1}, known={"c"})
+    scheduler = _turns(slots, turn_steps=4)
+    _start(scheduler, slots, _request("a1", "a"), _request("a2", "a"), _request("b1", "b"))
+    scheduler.add_request(_request("c1", "c"))
+    scheduler.add_request(_request("c2", "c"))
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"a1", "a2", "c1", "c2"}
+    assert [r.request_id for r in scheduler.parked] == ["b1"]
+
+
+def test_a_request_without_its_first_token_is_never_parked_for_a_queued_one() -> None:
+    """The holder's prompt takes three steps (8 tokens a step): the queued request waits for
+    its first token, then takes the slot."""
+    slots = FakeSlots(1, resident={"a": 0}, known={"b"})
+    scheduler = _turns(slots, turn_steps=4, step_tokens=16)
+    long = _request("a1", "a")
+    long.prompt_token_ids = list(range(700, 740))  # 40 tokens: 16 + 16 + 8
+    scheduler.add_request(long)
+    assert set(_step(scheduler, slots)) == {"a1"}
+    scheduler.add_request(_request("on-b", "b"))
+    assert set(_step(scheduler, slots)) == {"a1"}
+    assert scheduler.draining is None, "it waits for the first token, not for a turn"
+    assert set(_step(scheduler, slots)) == {"a1"} and long.output_token_ids, "its first token"
+    assert set(_step(scheduler, slots)) == {"on-b"} and scheduler.parked == [long]
+
+
+def test_a_pinned_holder_is_never_parked_for_a_queued_request() -> None:
+    slots = FakeSlots(2, resident={"a": 0, "b": 1}, known={"c"}, pinned={"a"})
+    scheduler = _turns(slots, turn_steps=4)
+    _start(scheduler, slots, _request("a1", "a"), _request("b1", "b"), _request("b2", "b"))
+    scheduler.add_request(_request("c1", "c"))
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"a1", "c1"}, "b has more requests, but a is pinned"
+
+
+def test_a_parked_adapter_read_back_never_pushes_out_a_queued_requests_adapter() -> None:
+    """A parked adapter that lost its host place reads back without evicting the adapter of
+    a queued request: the queued request would read it again, taking a parked place in turn,
+    round and round."""
+    slots, scheduler = _two_parked()
+    slots.reading.add("e")  # "e1" waits for its read; "d1" takes the slot and keeps it
+    slots.pinned.add("d")
+    slots.no_room.add("a")
+    scheduler.add_request(_request("d1", "d"))
+    scheduler.add_request(_request("e1", "e"))
+    _step(scheduler, slots)
+    slots.reading.discard("e")  # read: "e1" waits for a slot now, "a" asks for room
+    asked_before = len(slots.protections)
+    _step(scheduler, slots)
+    assert "e1" in _waiting(scheduler)
+    asked = [protected for name, protected in slots.protections[asked_before:] if name == "a"]
+    assert asked and all("e" in protected for protected in asked)
+
+
+def test_an_overdue_parked_request_goes_before_the_queue_and_keeps_its_slot_a_turn() -> None:
+    """Past PARKED_PATIENCE_TURNS a parked request counts as queued, ahead of the queue: the
+    holder is parked for it at once, and it keeps the slot for a whole turn against queued
+    requests (not one step each)."""
+    slots, scheduler = _b_waits_for_a(2)
+    _step(scheduler, slots)  # "a1" parked for "on-b"
+    scheduler.requests["a1"].parked_at -= PARKED_PATIENCE_TURNS * 2  # waited that long
+    slots.known.add("c")
+    scheduler.add_request(_request("on-c", "c"))
+    assert set(_step(scheduler, slots)) == {"a1"}
+    assert set(_step(scheduler, slots)) == {"a1"}, "a whole turn before on-c gets the slot"
+    assert set(_step(scheduler, slots)) == {"on-c"}
+
+
+def test_a_slot_made_for_the_queue_goes_to_no_parked_request_that_is_not_overdue() -> None:
+    """An overdue request that cannot resume (its adapter lost its host place) lets parked
+    requests go first for no one else: the slot parked for the queued request is its."""
+    slots, scheduler = _two_parked()
+    scheduler.requests["a1"].parked_at -= PARKED_PATIENCE_TURNS * 4  # overdue
+    slots.no_room.add("a")
+    scheduler.add_request(_request("d1", "d"))
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"d1"}
+    assert {r.request_id for r in scheduler.parked} == {"a1", "b1", "c1"}
+
+
 def test_parked_requests_take_their_turn_back_and_go_on_where_they_stopped() -> None:
     slots, scheduler = _b_waits_for_a(2, a_tokens=20, b_tokens=20)
-    for _ in range(2):
-        _step(scheduler, slots)  # "a1" runs one more step, then is parked for "on-b"
+    assert set(_step(scheduler, slots)) == {"on-b"}  # "a1" parked at once for "on-b"
     holder = scheduler.requests["a1"]
     tokens = len(holder.output_token_ids)
-    # The parked request now waits as "on-b" did, but for a whole turn (it has tokens): "b"
+    # The parked request waits for the slot too, but a whole turn (it has tokens): "b"
     # drains, and after its turn (the step it was admitted in and one more) "a1" resumes on
     # the slot, from the token it stopped at.
     assert scheduler.draining == "b"
@@ -491,24 +585,28 @@ def test_parked_requests_take_their_turn_back_and_go_on_where_they_stopped() -> 
     assert not scheduler.has_unfinished_requests()
 
 
-def test_with_no_one_waiting_for_its_slot_a_parked_adapter_runs_again_at_once() -> None:
+def test_with_no_one_waiting_for_its_slot_a_drained_adapter_runs_on_at_once() -> None:
+    """The parked request that drained "b" went away: at the end of the turn "b" is parked
+    and resumed in the same step, nothing moved."""
     slots, scheduler = _b_waits_for_a(2)
-    _step(scheduler, slots)
-    scheduler.abort_requests(["on-b"])  # the request that waited went away
-    assert set(_step(scheduler, slots)) == {"a1"}
-    assert set(_step(scheduler, slots)) == {"a1"}, "parked and resumed in the same step"
-    assert slots.moves == [] and not scheduler.parked
+    _step(scheduler, slots)  # "a1" parked for "on-b"
+    _step(scheduler, slots)  # "a1" drains "b"
+    assert scheduler.draining == "b"
+    moves = list(slots.moves)
+    scheduler.abort_requests(["a1"])
+    for _ in range(3):
+        assert set(_step(scheduler, slots)) == {"on-b"}
+    assert slots.moves == moves and not scheduler.parked
 
 
 def test_a_parked_request_is_preempted_before_any_running_one_when_blocks_run_out() -> None:
     # 12 blocks of 4 tokens: "a1" parks holding 2, "on-b" grows until the pool is empty.
     slots, scheduler = _b_waits_for_a(1, blocks=12, a_tokens=200, b_tokens=200)
     _step(scheduler, slots)
-    _step(scheduler, slots)
     parked = scheduler.requests["a1"]
     assert parked.status == RequestStatus.PARKED and parked.block_ids
     # "on-b" keeps the slot from now on (its drain for "a1" started with a turn of 1 step).
-    scheduler.lora_turn_steps = scheduler.drain_turn = 1000
+    scheduler.lora_turn_steps = 1000
     for _ in range(60):
         if parked.status != RequestStatus.PARKED:
             break
@@ -519,7 +617,7 @@ def test_a_parked_request_is_preempted_before_any_running_one_when_blocks_run_ou
 
 
 def test_aborting_a_parked_request_frees_its_blocks() -> None:
-    slots, scheduler = _b_waits_for_a(1)
+    slots, scheduler = _b_waits_for_a(2)
     _step(scheduler, slots)
     _step(scheduler, slots)
     assert [r.request_id for r in scheduler.parked] == ["a1"]
@@ -569,6 +667,22 @@ def test_parked_requests_holding_every_block_with_nothing_running_are_recomputed
     assert _waiting(scheduler) == ["b1"] and not scheduler.parked
 
 
+def test_a_parked_request_waiting_for_its_adapters_read_is_not_recomputed() -> None:
+    """Nothing runs, but the parked request waits for its adapter, not for blocks: the read
+    ends by itself, and recomputing would throw its KV away (this was a flaky preemption in
+    test_lora_generation.py)."""
+    slots, scheduler = _b_waits_for_a(2)
+    _step(scheduler, slots)  # "a1" parked for "on-b"
+    scheduler.abort_requests(["on-b"])
+    slots.reading.add("a")  # "a" lost its host place and is being read back
+    holder = scheduler.requests["a1"]
+    assert _step(scheduler, slots) == {}
+    assert holder.status == RequestStatus.PARKED and scheduler.num_preemptions == 0
+    slots.reading.discard("a")
+    assert set(_step(scheduler, slots)) == {"a1"}
+    assert scheduler.num_preemptions == 0
+
+
 def test_the_queue_claims_a_slot_before_parked_requests_until_one_is_overdue() -> None:
     """A request with no token yet goes before one that has been streaming; but a stream of
     new adapters cannot hold a parked request back for more than PARKED_PATIENCE_TURNS."""
@@ -603,8 +717,7 @@ def test_waiting_for_room_in_the_host_tier_parks_no_one() -> None:
     for _ in range(4):
         assert set(_step(scheduler, slots)) == {"a1"}
         assert scheduler.draining == "a" and not scheduler.parked
-    slots.no_room.discard("b")  # room now: from here on it waits for the slot, as usual
-    assert set(_step(scheduler, slots)) == {"a1"}
+    slots.no_room.discard("b")  # room now: it takes the slot at once, as any queued request
     ran = _step(scheduler, slots)
     assert set(ran) == {"on-b"} and [r.request_id for r in scheduler.parked] == ["a1"]
 
@@ -659,17 +772,17 @@ def test_a_parked_request_never_takes_another_parked_adapters_place() -> None:
 def test_with_turns_the_drained_adapter_takes_new_requests_and_parks_them_with_the_rest() -> None:
     """A turn ends at a fixed step, so a new request on the drained adapter delays no one: it
     gets its first token at once instead of waiting out the turn and the next ones."""
-    slots, scheduler = _b_waits_for_a(4)
-    _step(scheduler, slots)  # "on-b" waits: "a" drains
-    scheduler.drain_turn = 3  # as long as a turn for a parked request
-    assert scheduler.draining == "a"
-    scheduler.add_request(_request("a2", "a"))
-    assert set(_step(scheduler, slots)) == {"a1", "a2"}, "joined the drained adapter"
+    slots, scheduler = _b_waits_for_a(3)
+    _step(scheduler, slots)  # "a1" parked for "on-b"
+    _step(scheduler, slots)  # "a1" drains "b" for a turn of 3 steps
+    assert scheduler.draining == "b"
+    scheduler.add_request(_request("b2", "b"))
+    assert set(_step(scheduler, slots)) == {"on-b", "b2"}, "joined the drained adapter"
     _step(scheduler, slots)
-    ran = _step(scheduler, slots)  # the turn is over: both parked, "on-b" takes the slot
-    assert set(ran) == {"on-b"}
-    assert {r.request_id for r in scheduler.parked} == {"a1", "a2"}
-    assert scheduler.requests["a2"].output_token_ids, "parked after its first token"
+    ran = _step(scheduler, slots)  # the turn is over: both parked, "a1" takes the slot
+    assert set(ran) == {"a1"}
+    assert {r.request_id for r in scheduler.parked} == {"on-b", "b2"}
+    assert scheduler.requests["b2"].output_token_ids, "parked after its first token"
 
 
 def test_without_turns_the_drained_adapter_takes_no_new_requests() -> None:

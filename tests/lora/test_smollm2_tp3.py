@@ -53,6 +53,10 @@ def server(smol_adapters: dict[str, Path]) -> Iterator[ServerProcess]:
         "2",
         "--max-lora-rank",
         "8",
+        # No turns: a request for another adapter waits until the running one is done, which
+        # is what the routers' view test watches (with turns it takes the slot at once).
+        "--lora-turn-steps",
+        "0",
         "--lora-modules",
         *(f"{name}={path}" for name, path in smol_adapters.items()),
         api_server_count=SERVERS,

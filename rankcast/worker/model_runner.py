@@ -111,11 +111,15 @@ class ModelRunner:
         activation is a few copies and the tier holds one form of each adapter, not two."""
         if self.lora_context is None:
             raise RuntimeError("LoRA is not enabled on this engine (enable_lora)")
-        images: dict[tuple[int, Hashable], SlotImage] = {
-            (layer, projection.image_key): projection.slot_image(adapter, layer)
-            for layer, projections in self.lora_layers.items()
-            for projection in projections
-        }
+        # Projections alike in every layer (same image key) are made together.
+        alike: dict[Hashable, tuple[LoRALinear, list[int]]] = {}
+        for layer, projections in self.lora_layers.items():
+            for projection in projections:
+                alike.setdefault(projection.image_key, (projection, []))[1].append(layer)
+        images: dict[tuple[int, Hashable], SlotImage] = {}
+        for key, (projection, layers) in alike.items():
+            made = projection.slot_images(adapter, layers)
+            images.update(((layer, key), image) for layer, image in zip(layers, made, strict=True))
         return dataclasses.replace(adapter, weights={}, slot_images=images)
 
     def clear_lora(self, slot: int) -> None:

@@ -12,12 +12,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from rankcast import LLM, LoRARequest, SamplingParams
 from rankcast.channel.events import LoRAAdapterEvicted
 from rankcast.channel.lora_events import lora_event_name
+from rankcast.lora.peft_adapter import load_peft_adapter
 from rankcast.protocol import AddLoRA, RemoveLoRA
-from tests.lora.conftest import lora_llm
+from tests.lora.conftest import lora_llm, make_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = [5, 17, 300, 42, 9]
@@ -264,3 +266,41 @@ def test_the_host_tier_holds_each_adapter_as_slot_images_not_checkpoint_tensors(
         assert held and all(not adapter.weights for adapter in held)
         assert all(set(adapter.slot_images) == keys for adapter in held)
     assert _tokens(outputs) == [alone["a"], alone["b"], alone["a"], alone["b"]]
+
+
+def test_slot_images_made_for_every_layer_at_once_hold_each_layers_own_weights(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The host tier's images are made for all layers of a kind together (stacked); each
+    layer's image must still be that layer's A and scaled, transposed B, and zeros (target
+    off) for a layer the adapter leaves alone."""
+    from safetensors.torch import load_file, save_file
+
+    make_adapter(tiny_llama_dir, tmp_path / "middle", rank=4, alpha=12)
+    weights_file = tmp_path / "middle" / "adapter_model.safetensors"
+    kept = {  # layer 1 only, and there not k_proj: one fused projection partly targeted
+        key: tensor
+        for key, tensor in load_file(weights_file).items()
+        if ".layers.1." in key and "k_proj" not in key
+    }
+    save_file(kept, weights_file)
+    with lora_llm(tiny_llama_dir, max_loras=1) as llm:
+        runner = llm.engine.client.core.executor.worker.runner
+        adapter = load_peft_adapter("middle", tmp_path / "middle", runner.arch, 8)
+        formed = runner.host_tier_form(adapter)
+        seen = set()
+        for layer, projections in runner.lora_layers.items():
+            for projection in projections:
+                image = formed.slot_images[(layer, projection.image_key)]
+                for i, sub in enumerate(projection.subs):
+                    weights = adapter.weights.get((layer, sub.module))
+                    want_a = torch.zeros(projection.max_rank, projection.in_size)
+                    want_b = torch.zeros(projection.max_rank, sub.out_size)
+                    if weights is not None:
+                        want_a[:4] = weights.a
+                        want_b[:4] = (weights.b * adapter.scaling).T
+                    assert image.targets[i] == (weights is not None)
+                    assert torch.equal(image.a[i], want_a), (layer, sub.module)
+                    assert torch.equal(image.b[i], want_b), (layer, sub.module)
+                    seen.add((layer, weights is not None))
+    assert seen == {(0, False), (1, True), (1, False), (2, False)}

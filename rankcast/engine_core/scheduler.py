@@ -223,6 +223,7 @@ class Scheduler:
         running = self._running_per_adapter()
         active = set(running)
         parked = self._parked_adapters()
+        queued = frozenset(r.lora_name for r in self.waiting if r.lora_name is not None)
         in_flight = len(self.running) + len(self.parked)
         while self.waiting and in_flight + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -244,7 +245,7 @@ class Scheduler:
                     # Adapters running, in this batch, or wanted by requests ahead stay put.
                     wanted = {r.lora_name for r in deferred if r.lora_name is not None}
                     state = self._adapter_ready(
-                        request.lora_name, active | wanted, parked, first_token=True
+                        request.lora_name, active | wanted, parked, True, queued
                     )
                     ready = state == "ready"
                     slot = self._adapter_slot(request.lora_name, active) if ready else None
@@ -285,7 +286,12 @@ class Scheduler:
             self.lora_evictions_undone[request.lora_name] += 1
 
     def _adapter_ready(
-        self, name: str, protected: set[str], parked: set[str], first_token: bool
+        self,
+        name: str,
+        protected: set[str],
+        parked: set[str],
+        first_token: bool,
+        queued: frozenset[str] = frozenset(),
     ) -> AdapterState:
         """Whether the adapter is in the host tier, its read started if not, never making room
         from `protected` or `parked` adapters, with one exception.
@@ -297,13 +303,19 @@ class Scheduler:
         adapter in flight has finished, seconds (TTFT p99 1.3-1.8 s in bench/routing.py's
         adapter part, against the base model's 0.14-0.26 s). Parked requests never take a place
         this way: a read for one to take another's was what made parked adapters take turns
-        through the disk (338 reads per 100 requests under load routing, against 48).
+        through the disk (338 reads per 100 requests under load routing, against 48). A parked
+        adapter that `queued` requests name goes only when no other can: in bench/routing.py's
+        adapter part a new request for a parked adapter found it read out for another and
+        waited for it to be read back.
         """
         assert self.adapters is not None, "a LoRA request reached an engine without LoRA"
         state = self.adapters.prepare(name, protected | parked)
         if state != "no_room" or not first_token or self.parked_place_taken_at == self.steps:
             return state
-        state = self.adapters.prepare(name, protected | parked, frozenset(parked - protected))
+        spare = frozenset(parked - protected)
+        state = self.adapters.prepare(name, protected | parked, spare - queued)
+        if state == "no_room" and spare & queued:
+            state = self.adapters.prepare(name, protected | parked, spare)
         if state == "reading":
             self.parked_place_taken_at = self.steps
         return state

@@ -756,6 +756,19 @@ def test_a_queued_request_finding_no_host_room_takes_a_parked_adapters_place() -
     assert {taken for _, taken in slots.places_taken} == {"a", "b"}
 
 
+def test_a_read_takes_the_place_of_a_parked_adapter_no_queued_request_names() -> None:
+    """A new request for a parked adapter must not find it read out for another: the read
+    takes a parked place the queue does not name while there is one."""
+    slots, scheduler = _two_parked()
+    slots.no_room.add("d")
+    slots.spare_places |= {"a", "b"}  # the fake would give up "a" first
+    scheduler.add_request(_request("d1", "d"))
+    scheduler.add_request(_request("a2", "a"))
+    ran = _step(scheduler, slots)
+    assert slots.places_taken == [("d", "b")]
+    assert "a2" in ran
+
+
 def test_a_parked_request_never_takes_another_parked_adapters_place() -> None:
     """Parked adapters taking each other's places is what made turns go through the disk: a
     parked request whose adapter lost its place waits for room made otherwise."""

@@ -32,7 +32,7 @@ from rankcast.channel.events import KVCacheEvent
 from rankcast.channel.gather import EngineNotificationChannel, GatherError, Moment
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine_core.block_manager import BlockManager
-from rankcast.engine_core.lora_registry import LoRARegistry
+from rankcast.engine_core.lora_registry import LoRARegistry, startup_share
 from rankcast.engine_core.request import Request
 from rankcast.engine_core.scheduler import Scheduler
 from rankcast.errors import ClientError, ExtensionCallError, UnknownMethodError
@@ -153,6 +153,9 @@ class EngineCore:
         if self.loras is not None:
             for name, path in config.lora.lora_modules:
                 self.loras.add(name, path)
+            names = [name for name, _ in config.lora.lora_modules]
+            dp = config.parallel.data_parallel_size
+            self.loras.start_with(startup_share(names, self.engine_index % dp, dp))
         self.stalled = False
         # Clients that completed the handshake: each gets every notification batch and stats.
         self.clients: set[int] = set()

@@ -57,6 +57,17 @@ from rankcast.protocol import (
 _LOADS_KEPT = 10_000
 
 
+def startup_share(names: list[str], engine: int, engines: int) -> list[str]:
+    """The order in which data-parallel engine `engine` of `engines` wants its `--lora-modules`
+    resident at start: every `engines`-th one from its own index first, then the rest as
+    listed. Engines starting with the same adapters (the last registered, as each engine read
+    them all) held one set between them; round robin, the group holds up to `engines` times as
+    many, the first listed spread over the engines, each with a home the router sends it to.
+    """
+    own = names[engine::engines]
+    return own + [name for name in names if name not in own]
+
+
 class LoRACapacityError(CapacityError):
     """No room can be made for an adapter without evicting one that must stay."""
 
@@ -263,6 +274,32 @@ class LoRARegistry:
             self._activate(entry, free[0])
         self._send_now()
         return self.describe(entry)
+
+    def start_with(self, names: list[str]) -> None:
+        """Startup: the host tier holds the first of `names` it has room for and the device
+        slots the first of those, reading and evicting as needed (an engine's `--lora-modules`
+        are all read as they are registered, which leaves whichever came last otherwise)."""
+        keep = [name for name in names if name in self.adapters][: self.config.host_capacity]
+        for name in keep:
+            entry = self.adapters[name]
+            if not entry.in_host:
+                self._read_into_host(entry, set(keep))
+        for name in reversed(keep):  # the first named is the most recently used
+            self._touch(self.adapters[name])
+        on_device = keep[: self.max_loras]
+        for name in on_device:
+            entry = self.adapters[name]
+            if entry.slot is not None:
+                continue
+            free = self._free_slots()
+            if free:
+                self._activate(entry, free[0])
+                continue
+            victim = self._device_victim(set(on_device))
+            if victim is None:
+                break
+            self._activate(entry, self._evict_device(victim, "lru"))
+        self._send_now()
 
     def remove(self, name: str) -> None:
         """Unload from every tier of every rank (a read in flight is dropped); refused while

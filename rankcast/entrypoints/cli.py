@@ -308,7 +308,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--lora-modules",
         "lora_modules",
-        "PEFT adapters every engine core loads at start",
+        "PEFT adapters every engine core loads at start (each keeps the first listed it has "
+        "room for; with data parallel, its round-robin share first)",
         metavar="NAME=PATH",
         parse=_lora_modules,
     ),

@@ -5,7 +5,7 @@ ranks' replies are handed in as `update_from_reads` receives them from a step.""
 from __future__ import annotations
 
 from rankcast.config import LoRAConfig
-from rankcast.engine_core.lora_registry import LoRARegistry, RegisteredAdapter
+from rankcast.engine_core.lora_registry import LoRARegistry, RegisteredAdapter, startup_share
 from rankcast.protocol import AdapterRead, LoRAMove
 
 # "b" runs on the only device slot; "a" and "p" are parked (requests name them, out of the
@@ -80,3 +80,12 @@ def test_a_failed_read_gives_the_parked_adapter_its_place_back() -> None:
     moves: list[LoRAMove] = registry.take_moves()
     assert [(m.action, m.adapter_id) for m in moves] == [("evict", 4)]
     assert registry.adapters["p"].in_host and not registry.adapters["p"].leaving
+
+
+def test_data_parallel_engines_start_with_the_listed_adapters_round_robin() -> None:
+    """Each engine wants its own share resident first, then the rest as listed: the group
+    holds different adapters, the first listed spread over the engines."""
+    names = [f"a{i}" for i in range(5)]
+    assert startup_share(names, 0, 2) == ["a0", "a2", "a4", "a1", "a3"]
+    assert startup_share(names, 1, 2) == ["a1", "a3", "a0", "a2", "a4"]
+    assert startup_share(names, 0, 1) == names

@@ -304,3 +304,15 @@ def test_slot_images_made_for_every_layer_at_once_hold_each_layers_own_weights(
                     assert torch.equal(image.b[i], want_b), (layer, sub.module)
                     seen.add((layer, weights is not None))
     assert seen == {(0, False), (1, True), (1, False), (2, False)}
+
+
+def test_an_engine_starts_with_the_first_listed_adapters_in_its_tiers(
+    tiny_llama_dir: Path, mixed_adapters: list[Path]
+) -> None:
+    """--lora-modules are all read as they are registered; the engine then keeps the first
+    listed (its host tier the first --max-cpu-loras, its slots the first --max-loras), not
+    whichever came last."""
+    modules = tuple((f"m{i}", str(path)) for i, path in enumerate(mixed_adapters))
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2, lora_modules=modules) as llm:
+        tiers = {adapter.name: adapter.tiers for adapter in llm.list_loras()}
+    assert tiers == {"m0": ["device", "cpu"], "m1": ["cpu"], "m2": []}

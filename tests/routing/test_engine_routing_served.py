@@ -11,6 +11,7 @@ import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,6 +33,7 @@ def server(
     root = tmp_path_factory.mktemp("routed-adapters")
     make_adapter(tiny_llama_dir, root / "alpha", rank=4, alpha=8)
     make_adapter(tiny_llama_dir, root / "beta", rank=2, alpha=4)
+    make_adapter(tiny_llama_dir, root / "gamma", rank=8, alpha=8)
     proc = ServerProcess(
         str(tiny_llama_dir),
         "--dtype=float32",
@@ -44,6 +46,7 @@ def server(
         "--lora-modules",
         f"alpha={root / 'alpha'}",
         f"beta={root / 'beta'}",
+        f"gamma={root / 'gamma'}",
         api_server_count=SERVERS,
     )
     with proc.running():
@@ -69,6 +72,15 @@ def _routing_series(text: str) -> list[str]:
         )
         and "{" in line
     )
+
+
+def _engines_holding(adapter: dict[str, Any], tier: str) -> set[str]:
+    """The engines where every rank holds the adapter in `tier` (/v1/lora_adapters)."""
+    return {
+        str(engine["engine"])
+        for engine in adapter["engines"]
+        if engine["ranks"] and all(tier in rank["tiers"] for rank in engine["ranks"])
+    }
 
 
 def _value(lines: list[str], prefix: str) -> float:
@@ -98,11 +110,16 @@ def test_prefix_adapter_and_a_dead_engine_decide_the_engine(server: ServerProces
         seen[api_server] = engine
     assert set(seen.values()) == {holder}, f"the API servers chose differently: {seen}"
 
-    # ---- the adapter: the engine holding it in a device slot gets its requests ----
-    # One device slot per engine, two adapters: one of them sits in no device slot. The engine
-    # that loads it for its first request holds it there; the other keeps what it had.
+    # ---- at start each engine holds its share of --lora-modules, round robin: one slot
+    # and one host place each, so alpha on engine 0, beta on engine 1, gamma on neither ----
     adapters = httpx.get(f"{server.url}/v1/lora_adapters", timeout=30).json()["data"]
-    (name,) = [a["name"] for a in adapters if "device" not in a["tiers"]]
+    held = {a["name"]: _engines_holding(a, "device") for a in adapters}
+    assert held == {"alpha": {"0"}, "beta": {"1"}, "gamma": set()}, adapters
+
+    # ---- the adapter: the engine holding it in a device slot gets its requests ----
+    # The engine that loads gamma for its first request holds it there; the other keeps what
+    # it had.
+    name = "gamma"
     first, _ = _complete(server.url, [11, 12, 13], name)
 
     def on_device() -> bool:

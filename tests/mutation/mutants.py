@@ -457,6 +457,22 @@ MUTANTS = [
         ("tests/engine/test_scheduler_policy.py",),
     ),
     Mutant(
+        "spare-place-ignores-the-queue",
+        "A read takes the place of a parked adapter no queued request names, while there is one",
+        "rankcast/engine_core/scheduler.py",
+        "        state = self.adapters.prepare(name, protected | parked, spare - queued)",
+        "        state = self.adapters.prepare(name, protected | parked, spare)",
+        ("tests/engine/test_scheduler_policy.py",),
+    ),
+    Mutant(
+        "engines-start-with-the-last-listed",
+        "Each data-parallel engine starts with its round-robin share of --lora-modules",
+        "rankcast/engine_core/core.py",
+        "            self.loras.start_with(startup_share(names, self.engine_index % dp, dp))",
+        "            pass",
+        ("tests/lora/test_lora_cache.py", "tests/routing/test_engine_routing_served.py"),
+    ),
+    Mutant(
         "parked-place-taken-least-recent",
         "The parked adapter whose place is taken is the most recently used",
         "rankcast/engine_core/lora_registry.py",

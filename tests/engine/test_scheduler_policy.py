@@ -11,7 +11,9 @@ The rules (scheduler.py's docstring): a request is admitted only once its adapte
 slot; a request that cannot get one is deferred, keeps its place at the head of the queue, and
 later requests may go first; the scheduler then drains one slot: the running adapter with the
 fewest running requests, not pinned, takes no new requests until they finish, and its slot goes
-to the adapter that waited.
+to the adapter that waited. With turns (`_turns`, `--lora-turn-steps`) a queued request whose
+adapter is ready instead takes a slot in the next step, its holder parked before the step; the
+fake's `whereabouts` says which are ready (known, not being read, with room in the host tier).
 """
 
 from __future__ import annotations

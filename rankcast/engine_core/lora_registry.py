@@ -284,21 +284,12 @@ class LoRARegistry:
             entry = self.adapters[name]
             if not entry.in_host:
                 self._read_into_host(entry, set(keep))
-        for name in reversed(keep):  # the first named is the most recently used
-            self._touch(self.adapters[name])
         on_device = keep[: self.max_loras]
         for name in on_device:
-            entry = self.adapters[name]
-            if entry.slot is not None:
-                continue
-            free = self._free_slots()
-            if free:
-                self._activate(entry, free[0])
-                continue
-            victim = self._device_victim(set(on_device))
-            if victim is None:
+            if self.acquire(name, set(on_device)) is None:
                 break
-            self._activate(entry, self._evict_device(victim, "lru"))
+        for name in reversed(keep):  # the first named is the most recently used
+            self._touch(self.adapters[name])
         self._send_now()
 
     def remove(self, name: str) -> None:

@@ -182,6 +182,10 @@ class Scheduler:
         running = {r.lora_name for r in self.running if r.lora_name is not None}
         return running | self._parked_adapters()
 
+    def _queued_adapters(self) -> frozenset[str]:
+        """Adapters the queue's requests name (a scan of the queue: LoRA engines only)."""
+        return frozenset(r.lora_name for r in self.waiting if r.lora_name is not None)
+
     def _parked_adapters(self) -> set[str]:
         return {r.lora_name for r in self.parked if r.lora_name is not None}
 
@@ -223,7 +227,7 @@ class Scheduler:
         running = self._running_per_adapter()
         active = set(running)
         parked = self._parked_adapters()
-        queued = frozenset(r.lora_name for r in self.waiting if r.lora_name is not None)
+        queued = self._queued_adapters() if self.adapters is not None else frozenset()
         in_flight = len(self.running) + len(self.parked)
         while self.waiting and in_flight + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -445,7 +449,7 @@ class Scheduler:
         # takes slots first, and the queued request would read it again, taking a parked
         # place in turn (in bench/routing.py's adapter part one request went round that loop
         # for 12 steps).
-        queued = {r.lora_name for r in self.waiting if r.lora_name is not None}
+        queued = self._queued_adapters()
         patience = PARKED_PATIENCE_TURNS * self.lora_turn_steps
         for request in list(self.parked):
             assert request.lora_name is not None, "only adapters' requests are parked"

@@ -506,20 +506,23 @@ def test_the_lora_kernel_adds_each_tokens_own_adapter_as_the_masked_matmuls_do(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [8, 6])
 def test_the_lora_kernel_gives_a_token_the_same_bits_alone_as_in_any_batch(
-    dtype: torch.dtype,
+    dtype: torch.dtype, rank: int
 ) -> None:
-    """Tokens on one slot go through the kernel up to four at a time, sharing each row of A and
-    B: a token's delta must not depend on which tokens share its block (runs of 1 to 6 tokens
-    on a slot, broken by other slots and by tokens without one), or adapters would change the
-    answer with the batch."""
+    """Tokens on one slot go through the kernel up to sixteen at a time, in tiles of four,
+    sharing each row of A and B, and a few rank rows or column groups side by side: a token's
+    delta must not depend on which tokens share its block or tile (runs of 1 to 21 tokens on a
+    slot, broken by other slots and by tokens without one; a rank and a width that leave rows
+    and columns outside the side-by-side groups), or adapters would change the answer with the
+    batch."""
     if not kernels.load():
         pytest.skip("kernel property")
     gen = torch.Generator().manual_seed(5)
-    slots_held, rank, in_size, width = 3, 8, 200, 72
+    slots_held, in_size, width = 3, 200, 72
     a = torch.randn(slots_held * rank, in_size, generator=gen)
     b = torch.randn(slots_held * rank, width, generator=gen)
-    slots = [0, 0, 0, 0, 0, 0, 2, 2, -1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 1]
+    slots = [0, 0, 0, 0, 0, 0, 2, 2, -1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 1, *[0] * 21, *[2] * 7]
     x = torch.randn(len(slots), in_size, generator=gen).to(dtype)
     base = torch.randn(len(slots), width, generator=gen).to(dtype)
     batch = base.clone()

@@ -393,7 +393,10 @@ class Scheduler:
         first, `_parked_overdue`), and then keeps its slot for a whole turn
         (`keeps_slot_until`). An adapter is parked only once every running request of it has
         its first token (no request without one is parked for another), and never when
-        pinned; the fewest running requests go first, as in `_drain_target`.
+        pinned. Adapters the queue does not name go first (parking one the queue names holds
+        its queued requests back a step, the very wait this pass removes: in the opening burst
+        two late requests for a running adapter waited a step while a new adapter took its
+        slot, the part's worst TTFTs), then the fewest running requests, as in `_drain_target`.
         """
         if self.adapters is None or self.lora_turn_steps <= 0:
             return
@@ -402,9 +405,13 @@ class Scheduler:
         overdue = [r for r in self.parked if self.steps - r.parked_at >= patience]
         room = self.config.max_num_seqs - len(self.running) - len(self.parked)
         wanted: list[str] = []
+        queued_for = collections.Counter[str]()
         for request in itertools.chain(overdue, itertools.islice(self.waiting, max(0, room))):
             name = request.lora_name
-            if name is None or name in running or name in wanted:
+            if name is None:
+                continue
+            queued_for[name] += 1
+            if name in running or name in wanted:
                 continue
             if self.adapters.whereabouts(name) != "disk":  # a read in flight is not ready
                 wanted.append(name)
@@ -417,11 +424,11 @@ class Scheduler:
             if not r.output_token_ids or r.keeps_slot_until > self.steps
         }
         candidates = sorted(
-            (count, name)
+            (queued_for[name], count, name)
             for name, count in running.items()
             if name not in staying and not self.adapters.is_pinned(name)
         )
-        for _, name in candidates[:short]:
+        for _, _, name in candidates[:short]:
             self._park(name)
 
     def _parked_overdue(self) -> bool:

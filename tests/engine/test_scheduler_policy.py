@@ -492,6 +492,21 @@ def test_only_as_many_adapters_are_parked_as_the_queue_needs_fewest_requests_fir
     assert [r.request_id for r in scheduler.parked] == ["b1"]
 
 
+def test_an_adapter_the_queue_names_is_parked_last_even_with_fewer_requests() -> None:
+    """"b" runs fewer requests than "a", but a new request for it is queued: parking "b" would
+    hold that request back a step (no first token yet), parking "a" only pauses streams that
+    have one."""
+    slots = FakeSlots(2, resident={"a": 0, "b": 1}, known={"c"})
+    scheduler = _turns(slots, turn_steps=4)
+    _start(scheduler, slots, _request("a1", "a"), _request("a2", "a"), _request("b1", "b"))
+    scheduler.add_request(_request("c1", "c"))
+    scheduler.add_request(_request("b2", "b"))
+    ran = _step(scheduler, slots)
+    assert set(ran) == {"b1", "b2", "c1"}, "both new requests get their first token now"
+    assert {r.request_id for r in scheduler.parked} == {"a1", "a2"}
+    assert not scheduler.waiting
+
+
 def test_a_request_without_its_first_token_is_never_parked_for_a_queued_one() -> None:
     """The holder's prompt takes three steps (8 tokens a step): the queued request waits for
     its first token, then takes the slot."""

@@ -420,8 +420,16 @@ MUTANTS = [
         "one-slot-freed-a-step",
         "Every ready adapter the queue needs gets a slot in the same step",
         "rankcast/engine_core/scheduler.py",
-        "        for _, name in candidates[:short]:",
-        "        for _, name in candidates[:1]:",
+        "        for _, _, name in candidates[:short]:",
+        "        for _, _, name in candidates[:1]:",
+        ("tests/engine/test_scheduler_policy.py",),
+    ),
+    Mutant(
+        "queued-adapter-parked-first",
+        "An adapter the queue names is parked only after those it does not name",
+        "rankcast/engine_core/scheduler.py",
+        "            (queued_for[name], count, name)",
+        "            (0, count, name)",
         ("tests/engine/test_scheduler_policy.py",),
     ),
     Mutant(

@@ -493,7 +493,7 @@ def test_only_as_many_adapters_are_parked_as_the_queue_needs_fewest_requests_fir
 
 
 def test_an_adapter_the_queue_names_is_parked_last_even_with_fewer_requests() -> None:
-    """"b" runs fewer requests than "a", but a new request for it is queued: parking "b" would
+    """ "b" runs fewer requests than "a", but a new request for it is queued: parking "b" would
     hold that request back a step (no first token yet), parking "a" only pauses streams that
     have one."""
     slots = FakeSlots(2, resident={"a": 0, "b": 1}, known={"c"})

@@ -110,6 +110,15 @@ class SubProjection:
     in_shard: int | None = None
 
 
+@dataclass(frozen=True)
+class SlotPlaces:
+    """Where one slot's adapter lives in a LoRA layer: its rows of every sub-projection's A,
+    one [subs, max_rank, in] view, and its rows of each sub-projection's B."""
+
+    a: torch.Tensor
+    b: list[torch.Tensor]
+
+
 class LoRALinear:
     def __init__(self, context: LoRAContext, subs: list[SubProjection], in_size: int) -> None:
         if not 1 <= len(subs) <= MAX_SUBS:
@@ -129,6 +138,17 @@ class LoRALinear:
         self.active = [set[int]() for _ in subs]
         # What an adapter's slot image for this layer depends on (beside the layer index).
         self.image_key = (tuple(subs), in_size, context.max_rank, context.dtype)
+        # Each sub-projection's A, and each slot's place in A and B, as views made once: an
+        # activation writes ~120 projections, and slicing them anew cost more than the copies.
+        self.sub_a = [self.a.narrow(0, i * self.columns, self.columns) for i in range(len(subs))]
+        stacked = self.a.view(len(subs), context.max_loras, self.max_rank, in_size)
+        self.slot_places = [
+            SlotPlaces(
+                stacked[:, slot],
+                [b.narrow(0, slot * self.max_rank, self.max_rank) for b in self.b],
+            )
+            for slot in range(context.max_loras)
+        ]
         # The kernel's arguments: each sub-projection holding an adapter, as views of the above.
         self.kernel_args: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = ([], [], [])
 
@@ -139,6 +159,15 @@ class LoRALinear:
     def set_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         """Write this layer's shard of `adapter` into `slot` (modules it does not target: zero):
         one copy for every sub-projection's A and one per B, from the adapter's slot image."""
+        for place, image in self.slot_writes(slot, adapter, layer):
+            place.copy_(image)
+
+    def slot_writes(
+        self, slot: int, adapter: LoRAAdapter, layer: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The copies that put this layer's shard of `adapter` into `slot`, as (slot place,
+        slot image) pairs, the slot already marked as holding it: the model runner makes every
+        layer's copies in one call (`ModelRunner.set_lora`)."""
         image = adapter.slot_images.get((layer, self.image_key))
         if image is None:  # an adapter as read from its files (not a rank's host tier)
             if not adapter.weights:
@@ -146,20 +175,14 @@ class LoRALinear:
                     f"adapter {adapter.name!r} keeps only slot images, none for layer {layer}"
                 )
             image = self.slot_image(adapter, layer)
-        first = slot * self.max_rank
-        self._slot_a(slot).copy_(image.a)
-        for i, b in enumerate(image.b):
-            self.b[i][first : first + self.max_rank].copy_(b)
-            if image.targets[i]:
+        places = self.slot_places[slot]
+        for i, targeted in enumerate(image.targets):
+            if targeted:
                 self.active[i].add(slot)
             else:
                 self.active[i].discard(slot)
         self._update_kernel_args()
-
-    def _slot_a(self, slot: int) -> torch.Tensor:
-        """The slot's rows of every sub-projection's A, as one [subs, max_rank, in] view."""
-        stacked = self.a.view(len(self.subs), self.context.max_loras, self.max_rank, self.in_size)
-        return stacked[:, slot]
+        return [(places.a, image.a), *zip(places.b, image.b, strict=True)]
 
     def slot_image(self, adapter: LoRAAdapter, layer: int) -> SlotImage:
         """This rank's shard of the adapter's projections in this layer, scaled, B transposed,
@@ -205,17 +228,21 @@ class LoRALinear:
         return [SlotImage(a_images[j], [b[j] for b in b_images], targets[j]) for j in range(count)]
 
     def clear_slot(self, slot: int) -> None:
-        first = slot * self.max_rank
-        for i in range(len(self.subs)):
-            self.a[self._rows(i, slot)].zero_()
-            self.b[i][first : first + self.max_rank].zero_()
-            self.active[i].discard(slot)
+        torch._foreach_zero_(self.slot_clears(slot))
+
+    def slot_clears(self, slot: int) -> list[torch.Tensor]:
+        """The slot's places, to be zeroed, the slot already marked empty (the model runner
+        zeroes every layer's in one call, `ModelRunner.clear_lora`)."""
+        for active in self.active:
+            active.discard(slot)
         self._update_kernel_args()
+        places = self.slot_places[slot]
+        return [places.a, *places.b]
 
     def _update_kernel_args(self) -> None:
         held = [i for i in range(len(self.subs)) if self.active[i]]
         self.kernel_args = (
-            [self.a.narrow(0, i * self.columns, self.columns) for i in held],
+            [self.sub_a[i] for i in held],
             [self.b[i] for i in held],
             [self.subs[i].out_offset for i in held],
         )
@@ -228,8 +255,7 @@ class LoRALinear:
         stay right whatever is written into the slots later."""
         if not self.context.kernel:
             return None
-        a = [self.a.narrow(0, i * self.columns, self.columns) for i in range(len(self.subs))]
-        return a, list(self.b), [sub.out_offset for sub in self.subs], self.max_rank
+        return list(self.sub_a), list(self.b), [sub.out_offset for sub in self.subs], self.max_rank
 
     def token_slots(self) -> torch.Tensor | None:
         batch = self.context.batch

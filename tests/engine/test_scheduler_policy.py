@@ -481,10 +481,16 @@ def test_every_queued_adapter_gets_a_slot_in_the_same_step() -> None:
     assert not scheduler.waiting
 
 
-def test_only_as_many_adapters_are_parked_as_the_queue_needs_fewest_requests_first() -> None:
+def _a_twice_b_once() -> tuple[FakeSlots, Scheduler]:
+    """Two slots: "a" runs two requests, "b" one; "c" is known, in no slot."""
     slots = FakeSlots(2, resident={"a": 0, "b": 1}, known={"c"})
     scheduler = _turns(slots, turn_steps=4)
     _start(scheduler, slots, _request("a1", "a"), _request("a2", "a"), _request("b1", "b"))
+    return slots, scheduler
+
+
+def test_only_as_many_adapters_are_parked_as_the_queue_needs_fewest_requests_first() -> None:
+    slots, scheduler = _a_twice_b_once()
     scheduler.add_request(_request("c1", "c"))
     scheduler.add_request(_request("c2", "c"))
     ran = _step(scheduler, slots)
@@ -496,9 +502,7 @@ def test_an_adapter_the_queue_names_is_parked_last_even_with_fewer_requests() ->
     """ "b" runs fewer requests than "a", but a new request for it is queued: parking "b" would
     hold that request back a step (no first token yet), parking "a" only pauses streams that
     have one."""
-    slots = FakeSlots(2, resident={"a": 0, "b": 1}, known={"c"})
-    scheduler = _turns(slots, turn_steps=4)
-    _start(scheduler, slots, _request("a1", "a"), _request("a2", "a"), _request("b1", "b"))
+    slots, scheduler = _a_twice_b_once()
     scheduler.add_request(_request("c1", "c"))
     scheduler.add_request(_request("b2", "b"))
     ran = _step(scheduler, slots)

@@ -152,10 +152,6 @@ class LoRALinear:
         # The kernel's arguments: each sub-projection holding an adapter, as views of the above.
         self.kernel_args: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = ([], [], [])
 
-    def _rows(self, sub: int, slot: int) -> slice:
-        first = sub * self.columns + slot * self.max_rank
-        return slice(first, first + self.max_rank)
-
     def set_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         """Write this layer's shard of `adapter` into `slot` (modules it does not target: zero):
         one copy for every sub-projection's A and one per B, from the adapter's slot image."""

@@ -7,8 +7,10 @@ its own B (transposed, scaling folded in) as [slots * r, out]; empty slots are z
 
 Two ways to apply them, the same result:
 - on the CPU with rankcast's kernels built (csrc/lora.cpp), each token reads only its own
-  slot's rows of A and B and adds its delta in one pass (float32 slots): the work is the
-  tokens' own adapters, whatever the number of slots;
+  slot's rows of A and B and adds its delta in one pass: the work is the tokens' own adapters,
+  whatever the number of slots. The slots are float32, except for a bfloat16 model on a CPU
+  with AMX, where they are bfloat16 packed for its tiles (rankcast/lora/tile_layout.py,
+  csrc/lora_amx.cpp): each A [subs, slots, P, K/2, 16, 2], each B [slots, n/16, kr/2, 16, 2];
 - elsewhere (CUDA, float16, no kernels), torch: `x A^T` for every sub-projection and slot in one
   matmul, each token's row masked to its own slot's columns, each sub-projection's part times
   its B. It computes in `lora_compute_dtype` (rankcast/platform.py): the model's dtype, except
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rankcast.lora import tile_layout
 from rankcast.lora.peft_adapter import LoRAAdapter, SlotImage
 from rankcast.model import ops
 from rankcast.model.layers import KernelSlots
@@ -69,8 +72,8 @@ class LoRABatch:
 class LoRAContext:
     """The current step's `LoRABatch`, shared by every LoRA layer of one model; the model runner
     sets it before the forward pass. `dtype` is what the adapters compute in; `kernel`: whether
-    rankcast's CPU kernel applies them (csrc/lora.cpp, float32 slots) instead of torch's
-    masked matmuls."""
+    rankcast's CPU kernel applies them (csrc/lora.cpp) instead of torch's masked matmuls, from
+    float32 slots, or from bfloat16 slots packed for AMX tiles (`tiles`)."""
 
     def __init__(
         self,
@@ -80,13 +83,14 @@ class LoRAContext:
         dtype: torch.dtype,
         kernel: bool = False,
     ) -> None:
-        if kernel and dtype != torch.float32:
-            raise ValueError(f"the LoRA kernel computes in float32, not {dtype}")
+        if kernel and dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the LoRA kernel's slots are float32 or bfloat16, not {dtype}")
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
         self.kernel = kernel
+        self.tiles = kernel and dtype == torch.bfloat16
         # The slot each stacked rank column belongs to, for each sub-projection in turn (a layer
         # with n sub-projections uses the first n): fixed, so built once, not per step.
         per_sub = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
@@ -113,7 +117,8 @@ class SubProjection:
 @dataclass(frozen=True)
 class SlotPlaces:
     """Where one slot's adapter lives in a LoRA layer: its rows of every sub-projection's A,
-    one [subs, max_rank, in] view, and its rows of each sub-projection's B."""
+    one [subs, max_rank, in] view, and its rows of each sub-projection's B (packed for tiles:
+    its [subs, P, K/2, 16, 2] of A and [n/16, kr/2, 16, 2] of each B)."""
 
     a: torch.Tensor
     b: list[torch.Tensor]
@@ -129,26 +134,43 @@ class LoRALinear:
         self.max_rank = context.max_rank
         self.columns = context.max_loras * context.max_rank  # per sub-projection
         dtype, device = context.dtype, context.device
-        # Every sub-projection's A in one [subs * slots * rank, in] matrix: one shrink matmul.
-        self.a = torch.zeros(len(subs) * self.columns, in_size, dtype=dtype, device=device)
-        # B transposed, per sub-projection: [slots * rank, out].
-        self.b = [
-            torch.zeros(self.columns, sub.out_size, dtype=dtype, device=device) for sub in subs
-        ]
+        slots, rank = context.max_loras, context.max_rank
+        if context.tiles:  # packed for AMX tiles (rankcast/lora/tile_layout.py)
+            self.a = torch.zeros(
+                len(subs), slots, *tile_layout.a_shape(rank, in_size), dtype=dtype, device=device
+            )
+            self.b = [
+                torch.zeros(
+                    slots, *tile_layout.b_shape(rank, sub.out_size), dtype=dtype, device=device
+                )
+                for sub in subs
+            ]
+            self.sub_a = list(self.a)
+            self.slot_places = [
+                SlotPlaces(self.a[:, slot], [b[slot] for b in self.b]) for slot in range(slots)
+            ]
+        else:
+            # Every sub-projection's A in one [subs * slots * rank, in] matrix: one shrink
+            # matmul.
+            self.a = torch.zeros(len(subs) * self.columns, in_size, dtype=dtype, device=device)
+            # B transposed, per sub-projection: [slots * rank, out].
+            self.b = [
+                torch.zeros(self.columns, sub.out_size, dtype=dtype, device=device) for sub in subs
+            ]
+            # Each sub-projection's A, and each slot's place in A and B, as views made once: an
+            # activation writes ~120 projections, and slicing them anew cost more than the
+            # copies.
+            self.sub_a = [
+                self.a.narrow(0, i * self.columns, self.columns) for i in range(len(subs))
+            ]
+            stacked = self.a.view(len(subs), slots, rank, in_size)
+            self.slot_places = [
+                SlotPlaces(stacked[:, slot], [b.narrow(0, slot * rank, rank) for b in self.b])
+                for slot in range(slots)
+            ]
         self.active = [set[int]() for _ in subs]
         # What an adapter's slot image for this layer depends on (beside the layer index).
-        self.image_key = (tuple(subs), in_size, context.max_rank, context.dtype)
-        # Each sub-projection's A, and each slot's place in A and B, as views made once: an
-        # activation writes ~120 projections, and slicing them anew cost more than the copies.
-        self.sub_a = [self.a.narrow(0, i * self.columns, self.columns) for i in range(len(subs))]
-        stacked = self.a.view(len(subs), context.max_loras, self.max_rank, in_size)
-        self.slot_places = [
-            SlotPlaces(
-                stacked[:, slot],
-                [b.narrow(0, slot * self.max_rank, self.max_rank) for b in self.b],
-            )
-            for slot in range(context.max_loras)
-        ]
+        self.image_key = (tuple(subs), in_size, rank, context.dtype, context.tiles)
         # The kernel's arguments: each sub-projection holding an adapter, as views of the above.
         self.kernel_args: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = ([], [], [])
 
@@ -221,6 +243,9 @@ class LoRALinear:
             b_images[i][rows, :rank] = (b * adapter.scaling).transpose(1, 2).to(dtype)
             for j in rows:
                 targets[j][i] = True
+        if self.context.tiles:
+            a_images = tile_layout.pack_a(a_images)
+            b_images = [tile_layout.pack_b(b) for b in b_images]
         return [SlotImage(a_images[j], [b[j] for b in b_images], targets[j]) for j in range(count)]
 
     def clear_slot(self, slot: int) -> None:
@@ -285,7 +310,11 @@ def attach_lora(
     param = next(model.parameters())
     device = param.device
     if ops.lora_kernel_applies(param):
-        context = LoRAContext(max_loras, max_rank, device, torch.float32, kernel=True)
+        tiles = ops.lora_tiles_apply(param) and all(
+            tile_layout.fits_tiles(size) for size in _lora_out_sizes(model)
+        )
+        dtype = torch.bfloat16 if tiles else torch.float32
+        context = LoRAContext(max_loras, max_rank, device, dtype, kernel=True)
     else:
         context = LoRAContext(max_loras, max_rank, device, lora_compute_dtype(param.dtype, device))
     per_layer: dict[int, list[LoRALinear]] = {}
@@ -326,3 +355,13 @@ def attach_lora(
         )
         per_layer[index] = [qkv.lora, gate_up.lora, o_proj.lora, down.lora]
     return context, per_layer
+
+
+def _lora_out_sizes(model: LlamaForCausalLM) -> list[int]:
+    """Every output width a LoRA sub-projection of this stage writes on this rank."""
+    sizes = []
+    for layer in model.decoder_layers():
+        qkv = layer.self_attn.qkv_proj
+        sizes += [qkv.q_size, qkv.kv_size, layer.mlp.gate_up_proj.output_size_per_rank // 2]
+        sizes += [layer.self_attn.o_proj.weight.shape[0], layer.mlp.down_proj.weight.shape[0]]
+    return sizes

@@ -165,6 +165,17 @@ def lora_kernel_applies(weight: torch.Tensor) -> bool:
     return kernels.available(weight)
 
 
+def lora_tiles_apply(weight: torch.Tensor) -> bool:
+    """Whether a model with this parameter keeps its adapters in bfloat16 packed for AMX tiles
+    (csrc/lora_amx.cpp): a bfloat16 model on the CPU, the kernels built with AMX and the OS
+    granting this process the tiles; elsewhere the kernel's slots are float32."""
+    return (
+        lora_kernel_applies(weight)
+        and weight.dtype == torch.bfloat16
+        and bool(torch.ops.rankcast.lora_tiles_supported())
+    )
+
+
 def can_fuse_layers(attention: torch.nn.Module) -> bool:
     """Whether the C++ decoder stack can run layers shaped like this attention's: the kernels
     are built and take the cache's dtype, and the head size suits the attention kernel."""

@@ -39,12 +39,18 @@ def _reference_logits(model_dir: Path, adapter: Path | None, tokens: list[int]) 
         return model(torch.tensor([tokens])).logits[0, -1]
 
 
-@pytest.fixture(params=["kernel", "torch"])
+@pytest.fixture(params=["kernel", "tiles", "torch"])
 def lora_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways adapters are applied: rankcast's CPU kernel (where it is built) and torch's
-    masked matmuls (CUDA, float16, no kernels)."""
-    if request.param == "kernel" and not kernels.load():
+    """Every way adapters are applied: rankcast's CPU kernel (where it is built) from float32
+    slots, the same from bfloat16 slots packed for AMX tiles (a bfloat16 model, where the
+    build has tiles; a float32 model keeps float32 slots) and torch's masked matmuls (CUDA,
+    float16, no kernels)."""
+    if request.param != "torch" and not kernels.load():
         pytest.skip("the kernels are not built here")
+    if request.param == "tiles" and not torch.ops.rankcast.lora_tiles_supported():
+        pytest.skip("this build or CPU has no AMX tiles")
+    if request.param == "kernel":
+        monkeypatch.setattr(ops, "lora_tiles_apply", lambda weight: False)
     if request.param == "torch":
         monkeypatch.setattr(ops, "lora_kernel_applies", lambda weight: False)
     return str(request.param)
@@ -55,7 +61,7 @@ def test_a_mixed_batch_matches_each_adapter_alone(
 ) -> None:
     runner = _runner(tiny_llama_dir)
     assert runner.lora_context is not None
-    assert runner.lora_context.kernel == (lora_path == "kernel")
+    assert runner.lora_context.kernel == (lora_path != "torch")
     arch = runner.arch
     for slot, path in enumerate(mixed_adapters):
         runner.set_lora(slot, load_peft_adapter(path.name, path, arch, max_lora_rank=8))
@@ -212,12 +218,16 @@ def test_a_bfloat16_model_runs_its_adapters_in_the_platforms_compute_dtype(
     runner = ModelRunner(model, arch, 4, torch.device("cpu"), torch.bfloat16)
     runner.initialize_cache(64)
     runner.enable_lora(max_loras=4, max_rank=8)
-    want_dtype = torch.bfloat16 if native_bf16 and lora_path == "torch" else torch.float32
+    bf16_slots = (native_bf16 and lora_path == "torch") or lora_path == "tiles"
+    want_dtype = torch.bfloat16 if bf16_slots else torch.float32
     assert runner.lora_context is not None and runner.lora_context.dtype == want_dtype
+    assert runner.lora_context.tiles == (lora_path == "tiles")
     for projections in runner.lora_layers.values():
         for projection in projections:
             assert projection.a.dtype == want_dtype
             assert all(b.dtype == want_dtype for b in projection.b)
+            # Packed for tiles: [subs, slots, P, K/2, 16, 2] (rankcast/lora/tile_layout.py).
+            assert projection.a.dim() == (6 if lora_path == "tiles" else 2)
     for slot, path in enumerate(mixed_adapters):
         runner.set_lora(slot, load_peft_adapter(path.name, path, arch, max_lora_rank=8))
     prompts = [[5, 17, 300, 41], [9, 8, 7], [100, 200, 300, 400, 500]]
@@ -248,35 +258,44 @@ def test_tensor_parallel_slots_add_up_to_the_whole_delta(
 
     arch = ArchConfig.from_model_dir(tiny_llama_dir)
     adapter = load_peft_adapter("a", mixed_adapters[0], arch, max_lora_rank=8)
-    kernel = lora_path == "kernel"
-    context = LoRAContext(1, 8, torch.device("cpu"), torch.float32, kernel=kernel)
+    # Tiles: bfloat16 slots, steps and outputs; the columns a rank computes are the same bits
+    # as the whole's, the row-parallel partial deltas sum to it to bfloat16's precision.
+    tiles = lora_path == "tiles"
+    dtype = torch.bfloat16 if tiles else torch.float32
+    context = LoRAContext(1, 8, torch.device("cpu"), dtype, kernel=lora_path != "torch")
+    assert context.tiles == tiles
     context.batch = LoRABatch.from_token_slots([0, 0, 0], context)
     hidden, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
+    close = {"atol": 0.02, "rtol": 0.02} if tiles else {}
 
     def linear(subs: list[SubProjection], in_size: int) -> LoRALinear:
         layer = LoRALinear(context, subs, in_size)
         layer.set_slot(0, adapter, 0)
         return layer
 
-    x = torch.randn(3, hidden)
-    whole = torch.zeros(3, q)
+    x = torch.randn(3, hidden).to(dtype)
+    whole = torch.zeros(3, q, dtype=dtype)
     linear([SubProjection("q_proj", 0, q)], hidden).add_to(x, whole)
     halves = []
     for rank in range(2):
-        out = torch.zeros(3, q // 2)
+        out = torch.zeros(3, q // 2, dtype=dtype)
         linear([SubProjection("q_proj", 0, q // 2, shard_index=rank)], hidden).add_to(x, out)
         halves.append(out)
-    torch.testing.assert_close(torch.cat(halves, dim=1), whole)
+    torch.testing.assert_close(torch.cat(halves, dim=1), whole, atol=0, rtol=0)
     w = adapter.weights[(0, "q_proj")]
-    torch.testing.assert_close(whole, adapter.scaling * (x @ w.a.T) @ w.b.T)
+    want = adapter.scaling * (x.float() @ w.a.T) @ w.b.T
+    torch.testing.assert_close(whole.float(), want, **close)
+    assert whole.abs().max() > 0.1, "the adapter added something"
 
-    xo = torch.randn(3, q)
-    whole = torch.zeros(3, hidden)
+    xo = torch.randn(3, q).to(dtype)
+    whole = torch.zeros(3, hidden, dtype=dtype)
     linear([SubProjection("o_proj", 0, hidden, in_shard=0)], q).add_to(xo, whole)
-    partial = torch.zeros(3, hidden)
+    partial = torch.zeros(3, hidden, dtype=dtype)
     for rank, part in enumerate(xo.chunk(2, dim=1)):
-        linear([SubProjection("o_proj", 0, hidden, in_shard=rank)], q // 2).add_to(part, partial)
-    torch.testing.assert_close(partial, whole)
+        linear([SubProjection("o_proj", 0, hidden, in_shard=rank)], q // 2).add_to(
+            part.contiguous(), partial
+        )
+    torch.testing.assert_close(partial, whole, **close)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "w8a8"])

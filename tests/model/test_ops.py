@@ -534,6 +534,107 @@ def test_the_lora_kernel_gives_a_token_the_same_bits_alone_as_in_any_batch(
     assert not torch.equal(batch, base)
 
 
+def _tiles_or_skip() -> None:
+    if not kernels.load() or not torch.ops.rankcast.lora_tiles_supported():
+        pytest.skip("this build or CPU has no AMX tiles")
+
+
+@pytest.mark.parametrize("in_size", [576, 40])
+def test_lora_tiles_add_each_tokens_own_adapter_as_the_masked_matmuls_do(in_size: int) -> None:
+    """csrc/lora_amx.cpp (bfloat16 slots packed for AMX tiles) against the torch path in float64,
+    to bfloat16's precision: a fused projection of three sub-projections, adapters of rank 8 and
+    3, one not targeting every sub-projection, an empty slot, tokens without an adapter, an input
+    whose rows are strided and (40) not a whole tile of k; rows a token leaves alone keep their
+    bits."""
+    _tiles_or_skip()
+    from rankcast.lora.layers import LoRABatch, LoRAContext, LoRALinear, SubProjection
+    from rankcast.lora.peft_adapter import LoRAAdapter, LoRAWeights
+
+    gen = torch.Generator().manual_seed(4)
+    widths = {"q_proj": 48, "k_proj": 32, "v_proj": 16}
+    subs, offset = [], 0
+    for name, width in widths.items():
+        subs.append(SubProjection(name, offset, width))
+        offset += width
+
+    def adapter(rank: int, modules: list[str]) -> LoRAAdapter:
+        weights = {
+            (0, m): LoRAWeights(
+                torch.randn(rank, in_size, generator=gen) / 4,
+                torch.randn(widths[m], rank, generator=gen) / 4,
+            )
+            for m in modules
+        }
+        return LoRAAdapter("a", Path("."), rank, 0.5, weights)
+
+    adapters = [(0, adapter(8, list(widths))), (2, adapter(3, ["q_proj", "v_proj"]))]
+    slots = [0, -1, 2, 2, 0, 1, -1, 0, 2, *[0] * 20]  # slot 1 holds nothing
+
+    def layer_for(dtype: torch.dtype, kernel: bool) -> tuple[LoRAContext, LoRALinear]:
+        context = LoRAContext(4, 8, torch.device("cpu"), dtype, kernel=kernel)
+        layer = LoRALinear(context, subs, in_size)
+        for slot, held in adapters:
+            layer.set_slot(slot, held, 0)
+        context.batch = LoRABatch.from_token_slots(slots, context)
+        return context, layer
+
+    wide = torch.randn(len(slots), in_size + 5, generator=gen).bfloat16()
+    x = wide[:, :in_size]  # rows strided
+    base = torch.randn(len(slots), offset, generator=gen).bfloat16()
+    context, tiled = layer_for(torch.bfloat16, kernel=True)
+    assert context.tiles and tiled.a.dim() == 6
+    got = base.clone()
+    tiled.add_to(x, got)
+    _, reference_layer = layer_for(torch.float64, kernel=False)
+    want = base.double()
+    reference_layer.add_to(x.double(), want)
+    torch.testing.assert_close(got, want.bfloat16(), atol=2e-2, rtol=2e-2)
+    untouched = [t for t, s in enumerate(slots) if s in (-1, 1)]
+    assert torch.equal(got[untouched], base[untouched])
+    assert not torch.equal(got, base)
+
+
+@pytest.mark.parametrize("rank", [8, 6, 40])
+def test_the_lora_tiles_give_a_token_the_same_bits_alone_as_in_any_batch(rank: int) -> None:
+    """On tiles a slot's tokens go through up to 32 at a time (two tiles of rows), the shrink's
+    tiles of k in two sets of sums: a token's delta must not depend on the tokens beside it
+    (runs of 1 to 37 tokens on a slot, broken by other slots and tokens without one; an input of
+    an odd number of tiles of k; rank 40, two tiles of rank in the expand)."""
+    _tiles_or_skip()
+    from rankcast.lora.tile_layout import pack_a, pack_b
+
+    gen = torch.Generator().manual_seed(6)
+    slots_held, in_size, width = 3, 200, 80
+    a = pack_a(torch.randn(slots_held, rank, in_size, generator=gen) / 4)
+    b = pack_b(torch.randn(slots_held, rank, width, generator=gen) / 4)
+    slots = [0, 0, 0, 0, 0, 0, 2, 2, -1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 1, *[0] * 37, *[2] * 17]
+    x = torch.randn(len(slots), in_size, generator=gen).bfloat16()
+    base = torch.randn(len(slots), width, generator=gen).bfloat16()
+    batch = base.clone()
+    torch.ops.rankcast.lora_add(batch, x, torch.tensor(slots), [a], [b], [0], rank)
+    for t, slot in enumerate(slots):
+        alone = base[t : t + 1].clone()
+        torch.ops.rankcast.lora_add(alone, x[t : t + 1], torch.tensor([slot]), [a], [b], [0], rank)
+        assert torch.equal(batch[t : t + 1], alone), f"token {t} (slot {slot})"
+    assert not torch.equal(batch[:8], base[:8])
+
+
+def test_the_lora_tiles_refuse_slots_not_packed_for_them() -> None:
+    _tiles_or_skip()
+    from rankcast.lora.tile_layout import pack_a, pack_b
+
+    a, b = pack_a(torch.zeros(2, 8, 40)), pack_b(torch.zeros(2, 8, 32))
+    out, x = torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 40, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="A must be packed for tiles"):
+        torch.ops.rankcast.lora_add(out, x, torch.tensor([0, 1]), [a[:, :, :8]], [b], [0], 8)
+    with pytest.raises(RuntimeError, match="B must be packed for tiles"):
+        torch.ops.rankcast.lora_add(out, x, torch.tensor([0, 1]), [a], [b], [0], 16)
+    with pytest.raises(RuntimeError, match="take bfloat16 steps"):
+        torch.ops.rankcast.lora_add(out.float(), x.float(), torch.tensor([0, 1]), [a], [b], [0], 8)
+    with pytest.raises(RuntimeError, match="uses slot 2 of 2"):
+        torch.ops.rankcast.lora_add(out, x, torch.tensor([0, 2]), [a], [b], [0], 8)
+
+
 def test_the_lora_kernel_refuses_a_slot_it_does_not_have() -> None:
     if not kernels.load():
         pytest.skip("kernel property")

@@ -63,6 +63,26 @@ constexpr int64_t kRunBytes = 512 * 1024;  // packed weight one thread works thr
 #define RANKCAST_AMX_BF16 0
 #endif
 
+#if RANKCAST_AMX_BF16
+// LDTILECFG's 64-byte operand, palette 1 (csrc/gemm_amx.cpp's linears, csrc/lora_amx.cpp's
+// adapter deltas: each configures its own tiles and releases them when done).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// LDTILECFG through an operand that is the whole 64-byte config. GCC 12's `_tile_loadconfig`
+// names only its first 8 bytes as read, so the compiler may drop the stores to the rest: once
+// csrc/gemm_amx.cpp's code moved, a build configured tiles with no column widths and the first tile
+// load faulted (SIGSEGV).
+inline void load_tile_config(const TileConfig& config) {
+  asm volatile("ldtilecfg %0" : : "m"(config));
+}
+#endif
+
 // A panel stream reading ahead of itself, in a tile of `Rows` rows. A decode's tile (fewer than
 // kOverlapRows rows) streams every group it reads: 2 KB ahead, non-temporal, since a weight read
 // for a step is not read again until the next step, after the rest of the model has gone

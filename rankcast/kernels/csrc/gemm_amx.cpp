@@ -49,23 +49,6 @@ constexpr int kTileRows = 16;    // rows of a tile (of x, of the sums)
 constexpr int kBlockRows = 32;   // rows of x a block multiplies (two row tiles)
 constexpr int kGroupPanels = 2;  // panels (16 columns each) a block multiplies
 
-// LDTILECFG's 64-byte operand, palette 1.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// LDTILECFG through an operand that is the whole 64-byte config. GCC 12's `_tile_loadconfig`
-// names only its first 8 bytes as read, so the compiler may drop the stores to the rest: once
-// this file's code moved, a build configured tiles with no column widths and the first tile
-// load faulted (SIGSEGV).
-inline void load_tile_config(const TileConfig& config) {
-  asm volatile("ldtilecfg %0" : : "m"(config));
-}
-
 // The tiles for a block of `rows` rows (1..32): the upper row tile (tmm4) and its sums (tmm0-1)
 // take the first 16 rows, the lower (tmm5, sums tmm2-3) the rest, the weights (tmm6-7) a
 // panel's 16 pairs of k each. A block of fewer rows loads and multiplies only the rows it has,

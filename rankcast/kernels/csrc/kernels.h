@@ -23,6 +23,11 @@ at::Tensor argmax_rows(const at::Tensor& x);
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask);
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& token_slots, at::TensorList a,
               at::TensorList b, at::IntArrayRef out_offsets, int64_t rank);
+// The same for slots of bfloat16 A and B packed for AMX tiles (csrc/lora_amx.cpp), which
+// `lora_add` hands on; `lora_tiles_supported` says whether this build and process run them.
+void lora_add_tiles(at::Tensor& out, const at::Tensor& x, const int64_t* slots, at::TensorList a,
+                    at::TensorList b, at::IntArrayRef out_offsets, int64_t rank);
+bool lora_tiles_supported();
 bool gemm_supported(at::ScalarType dtype);
 // The instruction set this build's matmul runs: "amx" (bfloat16 on AMX tiles, csrc/gemm_amx.cpp;
 // an AMX build whose tiles the OS refuses says "avx512-bf16"), "avx512-bf16", "avx512", "avx2" or

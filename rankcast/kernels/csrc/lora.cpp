@@ -7,7 +7,8 @@
 // the result (two matmuls whatever the mix of adapters, but slots x the work, and a dozen small
 // ops per projection); here each token reads only its own adapter's rows, up to sixteen tokens
 // of one adapter at a time (kBlock). Rank rows a smaller adapter leaves empty are zero, so they add
-// nothing. A bfloat16 output is read, added to in float32 and rounded once.
+// nothing. A bfloat16 output is read, added to in float32 and rounded once. Slots of bfloat16
+// A and B are packed for AMX tiles and go to csrc/lora_amx.cpp instead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -202,6 +203,10 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& token_slot
   TORCH_CHECK(a.size() == b.size() && a.size() == out_offsets.size(),
               "lora_add: one A, one B and one offset per sub-projection");
   TORCH_CHECK(rank >= 1, "lora_add: rank must be positive");
+  if (!a.empty() && a[0].scalar_type() == at::kBFloat16) {  // slots packed for AMX tiles (csrc/lora_amx.cpp)
+    lora_add_tiles(out, x, token_slots.data_ptr<int64_t>(), a, b, out_offsets, rank);
+    return;
+  }
   const int64_t in = x.size(1);
   std::vector<SubProjection> subs;
   for (size_t i = 0; i < a.size(); ++i) {

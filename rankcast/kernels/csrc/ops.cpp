@@ -57,6 +57,7 @@ TORCH_LIBRARY(rankcast, m) {
   m.def(
       "lora_add(Tensor(a!) out, Tensor x, Tensor token_slots, Tensor[] a, Tensor[] b, "
       "int[] out_offsets, int rank) -> ()");
+  m.def("lora_tiles_supported() -> bool", &lora_tiles_supported);
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("pack_linear_weight_(Tensor(a!) weight) -> Tensor(a!)");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor? scales=None) -> Tensor");

@@ -1,0 +1,64 @@
+"""Adapter slots packed for AMX tiles, the layout csrc/lora_amx.cpp multiplies.
+
+On a CPU with AMX a bfloat16 model's adapters are held in bfloat16, each A and B already in the
+shape a tile's second operand loads (16 output columns of 16 pairs of k, 64 bytes a row), so an
+activation stays one copy per slot place and the kernel packs nothing per step. An adapter is
+packed once, when a rank makes its slot images (`LoRALinear.slot_images`).
+
+With kr = `tile_rank(rank)`, P = kr / 16 rounded up and K = the input rounded up to 32:
+- A [rank, in] becomes [P, K/2, 16, 2]: element [p, k // 2, j, k % 2] is A[16 p + j, k];
+- B transposed [rank, n] becomes [n/16, kr/2, 16, 2]: element [c, j // 2, i, j % 2] is
+  B[j, 16 c + i];
+zeros everywhere else. n must be a multiple of 16 (`fits_tiles`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE_COLUMNS = 16  # output columns (float32 sums) of one tile
+TILE_K = 32  # bfloat16 k of one tile (16 pairs)
+
+
+def tile_rank(rank: int) -> int:
+    """The rank the expand's tiles take: even up to 32 (one tile of `rank / 2` pairs), then a
+    multiple of 32 (whole tiles)."""
+    return (rank + 1) // 2 * 2 if rank <= TILE_K else -(-rank // TILE_K) * TILE_K
+
+
+def fits_tiles(out_size: int) -> bool:
+    """Whether a sub-projection's output fills whole panels of 16 columns, which the kernel
+    writes whole (every model rankcast loads has such projections; a test's odd one keeps
+    float32 slots)."""
+    return out_size % TILE_COLUMNS == 0
+
+
+def a_shape(rank: int, in_size: int) -> tuple[int, ...]:
+    """One slot's packed A of one sub-projection."""
+    panels = -(-tile_rank(rank) // TILE_COLUMNS)
+    return (panels, -(-in_size // TILE_K) * TILE_K // 2, TILE_COLUMNS, 2)
+
+
+def b_shape(rank: int, out_size: int) -> tuple[int, ...]:
+    """One slot's packed B of one sub-projection."""
+    return (out_size // TILE_COLUMNS, tile_rank(rank) // 2, TILE_COLUMNS, 2)
+
+
+def pack_a(a: torch.Tensor) -> torch.Tensor:
+    """[..., rank, in] -> [..., P, K/2, 16, 2] bfloat16 (rounded once)."""
+    *lead, rank, in_size = a.shape
+    panels, half_k, _, _ = a_shape(rank, in_size)
+    padded = torch.zeros(*lead, panels * TILE_COLUMNS, 2 * half_k, dtype=torch.bfloat16)
+    padded[..., :rank, :in_size] = a
+    shaped = padded.view(*lead, panels, TILE_COLUMNS, half_k, 2)
+    return shaped.transpose(-3, -2).contiguous()
+
+
+def pack_b(b: torch.Tensor) -> torch.Tensor:
+    """B transposed, [..., rank, n] -> [..., n/16, kr/2, 16, 2] bfloat16 (rounded once)."""
+    *lead, rank, out_size = b.shape
+    panels, half_rank, _, _ = b_shape(rank, out_size)
+    padded = torch.zeros(*lead, 2 * half_rank, out_size, dtype=torch.bfloat16)
+    padded[..., :rank, :] = b
+    shaped = padded.view(*lead, half_rank, 2, panels, TILE_COLUMNS)
+    return shaped.permute(*range(len(lead)), -2, -4, -1, -3).contiguous()

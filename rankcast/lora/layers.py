@@ -10,7 +10,7 @@ Two ways to apply them, the same result:
   slot's rows of A and B and adds its delta in one pass: the work is the tokens' own adapters,
   whatever the number of slots. The slots are float32, except for a bfloat16 model on a CPU
   with AMX, where they are bfloat16 packed for its tiles (rankcast/lora/tile_layout.py,
-  csrc/lora_amx.cpp): each A [subs, slots, P, K/2, 16, 2], each B [slots, n/16, kr/2, 16, 2];
+  csrc/lora_amx.cpp): each A [subs, slots, P, K/2, w, 2], each B [slots, n/16, kr/2, 16, 2];
 - elsewhere (CUDA, float16, no kernels), torch: `x A^T` for every sub-projection and slot in one
   matmul, each token's row masked to its own slot's columns, each sub-projection's part times
   its B. It computes in `lora_compute_dtype` (rankcast/platform.py): the model's dtype, except
@@ -118,7 +118,7 @@ class SubProjection:
 class SlotPlaces:
     """Where one slot's adapter lives in a LoRA layer: its rows of every sub-projection's A,
     one [subs, max_rank, in] view, and its rows of each sub-projection's B (packed for tiles:
-    its [subs, P, K/2, 16, 2] of A and [n/16, kr/2, 16, 2] of each B)."""
+    its [subs, P, K/2, w, 2] of A and [n/16, kr/2, 16, 2] of each B)."""
 
     a: torch.Tensor
     b: list[torch.Tensor]

@@ -5,8 +5,9 @@ shape a tile's second operand loads (16 output columns of 16 pairs of k, 64 byte
 activation stays one copy per slot place and the kernel packs nothing per step. An adapter is
 packed once, when a rank makes its slot images (`LoRALinear.slot_images`).
 
-With kr = `tile_rank(rank)`, P = kr / 16 rounded up and K = the input rounded up to 32:
-- A [rank, in] becomes [P, K/2, 16, 2]: element [p, k // 2, j, k % 2] is A[16 p + j, k];
+With kr = `tile_rank(rank)`, w = min(kr, 16), P = kr / w and K = the input rounded up to 32:
+- A [rank, in] becomes [P, K/2, w, 2]: element [p, k // 2, j, k % 2] is A[w p + j, k] (a
+  panel of A no wider than the rank: at rank 8 half the bytes of 16 columns, half of float32's);
 - B transposed [rank, n] becomes [n/16, kr/2, 16, 2]: element [c, j // 2, i, j % 2] is
   B[j, 16 c + i];
 zeros everywhere else. n must be a multiple of 16 (`fits_tiles`).
@@ -21,9 +22,9 @@ TILE_K = 32  # bfloat16 k of one tile (16 pairs)
 
 
 def tile_rank(rank: int) -> int:
-    """The rank the expand's tiles take: even up to 32 (one tile of `rank / 2` pairs), then a
-    multiple of 32 (whole tiles)."""
-    return (rank + 1) // 2 * 2 if rank <= TILE_K else -(-rank // TILE_K) * TILE_K
+    """The rank the tiles take: even up to 16 (one panel of A that wide, one tile of `rank / 2`
+    pairs in the expand), then a multiple of 32 (whole panels and tiles)."""
+    return (rank + 1) // 2 * 2 if rank <= TILE_COLUMNS else -(-rank // TILE_K) * TILE_K
 
 
 def fits_tiles(out_size: int) -> bool:
@@ -35,8 +36,9 @@ def fits_tiles(out_size: int) -> bool:
 
 def a_shape(rank: int, in_size: int) -> tuple[int, ...]:
     """One slot's packed A of one sub-projection."""
-    panels = -(-tile_rank(rank) // TILE_COLUMNS)
-    return (panels, -(-in_size // TILE_K) * TILE_K // 2, TILE_COLUMNS, 2)
+    kr = tile_rank(rank)
+    width = min(kr, TILE_COLUMNS)
+    return (kr // width, -(-in_size // TILE_K) * TILE_K // 2, width, 2)
 
 
 def b_shape(rank: int, out_size: int) -> tuple[int, ...]:
@@ -45,12 +47,12 @@ def b_shape(rank: int, out_size: int) -> tuple[int, ...]:
 
 
 def pack_a(a: torch.Tensor) -> torch.Tensor:
-    """[..., rank, in] -> [..., P, K/2, 16, 2] bfloat16 (rounded once)."""
+    """[..., rank, in] -> [..., P, K/2, w, 2] bfloat16 (rounded once)."""
     *lead, rank, in_size = a.shape
-    panels, half_k, _, _ = a_shape(rank, in_size)
-    padded = torch.zeros(*lead, panels * TILE_COLUMNS, 2 * half_k, dtype=torch.bfloat16)
+    panels, half_k, width, _ = a_shape(rank, in_size)
+    padded = torch.zeros(*lead, panels * width, 2 * half_k, dtype=torch.bfloat16)
     padded[..., :rank, :in_size] = a
-    shaped = padded.view(*lead, panels, TILE_COLUMNS, half_k, 2)
+    shaped = padded.view(*lead, panels, width, half_k, 2)
     return shaped.transpose(-3, -2).contiguous()
 
 

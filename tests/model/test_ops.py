@@ -628,7 +628,8 @@ def test_the_lora_tiles_refuse_slots_not_packed_for_them() -> None:
     with pytest.raises(RuntimeError, match="A must be packed for tiles"):
         torch.ops.rankcast.lora_add(out, x, torch.tensor([0, 1]), [a[:, :, :8]], [b], [0], 8)
     with pytest.raises(RuntimeError, match="B must be packed for tiles"):
-        torch.ops.rankcast.lora_add(out, x, torch.tensor([0, 1]), [a], [b], [0], 16)
+        rank_6 = pack_b(torch.zeros(2, 6, 32))
+        torch.ops.rankcast.lora_add(out, x, torch.tensor([0, 1]), [a], [rank_6], [0], 8)
     with pytest.raises(RuntimeError, match="take bfloat16 steps"):
         torch.ops.rankcast.lora_add(out.float(), x.float(), torch.tensor([0, 1]), [a], [b], [0], 8)
     with pytest.raises(RuntimeError, match="uses slot 2 of 2"):

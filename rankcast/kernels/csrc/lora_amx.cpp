@@ -17,9 +17,10 @@
 // rows share the tile (csrc/gemm_amx.cpp), and everything else here is per token: a token's
 // delta has the same bits alone as in any block of its slot's tokens.
 //
-// Layouts, with kr = the packed rank (`tile_rank`, the slots' rank made even, or a multiple of
-// 32 past 32), P = kr / 16 rounded up, K = the input padded to 32, np = the output's panels:
-//   A of one sub-projection: [slots, P, K/2, 16, 2]   element [s, p, k/2, j, k%2] = A_s[16p+j, k]
+// Layouts, with kr = the packed rank (`tile_rank`: the slots' rank made even up to 16, else a
+// multiple of 32), w = min(kr, 16) rank rows a panel of A, P = kr / w, K = the input padded to
+// 32, np = the output's panels:
+//   A of one sub-projection: [slots, P, K/2, w, 2]    element [s, p, k/2, j, k%2] = A_s[wp+j, k]
 //   B of one sub-projection: [slots, np, kr/2, 16, 2] element [s, c, j/2, i, j%2] = B_s[j, 16c+i]
 // with B_s the slot's [rank, n] B transposed and scaled, zero beyond the adapter's rank.
 #include <ATen/ATen.h>
@@ -47,7 +48,7 @@ constexpr int kBlockRows = 32;  // a slot's tokens multiplied together (two row 
 constexpr int64_t kRunPanels = 8;  // output panels the expand sums before adding them (16 KB)
 
 struct PackedSub {
-  const bf16* a;  // [slots, P, K/2, 16, 2]
+  const bf16* a;  // [slots, P, K/2, w, 2]
   const bf16* b;  // [slots, np, kr/2, 16, 2]
   int64_t offset, panels;
 };
@@ -56,11 +57,14 @@ struct PackedSub {
 // tmm0-3, two sets of a block's upper and lower 16 rows (tmm0-1, tmm2-3) that take turns, so
 // that a product need not wait for the one before it (a TDPBF16PS waits several times its issue
 // interval for its sums: with one set the shrink ran at a quarter of the tiles' rate).
-// - Shrink: tmm4-5 the rows of x (32 k), tmm6-7 tiles of A (16 pairs of k for 16 rank rows).
+// - Shrink: tmm4-5 the rows of x (32 k), tmm6-7 tiles of A (16 pairs of k for a panel of rank
+//   rows, up to 16).
 // - Expand: tmm4-5 the rows' shrunk values (`pairs` pairs of rank), tmm6-7 tiles of B.
 enum class Phase { kShrink, kExpand };
 
-void configure_tiles(int rows, Phase phase, int pairs) {
+// `columns`: the rank rows in a panel of A (the shrink's sums and weight tiles are that wide);
+// `pairs`: the pairs of rank in a tile of the expand.
+void configure_tiles(int rows, Phase phase, int columns, int pairs) {
   TileConfig config;
   const int upper = std::min(rows, kTileRows);
   const int lower = rows - upper;
@@ -68,20 +72,23 @@ void configure_tiles(int rows, Phase phase, int pairs) {
   for (int t : {0, 2, 4}) config.rows[t] = static_cast<uint8_t>(upper);
   for (int t : {1, 3, 5}) config.rows[t] = static_cast<uint8_t>(lower);
   for (int t : {6, 7}) config.rows[t] = static_cast<uint8_t>(shrink ? kAmxPairs : pairs);
+  const auto bytes = [](int n) { return static_cast<uint16_t>(4 * n); };
   for (int t = 0; t < 8; ++t) {
     if (config.rows[t] == 0) continue;
-    config.colsb[t] = (t == 4 || t == 5) && !shrink ? static_cast<uint16_t>(4 * pairs) : 64;
+    const bool x_or_shrunk = t == 4 || t == 5;
+    config.colsb[t] = shrink ? (x_or_shrunk ? 64 : bytes(columns)) : (x_or_shrunk ? bytes(pairs) : 64);
   }
   gemm::load_tile_config(config);
 }
 
 // The packed shapes of one slot, from the slots' rank and one sub-projection's input.
 struct TileShape {
-  int64_t kr, row_panels, k_padded, pairs, k_tiles;
+  int64_t kr, a_columns, row_panels, k_padded, pairs, k_tiles;
 
   TileShape(int64_t rank, int64_t in)
-      : kr(rank <= 2 * kAmxPairs ? (rank + 1) / 2 * 2 : (rank + 31) / 32 * 32),
-        row_panels((kr + kPanel - 1) / kPanel),
+      : kr(rank <= kPanel ? (rank + 1) / 2 * 2 : (rank + 31) / 32 * 32),
+        a_columns(std::min<int64_t>(kr, kPanel)),
+        row_panels(kr / a_columns),
         k_padded((in + 2 * kAmxPairs - 1) / (2 * kAmxPairs) * (2 * kAmxPairs)),
         pairs(std::min<int64_t>(kr / 2, kAmxPairs)),
         k_tiles(kr / (2 * pairs)) {}
@@ -91,10 +98,10 @@ struct TileShape {
 // multiply<Set>: the block's rows (`upper`, `lower`: into tmm4-5) times one tile of weights
 // (`w`, into tmm6 or tmm7), summed into the set's tiles (tmm0-1 or tmm2-3).
 template <int Set>
-inline void multiply(const void* w, const void* upper, const void* lower, int64_t stride,
-                     bool has_lower) {
+inline void multiply(const void* w, int64_t w_stride, const void* upper, const void* lower,
+                     int64_t stride, bool has_lower) {
   if constexpr (Set == 0) {
-    _tile_loadd(6, w, 64);
+    _tile_loadd(6, w, w_stride);
     _tile_loadd(4, upper, stride);
     _tile_dpbf16ps(0, 4, 6);
     if (has_lower) {
@@ -102,7 +109,7 @@ inline void multiply(const void* w, const void* upper, const void* lower, int64_
       _tile_dpbf16ps(1, 5, 6);
     }
   } else {
-    _tile_loadd(7, w, 64);
+    _tile_loadd(7, w, w_stride);
     _tile_loadd(4, upper, stride);
     _tile_dpbf16ps(2, 4, 7);
     if (has_lower) {
@@ -142,8 +149,8 @@ inline void expand_panel(const bf16* panel, const bf16* shrunk, const TileShape&
   zero_sums<Set>(has_lower);
   const int64_t shrunk_stride = shape.kr * static_cast<int64_t>(sizeof(bf16));
   for (int64_t j = 0; j < shape.kr; j += 2 * shape.pairs)
-    multiply<Set>(panel + j * kPanel, shrunk + j, shrunk + kTileRows * shape.kr + j, shrunk_stride,
-                  has_lower);
+    multiply<Set>(panel + j * kPanel, 64, shrunk + j, shrunk + kTileRows * shape.kr + j,
+                  shrunk_stride, has_lower);
   store_sums<Set>(upper, lower, stride, has_lower);
 }
 
@@ -156,41 +163,45 @@ void block_deltas(const bf16* xs, int rows, bf16* const* dst, const std::vector<
   const bool lower = rows > kTileRows;
   const int64_t x_stride = shape.k_padded * static_cast<int64_t>(sizeof(bf16));
   const bf16* xs_lower = xs + kTileRows * shape.k_padded;
-  // sums: [2 (even, odd tiles of k), 32 rows, P * 16]
-  const int64_t sums_width = shape.row_panels * kPanel;
-  const int64_t sums_stride = sums_width * static_cast<int64_t>(sizeof(float));
-  float* odd_sums = sums + kBlockRows * sums_width;
-  const int64_t a_slot = shape.row_panels * shape.k_padded * kPanel;
-  configure_tiles(rows, Phase::kShrink, static_cast<int>(shape.pairs));
+  // sums: [2 (even, odd tiles of k), 32 rows, kr]
+  const int64_t sums_stride = shape.kr * static_cast<int64_t>(sizeof(float));
+  float* odd_sums = sums + kBlockRows * shape.kr;
+  const int64_t columns = shape.a_columns;
+  const int64_t a_stride = 2 * columns * static_cast<int64_t>(sizeof(bf16));
+  const int64_t a_slot = shape.kr * shape.k_padded;
+  configure_tiles(rows, Phase::kShrink, static_cast<int>(columns), static_cast<int>(shape.pairs));
   for (size_t i = 0; i < subs.size(); ++i) {
-    // sums[r, j] = x_r . A[j], sixteen rank rows (a panel of A) at a time: even tiles of k into
-    // one set of sums, odd into the other, added at the end (the same order for every token).
+    // sums[r, j] = x_r . A[j], a panel of A's rank rows (up to 16) at a time: even tiles of k
+    // into one set of sums, odd into the other, added at the end (the same order for every
+    // token).
     const bf16* a = subs[i].a + slot * a_slot;
     for (int64_t p = 0; p < shape.row_panels; ++p) {
       zero_sums<0>(lower);
       zero_sums<1>(lower);
-      const bf16* panel = a + p * shape.k_padded * kPanel;
+      const bf16* panel = a + p * shape.k_padded * columns;
       constexpr int64_t kStep = 2 * kAmxPairs;  // k per tile
       for (int64_t k = 0; k < shape.k_padded; k += 2 * kStep) {
-        multiply<0>(panel + k * kPanel, xs + k, xs_lower + k, x_stride, lower);
+        multiply<0>(panel + k * columns, a_stride, xs + k, xs_lower + k, x_stride, lower);
         if (k + kStep < shape.k_padded)
-          multiply<1>(panel + (k + kStep) * kPanel, xs + k + kStep, xs_lower + k + kStep, x_stride,
-                      lower);
+          multiply<1>(panel + (k + kStep) * columns, a_stride, xs + k + kStep,
+                      xs_lower + k + kStep, x_stride, lower);
       }
-      const int64_t lower_rows = kTileRows * sums_width;
-      store_sums<0>(sums + p * kPanel, sums + lower_rows + p * kPanel, sums_stride, lower);
-      store_sums<1>(odd_sums + p * kPanel, odd_sums + lower_rows + p * kPanel, sums_stride, lower);
+      const int64_t lower_rows = kTileRows * shape.kr;
+      float* even_at = sums + p * columns;
+      float* odd_at = odd_sums + p * columns;
+      store_sums<0>(even_at, even_at + lower_rows, sums_stride, lower);
+      store_sums<1>(odd_at, odd_at + lower_rows, sums_stride, lower);
     }
     // Each token's shrunk row rounded to bfloat16 once, the expand's operand.
     bf16* sub_shrunk = shrunk + i * kBlockRows * shape.kr;
     for (int r = 0; r < rows; ++r)
       for (int64_t j = 0; j < shape.kr; j += 16) {
         const int m = static_cast<int>(std::min<int64_t>(16, shape.kr - j));
-        const int64_t e = r * sums_width + j;
+        const int64_t e = r * shape.kr + j;
         store16(sub_shrunk + r * shape.kr + j, load16(sums + e, m) + load16(odd_sums + e, m), m);
       }
   }
-  configure_tiles(rows, Phase::kExpand, static_cast<int>(shape.pairs));
+  configure_tiles(rows, Phase::kExpand, static_cast<int>(columns), static_cast<int>(shape.pairs));
   const int64_t run_stride = kRunPanels * kPanel * static_cast<int64_t>(sizeof(float));
   for (size_t i = 0; i < subs.size(); ++i) {
     // out[r, 16c ...] += shrunk_r B. A run of kRunPanels panels of 16 output columns goes
@@ -236,9 +247,9 @@ void lora_add_tiles(at::Tensor& out, const at::Tensor& x, const int64_t* slots, 
   for (size_t i = 0; i < a.size(); ++i) {
     TORCH_CHECK(a[i].is_contiguous() && a[i].scalar_type() == at::kBFloat16 &&
                     a[i].sizes() == at::IntArrayRef({slot_count, shape.row_panels,
-                                                     shape.k_padded / 2, kPanel, 2}),
+                                                     shape.k_padded / 2, shape.a_columns, 2}),
                 "lora_add: bfloat16 A must be packed for tiles as [slots, ", shape.row_panels,
-                ", ", shape.k_padded / 2, ", 16, 2], not ", a[i].sizes());
+                ", ", shape.k_padded / 2, ", ", shape.a_columns, ", 2], not ", a[i].sizes());
     TORCH_CHECK(b[i].is_contiguous() && b[i].scalar_type() == at::kBFloat16 && b[i].dim() == 5 &&
                     b[i].size(0) == slot_count && b[i].size(2) == shape.kr / 2 &&
                     b[i].size(3) == kPanel && b[i].size(4) == 2,
@@ -266,7 +277,7 @@ void lora_add_tiles(at::Tensor& out, const at::Tensor& x, const int64_t* slots, 
                      [&](int64_t p, int64_t q) { return slots[p] < slots[q]; });
     // Uninitialized: a block's rows are written, padding included, before the tiles read them.
     const std::unique_ptr<bf16[]> xs(new bf16[kBlockRows * shape.k_padded]);
-    const std::unique_ptr<float[]> sums(new float[2 * kBlockRows * shape.row_panels * kPanel]);
+    const std::unique_ptr<float[]> sums(new float[2 * kBlockRows * shape.kr]);
     const std::unique_ptr<bf16[]> shrunk(new bf16[subs.size() * kBlockRows * shape.kr]);
     const std::unique_ptr<float[]> run_sums(new float[kBlockRows * kRunPanels * kPanel]);
     bf16* dst[kBlockRows];

@@ -444,6 +444,34 @@ def test_a_batch_of_decodes_gives_each_token_the_bits_it_gets_alone(
     torch.testing.assert_close(batch, want, **tolerance(dtype))
 
 
+def _fused_qkv_and_adapters(
+    gen: torch.Generator, widths: list[int], in_size: int, scale: float
+) -> tuple[list, int, list]:
+    """A fused q/k/v projection of these widths (its sub-projections and total width) and two
+    random adapters for it: rank 8 on every sub-projection for slot 0, rank 3 on q and v only
+    for slot 2 (empty rank rows, an untargeted sub-projection)."""
+    from rankcast.lora.layers import SubProjection
+    from rankcast.lora.peft_adapter import LoRAAdapter, LoRAWeights
+
+    names = ["q_proj", "k_proj", "v_proj"]
+    subs, offset = [], 0
+    for name, width in zip(names, widths, strict=True):
+        subs.append(SubProjection(name, offset, width))
+        offset += width
+
+    def adapter(rank: int, modules: list[str]) -> LoRAAdapter:
+        weights = {
+            (0, m): LoRAWeights(
+                torch.randn(rank, in_size, generator=gen) * scale,
+                torch.randn(widths[names.index(m)], rank, generator=gen) * scale,
+            )
+            for m in modules
+        }
+        return LoRAAdapter("a", Path("."), rank, 0.5, weights)
+
+    return subs, offset, [(0, adapter(8, names)), (2, adapter(3, ["q_proj", "v_proj"]))]
+
+
 def _lora_layer(kernel: bool, subs: list, in_size: int, adapters: list):
     from rankcast.lora.layers import LoRAContext, LoRALinear
 
@@ -466,27 +494,10 @@ def test_the_lora_kernel_adds_each_tokens_own_adapter_as_the_masked_matmuls_do(
     tokens without an adapter and an input whose rows are strided."""
     if not kernels.load():
         pytest.skip("kernel property")
-    from rankcast.lora.layers import LoRABatch, SubProjection
-    from rankcast.lora.peft_adapter import LoRAAdapter, LoRAWeights
+    from rankcast.lora.layers import LoRABatch
 
     gen = torch.Generator().manual_seed(3)
-    widths = {"q_proj": 48, "k_proj": 24, "v_proj": 8}
-    subs, offset = [], 0
-    for name, width in widths.items():
-        subs.append(SubProjection(name, offset, width))
-        offset += width
-
-    def adapter(rank: int, modules: list[str]) -> LoRAAdapter:
-        weights = {
-            (0, m): LoRAWeights(
-                torch.randn(rank, in_size, generator=gen),
-                torch.randn(widths[m], rank, generator=gen),
-            )
-            for m in modules
-        }
-        return LoRAAdapter("a", Path("."), rank, 0.5, weights)
-
-    adapters = [(0, adapter(8, list(widths))), (2, adapter(3, ["q_proj", "v_proj"]))]
+    subs, offset, adapters = _fused_qkv_and_adapters(gen, [48, 24, 8], in_size, scale=1.0)
     slots = [0, -1, 2, 2, 0, 1, -1, 0, 2]  # slot 1 holds nothing
     wide = torch.randn(len(slots), in_size + 5, generator=gen).to(dtype)
     x = wide[:, :in_size]  # rows strided
@@ -547,27 +558,10 @@ def test_lora_tiles_add_each_tokens_own_adapter_as_the_masked_matmuls_do(in_size
     whose rows are strided and (40) not a whole tile of k; rows a token leaves alone keep their
     bits."""
     _tiles_or_skip()
-    from rankcast.lora.layers import LoRABatch, LoRAContext, LoRALinear, SubProjection
-    from rankcast.lora.peft_adapter import LoRAAdapter, LoRAWeights
+    from rankcast.lora.layers import LoRABatch, LoRAContext, LoRALinear
 
     gen = torch.Generator().manual_seed(4)
-    widths = {"q_proj": 48, "k_proj": 32, "v_proj": 16}
-    subs, offset = [], 0
-    for name, width in widths.items():
-        subs.append(SubProjection(name, offset, width))
-        offset += width
-
-    def adapter(rank: int, modules: list[str]) -> LoRAAdapter:
-        weights = {
-            (0, m): LoRAWeights(
-                torch.randn(rank, in_size, generator=gen) / 4,
-                torch.randn(widths[m], rank, generator=gen) / 4,
-            )
-            for m in modules
-        }
-        return LoRAAdapter("a", Path("."), rank, 0.5, weights)
-
-    adapters = [(0, adapter(8, list(widths))), (2, adapter(3, ["q_proj", "v_proj"]))]
+    subs, offset, adapters = _fused_qkv_and_adapters(gen, [48, 32, 16], in_size, scale=0.25)
     slots = [0, -1, 2, 2, 0, 1, -1, 0, 2, *[0] * 20]  # slot 1 holds nothing
 
     def layer_for(dtype: torch.dtype, kernel: bool) -> tuple[LoRAContext, LoRALinear]:

@@ -96,25 +96,31 @@ struct TileShape {
 };
 
 // The tile intrinsics take their registers as literals, hence a branch per set of sums.
-// multiply<Set>: the block's rows (`upper`, `lower`: into tmm4-5) times one tile of weights
-// (`w`, into tmm6 or tmm7), summed into the set's tiles (tmm0-1 or tmm2-3).
-template <int Set>
+// multiply<Set>: the block's rows (`upper`, `lower`: into tmm4-5, unless `LoadRows` is false
+// and they are there already) times one tile of weights (`w`, into tmm6 or tmm7), summed into
+// the set's tiles (tmm0-1 or tmm2-3).
+inline void load_rows(const void* upper, const void* lower, int64_t stride, bool has_lower) {
+  _tile_loadd(4, upper, stride);
+  if (has_lower) _tile_loadd(5, lower, stride);
+}
+
+template <int Set, bool LoadRows = true>
 inline void multiply(const void* w, int64_t w_stride, const void* upper, const void* lower,
                      int64_t stride, bool has_lower) {
   if constexpr (Set == 0) {
     _tile_loadd(6, w, w_stride);
-    _tile_loadd(4, upper, stride);
+    if constexpr (LoadRows) _tile_loadd(4, upper, stride);
     _tile_dpbf16ps(0, 4, 6);
     if (has_lower) {
-      _tile_loadd(5, lower, stride);
+      if constexpr (LoadRows) _tile_loadd(5, lower, stride);
       _tile_dpbf16ps(1, 5, 6);
     }
   } else {
     _tile_loadd(7, w, w_stride);
-    _tile_loadd(4, upper, stride);
+    if constexpr (LoadRows) _tile_loadd(4, upper, stride);
     _tile_dpbf16ps(2, 4, 7);
     if (has_lower) {
-      _tile_loadd(5, lower, stride);
+      if constexpr (LoadRows) _tile_loadd(5, lower, stride);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
@@ -143,15 +149,21 @@ inline void store_sums(float* upper, float* lower, int64_t stride, bool has_lowe
   }
 }
 
-// One panel of the expand through set `Set`: the rows' shrunk values times the panel's B.
+// One panel of the expand through set `Set`: the rows' shrunk values times the panel's B. A
+// rank of one tile (up to 16, `k_tiles` 1) finds the rows' shrunk values in tmm4-5 already,
+// loaded once for every panel (`block_deltas`).
 template <int Set>
 inline void expand_panel(const bf16* panel, const bf16* shrunk, const TileShape& shape,
                          float* upper, float* lower, int64_t stride, bool has_lower) {
   zero_sums<Set>(has_lower);
   const int64_t shrunk_stride = shape.kr * static_cast<int64_t>(sizeof(bf16));
-  for (int64_t j = 0; j < shape.kr; j += 2 * shape.pairs)
-    multiply<Set>(panel + j * kPanel, 64, shrunk + j, shrunk + kTileRows * shape.kr + j,
-                  shrunk_stride, has_lower);
+  if (shape.k_tiles == 1) {
+    multiply<Set, false>(panel, 64, nullptr, nullptr, 0, has_lower);
+  } else {
+    for (int64_t j = 0; j < shape.kr; j += 2 * shape.pairs)
+      multiply<Set>(panel + j * kPanel, 64, shrunk + j, shrunk + kTileRows * shape.kr + j,
+                    shrunk_stride, has_lower);
+  }
   store_sums<Set>(upper, lower, stride, has_lower);
 }
 
@@ -211,6 +223,9 @@ void block_deltas(const bf16* xs, int rows, bf16* const* dst, const std::vector<
     const PackedSub& sub = subs[i];
     const bf16* sub_shrunk = shrunk + i * kBlockRows * shape.kr;
     const bf16* b = sub.b + slot * sub.panels * shape.kr * kPanel;
+    if (shape.k_tiles == 1)
+      load_rows(sub_shrunk, sub_shrunk + kTileRows * shape.kr,
+                shape.kr * static_cast<int64_t>(sizeof(bf16)), lower);
     for (int64_t c0 = 0; c0 < sub.panels; c0 += kRunPanels) {
       const int64_t run = std::min<int64_t>(kRunPanels, sub.panels - c0);
       for (int64_t c = c0; c < c0 + run; ++c) {

@@ -173,7 +173,7 @@ class AdapterMetadata:
     path: Path
     rank: int
     scaling: float
-    nbytes: int  # as the ranks hold it (float32)
+    nbytes: int  # as the ranks read it (float32; their slot images are their shard, padded)
     # Checkpoint key -> (layer, module, half "A" or "B").
     keys: dict[str, tuple[int, str, str]]
 

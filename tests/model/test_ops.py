@@ -536,13 +536,27 @@ def test_the_lora_kernel_gives_a_token_the_same_bits_alone_as_in_any_batch(
     slots = [0, 0, 0, 0, 0, 0, 2, 2, -1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 1, *[0] * 21, *[2] * 7]
     x = torch.randn(len(slots), in_size, generator=gen).to(dtype)
     base = torch.randn(len(slots), width, generator=gen).to(dtype)
+    batch = _each_token_alone_as_in_the_batch(x, base, slots, a, b, rank)
+    assert not torch.equal(batch, base)
+
+
+def _each_token_alone_as_in_the_batch(
+    x: torch.Tensor,
+    base: torch.Tensor,
+    slots: list[int],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rank: int,
+) -> torch.Tensor:
+    """`base` plus every token's delta, in one batch; asserts each token's row is the same bits
+    when the token goes through alone."""
     batch = base.clone()
     torch.ops.rankcast.lora_add(batch, x, torch.tensor(slots), [a], [b], [0], rank)
     for t, slot in enumerate(slots):
         alone = base[t : t + 1].clone()
         torch.ops.rankcast.lora_add(alone, x[t : t + 1], torch.tensor([slot]), [a], [b], [0], rank)
         assert torch.equal(batch[t : t + 1], alone), f"token {t} (slot {slot})"
-    assert not torch.equal(batch, base)
+    return batch
 
 
 def _tiles_or_skip() -> None:
@@ -604,12 +618,7 @@ def test_the_lora_tiles_give_a_token_the_same_bits_alone_as_in_any_batch(rank: i
     slots = [0, 0, 0, 0, 0, 0, 2, 2, -1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 1, *[0] * 37, *[2] * 17]
     x = torch.randn(len(slots), in_size, generator=gen).bfloat16()
     base = torch.randn(len(slots), width, generator=gen).bfloat16()
-    batch = base.clone()
-    torch.ops.rankcast.lora_add(batch, x, torch.tensor(slots), [a], [b], [0], rank)
-    for t, slot in enumerate(slots):
-        alone = base[t : t + 1].clone()
-        torch.ops.rankcast.lora_add(alone, x[t : t + 1], torch.tensor([slot]), [a], [b], [0], rank)
-        assert torch.equal(batch[t : t + 1], alone), f"token {t} (slot {slot})"
+    batch = _each_token_alone_as_in_the_batch(x, base, slots, a, b, rank)
     assert not torch.equal(batch[:8], base[:8])
 
 

@@ -1,7 +1,7 @@
 """Adapter slots packed for AMX tiles, the layout csrc/lora_amx.cpp multiplies.
 
 On a CPU with AMX a bfloat16 model's adapters are held in bfloat16, each A and B already in the
-shape a tile's second operand loads (16 output columns of 16 pairs of k, 64 bytes a row), so an
+shape a tile's second operand loads (up to 16 output columns of 16 pairs of k a tile), so an
 activation stays one copy per slot place and the kernel packs nothing per step. An adapter is
 packed once, when a rank makes its slot images (`LoRALinear.slot_images`).
 

@@ -37,7 +37,8 @@ from rankcast.model.layers import KernelSlots
 from rankcast.platform import lora_compute_dtype
 
 if TYPE_CHECKING:
-    from rankcast.model.llama import LlamaForCausalLM
+    from rankcast.model.layers import ColumnParallelLinear, RowParallelLinear
+    from rankcast.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 # The most sub-projections one layer fuses (q, k, v): the batch mask covers that many.
@@ -306,62 +307,70 @@ def attach_lora(
 
     Returns the shared context and, per layer index, the layer's LoRA projections.
     """
-    tp = model.tp
     param = next(model.parameters())
     device = param.device
+    indices = range(model.start_layer, model.end_layer)
+    projections = {
+        index: _lora_projections(layer, model.tp.rank)
+        for index, layer in zip(indices, model.decoder_layers(), strict=True)
+    }
     if ops.lora_kernel_applies(param):
         tiles = ops.lora_tiles_apply(param) and all(
-            tile_layout.fits_tiles(size) for size in _lora_out_sizes(model)
+            tile_layout.fits_tiles(sub.out_size)
+            for layer in projections.values()
+            for _, subs, _ in layer
+            for sub in subs
         )
         dtype = torch.bfloat16 if tiles else torch.float32
         context = LoRAContext(max_loras, max_rank, device, dtype, kernel=True)
     else:
         context = LoRAContext(max_loras, max_rank, device, lora_compute_dtype(param.dtype, device))
     per_layer: dict[int, list[LoRALinear]] = {}
-    indices = range(model.start_layer, model.end_layer)
-    for index, layer in zip(indices, model.decoder_layers(), strict=True):
-        qkv = layer.self_attn.qkv_proj
-        q, kv = qkv.q_size, qkv.kv_size
-        kv_index = tp.rank // qkv.kv_replicas
-        gate_up = layer.mlp.gate_up_proj
-        half = gate_up.output_size_per_rank // 2
-        o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
+    for index, layer in projections.items():
+        per_layer[index] = []
+        for linear, subs, in_size in layer:
+            linear.lora = LoRALinear(context, subs, in_size)
+            per_layer[index].append(linear.lora)
+    return context, per_layer
 
-        def make(subs: list[SubProjection], in_size: int) -> LoRALinear:
-            return LoRALinear(context, subs, in_size)
 
-        qkv.lora = make(
+def _lora_projections(
+    layer: LlamaDecoderLayer, tp_rank: int
+) -> list[tuple[ColumnParallelLinear | RowParallelLinear, list[SubProjection], int]]:
+    """A decoder layer's targetable projections on this rank (QKV, gate-up, O, down): each
+    linear, its sub-projections and its input width."""
+    qkv = layer.self_attn.qkv_proj
+    q, kv = qkv.q_size, qkv.kv_size
+    kv_index = tp_rank // qkv.kv_replicas
+    gate_up = layer.mlp.gate_up_proj
+    half = gate_up.output_size_per_rank // 2
+    o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
+    return [
+        (
+            qkv,
             [
-                SubProjection("q_proj", 0, q, tp.rank),
+                SubProjection("q_proj", 0, q, tp_rank),
                 SubProjection("k_proj", q, kv, kv_index),
                 SubProjection("v_proj", q + kv, kv, kv_index),
             ],
             qkv.weight.shape[1],
-        )
-        gate_up.lora = make(
+        ),
+        (
+            gate_up,
             [
-                SubProjection("gate_proj", 0, half, tp.rank),
-                SubProjection("up_proj", half, half, tp.rank),
+                SubProjection("gate_proj", 0, half, tp_rank),
+                SubProjection("up_proj", half, half, tp_rank),
             ],
             gate_up.weight.shape[1],
-        )
-        o_proj.lora = make(
-            [SubProjection("o_proj", 0, o_proj.weight.shape[0], in_shard=tp.rank)],
+        ),
+        (
+            o_proj,
+            [SubProjection("o_proj", 0, o_proj.weight.shape[0], in_shard=tp_rank)],
             o_proj.input_size_per_rank,
-        )
-        down.lora = make(
-            [SubProjection("down_proj", 0, down.weight.shape[0], in_shard=tp.rank)],
+        ),
+        (
+            down,
+            [SubProjection("down_proj", 0, down.weight.shape[0], in_shard=tp_rank)],
             down.input_size_per_rank,
-        )
-        per_layer[index] = [qkv.lora, gate_up.lora, o_proj.lora, down.lora]
-    return context, per_layer
-
-
-def _lora_out_sizes(model: LlamaForCausalLM) -> list[int]:
-    """Every output width a LoRA sub-projection of this stage writes on this rank."""
-    sizes = []
-    for layer in model.decoder_layers():
-        qkv = layer.self_attn.qkv_proj
-        sizes += [qkv.q_size, qkv.kv_size, layer.mlp.gate_up_proj.output_size_per_rank // 2]
-        sizes += [layer.self_attn.o_proj.weight.shape[0], layer.mlp.down_proj.weight.shape[0]]
-    return sizes
+        ),
+    ]

@@ -226,7 +226,7 @@ def test_a_bfloat16_model_runs_its_adapters_in_the_platforms_compute_dtype(
         for projection in projections:
             assert projection.a.dtype == want_dtype
             assert all(b.dtype == want_dtype for b in projection.b)
-            # Packed for tiles: [subs, slots, P, K/2, 16, 2] (rankcast/lora/tile_layout.py).
+            # Packed for tiles: [subs, slots, P, K/2, w, 2] (rankcast/lora/tile_layout.py).
             assert projection.a.dim() == (6 if lora_path == "tiles" else 2)
     for slot, path in enumerate(mixed_adapters):
         runner.set_lora(slot, load_peft_adapter(path.name, path, arch, max_lora_rank=8))

@@ -92,6 +92,10 @@ class AdapterSlots(Protocol):
         """Where a request finds the adapter now: "device", "host" or "disk"."""
         ...
 
+    def note_request(self, name: str) -> None:
+        """A request on the adapter had its first turn (the host tier keeps the most asked)."""
+        ...
+
     def undo_displacement(self, name: str) -> bool:
         """Whether needing it undoes an eviction that made room for another (once each)."""
         ...
@@ -285,6 +289,7 @@ class Scheduler:
         assert self.adapters is not None and request.lora_name is not None
         request.adapter_found_counted = True
         where = self.adapters.whereabouts(request.lora_name)
+        self.adapters.note_request(request.lora_name)
         self.lora_requests_found.setdefault(request.lora_name, collections.Counter())[where] += 1
         if where != "device" and self.adapters.undo_displacement(request.lora_name):
             self.lora_evictions_undone[request.lora_name] += 1

@@ -91,6 +91,9 @@ class FakeSlots:
         unready = name not in self.known or name in self.reading or name in self.no_room
         return "disk" if unready else "host"
 
+    def note_request(self, name: str) -> None:
+        pass  # popularity only ranks the host tier's adapters, which the fake does not model
+
     def undo_displacement(self, name: str) -> bool:
         if name in self.evicted:
             self.evicted.remove(name)

@@ -1,5 +1,6 @@
-"""The adapter cache, offline: device slots and the host tier, LRU eviction that spares running
-and pinned adapters, and the scheduler deferring a request whose adapter has no slot yet.
+"""The adapter cache, offline: device slots and the host tier, eviction (least recently used
+from a slot, least asked for from the host tier) that spares running and pinned adapters, and
+the scheduler deferring a request whose adapter has no slot yet.
 
 Each check reads the lifecycle events the ranks published, so what is asserted is what an
 operator would see, and the greedy outputs, which a slot overwritten under a running request
@@ -138,6 +139,54 @@ def test_a_full_host_tier_drops_its_least_recently_used_idle_adapter(
         llm.engine.call(RemoveLoRA("b"))
         assert _lifecycle(llm) == [("evicted", "b", "unload")]
         assert [e.name for e in llm.list_loras()] == ["a", "c"]
+
+
+def test_a_full_host_tier_keeps_the_adapter_most_asked_for_even_when_least_recently_used(
+    tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
+) -> None:
+    """Under skewed traffic the popular adapter is often idle for a moment: least recently
+    used alone would push it out for a rarely used one and read it back soon after."""
+    a, b, c = requests
+    d = LoRARequest("d", a.path)  # a fourth adapter (a's files under another name)
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=3) as llm:
+        for _ in range(3):
+            llm.generate([PROMPT], GREEDY, lora_request=a)
+        llm.generate([PROMPT], GREEDY, lora_request=b)
+        llm.generate([PROMPT], GREEDY, lora_request=c)
+        _lifecycle(llm)
+        # Host: a (3 requests, least recently used), b (1), c (1, on the device). d needs a
+        # place: of the idle off-device adapters b was asked for least, so b leaves, not a.
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=d)) == [alone["a"]]
+        assert _lifecycle(llm) == [
+            ("loaded", "d", "cpu"),
+            ("evicted", "b", "capacity"),
+            ("evicted", "c", "lru"),
+            ("activated", "d", "device"),
+        ]
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=a)) == [alone["a"]]
+        assert [e[:2] for e in _lifecycle(llm)] == [("evicted", "d"), ("activated", "a")]
+
+
+def test_the_host_tier_counts_only_the_latest_requests_so_it_follows_a_shift_in_popularity(
+    tiny_llama_dir: Path,
+    requests: list[LoRARequest],
+    alone: dict[str, list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An adapter popular an hour ago must not hold its place forever: only the engine's
+    latest RECENT_REQUESTS requests count (four here)."""
+    from rankcast.engine_core import lora_registry
+
+    monkeypatch.setattr(lora_registry, "RECENT_REQUESTS", 4)
+    a, b, c = requests
+    d = LoRARequest("d", a.path)
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=3) as llm:
+        for r in (a, a, a, b, b, c):  # the latest four: a, b, b, c
+            llm.generate([PROMPT], GREEDY, lora_request=r)
+        _lifecycle(llm)
+        # All six counted, a (3) would stay and b (2) leave; of the latest four, a has one.
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=d)) == [alone["a"]]
+        assert _lifecycle(llm)[:2] == [("loaded", "d", "cpu"), ("evicted", "a", "capacity")]
 
 
 def test_every_slot_pinned_refuses_other_adapters_at_submission(

@@ -378,10 +378,18 @@ MUTANTS = [
     ),
     Mutant(
         "host-tier-unbounded",
-        "A full host tier drops its least recently used idle adapter",
+        "A full host tier drops an idle adapter to make room",
         "rankcast/engine_core/lora_registry.py",
         "        if len(held) < self.config.host_capacity:",
         "        if True:",
+        (CACHE,),
+    ),
+    Mutant(
+        "host-tier-forgets-popularity",
+        "A full host tier keeps the adapters most asked for lately",
+        "rankcast/engine_core/lora_registry.py",
+        "        return min(idle, key=lambda a: (a.slot is not None, counts[a.name], a.last_used))",
+        "        return min(idle, key=lambda a: (a.slot is not None, a.last_used))",
         (CACHE,),
     ),
     Mutant(

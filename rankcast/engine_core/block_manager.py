@@ -6,6 +6,15 @@ have equal names while a different adapter or a different earlier token gives an
 block keeps its name and its K/V until the allocator needs the memory: free blocks queue in
 least-recently-used order, and a request that starts with a cached prefix takes those blocks
 instead of recomputing them. Full blocks are never written again, so sharing them is safe.
+
+Requests admitted into the same step share too: a full block that a request admitted earlier in
+the step will compute in it (`plan_computed`) is matched like a cached one by a later request
+with the same prefix, which then computes only what follows. This is safe because every layer
+writes the whole step's K/V into the cache before any token attends (model/attention.py,
+csrc/decoder_stack.cpp). Without it, a burst of requests sharing a system prompt computes the
+prompt once per request in the step that admits them; with it, once per step, as vLLM's KV
+cache manager does by naming blocks when it allocates them. The blocks are named (and their
+KV events published) only after the step has computed them, as every block is.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ class BlockManager:
         # Free blocks, least recently used first: allocation takes from the front.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        # Full blocks that requests admitted into the step being formed compute in it:
+        # block hash -> block id, matched after `cached` (cleared as each step is formed).
+        self.planned: dict[int, int] = {}
         # Prompt tokens looked up in the cache, and found, since start (what routers chart).
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -95,14 +107,33 @@ class BlockManager:
             hashes.append(block_hash(hashes[-1] if hashes else None, tokens, request.lora_id))
         return hashes[:full_blocks]
 
+    def begin_step(self) -> None:
+        """A new step is being formed: blocks planned for the last one are computed (and
+        named) by now, or were never computed."""
+        self.planned.clear()
+
+    def plan_computed(self, request: Request, num_tokens: int) -> None:
+        """The request (its blocks allocated) computes its tokens up to `num_tokens` in the step
+        being formed: a later request of the step may share its full blocks not yet named."""
+        if not self.enable_prefix_caching:
+            return
+        full = num_tokens // self.block_size
+        hashes = self._hashes(request, full)
+        for i in range(request.num_computed_tokens // self.block_size, full):
+            if hashes[i] not in self.cached and hashes[i] not in self.planned:
+                self.planned[hashes[i]] = request.block_ids[i]
+
     def match_prefix(self, request: Request) -> int:
         """Give a request that holds no blocks the longest cached run of its leading full blocks
-        (never its last token: that one is computed, to sample from). Returns the tokens found;
-        the request counts them as computed."""
+        (never its last token: that one is computed, to sample from), cached or computed in
+        this step by a request admitted before it. Returns the tokens found; the request counts
+        them as computed."""
         if not self.enable_prefix_caching or request.block_ids:
             return 0
         for name in self._hashes(request, (request.num_tokens - 1) // self.block_size):
             block_id = self.cached.get(name)
+            if block_id is None:
+                block_id = self.planned.get(name)  # held by the request computing it
             if block_id is None:
                 break
             block = self.blocks[block_id]
@@ -175,6 +206,7 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        self.planned.clear()
         self._removed = []
         self._events = [KVCacheCleared()] if self.kv_events else []
         return True

@@ -273,6 +273,7 @@ class Scheduler:
                 request.lora_slot = slot
                 active.add(request.lora_name)
             self.blocks.allocate(request, need)
+            self.blocks.plan_computed(request, need)
             self.blocks.record_lookup(request.num_tokens, cached)
             if request.routing_reason and not request.routing_hit_counted:
                 self.routing_hit_prefix_tokens += cached
@@ -550,6 +551,7 @@ class Scheduler:
         finished = self.finished_since_last_step
         self.finished_since_last_step = []
         self.steps += 1
+        self.blocks.begin_step()
         just_parked = self._park_drained()
         self.parked_short_of_blocks = False  # set by `_resume_parked`
         self._park_for_queue()

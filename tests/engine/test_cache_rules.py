@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from rankcast import LLM, SamplingParams
 from rankcast.channel.events import KVBlocksStored
 from rankcast.config import SchedulerConfig
@@ -186,3 +188,60 @@ def test_a_subscriber_rebuilds_the_engines_block_names_from_parents_and_tokens(
             assert name == expected, "the chain from the event's parent reaches another name"
             rebuilt.append(name)
     assert set(rebuilt) <= cached and len(rebuilt) >= 5
+
+
+# ---- requests admitted into one step share the full blocks the step computes ----
+
+
+def test_requests_admitted_together_compute_their_shared_prefix_once() -> None:
+    blocks = BlockManager(32, 4, kv_events=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), blocks, 1024)
+    shared = list(range(500, 508))  # two full blocks
+    for rid, tail in (("first", [1, 2]), ("second", [3]), ("other", [9])):
+        prompt = [*shared, *tail] if rid != "other" else [600, *shared[1:], *tail]
+        scheduler.add_request(_prompt_request(rid, prompt))
+    blocks.take_kv_events()
+    first, second, other = scheduler.schedule().sequences
+    assert (first.start_position, second.start_position, other.start_position) == (0, 8, 0)
+    assert second.block_ids[:2] == first.block_ids[:2], "the blocks the first one computes"
+    assert not set(other.block_ids) & set(first.block_ids), "another first token, other blocks"
+    assert blocks.hit_tokens == 8
+    _check_allocator(scheduler)
+    ids = [s.request_id for s in (first, second, other)]
+    scheduler.update_from_output(ModelRunnerOutput(ids, [7] * 3))
+    stored = [e for e in blocks.take_kv_events() if isinstance(e, KVBlocksStored)]
+    named = [h for e in stored for h in e.block_hashes]
+    assert len(named) == len(set(named)) == 4, "each computed block named once, by its writer"
+    for rid in ids:
+        _finish(scheduler, rid)
+    _check_allocator(scheduler)
+
+
+def test_a_chunk_shares_only_the_blocks_it_completes_in_the_step() -> None:
+    blocks = BlockManager(32, 4)
+    writer = _prompt_request("writer", list(range(300, 313)))  # 13 tokens: blocks 0-2 full
+    reader = _prompt_request("reader", list(range(300, 313)))
+    blocks.match_prefix(writer)
+    blocks.allocate(writer, 10)
+    blocks.plan_computed(writer, 10)  # this step computes tokens 0-9: blocks 0 and 1 whole
+    assert blocks.match_prefix(reader) == 8, "block 2 is only half written in this step"
+    assert reader.block_ids == writer.block_ids[:2]
+    blocks.free(reader)
+    blocks.begin_step()  # the next step: what was planned is named by now, or never computed
+    assert blocks.match_prefix(reader) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompts_admitted_together_generate_as_without_the_cache(
+    tiny_llama_dir: Path, dtype: str
+) -> None:
+    system = [(17 * j) % 230 + 3 for j in range(2 * BLOCK + 5)]
+    prompts = [[*system, i + 4, 2 * i + 9] for i in range(4)]
+    outputs = []
+    for caching in (False, True):
+        options = {"kv_cache_space_gib": 0.05, "max_num_seqs": 8, "dtype": dtype}
+        with _llm(tiny_llama_dir, caching, **options) as llm:
+            outputs.append(_generate_stepwise(llm, prompts))  # all four in the first step
+            hits = llm.engine.client.core.scheduler.blocks.hit_tokens
+            assert hits == (3 * 2 * BLOCK if caching else 0), "three share the first's blocks"
+    assert outputs[0] == outputs[1]

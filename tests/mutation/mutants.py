@@ -538,6 +538,22 @@ MUTANTS = [
         ("tests/engine/test_cache_rules.py",),
     ),
     Mutant(
+        "step-shares-unfinished-block",
+        "Requests admitted into one step share only the full blocks the step completes",
+        "rankcast/engine_core/block_manager.py",
+        "        full = num_tokens // self.block_size",
+        "        full = -(-num_tokens // self.block_size)",
+        ("tests/engine/test_cache_rules.py",),
+    ),
+    Mutant(
+        "step-sharing-outlives-its-step",
+        "What a step plans to compute is shared only within that step",
+        "rankcast/engine_core/scheduler.py",
+        "        self.blocks.begin_step()",
+        "        pass",
+        ("tests/engine/test_cache_rules.py",),
+    ),
+    Mutant(
         "block-hash-ignores-parent",
         "A block's cache identity chains its parent's",
         "rankcast/engine_core/block_manager.py",

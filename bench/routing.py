@@ -385,12 +385,16 @@ def plot(parts: dict[str, list[dict[str, Any]]], path: Path) -> None:
         names = [r["layout"] for r in shown]
         row_axes[0].barh(names, [r["hit_rate"] * 100 for r in shown])
         row_axes[0].set_xlabel(f"{part}: prefix-cache hit rate (%)")
-        row_axes[1].barh(names, [r["disk_loads_per_100"] for r in shown])
+        reads = [r["disk_loads_per_100"] for r in shown]
+        row_axes[1].barh(names, reads)
         row_axes[1].set_xlabel(f"{part}: adapter disk reads per 100 requests")
+        if not any(reads):  # a part without adapters: say so rather than draw an empty axis
+            row_axes[1].set_xticks([])
+            row_axes[1].text(0.5, 0.5, "no adapters", ha="center", transform=row_axes[1].transAxes)
         row_axes[2].barh(names, [r["ttft_p99_ms"] for r in shown], label="p99", color="#bbb")
         row_axes[2].barh(names, [r["ttft_p50_ms"] for r in shown], label="p50")
         row_axes[2].set_xlabel(f"{part}: TTFT (ms)")
-        row_axes[2].legend(loc="lower right")
+        row_axes[2].legend(loc="best")
         for ax in row_axes[1:]:
             ax.set_yticklabels([])
         for ax in row_axes:

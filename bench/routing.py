@@ -372,8 +372,9 @@ def print_part(title: str, rows: list[dict[str, Any]], best: float, machine: str
     )
 
 
-def plot(parts: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """Per part (a row of panels): prefix hit rate, adapter disk reads, TTFT p50 and p99."""
+def plot(parts: dict[str, list[dict[str, Any]]], path: Path, machine: str) -> None:
+    """Per part (a row of panels): prefix hit rate, adapter disk reads, TTFT p50 and p99; the
+    machine it was measured on as the title (figures mean nothing without it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -399,6 +400,7 @@ def plot(parts: dict[str, list[dict[str, Any]]], path: Path) -> None:
             ax.set_yticklabels([])
         for ax in row_axes:
             ax.invert_yaxis()
+    fig.suptitle(f"bench/routing.py on {machine}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -473,7 +475,7 @@ def main() -> None:
         print_part(f"{title}; ratios to {anchor}", rows, best, describe(machine))
         parts[part] = rows
         result[part] = {"best_hit_rate": best, "anchor": anchor, "rows": rows}
-    plot(parts, out / f"routing-{args.part}.png")
+    plot(parts, out / f"routing-{args.part}.png", describe(machine))
     (out / f"routing-{args.part}.json").write_text(json.dumps(result, indent=2))
 
 

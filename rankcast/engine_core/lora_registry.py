@@ -435,9 +435,9 @@ class LoRARegistry:
 
     def _read_into_host(self, entry: RegisteredAdapter, busy: set[str]) -> None:
         """Disk -> host tier on every rank, now (a utility's read); if the tier is full, the
-        idle adapter `_host_victim` picks is evicted, but only after
-        the read succeeded, so an adapter that cannot be read costs no other adapter its place
-        (the tier holds one more for the moment in between)."""
+        idle adapter `_host_victim` picks is evicted, but only after the read succeeded, so an
+        adapter that cannot be read costs no other adapter its place (the tier holds one more
+        for the moment in between)."""
         victim = self._host_victim(busy)
         self._load(entry)
         if victim is not None:

@@ -245,3 +245,21 @@ def test_prompts_admitted_together_generate_as_without_the_cache(
             hits = llm.engine.client.core.scheduler.blocks.hit_tokens
             assert hits == (3 * 2 * BLOCK if caching else 0), "three share the first's blocks"
     assert outputs[0] == outputs[1]
+
+
+def test_what_a_step_planned_is_forgotten_once_its_blocks_can_be_reused() -> None:
+    """A block planned in one step is named when computed; once its memory goes to another
+    request the name is dropped, and an old plan must not bring it back."""
+    blocks = BlockManager(4, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), blocks, 1024)
+    prompt = list(range(700, 709))  # two full blocks and one token
+    scheduler.add_request(_prompt_request("first", prompt))
+    _finish(scheduler, "first")
+    scheduler.add_request(_prompt_request("filler", list(range(900, 913))))  # every block
+    _finish(scheduler, "filler")
+    first_block = block_hash(None, prompt[:4], 0)
+    names = [first_block, block_hash(first_block, prompt[4:8], 0)]
+    assert not any(name in blocks.cached for name in names), "the filler took their memory"
+    scheduler.add_request(_prompt_request("again", prompt))
+    assert scheduler.schedule().sequences[0].start_position == 0, "K/V of another request"
+    _check_allocator(scheduler)

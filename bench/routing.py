@@ -530,7 +530,8 @@ def main() -> None:
             "repeats": args.repeats,
             "rows": rows,
         }
-    plot(parts, out / f"routing-{args.part}.png", describe(machine))
+    medians = f"; each figure the median of {args.repeats} runs" if args.repeats > 1 else ""
+    plot(parts, out / f"routing-{args.part}.png", describe(machine) + medians)
     (out / f"routing-{args.part}.json").write_text(json.dumps(result, indent=2))
 
 

@@ -31,11 +31,11 @@ vLLM-cpu, the engine anchor, is not part of this comparison. A ratio above 1 is 
 anchor (its TTFT over this layout's; this layout's tokens/s over its). A table per part, JSON
 and a PNG in bench/results/, with the CPU it ran on.
 
-With `--repeats N` every part runs its layouts N times, alternated (load, auto, ..., load,
-auto, ...), and reports each figure as the median of its runs (the ratios are the medians'),
-with every run and each figure's range in the JSON.
+With `--runs N` (as in bench/serve.py) every part runs its layouts N times, alternated (load,
+auto, ..., load, auto, ...), and reports each figure as the median of its runs (the ratios are
+the medians'), with every run and each figure's range in the JSON.
 
-    python bench/routing.py [--part tenants|adapters|mixed|all] [--repeats N]
+    python bench/routing.py [--part tenants|adapters|mixed|all] [--runs N]
                             [--layouts load,auto,round_robin,cache_aware,kv_aware]
 """
 
@@ -495,7 +495,7 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--blocks", type=int, default=384, help="KV blocks per engine")
     parser.add_argument(
-        "--repeats",
+        "--runs",
         type=int,
         default=1,
         help="run each part's layouts this many times, alternated; report each figure's median",
@@ -514,10 +514,10 @@ def main() -> None:
     for part in wanted:
         spec = PARTS[part]
         requests = spec.workload()
-        rows = median_rows([spec.run(layouts, args.blocks) for _ in range(args.repeats)])
+        rows = median_rows([spec.run(layouts, args.blocks) for _ in range(args.runs)])
         anchor, title = spec.anchor, spec.title
-        if args.repeats > 1:
-            title += f"; each figure the median of {args.repeats} runs, layouts alternated"
+        if args.runs > 1:
+            title += f"; each figure the median of {args.runs} runs, layouts alternated"
         # Part adapters shares no system prompt: its prompts share only what the chat template
         # puts first, so no "best" is meaningful there.
         best = best_hit_rate(model_dir, requests) if part != "adapters" else 0.0
@@ -527,10 +527,10 @@ def main() -> None:
         result[part] = {
             "best_hit_rate": best,
             "anchor": anchor,
-            "repeats": args.repeats,
+            "runs_per_layout": args.runs,
             "rows": rows,
         }
-    medians = f"; each figure the median of {args.repeats} runs" if args.repeats > 1 else ""
+    medians = f"; each figure the median of {args.runs} runs" if args.runs > 1 else ""
     plot(parts, out / f"routing-{args.part}.png", describe(machine) + medians)
     (out / f"routing-{args.part}.json").write_text(json.dumps(result, indent=2))
 

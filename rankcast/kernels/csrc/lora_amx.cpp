@@ -8,8 +8,8 @@
 // model's (~39 ms). On tiles the shrink (x A^T, K = the layer's input) is a handful of tile
 // products per 16 tokens, and the expand (shrunk B, K = the rank) little more than adding a
 // panel of sums into the output. Measured there (one core, slots in cache, 30 layers, 160
-// tokens on two rank-8 adapters): 9.1-9.6 -> 6.1 ms; in the engine's prefill step, what two
-// adapters add ~10 -> ~8 ms. A block of one to four tokens costs ~1.3 us more a call than in the
+// tokens on two rank-8 adapters): 9.1-9.6 -> 6.1-6.3 ms; in the engine's prefill step, what two
+// adapters add ~10 -> ~8 ms. A block of one to four tokens costs ~1.1 us more a call than in the
 // float32 kernel (two tile configurations, a pass over every output panel): the fix for both
 // is to fuse the expand into the base linear's tiles (one more tile of k), not done yet.
 //

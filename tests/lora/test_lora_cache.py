@@ -189,6 +189,31 @@ def test_the_host_tier_counts_only_the_latest_requests_so_it_follows_a_shift_in_
         assert _lifecycle(llm)[:2] == [("loaded", "d", "cpu"), ("evicted", "a", "capacity")]
 
 
+def test_a_full_host_tier_evicts_the_idle_adapter_off_the_device_before_the_one_on_it(
+    tiny_llama_dir: Path, requests: list[LoRARequest], alone: dict[str, list[int]]
+) -> None:
+    """The adapter in a device slot serves its next request at once; one only in the host
+    tier needs a copy to a slot first. So a full host tier gives up the off-device one, even
+    when it was asked for more, or as often and more recently: neither popularity nor the
+    order adapters came in may push out the one on the device."""
+    a, b, c = requests
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2) as llm:
+        for r in (b, b, a):
+            llm.generate([PROMPT], GREEDY, lora_request=r)
+        _lifecycle(llm)
+        # Host: b (asked for twice, off the device), a (once, on it). c needs a place.
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=c)) == [alone["c"]]
+        assert _lifecycle(llm)[:2] == [("loaded", "c", "cpu"), ("evicted", "b", "capacity")]
+    modules = ((a.name, a.path),)
+    with lora_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2, lora_modules=modules) as llm:
+        llm.engine.call(AddLoRA(b.name, b.path))  # after start-up: more recent than a
+        _lifecycle(llm)
+        # Host: a (started with, on the device), b (added later, off it); neither asked for.
+        assert {e.name: e.tiers for e in llm.list_loras()} == {"a": ["device", "cpu"], "b": ["cpu"]}
+        assert _tokens(llm.generate([PROMPT], GREEDY, lora_request=c)) == [alone["c"]]
+        assert _lifecycle(llm)[:2] == [("loaded", "c", "cpu"), ("evicted", "b", "capacity")]
+
+
 def test_every_slot_pinned_refuses_other_adapters_at_submission(
     tiny_llama_dir: Path, requests: list[LoRARequest]
 ) -> None:

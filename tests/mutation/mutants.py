@@ -256,6 +256,14 @@ MUTANTS = [
         (ROUTER,),
     ),
     Mutant(
+        "routing-ties-by-salted-hash",
+        "13 Routing: every API server (a process with its own hash seed) breaks a tie alike",
+        "rankcast/engine_client/engine_router.py",
+        'pick = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")',
+        "pick = hash(key)",
+        (ROUTER,),
+    ),
+    Mutant(
         "dashboard-waits-for-poll",
         "14 The dashboard shows a rank's LoRA event within a second, on every API server's page",
         "rankcast/dashboard/dashboard.js",
@@ -390,6 +398,14 @@ MUTANTS = [
         "rankcast/engine_core/lora_registry.py",
         "        return min(idle, key=lambda a: (a.slot is not None, counts[a.name], a.last_used))",
         "        return min(idle, key=lambda a: (a.slot is not None, a.last_used))",
+        (CACHE,),
+    ),
+    Mutant(
+        "host-tier-evicts-device-adapter",
+        "A full host tier evicts an idle adapter off the device before one on it",
+        "rankcast/engine_core/lora_registry.py",
+        "        return min(idle, key=lambda a: (a.slot is not None, counts[a.name], a.last_used))",
+        "        return min(idle, key=lambda a: (counts[a.name], a.last_used))",
         (CACHE,),
     ),
     Mutant(

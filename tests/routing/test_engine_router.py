@@ -4,6 +4,12 @@ stats. Each rule decides a case it should, and nothing else decides it."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from rankcast.channel.events import (
     KVBlocksStored,
     KVCacheCleared,
@@ -126,6 +132,41 @@ def test_a_dead_engine_is_skipped_and_every_server_chooses_alike() -> None:
     picks = [[s.choose([True, True], [i, i + 1], None).engine for i in range(20)] for s in servers]
     assert picks[0] == picks[1], "same request and state, same choice"
     assert set(picks[0]) == {0, 1}, "unrelated requests spread over the engines"
+
+
+def tied_choices() -> list[int]:
+    """The engine each of 24 requests goes to when both engines hold the prompt's prefix and
+    carry the same load: every choice is a tie. Half name an adapter, so a tie broken by
+    anything salted per process (`hash()` of a string or bytes, set order, `id()`) differs
+    between processes."""
+    picks = []
+    for i in range(24):
+        r = router()
+        r.consume([stored(0, PREFIX), stored(1, PREFIX)], [], 0.0)
+        picks.append(r.choose([True, True], question(i), f"tenant-{i}" if i % 2 else None).engine)
+    return picks
+
+
+def test_api_servers_in_separate_processes_break_ties_alike_whatever_their_hash_seed() -> None:
+    """API servers are separate processes, each with its own hash seed: two routers in one
+    process share it, so only separate processes show a tie broken by a salted hash."""
+    root = Path(__file__).resolve().parents[2]
+    script = "import json; from tests.routing.test_engine_router import tied_choices as c; "
+    script += "print(json.dumps(c()))"
+    picks = {}
+    for seed in ("0", "1", "2"):
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=root,
+            env=dict(os.environ, PYTHONHASHSEED=seed),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        picks[seed] = json.loads(done.stdout)
+    assert picks["0"] == picks["1"] == picks["2"], f"choices differ with the hash seed: {picks}"
+    assert set(picks["0"]) == {0, 1}, "tied requests spread over the engines"
 
 
 def test_an_engine_without_room_for_the_prompt_is_avoided() -> None:

@@ -169,3 +169,11 @@ def kernels_isa() -> str:
     if value not in levels:
         raise ValueError(f"RANKCAST_KERNELS_ISA must be one of {levels}, got {value!r}")
     return value
+
+
+def start_up_holds_dir() -> Path | None:
+    """A directory of one-shot start-up holds (`rankcast/start_up_holds.py`), for fault tests
+    that must kill a process at an exact moment of a fleet's start; unset (always, outside such
+    tests) nothing is ever held."""
+    value = os.environ.get("RANKCAST_START_UP_HOLDS", "").strip()
+    return Path(value) if value else None

@@ -2,7 +2,9 @@
 
 Both clients say hello with the protocol version, wait for `EngineReady`, and watch the engine
 process so that its death is noticed at once (the output socket disconnects, or the pid exits),
-never discovered by a request hanging forever.
+never discovered by a request hanging forever. The API server's client says its hello again,
+on fresh sockets, until it is answered: an engine core that dies while the server starts (or
+reconnects) takes the hello with it, and only its next incarnation can answer.
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ from rankcast.protocol import (
     UtilityOutput,
     UtilityRequest,
 )
+from rankcast.start_up_holds import hold_here
 
 logger = logging.getLogger(__name__)
+
+# How long one hello waits for its answer before it is said again on fresh sockets. A live
+# engine core answers between two steps (well under this); a dead one never does.
+HELLO_ATTEMPT_S = 2.0
 
 
 class EngineDeadError(RuntimeError):
@@ -168,7 +175,28 @@ class AsyncMPClient(AsyncEngineCoreClient):
         self.monitor: zmq.asyncio.Socket | None = None
 
     async def start(self, timeout_s: float = 600.0) -> None:
-        await self._connect(timeout_s)
+        """Connect to the engine core; fails with TimeoutError when no incarnation of it has
+        answered within `timeout_s`."""
+        await self._connect_until_answered(timeout_s)
+
+    async def _connect_until_answered(self, timeout_s: float | None) -> None:
+        """Say hello, on fresh sockets each time, every `HELLO_ATTEMPT_S` until the engine core
+        answers (or `timeout_s` passes: TimeoutError). A hello the engine took with it as it
+        died is never answered; the next incarnation binds the same addresses and hears the
+        next one. A refusal (another protocol version) is final."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            left = None if deadline is None else deadline - loop.time()
+            try:
+                await self._connect(HELLO_ATTEMPT_S if left is None else min(HELLO_ATTEMPT_S, left))
+            except TimeoutError:
+                if deadline is not None and loop.time() >= deadline:
+                    raise TimeoutError(
+                        f"engine core did not answer the handshake in {timeout_s:.0f} s"
+                    ) from None
+                continue
+            return
 
     async def _connect(self, timeout_s: float) -> None:
         """Fresh sockets, the hello, the engine's `EngineReady`, then the reader and the
@@ -184,6 +212,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
             await self.input.send(
                 self.encoder.encode(ClientHello(PROTOCOL_VERSION, self.client_index))
             )
+            hold_here("hello")  # a fault test's moment: the hello sent, its answer not read
             self.ready = _check_ready(await self._receive_ready(timeout_s))
         except BaseException:
             self._close_sockets(monitor)
@@ -204,7 +233,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
         self.input.close(linger=0)
         self.output.close(linger=0)
 
-    async def reconnect(self, attempt_s: float = 2.0) -> None:
+    async def reconnect(self) -> None:
         """After the engine core died: say hello until its next incarnation (started by the
         launcher's supervisor, on the same addresses) answers, then serve from it. Tries until
         it succeeds or the task is cancelled; the caller fails the dead engine's requests
@@ -214,12 +243,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
         self.tasks = []
         self._close_sockets(self.monitor)
         self.queue = asyncio.Queue()
-        while True:
-            try:
-                await self._connect(attempt_s)
-            except TimeoutError:
-                continue
-            return
+        await self._connect_until_answered(None)
 
     async def _receive_ready(self, timeout_s: float) -> EngineReady:
         """The handshake reply. A restarted API server may first receive what the engine sent

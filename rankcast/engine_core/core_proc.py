@@ -28,11 +28,12 @@ from rankcast.channel.stream import NotificationPublisher
 from rankcast.channel.vllm_kv_events import KVEventPublisher
 from rankcast.config import EngineConfig
 from rankcast.engine_core.core import EngineCore, Outbox
-from rankcast.executor.base import ExecutorError
+from rankcast.executor.base import ExecutorError, RankLostError
 from rankcast.logger import init_logging
 from rankcast.model.source import ModelSource
 from rankcast.process import die_with_parent, set_process_title
 from rankcast.protocol import EngineCoreInput, EngineCoreOutputs, EngineReady
+from rankcast.start_up_holds import hold_here
 from rankcast.startup_gc import collector_paused, freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -235,12 +236,16 @@ def run_engine_core(
     die_with_parent()
     if incarnation:
         logger.info("starting again (incarnation %d)", incarnation)
+    hold_here("load")  # a fault test's moment: nothing loaded yet
     try:
         with collector_paused():  # what it builds lives as long as the process
             proc = EngineCoreProc(config, source, addresses, engine_index, incarnation)
     except Exception as exc:
         logger.exception("engine core failed to start")
-        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        # A lost rank is a death the launcher restarts from; any other failure is this
+        # configuration's own, and would only repeat (rankcast/entrypoints/fleet.py).
+        kind = "lost" if isinstance(exc, RankLostError) else "error"
+        ready.send((kind, f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
 
     def stop(signum: int, _frame: object) -> None:
@@ -252,4 +257,5 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     freeze_startup_heap()
     ready.send(("ready", proc.core.max_model_len))
+    hold_here("serve")  # a fault test's moment: ready, but no hello answered yet
     proc.run(last_words=ready)

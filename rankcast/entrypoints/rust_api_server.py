@@ -110,7 +110,10 @@ def run_rust_api_server(
             break
     if not reported:
         code = child.wait()
-        ready.send(("error", f"rankcast-frontend exited during start-up (exit code {code})"))
+        # Killed (a negative code) is a death the launcher restarts from; an exit of its own
+        # is a failure it reported (in the lines passed through above).
+        kind = "lost" if code < 0 else "error"
+        ready.send((kind, f"rankcast-frontend exited during start-up (exit code {code})"))
         return
 
     def relay() -> None:

@@ -88,6 +88,12 @@ class ExecutorError(RuntimeError):
     """A rank failed; the message names it and carries its traceback when there is one."""
 
 
+class RankLostError(ExecutorError):
+    """A rank's process died (or its Ray actor or host was lost), as opposed to a rank that
+    reported an error of its own: the launcher starts an engine core that lost a rank during
+    start-up again, where a reported error (a bad model file, say) would only repeat."""
+
+
 class Executor(ABC):
     def __init__(self, config: EngineConfig, source: ModelSource, engine_index: int = 0) -> None:
         self.config = config

@@ -28,7 +28,7 @@ import zmq
 
 from rankcast.channel.doorbell import Doorbell
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError
+from rankcast.executor.base import Executor, ExecutorError, RankLostError
 from rankcast.model.source import ModelSource
 from rankcast.process import private_ipc_dir
 from rankcast.protocol import WorkerCall, WorkerReply
@@ -128,21 +128,24 @@ class MultiprocExecutor(Executor):
         self._wait_ready(pipes)
 
     def _wait_ready(self, pipes: list[Connection]) -> None:
+        """Wait for every rank's "ready"; any rank's death fails the wait at once, not only
+        the death of the rank being waited for (its peers may be stuck waiting for the dead
+        one in a collective)."""
         deadline = time.monotonic() + _START_TIMEOUT_S
-        for rank, (proc, pipe) in enumerate(zip(self.procs, pipes, strict=True)):
+        for rank, pipe in enumerate(pipes):
             while not pipe.poll(0.2):
-                if not proc.is_alive():
-                    raise ExecutorError(
-                        f"rank {rank} exited during start-up (code {proc.exitcode})"
-                    )
+                dead = self._dead_rank()
+                if dead is not None:
+                    raise RankLostError(f"during start-up, {dead}{_spawn_hint()}")
                 if time.monotonic() > deadline:
                     raise ExecutorError(f"rank {rank} did not start in {_START_TIMEOUT_S:.0f} s")
             try:
                 kind, *detail = pipe.recv()
             except EOFError:  # it died before a word
-                proc.join(5)
-                raise ExecutorError(
-                    f"rank {rank} exited during start-up (exit code {proc.exitcode}){_spawn_hint()}"
+                self.procs[rank].join(5)
+                raise RankLostError(
+                    f"rank {rank} exited during start-up (exit code {self.procs[rank].exitcode})"
+                    f"{_spawn_hint()}"
                 ) from None
             if kind != "ready":
                 raise ExecutorError(f"rank {rank} failed to start: {detail[0] if detail else kind}")
@@ -176,7 +179,7 @@ class MultiprocExecutor(Executor):
         unique_reply_rank: int | None,
     ) -> list[Any]:
         if self.failure is not None:
-            raise ExecutorError(self.failure)
+            raise RankLostError(self.failure)
         self.rpc_counts[name] += 1
         call_id = next(self.call_ids)
         reply_rank = -1 if unique_reply_rank is None else unique_reply_rank
@@ -189,7 +192,7 @@ class MultiprocExecutor(Executor):
         while expected - results.keys():
             if not self.replies.poll(100):
                 if self.failure is not None:
-                    raise ExecutorError(f"{name} failed: {self.failure}")
+                    raise RankLostError(f"{name} failed: {self.failure}")
                 if deadline is not None and time.monotonic() > deadline:
                     missing = sorted(expected - results.keys())
                     raise TimeoutError(f"{name}: no reply from rank(s) {missing} in {timeout} s")
@@ -202,8 +205,9 @@ class MultiprocExecutor(Executor):
                 # A collective error on a live rank is usually the echo of a peer's death;
                 # name the dead rank first, since that is the cause an operator must see.
                 dead = self._dead_rank()
+                error = RankLostError if dead else ExecutorError
                 cause = f"{dead}; " if dead else ""
-                raise ExecutorError(f"{cause}rank {reply.rank} failed in {name}: {reply.error}")
+                raise error(f"{cause}rank {reply.rank} failed in {name}: {reply.error}")
             results[reply.rank] = reply.result
         return [results[r] for r in sorted(expected)]
 

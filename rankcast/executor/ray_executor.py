@@ -24,7 +24,7 @@ import msgspec
 
 from rankcast import envs
 from rankcast.config import EngineConfig
-from rankcast.executor.base import Executor, ExecutorError
+from rankcast.executor.base import Executor, ExecutorError, RankLostError
 from rankcast.model.source import ModelSource
 from rankcast.protocol import WorkerCall, WorkerReply
 
@@ -213,7 +213,7 @@ class RayExecutor(Executor):
         ranks: range | list[int],
     ) -> list[WorkerReply]:
         if self.failure is not None:
-            raise ExecutorError(self.failure)
+            raise RankLostError(self.failure)
         self.rpc_counts[name] += 1
         self.call_ids += 1
         frame = msgspec.msgpack.encode(WorkerCall(self.call_ids, name, list(args)))
@@ -229,11 +229,12 @@ class RayExecutor(Executor):
                 reply = msgspec.msgpack.decode(self.ray.get(ref), type=WorkerReply)
             except self.ray.exceptions.RayActorError:
                 self.failure = f"rank {rank} (Ray actor, pid {self.pids[rank]}) died"
-                raise ExecutorError(f"{name} failed: {self.failure}") from None
+                raise RankLostError(f"{name} failed: {self.failure}") from None
             if reply.error is not None:
                 dead = self._dead_rank(refs)
+                error = RankLostError if dead else ExecutorError
                 cause = f"{dead}; " if dead else ""
-                raise ExecutorError(f"{cause}rank {rank} failed in {name}: {reply.error}")
+                raise error(f"{cause}rank {rank} failed in {name}: {reply.error}")
             replies.append(reply)
         if any(reply.notifications_pending for reply in replies):
             self.remote_doorbell = True

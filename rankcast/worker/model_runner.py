@@ -26,6 +26,7 @@ from rankcast.model.attention import AttentionMetadata
 from rankcast.model.llama import LlamaForCausalLM
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.sampling_params import SamplingParams
+from rankcast.start_up_holds import hold_here
 from rankcast.worker import sampler
 from rankcast.worker.grammar import GrammarMatchers, TokenMask
 
@@ -177,6 +178,7 @@ class ModelRunner:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     def _commit_cache(self) -> None:
+        hold_here("kv_commit")  # a fault test's moment: the engine is ready, its cache not yet
         start = time.perf_counter()
         for cache in self.kv_caches:
             flat = cache.view(-1).view(torch.uint8)

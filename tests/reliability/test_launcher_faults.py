@@ -1,8 +1,9 @@
 """What an operator sees when starting `rankcast serve` goes wrong, or when it is started again.
 
-A child killed during start-up is one clear line naming its role and exit status, and the launcher
-exits non-zero; a restart on the same port right after a stop works although the last run's
-connections are still in TIME_WAIT.
+A child killed during start-up is started again like one killed later (test_start_up_kills.py);
+one that keeps dying is given up on, and then the launch ends with one clear line naming the
+role, the count and the last exit status; a restart on the same port right after a stop works
+although the last run's connections are still in TIME_WAIT.
 """
 
 from __future__ import annotations
@@ -10,20 +11,26 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import tempfile
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from rankcast.entrypoints.launcher import LaunchError, StoppedDuringStartUp, _wait_ready
+from rankcast.entrypoints.fleet import Fleet, LaunchError, Role
+from rankcast.entrypoints.supervision import Supervision
 from tests.entrypoints.server_process import (
     ServerProcess,
     assert_session_ends,
+    descendants,
     free_port,
     launcher_while_loading,
+    process_title,
     tiny_model_args,
 )
 
@@ -62,15 +69,40 @@ def test_a_restart_on_the_same_port_works_with_time_wait_sockets_present(
         assert httpx.get(f"{second.url}/health", timeout=30).status_code == 200
 
 
-def test_a_child_killed_during_start_up_is_one_clear_line_and_a_failed_exit() -> None:
+def test_a_child_that_keeps_dying_during_start_up_ends_the_launch_in_one_clear_line() -> None:
+    """Each death during the start is restarted (1 s, then 2 s of back-off); the third within
+    five minutes, before the fleet ever served, ends the launch: nothing was promised to a
+    client yet, and whoever started it must see the failure."""
     with launcher_while_loading() as (launcher, engine):
-        os.kill(engine, signal.SIGKILL)
+        for kill in range(3):
+            os.kill(engine, signal.SIGKILL)
+            if kill < 2:
+                engine = _next_engine_core(launcher, engine)
         _, stderr = launcher.communicate(timeout=60)
     assert launcher.returncode != 0
     assert "Traceback" not in stderr and "EOFError" not in stderr, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("rankcast: error:")]
-    assert errors == ["rankcast: error: engine core dp0 exited during start-up (exit code -9)"]
+    assert errors == [
+        "rankcast: error: engine core 0 failed 3 times within 300 s (last: exited during "
+        "start-up (exit code -9)); the launcher does not restart it"
+    ]
     assert_session_ends(launcher.pid)
+
+
+def _next_engine_core(launcher: subprocess.Popen[str], old: int, timeout_s: float = 30) -> int:
+    """The engine core the launcher starts after `old` died."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, "the engine core was not started again"
+        assert launcher.poll() is None, "the launcher exited instead of restarting"
+        found = [
+            pid
+            for pid in descendants(launcher.pid)
+            if pid != old and process_title(pid) == "rankcast::engine_core_dp0"
+        ]
+        if found:
+            return found[0]
+        time.sleep(0.02)
 
 
 def test_a_killed_engine_core_leaves_no_ipc_directory_behind(tiny_llama_dir: Path) -> None:
@@ -94,20 +126,43 @@ def test_a_killed_engine_core_leaves_no_ipc_directory_behind(tiny_llama_dir: Pat
 
 
 def test_a_child_that_dies_of_the_stop_itself_is_read_as_the_stop() -> None:
-    """Ctrl-C reaches a loading child as well as the launcher: when its death (EOF on its
-    readiness pipe) is seen with the stop already requested, that is the stop (exit 0), not a
-    failed start (exit 1). Deterministic: the pipe is closed before the wait begins."""
+    """Ctrl-C reaches a loading child as well as the launcher: a death or a reported error
+    seen with the stop already requested is the stop, not a failure to count or a failed
+    start. Deterministic: the child has died before the fleet looks at it."""
     spawn = multiprocessing.get_context("spawn")
-    child = spawn.Process(target=int)
-    child.start()
-    child.join(30)
-    read, write = spawn.Pipe(duplex=False)
-    write.close()
-    stop = threading.Event()
-    stop.set()
-    with pytest.raises(StoppedDuringStartUp):
-        _wait_ready("engine core", child, read, 5.0, stop)
-    # Without a stop, the same death is a failed start naming the role and exit status.
-    with pytest.raises(LaunchError, match="engine core exited during start-up") as failed:
-        _wait_ready("engine core", child, read, 5.0, threading.Event())
-    assert not isinstance(failed.value, StoppedDuringStartUp)
+
+    def fleet(stop: threading.Event, target: Any) -> Fleet:
+        role = Role(Supervision.engine(0), lambda _: ("engine_core_dp0", target, ()), 60.0)
+        state = Path(tempfile.mkdtemp()) / "supervisor.json"
+        return Fleet(spawn, [role], [], state, stop)
+
+    for target in (_dies_at_once, _reports_an_error):
+        stopped = threading.Event()
+        stopping = fleet(stopped, target)
+        (role,) = stopping.engines
+        stopping._start(role)
+        assert role.child is not None
+        role.child.proc.join(30)
+        stopped.set()
+        stopping._watch(role)  # neither raises nor counts it
+        assert role.supervision.failures == [] and role.supervision.retry_at is None
+        # Without a stop, the same death is counted, and the same error ends the start.
+        counting = fleet(threading.Event(), target)
+        (role,) = counting.engines
+        counting._start(role)
+        assert role.child is not None
+        role.child.proc.join(30)
+        if target is _dies_at_once:
+            counting._watch(role)
+            assert role.supervision.last_failure == "exited during start-up (exit code 3)"
+        else:
+            with pytest.raises(LaunchError, match="engine core 0 failed to start: no model"):
+                counting._watch(role)
+
+
+def _dies_at_once(ready: Connection) -> None:
+    raise SystemExit(3)
+
+
+def _reports_an_error(ready: Connection) -> None:
+    ready.send(("error", "no model"))

@@ -58,7 +58,7 @@ from rankcast.entrypoints.openai.serving import (
     live,
 )
 from rankcast.entrypoints.openai.tokenization import detokenize, tokenize
-from rankcast.entrypoints.supervision import read_states
+from rankcast.entrypoints.supervision import read_state
 from rankcast.logger import init_logging
 from rankcast.metrics.lora_metrics import LoRAMetrics
 from rankcast.metrics.lora_residency import LoRAResidency
@@ -74,6 +74,7 @@ from rankcast.protocol import (
     RemoveLoRA,
     ResetPrefixCache,
 )
+from rankcast.start_up_holds import hold_here
 from rankcast.startup_gc import freeze_startup_heap
 from rankcast.tokenizer import load_tokenizer
 from rankcast.version import __version__
@@ -199,14 +200,25 @@ def _add_probe_routes(
     """What load balancers and scrapers ask: /health (503 once the engine died), /version,
     /metrics."""
 
+    fleet_started = False  # once the launcher says so, for good: no file read after that
+
     @app.get("/health")
     async def health() -> Response:
         """200 while any engine core serves (a dead data-parallel sibling is named in the
         body), 503 once none does. A dead engine's entry says whether the launcher is
         restarting it or has given up, and why; `incarnation` counts the engine core's
-        restarts (its events' ids carry it)."""
+        restarts (its events' ids carry it). Under `rankcast serve`, also 503 until the
+        whole fleet has started (every API server ready once; the body's `fleet` says how
+        far it is): a load balancer must not take the first API server up for a fleet that
+        can serve what it was started for."""
+        nonlocal fleet_started
         health = serving.engine.engine_health()
-        supervisor = read_states() if any(why for _, why in health) else {}
+        supervisor = None
+        if not fleet_started or any(why for _, why in health):
+            supervisor = read_state()
+        if supervisor is None or supervisor.fleet.state == "serving":
+            fleet_started = True
+        states = {} if supervisor is None else {s.engine: s for s in supervisor.engines}
         engines = []
         for index, why in health:
             entry: dict[str, object] = {
@@ -216,12 +228,25 @@ def _add_probe_routes(
             }
             if why is not None:
                 entry["error"] = why
-                state = supervisor.get(index)
+                state = states.get(index)
                 if state is not None and state.state != "serving":
                     entry["supervisor"] = {"state": state.state, "message": state.message}
             engines.append(entry)
+        body: dict[str, object] = {"engines": engines}
         status = 503 if serving.engine.dead is not None else 200
-        return JSONResponse({"engines": engines}, status_code=status)
+        if not fleet_started and supervisor is not None:
+            fleet = supervisor.fleet
+            body["fleet"] = {
+                "state": fleet.state,
+                "api_servers": fleet.api_servers,
+                "api_servers_ready": fleet.api_servers_ready,
+                "message": fleet.message,
+            }
+            status = 503
+        response = JSONResponse(body, status_code=status)
+        if "fleet" in body:
+            response.headers["retry-after"] = str(RETRY_AFTER_S)
+        return response
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -450,6 +475,7 @@ def run_api_server(
         except Exception as exc:
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
             raise
+        hold_here("handshaken")  # a fault test's moment: engines answered, the port not yet bound
         drain = Drain(config.shutdown_timeout)
         app = build_app(
             config,

@@ -101,6 +101,11 @@ impl EngineCoreClient {
     }
 
     /// Connect claiming `protocol_version` (an older or newer peer, for the handshake's tests).
+    ///
+    /// The hello is said again, on fresh sockets, every `HELLO_ATTEMPT` until the engine answers
+    /// or `timeout` passes: an engine core that dies while this client starts takes the hello
+    /// with it, and its next incarnation (the launcher starts it on the same addresses) must
+    /// hear it again (`rankcast/engine_client/mp_client.py` does the same).
     pub fn connect_speaking(
         input: &str,
         output: &str,
@@ -109,43 +114,35 @@ impl EngineCoreClient {
         protocol_version: i64,
     ) -> Result<Self> {
         let context = zmq::Context::new();
-        let push = context.socket(zmq::PUSH)?;
-        push.set_linger(0)?;
-        push.connect(input)?;
-        let pull = context.socket(zmq::PULL)?;
-        pull.set_linger(0)?;
-        pull.connect(output)?;
-        let hello = EngineCoreInput::Hello(ClientHello {
-            protocol_version,
-            client_index,
-        });
-        push.send(to_bytes(&hello), 0)?;
-        // What the engine had queued for this client slot before (a previous connection of
-        // it, now gone: its stats and outputs) may come first; the answer is the EngineReady.
         let deadline = Instant::now() + timeout;
-        let ready = loop {
+        loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match receive(&pull, Some(left))? {
-                Some(EngineCoreMessage::Ready(ready)) => break ready,
-                Some(EngineCoreMessage::Outputs(_)) => continue,
-                None => {
-                    return Err(ClientError::Timeout(format!(
-                        "engine core did not answer the handshake in {:.0} s",
-                        timeout.as_secs_f64()
-                    )))
-                }
+            let attempt = left.min(HELLO_ATTEMPT);
+            let (push, pull) = connect_pair(&context, input, output)?;
+            let hello = EngineCoreInput::Hello(ClientHello {
+                protocol_version,
+                client_index,
+            });
+            push.send(to_bytes(&hello), 0)?;
+            if let Some(ready) = await_ready(&pull, attempt)? {
+                let ready = check_ready(ready, protocol_version)?;
+                return Ok(EngineCoreClient {
+                    _context: context,
+                    input: push,
+                    output: pull,
+                    client_index,
+                    ready,
+                    next_call_id: 0,
+                    pending: Default::default(),
+                });
             }
-        };
-        let ready = check_ready(ready, protocol_version)?;
-        Ok(EngineCoreClient {
-            _context: context,
-            input: push,
-            output: pull,
-            client_index,
-            ready,
-            next_call_id: 0,
-            pending: Default::default(),
-        })
+            if Instant::now() >= deadline {
+                return Err(ClientError::Timeout(format!(
+                    "engine core did not answer the handshake in {:.0} s",
+                    timeout.as_secs_f64()
+                )));
+            }
+        }
     }
 
     /// The ZMQ context of this connection, for sockets that must share it (inproc).
@@ -242,6 +239,39 @@ impl EngineCoreClient {
 }
 
 /// One message from `socket`, or None when `timeout` passes first (None: wait forever).
+/// How long one hello waits for its answer before it is said again on fresh sockets.
+const HELLO_ATTEMPT: Duration = Duration::from_secs(2);
+
+/// A PUSH to the engine's input and a PULL from its output, neither lingering when closed.
+fn connect_pair(
+    context: &zmq::Context,
+    input: &str,
+    output: &str,
+) -> Result<(zmq::Socket, zmq::Socket)> {
+    let push = context.socket(zmq::PUSH)?;
+    push.set_linger(0)?;
+    push.connect(input)?;
+    let pull = context.socket(zmq::PULL)?;
+    pull.set_linger(0)?;
+    pull.connect(output)?;
+    Ok((push, pull))
+}
+
+/// The `EngineReady` that answers a hello, or None when `within` passes first. What the engine
+/// had queued for this client slot before (a previous connection of it, now gone: its stats
+/// and outputs) may come first and is skipped.
+fn await_ready(pull: &zmq::Socket, within: Duration) -> Result<Option<EngineReady>> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match receive(pull, Some(left))? {
+            Some(EngineCoreMessage::Ready(ready)) => return Ok(Some(ready)),
+            Some(EngineCoreMessage::Outputs(_)) => continue,
+            None => return Ok(None),
+        }
+    }
+}
+
 fn receive(socket: &zmq::Socket, timeout: Option<Duration>) -> Result<Option<EngineCoreMessage>> {
     let millis = timeout.map_or(-1, |t| t.as_millis().min(i64::MAX as u128) as i64);
     if socket.poll(zmq::POLLIN, millis)? == 0 {

@@ -12,6 +12,7 @@ mod drain;
 mod engine;
 mod events;
 mod exposition;
+mod fleet_start;
 mod logprobs;
 mod lora_metrics;
 mod loras;
@@ -211,6 +212,7 @@ fn main() {
         api_key: args.api_key,
         counter: AtomicU64::new(0),
         drain: drain::Drain::new(args.shutdown_timeout),
+        fleet: fleet_start::FleetStart::from_env(),
     });
     let drain = server.drain.clone();
     let stopping_events = server.events.clone();

@@ -18,6 +18,7 @@ use crate::chat::ChatTemplate;
 use crate::drain::{Drain, RETRY_AFTER_S};
 use crate::engine::{Engine, Event};
 use crate::events::EventHub;
+use crate::fleet_start::FleetStart;
 use crate::logprobs;
 use crate::loras::Adapters;
 use crate::metrics::EngineMetrics;
@@ -40,6 +41,8 @@ pub struct Server {
     pub api_key: Option<String>,
     pub counter: AtomicU64,
     pub drain: Arc<Drain>,
+    /// Whether the launcher's fleet has started: `/health` is 503 until it has.
+    pub fleet: FleetStart,
 }
 
 /// Why a request ended without its finish reason.
@@ -347,7 +350,16 @@ impl Server {
                     let incarnation = self.events.incarnation(self.engine_index);
                     let engine = json!({"engine": self.engine_index, "up": true,
                                         "incarnation": incarnation});
-                    json_reply(StatusCode::OK, &json!({"engines": [engine]}))
+                    match self.fleet.starting() {
+                        None => json_reply(StatusCode::OK, &json!({"engines": [engine]})),
+                        Some(fleet) => {
+                            let body = json!({"engines": [engine], "fleet": fleet});
+                            let mut reply = json_reply(StatusCode::SERVICE_UNAVAILABLE, &body);
+                            let retry = hyper::header::HeaderValue::from(RETRY_AFTER_S);
+                            reply.headers_mut().insert("retry-after", retry);
+                            reply
+                        }
+                    }
                 } else {
                     error(
                         StatusCode::SERVICE_UNAVAILABLE,

@@ -1,0 +1,118 @@
+"""A death during a fleet's start is recovered like one after it: each role killed at each
+fragile moment of the start (before the model loads, during the KV commit, before any hello is
+answered, during and after an API server's handshake) and the fleet serves again, every API
+server answering /health 200 under the engine's next incarnation, within the bound a restart
+after start-up has. While an API server is still starting, whoever answers /health says the
+fleet is starting (503), never "ready".
+
+Each trial is a fresh fleet: the tiny model, two ranks (TP=2, so a rank can die on its own)
+and two API servers, with one start-up hold armed (`rankcast/start_up_holds.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.entrypoints.server_process import ServerProcess, tiny_model_args
+from tests.frontend_rust.rust_fleet import frontend_env
+from tests.reliability.start_up_kills import (
+    MOMENTS,
+    Moment,
+    arm,
+    completion,
+    kill_at,
+    resume_all,
+    wait_for_hold,
+)
+
+SERVERS = 2
+
+
+def _fleet(
+    model: Path, holds: Path, rust: int = 0, env: dict[str, str] | None = None
+) -> ServerProcess:
+    return ServerProcess(
+        *tiny_model_args(model, "--tensor-parallel-size", "2"),
+        api_server_count=SERVERS - rust,
+        rust_api_server_count=rust,
+        env={"RANKCAST_START_UP_HOLDS": str(holds), **(env or {})},
+    )
+
+
+@pytest.mark.parametrize("moment", MOMENTS, ids=[m.what.replace(" ", "-") for m in MOMENTS])
+def test_a_death_anywhere_in_the_start_is_recovered(
+    tiny_llama_dir: Path, tmp_path: Path, moment: Moment
+) -> None:
+    arm(tmp_path, moment)
+    launched = time.monotonic()
+    server = _fleet(tiny_llama_dir, tmp_path)
+    try:
+        outcome = kill_at(server, moment, SERVERS, launched)
+        print(f"\n{moment.name}: serving {outcome.serving_s:.1f} s after the kill")
+    finally:
+        resume_all(server)
+        assert server.stop() == []
+
+
+def test_a_rust_api_server_says_hello_again_to_the_next_incarnation(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The Rust API server's hello, taken by an engine core that died before answering it, is
+    said again until the next incarnation answers (rust/client: `connect_speaking`)."""
+    moment = Moment("engine_core_dp0", "serve", "engine_core_dp0", "engine core, Rust server")
+    arm(tmp_path, moment)
+    launched = time.monotonic()
+    server = _fleet(tiny_llama_dir, tmp_path, rust=1, env=frontend_env())
+    try:
+        kill_at(server, moment, SERVERS, launched)
+    finally:
+        resume_all(server)
+        assert server.stop() == []
+
+
+def test_health_says_starting_until_every_api_server_is_ready(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """While API server 1 is held mid-start, API server 0 serves requests but answers /health
+    503 with the fleet's progress; once API server 1 is up, both answer 200 and the body no
+    longer carries `fleet`."""
+    import os
+    import signal
+
+    moment = Moment("api_server_1", "handshaken", "", "held")
+    arm(tmp_path, moment)
+    server = _fleet(tiny_llama_dir, tmp_path)
+    try:
+        held = wait_for_hold(server, "api_server_1")
+        deadline = time.monotonic() + 60
+        while True:  # until the launcher has seen API server 0 ready (it answers just before)
+            assert time.monotonic() < deadline, "API server 0 never answered as ready"
+            try:
+                response = httpx.get(f"{server.url}/health", timeout=5)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            assert response.status_code == 503, response.text
+            assert response.headers["x-rankcast-api-server"] == "0"
+            assert response.headers["retry-after"]
+            body = response.json()
+            assert body["engines"][0]["up"] is True
+            assert body["fleet"]["state"] == "starting" and body["fleet"]["api_servers"] == 2
+            assert "API server 1" in body["fleet"]["message"]
+            if body["fleet"]["api_servers_ready"] == 1:
+                break
+            time.sleep(0.05)
+        # It serves meanwhile: only its readiness for a load balancer waits for the fleet.
+        assert completion(server.url)
+        os.kill(held, signal.SIGCONT)
+        server.wait_healthy(60)
+        for _ in range(20):
+            response = httpx.get(f"{server.url}/health", timeout=5)
+            assert response.status_code == 200 and "fleet" not in response.json()
+    finally:
+        resume_all(server)
+        assert server.stop() == []

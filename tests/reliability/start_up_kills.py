@@ -41,24 +41,42 @@ class Moment:
         return f"{self.kill} killed while {self.role} holds at {self.point}"
 
 
-# Every role at the points of its start where a death used to strand the fleet or could.
-MOMENTS = (
-    Moment("engine_core_dp0", "load", "engine_core_dp0", "engine core before its model loads"),
-    Moment("worker_dp0_pp0_tp1", "kv_commit", "worker_dp0_pp0_tp1", "a rank during its KV commit"),
-    Moment(
-        "worker_dp0_pp0_tp0", "kv_commit", "engine_core_dp0", "engine core during the KV commit"
-    ),
-    Moment("engine_core_dp0", "serve", "engine_core_dp0", "engine core before any hello answered"),
-    Moment("api_server_1", "hello", "engine_core_dp0", "engine core during API server 1's hello"),
-    Moment("api_server_1", "hello", "api_server_1", "API server 1 during its hello"),
-    Moment(
-        "api_server_1",
-        "handshaken",
-        "engine_core_dp0",
-        "engine core after API server 1's handshake",
-    ),
-    Moment("api_server_1", "handshaken", "api_server_1", "API server 1 after its handshake"),
-)
+def moments(rank_processes: bool = True) -> tuple[Moment, ...]:
+    """Every role at the points of its start where a death used to strand the fleet, or
+    could. `rank_processes`: ranks are processes of their own (TP > 1), so a rank can die
+    alone; otherwise the KV commit runs in the engine core's process."""
+    commit = "worker_dp0_pp0_tp0" if rank_processes else "engine_core_dp0"
+    ranks = (
+        (
+            Moment(
+                "worker_dp0_pp0_tp1",
+                "kv_commit",
+                "worker_dp0_pp0_tp1",
+                "a rank during its KV commit",
+            ),
+        )
+        if rank_processes
+        else ()
+    )
+    return (
+        Moment("engine_core_dp0", "load", "engine_core_dp0", "engine core before its model loads"),
+        *ranks,
+        Moment(commit, "kv_commit", "engine_core_dp0", "engine core during the KV commit"),
+        Moment(
+            "engine_core_dp0", "serve", "engine_core_dp0", "engine core before any hello answered"
+        ),
+        Moment(
+            "api_server_1", "hello", "engine_core_dp0", "engine core during API server 1's hello"
+        ),
+        Moment("api_server_1", "hello", "api_server_1", "API server 1 during its hello"),
+        Moment(
+            "api_server_1",
+            "handshaken",
+            "engine_core_dp0",
+            "engine core after API server 1's handshake",
+        ),
+        Moment("api_server_1", "handshaken", "api_server_1", "API server 1 after its handshake"),
+    )
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ import pytest
 from tests.entrypoints.server_process import ServerProcess, tiny_model_args
 from tests.frontend_rust.rust_fleet import frontend_env
 from tests.reliability.start_up_kills import (
-    MOMENTS,
     Moment,
     arm,
     completion,
     kill_at,
+    moments,
     resume_all,
     wait_for_hold,
 )
@@ -41,6 +41,9 @@ def _fleet(
         rust_api_server_count=rust,
         env={"RANKCAST_START_UP_HOLDS": str(holds), **(env or {})},
     )
+
+
+MOMENTS = moments(rank_processes=True)
 
 
 @pytest.mark.parametrize("moment", MOMENTS, ids=[m.what.replace(" ", "-") for m in MOMENTS])

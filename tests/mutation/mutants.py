@@ -28,6 +28,7 @@ VLLM_KV = "tests/routing/test_vllm_kv_events.py"
 ROUTER = "tests/routing/test_engine_router.py"
 ROUTED = "tests/routing/test_engine_routing_served.py"
 DASHBOARD = "tests/dashboard/test_dashboard_browser.py"
+RESTART_COUNTERS = "tests/entrypoints/test_server_restart_counters.py"
 
 MUTANTS = [
     # ---- the notification contract (docs/architecture.md, rules 1-10) ----
@@ -600,6 +601,22 @@ MUTANTS = [
         "            totals.incarnation, totals.base = snapshot.incarnation, dict(totals.shown)",
         "            totals.incarnation = snapshot.incarnation",
         ("tests/entrypoints/test_server_metrics.py", "tests/reliability/test_engine_restart.py"),
+    ),
+    Mutant(
+        "routing-counters-reset-on-restart",
+        "Routing counters never go backwards across an engine restart",
+        "rankcast/metrics/prometheus.py",
+        '            shown = totals.show(("routed", reason), count)',
+        "            shown = count",
+        (RESTART_COUNTERS,),
+    ),
+    Mutant(
+        "notification-counts-set-from-snapshot",
+        "Notification counters never go backwards across an engine restart",
+        "rankcast/metrics/prometheus.py",
+        "            self.notifications_total.inc((total.type, total.key), total.count)",
+        "            self.notifications_total.set((total.type, total.key), total.count)",
+        (RESTART_COUNTERS,),
     ),
     Mutant(
         "prefix-cache-ignores-adapter",

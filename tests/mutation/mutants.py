@@ -29,6 +29,7 @@ ROUTER = "tests/routing/test_engine_router.py"
 ROUTED = "tests/routing/test_engine_routing_served.py"
 DASHBOARD = "tests/dashboard/test_dashboard_browser.py"
 RESTART_COUNTERS = "tests/entrypoints/test_server_restart_counters.py"
+HOST_PLACES_SERVED = "tests/routing/test_host_places_served.py"
 
 MUTANTS = [
     # ---- the notification contract (docs/architecture.md, rules 1-10) ----
@@ -265,6 +266,22 @@ MUTANTS = [
         (ROUTER,),
     ),
     Mutant(
+        "host-places-not-passed-to-api-servers",
+        "13 Routing: the served router knows each engine's host-tier size (--max-cpu-loras)",
+        "rankcast/entrypoints/launcher.py",
+        "        config.lora.host_capacity if config.lora.enable_lora else None,",
+        "        None,",
+        (HOST_PLACES_SERVED,),
+    ),
+    Mutant(
+        "router-built-without-host-places",
+        "13 Routing: the served router knows each engine's host-tier size (--max-cpu-loras)",
+        "rankcast/entrypoints/openai/api_server.py",
+        "len(clients), config.routing_policy, config.block_size, loras, config.lora_host_places",
+        "len(clients), config.routing_policy, config.block_size, loras, None",
+        (HOST_PLACES_SERVED,),
+    ),
+    Mutant(
         "dashboard-waits-for-poll",
         "14 The dashboard shows a rank's LoRA event within a second, on every API server's page",
         "rankcast/dashboard/dashboard.js",
@@ -347,9 +364,9 @@ MUTANTS = [
     Mutant(
         "dead-engine-not-restarted",
         "11 A dead engine core is started again under its next incarnation",
-        "rankcast/entrypoints/launcher.py",
-        "        if not state.due() or stop_requested.is_set():",
-        "        if True:",
+        "rankcast/entrypoints/fleet.py",
+        "        for role in self.engines:\n            if role.child is None and role.supervision.due():",
+        "        for role in self.engines:\n            if False:",
         ("tests/reliability/test_engine_give_up.py",),
     ),
     # ---- the adapter cache ----

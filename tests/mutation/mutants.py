@@ -365,7 +365,8 @@ MUTANTS = [
         "dead-engine-not-restarted",
         "11 A dead engine core is started again under its next incarnation",
         "rankcast/entrypoints/fleet.py",
-        "        for role in self.engines:\n            if role.child is None and role.supervision.due():",
+        "        for role in self.engines:\n"
+        "            if role.child is None and role.supervision.due():",
         "        for role in self.engines:\n            if False:",
         ("tests/reliability/test_engine_give_up.py",),
     ),

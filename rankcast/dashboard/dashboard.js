@@ -284,11 +284,24 @@ function onFrame(frame) {
   }
   if (name !== "message") {
     // The stream's own notices: replay_gap (the ring or a restart lost events), overflow.
-    addEvent({ id: "", type: name, key: "", text: body.message || "", gap: true });
+    addEvent(noticeItem(name, body));
     return;
   }
   page.lastEventId = id;
   onNotification(id, body);
+}
+
+// A replay gap names the range it lost: after the last event the page had, before the first
+// one replayed (none: before whatever comes next). The range stands where an event's id does,
+// so the hole shows in place among the ids around it, not as one more event.
+function noticeItem(name, body) {
+  const message = body.message || "";
+  if (name !== "replay_gap") return { id: "", type: name, key: "", text: message, gap: true };
+  const after = body.last_event_id || "?";
+  const before = body.oldest_event_id;
+  const range = before ? `${after} … ${before}` : `${after} …`;
+  const text = `events missing after ${after}${before ? `, before ${before}` : ""}: ${message}`;
+  return { id: range, type: name, key: "", text, gap: true, replayGap: true };
 }
 
 function onNotification(id, n) {
@@ -375,6 +388,7 @@ function addEvent(event) {
 function eventItem(event) {
   const item = document.createElement("li");
   item.className = event.gap ? "gap" : "event";
+  if (event.replayGap) item.classList.add("replay-gap");
   item.dataset.type = event.type;
   if (event.ts !== undefined) item.dataset.ts = String(event.ts); // at the rank, epoch seconds
   const id = document.createElement("span");

@@ -5,7 +5,8 @@ its event stream comes from); every check below holds on each of them.
 
 Steps of one session, in file order: the key gate, an adapter load reaching both servers' pages
 within a second of the event, an event burst's drop marker, and the engine core killed: shown
-down, then back under its next incarnation."""
+down, then back under its next incarnation; killed again while one page is off the network, whose
+resumed stream then shows what the dead incarnation never sent as a gap."""
 
 from __future__ import annotations
 
@@ -313,3 +314,76 @@ def test_a_killed_engine_core_shows_down_then_back_under_the_next_incarnation(
         )
         seen = browser.execute_script("return window.seenStates")
         assert any(not state.startswith("up") for state in seen), f"never shown down: {seen}"
+
+
+def _offline(browser: WebDriver, offline: bool) -> None:
+    """Cut the page off the network, or let it back (Chromium's own emulation: new requests
+    fail at once, as when a laptop drops off the Wi-Fi)."""
+    browser.execute_cdp_cmd("Network.enable", {})
+    browser.execute_cdp_cmd(
+        "Network.emulateNetworkConditions",
+        {"offline": offline, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1},
+    )
+
+
+def _engine_0_up_under(server: Any, incarnation: int) -> bool:
+    """Whether every API server's /health has engine 0 up under `incarnation`."""
+    seen: dict[str, bool] = {}
+    deadline = time.monotonic() + 30
+    while len(seen) < SERVERS:
+        assert time.monotonic() < deadline, f"/health answered only by servers {sorted(seen)}"
+        response = httpx.get(f"{server.url}/health", headers=AUTH, timeout=10)
+        engines = response.json().get("engines", [])
+        seen[response.headers["x-rankcast-api-server"]] = any(
+            e["engine"] == 0 and e["up"] and e["incarnation"] == incarnation for e in engines
+        )
+    return all(seen.values())
+
+
+def test_a_page_cut_off_across_an_engine_restart_shows_what_it_missed_as_a_gap(
+    server: Any, pages: dict[str, WebDriver]
+) -> None:
+    """A page whose stream was cut while the engine core restarted resumes from an id of the
+    dead incarnation. What that incarnation had not sent is lost, and no server can replay it:
+    the page must show the hole as one, a marked band whose id column names the range between
+    the last event the page had and the first one replayed, standing between those two lines,
+    not as one more event among them."""
+    from selenium.webdriver.common.by import By
+
+    browser = next(iter(pages.values()))
+    _publish(server, 1, "test.before-cut")
+    wait_for(lambda: _listed(browser, "test.before-cut"), 10, "the events before the cut")
+    state = browser.find_element(By.ID, "events-state")
+    # Off the network, the page keeps the stream it has; killing the API server that feeds it
+    # ends that one, and the page can open no other until it is back on the network.
+    feeding = f"api_server_{state.get_attribute('data-server')}"
+    _offline(browser, True)
+    try:
+        os.kill(server.pid_of(feeding), signal.SIGKILL)
+        wait_for(lambda: state.text.startswith("reconnecting"), 10, "the page to lose its stream")
+        had = browser.find_elements(By.CSS_SELECTOR, "#events li")[0]
+        last = had.find_element(By.CLASS_NAME, "id").text
+        incarnation = int(last.split(":")[1])
+        os.kill(server.pid_of("engine_core_dp0"), signal.SIGKILL)
+        wait_for(
+            lambda: _engine_0_up_under(server, incarnation + 1), 90, "the engine's next incarnation"
+        )
+        _publish(server, 1, "test.after-cut")
+    finally:
+        _offline(browser, False)
+    wait_for(lambda: _listed(browser, "test.after-cut"), 30, "the events after the restart")
+
+    # The list is newest first: the line right above the last event the page had is the band,
+    # and the one above it the first event replayed.
+    items = browser.find_elements(By.CSS_SELECTOR, "#events li")
+    at = items.index(had) - 1
+    gap = items[at]
+    replayed = items[at - 1].find_element(By.CLASS_NAME, "id").text
+    assert gap.is_displayed()
+    assert gap.find_element(By.CLASS_NAME, "id").text == f"{last} \u2026 {replayed}", gap.text
+    assert f"events missing after {last}, before {replayed}" in gap.text
+    assert f"incarnation {incarnation} -> {incarnation + 1}" in gap.text
+    # Distinct from the event lines around it, as the eye sees them: another background.
+    look = "const s = getComputedStyle(arguments[0]); return s.backgroundImage + s.backgroundColor;"
+    band = browser.execute_script(look, gap)
+    assert band not in {browser.execute_script(look, li) for li in (items[at - 1], had)}, band

@@ -314,6 +314,14 @@ MUTANTS = [
         (DASHBOARD,),
     ),
     Mutant(
+        "dashboard-gap-as-an-event-line",
+        "14 The dashboard shows a replay gap as a gap: a marked band naming the missing range",
+        "rankcast/dashboard/dashboard.js",
+        '  return { id: range, type: name, key: "", text, gap: true, replayGap: true };',
+        '  return { id: range, type: name, key: "", text, gap: false, replayGap: false };',
+        (DASHBOARD,),
+    ),
+    Mutant(
         "event-ids-without-incarnation",
         "11 Event ids carry the engine core's incarnation",
         "rankcast/entrypoints/openai/events.py",

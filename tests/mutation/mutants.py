@@ -266,7 +266,7 @@ MUTANTS = [
         (ROUTER,),
     ),
     Mutant(
-        "host-places-not-passed-to-api-servers",
+        "host-places-not-sent-to-servers",
         "13 Routing: the served router knows each engine's host-tier size (--max-cpu-loras)",
         "rankcast/entrypoints/launcher.py",
         "        config.lora.host_capacity if config.lora.enable_lora else None,",
@@ -274,7 +274,7 @@ MUTANTS = [
         (HOST_PLACES_SERVED,),
     ),
     Mutant(
-        "router-built-without-host-places",
+        "router-without-host-places",
         "13 Routing: the served router knows each engine's host-tier size (--max-cpu-loras)",
         "rankcast/entrypoints/openai/api_server.py",
         "len(clients), config.routing_policy, config.block_size, loras, config.lora_host_places",
@@ -629,7 +629,7 @@ MUTANTS = [
         ("tests/entrypoints/test_server_metrics.py", "tests/reliability/test_engine_restart.py"),
     ),
     Mutant(
-        "routing-counters-reset-on-restart",
+        "routing-counts-reset-on-restart",
         "Routing counters never go backwards across an engine restart",
         "rankcast/metrics/prometheus.py",
         '            shown = totals.show(("routed", reason), count)',
@@ -637,7 +637,7 @@ MUTANTS = [
         (RESTART_COUNTERS,),
     ),
     Mutant(
-        "notification-counts-set-from-snapshot",
+        "notifications-set-from-snapshot",
         "Notification counters never go backwards across an engine restart",
         "rankcast/metrics/prometheus.py",
         "            self.notifications_total.inc((total.type, total.key), total.count)",

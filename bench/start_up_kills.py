@@ -41,7 +41,7 @@ from tests.reliability.start_up_kills import (  # noqa: E402
     arm,
     kill_at,
     moments,
-    resume_all,
+    release_all,
     until_serving,
 )
 
@@ -66,12 +66,12 @@ def _trial(tp: int, moment: Moment) -> dict[str, Any]:
         launched = time.monotonic()
         server = _fleet(tp, Path(holds))
         try:
-            outcome = kill_at(server, moment, API_SERVERS, launched)
+            outcome = kill_at(server, Path(holds), moment, API_SERVERS, launched)
             return {"held_s": outcome.held_s, "serving_s": outcome.serving_s, "hung": False}
         except AssertionError as exc:
             return {"hung": True, "error": str(exc).splitlines()[0][:200]}
         finally:
-            resume_all(server)
+            release_all(Path(holds))
             server.stop()
 
 

@@ -28,6 +28,7 @@ VLLM_KV = "tests/routing/test_vllm_kv_events.py"
 ROUTER = "tests/routing/test_engine_router.py"
 ROUTED = "tests/routing/test_engine_routing_served.py"
 DASHBOARD = "tests/dashboard/test_dashboard_browser.py"
+START = "tests/reliability/test_start_up_kills.py"
 RESTART_COUNTERS = "tests/entrypoints/test_server_restart_counters.py"
 HOST_PLACES_SERVED = "tests/routing/test_host_places_served.py"
 
@@ -671,5 +672,66 @@ MUTANTS = [
         "        allowed.apply(logits)\n"
         "    raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None\n",
         ("tests/worker/test_structured_outputs.py",),
+    ),
+    # ---- a fleet's start, supervised like the rest of its run (docs/operations.md) ----
+    Mutant(
+        "start-up-death-ends-the-launch",
+        "A death during the fleet's start is restarted, not the end of the launch",
+        "rankcast/entrypoints/fleet.py",
+        "        if role.supervision.given_up is not None and not self.started:\n"
+        "            raise LaunchError(role.supervision.given_up)",
+        "        if not self.started:\n            raise LaunchError(why)",
+        (f"{START}::test_a_death_anywhere_in_the_start_is_recovered",),
+    ),
+    Mutant(
+        "engines-unwatched-until-started",
+        "An engine core that dies while API servers start is restarted",
+        "rankcast/entrypoints/fleet.py",
+        "            if role.child is None and role.supervision.due():\n"
+        "                role.supervision.restarting()\n"
+        "                self._start(role)\n"
+        "                changed = True\n"
+        "        engines_up",
+        "            if role.child is None and role.supervision.due() and self.started:\n"
+        "                role.supervision.restarting()\n"
+        "                self._start(role)\n"
+        "                changed = True\n"
+        "        engines_up",
+        (f"{START}::test_a_death_anywhere_in_the_start_is_recovered",),
+    ),
+    Mutant(
+        "hello-said-once",
+        "An API server says its hello again until an engine incarnation answers",
+        "rankcast/engine_client/mp_client.py",
+        "HELLO_ATTEMPT_S = 2.0",
+        "HELLO_ATTEMPT_S = 600.0",
+        (
+            f"{START}::test_a_death_anywhere_in_the_start_is_recovered"
+            "[engine-core-holding-API-server-1's-unanswered-hello]",
+        ),
+    ),
+    Mutant(
+        "rust-hello-said-once",
+        "The Rust API server says its hello again until an engine incarnation answers",
+        "rust/client/src/lib.rs",
+        "const HELLO_ATTEMPT: Duration = Duration::from_secs(2);",
+        "const HELLO_ATTEMPT: Duration = Duration::from_secs(600);",
+        (f"{START}::test_a_rust_api_server_says_hello_again_to_the_next_incarnation",),
+    ),
+    Mutant(
+        "health-ready-while-fleet-starts",
+        "/health answers 503 until every API server has started",
+        "rankcast/entrypoints/openai/api_server.py",
+        '        if supervisor is None or supervisor.fleet.state == "serving":',
+        "        if True:",
+        (f"{START}::test_health_says_starting_until_every_api_server_is_ready[python-answers]",),
+    ),
+    Mutant(
+        "rust-health-ready-while-fleet-starts",
+        "The Rust API server's /health answers 503 until every API server has started",
+        "rust/frontend/src/fleet_start.rs",
+        '        if fleet.get("state").and_then(Value::as_str) == Some("serving") {',
+        '        if fleet.get("state").is_some() {',
+        (f"{START}::test_health_says_starting_until_every_api_server_is_ready[rust-answers]",),
     ),
 ]

@@ -1,10 +1,12 @@
 """Kill a process at an exact moment of a fleet's start and time the fleet's return.
 
 A moment is a start-up hold (`rankcast/start_up_holds.py`): the test arms `<role>@<point>`, the
-process with that role stops itself there, the trial kills its target role (the held process
-itself or another one), resumes the held process if it still lives, and waits until every API
-server answers `/health` with 200 and a completion is served. Used by the start-up window tests
-(tests/reliability/test_start_up_kills.py) and, repeated, by bench/start_up_kills.py.
+process with that role waits there (the thread that reached it; its other threads go on), the
+trial kills its target role (the held process itself or another one), lets the held process go
+on if it still lives, and waits until every API server answers `/health` with 200 from the
+engine's next incarnation when it died, and a completion is served. Used by the start-up
+window tests (tests/reliability/test_start_up_kills.py) and, repeated, by
+bench/start_up_kills.py.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from pathlib import Path
 import httpx
 
 from rankcast.process import process_is_alive
-from rankcast.start_up_holds import hold_file_name
-from tests.entrypoints.server_process import ServerProcess, descendants
+from rankcast.start_up_holds import HELD_SUFFIX, held_file_name, hold_file_name
+from tests.entrypoints.server_process import ServerProcess
 
 # Past this, a fleet counts as hung (the bound the supervised-restart tests use for a kill
 # after start-up is 20 s; a start-up kill adds at most the rest of the start).
@@ -35,6 +37,9 @@ class Moment:
     point: str
     kill: str
     what: str  # in words, for a test id and a table row
+    # A second hold that must be reached too before the kill: an API server's hello sent, so
+    # that the engine core dies holding it unanswered.
+    also: tuple[str, str] | None = None
 
     @property
     def name(self) -> str:
@@ -63,7 +68,11 @@ def moments(rank_processes: bool = True) -> tuple[Moment, ...]:
         *ranks,
         Moment(commit, "kv_commit", "engine_core_dp0", "engine core during the KV commit"),
         Moment(
-            "engine_core_dp0", "serve", "engine_core_dp0", "engine core before any hello answered"
+            "engine_core_dp0",
+            "serve",
+            "engine_core_dp0",
+            "engine core holding API server 1's unanswered hello",
+            also=("api_server_1", "hello"),
         ),
         Moment(
             "api_server_1", "hello", "engine_core_dp0", "engine core during API server 1's hello"
@@ -87,34 +96,24 @@ class Outcome:
     health_while_held: int | None  # what /health answered while held (None: no server up)
 
 
-def held_state(pid: int) -> bool:
-    """Whether `pid` is stopped (SIGSTOP): the hold was reached."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
-
-
-def wait_for_hold(server: ServerProcess, role: str, timeout_s: float = 120.0) -> int:
-    """The pid of `role` once it has stopped at its hold."""
+def wait_for_hold(
+    server: ServerProcess, holds: Path, role: str, point: str, timeout_s: float = 120.0
+) -> int:
+    """The pid of `role` once it waits at its hold."""
+    held = holds / held_file_name(role, point)
     deadline = time.monotonic() + timeout_s
-    while True:
-        assert time.monotonic() < deadline, f"{role} never reached its hold"
+    while not held.exists():
+        assert time.monotonic() < deadline, f"{role} never reached its hold at {point}"
         assert server.proc.poll() is None, f"the launcher exited ({server.proc.returncode})"
-        with contextlib.suppress(LookupError):
-            pid = server.pid_of(role)
-            if held_state(pid):
-                return pid
         time.sleep(0.02)
+    return server.pid_of(role)
 
 
-def resume_all(server: ServerProcess) -> None:
-    """SIGCONT every process of the fleet, so that a trial that failed while one was held
-    still stops cleanly (a stopped process cannot act on the launcher's SIGTERM)."""
-    for pid in descendants(server.proc.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+def release_all(holds: Path) -> None:
+    """Let every held thread go on (a trial that failed while one was held still stops
+    cleanly)."""
+    for held in holds.glob(f"*{HELD_SUFFIX}"):
+        held.unlink(missing_ok=True)
 
 
 def health_now(url: str) -> tuple[int, dict[str, object]] | None:
@@ -137,8 +136,11 @@ def completion(url: str) -> str:
 
 
 def arm(holds: Path, moment: Moment) -> None:
+    """Arm `moment`'s hold in the directory `RANKCAST_START_UP_HOLDS` names."""
     holds.mkdir(parents=True, exist_ok=True)
     (holds / hold_file_name(moment.role, moment.point)).touch()
+    if moment.also is not None:
+        (holds / hold_file_name(*moment.also)).touch()
 
 
 def until_serving(url: str, servers: int, incarnation: int, timeout_s: float) -> None:
@@ -159,10 +161,15 @@ def until_serving(url: str, servers: int, incarnation: int, timeout_s: float) ->
         time.sleep(0.05)
 
 
-def kill_at(server: ServerProcess, moment: Moment, servers: int, launched: float) -> Outcome:
-    """Run one trial on a fleet launched at `launched` with `moment` armed: the fleet must
-    serve again, under the engine's next incarnation when the engine core or a rank died."""
-    held = wait_for_hold(server, moment.role)
+def kill_at(
+    server: ServerProcess, holds: Path, moment: Moment, servers: int, launched: float
+) -> Outcome:
+    """Run one trial on a fleet launched at `launched` with `moment` armed in `holds`: the
+    fleet must serve again, under the engine's next incarnation when the engine core or a rank
+    died."""
+    held = wait_for_hold(server, holds, moment.role, moment.point)
+    if moment.also is not None:
+        wait_for_hold(server, holds, *moment.also)
     held_s = time.monotonic() - launched
     seen = health_now(server.url)
     if moment.role.startswith("api_server") and seen is not None:
@@ -174,8 +181,7 @@ def kill_at(server: ServerProcess, moment: Moment, servers: int, launched: float
     victim = held if moment.kill == moment.role else server.pid_of(moment.kill)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
-    if victim != held and process_is_alive(held):
-        os.kill(held, signal.SIGCONT)
+    release_all(holds)
     engine_died = not moment.kill.startswith("api_server")
     until_serving(server.url, servers, 1 if engine_died else 0, SERVE_AGAIN_S)
     serving_s = time.monotonic() - killed

@@ -25,7 +25,7 @@ from tests.reliability.start_up_kills import (
     completion,
     kill_at,
     moments,
-    resume_all,
+    release_all,
     wait_for_hold,
 )
 
@@ -54,10 +54,10 @@ def test_a_death_anywhere_in_the_start_is_recovered(
     launched = time.monotonic()
     server = _fleet(tiny_llama_dir, tmp_path)
     try:
-        outcome = kill_at(server, moment, SERVERS, launched)
+        outcome = kill_at(server, tmp_path, moment, SERVERS, launched)
         print(f"\n{moment.name}: serving {outcome.serving_s:.1f} s after the kill")
     finally:
-        resume_all(server)
+        release_all(tmp_path)
         assert server.stop() == []
 
 
@@ -66,56 +66,62 @@ def test_a_rust_api_server_says_hello_again_to_the_next_incarnation(
 ) -> None:
     """The Rust API server's hello, taken by an engine core that died before answering it, is
     said again until the next incarnation answers (rust/client: `connect_speaking`)."""
-    moment = Moment("engine_core_dp0", "serve", "engine_core_dp0", "engine core, Rust server")
+    moment = Moment(
+        "engine_core_dp0",
+        "serve",
+        "engine_core_dp0",
+        "engine core holding the Rust API server's unanswered hello",
+        also=("rust_api_server_1", "hello"),
+    )
     arm(tmp_path, moment)
     launched = time.monotonic()
     server = _fleet(tiny_llama_dir, tmp_path, rust=1, env=frontend_env())
     try:
-        kill_at(server, moment, SERVERS, launched)
+        kill_at(server, tmp_path, moment, SERVERS, launched)
     finally:
-        resume_all(server)
+        release_all(tmp_path)
         assert server.stop() == []
 
 
+@pytest.mark.parametrize("rust", [0, 1], ids=["python-answers", "rust-answers"])
 def test_health_says_starting_until_every_api_server_is_ready(
-    tiny_llama_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tmp_path: Path, rust: int
 ) -> None:
-    """While API server 1 is held mid-start, API server 0 serves requests but answers /health
-    503 with the fleet's progress; once API server 1 is up, both answer 200 and the body no
-    longer carries `fleet`."""
-    import os
-    import signal
-
-    moment = Moment("api_server_1", "handshaken", "", "held")
-    arm(tmp_path, moment)
-    server = _fleet(tiny_llama_dir, tmp_path)
+    """While one API server is held mid-start, the other serves requests but answers /health
+    503 with the fleet's progress; once both are up, both answer 200 and the body no longer
+    carries `fleet`. The Python server answers while API server 1 is held; with a Rust server
+    as API server 1, the Rust one answers while Python API server 0 is held."""
+    held_role, answering = ("api_server_0", "1") if rust else ("api_server_1", "0")
+    arm(tmp_path, Moment(held_role, "handshaken", "", "held"))
+    env = frontend_env() if rust else None
+    server = _fleet(tiny_llama_dir, tmp_path, rust=rust, env=env)
     try:
-        held = wait_for_hold(server, "api_server_1")
+        wait_for_hold(server, tmp_path, held_role, "handshaken")
         deadline = time.monotonic() + 60
-        while True:  # until the launcher has seen API server 0 ready (it answers just before)
-            assert time.monotonic() < deadline, "API server 0 never answered as ready"
+        while True:  # until the launcher has seen the other server ready (it answers just before)
+            assert time.monotonic() < deadline, f"API server {answering} never answered as ready"
             try:
                 response = httpx.get(f"{server.url}/health", timeout=5)
             except httpx.HTTPError:
                 time.sleep(0.05)
                 continue
             assert response.status_code == 503, response.text
-            assert response.headers["x-rankcast-api-server"] == "0"
+            assert response.headers["x-rankcast-api-server"] == answering
             assert response.headers["retry-after"]
             body = response.json()
             assert body["engines"][0]["up"] is True
             assert body["fleet"]["state"] == "starting" and body["fleet"]["api_servers"] == 2
-            assert "API server 1" in body["fleet"]["message"]
+            assert f"API server {1 - int(answering)}" in body["fleet"]["message"]
             if body["fleet"]["api_servers_ready"] == 1:
                 break
             time.sleep(0.05)
         # It serves meanwhile: only its readiness for a load balancer waits for the fleet.
         assert completion(server.url)
-        os.kill(held, signal.SIGCONT)
+        release_all(tmp_path)
         server.wait_healthy(60)
         for _ in range(20):
             response = httpx.get(f"{server.url}/health", timeout=5)
             assert response.status_code == 200 and "fleet" not in response.json()
     finally:
-        resume_all(server)
+        release_all(tmp_path)
         assert server.stop() == []

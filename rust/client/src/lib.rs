@@ -124,6 +124,8 @@ impl EngineCoreClient {
                 client_index,
             });
             push.send(to_bytes(&hello), 0)?;
+            // A fault test's moment: the hello sent, its answer not read.
+            hold_here(&format!("rust_api_server_{client_index}"), "hello");
             if let Some(ready) = await_ready(&pull, attempt)? {
                 let ready = check_ready(ready, protocol_version)?;
                 return Ok(EngineCoreClient {
@@ -239,6 +241,26 @@ impl EngineCoreClient {
 }
 
 /// One message from `socket`, or None when `timeout` passes first (None: wait forever).
+/// A start-up hold (`rankcast/start_up_holds.py` says why and how): where the directory
+/// `RANKCAST_START_UP_HOLDS` names holds `<role>@<point>`, rename it to `<role>@<point>.held` and
+/// wait, in this thread only, until the test removes that file. Unset, nothing is held.
+pub fn hold_here(role: &str, point: &str) {
+    let Some(directory) = std::env::var_os("RANKCAST_START_UP_HOLDS").filter(|d| !d.is_empty())
+    else {
+        return;
+    };
+    let directory = std::path::PathBuf::from(directory);
+    let armed = directory.join(format!("{role}@{point}"));
+    let held = directory.join(format!("{role}@{point}.held"));
+    if std::fs::rename(&armed, &held).is_err() {
+        return;
+    }
+    eprintln!("rankcast-frontend: held at start-up point {point:?} (a fault test's hold)");
+    while held.exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// How long one hello waits for its answer before it is said again on fresh sockets.
 const HELLO_ATTEMPT: Duration = Duration::from_secs(2);
 

@@ -727,7 +727,7 @@ MUTANTS = [
         (f"{START}::test_health_says_starting_until_every_api_server_is_ready[python-answers]",),
     ),
     Mutant(
-        "rust-health-ready-while-fleet-starts",
+        "rust-health-up-while-starting",
         "The Rust API server's /health answers 503 until every API server has started",
         "rust/frontend/src/fleet_start.rs",
         '        if fleet.get("state").and_then(Value::as_str) == Some("serving") {',

@@ -5,8 +5,9 @@ server answering /health 200 under the engine's next incarnation, within the bou
 after start-up has. While an API server is still starting, whoever answers /health says the
 fleet is starting (503), never "ready".
 
-Each trial is a fresh fleet: the tiny model, two ranks (TP=2, so a rank can die on its own)
-and two API servers, with one start-up hold armed (`rankcast/start_up_holds.py`).
+Each trial is a fresh fleet: the tiny model, two API servers, and two ranks (TP=2, so that a
+rank can die on its own) where the moment names a rank, with the moment's start-up holds armed
+(`rankcast/start_up_holds.py`).
 """
 
 from __future__ import annotations
@@ -33,17 +34,22 @@ SERVERS = 2
 
 
 def _fleet(
-    model: Path, holds: Path, rust: int = 0, env: dict[str, str] | None = None
+    model: Path, holds: Path, rust: int = 0, env: dict[str, str] | None = None, tp: int = 1
 ) -> ServerProcess:
     return ServerProcess(
-        *tiny_model_args(model, "--tensor-parallel-size", "2"),
+        *tiny_model_args(model, "--tensor-parallel-size", str(tp)),
         api_server_count=SERVERS - rust,
         rust_api_server_count=rust,
         env={"RANKCAST_START_UP_HOLDS": str(holds), **(env or {})},
     )
 
 
-MOMENTS = moments(rank_processes=True)
+# Every moment with the single rank inside the engine core's process (TP=1: the quickest fleet),
+# and the moment a rank in a process of its own dies in (TP=2).
+MOMENTS = (
+    *moments(rank_processes=False),
+    *(m for m in moments(rank_processes=True) if m.kill.startswith("worker")),
+)
 
 
 @pytest.mark.parametrize("moment", MOMENTS, ids=[m.what.replace(" ", "-") for m in MOMENTS])
@@ -52,7 +58,10 @@ def test_a_death_anywhere_in_the_start_is_recovered(
 ) -> None:
     arm(tmp_path, moment)
     launched = time.monotonic()
-    server = _fleet(tiny_llama_dir, tmp_path)
+    # Ranks as processes of their own (TP=2) where the moment names one; elsewhere the
+    # quicker single rank in the engine core's process (the moments are the same there).
+    ranks = any(role.startswith("worker") for role in (moment.role, moment.kill))
+    server = _fleet(tiny_llama_dir, tmp_path, tp=2 if ranks else 1)
     try:
         outcome = kill_at(server, tmp_path, moment, SERVERS, launched)
         print(f"\n{moment.name}: serving {outcome.serving_s:.1f} s after the kill")

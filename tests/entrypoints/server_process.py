@@ -210,6 +210,18 @@ def assert_session_ends(session: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def next_engine_core(launcher: subprocess.Popen[Any], old: int | None, timeout_s: float) -> int:
+    """The pid of the launcher's engine core as soon as one other than `old` exists."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, "no engine core appeared"
+        assert launcher.poll() is None, "the launcher exited before an engine core started"
+        for pid in descendants(launcher.pid):
+            if pid != old and process_title(pid) == "rankcast::engine_core_dp0":
+                return pid
+        time.sleep(0.02)
+
+
 @contextlib.contextmanager
 def launcher_while_loading(timeout_s: float = 60.0) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """`rankcast serve` of the embedded model (seconds to load), handed over as soon as its
@@ -223,19 +235,7 @@ def launcher_while_loading(timeout_s: float = 60.0) -> Iterator[tuple[subprocess
         env=dict(os.environ, RANKCAST_DISABLE_PROGRESS="1"),
     )
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert time.monotonic() < deadline, "no engine core appeared"
-            assert launcher.poll() is None, "the launcher exited before its engine core started"
-            found = [
-                pid
-                for pid in descendants(launcher.pid)
-                if process_title(pid) == "rankcast::engine_core_dp0"
-            ]
-            if found:
-                break
-            time.sleep(0.02)
-        yield launcher, found[0]
+        yield launcher, next_engine_core(launcher, None, timeout_s)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -27,10 +26,9 @@ from rankcast.entrypoints.supervision import Supervision
 from tests.entrypoints.server_process import (
     ServerProcess,
     assert_session_ends,
-    descendants,
     free_port,
     launcher_while_loading,
-    process_title,
+    next_engine_core,
     tiny_model_args,
 )
 
@@ -77,7 +75,7 @@ def test_a_child_that_keeps_dying_during_start_up_ends_the_launch_in_one_clear_l
         for kill in range(3):
             os.kill(engine, signal.SIGKILL)
             if kill < 2:
-                engine = _next_engine_core(launcher, engine)
+                engine = next_engine_core(launcher, engine, timeout_s=30)
         _, stderr = launcher.communicate(timeout=60)
     assert launcher.returncode != 0
     assert "Traceback" not in stderr and "EOFError" not in stderr, stderr
@@ -87,22 +85,6 @@ def test_a_child_that_keeps_dying_during_start_up_ends_the_launch_in_one_clear_l
         "start-up (exit code -9)); the launcher does not restart it"
     ]
     assert_session_ends(launcher.pid)
-
-
-def _next_engine_core(launcher: subprocess.Popen[str], old: int, timeout_s: float = 30) -> int:
-    """The engine core the launcher starts after `old` died."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert time.monotonic() < deadline, "the engine core was not started again"
-        assert launcher.poll() is None, "the launcher exited instead of restarting"
-        found = [
-            pid
-            for pid in descendants(launcher.pid)
-            if pid != old and process_title(pid) == "rankcast::engine_core_dp0"
-        ]
-        if found:
-            return found[0]
-        time.sleep(0.02)
 
 
 def test_a_killed_engine_core_leaves_no_ipc_directory_behind(tiny_llama_dir: Path) -> None:

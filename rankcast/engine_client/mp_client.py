@@ -174,9 +174,11 @@ class AsyncMPClient(AsyncEngineCoreClient):
         self.ready: EngineReady | None = None
         self.monitor: zmq.asyncio.Socket | None = None
 
-    async def start(self, timeout_s: float = 600.0) -> None:
-        """Connect to the engine core; fails with TimeoutError when no incarnation of it has
-        answered within `timeout_s`."""
+    async def start(self, timeout_s: float | None = None) -> None:
+        """Connect to the engine core; with `timeout_s`, fails with TimeoutError when no
+        incarnation of it has answered by then. An API server starts beside a loading engine
+        core and waits as long as the launcher lets it (`rankcast/entrypoints/fleet.py` times
+        its start from when every engine core is up)."""
         await self._connect_until_answered(timeout_s)
 
     async def _connect_until_answered(self, timeout_s: float | None) -> None:

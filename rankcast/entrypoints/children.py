@@ -12,14 +12,24 @@ before those imports (rankcast/process.py), so a clean stop ends without the mod
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from rankcast.process import TeardownSkip
 from rankcast.startup_gc import collector_paused
 
 
+def _leave_ctrl_c_to_the_launcher() -> None:
+    """Ctrl-C reaches the whole process group, children still importing or loading included:
+    the launcher stops each in order (SIGTERM), so a child ignores SIGINT from its first line
+    instead of dying in a traceback of whatever it was importing. A serving API server's
+    uvicorn takes SIGINT again, for its drain."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def engine_core_process(*args: Any) -> None:
     """`rankcast.engine_core.core_proc.run_engine_core` in this process."""
+    _leave_ctrl_c_to_the_launcher()
     teardown = TeardownSkip()
     with collector_paused():
         from rankcast.engine_core.core_proc import run_engine_core
@@ -30,6 +40,7 @@ def engine_core_process(*args: Any) -> None:
 
 def api_server_process(*args: Any) -> None:
     """`rankcast.entrypoints.openai.api_server.run_api_server` in this process."""
+    _leave_ctrl_c_to_the_launcher()
     teardown = TeardownSkip()
     with collector_paused():
         from rankcast.entrypoints.openai.api_server import run_api_server

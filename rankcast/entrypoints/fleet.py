@@ -8,7 +8,10 @@ stopped the launcher. Here nothing blocks: each pass reads what every starting c
 its readiness pipe, notes every death, and starts whatever is due.
 
 The rules (docs/operations.md says the same for operators):
-- Engine cores start first; the API servers once every engine core has been ready once.
+- Engine cores and API servers start together: an API server imports its libraries and loads
+  its tokenizer while the model loads, then says its hello until every engine core answers.
+  Its start is timed from the moment every engine core is up, so a long model load is not
+  counted against it.
 - A child that dies (killed, crashed, or an engine core that lost a rank) is started again
   under its role's restart rule (`supervision.py`), whether it was starting or serving.
 - Before the fleet has started (every API server ready once), a child that reports an error
@@ -16,7 +19,7 @@ The rules (docs/operations.md says the same for operators):
   the same way (a bad model file, a cache that does not fit), and the operator is waiting at
   the terminal. So does a role given up on before then. After that, such failures count
   towards the restart rule like deaths.
-- An API server is (re)started only while every engine core's process is up (starting or
+- A dead API server is restarted only while every engine core's process is up (starting or
   serving): it connects to all of them, and says its hello again until each answers.
 - `/health` answers 503 until the fleet has started (the state file says so), so a load
   balancer never sees "ready" from the first API server of a fleet still coming up.
@@ -112,7 +115,9 @@ class Fleet:
     stop: threading.Event
     on_started: Callable[[], None] = lambda: None  # the banner
     started: bool = False  # every API server has been ready once
-    _api_servers_launched: bool = field(default=False, repr=False)
+    # Since when every engine core has been ready (None while one is not): an API server's
+    # start is timed from here, since it cannot finish before.
+    _engines_ready_since: float | None = field(default=None, repr=False)
 
     def processes(self) -> Iterator[BaseProcess]:
         """The live children, API servers first (the order a stop wants)."""
@@ -124,7 +129,7 @@ class Fleet:
         """Start the fleet and keep it running until a stop (0) or until no API server is left
         that could come back (1). Raises LaunchError when the fleet cannot start, and
         StoppedDuringStartUp when told to stop before it has."""
-        for role in self.engines:
+        for role in (*self.engines, *self.api_servers):
             self._start(role)
         self._write()
         while True:
@@ -133,17 +138,14 @@ class Fleet:
                 if not self.started:
                     starting = [r.name for r in self._roles() if not self._ready(r)]
                     raise StoppedDuringStartUp(
-                        f"stopped while {', '.join(starting) or 'the fleet'} was starting"
+                        f"stopped during the start, while {', '.join(starting)} "
+                        f"{'was' if len(starting) == 1 else 'were'} not yet ready"
                     )
                 return 0
             reap_adopted({p.pid for p in self.processes() if p.pid})
             changed = any([self._watch(role) for role in self._roles()])
             changed |= self._start_what_is_due()
-            if (
-                not self.started
-                and self._api_servers_launched
-                and all(self._ready(r) for r in self.api_servers)
-            ):
+            if not self.started and all(self._ready(r) for r in self._roles()):
                 self.started = True
                 changed = True
                 self.on_started()
@@ -191,7 +193,7 @@ class Fleet:
             self._clear(role)
             self._failed(role, why)
             return True
-        if not child.ready and time.monotonic() - child.started > role.start_timeout_s:
+        if not child.ready and self._overdue(role, child):
             why = f"did not become ready in {role.start_timeout_s:.0f} s"
             self._end(role)
             if not self.started:
@@ -199,6 +201,17 @@ class Fleet:
             self._failed(role, why)
             return True
         return changed
+
+    def _overdue(self, role: Role, child: _Child) -> bool:
+        """Whether a starting child has taken longer than its role allows: an engine core from
+        its start, an API server from when every engine core was up (its handshake waits for
+        them)."""
+        since = child.started
+        if role in self.api_servers:
+            if self._engines_ready_since is None:
+                return False
+            since = max(since, self._engines_ready_since)
+        return time.monotonic() - since > role.start_timeout_s
 
     def _read_pipe(self, role: Role, child: _Child) -> bool:
         """What a starting child said: "ready"; "error" (a failure of its own: fatal before
@@ -277,8 +290,12 @@ class Fleet:
         return not any(engine.supervision.given_up for engine in self.engines)
 
     def _start_what_is_due(self) -> bool:
-        """Restart the roles whose back-off has run out; launch the API servers once every
-        engine core has been ready once."""
+        """Restart the roles whose back-off has run out."""
+        if all(self._ready(engine) for engine in self.engines):
+            if self._engines_ready_since is None:
+                self._engines_ready_since = time.monotonic()
+        else:
+            self._engines_ready_since = None
         if self.stop.is_set():
             return False
         changed = False
@@ -288,13 +305,6 @@ class Fleet:
                 self._start(role)
                 changed = True
         engines_up = all(engine.alive for engine in self.engines)
-        if not self._api_servers_launched:
-            if all(self._ready(engine) for engine in self.engines):
-                for role in self.api_servers:
-                    self._start(role)
-                self._api_servers_launched = True
-                changed = True
-            return changed
         for role in self.api_servers:
             if role.child is None and role.supervision.due() and engines_up:
                 role.supervision.restarting()

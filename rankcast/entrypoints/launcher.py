@@ -1,13 +1,14 @@
 """`rankcast serve`: start one engine core and K API servers, watch them, stop them all.
 
-The launcher converts the model once, starts the engine core, and once it has loaded starts the
-API servers (which share the port through SO_REUSEPORT). Every child is watched from the
-moment it starts (`fleet.py`): an API server that dies is started again under the same index
-and catches up from the engine core's state snapshot, so its `/metrics` agree with its
-siblings' again; an engine core that dies (or loses a rank, which ends it) is started again
-under the next incarnation, with back-off and a give-up rule (`supervision.py`), while its API
-servers answer 503 for it, then reconnect. On SIGTERM or SIGINT it stops the API servers first
-(so in-flight HTTP requests end cleanly), then the engine cores, and leaves no process behind.
+The launcher converts the model once, then starts the engine cores and the API servers together (the
+API servers share the port through SO_REUSEPORT, and bind it only once every engine core has
+answered their hello). Every child is watched from the moment it starts (`fleet.py`): an API server
+that dies is started again under the same index and catches up from the engine core's state
+snapshot, so its `/metrics` agree with its siblings' again; an engine core that dies (or loses a
+rank, which ends it) is started again under the next incarnation, with back-off and a give-up rule
+(`supervision.py`), while its API servers answer 503 for it, then reconnect. On SIGTERM or SIGINT it
+stops the API servers first (so in-flight HTTP requests end cleanly), then the engine cores, and
+leaves no process behind.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class Moment:
     kill: str
     what: str  # in words, for a test id and a table row
     # A second hold that must be reached too before the kill: an API server's hello sent, so
-    # that the engine core dies holding it unanswered.
+    # that the engine core dies holding it unanswered, or an engine core still loading.
     also: tuple[str, str] | None = None
 
     @property
@@ -75,7 +75,11 @@ def moments(rank_processes: bool = True) -> tuple[Moment, ...]:
             also=("api_server_1", "hello"),
         ),
         Moment(
-            "api_server_1", "hello", "engine_core_dp0", "engine core during API server 1's hello"
+            "api_server_1",
+            "hello",
+            "engine_core_dp0",
+            "engine core loading while API server 1's hello waits",
+            also=("engine_core_dp0", "load"),
         ),
         Moment("api_server_1", "hello", "api_server_1", "API server 1 during its hello"),
         Moment(

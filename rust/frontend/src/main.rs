@@ -161,11 +161,13 @@ fn main() {
     let tokenizer = Tokenizer::from_file(&args.model_dir.join("tokenizer.json"))
         .unwrap_or_else(|e| fail(&e.to_string()));
     let template = chat::ChatTemplate::load(&args.model_dir).unwrap_or_else(|e| fail(&e));
+    // Started beside a loading engine core: longer than the launcher lets an engine core take
+    // to start (900 s), so that the launcher, which watches both, decides when a start failed.
     let client = EngineCoreClient::connect(
         &args.engine_input,
         &args.engine_output,
         args.client_index,
-        Duration::from_secs(600),
+        Duration::from_secs(1200),
     )
     .unwrap_or_else(|e| fail(&e.to_string()));
     let max_model_len = client.ready.max_model_len;

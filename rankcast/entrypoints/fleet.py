@@ -81,7 +81,7 @@ class _Child:
     words: str | None = None  # why it failed, if it said so before dying
 
 
-@dataclass
+@dataclass(eq=False)  # a place in the fleet is itself, whatever it holds
 class Role:
     """One place in the fleet (an engine core, an API server): how to start its process, the
     restart bookkeeping, and the process now in it (None while dead)."""

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
@@ -77,8 +77,12 @@ class _Child:
     proc: BaseProcess
     pipe: Connection
     started: float  # monotonic
-    ready: bool = False
+    ready_at: float | None = None  # monotonic, once it said "ready"
     words: str | None = None  # why it failed, if it said so before dying
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_at is not None
 
 
 @dataclass(eq=False)  # a place in the fleet is itself, whatever it holds
@@ -115,12 +119,9 @@ class Fleet:
     stop: threading.Event
     on_started: Callable[[], None] = lambda: None  # the banner
     started: bool = False  # every API server has been ready once
-    # Since when every engine core has been ready (None while one is not): an API server's
-    # start is timed from here, since it cannot finish before.
-    _engines_ready_since: float | None = field(default=None, repr=False)
 
     def processes(self) -> Iterator[BaseProcess]:
-        """The live children, API servers first (the order a stop wants)."""
+        """The processes in the fleet's places now."""
         for role in (*self.api_servers, *self.engines):
             if role.process is not None:
                 yield role.process
@@ -208,9 +209,10 @@ class Fleet:
         them)."""
         since = child.started
         if role in self.api_servers:
-            if self._engines_ready_since is None:
+            engines_ready = [e.child.ready_at if e.child else None for e in self.engines]
+            if None in engines_ready:
                 return False
-            since = max(since, self._engines_ready_since)
+            since = max(since, *(t for t in engines_ready if t is not None))
         return time.monotonic() - since > role.start_timeout_s
 
     def _read_pipe(self, role: Role, child: _Child) -> bool:
@@ -222,7 +224,7 @@ class Fleet:
                 kind, *detail = child.pipe.recv()
                 why = str(detail[0]) if detail else kind
                 if kind == "ready":
-                    child.ready = True
+                    child.ready_at = time.monotonic()
                     role.supervision.ready()
                     return True
                 if kind == "lost":
@@ -291,11 +293,6 @@ class Fleet:
 
     def _start_what_is_due(self) -> bool:
         """Restart the roles whose back-off has run out."""
-        if all(self._ready(engine) for engine in self.engines):
-            if self._engines_ready_since is None:
-                self._engines_ready_since = time.monotonic()
-        else:
-            self._engines_ready_since = None
         if self.stop.is_set():
             return False
         changed = False

@@ -54,6 +54,8 @@ class FleetState(msgspec.Struct, kw_only=True):
 
 
 class SupervisorState(msgspec.Struct, kw_only=True):
+    """The state file's whole content: what every API server's `/health` reads."""
+
     fleet: FleetState
     engines: list[EngineState]
 

@@ -139,12 +139,17 @@ def completion(url: str) -> str:
     return str(response.json()["choices"][0]["text"])
 
 
-def arm(holds: Path, moment: Moment) -> None:
-    """Arm `moment`'s hold in the directory `RANKCAST_START_UP_HOLDS` names."""
+def arm_hold(holds: Path, role: str, point: str) -> None:
+    """Arm one hold in the directory `RANKCAST_START_UP_HOLDS` names."""
     holds.mkdir(parents=True, exist_ok=True)
-    (holds / hold_file_name(moment.role, moment.point)).touch()
+    (holds / hold_file_name(role, point)).touch()
+
+
+def arm(holds: Path, moment: Moment) -> None:
+    """Arm `moment`'s holds."""
+    arm_hold(holds, moment.role, moment.point)
     if moment.also is not None:
-        (holds / hold_file_name(*moment.also)).touch()
+        arm_hold(holds, *moment.also)
 
 
 def until_serving(url: str, servers: int, incarnation: int, timeout_s: float) -> None:

@@ -107,7 +107,7 @@ def test_a_killed_engine_core_leaves_no_ipc_directory_behind(tiny_llama_dir: Pat
     assert not any(path.exists() for path in workers)
 
 
-def test_a_child_that_dies_of_the_stop_itself_is_read_as_the_stop() -> None:
+def test_a_child_that_dies_of_the_stop_itself_is_read_as_the_stop(tmp_path: Path) -> None:
     """Ctrl-C reaches a loading child as well as the launcher: a death or a reported error
     seen with the stop already requested is the stop, not a failure to count or a failed
     start. Deterministic: the child has died before the fleet looks at it."""
@@ -115,8 +115,7 @@ def test_a_child_that_dies_of_the_stop_itself_is_read_as_the_stop() -> None:
 
     def fleet(stop: threading.Event, target: Any) -> Fleet:
         role = Role(Supervision.engine(0), lambda _: ("engine_core_dp0", target, ()), 60.0)
-        state = Path(tempfile.mkdtemp()) / "supervisor.json"
-        return Fleet(spawn, [role], [], state, stop)
+        return Fleet(spawn, [role], [], tmp_path / "supervisor.json", stop)
 
     for target in (_dies_at_once, _reports_an_error):
         stopped = threading.Event()

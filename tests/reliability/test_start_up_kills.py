@@ -23,6 +23,7 @@ from tests.frontend_rust.rust_fleet import frontend_env
 from tests.reliability.start_up_kills import (
     Moment,
     arm,
+    arm_hold,
     completion,
     kill_at,
     moments,
@@ -101,7 +102,7 @@ def test_health_says_starting_until_every_api_server_is_ready(
     carries `fleet`. The Python server answers while API server 1 is held; with a Rust server
     as API server 1, the Rust one answers while Python API server 0 is held."""
     held_role, answering = ("api_server_0", "1") if rust else ("api_server_1", "0")
-    arm(tmp_path, Moment(held_role, "handshaken", "", "held"))
+    arm_hold(tmp_path, held_role, "handshaken")
     env = frontend_env() if rust else None
     server = _fleet(tiny_llama_dir, tmp_path, rust=rust, env=env)
     try:

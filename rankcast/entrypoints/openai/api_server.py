@@ -235,13 +235,7 @@ def _add_probe_routes(
         body: dict[str, object] = {"engines": engines}
         status = 503 if serving.engine.dead is not None else 200
         if not fleet_started and supervisor is not None:
-            fleet = supervisor.fleet
-            body["fleet"] = {
-                "state": fleet.state,
-                "api_servers": fleet.api_servers,
-                "api_servers_ready": fleet.api_servers_ready,
-                "message": fleet.message,
-            }
+            body["fleet"] = msgspec.structs.asdict(supervisor.fleet)
             status = 503
         response = JSONResponse(body, status_code=status)
         if "fleet" in body:

@@ -240,7 +240,6 @@ impl EngineCoreClient {
     }
 }
 
-/// One message from `socket`, or None when `timeout` passes first (None: wait forever).
 /// A start-up hold (`rankcast/start_up_holds.py` says why and how): where the directory
 /// `RANKCAST_START_UP_HOLDS` names holds `<role>@<point>`, rename it to `<role>@<point>.held` and
 /// wait, in this thread only, until the test removes that file. Unset, nothing is held.
@@ -294,6 +293,7 @@ fn await_ready(pull: &zmq::Socket, within: Duration) -> Result<Option<EngineRead
     }
 }
 
+/// One message from `socket`, or None when `timeout` passes first (None: wait forever).
 fn receive(socket: &zmq::Socket, timeout: Option<Duration>) -> Result<Option<EngineCoreMessage>> {
     let millis = timeout.map_or(-1, |t| t.as_millis().min(i64::MAX as u128) as i64);
     if socket.poll(zmq::POLLIN, millis)? == 0 {

@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
     os.environ.setdefault("RANKCAST_LOG_LEVEL", "WARNING")
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
     from tests.conftest import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -153,7 +153,7 @@ def cost(runs: int) -> None:
 def screenshot() -> None:
     """The page on SmolLM2 with TP=3 while an adapter loads on every rank."""
     from bench.lora import make_adapters
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
     from tests.dashboard.browser import chromium, wait_for_stream
     from tests.entrypoints.server_process import ServerProcess
 

@@ -91,9 +91,9 @@ def main() -> None:
     import subprocess
 
     from bench.workload import describe, load_prompts, machine_info
-    from rankcast.entrypoints.openai.api_server import ApiServerConfig, run_api_server
-    from rankcast.entrypoints.rust_api_server import frontend_binary, frontend_command
-    from rankcast.model.source import resolve_model
+    from rankcast.api_server.app import ApiServerConfig, run_api_server
+    from rankcast.launcher.rust_api_server import frontend_binary, frontend_command
+    from rankcast.model_files.source import resolve_model
     from tests.engine.engine_process import engine_core_process
     from tests.entrypoints.server_process import free_port, wait_until_healthy
 

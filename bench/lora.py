@@ -286,7 +286,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
     os.environ.setdefault("RANKCAST_LOG_LEVEL", "WARNING")
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
 
     data = json.loads(WORKLOAD.read_text())
     chats = [[{"role": "user", "content": p}] for p in data["prompts"]]

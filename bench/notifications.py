@@ -480,7 +480,7 @@ def _tiny_model(path: Path) -> Path:
     """The tests' tiny random-weight model (4 heads, 2 KV heads: TP=2 and PP=2 both fit)."""
     if (path / "config.json").exists():
         return path
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
     from tests.conftest import write_tiny_model
 
     return write_tiny_model(path, tokenizer_from=resolve_model(None).model_dir)

@@ -159,7 +159,7 @@ def bench_transformers(dtype: str, chats: list[Chat], tokens: int) -> dict[str, 
     """transformers' batched `generate` on the same (dequantized) weights, for reference."""
     import transformers
 
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
 
     model_dir = str(resolve_model(None).model_dir)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -368,7 +368,7 @@ def main() -> None:
     if args.no_anchor or anchor.anchor_python() is None:
         print(anchor.missing_message() if not args.no_anchor else "anchor skipped (--no-anchor)")
     else:
-        from rankcast.model.source import resolve_model
+        from rankcast.model_files.source import resolve_model
 
         model_dir = resolve_model(None).model_dir
         for dtype in ("bfloat16", "float32"):

@@ -53,7 +53,7 @@ WEIGHT_TYPES = [
 
 
 def text_tokens(model: str | None = None) -> list[int]:
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
     from rankcast.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(model).model_dir)
@@ -64,9 +64,9 @@ def rankcast_perplexity(
     tokens: list[int], ctx: int, dtype: str, quantization: str, model: str | None = None
 ) -> dict[str, float]:
     """Perplexity over the second half of every ctx-token window, all windows in one batch."""
-    from rankcast.model.arch import ArchConfig
     from rankcast.model.loader import load_model
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.arch import ArchConfig
+    from rankcast.model_files.source import resolve_model
     from rankcast.protocol import ScheduledSequence, SchedulerOutput
     from rankcast.worker.model_runner import ModelRunner
 

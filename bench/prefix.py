@@ -127,8 +127,8 @@ async def _arrival(url: str, model: str | None, questions: list[str]) -> dict[st
 
 def run_engine(name: str, parts: list[str], questions: list[str]) -> dict[str, Any]:
     from bench import anchor
-    from rankcast.model.source import resolve_model
     from rankcast.model.weight_snapshot import wait_for_writes
+    from rankcast.model_files.source import resolve_model
     from tests.entrypoints.server_process import ServerProcess, free_port
 
     flags = {"rankcast": [], "no-cache": ["--no-enable-prefix-caching"]}

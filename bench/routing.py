@@ -280,7 +280,7 @@ def run_layout(
 def lora_flags(count: int) -> list[str]:
     """2 device slots and a host tier of 4 per engine, the adapters registered at start."""
     from bench.lora import make_adapters
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
 
     root = ROOT / "bench" / "results" / "adapters"
     paths = make_adapters(resolve_model(None).model_dir, root, count, 8)
@@ -501,7 +501,7 @@ def main() -> None:
         help="run each part's layouts this many times, alternated; report each figure's median",
     )
     args = parser.parse_args()
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
 
     machine = machine_info()
     out = ROOT / "bench" / "results"

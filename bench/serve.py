@@ -371,7 +371,7 @@ def serve_rankcast(
 
 def serve_anchor(dtype: str, prompts: list[str], tokens: int, levels: list[int], runs: int) -> dict:
     from bench import anchor
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
     from tests.entrypoints.server_process import free_port
 
     server = anchor.AnchorServer(resolve_model(None).model_dir, free_port(), dtype)
@@ -523,7 +523,7 @@ def serve_llamacpp_types(
 def main() -> None:
     from bench import anchor
     from bench.workload import describe, load_prompts, machine_info
-    from rankcast.entrypoints.rust_api_server import frontend_binary
+    from rankcast.launcher.rust_api_server import frontend_binary
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--api-server-counts", default="1,2")

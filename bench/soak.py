@@ -64,7 +64,7 @@ def sample(launcher: int, started: float, series: dict[str, list[tuple[float, in
 
 
 def make_adapters(out: Path) -> list[tuple[str, Path]]:
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
     from tests.lora.conftest import make_adapter
 
     model_dir = resolve_model(None).model_dir

@@ -226,7 +226,7 @@ def bench_anchor(dtype: str, runs: int) -> dict[str, Any] | None:
     import torch
 
     from bench import anchor
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
     from rankcast.platform import resolve_dtype
 
     if anchor.anchor_python() is None:
@@ -286,7 +286,7 @@ def main() -> None:
     if args.part in ("libraries", "all"):
         import torch
 
-        from rankcast.model.source import resolve_model
+        from rankcast.model_files.source import resolve_model
         from rankcast.tokenizer import load_hf_tokenizer
 
         torch.set_num_threads(1)

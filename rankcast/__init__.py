@@ -14,14 +14,14 @@ from rankcast.startup_gc import collector_paused
 from rankcast.version import __version__
 
 if TYPE_CHECKING:
-    from rankcast.entrypoints.llm import LLM
     from rankcast.lora.request import LoRARequest
+    from rankcast.offline.llm import LLM
     from rankcast.outputs import CompletionOutput, RequestOutput
     from rankcast.sampling_params import SamplingParams
 
 # Each public name and the module that defines it.
 _PUBLIC = {
-    "LLM": "rankcast.entrypoints.llm",
+    "LLM": "rankcast.offline.llm",
     "CompletionOutput": "rankcast.outputs",
     "LoRARequest": "rankcast.lora.request",
     "RequestOutput": "rankcast.outputs",

@@ -6,7 +6,7 @@ here too, once, for the same reason: a bad value names its variable at start, an
 the configuration is handed to sees the value the engine was started with.
 
 The field defaults below are the only defaults: `rankcast serve`/`chat` take theirs from here
-(`rankcast/entrypoints/cli.py`), and so does the offline `LLM`.
+(`rankcast/launcher/cli.py`), and so does the offline `LLM`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
-from rankcast.channel.events import NotificationLedgerState, WorkerNotification
+from rankcast.channel.events import WorkerNotification
+from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.sampling_params import SamplingParams
 
 
@@ -191,83 +192,6 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
     # Each element is one encoded notification (a map with a "type" tag), kept raw so that the
     # engine core encodes it once for every API server and a receiver decodes each on its own.
     engine_notifications: list[msgspec.Raw] | None = None
-
-
-# ---- the catch-up snapshot: one declared struct per section ----
-
-
-class RankTier(msgspec.Struct, array_like=True):
-    rank: int
-    tier: str
-
-
-class AdapterResidency(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Where one adapter is, rank by rank."""
-
-    name: str
-    id: int
-    pinned: bool = False
-    ranks: list[RankTier] = msgspec.field(default_factory=list)
-
-
-class LoRAEventCount(msgspec.Struct, array_like=True):
-    """The LoRA lifecycle event counter's value for one (adapter, event, reason)."""
-
-    adapter: str
-    event: str
-    reason: str
-    count: int
-
-
-class LoRALoadTime(msgspec.Struct, array_like=True):
-    """One observation of the adapter load-time histogram."""
-
-    transition: str
-    seconds: float
-
-
-class LoRAState(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Adapter residency per rank, the slot limits, and the event totals so far."""
-
-    world_size: int
-    max_loras: int
-    max_cpu_loras: int
-    adapters: list[AdapterResidency] = msgspec.field(default_factory=list)
-    events: list[LoRAEventCount] = msgspec.field(default_factory=list)
-    loads: list[LoRALoadTime] = msgspec.field(default_factory=list)
-
-
-class KVCacheBlock(msgspec.Struct, array_like=True):
-    """One cached block as the KV-cache events described it."""
-
-    block_hash: int
-    parent: int | None
-    token_ids: list[int]
-    lora_id: int
-
-
-class KVCacheState(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The prefix-cache index as of the snapshot (present with --kv-events)."""
-
-    block_size: int
-    blocks: list[KVCacheBlock] = msgspec.field(default_factory=list)
-
-
-class EngineStateSnapshot(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What a late or restarted API server needs to agree with its siblings.
-
-    `engine_seq` is the last notification the state includes, so the stream that follows
-    continues from there. `lora` is present when the engine serves adapters, `kv_cache` when it
-    publishes KV-cache events. `incarnation` counts the engine core's starts under the
-    launcher (0 first; each restart after a death adds one): its `engine_seq` starts over.
-    """
-
-    engine_index: int = 0
-    engine_seq: int = -1
-    notifications: NotificationLedgerState = msgspec.field(default_factory=NotificationLedgerState)
-    lora: LoRAState | None = None
-    kv_cache: KVCacheState | None = None
-    incarnation: int = 0
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True, omit_defaults=True):

@@ -114,14 +114,14 @@ def no_process_left_behind() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
     """The embedded SmolLM2 GGUF, converted once (cached across sessions)."""
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
 
     return resolve_model(None).model_dir
 
 
 @pytest.fixture(scope="session")
 def embedded_gguf() -> Path:
-    from rankcast.model.source import embedded_gguf_path
+    from rankcast.model_files.source import embedded_gguf_path
 
     return embedded_gguf_path()
 

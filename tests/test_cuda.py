@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from rankcast import LoRARequest, SamplingParams
-from rankcast.model.arch import ArchConfig
 from rankcast.model.layers import PackedLinearMixin
 from rankcast.model.linear_kernels import choose_linear_path
 from rankcast.model.loader import load_model
+from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
 from tests.conftest import reference_greedy, write_tiny_model

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-from rankcast.metrics.fleet import MULTIPROC_DIR_ENV, Fleet
+from rankcast.api_server.metrics.fleet import MULTIPROC_DIR_ENV, Fleet
 
 
 def test_files_are_merged_in_name_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -115,7 +115,7 @@ def test_a_rank_counts_its_engines_ranks_on_its_machine_except_under_ray(
     from pathlib import Path
 
     from rankcast.config import EngineConfig
-    from rankcast.model.source import ModelSource
+    from rankcast.model_files.source import ModelSource
     from rankcast.worker.worker import Worker
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -142,7 +142,7 @@ def test_every_verb_has_exactly_one_handler_in_its_process_table() -> None:
 
     from rankcast.config import EngineConfig
     from rankcast.engine_core.core import EngineCore
-    from rankcast.model.source import ModelSource
+    from rankcast.model_files.source import ModelSource
     from rankcast.protocol import RANK_CALLS, UTILITIES
     from rankcast.worker.worker import Worker
 

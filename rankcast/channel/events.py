@@ -183,34 +183,3 @@ class NotificationBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     timestamp: float
     engine_index: int
     notifications: list[msgspec.Raw]
-
-
-# ---- the channel's section of the engine's catch-up snapshot (rule 8) ----
-
-
-class NotificationTotal(msgspec.Struct, array_like=True):
-    """How many notifications of one type (and, for `custom`, one key) have left the engine."""
-
-    type: str
-    key: str
-    count: int
-
-
-class RankCount(msgspec.Struct, array_like=True):
-    rank: int
-    count: int
-
-
-class RankWeightsLoaded(msgspec.Struct, array_like=True):
-    """A rank's last `rankcast.weights_loaded` payload (bytes, seconds)."""
-
-    rank: int
-    payload: dict[str, Any]
-
-
-class NotificationLedgerState(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The channel's own totals: what every API server's notification counters start from."""
-
-    totals: list[NotificationTotal] = msgspec.field(default_factory=list)
-    dropped: list[RankCount] = msgspec.field(default_factory=list)
-    weights_loaded: list[RankWeightsLoaded] = msgspec.field(default_factory=list)

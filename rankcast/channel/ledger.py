@@ -11,12 +11,14 @@ from rankcast.channel.events import (
     WEIGHTS_LOADED_KEY,
     CustomNotification,
     Notification,
-    NotificationLedgerState,
     NotificationsDropped,
+    notification_type,
+)
+from rankcast.channel.snapshot import (
+    NotificationLedgerState,
     NotificationTotal,
     RankCount,
     RankWeightsLoaded,
-    notification_type,
 )
 
 

@@ -20,17 +20,12 @@ from typing import Any, Protocol
 
 from rankcast.channel.decoder import NotificationDecoder
 from rankcast.channel.events import Notification
+from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.engine_client.engine_router import Choice, EngineRouter
 from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError
 from rankcast.engine_client.output_processor import OutputProcessor
 from rankcast.outputs import RequestOutput, RequestRejectedError
-from rankcast.protocol import (
-    EngineCoreRequest,
-    EngineStateSnapshot,
-    R,
-    SchedulerStats,
-    Utility,
-)
+from rankcast.protocol import EngineCoreRequest, R, SchedulerStats, Utility
 from rankcast.sampling_params import SamplingParams
 from rankcast.tokenizer import ModelTokenizer
 

@@ -24,7 +24,7 @@ from rankcast.protocol import (
 )
 
 if TYPE_CHECKING:
-    from rankcast.model.source import ModelSource
+    from rankcast.model_files.source import ModelSource
 
 
 class EngineCoreClient(ABC):

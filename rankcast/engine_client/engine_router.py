@@ -60,10 +60,11 @@ from rankcast.channel.events import (
     LoRAAdapterLoaded,
     Notification,
 )
+from rankcast.channel.kv_index import KVCacheIndex, block_names
+from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.config import ROUTING_POLICIES
 from rankcast.engine_client.load_balancer import LoadBalancer
-from rankcast.kv_index import KVCacheIndex, block_names
-from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+from rankcast.protocol import SchedulerStats
 
 RoutingPolicy = Literal["load", "prefix", "adapter", "auto"]
 assert set(ROUTING_POLICIES) == set(typing.get_args(RoutingPolicy))

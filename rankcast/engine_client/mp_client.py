@@ -177,7 +177,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
     async def start(self, timeout_s: float | None = None) -> None:
         """Connect to the engine core; with `timeout_s`, fails with TimeoutError when no
         incarnation of it has answered by then. An API server starts beside a loading engine
-        core and waits as long as the launcher lets it (`rankcast/entrypoints/fleet.py` times
+        core and waits as long as the launcher lets it (`rankcast/launcher/fleet.py` times
         its start from when every engine core is up)."""
         await self._connect_until_answered(timeout_s)
 

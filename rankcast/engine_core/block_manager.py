@@ -23,8 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, KVCacheEvent
+from rankcast.channel.kv_index import block_hash
 from rankcast.engine_core.request import Request
-from rankcast.kv_index import block_hash
 
 
 @dataclass

@@ -30,6 +30,8 @@ import msgspec
 
 from rankcast.channel.events import KVCacheEvent
 from rankcast.channel.gather import EngineNotificationChannel, GatherError, Moment
+from rankcast.channel.kv_index import KVCacheIndex
+from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.lora_registry import LoRARegistry, startup_share
@@ -38,9 +40,8 @@ from rankcast.engine_core.scheduler import Scheduler
 from rankcast.errors import ClientError, ExtensionCallError, UnknownMethodError
 from rankcast.executor.base import ExecutorError
 from rankcast.executor.factory import create_executor
-from rankcast.kv_index import KVCacheIndex
-from rankcast.model.arch import ArchConfig
-from rankcast.model.source import ModelSource
+from rankcast.model_files.arch import ArchConfig
+from rankcast.model_files.source import ModelSource
 from rankcast.protocol import (
     PROTOCOL_VERSION,
     UTILITIES,
@@ -54,7 +55,6 @@ from rankcast.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
-    EngineStateSnapshot,
     ErrorKind,
     FinishReason,
     GetStats,

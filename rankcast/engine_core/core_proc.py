@@ -30,7 +30,7 @@ from rankcast.config import EngineConfig
 from rankcast.engine_core.core import EngineCore, Outbox
 from rankcast.executor.base import ExecutorError, RankLostError
 from rankcast.logger import init_logging
-from rankcast.model.source import ModelSource
+from rankcast.model_files.source import ModelSource
 from rankcast.process import die_with_parent, set_process_title
 from rankcast.protocol import EngineCoreInput, EngineCoreOutputs, EngineReady
 from rankcast.start_up_holds import hold_here
@@ -243,7 +243,7 @@ def run_engine_core(
     except Exception as exc:
         logger.exception("engine core failed to start")
         # A lost rank is a death the launcher restarts from; any other failure is this
-        # configuration's own, and would only repeat (rankcast/entrypoints/fleet.py).
+        # configuration's own, and would only repeat (rankcast/launcher/fleet.py).
         kind = "lost" if isinstance(exc, RankLostError) else "error"
         ready.send((kind, f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None

@@ -37,6 +37,13 @@ from pathlib import Path
 
 from rankcast.channel.events import Notification
 from rankcast.channel.lora_events import lora_event_key, lora_load_time
+from rankcast.channel.snapshot import (
+    AdapterResidency,
+    LoRAEventCount,
+    LoRALoadTime,
+    LoRAState,
+    RankTier,
+)
 from rankcast.config import LoRAConfig
 from rankcast.engine_core.scheduler import AdapterState
 from rankcast.errors import (
@@ -48,17 +55,12 @@ from rankcast.errors import (
 )
 from rankcast.executor.base import Executor, ExecutorError
 from rankcast.lora.peft_adapter import inspect_peft_adapter
-from rankcast.model.arch import ArchConfig
+from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import (
     AdapterRead,
-    AdapterResidency,
     ApplyLoRAMoves,
     LoRAAdapterInfo,
-    LoRAEventCount,
-    LoRALoadTime,
     LoRAMove,
-    LoRAState,
-    RankTier,
 )
 
 # Load-time observations kept for a late API server's histogram (oldest forgotten first).

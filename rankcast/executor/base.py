@@ -18,7 +18,7 @@ import msgspec
 
 from rankcast.channel.events import WorkerNotification
 from rankcast.config import EngineConfig
-from rankcast.model.source import ModelSource
+from rankcast.model_files.source import ModelSource
 from rankcast.protocol import (
     AdapterRead,
     ExecuteModel,

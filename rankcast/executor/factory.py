@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor
-from rankcast.model.source import ModelSource
+from rankcast.model_files.source import ModelSource
 
 
 def create_executor(config: EngineConfig, source: ModelSource, engine_index: int = 0) -> Executor:

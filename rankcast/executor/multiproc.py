@@ -29,7 +29,7 @@ import zmq
 from rankcast.channel.doorbell import Doorbell
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError, RankLostError
-from rankcast.model.source import ModelSource
+from rankcast.model_files.source import ModelSource
 from rankcast.process import private_ipc_dir
 from rankcast.protocol import WorkerCall, WorkerReply
 from rankcast.worker.rank_entry import rank_process

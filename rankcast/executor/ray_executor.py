@@ -25,7 +25,7 @@ import msgspec
 from rankcast import envs
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError, RankLostError
-from rankcast.model.source import ModelSource
+from rankcast.model_files.source import ModelSource
 from rankcast.protocol import WorkerCall, WorkerReply
 
 logger = logging.getLogger(__name__)

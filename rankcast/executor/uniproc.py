@@ -9,7 +9,7 @@ from typing import Any
 from rankcast.channel.doorbell import Doorbell
 from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError
-from rankcast.model.source import ModelSource
+from rankcast.model_files.source import ModelSource
 from rankcast.worker.worker import start_worker
 
 

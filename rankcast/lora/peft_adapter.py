@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rankcast.errors import ClientError
-from rankcast.model.arch import ArchConfig
+from rankcast.model_files.arch import ArchConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

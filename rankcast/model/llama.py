@@ -15,7 +15,6 @@ from torch import nn
 
 from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.model import ops
-from rankcast.model.arch import ArchConfig
 from rankcast.model.attention import AttentionMetadata, PagedAttention
 from rankcast.model.layers import (
     KernelSlots,
@@ -30,6 +29,7 @@ from rankcast.model.layers import (
 )
 from rankcast.model.linear_kernels import ROWS_SPLIT
 from rankcast.model.rotary import RotaryEmbedding
+from rankcast.model_files.arch import ArchConfig
 
 # checkpoint suffix -> (stacked parameter suffix, shard id)
 _STACKED = (

@@ -12,12 +12,12 @@ from tqdm import tqdm
 from rankcast import envs
 from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.errors import ModelFormatError
-from rankcast.model.arch import ArchConfig
 from rankcast.model.layers import prepack_linears
 from rankcast.model.linear_kernels import choose_linear_path
 from rankcast.model.llama import LlamaForCausalLM
 from rankcast.model.safetensors_file import open_safetensors
 from rankcast.model.weight_snapshot import WeightSnapshot
+from rankcast.model_files.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 

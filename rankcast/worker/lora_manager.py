@@ -22,7 +22,7 @@ from rankcast.channel.events import (
     Notification,
 )
 from rankcast.lora.peft_adapter import LoRAAdapter, load_peft_adapter
-from rankcast.model.arch import ArchConfig
+from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import AdapterRead, LoRAMove
 from rankcast.worker.model_runner import ModelRunner
 

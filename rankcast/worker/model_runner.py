@@ -21,9 +21,9 @@ import torch
 
 from rankcast.lora.layers import LoRABatch, LoRAContext, LoRALinear, attach_lora
 from rankcast.lora.peft_adapter import LoRAAdapter, SlotImage
-from rankcast.model.arch import ArchConfig
 from rankcast.model.attention import AttentionMetadata
 from rankcast.model.llama import LlamaForCausalLM
+from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.sampling_params import SamplingParams
 from rankcast.start_up_holds import hold_here

@@ -3,7 +3,7 @@
 A spawned child first imports the module its target lives in; were the target
 `worker_proc.run_worker` itself, torch would be imported there, before this process could pause
 the garbage collector for it (rankcast/startup_gc.py: ~0.3 s of torch's import). The launcher's
-children enter the same way (rankcast/entrypoints/children.py).
+children enter the same way (rankcast/launcher/children.py).
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from rankcast.channel.doorbell import Doorbell
 from rankcast.channel.events import WEIGHTS_LOADED_KEY, CustomNotification, WorkerNotification
 from rankcast.config import EngineConfig
 from rankcast.distributed import PipelineStage, TensorParallelGroup
-from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
-from rankcast.model.source import ModelSource
+from rankcast.model_files.arch import ArchConfig
+from rankcast.model_files.source import ModelSource
 from rankcast.process import is_rankcast_process
 from rankcast.protocol import (
     RANK_CALLS,

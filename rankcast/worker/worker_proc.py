@@ -23,7 +23,7 @@ import zmq
 from rankcast.channel.doorbell import Doorbell
 from rankcast.config import EngineConfig
 from rankcast.logger import init_logging
-from rankcast.model.source import ModelSource
+from rankcast.model_files.source import ModelSource
 from rankcast.process import TeardownSkip, die_with_parent, set_process_title
 from rankcast.protocol import WorkerCall, WorkerReply
 from rankcast.startup_gc import collector_paused, freeze_startup_heap

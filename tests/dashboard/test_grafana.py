@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "docs" / "grafana" / "rankcast.json"
-PAGE_SCRIPT = ROOT / "rankcast" / "dashboard" / "dashboard.js"
+PAGE_SCRIPT = ROOT / "rankcast" / "api_server" / "dashboard" / "dashboard.js"
 SPEC = ROOT / "tests" / "fixtures" / "metrics" / "families.json"
 
 _SERIES = re.compile(r"\b((?:vllm|rankcast):[a-zA-Z0-9_:]+)")

@@ -12,7 +12,7 @@ from pathlib import Path
 from rankcast.addresses import EngineAddresses
 from rankcast.config import EngineConfig
 from rankcast.engine_core.core_proc import run_engine_core
-from rankcast.model.source import resolve_model
+from rankcast.model_files.source import resolve_model
 
 
 @contextlib.contextmanager

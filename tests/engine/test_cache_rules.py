@@ -11,10 +11,10 @@ import pytest
 
 from rankcast import LLM, SamplingParams
 from rankcast.channel.events import KVBlocksStored
+from rankcast.channel.kv_index import block_hash
 from rankcast.config import SchedulerConfig
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.scheduler import Scheduler
-from rankcast.kv_index import block_hash
 from rankcast.protocol import ModelRunnerOutput
 from tests.engine.test_scheduler import _prompt_request, _run
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rankcast import LLM, SamplingParams
 from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared
-from rankcast.kv_index import KVCacheIndex
+from rankcast.channel.kv_index import KVCacheIndex
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

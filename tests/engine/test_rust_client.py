@@ -14,13 +14,13 @@ import pytest
 import zmq
 
 from rankcast.addresses import EngineAddresses
+from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
     EngineCoreInput,
     EngineCoreOutputs,
     EngineReady,
-    EngineStateSnapshot,
 )
 from tests.engine.engine_process import engine_core_process, python_greedy
 from tests.rust_build import binary

@@ -15,8 +15,8 @@ import httpx
 import msgspec
 import zmq
 
+from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.channel.stream import SNAPSHOT_REQUEST
-from rankcast.protocol import EngineStateSnapshot
 
 PRODUCER = "tests.worker.producers:EventProducer"
 

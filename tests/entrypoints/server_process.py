@@ -97,7 +97,7 @@ class ServerProcess:
             [
                 sys.executable,
                 "-m",
-                "rankcast.entrypoints.cli",
+                "rankcast.launcher.cli",
                 "serve",
                 "--port",
                 str(self.port),
@@ -228,7 +228,7 @@ def launcher_while_loading(timeout_s: float = 60.0) -> Iterator[tuple[subprocess
     engine core exists, with that process's pid; stderr is piped. The whole session is killed
     afterwards if the launcher is still running."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "rankcast.entrypoints.cli", "serve", "--port", str(free_port())],
+        [sys.executable, "-m", "rankcast.launcher.cli", "serve", "--port", str(free_port())],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,

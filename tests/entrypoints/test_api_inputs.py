@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation.modes import GenerationMode
 
-from rankcast.entrypoints.openai.middleware import LastResortErrors
+from rankcast.api_server.middleware import LastResortErrors
 from tests.entrypoints.server_process import ServerProcess, tiny_model_args
 
 
@@ -198,7 +198,7 @@ def test_an_unexpected_exception_is_a_json_500_whose_id_the_log_carries(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The fault is injected (no input reaches a bug once the routes validate)."""
-    caplog.set_level(logging.ERROR, logger="rankcast.entrypoints.openai.middleware")
+    caplog.set_level(logging.ERROR, logger="rankcast.api_server.middleware")
 
     async def get() -> httpx.Response:
         transport = httpx.ASGITransport(app=_failing_app())

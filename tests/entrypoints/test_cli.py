@@ -9,7 +9,7 @@ from pathlib import Path
 
 def _rankcast(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rankcast.entrypoints.cli", *args],
+        [sys.executable, "-m", "rankcast.launcher.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

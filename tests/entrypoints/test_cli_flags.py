@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from rankcast.entrypoints import cli
 
 from rankcast.config import ConfigError, EngineConfig, ServeConfig
-from rankcast.entrypoints import cli
 
 FLAGS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 ENGINE_DEFAULTS = {name: f.default for name, (_, f) in EngineConfig.options().items()}
@@ -163,7 +163,7 @@ def test_the_documented_flag_table_is_the_generated_one() -> None:
     end = text.index("<!-- flags:end -->")
     assert text[start:end].rstrip("\n") == cli.flag_table_markdown(), (
         "docs/flags.md's flag table is stale: paste the output of "
-        "`python -m rankcast.entrypoints.cli --markdown-flags` between its markers"
+        "`python -m rankcast.launcher.cli --markdown-flags` between its markers"
     )
 
 
@@ -177,7 +177,7 @@ def test_the_table_has_a_row_per_flag_with_its_default() -> None:
 
 def _rankcast(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rankcast.entrypoints.cli", *argv],
+        [sys.executable, "-m", "rankcast.launcher.cli", *argv],
         capture_output=True,
         text=True,
         timeout=120,

@@ -12,17 +12,17 @@ import asyncio
 import msgspec
 import pytest
 
-from rankcast.channel.events import (
-    CustomNotification,
+from rankcast.api_server.events import EventFilter, EventHub
+from rankcast.api_server.metrics.prometheus import ServerMetrics
+from rankcast.channel.events import CustomNotification
+from rankcast.channel.snapshot import (
+    EngineStateSnapshot,
     NotificationLedgerState,
     NotificationTotal,
     RankCount,
     RankWeightsLoaded,
 )
 from rankcast.engine_client.async_llm import AsyncLLM
-from rankcast.entrypoints.openai.events import EventFilter, EventHub
-from rankcast.metrics.prometheus import ServerMetrics
-from rankcast.protocol import EngineStateSnapshot
 
 
 def _raw(value: object) -> msgspec.Raw:

@@ -26,10 +26,10 @@ print(" ".join(sorted({{m.split(".")[0] for m in sys.modules}})))
 
 def test_the_launcher_and_api_server_modules_do_not_import_torch() -> None:
     imported = _imported_after(
-        "import rankcast.entrypoints.launcher\n"
-        "import rankcast.entrypoints.openai.api_server\n"
-        "import rankcast.entrypoints.cli\n"
-        "from rankcast.model.source import resolve_model\n"
+        "import rankcast.launcher.serve\n"
+        "import rankcast.api_server.app\n"
+        "import rankcast.launcher.cli\n"
+        "from rankcast.model_files.source import resolve_model\n"
         "from rankcast.tokenizer import load_tokenizer\n"
         "tokenizer = load_tokenizer(resolve_model(None).model_dir)\n"
         "tokenizer.render_chat([{'role': 'user', 'content': 'hi'}])"
@@ -43,7 +43,7 @@ def test_the_public_names_still_import_on_first_use() -> None:
         "import rankcast\n"
         "assert 'torch' not in sys.modules\n"
         "from rankcast import LLM, SamplingParams, LoRARequest, RequestOutput, CompletionOutput\n"
-        "assert LLM.__module__ == 'rankcast.entrypoints.llm'\n"
+        "assert LLM.__module__ == 'rankcast.offline.llm'\n"
         "assert set(rankcast.__all__) <= set(dir(rankcast))\n"
         "try:\n"
         "    rankcast.Nope\n"

@@ -63,7 +63,7 @@ def test_chat_answers_paris_with_correct_usage(
     response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
     assert "Paris" in response.choices[0].message.content
     assert response.choices[0].finish_reason == "stop"
-    from rankcast.model.source import resolve_model
+    from rankcast.model_files.source import resolve_model
     from rankcast.tokenizer import apply_chat_template, load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(None).model_dir)

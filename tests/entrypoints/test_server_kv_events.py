@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from rankcast.channel.events import AnyNotification
-from rankcast.kv_index import KVCacheIndex
+from rankcast.channel.kv_index import KVCacheIndex
 from tests.engine.test_kv_events import random_workload
 from tests.entrypoints.notification_clients import engine_snapshot, open_event_streams
 from tests.entrypoints.server_process import ServerProcess, free_port

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from rankcast.metrics.prometheus import _ITL_BUCKETS, ServerMetrics
+from rankcast.api_server.metrics.prometheus import _ITL_BUCKETS, ServerMetrics
 from tests.entrypoints.notification_clients import prefix_cache_totals
 
 ITL = "vllm:inter_token_latency_seconds"
@@ -54,7 +54,8 @@ def _prefix_cache(metrics: ServerMetrics) -> tuple[float, float]:
 def test_engine_totals_count_on_across_an_engine_restart_never_back() -> None:
     """A restarted engine's stats count from zero again; the counters that mirror its totals
     add them to what they showed, so no counter goes backwards (a rate() reads no reset)."""
-    from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+    from rankcast.channel.snapshot import EngineStateSnapshot
+    from rankcast.protocol import SchedulerStats
 
     def stats(queries: int = 0, hits: int = 0) -> SchedulerStats:
         return SchedulerStats(prefix_cache_queries=queries, prefix_cache_hits=hits)

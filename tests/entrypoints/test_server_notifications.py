@@ -19,8 +19,8 @@ import zmq
 
 from rankcast.channel.decoder import NotificationDecoder
 from rankcast.channel.events import NotificationBatch
+from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.channel.stream import END_OF_REPLAY, SNAPSHOT_REQUEST, TOPIC
-from rankcast.protocol import EngineStateSnapshot
 from tests.entrypoints.notification_clients import (
     open_event_streams,
     producer_server_args,

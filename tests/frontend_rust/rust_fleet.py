@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from rankcast.entrypoints.rust_api_server import BINARY_ENV
+from rankcast.launcher.rust_api_server import BINARY_ENV
 from tests.entrypoints.server_process import ServerProcess, descendants
 from tests.rust_build import binary
 

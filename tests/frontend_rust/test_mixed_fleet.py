@@ -19,7 +19,7 @@ from tests.lora.conftest import make_adapter
 from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
 
 MODEL = "SmolLM2-135M-Instruct"
-DASHBOARD = Path(__file__).resolve().parents[2] / "rankcast" / "dashboard"
+DASHBOARD = Path(__file__).resolve().parents[2] / "rankcast" / "api_server" / "dashboard"
 
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}

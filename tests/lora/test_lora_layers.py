@@ -12,8 +12,8 @@ import torch
 from rankcast import kernels, platform
 from rankcast.lora.peft_adapter import load_peft_adapter
 from rankcast.model import ops
-from rankcast.model.arch import ArchConfig
 from rankcast.model.loader import load_model
+from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
 from tests.model.test_llama_logits import decoder_stack_expected

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from rankcast.errors import ClientError
 from rankcast.lora.peft_adapter import LoRAAdapterError, inspect_peft_adapter, load_peft_adapter
-from rankcast.model.arch import ArchConfig
+from rankcast.model_files.arch import ArchConfig
 from tests.lora.conftest import TARGETS, make_adapter
 
 

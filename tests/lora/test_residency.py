@@ -3,6 +3,7 @@ relies on (an evicted adapter stays servable, `partial` when ranks disagree, unl
 
 from __future__ import annotations
 
+from rankcast.api_server.metrics.lora_residency import LoRAResidency
 from rankcast.channel.events import (
     LoRAAdapterActivated,
     LoRAAdapterEvicted,
@@ -10,7 +11,6 @@ from rankcast.channel.events import (
     LoRAAdapterPinned,
     Notification,
 )
-from rankcast.metrics.lora_residency import LoRAResidency
 
 
 def _on(rank: int, n: Notification) -> Notification:

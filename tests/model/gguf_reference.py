@@ -78,7 +78,7 @@ def reference_continuations(gguf: Path, prompt_ids: list[list[int]]) -> list[lis
 def record() -> None:
     import transformers
 
-    from rankcast.model.source import embedded_gguf_path, resolve_model
+    from rankcast.model_files.source import embedded_gguf_path, resolve_model
     from rankcast.tokenizer import load_tokenizer
 
     gguf = embedded_gguf_path()

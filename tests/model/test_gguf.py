@@ -9,9 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rankcast.model.arch import ModelFormatError
-from rankcast.model.gguf_convert import cache_key, convert_gguf, hf_tensor_name, undo_rope_permute
-from rankcast.model.source import resolve_model
+from rankcast.model_files.arch import ModelFormatError
+from rankcast.model_files.gguf_convert import (
+    cache_key,
+    convert_gguf,
+    hf_tensor_name,
+    undo_rope_permute,
+)
+from rankcast.model_files.source import resolve_model
 from tests.conftest import TINY_LLAMA
 from tests.model.gguf_reference import NEW_TOKENS, PROMPTS, reference_continuations
 
@@ -33,7 +38,7 @@ def test_tensor_names_map_to_hf() -> None:
 
 
 def test_embedded_model_config_comes_from_gguf_metadata(embedded_model_dir: Path) -> None:
-    from rankcast.model.arch import ArchConfig
+    from rankcast.model_files.arch import ArchConfig
 
     arch = ArchConfig.from_model_dir(embedded_model_dir)
     assert (arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads) == (
@@ -55,7 +60,7 @@ def test_tokenizer_from_gguf_metadata_equals_transformers_autotokenizer(
     """The cold start builds the tokenizer with transformers' GGUF converter directly; the
     files it writes are those `AutoTokenizer.from_pretrained(gguf_file=...)` writes."""
     pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
-    from rankcast.model.gguf_convert import _tokenizer_from_gguf_metadata, _tokenizer_via_auto
+    from rankcast.model_files.gguf_convert import _tokenizer_from_gguf_metadata, _tokenizer_via_auto
 
     direct, auto = tmp_path / "direct", tmp_path / "auto"
     _tokenizer_from_gguf_metadata(embedded_gguf).save_pretrained(str(direct))
@@ -174,7 +179,7 @@ def test_our_reader_parses_what_ggufs_own_reader_parses(tmp_path: Path) -> None:
     import gguf
     import gguf.gguf_reader
 
-    from rankcast.model.gguf_convert import open_gguf
+    from rankcast.model_files.gguf_convert import open_gguf
 
     path = tmp_path / "small.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -200,7 +205,7 @@ def test_our_reader_parses_what_ggufs_own_reader_parses(tmp_path: Path) -> None:
 
 
 def test_a_conversion_records_its_source(embedded_model_dir: Path, embedded_gguf: Path) -> None:
-    from rankcast.model.gguf_convert import source_identity
+    from rankcast.model_files.gguf_convert import source_identity
 
     record = embedded_model_dir / "rankcast-source.txt"
     assert record.read_text() == source_identity(embedded_gguf)
@@ -213,7 +218,7 @@ def test_pruning_removes_conversions_no_start_can_use(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from rankcast.model.gguf_convert import prune_stale_conversions, source_identity
+    from rankcast.model_files.gguf_convert import prune_stale_conversions, source_identity
 
     sources = tmp_path / "sources"
     sources.mkdir()
@@ -300,8 +305,8 @@ def test_auto_quantization_serves_a_gguf_in_its_own_format(
     float, and an HF directory, as "none" (a mix of quantized types: the test below)."""
     import gguf
 
-    from rankcast.model.gguf_convert import native_quantization
-    from rankcast.model.source import ModelSource
+    from rankcast.model_files.gguf_convert import native_quantization
+    from rankcast.model_files.source import ModelSource
 
     assert native_quantization(embedded_gguf) == "q4_1"
     path = tmp_path / "float.gguf"
@@ -371,7 +376,7 @@ def _write_gguf_mix(path: Path, model_dir: Path, embedded_gguf: Path, types: dic
     import gguf
     from safetensors.torch import load_file
 
-    from rankcast.model.gguf_convert import open_gguf
+    from rankcast.model_files.gguf_convert import open_gguf
 
     config = json.loads((model_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -425,8 +430,8 @@ def test_a_k_quant_mix_is_served_as_8bit_groups(
     (the test above); a float projection anywhere makes `auto` serve the float weights."""
     import torch
 
-    from rankcast.model.arch import ArchConfig
     from rankcast.model.loader import load_model
+    from rankcast.model_files.arch import ArchConfig
     from rankcast.protocol import ScheduledSequence, SchedulerOutput
     from rankcast.worker.model_runner import ModelRunner
     from tests.conftest import write_tiny_model

@@ -11,7 +11,6 @@ import torch
 
 from rankcast import envs, kernels
 from rankcast.config import ConfigError, ParallelConfig
-from rankcast.model.arch import ArchConfig
 from rankcast.model.linear_kernels import (
     ROWS_SPLIT,
     CpuFacts,
@@ -21,6 +20,7 @@ from rankcast.model.linear_kernels import (
 )
 from rankcast.model.llama import LlamaForCausalLM
 from rankcast.model.loader import load_model
+from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
 from tests.conftest import write_tiny_model

@@ -15,11 +15,11 @@ import torch
 from rankcast import kernels
 from rankcast.model import ops
 from rankcast.model import quantization as quantized
-from rankcast.model.arch import ArchConfig
 from rankcast.model.layers import PackedLinearMixin, layer_quantization
 from rankcast.model.linear_kernels import CpuFacts, choose_linear_path
 from rankcast.model.loader import load_model
 from rankcast.model.weight_snapshot import WeightSnapshot
+from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
 from tests.conftest import write_tiny_model

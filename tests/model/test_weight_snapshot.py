@@ -15,7 +15,6 @@ import torch
 
 from rankcast.config import ConfigError, ModelConfig
 from rankcast.distributed import TensorParallelGroup
-from rankcast.model.arch import ArchConfig
 from rankcast.model.layers import PackedLinearMixin
 from rankcast.model.linear_kernels import CpuFacts, choose_linear_path
 from rankcast.model.llama import LlamaForCausalLM
@@ -26,6 +25,7 @@ from rankcast.model.weight_snapshot import (
     wait_for_writes,
     writes_in_progress,
 )
+from rankcast.model_files.arch import ArchConfig
 from tests.conftest import write_tiny_model
 
 CPU = torch.device("cpu")

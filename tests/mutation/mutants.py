@@ -197,7 +197,7 @@ MUTANTS = [
     Mutant(
         "render-without-template",
         "12 Render answers the token ids the engine computes",
-        "rankcast/entrypoints/openai/discovery.py",
+        "rankcast/api_server/discovery.py",
         "    token_ids = chat_prompt_ids(ctx, body)\n",
         "    token_ids = ctx.tokenizer.encode(body.messages[-1].text())\n",
         (VLLM_KV,),
@@ -269,7 +269,7 @@ MUTANTS = [
     Mutant(
         "host-places-not-sent-to-servers",
         "13 Routing: the served router knows each engine's host-tier size (--max-cpu-loras)",
-        "rankcast/entrypoints/launcher.py",
+        "rankcast/launcher/serve.py",
         "        config.lora.host_capacity if config.lora.enable_lora else None,",
         "        None,",
         (HOST_PLACES_SERVED,),
@@ -277,7 +277,7 @@ MUTANTS = [
     Mutant(
         "router-without-host-places",
         "13 Routing: the served router knows each engine's host-tier size (--max-cpu-loras)",
-        "rankcast/entrypoints/openai/api_server.py",
+        "rankcast/api_server/app.py",
         "len(clients), config.routing_policy, config.block_size, loras, config.lora_host_places",
         "len(clients), config.routing_policy, config.block_size, loras, None",
         (HOST_PLACES_SERVED,),
@@ -285,7 +285,7 @@ MUTANTS = [
     Mutant(
         "dashboard-waits-for-poll",
         "14 The dashboard shows a rank's LoRA event within a second, on every API server's page",
-        "rankcast/dashboard/dashboard.js",
+        "rankcast/api_server/dashboard/dashboard.js",
         "    applyLoraEvent(n);\n    renderResidency();\n",
         "",
         (DASHBOARD,),
@@ -293,7 +293,7 @@ MUTANTS = [
     Mutant(
         "health-without-incarnation",
         "14 The dashboard shows an engine core's restart under its next incarnation",
-        "rankcast/entrypoints/openai/api_server.py",
+        "rankcast/api_server/app.py",
         '"incarnation": events.incarnation.get(index, 0),',
         '"incarnation": 0,',
         (DASHBOARD,),
@@ -301,7 +301,7 @@ MUTANTS = [
     Mutant(
         "dashboard-forgets-last-event-id",
         "14 The dashboard resumes its event stream where it stopped after a reconnect",
-        "rankcast/dashboard/dashboard.js",
+        "rankcast/api_server/dashboard/dashboard.js",
         '    if (resume) h["Last-Event-ID"] = resume;',
         "",
         (DASHBOARD,),
@@ -309,7 +309,7 @@ MUTANTS = [
     Mutant(
         "dashboard-drops-unmarked",
         "14 The dashboard marks dropped events as a gap",
-        "rankcast/dashboard/dashboard.js",
+        "rankcast/api_server/dashboard/dashboard.js",
         '    addEvent({ id, type: n.type, key: "", text, gap: true, ts: n.timestamp });',
         '    addEvent({ id, type: n.type, key: "", text, gap: false, ts: n.timestamp });',
         (DASHBOARD,),
@@ -317,7 +317,7 @@ MUTANTS = [
     Mutant(
         "dashboard-gap-as-an-event-line",
         "14 The dashboard shows a replay gap as a gap: a marked band naming the missing range",
-        "rankcast/dashboard/dashboard.js",
+        "rankcast/api_server/dashboard/dashboard.js",
         '  return { id: range, type: name, key: "", text, gap: true, replayGap: true };',
         '  return { id: range, type: name, key: "", text, gap: false, replayGap: false };',
         (DASHBOARD,),
@@ -325,7 +325,7 @@ MUTANTS = [
     Mutant(
         "event-ids-without-incarnation",
         "11 Event ids carry the engine core's incarnation",
-        "rankcast/entrypoints/openai/events.py",
+        "rankcast/api_server/events.py",
         '        return f"{self.engine}:{self.incarnation}:{self.seq}"',
         '        return f"{self.engine}:0:{self.seq}"',
         ("tests/entrypoints/test_events.py",),
@@ -333,7 +333,7 @@ MUTANTS = [
     Mutant(
         "restart-not-announced",
         "11 A resume from an older incarnation gets a replay_gap",
-        "rankcast/entrypoints/openai/events.py",
+        "rankcast/api_server/events.py",
         "        if incarnation != current:",
         "        if False:",
         ("tests/entrypoints/test_events.py",),
@@ -365,7 +365,7 @@ MUTANTS = [
     Mutant(
         "launcher-leaves-children",
         "The launcher returns only after every process it started has been reaped",
-        "rankcast/entrypoints/launcher.py",
+        "rankcast/launcher/serve.py",
         "        reap_everything()",
         "        pass",
         ("tests/reliability/test_nothing_left_behind.py",),
@@ -373,7 +373,7 @@ MUTANTS = [
     Mutant(
         "dead-engine-not-restarted",
         "11 A dead engine core is started again under its next incarnation",
-        "rankcast/entrypoints/fleet.py",
+        "rankcast/launcher/fleet.py",
         "        for role in self.engines:\n"
         "            if role.child is None and role.supervision.due():",
         "        for role in self.engines:\n            if False:",
@@ -624,7 +624,7 @@ MUTANTS = [
     Mutant(
         "engine-totals-reset-on-restart",
         "Engine-total counters never go backwards across an engine restart",
-        "rankcast/metrics/prometheus.py",
+        "rankcast/api_server/metrics/prometheus.py",
         "            totals.incarnation, totals.base = snapshot.incarnation, dict(totals.shown)",
         "            totals.incarnation = snapshot.incarnation",
         ("tests/entrypoints/test_server_metrics.py", "tests/reliability/test_engine_restart.py"),
@@ -632,7 +632,7 @@ MUTANTS = [
     Mutant(
         "routing-counts-reset-on-restart",
         "Routing counters never go backwards across an engine restart",
-        "rankcast/metrics/prometheus.py",
+        "rankcast/api_server/metrics/prometheus.py",
         '            shown = totals.show(("routed", reason), count)',
         "            shown = count",
         (RESTART_COUNTERS,),
@@ -640,7 +640,7 @@ MUTANTS = [
     Mutant(
         "notifications-set-from-snapshot",
         "Notification counters never go backwards across an engine restart",
-        "rankcast/metrics/prometheus.py",
+        "rankcast/api_server/metrics/prometheus.py",
         "            self.notifications_total.inc((total.type, total.key), total.count)",
         "            self.notifications_total.set((total.type, total.key), total.count)",
         (RESTART_COUNTERS,),
@@ -677,7 +677,7 @@ MUTANTS = [
     Mutant(
         "start-up-death-ends-the-launch",
         "A death during the fleet's start is restarted, not the end of the launch",
-        "rankcast/entrypoints/fleet.py",
+        "rankcast/launcher/fleet.py",
         "        if role.supervision.given_up is not None and not self.started:\n"
         "            raise LaunchError(role.supervision.given_up)",
         "        if not self.started:\n            raise LaunchError(why)",
@@ -686,7 +686,7 @@ MUTANTS = [
     Mutant(
         "engines-unwatched-until-started",
         "An engine core that dies while API servers start is restarted",
-        "rankcast/entrypoints/fleet.py",
+        "rankcast/launcher/fleet.py",
         "            if role.child is None and role.supervision.due():\n"
         "                role.supervision.restarting()\n"
         "                self._start(role)\n"
@@ -721,7 +721,7 @@ MUTANTS = [
     Mutant(
         "health-ready-while-fleet-starts",
         "/health answers 503 until every API server has started",
-        "rankcast/entrypoints/openai/api_server.py",
+        "rankcast/api_server/app.py",
         '        if supervisor is None or supervisor.fleet.state == "serving":',
         "        if True:",
         (f"{START}::test_health_says_starting_until_every_api_server_is_ready[python-answers]",),

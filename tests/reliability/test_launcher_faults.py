@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rankcast.entrypoints.fleet import Fleet, LaunchError, Role
-from rankcast.entrypoints.supervision import Supervision
+from rankcast.launcher.fleet import Fleet, LaunchError, Role
+from rankcast.launcher.supervision import Supervision
 from tests.entrypoints.server_process import (
     ServerProcess,
     assert_session_ends,

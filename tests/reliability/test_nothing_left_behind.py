@@ -44,7 +44,7 @@ def test_an_orphaned_descendant_is_adopted_and_waited_for() -> None:
     launcher's reaping checked on its own, with a process tree made for it."""
     script = """
 import subprocess, sys
-from rankcast.descendants import adopt_orphans, reap_everything
+from rankcast.launcher.descendants import adopt_orphans, reap_everything
 assert adopt_orphans()
 grandchild = "import time; time.sleep(1)"
 middle = subprocess.Popen([sys.executable, "-c",

@@ -3,7 +3,7 @@ within the window count towards giving up."""
 
 from __future__ import annotations
 
-from rankcast.entrypoints.supervision import (
+from rankcast.launcher.supervision import (
     API_SERVER_BACKOFF_S,
     GIVE_UP_WINDOW_S,
     RESTART_BACKOFF_S,

@@ -10,15 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rankcast.api_server.metrics.lora_residency import LoRAResidency
 from rankcast.channel.events import (
     KVBlocksStored,
     KVCacheCleared,
     LoRAAdapterActivated,
     LoRAAdapterLoaded,
 )
+from rankcast.channel.kv_index import block_hash
 from rankcast.engine_client.engine_router import LOAD_COST, EngineRouter
-from rankcast.kv_index import block_hash
-from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.protocol import SchedulerStats
 
 BS = 16

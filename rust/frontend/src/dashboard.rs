@@ -1,10 +1,10 @@
-//! `/dashboard`: the same static page the Python API servers serve (rankcast/dashboard/),
+//! `/dashboard`: the same static page the Python API servers serve (rankcast/api_server/dashboard/),
 //! compiled in, so the Rust server needs no files beside its binary and never serves other
 //! bytes than the Python ones. The page holds no data; the routes it calls ask for the key.
 
-const INDEX: &str = include_str!("../../../rankcast/dashboard/index.html");
-const SCRIPT: &str = include_str!("../../../rankcast/dashboard/dashboard.js");
-const STYLE: &str = include_str!("../../../rankcast/dashboard/dashboard.css");
+const INDEX: &str = include_str!("../../../rankcast/api_server/dashboard/index.html");
+const SCRIPT: &str = include_str!("../../../rankcast/api_server/dashboard/dashboard.js");
+const STYLE: &str = include_str!("../../../rankcast/api_server/dashboard/dashboard.css");
 
 /// The asset at `path` under /dashboard ("" or "/": the page) and its content type; None for
 /// anything else.

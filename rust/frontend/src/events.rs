@@ -1,5 +1,5 @@
 //! `/v1/events`: engine notifications as server-sent events, resumable from a ring, as the Python
-//! API servers serve them (`rankcast/entrypoints/openai/events.py` states the contract): ids
+//! API servers serve them (`rankcast/api_server/events.py` states the contract): ids
 //! `<engine>:<incarnation>:<engine_seq>`, `type`/`key` filters, `Last-Event-ID` replay from a
 //! bounded ring or a `replay_gap` notice, an `overflow` notice for a reader too slow to keep up.
 //! Every API server keeps the same ring (the engine sends each the same stream in the same

@@ -1,5 +1,5 @@
 //! Whether the fleet `rankcast serve` runs has started, as its launcher's state file says
-//! (`RANKCAST_SUPERVISOR_STATE`, written by `rankcast/entrypoints/fleet.py`): until every API
+//! (`RANKCAST_SUPERVISOR_STATE`, written by `rankcast/launcher/fleet.py`): until every API
 //! server has been ready once, `/health` answers 503 on every server, Python or Rust, so a load
 //! balancer never takes the first server up for a fleet that is still coming up.
 

@@ -12,7 +12,7 @@ from rankcast.channel.events import Notification
 from rankcast.config import EngineConfig
 from rankcast.engine_client.core_client import CoreFactory, InprocClient
 from rankcast.engine_client.output_processor import OutputProcessor
-from rankcast.model.source import resolve_model
+from rankcast.model_files.source import resolve_model
 from rankcast.outputs import RequestOutput
 from rankcast.protocol import EngineCoreRequest, R, Utility
 from rankcast.sampling_params import SamplingParams

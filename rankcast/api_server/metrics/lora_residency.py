@@ -15,7 +15,8 @@ from rankcast.channel.events import (
     LoRAAdapterUnpinned,
     Notification,
 )
-from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+from rankcast.channel.snapshot import EngineStateSnapshot
+from rankcast.protocol import SchedulerStats
 
 # Tier order in replies: the device first, as the one requests run on.
 _TIER_ORDER = {"device": 0, "cpu": 1}

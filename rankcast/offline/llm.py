@@ -7,8 +7,8 @@ from typing import Any, cast
 
 from rankcast.channel.events import Notification
 from rankcast.config import EngineConfig
-from rankcast.engine_client.llm_engine import LLMEngine
 from rankcast.lora.request import LoRARequest
+from rankcast.offline.llm_engine import LLMEngine
 from rankcast.outputs import RequestOutput
 from rankcast.protocol import (
     AddLoRA,

@@ -25,22 +25,22 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rankcast.addresses import ClientAddresses
-from rankcast.engine_client.async_llm import AsyncLLM, NotificationSink
-from rankcast.engine_client.engine_router import EngineRouter
-from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError, UtilityError
-from rankcast.entrypoints.openai.dashboard import add_dashboard_routes
-from rankcast.entrypoints.openai.discovery import add_discovery_routes
-from rankcast.entrypoints.openai.drain import (
+from rankcast.api_server.dashboard import add_dashboard_routes
+from rankcast.api_server.discovery import add_discovery_routes
+from rankcast.api_server.drain import (
     RETRY_AFTER_S,
     Drain,
     DrainGate,
     DrainingServer,
     ServerShuttingDownError,
 )
-from rankcast.entrypoints.openai.errors import APIError, error_response
-from rankcast.entrypoints.openai.events import EventFilter, EventHub, parse_event_id
-from rankcast.entrypoints.openai.middleware import LastResortErrors, TagAndAuthenticate
-from rankcast.entrypoints.openai.schema import (
+from rankcast.api_server.errors import APIError, error_response
+from rankcast.api_server.events import EventFilter, EventHub, parse_event_id
+from rankcast.api_server.metrics.lora_metrics import LoRAMetrics
+from rankcast.api_server.metrics.lora_residency import LoRAResidency
+from rankcast.api_server.metrics.prometheus import ServerMetrics
+from rankcast.api_server.middleware import LastResortErrors, TagAndAuthenticate
+from rankcast.api_server.schema import (
     ChatCompletionRequest,
     CollectiveRpcRequest,
     CompletionRequest,
@@ -50,19 +50,18 @@ from rankcast.entrypoints.openai.schema import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from rankcast.entrypoints.openai.server_config import ApiServerConfig
-from rankcast.entrypoints.openai.serving import (
+from rankcast.api_server.server_config import ApiServerConfig
+from rankcast.api_server.serving import (
     ServingContext,
     create_chat_completion,
     create_completion,
     live,
 )
-from rankcast.entrypoints.openai.tokenization import detokenize, tokenize
-from rankcast.entrypoints.supervision import read_state
+from rankcast.api_server.tokenization import detokenize, tokenize
+from rankcast.engine_client.async_llm import AsyncLLM, NotificationSink
+from rankcast.engine_client.engine_router import EngineRouter
+from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.logger import init_logging
-from rankcast.metrics.lora_metrics import LoRAMetrics
-from rankcast.metrics.lora_residency import LoRAResidency
-from rankcast.metrics.prometheus import ServerMetrics
 from rankcast.outputs import RequestRejectedError
 from rankcast.process import die_with_parent, set_process_title
 from rankcast.protocol import (
@@ -76,6 +75,7 @@ from rankcast.protocol import (
 )
 from rankcast.start_up_holds import hold_here
 from rankcast.startup_gc import freeze_startup_heap
+from rankcast.supervisor_state import read_state
 from rankcast.tokenizer import load_tokenizer
 from rankcast.version import __version__
 

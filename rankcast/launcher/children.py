@@ -39,11 +39,11 @@ def engine_core_process(*args: Any) -> None:
 
 
 def api_server_process(*args: Any) -> None:
-    """`rankcast.entrypoints.openai.api_server.run_api_server` in this process."""
+    """`rankcast.api_server.app.run_api_server` in this process."""
     _leave_ctrl_c_to_the_launcher()
     teardown = TeardownSkip()
     with collector_paused():
-        from rankcast.entrypoints.openai.api_server import run_api_server
+        from rankcast.api_server.app import run_api_server
 
     run_api_server(*args)
     teardown.finished()

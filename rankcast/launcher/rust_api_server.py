@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from rankcast.addresses import ClientAddresses
-from rankcast.entrypoints.openai.server_config import ApiServerConfig
+from rankcast.api_server.server_config import ApiServerConfig
 from rankcast.process import die_with_parent, set_process_title
 
 BINARY_ENV = "RANKCAST_RUST_FRONTEND"

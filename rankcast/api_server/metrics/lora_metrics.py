@@ -14,11 +14,12 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from rankcast.api_server.metrics.fleet import Fleet, ViewCounter
+from rankcast.api_server.metrics.lora_residency import LoRAResidency
 from rankcast.channel.events import Notification
 from rankcast.channel.lora_events import lora_event_key, lora_load_time
-from rankcast.metrics.fleet import Fleet, ViewCounter
-from rankcast.metrics.lora_residency import LoRAResidency
-from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+from rankcast.channel.snapshot import EngineStateSnapshot
+from rankcast.protocol import SchedulerStats
 
 _LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # The metric's `level` label: vLLM calls the device tier "gpu" whatever the device is.

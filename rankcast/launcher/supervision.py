@@ -9,55 +9,24 @@ and the launcher stops trying: a given-up engine stays dead, its API servers ans
 serving (`fleet.py` watches both).
 
 The launcher writes its view to a small JSON file the API servers read
-(`RANKCAST_SUPERVISOR_STATE`), the only way they can tell an engine that is coming back from
-one that is not, and a fleet still starting from one that has started.
+(`rankcast/supervisor_state.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import msgspec
+from rankcast.supervisor_state import EngineState
 
 logger = logging.getLogger(__name__)
 
-SUPERVISOR_STATE_ENV = "RANKCAST_SUPERVISOR_STATE"
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0)
 # An API server holds no model: the first restart is immediate.
 API_SERVER_BACKOFF_S = (0.0, 1.0, 2.0)
 GIVE_UP_FAILURES = 3
 GIVE_UP_WINDOW_S = 300.0
-
-
-class EngineState(msgspec.Struct, kw_only=True):
-    """One engine core as the launcher sees it: `starting` (its first start), `serving`,
-    `restarting` or `given_up`."""
-
-    engine: int
-    incarnation: int
-    state: str
-    message: str = ""
-
-
-class FleetState(msgspec.Struct, kw_only=True):
-    """The fleet as a whole: `starting` until every engine core and every API server has been
-    ready once, then `serving` for good (a later restart is one process's, not the fleet's)."""
-
-    state: str
-    api_servers: int
-    api_servers_ready: int
-    message: str = ""
-
-
-class SupervisorState(msgspec.Struct, kw_only=True):
-    """The state file's whole content: what every API server's `/health` reads."""
-
-    fleet: FleetState
-    engines: list[EngineState]
 
 
 @dataclass
@@ -147,22 +116,3 @@ class Supervision:
                 message=f"{self.role} is starting",
             )
         return EngineState(engine=self.index, incarnation=self.incarnation, state="serving")
-
-
-def write_state(path: Path, state: SupervisorState) -> None:
-    """Replace the state file at once (a reader never sees half of it)."""
-    partial = path.with_suffix(".tmp")
-    partial.write_bytes(msgspec.json.encode(state))
-    os.replace(partial, path)
-
-
-def read_state() -> SupervisorState | None:
-    """The launcher's view of the fleet; None outside `rankcast serve` or before the launcher
-    wrote it."""
-    path = os.environ.get(SUPERVISOR_STATE_ENV)
-    if not path:
-        return None
-    try:
-        return msgspec.json.decode(Path(path).read_bytes(), type=SupervisorState)
-    except (OSError, msgspec.DecodeError):
-        return None

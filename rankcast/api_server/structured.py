@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from rankcast.entrypoints.openai.errors import APIError
-from rankcast.entrypoints.openai.schema import (
+from rankcast.api_server.errors import APIError
+from rankcast.api_server.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,

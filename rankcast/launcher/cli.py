@@ -524,9 +524,9 @@ class _PrintFlagTable(argparse.Action):
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from rankcast.engine_client.llm_engine import LLMEngine
     from rankcast.engine_core.core import EngineCore
-    from rankcast.entrypoints.llm import LLM
+    from rankcast.offline.llm import LLM
+    from rankcast.offline.llm_engine import LLMEngine
     from rankcast.sampling_params import SamplingParams
 
     chat = ChatArgs(**options_from_args(args, "chat"))
@@ -549,7 +549,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from rankcast.entrypoints.launcher import LaunchError, serve
+    from rankcast.launcher.serve import LaunchError, serve
 
     server = ServeConfig(**options_from_args(args, "serve"))
     config = engine_config(args)

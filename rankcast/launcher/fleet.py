@@ -39,14 +39,10 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from rankcast.descendants import reap_adopted
-from rankcast.entrypoints.supervision import (
-    FleetState,
-    Supervision,
-    SupervisorState,
-    write_state,
-)
+from rankcast.launcher.descendants import reap_adopted
+from rankcast.launcher.supervision import Supervision
 from rankcast.process import remove_ipc_dirs_of
+from rankcast.supervisor_state import FleetState, SupervisorState, write_state
 
 logger = logging.getLogger(__name__)
 

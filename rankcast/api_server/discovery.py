@@ -16,10 +16,9 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI
 
-from rankcast.channel.vllm_kv_events import engine_sources
-from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
-from rankcast.entrypoints.openai.server_config import ApiServerConfig
-from rankcast.entrypoints.openai.serving import (
+from rankcast.api_server.schema import ChatCompletionRequest, CompletionRequest
+from rankcast.api_server.server_config import ApiServerConfig
+from rankcast.api_server.serving import (
     ServingContext,
     chat_prompt_ids,
     check_model,
@@ -27,7 +26,8 @@ from rankcast.entrypoints.openai.serving import (
     live,
     sampling_params,
 )
-from rankcast.entrypoints.openai.structured import requested_shape
+from rankcast.api_server.structured import requested_shape
+from rankcast.channel.vllm_kv_events import engine_sources
 from rankcast.version import __version__
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rankcast.entrypoints.openai.errors import error_response
+from rankcast.api_server.errors import error_response
 
 logger = logging.getLogger(__name__)
 

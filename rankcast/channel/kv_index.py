@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, Notification
-from rankcast.protocol import KVCacheBlock, KVCacheState
+from rankcast.channel.snapshot import KVCacheBlock, KVCacheState
 
 _HASH_MASK = (1 << 63) - 1  # non-negative 64-bit: every msgpack peer reads it as an integer
 

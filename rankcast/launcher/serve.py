@@ -27,10 +27,12 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from rankcast.addresses import EngineAddresses
+from rankcast.api_server.metrics.fleet import MULTIPROC_DIR_ENV
+from rankcast.api_server.server_config import ApiServerConfig
 from rankcast.config import ConfigError, EngineConfig, ServeConfig
-from rankcast.descendants import adopt_orphans, reap_everything
-from rankcast.entrypoints.children import api_server_process, engine_core_process
-from rankcast.entrypoints.fleet import (
+from rankcast.launcher.children import api_server_process, engine_core_process
+from rankcast.launcher.descendants import adopt_orphans, reap_everything
+from rankcast.launcher.fleet import (
     API_SERVER_START_TIMEOUT_S,
     ENGINE_START_TIMEOUT_S,
     ChildSpec,
@@ -39,13 +41,12 @@ from rankcast.entrypoints.fleet import (
     Role,
     StoppedDuringStartUp,
 )
-from rankcast.entrypoints.openai.server_config import ApiServerConfig
-from rankcast.entrypoints.rust_api_server import BINARY_ENV as RUST_BINARY_ENV
-from rankcast.entrypoints.rust_api_server import frontend_binary, run_rust_api_server
-from rankcast.entrypoints.supervision import SUPERVISOR_STATE_ENV, Supervision
-from rankcast.metrics.fleet import MULTIPROC_DIR_ENV
-from rankcast.model.source import ModelSource, resolve_model
+from rankcast.launcher.rust_api_server import BINARY_ENV as RUST_BINARY_ENV
+from rankcast.launcher.rust_api_server import frontend_binary, run_rust_api_server
+from rankcast.launcher.supervision import Supervision
+from rankcast.model_files.source import ModelSource, resolve_model
 from rankcast.process import private_ipc_dir, remove_ipc_dirs_of
+from rankcast.supervisor_state import SUPERVISOR_STATE_ENV
 
 # What the CLI catches: a fleet that could not start, named as the launcher's own failure.
 __all__ = ["LaunchError", "StoppedDuringStartUp", "serve"]
@@ -127,7 +128,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
     adopt_orphans()
     metrics_dir = private_ipc_dir("rankcast-metrics")
     # Every API server (restarted ones too: they inherit it) writes the series it counts into
-    # this one directory, and each scrape sums them (rankcast/metrics/fleet.py); the
+    # this one directory, and each scrape sums them (rankcast/api_server/metrics/fleet.py); the
     # supervisor's state file beside them tells their /health whether the fleet has started
     # and whether an engine returns. Set before the first child is spawned: each inherits it.
     os.environ[MULTIPROC_DIR_ENV] = str(metrics_dir)

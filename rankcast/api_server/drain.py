@@ -20,7 +20,7 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rankcast.entrypoints.openai.errors import error_response
+from rankcast.api_server.errors import error_response
 
 logger = logging.getLogger(__name__)
 

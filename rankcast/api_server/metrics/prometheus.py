@@ -16,6 +16,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from rankcast.api_server.metrics.fleet import Fleet, ViewCounter, register_summed
+from rankcast.api_server.metrics.lora_metrics import LoRAMetrics
 from rankcast.channel.events import (
     WEIGHTS_LOADED_KEY,
     CustomNotification,
@@ -23,9 +25,8 @@ from rankcast.channel.events import (
     NotificationsDropped,
     notification_type,
 )
-from rankcast.metrics.fleet import Fleet, ViewCounter, register_summed
-from rankcast.metrics.lora_metrics import LoRAMetrics
-from rankcast.protocol import EngineStateSnapshot, SchedulerStats
+from rankcast.channel.snapshot import EngineStateSnapshot
+from rankcast.protocol import SchedulerStats
 
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

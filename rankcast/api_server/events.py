@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from rankcast.channel.events import CustomNotification, Notification, notification_type
-from rankcast.protocol import EngineStateSnapshot
+from rankcast.channel.snapshot import EngineStateSnapshot
 
 DEFAULT_RING_SIZE = 4096
 _SUBSCRIBER_QUEUE = 10_000

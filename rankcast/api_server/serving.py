@@ -15,13 +15,13 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rankcast.api_server.drain import ServerShuttingDownError
+from rankcast.api_server.errors import APIError, error_body
+from rankcast.api_server.metrics.lora_residency import LoRAResidency
+from rankcast.api_server.schema import ChatCompletionRequest, CompletionRequest
+from rankcast.api_server.structured import ToolCallShape, requested_shape
 from rankcast.engine_client.async_llm import AsyncLLM
 from rankcast.engine_client.mp_client import EngineDeadError
-from rankcast.entrypoints.openai.drain import ServerShuttingDownError
-from rankcast.entrypoints.openai.errors import APIError, error_body
-from rankcast.entrypoints.openai.schema import ChatCompletionRequest, CompletionRequest
-from rankcast.entrypoints.openai.structured import ToolCallShape, requested_shape
-from rankcast.metrics.lora_residency import LoRAResidency
 from rankcast.outputs import Logprob, RequestOutput, RequestRejectedError
 from rankcast.sampling_params import SamplingParams
 from rankcast.structured_outputs import StructuredOutputs

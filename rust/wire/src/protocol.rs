@@ -7,7 +7,7 @@ use crate::sampling::SamplingParams;
 use crate::{array_struct, array_union, Dict, Raw, Value};
 
 /// Bumped whenever a message changes shape; the engine refuses a client of another version.
-pub const PROTOCOL_VERSION: i64 = 11;
+pub const PROTOCOL_VERSION: i64 = 12;
 
 /// Why a request finished (`FinishReason` in Python): "stop", "length", "abort", "error".
 pub type FinishReason = String;
@@ -167,11 +167,14 @@ array_struct! {
 }
 
 array_struct! {
+    /// Where one adapter is, rank by rank; `pinned_ranks`: the ranks that pinned it (protocol
+    /// 12: a rank's pin moves with its own events).
     AdapterResidency {
         name: String,
         id: i64,
         pinned: bool = false,
         ranks: Vec<RankTier> = Vec::new(),
+        pinned_ranks: Vec<i64> = Vec::new(),
     }
 }
 

@@ -137,8 +137,10 @@ fn the_fixtures_mean_what_the_python_side_wrote() {
     assert_eq!(snapshot.incarnation, 2);
     let lora = snapshot.lora.expect("a LoRA section");
     let names: Vec<&str> = lora.adapters.iter().map(|a| a.name.as_str()).collect();
-    assert_eq!(names, ["sql", "chat"]);
-    assert!(lora.adapters[0].pinned);
+    assert_eq!(names, ["chat", "sql"]);
+    assert!(lora.adapters[1].pinned);
+    assert_eq!(lora.adapters[1].pinned_ranks, vec![0, 1]);
+    assert!(lora.adapters[0].pinned_ranks.is_empty());
     assert_eq!(
         snapshot.kv_cache.expect("a KV section").blocks[0].block_hash,
         7301

@@ -44,7 +44,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 # 8: EngineStateSnapshot.incarnation (which start of a supervised engine core sent it).
 # 9: StepReply.adapter_reads (a rank's finished adapter reads, typed: the engine's readiness
 #    no longer follows events), SchedulerStats.kv_cache_committed_bytes.
-PROTOCOL_VERSION = 11
+# 12: AdapterResidency.pinned_ranks (the snapshot is the engine view's state, pins per rank).
+PROTOCOL_VERSION = 12
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):

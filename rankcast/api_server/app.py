@@ -37,7 +37,6 @@ from rankcast.api_server.drain import (
 from rankcast.api_server.errors import APIError, error_response
 from rankcast.api_server.events import EventFilter, EventHub, parse_event_id
 from rankcast.api_server.metrics.lora_metrics import LoRAMetrics
-from rankcast.api_server.metrics.lora_residency import LoRAResidency
 from rankcast.api_server.metrics.prometheus import ServerMetrics
 from rankcast.api_server.middleware import LastResortErrors, TagAndAuthenticate
 from rankcast.api_server.schema import (
@@ -60,6 +59,7 @@ from rankcast.api_server.serving import (
 from rankcast.api_server.tokenization import detokenize, tokenize
 from rankcast.engine_client.async_llm import AsyncLLM, NotificationSink
 from rankcast.engine_client.engine_router import EngineRouter
+from rankcast.engine_client.engine_views import EngineViews
 from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError, UtilityError
 from rankcast.logger import init_logging
 from rankcast.outputs import RequestRejectedError
@@ -111,7 +111,7 @@ def build_app(
     app.add_middleware(DrainGate, drain=drain)
     app.add_middleware(TagAndAuthenticate, index=index, api_key=config.api_key)
     _add_error_handlers(app)
-    _add_probe_routes(app, serving, metrics, events)
+    _add_probe_routes(app, serving, metrics)
     _add_model_routes(app, config, serving)
     _add_prefix_cache_routes(app, serving)
     _add_lora_routes(app, serving, config.allow_runtime_lora_updating, config.model_name)
@@ -194,9 +194,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return response
 
 
-def _add_probe_routes(
-    app: FastAPI, serving: ServingContext, metrics: ServerMetrics, events: EventHub
-) -> None:
+def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetrics) -> None:
     """What load balancers and scrapers ask: /health (503 once the engine died), /version,
     /metrics."""
 
@@ -224,7 +222,7 @@ def _add_probe_routes(
             entry: dict[str, object] = {
                 "engine": index,
                 "up": why is None,
-                "incarnation": events.incarnation.get(index, 0),
+                "incarnation": serving.engine.views[index].incarnation,
             }
             if why is not None:
                 entry["error"] = why
@@ -267,7 +265,7 @@ def _add_model_routes(app: FastAPI, config: ApiServerConfig, serving: ServingCon
         }
         adapters = [
             {**base, "id": name, "root": name, "parent": config.model_name}
-            for name in (ctx.loras.names() if ctx.loras is not None else [])
+            for name in ctx.engine.views.adapter_names()
         ]
         return [base, *adapters]
 
@@ -303,7 +301,13 @@ def _add_lora_routes(
     async def lora_adapters() -> dict[str, object]:
         """Adapter residency per engine and rank, as every API server sees it."""
         ctx = live(serving)
-        return {"data": ctx.loras.describe() if ctx.loras is not None else []}
+        return {"data": ctx.engine.views.describe_adapters()}
+
+    @app.get("/v1/engine_views")
+    async def engine_views() -> dict[str, object]:
+        """Every engine as this API server's view has it (what the dashboard renders): adapters
+        per rank and tier, pins, event counts, incarnation, the KV index's size."""
+        return {"object": "list", "data": live(serving).engine.views.as_json()}
 
     if allow_updating:
         _add_lora_update_routes(app, serving, base_model)
@@ -453,17 +457,17 @@ def run_api_server(
     die_with_parent()
 
     async def serve() -> None:
-        metrics = ServerMetrics(config.model_name, index)
-        events = EventHub()
-        loras = LoRAResidency()
-        metrics.lora = LoRAMetrics(metrics.registry, metrics.fleet, config.model_name, loras)
+        views = EngineViews(len(engines))
+        metrics = ServerMetrics(config.model_name, index, views)
+        events = EventHub(views)
+        metrics.lora = LoRAMetrics(metrics.registry, metrics.fleet, config.model_name, views)
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model_dir)
         clients = [AsyncMPClient(addresses, index) for addresses in engines]
-        sinks: list[NotificationSink] = [metrics, events, loras, metrics.lora]
+        sinks: list[NotificationSink] = [metrics, events]
         router = EngineRouter(
-            len(clients), config.routing_policy, config.block_size, loras, config.lora_host_places
+            views, config.routing_policy, config.block_size, config.lora_host_places
         )
-        engine = AsyncLLM(clients, tokenizer, metrics, sinks=sinks, router=router)
+        engine = AsyncLLM(clients, tokenizer, metrics, sinks=sinks, router=router, views=views)
         try:
             await engine.start()
         except Exception as exc:
@@ -474,7 +478,7 @@ def run_api_server(
         app = build_app(
             config,
             index,
-            ServingContext(engine, tokenizer, config.model_name, loras),
+            ServingContext(engine, tokenizer, config.model_name),
             metrics,
             events,
             drain,

@@ -22,6 +22,8 @@ import msgspec
 
 from rankcast.channel.events import CustomNotification, Notification, notification_type
 from rankcast.channel.snapshot import EngineStateSnapshot
+from rankcast.channel.view import EngineView
+from rankcast.engine_client.engine_views import EngineViews
 
 DEFAULT_RING_SIZE = 4096
 _SUBSCRIBER_QUEUE = 10_000
@@ -90,20 +92,19 @@ def parse_event_id(value: str) -> tuple[int, int, int]:
 class EventHub:
     """The ring and the live subscribers of one API server (a NotificationSink)."""
 
-    def __init__(self, ring_size: int = DEFAULT_RING_SIZE) -> None:
+    def __init__(self, views: EngineViews, ring_size: int = DEFAULT_RING_SIZE) -> None:
         self.ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
         self.subscribers: set[_Subscriber] = set()
-        # The newest engine_seq known per engine, from the snapshot or the stream, and the
-        # incarnation of each engine core now connected.
-        self.last_seq: dict[int, int] = {}
-        self.incarnation: dict[int, int] = {}
+        # Each engine's incarnation and newest engine_seq, as its view has them.
+        self.views = views
         self.encoder = msgspec.json.Encoder()
 
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
-        self.last_seq[snapshot.engine_index] = snapshot.engine_seq
-        self.incarnation[snapshot.engine_index] = snapshot.incarnation
+        """Nothing to do: a new incarnation's ids follow from its view."""
 
-    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
+    def consume(
+        self, engine: int, notifications: list[Notification], unknown: list[str], now: float
+    ) -> None:
         for n in notifications:
             key = n.key if isinstance(n, CustomNotification) else ""
             event = Event(
@@ -112,10 +113,9 @@ class EventHub:
                 notification_type(n),
                 key,
                 self.encoder.encode(n),
-                self.incarnation.get(n.engine_index, 0),
+                self._view(n.engine_index, engine).incarnation,
             )
             self.ring.append(event)
-            self.last_seq[event.engine] = event.seq
             for subscriber in self.subscribers:
                 if subscriber.overflowed:
                     continue
@@ -123,6 +123,9 @@ class EventHub:
                     subscriber.queue.put_nowait(event)
                 except asyncio.QueueFull:
                     subscriber.overflowed = True
+
+    def _view(self, engine: int, fallback: int) -> EngineView:
+        return self.views[engine if 0 <= engine < len(self.views) else fallback]
 
     def close(self) -> None:
         """End every open stream (the server is shutting down): streams would otherwise hold
@@ -142,7 +145,7 @@ class EventHub:
         if last_event_id is None:
             return [], None
         engine, incarnation, seq = parse_event_id(last_event_id)
-        current = self.incarnation.get(engine, 0)
+        current = self._view(engine, engine).incarnation if 0 <= engine < len(self.views) else 0
         if incarnation != current:
             # The engine core restarted since: what its old incarnation published but never
             # sent is lost. Replay what the ring holds after the id, and say so.
@@ -173,7 +176,8 @@ class EventHub:
         ]
         if own and ring[own[0]].seq == seq + 1:
             return ring[own[0] :], None
-        if not own and seq >= self.last_seq.get(engine, -1):
+        last_seq = self.views[engine].engine_seq if 0 <= engine < len(self.views) else -1
+        if not own and seq >= last_seq:
             return [], None
         notice = control_frame(
             "replay_gap",

@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rankcast.api_server.drain import ServerShuttingDownError
 from rankcast.api_server.errors import APIError, error_body
-from rankcast.api_server.metrics.lora_residency import LoRAResidency
 from rankcast.api_server.schema import ChatCompletionRequest, CompletionRequest
 from rankcast.api_server.structured import ToolCallShape, requested_shape
 from rankcast.engine_client.async_llm import AsyncLLM
@@ -35,7 +34,6 @@ class ServingContext:
     engine: AsyncLLM
     tokenizer: ModelTokenizer
     model_name: str
-    loras: LoRAResidency | None = None
 
 
 def check_model(ctx: ServingContext, requested: str | None) -> str | None:
@@ -43,8 +41,9 @@ def check_model(ctx: ServingContext, requested: str | None) -> str | None:
     name the model as the request did (`requested or ctx.model_name`), as OpenAI's do."""
     if requested is None or requested == ctx.model_name:
         return None
-    if ctx.loras is not None and requested in ctx.loras.names():
-        refusal = ctx.loras.refusal(requested)
+    views = ctx.engine.views
+    if requested in views.adapter_names():
+        refusal = views.refusal(requested)
         if refusal is not None:
             raise APIError(400, refusal, "model")
         return requested

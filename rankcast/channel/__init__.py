@@ -4,18 +4,21 @@ Events published in any worker rank are gathered by the engine core from every r
 broadcast to every API server, in the same order. The modules, in the order an event meets
 them (docs/architecture.md has the rules and the one function that carries out each):
 
-    events.py       the wire types: the tagged union of notifications, the stream's batch,
-                    the catch-up snapshot's section (imports nothing of rankcast's)
+    events.py       the wire types: the tagged union of notifications, the stream's batch
+                    (imports nothing of rankcast's)
     validation.py   rule 1: a payload is checked where it is published
     buffer.py       rules 1-3: each worker's bounded buffer, `publish`, the drain
     doorbell.py     rule 5: how an idle engine core learns that a rank published
     gather.py       rules 4-6, 10: the engine core's gather, pending list, sequence and flush
-    ledger.py       rule 8: the totals a late API server starts from
+    view.py         rule 8: the engine's state as its events describe it (`EngineView`): the
+                    engine core's catch-up snapshot, and every API server's view of each engine
+    snapshot.py     the snapshot's declared structs (what `EngineView.state()` returns)
+    kv_index.py     block naming and the prefix-cache index the KV-cache events describe
     stream.py       the ZMQ event stream for machines (PUB, replay, snapshot)
     vllm_kv_events.py  rule 12: KV-cache events in vLLM's wire format, for vLLM's consumers
     sequenced_publisher.py  the socket layer of both streams (seq from 0, replay, first hold)
     decoder.py      rule 9: how a consumer reads a batch, skipping types it does not know
-    lora_events.py  what the LoRA lifecycle events mean to their consumers (metric labels)
+    lora_events.py  what the LoRA lifecycle events mean to their counters (the view's keys)
 
 A producer needs one import:
 

@@ -23,7 +23,6 @@ from typing import Protocol
 import msgspec
 
 from rankcast.channel.events import Notification, NotificationsDropped, WorkerNotification
-from rankcast.channel.ledger import NotificationLedger
 from rankcast.config import NotificationConfig
 
 logger = logging.getLogger(__name__)
@@ -77,10 +76,9 @@ class EngineNotificationChannel:
         self.last_gather = time.monotonic()
         self.gathers = 0
         self.gather_seconds = 0.0
-        self.ledger = NotificationLedger()
-        # Called with each notification as it leaves, to count what left for the catch-up
-        # snapshot (the ledger, the adapter registry's event counts); never to change state.
-        self.observers: list[Callable[[Notification], None]] = [self.ledger.record]
+        # Called with each notification as it leaves (the engine core's view, whose state is
+        # the catch-up snapshot); never to change the engine's own state.
+        self.observers: list[Callable[[Notification], None]] = []
         self.encoder = msgspec.msgpack.Encoder()
 
     # ---- gathering ----
@@ -170,8 +168,8 @@ class EngineNotificationChannel:
 
     def flush(self) -> list[msgspec.Raw] | None:
         """Rule 6 (flush): everything pending, the engine's own drop marker first, stamped with
-        a gap-free `engine_seq`, recorded in the ledger (rule 8) and encoded once for every API
-        server; None when nothing is. The engine core sends it with its next message."""
+        a gap-free `engine_seq`, applied to the engine's view (rule 8) and encoded once for
+        every API server; None when nothing is. The engine core sends it with its next message."""
         if not self.pending and not self.dropped:
             return None
         items = list(self.pending)

@@ -54,6 +54,8 @@ class AdapterResidency(msgspec.Struct, array_like=True, omit_defaults=True):
     id: int
     pinned: bool = False
     ranks: list[RankTier] = msgspec.field(default_factory=list)
+    # The ranks that pinned it (protocol 12): a rank's pin moves with its own events.
+    pinned_ranks: list[int] = msgspec.field(default_factory=list)
 
 
 class LoRAEventCount(msgspec.Struct, array_like=True):

@@ -5,8 +5,9 @@ router chooses (`engine_router.py`: by load, cached prefix and adapter residency
 channel delivered). One output task per engine core reads everything it sends to this API
 server, turns token ids into text (stop strings included) and hands each request's outputs to
 the coroutine awaiting them. Engine-wide stats and per-request timings go to an observer (the
-server's metrics); engine notifications go, decoded one by one, to every notification sink
-(metrics, `/v1/events`, the router), after each sink has applied the engine's catch-up snapshot.
+server's metrics). Each engine's catch-up snapshot and notifications, decoded one by one, are
+applied to its engine view (`engine_views.py`), which the router, serving and the metrics read;
+then the sinks that follow changes (metrics, `/v1/events`) are told.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rankcast.channel.decoder import NotificationDecoder
 from rankcast.channel.events import Notification
 from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.engine_client.engine_router import Choice, EngineRouter
+from rankcast.engine_client.engine_views import EngineViews
 from rankcast.engine_client.mp_client import AsyncMPClient, EngineDeadError
 from rankcast.engine_client.output_processor import OutputProcessor
 from rankcast.outputs import RequestOutput, RequestRejectedError
@@ -60,12 +62,16 @@ class EngineObserver(Protocol):
 
 
 class NotificationSink(Protocol):
-    """A consumer of engine notifications in an API server."""
+    """What follows the engine views' changes in an API server (metrics, `/v1/events`); told
+    after the views have applied the snapshot or the batch, so it reads them up to date."""
 
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None: ...
 
-    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
-        """`unknown` holds the type names of notifications this server could not decode."""
+    def consume(
+        self, engine: int, notifications: list[Notification], unknown: list[str], now: float
+    ) -> None:
+        """One batch from `engine`; `unknown` holds the type names this server could not
+        decode."""
 
 
 @dataclass
@@ -85,13 +91,15 @@ class AsyncLLM:
         observer: EngineObserver,
         sinks: list[NotificationSink] | None = None,
         router: EngineRouter | None = None,
+        views: EngineViews | None = None,
     ) -> None:
         self.clients = clients
         self.tokenizer = tokenizer
         self.observer = observer
-        self.router = router or EngineRouter(len(clients))
-        # The router keeps each engine's KV index from the same notifications and snapshots.
-        self.sinks = [*(sinks or []), self.router]
+        # Every engine's state as its snapshot and events describe it: written here only.
+        self.views = views if views is not None else EngineViews(len(clients))
+        self.router = router or EngineRouter(self.views)
+        self.sinks = list(sinks or [])
         self.notification_decoder = NotificationDecoder()
         self.output_processor = OutputProcessor(tokenizer)
         self.streams: dict[str, _Stream] = {}
@@ -105,8 +113,7 @@ class AsyncLLM:
         for client in self.clients:
             snapshot = client.ready.snapshot if client.ready is not None else None
             if snapshot is not None:
-                for sink in self.sinks:
-                    sink.apply_snapshot(snapshot)
+                self._apply_snapshot(snapshot)
         self.output_tasks = [
             asyncio.create_task(self._output_loop(engine)) for engine in range(len(self.clients))
         ]
@@ -223,8 +230,9 @@ class AsyncLLM:
                 await self._reconnect(engine)
                 continue
             if outputs.engine_notifications:
-                self._deliver_notifications(outputs.engine_notifications)
+                self._deliver_notifications(engine, outputs.engine_notifications)
             if outputs.scheduler_stats is not None:
+                self.views.record_stats(engine, outputs.scheduler_stats)
                 self.router.record_stats(engine, outputs.scheduler_stats)
                 self.observer.record_scheduler_stats(outputs.engine_index, outputs.scheduler_stats)
             if not outputs.outputs:
@@ -251,15 +259,22 @@ class AsyncLLM:
         self.observer.record_engine_up(engine, True)
         snapshot = client.ready.snapshot if client.ready is not None else None
         if snapshot is not None:
-            for sink in self.sinks:
-                sink.apply_snapshot(snapshot)
+            self._apply_snapshot(snapshot)
         logger.info(
             "engine core %d is back (incarnation %d)",
             engine,
             snapshot.incarnation if snapshot is not None else 0,
         )
 
-    def _deliver_notifications(self, raws: list[Any]) -> None:
+    def _apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
+        """An engine (re)connected: its view starts over from its snapshot, then the router
+        forgets what it guessed about it and the sinks show the new state."""
+        self.views.apply_snapshot(snapshot)
+        self.router.engine_restarted(snapshot.engine_index)
+        for sink in self.sinks:
+            sink.apply_snapshot(snapshot)
+
+    def _deliver_notifications(self, engine: int, raws: list[Any]) -> None:
         known, unknown = self.notification_decoder.decode(raws)
         if unknown:
             logger.warning(
@@ -268,8 +283,9 @@ class AsyncLLM:
                 sorted(set(unknown)),
             )
         now = time.time()
+        self.views.consume(engine, known, unknown)
         for sink in self.sinks:
-            sink.consume(known, unknown, now)
+            sink.consume(engine, known, unknown, now)
 
     def fail_all(self, error: Exception) -> None:
         """End every request in flight with `error` (its stream raises it) and abort them in

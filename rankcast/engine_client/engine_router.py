@@ -52,17 +52,11 @@ import hashlib
 import time
 import typing
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
-from rankcast.channel.events import (
-    KVBlocksStored,
-    LoRAAdapterActivated,
-    LoRAAdapterLoaded,
-    Notification,
-)
 from rankcast.channel.kv_index import KVCacheIndex, block_names
-from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.config import ROUTING_POLICIES
+from rankcast.engine_client.engine_views import EngineViews
 from rankcast.engine_client.load_balancer import LoadBalancer
 from rankcast.protocol import SchedulerStats
 
@@ -77,12 +71,6 @@ SPECULATION_S = 10.0
 SPREAD_COST = 4 * LOAD_COST
 
 
-class AdapterResidency(Protocol):
-    def tier_on(self, engine: int, name: str) -> str | None:
-        """ "device" when every rank of the engine holds the adapter in a device slot, "cpu"
-        when every rank holds it at least in its host tier, None otherwise."""
-
-
 @dataclass(frozen=True)
 class Choice:
     engine: int
@@ -94,25 +82,23 @@ class Choice:
 
 
 class EngineRouter:
-    """The engine choice of one API server; a NotificationSink for the KV indexes."""
+    """The engine choice of one API server. What each engine holds (KV index, adapter tiers
+    and ids) it reads from the engine views; what it keeps is its own: load since the last
+    stats, and what it sent each engine that the engine has not yet reported."""
 
     def __init__(
         self,
-        num_engines: int,
+        views: EngineViews,
         policy: str = "load",
         block_size: int = 16,
-        residency: AdapterResidency | None = None,
         host_places: int | None = None,
     ) -> None:
+        num_engines = len(views)
+        self.views = views
         self.policy = policy
         self.host_places = host_places
         self.block_size = block_size
-        self.residency = residency
         self.balancer = LoadBalancer(num_engines)
-        self.indexes = [KVCacheIndex() for _ in range(num_engines)]
-        # Per engine, the registration id of each adapter (the block names include it),
-        # learned from its adapter events and the blocks it stored.
-        self.lora_ids: list[dict[str, int]] = [{} for _ in range(num_engines)]
         self.stats: list[SchedulerStats | None] = [None] * num_engines
         # Per engine, the names of blocks this server sent it, and until when they count.
         self.expected: list[dict[int, float]] = [{} for _ in range(num_engines)]
@@ -133,28 +119,13 @@ class EngineRouter:
 
     # ---- inputs ----
 
-    def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
-        """An engine (re)connected: its index restarts from its snapshot."""
-        engine = snapshot.engine_index
-        if snapshot.kv_cache is not None:
-            self.indexes[engine] = KVCacheIndex.from_state(snapshot.kv_cache)
-        else:
-            self.indexes[engine] = KVCacheIndex()
-        self.lora_ids[engine] = {}
+    def engine_restarted(self, engine: int) -> None:
+        """An engine (re)connected: its view started over from its snapshot, and nothing this
+        server sent the engine before counts as held there."""
         self.expected[engine] = {}
         self.sent_adapters[engine] = {}
         self.sent_since_stats[engine] = set()
         self.sent_roots[engine] = {}
-
-    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
-        for n in notifications:
-            if n.engine_index < 0 or n.engine_index >= len(self.indexes):
-                continue
-            self.indexes[n.engine_index].apply(n)
-            if isinstance(n, KVBlocksStored) and n.lora_name is not None:
-                self.lora_ids[n.engine_index][n.lora_name] = n.lora_id
-            elif isinstance(n, LoRAAdapterLoaded | LoRAAdapterActivated):
-                self.lora_ids[n.engine_index][n.adapter_name] = n.adapter_id
 
     def record_stats(self, engine: int, stats: SchedulerStats) -> None:
         self.balancer.record_stats(engine, stats)
@@ -164,7 +135,7 @@ class EngineRouter:
     # ---- the choice ----
 
     def choose(self, alive: list[bool], prompt: list[int], lora_name: str | None) -> Choice:
-        if len(self.indexes) == 1:  # one engine: nothing to choose, nothing to compute
+        if len(self.views) == 1:  # one engine: nothing to choose, nothing to compute
             if not alive[0]:
                 raise LookupError("no live engine core")
             return Choice(0, "", 0)
@@ -224,7 +195,7 @@ class EngineRouter:
         sent = self.sent_roots[engine]
         for name in [n for n, until in sent.items() if until < now]:
             del sent[name]
-        index = self.indexes[engine]
+        index = self.views[engine].kv
         return index.roots + sum(1 for name in sent if name not in index.blocks)
 
     def _terms(
@@ -234,8 +205,8 @@ class EngineRouter:
         cached = self._prefix(engine, prompt, lora_name) if self.uses_prefix else 0
         uncached = len(prompt) - cached
         adapter = 0
-        if self.uses_adapter and lora_name is not None and self.residency is not None:
-            tier = self.residency.tier_on(engine, lora_name)
+        if self.uses_adapter and lora_name is not None:
+            tier = self.views[engine].tier_on(lora_name)
             if tier is None and self.sent_adapters[engine].get(lora_name, 0.0) >= time.monotonic():
                 tier = "device"  # sent there moments ago: loaded by the time this runs
             adapter = ADAPTER_COST[tier]
@@ -264,7 +235,7 @@ class EngineRouter:
 
     def _lora_id(self, engine: int, lora_name: str | None) -> int | None:
         """The engine's id for the adapter (0: the base model; None: not yet seen there)."""
-        return 0 if lora_name is None else self.lora_ids[engine].get(lora_name)
+        return 0 if lora_name is None else self.views[engine].adapter_id(lora_name)
 
     def _prefix(self, engine: int, prompt: list[int], lora_name: str | None) -> int:
         """Tokens of the prompt the engine holds or is expected to hold soon: its index under
@@ -276,7 +247,7 @@ class EngineRouter:
         held = 0
         lora_id = self._lora_id(engine, lora_name)
         if lora_id is not None:
-            held = self.indexes[engine].cached_prefix(tokens, self.block_size, lora_id, live)
+            held = self.views[engine].kv.cached_prefix(tokens, self.block_size, lora_id, live)
         if lora_name is not None and self.uses_prefix:
             sent = _NOTHING_CACHED.cached_prefix(
                 tokens, self.block_size, provisional_lora_id(lora_name), live

@@ -30,8 +30,8 @@ import msgspec
 
 from rankcast.channel.events import KVCacheEvent
 from rankcast.channel.gather import EngineNotificationChannel, GatherError, Moment
-from rankcast.channel.kv_index import KVCacheIndex
 from rankcast.channel.snapshot import EngineStateSnapshot
+from rankcast.channel.view import EngineView, LoRAShape
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.lora_registry import LoRARegistry, startup_share
@@ -137,7 +137,6 @@ class EngineCore:
                 self._running_adapters,
                 config.parallel.world_size,
             )
-            self.notifications.observers.append(self.loras.count_event)
         self.scheduler = Scheduler(
             config.scheduler,
             BlockManager(
@@ -164,11 +163,17 @@ class EngineCore:
         self.flush_sinks: list[Callable[[list[msgspec.Raw]], None]] = []
         # Called with every step's KV-cache events (the vLLM-format publisher is one).
         self.kv_event_sinks: list[Callable[[list[KVCacheEvent]], None]] = []
-        # The prefix-cache index the KV-cache events describe, updated from the block manager's
-        # own results as they are taken (`_take_kv_events`), not from the events leaving.
-        self.kv_index: KVCacheIndex | None = None
-        if config.cache.kv_events:
-            self.kv_index = KVCacheIndex()
+        # The engine as its events describe it, applied as each leaves: the catch-up snapshot.
+        lora = config.lora
+        self.view = EngineView(
+            self.engine_index,
+            self.incarnation,
+            LoRAShape(config.parallel.world_size, lora.max_loras, lora.host_capacity)
+            if lora.enable_lora
+            else None,
+            block_size if config.cache.kv_events else None,
+        )
+        self.notifications.observers.append(self.view.apply)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
             num_blocks,
@@ -498,19 +503,10 @@ class EngineCore:
         return self.notifications.gather()
 
     def snapshot(self) -> EngineStateSnapshot:
-        """Rule 8 (catch-up): the state as of the last flushed event, each section from its
-        owner (the channel's ledger, the adapter registry, the KV index); the stream that
-        follows continues after it."""
-        return EngineStateSnapshot(
-            self.engine_index,
-            self.notifications.last_engine_seq(),
-            self.notifications.ledger.state(),
-            lora=None if self.loras is None else self.loras.state(),
-            kv_cache=None
-            if self.kv_index is None
-            else self.kv_index.state(self.scheduler.blocks.block_size),
-            incarnation=self.incarnation,
-        )
+        """Rule 8 (catch-up): the state as of the last flushed event, which is the engine
+        view's: every event that left was applied to it, so the stream that follows continues
+        after it, and every API server's view started from it equals its siblings'."""
+        return self.view.state()
 
     def stats(self) -> SchedulerStats:
         """The scheduler's load figures plus what the notification channel has cost so far."""
@@ -538,16 +534,15 @@ class EngineCore:
         return stats
 
     def _take_kv_events(self) -> None:
-        """The block manager's cache changes since the last call: applied to the KV index (the
-        state a late router starts from), published as the engine's own events, and handed to
-        the KV-event sinks as one batch. Called at start, after each step and at a reset, so an
+        """The block manager's cache changes since the last call: published as the engine's own
+        events (the view applies them as they leave), and handed to the KV-event sinks as one
+        batch. Called at start, after each step and at a reset, so an
         incarnation's first `KVCacheCleared` and a reset's leave at once, idle or not."""
         events = self.scheduler.blocks.take_kv_events()
         if not events:
             return
-        if self.kv_index is not None:  # --kv-events: the channel carries them too
+        if self.config.cache.kv_events:  # --kv-events: the channel carries them too
             for event in events:
-                self.kv_index.apply(event)
                 self.notifications.publish_engine_event(event)
         for sink in self.kv_event_sinks:
             sink(events)

@@ -35,15 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankcast.channel.events import Notification
-from rankcast.channel.lora_events import lora_event_key, lora_load_time
-from rankcast.channel.snapshot import (
-    AdapterResidency,
-    LoRAEventCount,
-    LoRALoadTime,
-    LoRAState,
-    RankTier,
-)
 from rankcast.config import LoRAConfig
 from rankcast.engine_core.scheduler import AdapterState
 from rankcast.errors import (
@@ -63,8 +54,6 @@ from rankcast.protocol import (
     LoRAMove,
 )
 
-# Load-time observations kept for a late API server's histogram (oldest forgotten first).
-_LOADS_KEPT = 10_000
 # The engine's latest requests whose adapters the host tier counts to decide who stays: long
 # enough to rank a few dozen adapters by popularity, short enough to follow it as it shifts.
 RECENT_REQUESTS = 256
@@ -144,25 +133,10 @@ class LoRARegistry:
         self.allowed_roots = None if roots is None else [Path(r) for r in roots]
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
-        # (adapter, event, reason) -> count, and (transition, seconds): a late API server's
-        # counters and histogram start from these.
-        self.events: collections.Counter[tuple[str, str, str]] = collections.Counter()
-        self.loads: collections.deque[tuple[str, float]] = collections.deque(maxlen=_LOADS_KEPT)
         # The adapters of the engine's latest requests (at most RECENT_REQUESTS), and how many
         # of them name each adapter: the host tier's measure of popularity.
         self.recent: collections.deque[str] = collections.deque()
         self.recent_counts: collections.Counter[str] = collections.Counter()
-
-    def count_event(self, n: Notification) -> None:
-        """Count lifecycle events as they leave the engine, for the catch-up snapshot: what
-        every API server's event counters and load-time histogram start from. State never
-        follows from here: the events only report it."""
-        key = lora_event_key(n)
-        if key is not None:
-            self.events[key] += 1
-        load = lora_load_time(n)
-        if load is not None:
-            self.loads.append(load)
 
     def update_from_reads(self, reads_per_rank: list[list[AdapterRead] | None]) -> None:
         """Follow background reads from the step's typed results (one list per rank, in rank
@@ -543,28 +517,6 @@ class LoRARegistry:
     def list(self) -> list[LoRAAdapterInfo]:
         ordered = sorted(self.adapters.values(), key=lambda a: a.adapter_id)
         return [self.describe(a) for a in ordered]
-
-    def state(self) -> LoRAState:
-        """The snapshot's LoRA section, for a late API server: the registry's tiers hold on
-        every rank (a rank that failed a move raised, and the move was undone or the engine
-        stopped), and the event totals so far."""
-        world = self.world_size
-        return LoRAState(
-            world_size=world,
-            max_loras=self.max_loras,
-            max_cpu_loras=self.config.host_capacity,
-            adapters=[
-                AdapterResidency(
-                    a.name,
-                    a.id,
-                    a.pinned,
-                    [RankTier(rank, tier) for rank in range(world) for tier in a.tiers],
-                )
-                for a in self.list()
-            ],
-            events=[LoRAEventCount(n, e, r, c) for (n, e, r), c in sorted(self.events.items())],
-            loads=[LoRALoadTime(t, seconds) for t, seconds in self.loads],
-        )
 
     @staticmethod
     def describe(entry: RegisteredAdapter) -> LoRAAdapterInfo:

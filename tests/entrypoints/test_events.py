@@ -12,9 +12,9 @@ import asyncio
 import msgspec
 import pytest
 
-from rankcast.api_server.events import EventFilter, EventHub
+from rankcast.api_server.events import DEFAULT_RING_SIZE, EventFilter, EventHub
 from rankcast.api_server.metrics.prometheus import ServerMetrics
-from rankcast.channel.events import CustomNotification
+from rankcast.channel.events import CustomNotification, Notification
 from rankcast.channel.snapshot import (
     EngineStateSnapshot,
     NotificationLedgerState,
@@ -23,6 +23,7 @@ from rankcast.channel.snapshot import (
     RankWeightsLoaded,
 )
 from rankcast.engine_client.async_llm import AsyncLLM
+from rankcast.engine_client.engine_views import EngineViews
 
 
 def _raw(value: object) -> msgspec.Raw:
@@ -51,11 +52,27 @@ async def _collect(hub: EventHub, last_event_id: str | None, n: int, flt: EventF
     return chunks
 
 
+def hub_over(views: EngineViews, ring_size: int = DEFAULT_RING_SIZE) -> EventHub:
+    return EventHub(views, ring_size)
+
+
+def deliver(hub: EventHub, notifications: list[Notification]) -> None:
+    """A batch as the output loop delivers it: the views apply it, then the hub streams it."""
+    hub.views.consume(0, notifications, [])
+    hub.consume(0, notifications, [], 0.0)
+
+
+def restart(hub: EventHub, snapshot: EngineStateSnapshot) -> None:
+    hub.views.apply_snapshot(snapshot)
+    hub.apply_snapshot(snapshot)
+
+
 def test_an_unknown_type_is_counted_and_skipped_and_the_rest_delivered() -> None:
-    metrics, hub = ServerMetrics("m"), EventHub()
-    llm = AsyncLLM([], tokenizer=None, observer=metrics, sinks=[metrics, hub])
+    views = EngineViews(1)
+    metrics, hub = ServerMetrics("m", 0, views), EventHub(views)
+    llm = AsyncLLM([], tokenizer=None, observer=metrics, sinks=[metrics, hub], views=views)
     future = _raw({"type": "teleported", "engine_seq": 1, "adapter": "x"})
-    llm._deliver_notifications([_event(0), future, _event(2)])
+    llm._deliver_notifications(0, [_event(0), future, _event(2)])
     text = metrics.exposition().decode()
     assert 'rankcast:engine_notifications_skipped_total{type="teleported"} 1.0' in text
     assert 'rankcast:engine_notifications_total{key="k",type="custom"} 2.0' in text
@@ -63,21 +80,22 @@ def test_an_unknown_type_is_counted_and_skipped_and_the_rest_delivered() -> None
 
 
 def test_a_snapshot_starts_the_counters_where_the_engine_is() -> None:
-    metrics = ServerMetrics("m")
-    metrics.apply_snapshot(
-        EngineStateSnapshot(
-            1,
-            41,
-            NotificationLedgerState(
-                totals=[
-                    NotificationTotal("custom", "k", 40),
-                    NotificationTotal("notifications_dropped", "", 2),
-                ],
-                dropped=[RankCount(3, 17), RankCount(-1, 5)],
-                weights_loaded=[RankWeightsLoaded(3, {"bytes": 10, "seconds": 0.5})],
-            ),
-        )
+    views = EngineViews(2)
+    metrics = ServerMetrics("m", 0, views)
+    snapshot = EngineStateSnapshot(
+        1,
+        41,
+        NotificationLedgerState(
+            totals=[
+                NotificationTotal("custom", "k", 40),
+                NotificationTotal("notifications_dropped", "", 2),
+            ],
+            dropped=[RankCount(3, 17), RankCount(-1, 5)],
+            weights_loaded=[RankWeightsLoaded(3, {"bytes": 10, "seconds": 0.5})],
+        ),
     )
+    views.apply_snapshot(snapshot)
+    metrics.apply_snapshot(snapshot)
     text = metrics.exposition().decode()
     assert 'rankcast:engine_notifications_total{key="k",type="custom"} 40.0' in text
     assert 'rankcast:worker_notifications_dropped_total{engine="1",rank="3"} 17.0' in text
@@ -87,14 +105,13 @@ def test_a_snapshot_starts_the_counters_where_the_engine_is() -> None:
 
 def test_resume_replays_what_was_missed_and_filters_apply() -> None:
     async def run() -> None:
-        hub = EventHub(ring_size=8)
-        hub.consume(
+        hub = hub_over(EngineViews(1), ring_size=8)
+        deliver(
+            hub,
             [
                 msgspec.msgpack.decode(_event(i, "a" if i % 2 else "b"), type=CustomNotification)
                 for i in range(6)
             ],
-            [],
-            0.0,
         )
         chunks = await _collect(hub, "0:2", 3, EventFilter())
         assert _frames(chunks) == ["0:0:3", "0:0:4", "0:0:5"]
@@ -106,18 +123,16 @@ def test_resume_replays_what_was_missed_and_filters_apply() -> None:
 
 def test_a_resume_point_the_ring_no_longer_holds_gets_a_gap_event() -> None:
     async def run() -> None:
-        hub = EventHub(ring_size=4)
-        hub.consume(
-            [msgspec.msgpack.decode(_event(i), type=CustomNotification) for i in range(10)],
-            [],
-            0.0,
+        hub = hub_over(EngineViews(1), ring_size=4)
+        deliver(
+            hub, [msgspec.msgpack.decode(_event(i), type=CustomNotification) for i in range(10)]
         )
         chunks = await _collect(hub, "0:1", 5, EventFilter())
         text = b"".join(chunks).decode()
         assert "event: replay_gap" in text and '"oldest_event_id": "0:0:6"' in text
         assert _frames(chunks) == ["0:0:6", "0:0:7", "0:0:8", "0:0:9"]
         # Right after the newest known event: nothing is missing, no gap.
-        hub.apply_snapshot(EngineStateSnapshot(0, 9))
+        restart(hub, EngineStateSnapshot(0, 9))
         assert hub._replay("0:9") == ([], None)
 
     asyncio.run(run())
@@ -131,10 +146,10 @@ def test_a_resume_point_from_before_an_engine_restart_gets_a_gap_event() -> None
         return [msgspec.msgpack.decode(_event(i), type=CustomNotification) for i in seqs]
 
     async def run() -> None:
-        hub = EventHub()
-        hub.consume(decoded(range(4)), [], 0.0)
-        hub.apply_snapshot(EngineStateSnapshot(0, -1, incarnation=1))  # the restarted engine
-        hub.consume(decoded(range(2)), [], 0.0)
+        hub = hub_over(EngineViews(1))
+        deliver(hub, decoded(range(4)))
+        restart(hub, EngineStateSnapshot(0, -1, incarnation=1))  # the restarted engine
+        deliver(hub, decoded(range(2)))
         assert [e.id for e in hub.ring][-3:] == ["0:0:3", "0:1:0", "0:1:1"]
         chunks = await _collect(hub, "0:0:1", 5, EventFilter())
         text = b"".join(chunks).decode()
@@ -148,13 +163,13 @@ def test_a_resume_point_from_before_an_engine_restart_gets_a_gap_event() -> None
 
 def test_a_too_slow_reader_is_told_and_disconnected() -> None:
     async def run() -> None:
-        hub = EventHub()
+        hub = hub_over(EngineViews(1))
         stream = hub.stream(EventFilter(), None)
         assert (await stream.__anext__()).startswith(b":")
         (subscriber,) = hub.subscribers
         batch = [msgspec.msgpack.decode(_event(i), type=CustomNotification) for i in range(3)]
         subscriber.queue = asyncio.Queue(maxsize=2)
-        hub.consume(batch, [], 0.0)
+        deliver(hub, batch)
         got = [await stream.__anext__() for _ in range(3)]
         assert b"event: overflow" in got[-1]
         with pytest.raises(StopAsyncIteration):
@@ -166,7 +181,7 @@ def test_a_too_slow_reader_is_told_and_disconnected() -> None:
 
 def test_closing_the_hub_ends_open_streams() -> None:
     async def run() -> None:
-        hub = EventHub()
+        hub = hub_over(EngineViews(1))
         stream = hub.stream(EventFilter(), None)
         assert (await stream.__anext__()).startswith(b":")
         hub.close()

@@ -33,6 +33,7 @@ import httpx
 import pytest
 
 from rankcast.engine_client.engine_router import EngineRouter
+from rankcast.engine_client.engine_views import EngineViews
 from tests.entrypoints.notification_clients import engine_snapshot, scrape_each
 from tests.entrypoints.server_process import ServerProcess, tiny_model_args
 from tests.lora.conftest import make_adapter
@@ -56,7 +57,11 @@ def _question(i: int) -> list[int]:
 # the tie goes by a hash of the request: these questions hash to engine 1. So every one of
 # them is an "adapter" decision, before the restart and after it.
 TIED = {0: 0, 1: 0}
-QUESTIONS = [q for q in map(_question, range(64)) if EngineRouter(2)._cheapest(TIED, q, "a") == 1]
+QUESTIONS = [
+    q
+    for q in map(_question, range(64))
+    if EngineRouter(EngineViews(2))._cheapest(TIED, q, "a") == 1
+]
 
 
 @pytest.fixture(scope="module")

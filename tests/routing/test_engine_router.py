@@ -10,15 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rankcast.api_server.metrics.lora_residency import LoRAResidency
 from rankcast.channel.events import (
     KVBlocksStored,
     KVCacheCleared,
     LoRAAdapterActivated,
     LoRAAdapterLoaded,
+    Notification,
 )
-from rankcast.channel.kv_index import block_hash
+from rankcast.channel.kv_index import KVCacheIndex, block_hash
+from rankcast.channel.view import LoRAShape
 from rankcast.engine_client.engine_router import LOAD_COST, EngineRouter
+from rankcast.engine_client.engine_views import EngineViews
 from rankcast.protocol import SchedulerStats
 
 BS = 16
@@ -50,11 +52,22 @@ def load(router: EngineRouter, engine: int, running: int, usage: float = 0.1) ->
     )
 
 
-def router(policy: str = "auto", residency: LoRAResidency | None = None) -> EngineRouter:
-    r = EngineRouter(2, policy, BS, residency)
+def router(
+    policy: str = "auto", world_size: int = 1, host_places: int | None = None
+) -> EngineRouter:
+    """A router over two engines' views (each engine `world_size` ranks), both idle."""
+    views = EngineViews(2)
+    for view in views.views:
+        view.lora = LoRAShape(world_size, 1, 4)
+    r = EngineRouter(views, policy, BS, host_places)
     load(r, 0, 0)
     load(r, 1, 0)
     return r
+
+
+def feed(r: EngineRouter, events: list[Notification]) -> None:
+    """Events as the API server's output loop applies them: to each engine's view."""
+    r.views.consume(0, events, [])
 
 
 def question(i: int) -> list[int]:
@@ -63,7 +76,7 @@ def question(i: int) -> list[int]:
 
 def test_the_prefix_holder_wins_over_load_and_says_so() -> None:
     r = router()
-    r.consume([stored(1, PREFIX)], [], 0.0)
+    feed(r, [stored(1, PREFIX)])
     load(r, 1, 1)  # busier than engine 0: load alone would pick 0
     choice = r.choose([True, True], question(1), None)
     assert (choice.engine, choice.reason, choice.expected_prefix_tokens) == (1, "prefix", 320)
@@ -71,7 +84,7 @@ def test_the_prefix_holder_wins_over_load_and_says_so() -> None:
 
 def test_load_holds_back_an_engine_that_holds_every_prefix() -> None:
     r = router()
-    r.consume([stored(1, PREFIX)], [], 0.0)
+    feed(r, [stored(1, PREFIX)])
     busy = 320 // LOAD_COST + 1  # enough requests ahead to outweigh the saved prefix
     load(r, 1, busy)
     choice = r.choose([True, True], question(2), None)
@@ -80,17 +93,17 @@ def test_load_holds_back_an_engine_that_holds_every_prefix() -> None:
 
 def test_load_policy_ignores_the_prefix_and_a_cleared_engine_holds_none() -> None:
     r = router("load")
-    r.consume([stored(1, PREFIX)], [], 0.0)
+    feed(r, [stored(1, PREFIX)])
     load(r, 1, 1)
     assert r.choose([True, True], question(3), None).engine == 0
     auto = router()
-    auto.consume([stored(1, PREFIX), KVCacheCleared(engine_index=1)], [], 0.0)
+    feed(auto, [stored(1, PREFIX), KVCacheCleared(engine_index=1)])
     load(auto, 1, 1)
     assert auto.choose([True, True], question(3), None).engine == 0
 
 
 def test_an_adapter_in_a_device_slot_wins_partial_residency_does_not() -> None:
-    residency = LoRAResidency()
+    r = router(world_size=2)
     for rank in (0, 1):  # engine 1, both ranks: host tier, then a device slot
         for event in (
             LoRAAdapterLoaded(adapter_name="sql", adapter_id=3, tier="cpu", seconds=0.1),
@@ -99,15 +112,13 @@ def test_an_adapter_in_a_device_slot_wins_partial_residency_does_not() -> None:
             ),
         ):
             event.engine_index, event.rank = 1, rank
-            residency.consume([event], [], 0.0)
+            feed(r, [event])
     partial = LoRAAdapterActivated(
         adapter_name="sql", adapter_id=5, tier="device", seconds=0.01, slot=0
     )
     partial.engine_index, partial.rank = 0, 0  # engine 0: rank 0 only
-    residency.consume([partial], [], 0.0)
-    residency.world_size = {0: 2, 1: 2}
-    assert (residency.tier_on(1, "sql"), residency.tier_on(0, "sql")) == ("device", None)
-    r = router(residency=residency)
+    feed(r, [partial])
+    assert (r.views[1].tier_on("sql"), r.views[0].tier_on("sql")) == ("device", None)
     load(r, 1, 1)
     choice = r.choose([True, True], [1, 2, 3], "sql")
     assert (choice.engine, choice.reason) == (1, "adapter")
@@ -116,7 +127,7 @@ def test_an_adapter_in_a_device_slot_wins_partial_residency_does_not() -> None:
 
 def test_adapter_blocks_are_found_under_the_adapters_id_on_that_engine() -> None:
     r = router()
-    r.consume([stored(1, PREFIX, lora_id=3, lora="sql")], [], 0.0)
+    feed(r, [stored(1, PREFIX, lora_id=3, lora="sql")])
     load(r, 1, 1)
     assert r.choose([True, True], question(4), "sql").engine == 1
     assert r.choose([True, True], question(4), None).engine == 0, "not the base model's"
@@ -124,11 +135,11 @@ def test_adapter_blocks_are_found_under_the_adapters_id_on_that_engine() -> None
 
 def test_a_dead_engine_is_skipped_and_every_server_chooses_alike() -> None:
     r = router()
-    r.consume([stored(1, PREFIX)], [], 0.0)
+    feed(r, [stored(1, PREFIX)])
     assert r.choose([True, False], question(5), None).engine == 0
     servers = [router(), router()]
     for s in servers:
-        s.consume([stored(1, PREFIX)], [], 0.0)
+        feed(s, [stored(1, PREFIX)])
     picks = [[s.choose([True, True], [i, i + 1], None).engine for i in range(20)] for s in servers]
     assert picks[0] == picks[1], "same request and state, same choice"
     assert set(picks[0]) == {0, 1}, "unrelated requests spread over the engines"
@@ -142,7 +153,7 @@ def tied_choices() -> list[int]:
     picks = []
     for i in range(24):
         r = router()
-        r.consume([stored(0, PREFIX), stored(1, PREFIX)], [], 0.0)
+        feed(r, [stored(0, PREFIX), stored(1, PREFIX)])
         picks.append(r.choose([True, True], question(i), f"tenant-{i}" if i % 2 else None).engine)
     return picks
 
@@ -178,8 +189,9 @@ def test_an_engine_without_room_for_the_prompt_is_avoided() -> None:
 def test_a_burst_on_an_adapter_no_engine_has_reported_follows_the_first_request() -> None:
     """Before any engine's events name the adapter's id, the blocks sent are named under a
     provisional id: the second request with the same prefix goes where the first went, even
-    though that engine is now busier."""
-    r = router()
+    though that engine is now busier (the prefix policy alone: under `auto` the adapter just
+    sent there would pull it too)."""
+    r = router("prefix")
     first = r.choose([True, True], question(1), "sql")
     load(r, first.engine, 2)
     second = r.choose([True, True], question(2), "sql")
@@ -190,9 +202,7 @@ def test_a_burst_on_an_adapter_no_engine_has_reported_follows_the_first_request(
 
 
 def test_an_adapter_just_sent_to_an_engine_counts_as_loaded_there() -> None:
-    residency = LoRAResidency()
-    residency.world_size = {0: 1, 1: 1}
-    r = router(residency=residency)
+    r = router()
     first = r.choose([True, True], [1, 2, 3], "sql")
     load(r, first.engine, 3)
     second = r.choose([True, True], [4, 5, 6], "sql")
@@ -205,9 +215,8 @@ def test_an_adapter_goes_where_the_host_tier_has_room_for_it() -> None:
     would hold a request for a third adapter until one of them finished all its requests: the
     request goes to the other engine, though it is busier; an adapter already in flight there
     still goes to it, and so does any adapter once the stats show room."""
-    residency = LoRAResidency()
-    residency.world_size = {0: 1, 1: 1}
-    r = EngineRouter(2, "auto", BS, residency, host_places=2)
+    r = router(host_places=2)
+    load(r, 0, 0)
     full = SchedulerStats(num_running_reqs=2, num_blocks=100, running_lora_adapters=["a", "b"])
     r.record_stats(0, full)
     load(r, 1, 6)
@@ -230,8 +239,8 @@ def test_a_prompt_no_engine_holds_goes_where_fewer_prefixes_are_held() -> None:
     """New content (a tenant's first request) is spread by the distinct prefixes each engine
     holds, not by whichever engine happened to be less busy at that moment."""
     r = router()
-    r.consume([stored(0, PREFIX)], [], 0.0)
-    assert r.indexes[0].roots == 1 and r.indexes[1].roots == 0
+    feed(r, [stored(0, PREFIX)])
+    assert r.views[0].kv.roots == 1 and r.views[1].kv.roots == 0
     load(r, 1, 2)  # engine 1 is busier by two requests
     other_tenant = [*range(900, 900 + 20 * BS), 7, 1, 9]
     choice = r.choose([True, True], other_tenant, None)
@@ -247,7 +256,7 @@ def test_a_prompt_no_engine_holds_goes_where_fewer_prefixes_are_held() -> None:
 def test_the_index_counts_the_prefixes_it_holds() -> None:
     from rankcast.channel.events import KVBlocksRemoved
 
-    index = EngineRouter(1, "auto", BS).indexes[0]
+    index = KVCacheIndex()
     index.apply(stored(0, PREFIX))
     index.apply(stored(0, PREFIX))  # the same blocks again: still one prefix
     index.apply(stored(0, list(range(7000, 7000 + 2 * BS))))

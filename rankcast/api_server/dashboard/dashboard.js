@@ -1,11 +1,13 @@
 // rankcast's dashboard: one page over what every API server already serves.
 //
 // Sources, all same-origin: /health polled every HEALTH_MS and /metrics every POLL_MS (the
-// numbers), and the
-// engine notification stream /v1/events read live (what each rank did, as it happens; LoRA
-// events update the residency grid at once instead of waiting for the next poll). Nothing here
-// keeps state the server does not have: a reload starts from the next poll and the stream's
-// ring. No build step and no dependencies, so the page works offline from the package.
+// numbers), /v1/engine_views (each engine as the API server's engine view has it: adapters per
+// rank and tier, pins, requests) with every poll and at once after each LoRA event, and the
+// engine notification stream /v1/events read live (what each rank did, as it happens). The page
+// tracks no engine state from events itself: the residency grid renders the views, the one
+// state every API server, the router and /metrics read. A reload starts from the next poll and
+// the stream's ring. No build step and no dependencies, so the page works offline from the
+// package.
 "use strict";
 
 // How often /metrics is read (the page says so). Rendering the exposition is most of what an
@@ -22,8 +24,10 @@ const page = {
   samples: [], // [{t, families}] newest last
   engines: new Map(), // engine -> {state, incarnation, error}
   ranks: new Map(), // engine -> Set(rank), from the weight-load gauges
-  residency: new Map(), // adapter -> Map("engine:rank" -> {tiers:Set, pinned:bool})
-  loadSeconds: new Map(), // adapter -> last seconds a rank took to move it
+  views: [], // /v1/engine_views: one view per engine
+  viewsFetch: null, // the /v1/engine_views request in flight, if any
+  viewsAgain: false, // another fetch is due when it ends (an event arrived meanwhile)
+  loadSeconds: new Map(), // adapter -> last seconds a rank took to move it (from the stream)
   lastEventId: null,
   filter: { type: "", key: "" },
   stream: null, // AbortController of the open event stream
@@ -120,11 +124,34 @@ async function poll() {
     page.samples.push({ t: Date.now() / 1000, families });
     if (page.samples.length > HISTORY + 1) page.samples.shift();
     applyMetrics(families);
+    await fetchViews();
     setStatus(`updated ${new Date().toLocaleTimeString()}`);
   } catch (error) {
     setStatus(`unreachable (${error.message}); retrying`);
   }
   render();
+}
+
+// The engine views, fetched now (or once more after the fetch in flight: an event it may have
+// missed arrived), then the grid rendered from them.
+async function fetchViews() {
+  if (page.viewsFetch) {
+    page.viewsAgain = true;
+    return page.viewsFetch;
+  }
+  page.viewsFetch = (async () => {
+    do {
+      page.viewsAgain = false;
+      const response = await fetch("/v1/engine_views", { headers: headers() });
+      if (response.ok) page.views = (await response.json()).data || [];
+    } while (page.viewsAgain);
+  })();
+  try {
+    await page.viewsFetch;
+  } finally {
+    page.viewsFetch = null;
+  }
+  renderResidency();
 }
 
 async function pollHealth() {
@@ -157,8 +184,6 @@ function applyHealth(status, body) {
   }
 }
 
-// The residency grid is rebuilt from the gauges at every poll (the authority); events between
-// polls update it at once.
 function applyMetrics(families) {
   for (const s of series(families, "rankcast:worker_weights_load_seconds")) {
     const engine = Number(s.labels.engine);
@@ -169,30 +194,6 @@ function applyMetrics(families) {
     const engine = Number(s.labels.engine);
     if (!page.engines.has(engine)) page.engines.set(engine, { state: "up", incarnation: 0 });
   }
-  const residency = new Map();
-  for (const s of series(families, "vllm:lora_adapter_loaded")) {
-    if (s.value !== 1) continue;
-    const place = `${s.labels.engine}:${s.labels.rank}`;
-    const held = holding(residency, s.labels.adapter_name, place);
-    held.tiers.add(s.labels.level === "gpu" ? "device" : s.labels.level);
-    held.pinned = held.pinned || s.labels.pinned === "true";
-  }
-  const registered = new Set();
-  for (const s of series(families, "rankcast:lora_adapter_partial")) {
-    registered.add(s.labels.adapter_name);
-  }
-  for (const name of registered) if (!residency.has(name)) residency.set(name, new Map());
-  page.residency = residency;
-  const info = series(families, "vllm:lora_requests_info")[0];
-  page.running = new Set((info?.labels.running_lora_adapters || "").split(",").filter(Boolean));
-  page.waiting = new Set((info?.labels.waiting_lora_adapters || "").split(",").filter(Boolean));
-}
-
-function holding(residency, adapter, place) {
-  if (!residency.has(adapter)) residency.set(adapter, new Map());
-  const places = residency.get(adapter);
-  if (!places.has(place)) places.set(place, { tiers: new Set(), pinned: false });
-  return places.get(place);
 }
 
 // ---- the event stream ----
@@ -315,8 +316,8 @@ function onNotification(id, n) {
   const key = n.key || n.adapter_name || "";
   addEvent({ id, type: n.type, key, text: describe(n, where), ts: n.timestamp });
   if (n.type.startsWith("lora_adapter_")) {
-    applyLoraEvent(n);
-    renderResidency();
+    if (n.seconds !== undefined) page.loadSeconds.set(n.adapter_name, n.seconds);
+    fetchViews().catch(() => {}); // the next poll tries again
   }
 }
 
@@ -346,36 +347,6 @@ function describe(n, where) {
 
 function ms(seconds) {
   return `${(seconds * 1000).toFixed(1)} ms`;
-}
-
-function applyLoraEvent(n) {
-  const place = `${n.engine_index}:${n.rank}`;
-  const held = holding(page.residency, n.adapter_name, place);
-  switch (n.type) {
-    case "lora_adapter_loaded":
-      held.tiers.add(n.tier);
-      page.loadSeconds.set(n.adapter_name, n.seconds);
-      break;
-    case "lora_adapter_activated":
-      held.tiers.add("device");
-      page.loadSeconds.set(n.adapter_name, n.seconds);
-      break;
-    case "lora_adapter_evicted":
-      if (n.tier === "disk" || n.reason === "unload" || n.reason === "load_failed") {
-        held.tiers.clear();
-        held.pinned = false;
-      } else {
-        held.tiers.delete(n.tier);
-        if (n.tier === "device") held.pinned = false;
-      }
-      break;
-    case "lora_adapter_pinned":
-      held.pinned = true;
-      break;
-    case "lora_adapter_unpinned":
-      held.pinned = false;
-      break;
-  }
 }
 
 // The list itself holds the events shown (the newest EVENTS_KEPT): nothing else reads them.
@@ -550,78 +521,82 @@ function renderSparklines() {
 }
 
 function renderResidency() {
-  const places = new Set();
-  for (const [engine, ranks] of page.ranks) for (const rank of ranks) places.add(`${engine}:${rank}`);
-  for (const held of page.residency.values()) for (const place of held.keys()) places.add(place);
-  const columns = [...places].sort((a, b) => {
-    const [ea, ra] = a.split(":").map(Number);
-    const [eb, rb] = b.split(":").map(Number);
-    return ea - eb || ra - rb;
-  });
+  const grid = residencyGrid(page.views);
   const head = document.querySelector("#lora-grid thead");
   const heading = document.createElement("tr");
-  const titles = ["adapter", ...columns.map((c) => `e${c.split(":")[0]} r${c.split(":")[1]}`)];
+  const titles = ["adapter", ...grid.columns.map((c) => `e${c.engine} r${c.rank}`)];
   for (const title of [...titles, "requests", "last move"]) {
     const cell = document.createElement("th");
     cell.textContent = title; // label values are text, never markup
     heading.append(cell);
   }
   head.replaceChildren(heading);
+  for (const row of grid.rows) {
+    const seconds = document.createElement("td");
+    const adapter = row.dataset.adapter;
+    seconds.textContent = page.loadSeconds.has(adapter) ? ms(page.loadSeconds.get(adapter)) : "-";
+    row.append(seconds);
+  }
+  document.querySelector("#lora-grid tbody").replaceChildren(...grid.rows);
+  document.getElementById("lora-empty").hidden = grid.rows.length > 0;
+}
+
+// The grid for the engine views: a column per rank of each engine that serves adapters, a row
+// per adapter any of them registered, each cell its tier there ("device" over "cpu"), pinned,
+// and partial when that engine's ranks disagree. Only renders: every fact is the view's.
+// (tests/dashboard/test_dashboard_view.py renders random views with it and compares.)
+function residencyGrid(views) {
+  const columns = [];
+  const adapters = new Map(); // name -> Map(engine -> the view's adapter entry)
+  for (const view of views) {
+    if (!view.lora) continue;
+    for (let rank = 0; rank < view.lora.world_size; rank++) columns.push({ engine: view.engine, rank });
+    for (const adapter of view.lora.adapters) {
+      if (!adapters.has(adapter.name)) adapters.set(adapter.name, new Map());
+      adapters.get(adapter.name).set(view.engine, adapter);
+    }
+  }
   const rows = [];
-  for (const adapter of [...page.residency.keys()].sort()) {
-    const held = page.residency.get(adapter);
+  for (const name of [...adapters.keys()].sort()) {
+    const onEngine = adapters.get(name);
     const row = document.createElement("tr");
-    row.dataset.adapter = adapter;
-    const name = document.createElement("td");
-    name.textContent = adapter;
-    row.append(name);
-    const partialEngines = partial(held, columns);
-    for (const place of columns) {
+    row.dataset.adapter = name;
+    const title = document.createElement("td");
+    title.textContent = name;
+    row.append(title);
+    let running = 0;
+    let waiting = 0;
+    for (const entry of onEngine.values()) {
+      running += entry.running_requests;
+      waiting += entry.waiting_requests;
+    }
+    for (const { engine, rank } of columns) {
       const cell = document.createElement("td");
-      const [engine, rank] = place.split(":");
       cell.className = "cell";
-      cell.dataset.engine = engine;
-      cell.dataset.rank = rank;
-      const here = held.get(place);
-      const tier = here?.tiers.has("device") ? "device" : here?.tiers.has("cpu") ? "cpu" : "";
+      cell.dataset.engine = String(engine);
+      cell.dataset.rank = String(rank);
+      const entry = onEngine.get(engine);
+      const here = entry?.ranks.find((r) => r.rank === rank);
+      const tiers = here?.tiers || [];
+      const tier = tiers.includes("device") ? "device" : tiers.includes("cpu") ? "cpu" : "";
       if (tier) {
         cell.classList.add(`tier-${tier}`);
         cell.textContent = tier === "device" ? "device" : "host";
       }
       if (here?.pinned) cell.classList.add("pinned");
-      if (partialEngines.has(engine)) cell.classList.add("partial");
+      if (entry?.partial) cell.classList.add("partial");
       cell.dataset.tier = tier;
       row.append(cell);
     }
-    rows.push(row);
     const requests = document.createElement("td");
     const flags = [];
-    if (page.running?.has(adapter)) flags.push("running");
-    if (page.waiting?.has(adapter)) flags.push("waiting");
+    if (running) flags.push("running");
+    if (waiting) flags.push("waiting");
     requests.textContent = flags.join(", ") || "-";
-    const seconds = document.createElement("td");
-    seconds.textContent = page.loadSeconds.has(adapter) ? ms(page.loadSeconds.get(adapter)) : "-";
-    row.append(requests, seconds);
+    row.append(requests);
+    rows.push(row);
   }
-  document.querySelector("#lora-grid tbody").replaceChildren(...rows);
-  document.getElementById("lora-empty").hidden = rows.length > 0;
-}
-
-// Engines whose ranks disagree on where the adapter is (some hold it, some do not, or in other
-// tiers): a request there must wait for a rank to load it.
-function partial(held, columns) {
-  const byEngine = new Map();
-  for (const place of columns) {
-    const [engine] = place.split(":");
-    const tiers = [...(held.get(place)?.tiers || [])].sort().join(",");
-    if (!byEngine.has(engine)) byEngine.set(engine, new Set());
-    byEngine.get(engine).add(tiers);
-  }
-  const out = new Set();
-  for (const [engine, kinds] of byEngine) {
-    if (kinds.size > 1) out.add(engine);
-  }
-  return out;
+  return { columns, rows };
 }
 
 // ---- start ----

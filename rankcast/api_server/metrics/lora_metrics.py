@@ -1,25 +1,23 @@
-"""LoRA series of one API server, under the names routers read (DESIGN.md section 4).
+"""LoRA series of one API server, under the names routers read (DESIGN.md section 4), rendered
+from the engine views (`rankcast/engine_client/engine_views.py`); nothing here counts events.
 
-Residency (`vllm:lora_adapter_loaded` and the counts) is read at scrape time from the
-`LoRAResidency` state that lifecycle events and the engine's snapshot keep, so a series
-disappears the moment its eviction arrives. Event counts and load times start from the
-snapshot's totals, so a late API server reports what its siblings report.
+Residency (`vllm:lora_adapter_loaded` and the counts) is read from the views at scrape time, so a
+series disappears the moment its eviction arrives. The event counter and the load-time histogram
+follow the views' counts as each batch arrives (`refresh`): the counter shows every engine's
+total (earlier incarnations included), the histogram observes each load the views applied once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rankcast.api_server.metrics.fleet import Fleet, ViewCounter
-from rankcast.api_server.metrics.lora_residency import LoRAResidency
-from rankcast.channel.events import Notification
-from rankcast.channel.lora_events import lora_event_key, lora_load_time
-from rankcast.channel.snapshot import EngineStateSnapshot
-from rankcast.protocol import SchedulerStats
+from rankcast.engine_client.engine_views import EngineViews
 
 _LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # The metric's `level` label: vLLM calls the device tier "gpu" whatever the device is.
@@ -31,8 +29,8 @@ class _ResidencyCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        m, residency = self.metrics, self.metrics.residency
-        if not residency.max_loras:
+        m, views = self.metrics, self.metrics.views
+        if not views.serves_adapters():
             return  # the engine serves no adapters (no LoRA section in its snapshot)
         loaded = GaugeMetricFamily(
             "vllm:lora_adapter_loaded",
@@ -40,10 +38,11 @@ class _ResidencyCollector(Collector):
             labels=["adapter_name", "level", "pinned", "rank", "model_name", "engine"],
         )
         counts: dict[str, set[tuple[int, str]]] = {"gpu": set(), "cpu": set()}
-        for engine, adapters in sorted(residency.adapters.items()):
-            for name, state in sorted(adapters.items()):
-                for rank, tiers in sorted(state.ranks.items()):
-                    pinned = "true" if rank in state.pinned else "false"
+        for view in views.views:
+            engine = view.engine_index
+            for name, adapter in sorted(view.adapters.items()):
+                for rank, tiers in sorted(adapter.ranks.items()):
+                    pinned = "true" if rank in adapter.pinned else "false"
                     for tier in sorted(tiers):
                         level = _LEVEL.get(tier, tier)
                         counts.setdefault(level, set()).add((engine, name))
@@ -63,35 +62,36 @@ class _ResidencyCollector(Collector):
             "Adapter slots per rank (--max-loras).",
             labels=["model_name"],
         )
-        slots.add_metric([m.model_name], residency.max_loras)
+        slots.add_metric([m.model_name], views.max_loras)
         yield slots
         partial = GaugeMetricFamily(
             "rankcast:lora_adapter_partial",
             "1 when the ranks of an engine that holds the adapter disagree on where it is.",
             labels=["adapter_name"],
         )
-        for adapter in residency.describe():
-            partial.add_metric([adapter["name"]], 1 if adapter["partial"] else 0)
+        for name in views.adapter_names():
+            held_partly = any(view.partial(name) for view in views.views)
+            partial.add_metric([name], 1 if held_partly else 0)
         yield partial
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Adapters of running and of waiting requests; value: unix time of the last change.",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
-        running = ",".join(residency.running_adapters())
-        waiting = ",".join(residency.waiting_adapters())
-        info.add_metric([str(residency.max_loras), running, waiting], residency.requests_changed_at)
+        running = ",".join(views.running_adapters())
+        waiting = ",".join(views.waiting_adapters())
+        info.add_metric([str(views.max_loras), running, waiting], views.requests_changed_at)
         yield info
 
 
 class LoRAMetrics:
-    """A NotificationSink and scheduler-stats consumer that owns the LoRA series."""
+    """The LoRA series, rendered from the engine views."""
 
     def __init__(
-        self, registry: CollectorRegistry, fleet: Fleet, model_name: str, residency: LoRAResidency
+        self, registry: CollectorRegistry, fleet: Fleet, model_name: str, views: EngineViews
     ) -> None:
         self.model_name = model_name
-        self.residency = residency
+        self.views = views
         self.events = ViewCounter(
             fleet,
             "rankcast:lora_adapter_events",
@@ -106,24 +106,27 @@ class LoRAMetrics:
             buckets=_LOAD_BUCKETS,
             registry=registry,
         )
+        # Per engine, how many of its view's loads the histogram has observed.
+        self.loads_observed = [0] * len(views)
         registry.register(_ResidencyCollector(self))
 
-    def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
-        if snapshot.lora is None:
-            return
-        for c in snapshot.lora.events:
-            self.events.inc((c.adapter, c.event, c.reason), c.count)
-        for load in snapshot.lora.loads:
-            self.load_seconds.labels(load.transition).observe(load.seconds)
+    def refresh(self, engine: int, keys: Iterable[tuple[str, str, str]] | None) -> None:
+        """Follow what `engine`'s view now counts: after a batch, the event keys it touched;
+        after a snapshot (None), every key, and the loads it started from."""
+        view = self.views[engine]
+        if keys is None:
+            self.loads_observed[engine] = 0
+            keys = list(view.lora_events)
+        new = min(view.loads_applied - self.loads_observed[engine], len(view.loads))
+        if new > 0:
+            for transition, seconds in itertools.islice(view.loads, len(view.loads) - new, None):
+                self.load_seconds.labels(transition).observe(seconds)
+        self.loads_observed[engine] = view.loads_applied
+        for key in keys:
+            self.events.set(key, self._total(key))
 
-    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
-        for n in notifications:
-            key = lora_event_key(n)
-            if key is not None:
-                self.events.inc(key)
-            load = lora_load_time(n)
-            if load is not None:
-                self.load_seconds.labels(load[0]).observe(load[1])
-
-    def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
-        self.residency.record_scheduler_stats(engine_index, stats)
+    def _total(self, key: tuple[str, str, str]) -> float:
+        return sum(
+            view.lora_events.get(key, 0) + earlier.lora_events.get(key, 0)
+            for view, earlier in zip(self.views.views, self.views.earlier, strict=True)
+        )

@@ -11,6 +11,7 @@ over all of them (`fleet.Fleet`), so every server's `/metrics` shows the fleet's
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,9 @@ from rankcast.channel.events import (
     NotificationsDropped,
     notification_type,
 )
+from rankcast.channel.lora_events import lora_event_key
 from rankcast.channel.snapshot import EngineStateSnapshot
+from rankcast.engine_client.engine_views import EngineViews
 from rankcast.protocol import SchedulerStats
 
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -108,7 +111,9 @@ class _EngineTotals:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, api_server: int = 0) -> None:
+    def __init__(
+        self, model_name: str, api_server: int = 0, views: EngineViews | None = None
+    ) -> None:
         self.model_name = model_name
         self.api_server = str(api_server)
         self.registry = CollectorRegistry()  # what a scrape renders
@@ -309,6 +314,8 @@ class ServerMetrics:
         self._engine_totals: dict[int, _EngineTotals] = {}
         # The LoRA series, when the API server serves adapters (set by the API server).
         self.lora: LoRAMetrics | None = None
+        # What the engine-derived series render: the views the API server's output loop keeps.
+        self.views = views if views is not None else EngineViews(1)
 
     def record_scheduler_stats(self, engine_index: int, stats: SchedulerStats) -> None:
         labels = (self.model_name, str(engine_index))
@@ -334,8 +341,6 @@ class ServerMetrics:
         for adapter, count in stats.lora_evictions_undone.items():
             shown = totals.show(("undone", adapter), count)
             self.lora_evictions_undone.set((*engine, adapter), shown)
-        if self.lora is not None:
-            self.lora.record_scheduler_stats(engine_index, stats)
         self.kv_cache_committed.labels(*labels).set(stats.kv_cache_committed_bytes)
         self.gathers.labels(str(engine_index)).set(stats.notification_gathers)
         self.gather_seconds.labels(str(engine_index)).set(stats.notification_gather_seconds)
@@ -380,36 +385,62 @@ class ServerMetrics:
         self.generation_tokens.labels(self.model_name).inc(generation_tokens)
         self.request_success.labels(self.model_name, str(engine_index), finish_reason).inc()
 
-    # ---- engine notifications (a NotificationSink) ----
+    # ---- engine state, rendered from the views (a NotificationSink) ----
 
     def apply_snapshot(self, snapshot: EngineStateSnapshot) -> None:
-        """Start from the engine's totals, so a late server counts what its siblings count; a
-        new incarnation's totals (from zero again) count on from what was shown."""
-        totals = self._engine_totals.setdefault(snapshot.engine_index, _EngineTotals())
+        """The engine's view started over from its snapshot: show every series of it again. A
+        new incarnation's stats totals (from zero again) count on from what was shown."""
+        engine = snapshot.engine_index
+        totals = self._engine_totals.setdefault(engine, _EngineTotals())
         if snapshot.incarnation != totals.incarnation:
             totals.incarnation, totals.base = snapshot.incarnation, dict(totals.shown)
-        engine = str(snapshot.engine_index)
-        ledger = snapshot.notifications
-        for total in ledger.totals:
-            self.notifications_total.inc((total.type, total.key), total.count)
-        for dropped in ledger.dropped:
-            self.notifications_dropped.inc((engine, rank_label(dropped.rank)), dropped.count)
-        for weights in ledger.weights_loaded:
-            self._record_weights(engine, weights.rank, weights.payload)
+        view = self.views[engine]
+        self._show_totals(view.totals, view.skipped)
+        for rank in view.dropped:
+            self._show_dropped(engine, rank)
+        for rank, payload in view.weights_loaded.items():
+            self._record_weights(str(engine), rank, payload)
+        if self.lora is not None:
+            self.lora.refresh(engine, None)
 
-    def consume(self, notifications: list[Notification], unknown: list[str], now: float) -> None:
+    def consume(
+        self, engine: int, notifications: list[Notification], unknown: list[str], now: float
+    ) -> None:
+        """A batch the views have applied: show what it changed, and its delivery lag."""
         lag = self.notification_lag.labels(self.api_server)
+        touched: set[tuple[str, str]] = set()
+        lora_keys: set[tuple[str, str, str]] = set()
         for n in notifications:
-            key = n.key if isinstance(n, CustomNotification) else ""
-            self.notifications_total.inc((notification_type(n), key))
+            touched.add((notification_type(n), n.key if isinstance(n, CustomNotification) else ""))
             lag.observe(max(0.0, now - n.timestamp))
             if isinstance(n, NotificationsDropped):
-                self.notifications_dropped.inc((str(n.engine_index), rank_label(n.rank)), n.count)
+                self._show_dropped(n.engine_index, n.rank)
             elif isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY:
                 self._record_weights(str(n.engine_index), n.rank, n.payload)
-        for kind in unknown:
-            self.notifications_total.inc((kind, ""))
-            self.notifications_skipped.inc((kind,))
+            key = lora_event_key(n)
+            if key is not None:
+                lora_keys.add(key)
+        touched.update((kind, "") for kind in unknown)
+        self._show_totals(touched, set(unknown))
+        if self.lora is not None and (lora_keys or notifications):
+            self.lora.refresh(engine, lora_keys)
+
+    def _show_totals(self, keys: Iterable[tuple[str, str]], skipped: Iterable[str]) -> None:
+        pairs = list(zip(self.views.views, self.views.earlier, strict=True))
+        for key in keys:
+            total = sum(v.totals.get(key, 0) + e.totals.get(key, 0) for v, e in pairs)
+            self.notifications_total.set(key, total)
+        for kind in skipped:
+            total = sum(v.skipped.get(kind, 0) + e.skipped.get(kind, 0) for v, e in pairs)
+            self.notifications_skipped.set((kind,), total)
+
+    def _show_dropped(self, engine: int, rank: int) -> None:
+        if not 0 <= engine < len(self.views):
+            return
+        count = self.views[engine].dropped.get(rank, 0) + self.views.earlier[engine].dropped.get(
+            rank, 0
+        )
+        self.notifications_dropped.set((str(engine), rank_label(rank)), count)
 
     def _record_weights(self, engine: str, rank: int, payload: dict[str, Any]) -> None:
         labels = (engine, rank_label(rank))

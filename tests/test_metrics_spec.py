@@ -1,6 +1,7 @@
-"""The Python API server's `/metrics` families are the ones tests/fixtures/metrics/families.json
-declares (name, type, labels, help, source); the Rust server is held to the same file by its own
-test (rust/frontend/src/metrics_spec.rs), so a family added or changed on one side only fails."""
+"""The Python API server's `/metrics` families are the ones declared in
+rankcast/api_server/metrics/families.json (name, type, labels in order, help, source), the file
+both servers build their families from; the Rust server is held to it by its own test
+(rust/frontend/src/metrics_spec.rs)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,23 @@ from tests.fixtures.metrics.generate import SPEC, parse_exposition, python_famil
 
 
 def test_the_python_servers_families_are_the_declared_ones() -> None:
-    declared = {f["name"]: f for f in json.loads(SPEC.read_text())}
+    # Label names compared as sets: a fleet's merged exposition writes them in name order,
+    # while the declaration lists them in the order the code gives their values.
+    declared = {
+        f["name"]: {**{k: v for k, v in f.items() if k != "buckets"}, "labels": sorted(f["labels"])}
+        for f in json.loads(SPEC.read_text())
+    }
     exposed = {
-        f.name: {k: v for k, v in asdict(f).items() if k != "samples"} for f in python_families()
+        f.name: {
+            **{k: v for k, v in asdict(f).items() if k != "samples"},
+            "labels": sorted(f.labels),
+        }
+        for f in python_families()
     }
     missing, extra = sorted(set(declared) - set(exposed)), sorted(set(exposed) - set(declared))
     assert not missing and not extra, (
         f"declared but not exposed: {missing}; exposed but not declared: {extra} "
-        "(rewrite the spec on purpose: .venv/bin/python tests/fixtures/metrics/generate.py)"
+        "(the differences: .venv/bin/python tests/fixtures/metrics/generate.py)"
     )
     for name, family in declared.items():
         assert exposed[name] == family, name
@@ -60,3 +70,15 @@ def test_the_values_fixture_is_how_prometheus_client_and_msgspec_write_them() ->
         bits, text = line.split(" ", 1)
         value = struct.unpack("<d", struct.pack("<Q", int(bits, 16)))[0]
         assert spellings(value) == text, line
+
+
+def test_every_histogram_is_declared_with_its_buckets_and_built_with_them() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from rankcast.api_server.metrics.families import FAMILIES, histogram
+
+    histograms = [f for f in FAMILIES.values() if f.type == "histogram"]
+    assert histograms and all(f.buckets == tuple(sorted(f.buckets)) for f in histograms)
+    for family in histograms:
+        built = histogram(family.base, CollectorRegistry())
+        assert tuple(built._upper_bounds[:-1]) == family.buckets, family.name

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from rankcast.api_server.metrics.prometheus import _ITL_BUCKETS, ServerMetrics
+from rankcast.api_server.metrics.families import declared
+from rankcast.api_server.metrics.prometheus import ServerMetrics
 from tests.entrypoints.notification_clients import prefix_cache_totals
 
 ITL = "vllm:inter_token_latency_seconds"
@@ -23,7 +24,9 @@ def _itl_lines(text: str) -> list[str]:
 def test_a_step_of_inter_token_latencies_reads_as_one_observe_per_token() -> None:
     metrics = ServerMetrics("m")
     registry = CollectorRegistry()
-    reference = Histogram(ITL, "reference", ["model_name"], buckets=_ITL_BUCKETS, registry=registry)
+    reference = Histogram(
+        ITL, "reference", ["model_name"], buckets=declared(ITL).buckets, registry=registry
+    )
     # On bounds (a value equal to a bound counts in that bucket), between them, zero, past the
     # last bound, several tokens at once (a step that produced more than one), an empty step.
     steps = [[(0.02, 1), (0.0, 3), (0.019, 1)], [(0.3, 2), (7.5, 1)], [], [(0.005, 1)]]

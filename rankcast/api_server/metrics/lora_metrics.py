@@ -12,14 +12,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rankcast.api_server.metrics.fleet import Fleet, ViewCounter
+from rankcast.api_server.metrics.families import gauge_family, histogram, view_counter
+from rankcast.api_server.metrics.fleet import Fleet
 from rankcast.engine_client.engine_views import EngineViews
 
-_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # The metric's `level` label: vLLM calls the device tier "gpu" whatever the device is.
 _LEVEL = {"device": "gpu", "cpu": "cpu"}
 
@@ -32,11 +32,7 @@ class _ResidencyCollector(Collector):
         m, views = self.metrics, self.metrics.views
         if not views.serves_adapters():
             return  # the engine serves no adapters (no LoRA section in its snapshot)
-        loaded = GaugeMetricFamily(
-            "vllm:lora_adapter_loaded",
-            "1 while the adapter is resident on the rank (series removed on eviction).",
-            labels=["adapter_name", "level", "pinned", "rank", "model_name", "engine"],
-        )
+        loaded = gauge_family("vllm:lora_adapter_loaded")
         counts: dict[str, set[tuple[int, str]]] = {"gpu": set(), "cpu": set()}
         for view in views.views:
             engine = view.engine_index
@@ -50,34 +46,18 @@ class _ResidencyCollector(Collector):
                         loaded.add_metric(labels, 1)
         yield loaded
         for level in ("gpu", "cpu"):
-            gauge = GaugeMetricFamily(
-                f"vllm:num_{level}_loaded_lora_adapters",
-                f"Adapters resident in the {level} tier (per engine, counted once).",
-                labels=["model_name"],
-            )
+            gauge = gauge_family(f"vllm:num_{level}_loaded_lora_adapters")
             gauge.add_metric([m.model_name], len(counts[level]))
             yield gauge
-        slots = GaugeMetricFamily(
-            "vllm:max_gpu_lora_adapters",
-            "Adapter slots per rank (--max-loras).",
-            labels=["model_name"],
-        )
+        slots = gauge_family("vllm:max_gpu_lora_adapters")
         slots.add_metric([m.model_name], views.max_loras)
         yield slots
-        partial = GaugeMetricFamily(
-            "rankcast:lora_adapter_partial",
-            "1 when the ranks of an engine that holds the adapter disagree on where it is.",
-            labels=["adapter_name"],
-        )
+        partial = gauge_family("rankcast:lora_adapter_partial")
         for name in views.adapter_names():
             held_partly = any(view.partial(name) for view in views.views)
             partial.add_metric([name], 1 if held_partly else 0)
         yield partial
-        info = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "Adapters of running and of waiting requests; value: unix time of the last change.",
-            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-        )
+        info = gauge_family("vllm:lora_requests_info")
         running = ",".join(views.running_adapters())
         waiting = ",".join(views.waiting_adapters())
         info.add_metric([str(views.max_loras), running, waiting], views.requests_changed_at)
@@ -92,20 +72,8 @@ class LoRAMetrics:
     ) -> None:
         self.model_name = model_name
         self.views = views
-        self.events = ViewCounter(
-            fleet,
-            "rankcast:lora_adapter_events",
-            "Adapter lifecycle events from every rank, by adapter, event and reason.",
-            ["adapter_name", "event", "reason"],
-            registry,
-        )
-        self.load_seconds = Histogram(
-            "vllm:lora_adapter_load_seconds",
-            "Seconds a rank took to move an adapter, per transition (one per rank per move).",
-            ["transition"],
-            buckets=_LOAD_BUCKETS,
-            registry=registry,
-        )
+        self.events = view_counter(fleet, "rankcast:lora_adapter_events", registry)
+        self.load_seconds = histogram("vllm:lora_adapter_load_seconds", registry)
         # Per engine, how many of its view's loads the histogram has observed.
         self.loads_observed = [0] * len(views)
         registry.register(_ResidencyCollector(self))

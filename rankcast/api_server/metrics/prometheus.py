@@ -15,9 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
-from rankcast.api_server.metrics.fleet import Fleet, ViewCounter, register_summed
+from rankcast.api_server.metrics.families import counter, gauge, histogram, view_counter
+from rankcast.api_server.metrics.fleet import Fleet, register_summed
 from rankcast.api_server.metrics.lora_metrics import LoRAMetrics
 from rankcast.channel.events import (
     WEIGHTS_LOADED_KEY,
@@ -31,16 +32,10 @@ from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.engine_client.engine_views import EngineViews
 from rankcast.protocol import SchedulerStats
 
-_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
 
 def rank_label(rank: int) -> str:
     """The `rank` label: a worker rank, or `engine_core` for the engine's own pending list."""
     return "engine_core" if rank < 0 else str(rank)
-
-
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0, 120.0)
-_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
 # The series each API server counts itself, summed over all of them on every `/metrics`.
@@ -120,196 +115,59 @@ class ServerMetrics:
         own = CollectorRegistry()  # this server's share of the summed series
         self.fleet = Fleet(own, SUMMED)
         register_summed(self.fleet, self.registry)
-        engine_labels = ["model_name", "engine"]
-        self.running = Gauge(
-            "vllm:num_requests_running",
-            "Requests in the engine's running batch.",
-            engine_labels,
-            registry=self.registry,
-        )
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting",
-            "Requests queued in the engine, waiting to run.",
-            engine_labels,
-            registry=self.registry,
-        )
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "Fraction of KV cache blocks in use (0..1).",
-            engine_labels,
-            registry=self.registry,
-        )
-        self.cache_config = Gauge(
-            "vllm:cache_config_info",
-            "KV cache configuration of the engine.",
-            [*engine_labels, "block_size", "num_gpu_blocks"],
-            registry=self.registry,
-        )
-        self.engine_up = Gauge(
-            "rankcast:engine_up",
-            "1 while the engine core is connected; 0 once it is gone (its load series read 0).",
-            ["engine"],
-            registry=self.registry,
-        )
-        self.preemptions = Gauge(
-            "vllm:num_preemptions",
-            "Requests preempted by the engine since it started (recomputed later).",
-            engine_labels,
-            registry=self.registry,
-        )
+        self.running = gauge("vllm:num_requests_running", self.registry)
+        self.waiting = gauge("vllm:num_requests_waiting", self.registry)
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", self.registry)
+        self.cache_config = gauge("vllm:cache_config_info", self.registry)
+        self.engine_up = gauge("rankcast:engine_up", self.registry)
+        self.preemptions = gauge("vllm:num_preemptions", self.registry)
         # The engine core's own running totals, as broadcast in its stats: a restarted API
         # server does not reset them.
-        self.prefix_cache_queries = ViewCounter(
-            self.fleet,
-            "vllm:prefix_cache_queries",
-            "Prompt tokens the engine looked up in its prefix cache.",
-            engine_labels,
-            self.registry,
+        self.prefix_cache_queries = view_counter(
+            self.fleet, "vllm:prefix_cache_queries", self.registry
         )
-        self.prefix_cache_hits = ViewCounter(
-            self.fleet,
-            "vllm:prefix_cache_hits",
-            "Prompt tokens the engine found in its prefix cache (not recomputed).",
-            engine_labels,
-            self.registry,
-        )
+        self.prefix_cache_hits = view_counter(self.fleet, "vllm:prefix_cache_hits", self.registry)
         # Where API servers' routing sent requests (the engine counts what it was sent, so
         # every API server shows every server's choices), and how right it was.
-        self.routing_decisions = ViewCounter(
-            self.fleet,
-            "rankcast:routing_decisions",
-            "Requests routed to the engine, by the term that chose it (load, prefix, adapter).",
-            ["engine", "reason"],
-            self.registry,
+        self.routing_decisions = view_counter(
+            self.fleet, "rankcast:routing_decisions", self.registry
         )
-        self.routing_expected = ViewCounter(
-            self.fleet,
-            "rankcast:routing_expected_prefix_tokens",
-            "Prompt tokens the router expected cached on the engine it chose.",
-            ["engine"],
-            self.registry,
+        self.routing_expected = view_counter(
+            self.fleet, "rankcast:routing_expected_prefix_tokens", self.registry
         )
-        self.routing_hit = ViewCounter(
-            self.fleet,
-            "rankcast:routing_hit_prefix_tokens",
-            "Prompt tokens the engine then found cached for the requests routed to it.",
-            ["engine"],
-            self.registry,
+        self.routing_hit = view_counter(
+            self.fleet, "rankcast:routing_hit_prefix_tokens", self.registry
         )
         # Adapter cache observability: where each adapter's requests found it, and how often a
         # request had to bring back an adapter that was pushed out for another (thrashing).
-        self.lora_requests_found = ViewCounter(
-            self.fleet,
-            "rankcast:lora_requests_found",
-            "Requests on an adapter, by where they found it: device slot, host tier or disk.",
-            ["engine", "adapter_name", "tier"],
-            self.registry,
+        self.lora_requests_found = view_counter(
+            self.fleet, "rankcast:lora_requests_found", self.registry
         )
-        self.lora_evictions_undone = ViewCounter(
-            self.fleet,
-            "rankcast:lora_evictions_undone",
-            "Requests that needed an adapter back after it was evicted to make room for another.",
-            ["engine", "adapter_name"],
-            self.registry,
+        self.lora_evictions_undone = view_counter(
+            self.fleet, "rankcast:lora_evictions_undone", self.registry
         )
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens",
-            "Prompt tokens of finished requests (every API server's).",
-            ["model_name"],
-            registry=own,
-        )
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens",
-            "Tokens generated for finished requests (every API server's).",
-            ["model_name"],
-            registry=own,
-        )
-        self.request_success = Counter(
-            "vllm:request_success",
-            "Finished requests (every API server's), by the engine that ran them and reason.",
-            ["model_name", "engine", "finished_reason"],
-            registry=own,
-        )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time from arrival to the first generated token.",
-            ["model_name"],
-            buckets=_LATENCY_BUCKETS,
-            registry=own,
-        )
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Time between consecutive generated tokens.",
-            ["model_name"],
-            buckets=_ITL_BUCKETS,
-            registry=own,
-        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", own)
+        self.generation_tokens = counter("vllm:generation_tokens", own)
+        self.request_success = counter("vllm:request_success", own)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", own)
+        self.itl = histogram("vllm:inter_token_latency_seconds", own)
         self.itl_batch = HistogramBatch(self.itl.labels(model_name))
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            ["model_name"],
-            buckets=_LATENCY_BUCKETS,
-            registry=own,
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", own)
+        self.gathers = gauge("rankcast:notification_gathers", self.registry)
+        self.gather_seconds = gauge("rankcast:notification_gather_seconds", self.registry)
+        self.notifications_total = view_counter(
+            self.fleet, "rankcast:engine_notifications", self.registry
         )
-        self.gathers = Gauge(
-            "rankcast:notification_gathers",
-            "Notification gathers (one collective RPC each) the engine core made since it started.",
-            ["engine"],
-            registry=self.registry,
+        self.notifications_skipped = view_counter(
+            self.fleet, "rankcast:engine_notifications_skipped", self.registry
         )
-        self.gather_seconds = Gauge(
-            "rankcast:notification_gather_seconds",
-            "Seconds the engine core spent in notification gathers since it started.",
-            ["engine"],
-            registry=self.registry,
+        self.notifications_dropped = view_counter(
+            self.fleet, "rankcast:worker_notifications_dropped", self.registry
         )
-        self.notifications_total = ViewCounter(
-            self.fleet,
-            "rankcast:engine_notifications",
-            "Engine notifications received, by type and (for custom events) key.",
-            ["type", "key"],
-            self.registry,
-        )
-        self.notifications_skipped = ViewCounter(
-            self.fleet,
-            "rankcast:engine_notifications_skipped",
-            "Notifications of a type the API servers do not know (counted, then skipped).",
-            ["type"],
-            self.registry,
-        )
-        self.notifications_dropped = ViewCounter(
-            self.fleet,
-            "rankcast:worker_notifications_dropped",
-            "Notifications lost to a full buffer, by engine and rank (engine_core: the engine's).",
-            ["engine", "rank"],
-            self.registry,
-        )
-        self.notification_lag = Histogram(
-            "rankcast:notification_delivery_lag_seconds",
-            "Time from publish in a worker rank to receipt by the API server named.",
-            ["api_server"],
-            buckets=_LAG_BUCKETS,
-            registry=own,
-        )
-        self.weights_load_seconds = Gauge(
-            "rankcast:worker_weights_load_seconds",
-            "Seconds each rank took to load its shard of the weights.",
-            ["engine", "rank"],
-            registry=self.registry,
-        )
-        self.weights_load_bytes = Gauge(
-            "rankcast:worker_weights_load_bytes",
-            "Bytes of weights each rank loaded (its shard).",
-            ["engine", "rank"],
-            registry=self.registry,
-        )
-        self.kv_cache_committed = Gauge(
-            "rankcast:kv_cache_committed_bytes",
-            "KV-cache memory the engine's ranks took at start (0: left to first use).",
-            ["model_name", "engine"],
-            registry=self.registry,
-        )
+        self.notification_lag = histogram("rankcast:notification_delivery_lag_seconds", own)
+        self.weights_load_seconds = gauge("rankcast:worker_weights_load_seconds", self.registry)
+        self.weights_load_bytes = gauge("rankcast:worker_weights_load_bytes", self.registry)
+        self.kv_cache_committed = gauge("rankcast:kv_cache_committed_bytes", self.registry)
         self._cache_labels: dict[int, tuple[str, str]] = {}
         self._engine_totals: dict[int, _EngineTotals] = {}
         # The LoRA series, when the API server serves adapters (set by the API server).

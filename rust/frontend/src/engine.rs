@@ -13,10 +13,10 @@ use std::time::Duration;
 use rankcast_client::wire::notifications::Notification;
 use rankcast_client::wire::protocol::{EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest};
 use rankcast_client::EngineCoreClient;
+use rankcast_frontend::engine_views::EngineViews;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::events::EventHub;
-use crate::loras::Adapters;
 use crate::metrics::EngineMetrics;
 
 const DOORBELL: &str = "inproc://rankcast-frontend-doorbell";
@@ -52,7 +52,7 @@ struct Loop {
     streams: HashMap<String, UnboundedSender<Event>>,
     metrics: Arc<EngineMetrics>,
     events: Arc<EventHub>,
-    adapters: Arc<Adapters>,
+    views: Arc<EngineViews>,
 }
 
 impl Loop {
@@ -76,14 +76,15 @@ impl Loop {
 
     fn deliver(&mut self, outputs: EngineCoreOutputs) {
         if let Some(stats) = &outputs.scheduler_stats {
+            self.views.record_stats(outputs.engine_index, stats);
             self.metrics.record_stats(outputs.engine_index, stats);
-            self.adapters.record_stats(outputs.engine_index, stats);
         }
         if let Some(raws) = &outputs.engine_notifications {
             let decoded: Vec<Notification> =
                 raws.iter().filter_map(|raw| raw.decode_as().ok()).collect();
+            // The views first: the metrics render what they now hold.
+            self.views.consume(outputs.engine_index, &decoded);
             self.metrics.consume(&decoded);
-            self.adapters.consume(&decoded);
             self.events.consume(raws);
         }
         for output in outputs.outputs {
@@ -112,13 +113,14 @@ impl Loop {
 }
 
 impl Engine {
-    /// Serve `client` on a thread of its own; the engine-derived series go to `metrics`, the
-    /// notifications also to the `/v1/events` ring.
+    /// Serve `client` on a thread of its own; the engine's snapshot-following state goes to
+    /// `views`, the series derived from its stats to `metrics`, the notifications also to the
+    /// `/v1/events` ring.
     pub fn start(
         client: EngineCoreClient,
         metrics: Arc<EngineMetrics>,
         events: Arc<EventHub>,
-        adapters: Arc<Adapters>,
+        views: Arc<EngineViews>,
     ) -> Engine {
         let (commands, inbox) = mpsc::channel::<Command>();
         let alive = Arc::new(AtomicBool::new(true));
@@ -138,7 +140,7 @@ impl Engine {
             streams: HashMap::new(),
             metrics,
             events,
-            adapters,
+            views,
         };
         std::thread::Builder::new()
             .name("engine-client".into())

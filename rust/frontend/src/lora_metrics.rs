@@ -1,17 +1,15 @@
 //! The LoRA series of `/metrics`, written line for line as the Python servers' `LoRAMetrics`
-//! writes them: the lifecycle event counter and the load-time histogram (both starting from the
-//! snapshot's totals, so a late server reports what its siblings report), then the residency
-//! families, read at scrape time from `loras::Residency` so a series disappears the moment its
-//! eviction arrives.
+//! writes them, rendered from the engine views (`engine_views`); nothing here counts events. The
+//! lifecycle event counter shows every engine's total (earlier incarnations included), the
+//! load-time histogram observes each load the views applied once, and the residency families
+//! are read at scrape time, so a series disappears the moment its eviction arrives.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
-use rankcast_client::wire::notifications::Notification;
-use rankcast_client::wire::protocol::EngineStateSnapshot;
+use rankcast_frontend::engine_views::{LoadsFollowed, Views};
 
 use crate::exposition::{format_value, write_header, write_sample};
-use crate::loras::Residency;
 
 const LOAD_BUCKETS: [f64; 12] = [
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -39,36 +37,31 @@ impl Histogram {
     }
 }
 
+/// The load-time histogram and how far it has followed each view's loads.
 #[derive(Default)]
-struct Counts {
-    /// (adapter, event, reason) -> events: this server's view of the engine's totals.
-    events: BTreeMap<(String, String, String), f64>,
+struct Loads {
     /// transition -> load times, children in the order first observed (prometheus_client's).
-    loads: Vec<(String, Histogram)>,
+    histograms: Vec<(String, Histogram)>,
+    followed: LoadsFollowed,
 }
 
-impl Counts {
-    fn event(&mut self, adapter: &str, event: &str, reason: &str, count: f64) {
-        let key = (adapter.to_string(), event.to_string(), reason.to_string());
-        *self.events.entry(key).or_default() += count;
-    }
-
-    fn load(&mut self, transition: &str, seconds: f64) {
-        let index = match self.loads.iter().position(|(t, _)| t == transition) {
+impl Loads {
+    fn observe(&mut self, transition: &str, seconds: f64) {
+        let index = match self.histograms.iter().position(|(t, _)| t == transition) {
             Some(index) => index,
             None => {
-                self.loads
+                self.histograms
                     .push((transition.to_string(), Histogram::default()));
-                self.loads.len() - 1
+                self.histograms.len() - 1
             }
         };
-        self.loads[index].1.observe(seconds);
+        self.histograms[index].1.observe(seconds);
     }
 }
 
 pub struct LoRAMetrics {
     model: String,
-    counts: Mutex<Counts>,
+    loads: Mutex<Loads>,
 }
 
 /// vLLM's `level` label calls the device tier "gpu" whatever the device is.
@@ -84,74 +77,42 @@ impl LoRAMetrics {
     pub fn new(model: &str) -> LoRAMetrics {
         LoRAMetrics {
             model: model.to_string(),
-            counts: Mutex::new(Counts::default()),
+            loads: Mutex::new(Loads::default()),
         }
     }
 
-    pub fn apply_snapshot(&self, snapshot: &EngineStateSnapshot) {
-        let Some(lora) = &snapshot.lora else { return };
-        let mut counts = self.counts.lock().expect("lora metrics lock");
-        for c in &lora.events {
-            counts.event(&c.adapter, &c.event, &c.reason, c.count as f64);
-        }
-        for load in &lora.loads {
-            counts.load(&load.transition, load.seconds);
+    /// Observe the load times the views applied since the last call, each once.
+    pub fn follow_loads(&self, views: &Views) {
+        let mut loads = self.loads.lock().expect("lora metrics lock");
+        let new = views.new_loads(&mut loads.followed);
+        for (transition, seconds) in new {
+            loads.observe(&transition, seconds);
         }
     }
 
-    /// Count the lifecycle events (by adapter, event, reason) and time the moves into a tier.
-    pub fn consume(&self, notifications: &[Notification]) {
-        let mut counts = self.counts.lock().expect("lora metrics lock");
-        for n in notifications {
-            match n {
-                Notification::LoRALoaded(l) => {
-                    counts.event(&l.adapter_name, "loaded", "", 1.0);
-                    let into = if l.tier == "device" { "gpu" } else { &l.tier };
-                    counts.load(&format!("disk_to_{into}"), l.seconds);
-                }
-                Notification::LoRAActivated(a) => {
-                    counts.event(&a.adapter_name, "activated", "", 1.0);
-                    counts.load("cpu_to_gpu", a.seconds);
-                }
-                Notification::LoRAEvicted(e) => {
-                    counts.event(&e.adapter_name, "evicted", &e.reason, 1.0);
-                }
-                Notification::LoRAPinned(p) => counts.event(&p.adapter_name, "pinned", "", 1.0),
-                Notification::LoRAUnpinned(u) => {
-                    counts.event(&u.adapter_name, "unpinned", "", 1.0);
-                }
-                Notification::LoRALoadFailed(f) => {
-                    counts.event(&f.adapter_name, "load_failed", "", 1.0);
-                }
-                _ => {}
-            }
-        }
-    }
-
-    /// Every LoRA family, in the Python servers' order; the residency ones only when the
+    /// Every LoRA family, in the Python servers' order; the residency ones only when an
     /// engine serves adapters (its snapshot had a LoRA section).
-    pub fn render(&self, out: &mut String, residency: &Residency) {
-        self.render_counts(out);
-        if residency.max_loras > 0 {
-            self.render_residency(out, residency);
+    pub fn render(&self, out: &mut String, views: &Views) {
+        self.render_counts(out, views);
+        if views.serves_adapters() {
+            self.render_residency(out, views);
         }
     }
 
-    fn render_counts(&self, out: &mut String) {
-        let counts = self.counts.lock().expect("lora metrics lock");
+    fn render_counts(&self, out: &mut String, views: &Views) {
         write_header(
             out,
             EVENTS,
             "Adapter lifecycle events from every rank, by adapter, event and reason.",
             "counter",
         );
-        for ((adapter, event, reason), value) in &counts.events {
+        for ((adapter, event, reason), value) in views.lora_event_totals() {
             let labels = [
-                ("adapter_name", adapter.clone()),
-                ("event", event.clone()),
-                ("reason", reason.clone()),
+                ("adapter_name", adapter),
+                ("event", event),
+                ("reason", reason),
             ];
-            write_sample(out, EVENTS, &labels, *value);
+            write_sample(out, EVENTS, &labels, value as f64);
         }
         write_header(
             out,
@@ -159,7 +120,8 @@ impl LoRAMetrics {
             "Seconds a rank took to move an adapter, per transition (one per rank per move).",
             "histogram",
         );
-        for (transition, h) in &counts.loads {
+        let loads = self.loads.lock().expect("lora metrics lock");
+        for (transition, h) in &loads.histograms {
             let mut cumulative = 0.0;
             let bounds = LOAD_BUCKETS.iter().map(|b| format_value(*b));
             for (bound, n) in bounds.chain(["+Inf".to_string()]).zip(h.buckets) {
@@ -173,7 +135,7 @@ impl LoRAMetrics {
         }
     }
 
-    fn render_residency(&self, out: &mut String, residency: &Residency) {
+    fn render_residency(&self, out: &mut String, views: &Views) {
         let model = &self.model;
         let name = "vllm:lora_adapter_loaded";
         write_header(
@@ -183,8 +145,8 @@ impl LoRAMetrics {
             "gauge",
         );
         let mut resident: BTreeMap<&str, BTreeSet<(i64, &str)>> = BTreeMap::new();
-        for (engine, adapters) in &residency.adapters {
-            for (adapter, state) in adapters {
+        for (engine, view) in &views.views {
+            for (adapter, state) in &view.adapters {
                 for (rank, tiers) in &state.ranks {
                     let pinned = state.pinned.contains(rank);
                     for tier in tiers {
@@ -215,7 +177,7 @@ impl LoRAMetrics {
         }
         let name = "vllm:max_gpu_lora_adapters";
         write_header(out, name, "Adapter slots per rank (--max-loras).", "gauge");
-        let slots = residency.max_loras as f64;
+        let slots = views.max_loras() as f64;
         write_sample(out, name, &[("model_name", model.clone())], slots);
         let name = "rankcast:lora_adapter_partial";
         write_header(
@@ -224,9 +186,14 @@ impl LoRAMetrics {
             "1 when the ranks of an engine that holds the adapter disagree on where it is.",
             "gauge",
         );
-        for adapter in residency.names() {
-            let partial = f64::from(u8::from(residency.partial(&adapter)));
-            write_sample(out, name, &[("adapter_name", adapter)], partial);
+        for adapter in views.adapter_names() {
+            let partly = views.views.values().any(|v| v.partial(&adapter));
+            write_sample(
+                out,
+                name,
+                &[("adapter_name", adapter)],
+                f64::from(u8::from(partly)),
+            );
         }
         let name = "vllm:lora_requests_info";
         write_header(
@@ -236,17 +203,11 @@ impl LoRAMetrics {
             "gauge",
         );
         let labels = [
-            ("max_lora", residency.max_loras.to_string()),
-            (
-                "running_lora_adapters",
-                residency.running_adapters().join(","),
-            ),
-            (
-                "waiting_lora_adapters",
-                residency.waiting_adapters().join(","),
-            ),
+            ("max_lora", views.max_loras().to_string()),
+            ("running_lora_adapters", views.running_adapters().join(",")),
+            ("waiting_lora_adapters", views.waiting_adapters().join(",")),
         ];
-        write_sample(out, name, &labels, residency.requests_changed_at());
+        write_sample(out, name, &labels, views.requests_changed_at());
     }
 }
 

@@ -15,7 +15,6 @@ mod exposition;
 mod fleet_start;
 mod logprobs;
 mod lora_metrics;
-mod loras;
 mod metrics;
 #[cfg(test)]
 mod metrics_spec;
@@ -33,6 +32,7 @@ use std::time::Duration;
 
 use hyper::service::{make_service_fn, service_fn};
 use rankcast_client::EngineCoreClient;
+use rankcast_frontend::engine_views::EngineViews;
 use rankcast_text::Tokenizer;
 
 struct Args {
@@ -182,16 +182,19 @@ fn main() {
         .map(PathBuf::from);
     let requests =
         request_metrics::RequestMetrics::new(&args.model_name, args.client_index, fleet_directory);
-    let metrics = Arc::new(metrics::EngineMetrics::new(&args.model_name, requests));
+    // This server's view of its engine: what admission, the adapter routes and /metrics read.
+    let views = Arc::new(EngineViews::new([engine_index]));
+    let metrics = Arc::new(metrics::EngineMetrics::new(
+        &args.model_name,
+        requests,
+        views.clone(),
+    ));
     if let Some(snapshot) = &client.ready.snapshot {
+        views.apply_snapshot(snapshot);
         metrics.apply_snapshot(snapshot);
     }
     metrics.record_engine_up(client.ready.engine_index, true);
     let events = Arc::new(events::EventHub::default());
-    let adapters = Arc::new(loras::Adapters::default());
-    if let Some(snapshot) = &client.ready.snapshot {
-        adapters.apply_snapshot(snapshot);
-    }
     if let Some(snapshot) = &client.ready.snapshot {
         events.apply_snapshot(
             snapshot.engine_index,
@@ -200,8 +203,8 @@ fn main() {
         );
     }
     let server = Arc::new(openai::Server {
-        engine: engine::Engine::start(client, metrics.clone(), events.clone(), adapters.clone()),
-        adapters,
+        engine: engine::Engine::start(client, metrics.clone(), events.clone(), views.clone()),
+        views,
         model_origin: args.model_origin,
         metrics,
         events,

@@ -3,21 +3,22 @@
 //! server reports them exactly as the Python servers do, line for line (same names, help, label
 //! order and number formatting as prometheus_client's text exposition); the LoRA ones are
 //! `lora_metrics`, and the series each API server counts itself and the fleet sums are
-//! `request_metrics`.
+//! `request_metrics`. What the notifications say is read from the engine views
+//! (`engine_views`), never counted here: notification totals, skipped types and drops are each
+//! engine's view plus what its earlier incarnations counted, so they never go back.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rankcast_client::wire::notifications::Notification;
 use rankcast_client::wire::protocol::{EngineStateSnapshot, SchedulerStats};
 use rankcast_client::wire::{Dict, Value};
+use rankcast_frontend::engine_views::{EngineViews, Views};
+use rankcast_frontend::view::WEIGHTS_LOADED_KEY;
 
 use crate::exposition::{write_header, write_sample};
 use crate::lora_metrics::LoRAMetrics;
-use crate::loras::Adapters;
 use crate::request_metrics::RequestMetrics;
-
-const WEIGHTS_LOADED_KEY: &str = "rankcast.weights_loaded";
 
 /// Series in the order they were first set, as prometheus_client keeps a family's children.
 #[derive(Default)]
@@ -40,9 +41,6 @@ impl Family {
     fn set(&mut self, labels: Vec<(&'static str, String)>, value: f64) {
         *self.slot(labels) = value;
     }
-    fn inc(&mut self, labels: Vec<(&'static str, String)>, by: f64) {
-        *self.slot(labels) += by;
-    }
     fn remove(&mut self, labels: &[(&'static str, String)]) {
         let mut sorted = labels.to_vec();
         sorted.sort_by(|a, b| a.0.cmp(b.0));
@@ -59,6 +57,16 @@ struct Series {
     /// the label names by whose values the samples are sorted, as the Python servers'
     /// `ViewCounter` (an engine total seen by every server) writes them.
     sorted_by: &'static [&'static str],
+}
+
+impl Series {
+    /// Samples set anew, each scrape, from what the views count.
+    fn set_all(&mut self, samples: impl IntoIterator<Item = (Vec<(&'static str, String)>, f64)>) {
+        self.family = Family::default();
+        for (labels, value) in samples {
+            self.family.set(labels, value);
+        }
+    }
 }
 
 impl Series {
@@ -265,17 +273,20 @@ pub struct EngineMetrics {
     series: Mutex<State>,
     totals: Mutex<HashMap<i64, EngineTotals>>,
     lora: LoRAMetrics,
+    /// What the engine-derived series render (the engine thread keeps them).
+    views: Arc<EngineViews>,
     /// What this server counts itself, summed over the fleet (shown first, as in Python).
     pub requests: RequestMetrics,
 }
 
 impl EngineMetrics {
-    pub fn new(model: &str, requests: RequestMetrics) -> EngineMetrics {
+    pub fn new(model: &str, requests: RequestMetrics, views: Arc<EngineViews>) -> EngineMetrics {
         EngineMetrics {
             model: model.to_string(),
             series: Mutex::new((families(), None)),
             totals: Mutex::new(HashMap::new()),
             lora: LoRAMetrics::new(model),
+            views,
             requests,
         }
     }
@@ -379,8 +390,10 @@ impl EngineMetrics {
         }
     }
 
+    /// The engine's view started over from `snapshot` (apply it to the views first): show its
+    /// weight loads, observe its load times. A new incarnation's stats totals (from zero again)
+    /// count on from what was shown.
     pub fn apply_snapshot(&self, snapshot: &EngineStateSnapshot) {
-        self.lora.apply_snapshot(snapshot);
         {
             let mut all = self.totals.lock().expect("totals lock");
             let totals = all.entry(snapshot.engine_index).or_default();
@@ -389,80 +402,96 @@ impl EngineMetrics {
                 totals.base = totals.shown.clone();
             }
         }
-        let engine = snapshot.engine_index.to_string();
-        let mut guard = self.series.lock().expect("metrics lock");
-        let series = &mut guard.0;
-        let ledger = &snapshot.notifications;
-        for total in &ledger.totals {
-            let labels = vec![("type", total.r#type.clone()), ("key", total.key.clone())];
-            series[NOTIFICATIONS].family.inc(labels, total.count as f64);
+        let engine = snapshot.engine_index;
+        let weights: Vec<(i64, Dict<Value>)> = self.views.read(|views| {
+            let view = views.views.get(&engine);
+            view.map_or_else(Vec::new, |v| {
+                let loaded = v.weights_loaded.iter();
+                loaded.map(|(rank, p)| (*rank, p.clone())).collect()
+            })
+        });
+        {
+            let mut guard = self.series.lock().expect("metrics lock");
+            for (rank, payload) in &weights {
+                record_weights(&mut guard.0, &engine.to_string(), *rank, payload);
+            }
         }
-        for dropped in &ledger.dropped {
-            let labels = vec![
-                ("engine", engine.clone()),
-                ("rank", rank_label(dropped.rank)),
-            ];
-            series[DROPPED].family.inc(labels, dropped.count as f64);
-        }
-        for weights in &ledger.weights_loaded {
-            record_weights(series, &engine, weights.rank, &weights.payload);
-        }
+        self.follow_loads();
     }
 
+    /// A batch the views have applied: its delivery lag, the weight loads it reported (as the
+    /// views now have them), and its load times.
     pub fn consume(&self, notifications: &[Notification]) {
-        self.lora.consume(notifications);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         for published in notifications.iter().filter_map(Notification::timestamp) {
             self.requests.record_delivery_lag(now - published);
         }
-        let mut guard = self.series.lock().expect("metrics lock");
-        let series = &mut guard.0;
-        for n in notifications {
-            let key = match n {
-                Notification::Custom(c) => c.key.clone(),
-                _ => String::new(),
-            };
-            let kind = n.type_name();
-            series[NOTIFICATIONS]
-                .family
-                .inc(vec![("type", kind.clone()), ("key", key)], 1.0);
-            match n {
-                Notification::Dropped(d) => {
-                    let labels = vec![
-                        ("engine", d.engine_index.to_string()),
-                        ("rank", rank_label(d.rank)),
-                    ];
-                    series[DROPPED].family.inc(labels, d.count as f64);
-                }
+        let weights: Vec<(i64, i64, Dict<Value>)> = self.views.read(|views| {
+            let reported = notifications.iter().filter_map(|n| match n {
                 Notification::Custom(c) if c.key == WEIGHTS_LOADED_KEY => {
-                    record_weights(series, &c.engine_index.to_string(), c.rank, &c.payload);
+                    let view = views.views.get(&c.engine_index);
+                    let held = view.and_then(|v| v.weights_loaded.get(&c.rank));
+                    Some((c.engine_index, c.rank, held.unwrap_or(&c.payload).clone()))
                 }
-                Notification::Unknown(_) => {
-                    series[SKIPPED].family.inc(vec![("type", kind)], 1.0);
-                }
-                _ => {}
+                _ => None,
+            });
+            reported.collect()
+        });
+        if !weights.is_empty() {
+            let mut guard = self.series.lock().expect("metrics lock");
+            for (engine, rank, payload) in &weights {
+                record_weights(&mut guard.0, &engine.to_string(), *rank, payload);
             }
         }
+        self.follow_loads();
+    }
+
+    /// Observe the load times the views applied since the last look, each once.
+    fn follow_loads(&self) {
+        self.views.read(|views| self.lora.follow_loads(views));
     }
 
     /// The text exposition of every family, as prometheus_client renders it: the fleet's
-    /// summed series, the engine series, then the LoRA ones (from `adapters`), in the order the
-    /// Python servers register them.
-    pub fn exposition(&self, adapters: &Adapters) -> String {
+    /// summed series, the engine series, then the LoRA ones, in the order the Python servers
+    /// register them.
+    pub fn exposition(&self) -> String {
+        self.follow_loads();
         let mut out = String::new();
         self.requests.render(&mut out);
+        let (totals, skipped, dropped) = self.views.read(|views: &Views| {
+            (
+                views.notification_totals(),
+                views.skipped_totals(),
+                views.dropped_totals(),
+            )
+        });
         {
-            let guard = self.series.lock().expect("metrics lock");
-            for s in &guard.0 {
+            let mut guard = self.series.lock().expect("metrics lock");
+            let series = &mut guard.0;
+            series[NOTIFICATIONS].set_all(
+                totals
+                    .into_iter()
+                    .map(|((kind, key), count)| (vec![("type", kind), ("key", key)], count as f64)),
+            );
+            series[SKIPPED].set_all(
+                skipped
+                    .into_iter()
+                    .map(|(kind, count)| (vec![("type", kind)], count as f64)),
+            );
+            series[DROPPED].set_all(dropped.into_iter().map(|((engine, rank), count)| {
+                let labels = vec![("engine", engine.to_string()), ("rank", rank_label(rank))];
+                (labels, count as f64)
+            }));
+            for s in series.iter() {
                 write_header(&mut out, s.name, s.help, s.kind);
                 for (labels, value) in s.samples() {
                     write_sample(&mut out, s.name, labels, *value);
                 }
             }
         }
-        adapters.read(|residency| self.lora.render(&mut out, residency));
+        self.views.read(|views| self.lora.render(&mut out, views));
         out
     }
 }
@@ -484,6 +513,7 @@ mod tests {
     use crate::request_metrics::RequestMetrics;
     use rankcast_client::wire::from_bytes;
     use rankcast_client::wire::protocol::EngineCoreMessage;
+    use rankcast_frontend::engine_views::EngineViews;
 
     fn fixture(name: &str) -> EngineCoreMessage {
         let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -492,7 +522,7 @@ mod tests {
     }
 
     fn prefix_cache(metrics: &EngineMetrics) -> (f64, f64) {
-        let text = metrics.exposition(&crate::loras::Adapters::default());
+        let text = metrics.exposition();
         let value = |name: &str| -> f64 {
             let line = text
                 .lines()
@@ -517,9 +547,11 @@ mod tests {
         let mut snapshot = ready.snapshot.expect("a snapshot");
         let mut stats = step.scheduler_stats.expect("stats");
         snapshot.engine_index = 0;
-        let metrics = EngineMetrics::new("m", RequestMetrics::new("m", 0, None));
+        let views = std::sync::Arc::new(EngineViews::new([0]));
+        let metrics = EngineMetrics::new("m", RequestMetrics::new("m", 0, None), views.clone());
         let mut at = |incarnation: i64, queries: i64, hits: i64| {
             snapshot.incarnation = incarnation;
+            views.apply_snapshot(&snapshot);
             metrics.apply_snapshot(&snapshot);
             stats.prefix_cache_queries = queries;
             stats.prefix_cache_hits = hits;

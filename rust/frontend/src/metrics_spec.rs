@@ -1,7 +1,9 @@
-//! This server's `/metrics` families against `tests/fixtures/metrics/families.json`, the file
-//! the Python servers are held to as well (`tests/test_metrics_spec.py`): fed the same golden
-//! wire messages and a few requests, every family this server exposes is declared there with
-//! the same type, labels and help, and every declared family is exposed.
+//! This server's `/metrics` families against `rankcast/api_server/metrics/families.json`, the
+//! declaration the Python servers build theirs from and are held to as well
+//! (`tests/test_metrics_spec.py`): fed the same golden wire messages and a few requests, every
+//! family this server exposes is declared there with the same type, labels (compared as sets:
+//! the declaration lists them in the order their values are given, expositions in name order)
+//! and help, and every declared family is exposed.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -10,8 +12,8 @@ use std::path::PathBuf;
 use rankcast_client::wire::notifications::Notification;
 use rankcast_client::wire::protocol::EngineCoreMessage;
 use rankcast_client::wire::{from_bytes, Raw};
+use rankcast_frontend::engine_views::EngineViews;
 
-use crate::loras::Adapters;
 use crate::metrics::EngineMetrics;
 use crate::request_metrics::RequestMetrics;
 
@@ -95,24 +97,24 @@ fn label_names(line: &str) -> Vec<String> {
 }
 
 fn exposition() -> String {
-    let metrics = EngineMetrics::new(MODEL, RequestMetrics::new(MODEL, 0, None));
-    let adapters = Adapters::default();
+    let views = std::sync::Arc::new(EngineViews::new([0]));
+    let metrics = EngineMetrics::new(MODEL, RequestMetrics::new(MODEL, 0, None), views.clone());
     let EngineCoreMessage::Ready(ready) = message("output_ready") else {
         panic!("output_ready is not a ready message")
     };
     let snapshot = ready
         .snapshot
         .expect("the ready fixture carries a snapshot");
+    views.apply_snapshot(&snapshot);
     metrics.apply_snapshot(&snapshot);
-    adapters.apply_snapshot(&snapshot);
     metrics.record_engine_up(0, true);
     for name in ["output_step", "output_notifications"] {
         let EngineCoreMessage::Outputs(outputs) = message(name) else {
             panic!("{name} is not an outputs message")
         };
         if let Some(stats) = &outputs.scheduler_stats {
+            views.record_stats(outputs.engine_index, stats);
             metrics.record_stats(outputs.engine_index, stats);
-            adapters.record_stats(outputs.engine_index, stats);
         }
         let decoded: Vec<Notification> = outputs
             .engine_notifications
@@ -120,24 +122,27 @@ fn exposition() -> String {
             .iter()
             .filter_map(|raw| raw.decode_as().ok())
             .collect();
+        views.consume(outputs.engine_index, &decoded);
         metrics.consume(&decoded);
-        adapters.consume(&decoded);
     }
     // A type from a newer engine: counted and skipped.
     let future = Raw(vec![
         0x81, 0xa4, b't', b'y', b'p', b'e', 0xa3, b'n', b'e', b'w',
     ]);
     let unknown: Notification = future.decode_as().expect("an unknown type still decodes");
-    metrics.consume(&[unknown]);
+    views.consume(0, &[unknown]);
+    metrics.consume(&[]);
     metrics.requests.record_first_token(0.05);
     metrics.requests.record_inter_token(0.02, 3);
     metrics.requests.record_finished(0, 1.5, 12, 34, "stop");
-    metrics.exposition(&adapters)
+    metrics.exposition()
 }
 
 #[test]
 fn the_rust_servers_families_are_the_declared_ones() {
-    let text = fs::read_to_string(fixtures().join("metrics/families.json")).expect("the spec");
+    let spec = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../rankcast/api_server/metrics/families.json");
+    let text = fs::read_to_string(spec).expect("the declared families");
     let declared: Vec<serde_json::Value> = serde_json::from_str(&text).expect("JSON");
     let exposed = parse(&exposition());
     let mut problems = Vec::new();
@@ -147,12 +152,13 @@ fn the_rust_servers_families_are_the_declared_ones() {
             problems.push(format!("declared but not exposed: {name}"));
             continue;
         };
-        let want_labels: Vec<String> = family["labels"]
+        let mut want_labels: Vec<String> = family["labels"]
             .as_array()
             .expect("labels")
             .iter()
             .map(|l| l.as_str().expect("a label").to_string())
             .collect();
+        want_labels.sort();
         if kind != family["type"].as_str().unwrap_or("") {
             problems.push(format!("{name}: type {kind}, declared {}", family["type"]));
         }

@@ -1,5 +1,6 @@
 //! The OpenAI routes: `/v1/completions` and `/v1/chat/completions` (streamed as server-sent
-//! events or whole), `/v1/models`, `/health`. Request fields are checked the way the Python API
+//! events or whole), `/v1/models`, `/health`; and the engine as this server's view has it,
+//! `/v1/lora_adapters` and `/v1/engine_views`. Request fields are checked the way the Python API
 //! server checks them, and a bad one is a 400 in OpenAI's error shape naming it.
 
 use std::convert::Infallible;
@@ -11,6 +12,7 @@ use hyper::body::Bytes;
 use hyper::{Body, Method, Request, Response, StatusCode};
 use rankcast_client::wire::protocol::{EngineCoreOutput, EngineCoreRequest, TokenLogprobs};
 use rankcast_client::wire::sampling::SamplingParams;
+use rankcast_frontend::engine_views::EngineViews;
 use rankcast_text::{IncrementalDetokenizer, Tokenizer};
 use serde_json::{json, Map, Value};
 
@@ -20,14 +22,14 @@ use crate::engine::{Engine, Event};
 use crate::events::EventHub;
 use crate::fleet_start::FleetStart;
 use crate::logprobs;
-use crate::loras::Adapters;
 use crate::metrics::EngineMetrics;
 
 pub struct Server {
     pub engine: Engine,
     pub metrics: Arc<EngineMetrics>,
     pub events: Arc<EventHub>,
-    pub adapters: Arc<Adapters>,
+    /// The engine as its snapshot and notifications describe it (adapters, pins, counts).
+    pub views: Arc<EngineViews>,
     /// Where the base model came from (the `root` of its model card).
     pub model_origin: String,
     pub tokenizer: Tokenizer,
@@ -385,8 +387,16 @@ impl Server {
             }
             (&Method::GET, "/metrics") => Response::builder()
                 .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
-                .body(Body::from(self.metrics.exposition(&self.adapters)))
+                .body(Body::from(self.metrics.exposition()))
                 .expect("a response"),
+            (&Method::GET, "/v1/lora_adapters") => self.dead().unwrap_or_else(|| {
+                let data = self.views.read(|views| views.describe_adapters());
+                json_reply(StatusCode::OK, &json!({ "data": data }))
+            }),
+            (&Method::GET, "/v1/engine_views") => self.dead().unwrap_or_else(|| {
+                let data = self.views.read(|views| views.as_json());
+                json_reply(StatusCode::OK, &json!({"object": "list", "data": data}))
+            }),
             (&Method::GET, "/v1/events") => self.event_stream(&request),
             (&Method::GET, page) if page == "/dashboard" || page.starts_with("/dashboard/") => {
                 match crate::dashboard::asset(&page["/dashboard".len()..]) {
@@ -415,7 +425,7 @@ impl Server {
                           "owned_by": "rankcast", "root": self.model_origin, "parent": null,
                           "max_model_len": self.max_model_len});
         let mut cards = vec![base.clone()];
-        for name in self.adapters.names() {
+        for name in self.views.read(|views| views.adapter_names()) {
             let mut card = base.clone();
             card["id"] = json!(name);
             card["root"] = json!(name);
@@ -446,13 +456,22 @@ impl Server {
         }
     }
 
+    /// A 503 when the engine core has died (None while it runs): every engine-backed route
+    /// starts here, as the Python servers' do.
+    fn dead(&self) -> Option<Reply> {
+        if self.engine.alive() {
+            return None;
+        }
+        Some(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine core is not running",
+            None,
+        ))
+    }
+
     async fn generate(self: Arc<Self>, request: Request<Body>, chat: bool) -> Reply {
-        if !self.engine.alive() {
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the engine core is not running",
-                None,
-            );
+        if let Some(reply) = self.dead() {
+            return reply;
         }
         let bytes = match hyper::body::to_bytes(request.into_body()).await {
             Ok(b) => b,
@@ -487,7 +506,16 @@ impl Server {
         let lora_name = match requested {
             None => None,
             Some(model) if model == self.model_name => None,
-            Some(model) if self.adapters.names().iter().any(|n| n == model) => {
+            Some(model)
+                if self
+                    .views
+                    .read(|v| v.adapter_names().iter().any(|n| n == model)) =>
+            {
+                // Refused while every device slot holds another pinned adapter (the engine
+                // core checks the same at submission; this gives the client a 400).
+                if let Some(refusal) = self.views.read(|v| v.refusal(model)) {
+                    return Err(BadRequest(refusal, Some("model"), StatusCode::BAD_REQUEST));
+                }
                 Some(model.to_string())
             }
             Some(model) => {

@@ -187,6 +187,45 @@ impl Notification {
         })
     }
 
+    /// Its place in the engine's stream (`engine_seq`, -1 where not stamped); None for a type
+    /// this build does not know.
+    pub fn engine_seq(&self) -> Option<i64> {
+        self.stamp().map(|(seq, _, _)| seq)
+    }
+
+    /// The engine core that gathered it (-1 where not stamped); None for an unknown type.
+    pub fn engine_index(&self) -> Option<i64> {
+        self.stamp().map(|(_, engine, _)| engine)
+    }
+
+    /// The rank that published it (-1: the engine core's own); None for an unknown type.
+    pub fn rank(&self) -> Option<i64> {
+        self.stamp().map(|(_, _, rank)| rank)
+    }
+
+    /// (engine_seq, engine_index, rank) of a known type.
+    fn stamp(&self) -> Option<(i64, i64, i64)> {
+        macro_rules! stamp {
+            ($n:expr) => {
+                Some(($n.engine_seq, $n.engine_index, $n.rank))
+            };
+        }
+        match self {
+            Notification::Custom(n) => stamp!(n),
+            Notification::Dropped(n) => stamp!(n),
+            Notification::LoRALoaded(n) => stamp!(n),
+            Notification::LoRAActivated(n) => stamp!(n),
+            Notification::LoRAEvicted(n) => stamp!(n),
+            Notification::LoRAPinned(n) => stamp!(n),
+            Notification::LoRAUnpinned(n) => stamp!(n),
+            Notification::LoRALoadFailed(n) => stamp!(n),
+            Notification::KVStored(n) => stamp!(n),
+            Notification::KVRemoved(n) => stamp!(n),
+            Notification::KVCleared(n) => stamp!(n),
+            Notification::Unknown(_) => None,
+        }
+    }
+
     /// The wire tag ("custom", "lora_adapter_loaded", ...).
     pub fn type_name(&self) -> String {
         match self {

@@ -3,19 +3,21 @@
 Layers, lowest first; a module may import from its own layer and from lower ones:
 
     leaf < rankcast.model < rankcast.lora < rankcast.worker < rankcast.executor
-         < rankcast.engine_core < rankcast.engine_client < rankcast.api_server.metrics
-         < rankcast.entrypoints < rankcast (the facade)
+         < rankcast.engine_core < rankcast.engine_client < rankcast.offline
+         < rankcast.api_server < rankcast.launcher < rankcast (the facade)
 
 The leaf layer holds every top-level module (rankcast/*.py: config, envs, protocol,
 sampling_params, outputs, platform, distributed, logger, process, tokenizer, ...) and the
-packages in LEAF_PACKAGES (rankcast.kernels, and rankcast.channel: the notification channel is
-used by every process, so it may import nothing above the leaves).
+packages in LEAF_PACKAGES (rankcast.kernels; rankcast.channel: the notification channel is
+used by every process, so it may import nothing above the leaves; rankcast.model_files: what
+every process reads about a model).
 
-Two packages are each one process's code: rankcast.engine_core (the engine-core process) and
-rankcast.engine_client (inside every API server and the offline LLM). Neither may import the
-other (SEPARATE): they meet only through rankcast.protocol, so which process a file runs in is
-never in doubt. The root package itself
-(rankcast/__init__.py) re-exports the public API from rankcast.entrypoints, so it sits above
+Packages are each one process's code: rankcast.engine_core (the engine-core process),
+rankcast.engine_client (inside every API server and the offline LLM), rankcast.api_server (each
+API server), rankcast.offline (the user's process), rankcast.launcher (the launcher). The pairs in
+SEPARATE may not import each other in either direction: engine_core and engine_client meet only
+through rankcast.protocol, so which process a file runs in is never in doubt. The root package
+itself (rankcast/__init__.py) re-exports the public API (rankcast.offline's LLM), so it sits above
 everything: nothing inside rankcast may import it (`import rankcast`, `from rankcast import
 SamplingParams`); `from rankcast import envs` names the submodule rankcast.envs and is fine.
 A new subpackage must be placed in a layer here before the test passes.

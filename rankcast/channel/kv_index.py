@@ -59,8 +59,9 @@ class KVCacheIndex:
             for i, name in enumerate(n.block_hashes):
                 parent = n.parent_block_hash if i == 0 else n.block_hashes[i - 1]
                 tokens = tuple(n.token_ids[i * bs : (i + 1) * bs])
-                if parent is None and name not in self.blocks:
-                    self.roots += 1
+                # A block stored again replaces what was held: a root counts once, as held now.
+                old = self.blocks.get(name)
+                self.roots += int(parent is None) - int(old is not None and old.parent is None)
                 self.blocks[name] = IndexedBlock(parent, tokens, n.lora_id)
         elif isinstance(n, KVBlocksRemoved):
             for name in n.block_hashes:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankcast.config import LoRAConfig
-from rankcast.engine_core.scheduler import AdapterState
+from rankcast.engine_core.adapter_turns import AdapterState
 from rankcast.errors import (
     AdapterBusyError,
     AdapterExistsError,

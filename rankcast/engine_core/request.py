@@ -53,7 +53,7 @@ class Request:
     stop_reason: int | None = None
     num_preemptions: int = 0
     parked_at: int = 0  # the scheduler's step when it was last parked
-    # Resumed after waiting too long (scheduler.py, PARKED_PATIENCE_TURNS): until this step
+    # Resumed after waiting too long (adapter_turns.py, PARKED_PATIENCE_TURNS): until this step
     # its adapter keeps the slot against queued requests.
     keeps_slot_until: int = 0
     error: str | None = None  # why the scheduler ended it, if it did

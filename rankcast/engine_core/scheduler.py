@@ -24,9 +24,7 @@ import logging
 from collections import deque
 
 from rankcast.config import SchedulerConfig
-from rankcast.engine_core.adapter_turns import PARKED_PATIENCE_TURNS as PARKED_PATIENCE_TURNS
 from rankcast.engine_core.adapter_turns import AdapterSlots, AdapterTurns
-from rankcast.engine_core.adapter_turns import AdapterState as AdapterState
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.request import Request, RequestStatus
 from rankcast.protocol import (
@@ -37,10 +35,6 @@ from rankcast.protocol import (
     SchedulerOutput,
     SchedulerStats,
 )
-
-# PARKED_PATIENCE_TURNS and AdapterState live in adapter_turns.py, imported `as` themselves
-# (re-exported) for lora_registry.py and tests/engine/test_scheduler_policy.py, which import
-# them from here.
 
 logger = logging.getLogger(__name__)
 
@@ -80,21 +74,6 @@ class Scheduler:
         self.routing_hit_prefix_tokens = 0
         # What the last `schedule()` gave each request, applied by `update_from_output`.
         self.scheduled: list[tuple[Request, int]] = []
-
-    @property
-    def draining(self) -> str | None:
-        """The adapter whose slot is being freed for a deferred request."""
-        return self.turns.draining
-
-    @property
-    def lora_turn_steps(self) -> int:
-        """Steps a drained adapter keeps its slot before its requests are parked (0: until
-        they finish)."""
-        return self.turns.turn_steps
-
-    @lora_turn_steps.setter
-    def lora_turn_steps(self, steps: int) -> None:
-        self.turns.turn_steps = steps
 
     # ---- queue management ----
 

@@ -1,13 +1,13 @@
 """The scheduler's LoRA policy against a fake adapter-slot table (no registry, no executor).
 
 The scheduler needs three things of the engine's LoRARegistry (the `AdapterSlots` protocol in
-rankcast/engine_core/scheduler.py): `max_loras`, `acquire(name, busy)` and `is_pinned(name)`.
+rankcast/engine_core/adapter_turns.py): `max_loras`, `acquire(name, busy)` and `is_pinned(name)`.
 `FakeSlots` implements them with plain dicts and records every move it is asked to make. Its
 eviction choice is deliberately naive: the idle adapter on the LOWEST slot goes, whatever its
 age. The tests place adapters of running requests on low slots, so a scheduler that leaves one
 out of `busy` gets it evicted under a running request, and `_check` fails.
 
-The rules (scheduler.py's docstring): a request is admitted only once its adapter holds a device
+The rules (adapter_turns.py's docstring): a request is admitted only once its adapter holds a device
 slot; a request that cannot get one is deferred, keeps its place at the head of the queue, and
 later requests may go first; the scheduler then drains one slot: the running adapter with the
 fewest running requests, not pinned, takes no new requests until they finish, and its slot goes
@@ -24,9 +24,10 @@ from collections.abc import Iterable
 import pytest
 
 from rankcast.config import SchedulerConfig
+from rankcast.engine_core.adapter_turns import PARKED_PATIENCE_TURNS
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.request import Request, RequestStatus
-from rankcast.engine_core.scheduler import PARKED_PATIENCE_TURNS, Scheduler
+from rankcast.engine_core.scheduler import Scheduler
 from rankcast.protocol import FinishReason, LoRAMove, ModelRunnerOutput, ScheduledSequence
 from rankcast.sampling_params import SamplingParams
 
@@ -215,14 +216,14 @@ def test_a_request_whose_adapter_is_being_read_waits_and_drains_no_one() -> None
     ran = _step(scheduler, slots)
     assert "on-b" not in ran and "more-a" in ran, "a request behind the read is admitted"
     assert slots.reads_started == ["b"] and _waiting(scheduler) == ["on-b"]
-    assert scheduler.draining is None, "a read in flight is no reason to drain a slot"
+    assert scheduler.turns.draining is None, "a read in flight is no reason to drain a slot"
     assert not [name for name, _ in slots.calls if name == "b"], "no slot asked for before"
     for _ in range(2):
         assert set(_step(scheduler, slots)) == {"on-a", "more-a"}
     slots.reading.discard("b")  # every rank reported it read
     ran = _step(scheduler, slots)
     assert "on-b" not in ran, "its slot is still taken by running requests on a"
-    assert scheduler.draining == "a", "now that it is ready, a slot is drained for it"
+    assert scheduler.turns.draining == "a", "now that it is ready, a slot is drained for it"
 
 
 def test_no_room_in_the_host_tier_drains_a_running_adapter_like_a_missing_slot() -> None:
@@ -234,7 +235,7 @@ def test_no_room_in_the_host_tier_drains_a_running_adapter_like_a_missing_slot()
     scheduler.add_request(_request("on-b", "b"))
     ran = _step(scheduler, slots)
     assert "on-b" not in ran and _waiting(scheduler) == ["on-b"]
-    assert scheduler.draining == "a"
+    assert scheduler.turns.draining == "a"
 
 
 def test_without_a_free_slot_the_request_waits_while_base_requests_keep_running() -> None:
@@ -326,7 +327,7 @@ def test_the_drained_adapter_takes_no_new_requests_until_its_running_ones_finish
     _start(scheduler, slots, _request("a1", "a", max_tokens=4))  # token 1
     scheduler.add_request(_request("on-b", "b"))
     assert set(_step(scheduler, slots)) == {"a1"}  # token 2; "on-b" deferred, "a" drains
-    assert scheduler.draining == "a"
+    assert scheduler.turns.draining == "a"
     # New requests for the resident adapter would keep its slot busy forever: they wait too,
     # behind "on-b", while base requests still run.
     scheduler.add_request(_request("a2", "a"))
@@ -352,7 +353,7 @@ def test_the_drained_adapter_is_the_unpinned_one_with_fewest_running_requests() 
     _start(scheduler, slots, _request("zeta0", "zeta"))
     scheduler.add_request(_request("on-c", "c"))
     _step(scheduler, slots)
-    assert scheduler.draining == "zeta"
+    assert scheduler.turns.draining == "zeta"
     scheduler.add_request(_request("alpha-new", "alpha"))
     scheduler.add_request(_request("zeta-new", "zeta"))
     ran = _step(scheduler, slots)
@@ -371,13 +372,13 @@ def test_a_drain_once_chosen_is_not_moved_to_another_adapter() -> None:
     _start(scheduler, slots, _request("zeta0", "zeta"))
     scheduler.add_request(_request("on-c", "c"))
     _step(scheduler, slots)
-    assert scheduler.draining == "zeta"
+    assert scheduler.turns.draining == "zeta"
     # Now both have one running request: "alpha" would win a fresh choice (by name); switching
     # would start draining a second slot while the first one is half drained.
     scheduler.abort_requests(["alpha1"])
     scheduler.add_request(_request("alpha-new", "alpha"))
     ran = _step(scheduler, slots)
-    assert scheduler.draining == "zeta" and "alpha-new" in ran
+    assert scheduler.turns.draining == "zeta" and "alpha-new" in ran
     scheduler.abort_requests(["zeta0"])
     assert _step(scheduler, slots)["on-c"].lora_slot == 1
 
@@ -389,7 +390,7 @@ def test_a_pinned_adapter_is_never_drained_even_with_the_fewest_requests() -> No
     _start(scheduler, slots, _request("o0", "other"), _request("o1", "other"))
     scheduler.add_request(_request("on-c", "c"))
     _step(scheduler, slots)
-    assert scheduler.draining == "other"
+    assert scheduler.turns.draining == "other"
     scheduler.add_request(_request("p-new", "pinned"))
     assert "p-new" in _step(scheduler, slots), "the pinned adapter keeps taking requests"
     # Its requests finishing leaves it idle on slot 0 (the naive fake's first choice), but a
@@ -409,7 +410,7 @@ def test_with_only_pinned_adapters_running_nothing_drains_and_pinned_requests_go
     scheduler.add_request(_request("p1", "pinned"))
     ran = _step(scheduler, slots)
     assert "p1" in ran and "on-c" not in ran
-    assert scheduler.draining is None
+    assert scheduler.turns.draining is None
 
 
 # ---- requests that can never run ----
@@ -525,7 +526,7 @@ def test_a_request_without_its_first_token_is_never_parked_for_a_queued_one() ->
     assert set(_step(scheduler, slots)) == {"a1"}
     scheduler.add_request(_request("on-b", "b"))
     assert set(_step(scheduler, slots)) == {"a1"}
-    assert scheduler.draining is None, "it waits for the first token, not for a turn"
+    assert scheduler.turns.draining is None, "it waits for the first token, not for a turn"
     assert set(_step(scheduler, slots)) == {"a1"} and long.output_token_ids, "its first token"
     assert set(_step(scheduler, slots)) == {"on-b"} and scheduler.parked == [long]
 
@@ -592,7 +593,7 @@ def test_parked_requests_take_their_turn_back_and_go_on_where_they_stopped() -> 
     # The parked request waits for the slot too, but a whole turn (it has tokens): "b"
     # drains, and after its turn (the step it was admitted in and one more) "a1" resumes on
     # the slot, from the token it stopped at.
-    assert scheduler.draining == "b"
+    assert scheduler.turns.draining == "b"
     assert set(_step(scheduler, slots)) == {"on-b"}
     ran = _step(scheduler, slots)
     assert set(ran) == {"a1"} and scheduler.parked == [scheduler.requests["on-b"]]
@@ -615,7 +616,7 @@ def test_with_no_one_waiting_for_its_slot_a_drained_adapter_runs_on_at_once() ->
     slots, scheduler = _b_waits_for_a(2)
     _step(scheduler, slots)  # "a1" parked for "on-b"
     _step(scheduler, slots)  # "a1" drains "b"
-    assert scheduler.draining == "b"
+    assert scheduler.turns.draining == "b"
     moves = list(slots.moves)
     scheduler.abort_requests(["a1"])
     for _ in range(3):
@@ -630,7 +631,7 @@ def test_a_parked_request_is_preempted_before_any_running_one_when_blocks_run_ou
     parked = scheduler.requests["a1"]
     assert parked.status == RequestStatus.PARKED and parked.block_ids
     # "on-b" keeps the slot from now on (its drain for "a1" started with a turn of 1 step).
-    scheduler.lora_turn_steps = 1000
+    scheduler.turns.turn_steps = 1000
     for _ in range(60):
         if parked.status != RequestStatus.PARKED:
             break
@@ -740,7 +741,7 @@ def test_waiting_for_room_in_the_host_tier_parks_no_one() -> None:
     scheduler.add_request(_request("on-b", "b"))
     for _ in range(4):
         assert set(_step(scheduler, slots)) == {"a1"}
-        assert scheduler.draining == "a" and not scheduler.parked
+        assert scheduler.turns.draining == "a" and not scheduler.parked
     slots.no_room.discard("b")  # room now: it takes the slot at once, as any queued request
     ran = _step(scheduler, slots)
     assert set(ran) == {"on-b"} and [r.request_id for r in scheduler.parked] == ["a1"]
@@ -812,7 +813,7 @@ def test_with_turns_the_drained_adapter_takes_new_requests_and_parks_them_with_t
     slots, scheduler = _b_waits_for_a(3)
     _step(scheduler, slots)  # "a1" parked for "on-b"
     _step(scheduler, slots)  # "a1" drains "b" for a turn of 3 steps
-    assert scheduler.draining == "b"
+    assert scheduler.turns.draining == "b"
     scheduler.add_request(_request("b2", "b"))
     assert set(_step(scheduler, slots)) == {"on-b", "b2"}, "joined the drained adapter"
     _step(scheduler, slots)
@@ -825,6 +826,6 @@ def test_with_turns_the_drained_adapter_takes_new_requests_and_parks_them_with_t
 def test_without_turns_the_drained_adapter_takes_no_new_requests() -> None:
     slots, scheduler = _b_waits_for_a(0)
     _step(scheduler, slots)
-    assert scheduler.draining == "a"
+    assert scheduler.turns.draining == "a"
     scheduler.add_request(_request("a2", "a"))
     assert set(_step(scheduler, slots)) == {"a1"}, "its slot frees only when a1 finishes"

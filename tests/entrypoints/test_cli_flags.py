@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rankcast.entrypoints import cli
+from rankcast.launcher import cli
 
 from rankcast.config import ConfigError, EngineConfig, ServeConfig
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rankcast.entrypoints import rust_api_server
+from rankcast.launcher import rust_api_server
 
 
 def _executable(path: Path, mtime: float) -> None:

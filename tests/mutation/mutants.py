@@ -31,6 +31,11 @@ DASHBOARD = "tests/dashboard/test_dashboard_browser.py"
 START = "tests/reliability/test_start_up_kills.py"
 RESTART_COUNTERS = "tests/entrypoints/test_server_restart_counters.py"
 HOST_PLACES_SERVED = "tests/routing/test_host_places_served.py"
+VIEW = "tests/test_engine_view.py"
+# A device eviction taken for a host-tier one in the Rust view (the page's old rule, near enough).
+RUST_VIEW_DEVICE_EVICTION = '        if n.tier == "cpu" {\n            tiers.clear();'
+RUST_VIEW_DEVICE_EVICTION_MUTATED = '        if n.tier != "disk" {\n            tiers.clear();'
+DASHBOARD_VIEW = "tests/dashboard/test_dashboard_view.py"
 
 MUTANTS = [
     # ---- the notification contract (docs/architecture.md, rules 1-10) ----
@@ -145,6 +150,30 @@ MUTANTS = [
         "        return self.next_engine_seq - 1",
         "        return self.next_engine_seq",
         (SERVED,),
+    ),
+    Mutant(
+        "snapshot-not-the-view",
+        "8 The catch-up snapshot is the engine view's state (every event that left is in it)",
+        "rankcast/engine_core/core.py",
+        "        self.notifications.observers.append(self.view.apply)",
+        "        pass",
+        (SERVED, VIEW),
+    ),
+    Mutant(
+        "view-host-eviction-keeps-pin",
+        "8 One engine view: a host-tier eviction takes the rank's tiers and its pin",
+        "rankcast/channel/view.py",
+        "            adapter.pinned.discard(n.rank)\n        if not tiers:",
+        "            pass\n        if not tiers:",
+        (VIEW, DASHBOARD_VIEW),
+    ),
+    Mutant(
+        "rust-view-device-evicts-pin",
+        "8 One engine view: the Rust view applies the same rules as the Python one",
+        "rust/frontend/src/view.rs",
+        RUST_VIEW_DEVICE_EVICTION,
+        RUST_VIEW_DEVICE_EVICTION_MUTATED,
+        (VIEW,),
     ),
     Mutant(
         "unknown-type-fatal",
@@ -278,15 +307,15 @@ MUTANTS = [
         "router-without-host-places",
         "13 Routing: the served router knows each engine's host-tier size (--max-cpu-loras)",
         "rankcast/api_server/app.py",
-        "len(clients), config.routing_policy, config.block_size, loras, config.lora_host_places",
-        "len(clients), config.routing_policy, config.block_size, loras, None",
+        "views, config.routing_policy, config.block_size, config.lora_host_places",
+        "views, config.routing_policy, config.block_size, None",
         (HOST_PLACES_SERVED,),
     ),
     Mutant(
         "dashboard-waits-for-poll",
         "14 The dashboard shows a rank's LoRA event within a second, on every API server's page",
         "rankcast/api_server/dashboard/dashboard.js",
-        "    applyLoraEvent(n);\n    renderResidency();\n",
+        "    fetchViews().catch(() => {}); // the next poll tries again\n",
         "",
         (DASHBOARD,),
     ),
@@ -294,7 +323,7 @@ MUTANTS = [
         "health-without-incarnation",
         "14 The dashboard shows an engine core's restart under its next incarnation",
         "rankcast/api_server/app.py",
-        '"incarnation": events.incarnation.get(index, 0),',
+        '"incarnation": serving.engine.views[index].incarnation,',
         '"incarnation": 0,',
         (DASHBOARD,),
     ),
@@ -640,9 +669,9 @@ MUTANTS = [
     Mutant(
         "notifications-set-from-snapshot",
         "Notification counters never go backwards across an engine restart",
-        "rankcast/api_server/metrics/prometheus.py",
-        "            self.notifications_total.inc((total.type, total.key), total.count)",
-        "            self.notifications_total.set((total.type, total.key), total.count)",
+        "rankcast/engine_client/engine_views.py",
+        "            self.earlier[snapshot.engine_index].add(view)",
+        "            pass",
         (RESTART_COUNTERS,),
     ),
     Mutant(

@@ -121,15 +121,20 @@ impl KVCacheIndex {
             };
             let start = (i * size).min(n.token_ids.len());
             let end = ((i + 1) * size).min(n.token_ids.len());
-            if parent.is_none() && !self.blocks.contains_key(name) {
-                self.roots += 1;
-            }
             let block = IndexedBlock {
                 parent,
                 token_ids: n.token_ids[start..end].to_vec(),
                 lora_id: n.lora_id,
             };
-            self.blocks.insert(*name, block);
+            // A block stored again replaces what was held: a root counts once, as held now.
+            if let Some(old) = self.blocks.insert(*name, block) {
+                if old.parent.is_none() {
+                    self.roots -= 1;
+                }
+            }
+            if parent.is_none() {
+                self.roots += 1;
+            }
         }
     }
 

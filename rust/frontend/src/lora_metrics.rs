@@ -9,28 +9,30 @@ use std::sync::Mutex;
 
 use rankcast_frontend::engine_views::{LoadsFollowed, Views};
 
-use crate::exposition::{format_value, write_header, write_sample};
+use crate::exposition::{format_value, write_sample};
+use crate::families::{self, Family};
 
-const LOAD_BUCKETS: [f64; 12] = [
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
-const EVENTS: &str = "rankcast:lora_adapter_events_total";
-const LOAD_SECONDS: &str = "vllm:lora_adapter_load_seconds";
-
-/// One histogram child: per-bucket counts (not cumulative), count and sum.
-#[derive(Default)]
+/// One histogram child: per-bucket counts (not cumulative, `+Inf` last), count and sum.
 struct Histogram {
-    buckets: [f64; LOAD_BUCKETS.len() + 1],
+    buckets: Vec<f64>,
     count: f64,
     sum: f64,
 }
 
 impl Histogram {
-    fn observe(&mut self, seconds: f64) {
-        let bucket = LOAD_BUCKETS
+    fn new(bounds: &[f64]) -> Histogram {
+        Histogram {
+            buckets: vec![0.0; bounds.len() + 1],
+            count: 0.0,
+            sum: 0.0,
+        }
+    }
+
+    fn observe(&mut self, bounds: &[f64], seconds: f64) {
+        let bucket = bounds
             .iter()
             .position(|bound| seconds <= *bound)
-            .unwrap_or(LOAD_BUCKETS.len());
+            .unwrap_or(bounds.len());
         self.buckets[bucket] += 1.0;
         self.count += 1.0;
         self.sum += seconds;
@@ -46,21 +48,52 @@ struct Loads {
 }
 
 impl Loads {
-    fn observe(&mut self, transition: &str, seconds: f64) {
+    fn observe(&mut self, bounds: &[f64], transition: &str, seconds: f64) {
         let index = match self.histograms.iter().position(|(t, _)| t == transition) {
             Some(index) => index,
             None => {
-                self.histograms
-                    .push((transition.to_string(), Histogram::default()));
+                let histogram = Histogram::new(bounds);
+                self.histograms.push((transition.to_string(), histogram));
                 self.histograms.len() - 1
             }
         };
-        self.histograms[index].1.observe(seconds);
+        self.histograms[index].1.observe(bounds, seconds);
+    }
+}
+
+/// The LoRA families, looked up in the declaration (`families`) when the server starts.
+struct Declared {
+    events: &'static Family,
+    load_seconds: &'static Family,
+    loaded: &'static Family,
+    /// `vllm:num_{level}_loaded_lora_adapters`, by level.
+    resident: [(&'static str, &'static Family); 2],
+    slots: &'static Family,
+    partial: &'static Family,
+    requests_info: &'static Family,
+}
+
+impl Declared {
+    fn look_up() -> Declared {
+        let resident = |level| {
+            let family = families::gauge(&format!("vllm:num_{level}_loaded_lora_adapters"));
+            (level, family)
+        };
+        Declared {
+            events: families::counter("rankcast:lora_adapter_events"),
+            load_seconds: families::histogram("vllm:lora_adapter_load_seconds"),
+            loaded: families::gauge("vllm:lora_adapter_loaded"),
+            resident: [resident("gpu"), resident("cpu")],
+            slots: families::gauge("vllm:max_gpu_lora_adapters"),
+            partial: families::gauge("rankcast:lora_adapter_partial"),
+            requests_info: families::gauge("vllm:lora_requests_info"),
+        }
     }
 }
 
 pub struct LoRAMetrics {
     model: String,
+    families: Declared,
     loads: Mutex<Loads>,
 }
 
@@ -77,6 +110,7 @@ impl LoRAMetrics {
     pub fn new(model: &str) -> LoRAMetrics {
         LoRAMetrics {
             model: model.to_string(),
+            families: Declared::look_up(),
             loads: Mutex::new(Loads::default()),
         }
     }
@@ -85,8 +119,9 @@ impl LoRAMetrics {
     pub fn follow_loads(&self, views: &Views) {
         let mut loads = self.loads.lock().expect("lora metrics lock");
         let new = views.new_loads(&mut loads.followed);
+        let bounds = &self.families.load_seconds.buckets;
         for (transition, seconds) in new {
-            loads.observe(&transition, seconds);
+            loads.observe(bounds, &transition, seconds);
         }
     }
 
@@ -100,50 +135,35 @@ impl LoRAMetrics {
     }
 
     fn render_counts(&self, out: &mut String, views: &Views) {
-        write_header(
-            out,
-            EVENTS,
-            "Adapter lifecycle events from every rank, by adapter, event and reason.",
-            "counter",
-        );
+        let events = self.families.events;
+        events.write_header(out);
         for ((adapter, event, reason), value) in views.lora_event_totals() {
-            let labels = [
-                ("adapter_name", adapter),
-                ("event", event),
-                ("reason", reason),
-            ];
-            write_sample(out, EVENTS, &labels, value as f64);
+            let labels = events.labelled([adapter, event, reason]);
+            write_sample(out, &events.name, &labels, value as f64);
         }
-        write_header(
-            out,
-            LOAD_SECONDS,
-            "Seconds a rank took to move an adapter, per transition (one per rank per move).",
-            "histogram",
-        );
+        let family = self.families.load_seconds;
+        family.write_header(out);
+        let name = &family.name;
         let loads = self.loads.lock().expect("lora metrics lock");
         for (transition, h) in &loads.histograms {
+            let labels = family.labelled([transition.clone()]);
             let mut cumulative = 0.0;
-            let bounds = LOAD_BUCKETS.iter().map(|b| format_value(*b));
-            for (bound, n) in bounds.chain(["+Inf".to_string()]).zip(h.buckets) {
+            let bounds = family.buckets.iter().map(|b| format_value(*b));
+            for (bound, n) in bounds.chain(["+Inf".to_string()]).zip(&h.buckets) {
                 cumulative += n;
-                let labels = [("le", bound), ("transition", transition.clone())];
-                write_sample(out, &format!("{LOAD_SECONDS}_bucket"), &labels, cumulative);
+                let mut with_le = vec![("le", bound)];
+                with_le.extend(labels.iter().cloned());
+                write_sample(out, &format!("{name}_bucket"), &with_le, cumulative);
             }
-            let labels = [("transition", transition.clone())];
-            write_sample(out, &format!("{LOAD_SECONDS}_count"), &labels, h.count);
-            write_sample(out, &format!("{LOAD_SECONDS}_sum"), &labels, h.sum);
+            write_sample(out, &format!("{name}_count"), &labels, h.count);
+            write_sample(out, &format!("{name}_sum"), &labels, h.sum);
         }
     }
 
     fn render_residency(&self, out: &mut String, views: &Views) {
         let model = &self.model;
-        let name = "vllm:lora_adapter_loaded";
-        write_header(
-            out,
-            name,
-            "1 while the adapter is resident on the rank (series removed on eviction).",
-            "gauge",
-        );
+        let loaded = self.families.loaded;
+        loaded.write_header(out);
         let mut resident: BTreeMap<&str, BTreeSet<(i64, &str)>> = BTreeMap::new();
         for (engine, view) in &views.views {
             for (adapter, state) in &view.adapters {
@@ -155,59 +175,44 @@ impl LoRAMetrics {
                             .entry(level)
                             .or_default()
                             .insert((*engine, adapter));
-                        let labels = [
-                            ("adapter_name", adapter.clone()),
-                            ("level", level.to_string()),
-                            ("pinned", pinned.to_string()),
-                            ("rank", rank.to_string()),
-                            ("model_name", model.clone()),
-                            ("engine", engine.to_string()),
-                        ];
-                        write_sample(out, name, &labels, 1.0);
+                        let labels = loaded.labelled([
+                            adapter.clone(),
+                            level.to_string(),
+                            pinned.to_string(),
+                            rank.to_string(),
+                            model.clone(),
+                            engine.to_string(),
+                        ]);
+                        write_sample(out, &loaded.name, &labels, 1.0);
                     }
                 }
             }
         }
-        for level in ["gpu", "cpu"] {
-            let name = format!("vllm:num_{level}_loaded_lora_adapters");
-            let help = format!("Adapters resident in the {level} tier (per engine, counted once).");
-            write_header(out, &name, &help, "gauge");
+        for (level, family) in self.families.resident {
+            family.write_header(out);
             let count = resident.get(level).map_or(0, BTreeSet::len);
-            write_sample(out, &name, &[("model_name", model.clone())], count as f64);
+            let labels = family.labelled([model.clone()]);
+            write_sample(out, &family.name, &labels, count as f64);
         }
-        let name = "vllm:max_gpu_lora_adapters";
-        write_header(out, name, "Adapter slots per rank (--max-loras).", "gauge");
-        let slots = views.max_loras() as f64;
-        write_sample(out, name, &[("model_name", model.clone())], slots);
-        let name = "rankcast:lora_adapter_partial";
-        write_header(
-            out,
-            name,
-            "1 when the ranks of an engine that holds the adapter disagree on where it is.",
-            "gauge",
-        );
+        let slots = self.families.slots;
+        slots.write_header(out);
+        let labels = slots.labelled([model.clone()]);
+        write_sample(out, &slots.name, &labels, views.max_loras() as f64);
+        let partial = self.families.partial;
+        partial.write_header(out);
         for adapter in views.adapter_names() {
             let partly = views.views.values().any(|v| v.partial(&adapter));
-            write_sample(
-                out,
-                name,
-                &[("adapter_name", adapter)],
-                f64::from(u8::from(partly)),
-            );
+            let labels = partial.labelled([adapter]);
+            write_sample(out, &partial.name, &labels, f64::from(u8::from(partly)));
         }
-        let name = "vllm:lora_requests_info";
-        write_header(
-            out,
-            name,
-            "Adapters of running and of waiting requests; value: unix time of the last change.",
-            "gauge",
-        );
-        let labels = [
-            ("max_lora", views.max_loras().to_string()),
-            ("running_lora_adapters", views.running_adapters().join(",")),
-            ("waiting_lora_adapters", views.waiting_adapters().join(",")),
-        ];
-        write_sample(out, name, &labels, views.requests_changed_at());
+        let info = self.families.requests_info;
+        info.write_header(out);
+        let labels = info.labelled([
+            views.max_loras().to_string(),
+            views.running_adapters().join(","),
+            views.waiting_adapters().join(","),
+        ]);
+        write_sample(out, &info.name, &labels, views.requests_changed_at());
     }
 }
 
@@ -217,13 +222,12 @@ mod tests {
 
     #[test]
     fn an_observation_lands_in_the_first_bucket_at_or_above_it() {
-        let mut h = Histogram::default();
-        h.observe(0.001); // on a bound: that bucket (le is "less or equal")
-        h.observe(0.3);
-        h.observe(11.0);
-        assert_eq!(h.buckets[0], 1.0);
-        assert_eq!(h.buckets[7], 1.0); // 0.5
-        assert_eq!(h.buckets[12], 1.0); // +Inf
+        let bounds = [0.001, 0.1, 0.5, 10.0];
+        let mut h = Histogram::new(&bounds);
+        h.observe(&bounds, 0.001); // on a bound: that bucket (le is "less or equal")
+        h.observe(&bounds, 0.3);
+        h.observe(&bounds, 11.0);
+        assert_eq!(h.buckets, [1.0, 0.0, 1.0, 0.0, 1.0]); // the last: +Inf
         assert_eq!(h.count, 3.0);
         assert!((h.sum - 11.301).abs() < 1e-12);
     }

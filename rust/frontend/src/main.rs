@@ -12,6 +12,7 @@ mod drain;
 mod engine;
 mod events;
 mod exposition;
+mod families;
 mod fleet_start;
 mod logprobs;
 mod lora_metrics;

@@ -16,17 +16,19 @@ use rankcast_client::wire::{Dict, Value};
 use rankcast_frontend::engine_views::{EngineViews, Views};
 use rankcast_frontend::view::WEIGHTS_LOADED_KEY;
 
-use crate::exposition::{write_header, write_sample};
+use crate::exposition::write_sample;
+use crate::families::{self, Family};
 use crate::lora_metrics::LoRAMetrics;
 use crate::request_metrics::RequestMetrics;
 
-/// Series in the order they were first set, as prometheus_client keeps a family's children.
+/// Series in the order they were first set, as prometheus_client keeps a family's children;
+/// each series' labels (name, value) in name order.
 #[derive(Default)]
-struct Family {
+struct Samples {
     samples: Vec<(Vec<(&'static str, String)>, f64)>,
 }
 
-impl Family {
+impl Samples {
     fn slot(&mut self, labels: Vec<(&'static str, String)>) -> &mut f64 {
         let mut sorted = labels;
         sorted.sort_by(|a, b| a.0.cmp(b.0));
@@ -48,35 +50,42 @@ impl Family {
     }
 }
 
+/// One declared family and its series.
 struct Series {
-    name: &'static str,
-    help: &'static str,
-    kind: &'static str,
-    family: Family,
-    /// Empty: samples in the order first set (a prometheus_client metric's children). Else
-    /// the label names by whose values the samples are sorted, as the Python servers'
-    /// `ViewCounter` (an engine total seen by every server) writes them.
-    sorted_by: &'static [&'static str],
+    family: &'static Family,
+    samples: Samples,
+    /// False: samples in the order first set (a prometheus_client metric's children). True:
+    /// sorted by their label values in the declared order, as the Python servers' `ViewCounter`
+    /// (an engine total seen by every server) writes them.
+    sorted: bool,
 }
 
 impl Series {
+    /// The series labelled `values` (in the declared label order) set to `value`.
+    fn set(&mut self, values: impl IntoIterator<Item = String>, value: f64) {
+        let labels = self.family.labelled(values);
+        self.samples.set(labels, value);
+    }
+
+    fn remove(&mut self, values: impl IntoIterator<Item = String>) {
+        self.samples.remove(&self.family.labelled(values));
+    }
+
     /// Samples set anew, each scrape, from what the views count.
-    fn set_all(&mut self, samples: impl IntoIterator<Item = (Vec<(&'static str, String)>, f64)>) {
-        self.family = Family::default();
-        for (labels, value) in samples {
-            self.family.set(labels, value);
+    fn set_all(&mut self, samples: impl IntoIterator<Item = (Vec<String>, f64)>) {
+        self.samples = Samples::default();
+        for (values, value) in samples {
+            self.set(values, value);
         }
     }
-}
 
-impl Series {
     fn samples(&self) -> Vec<&(Vec<(&'static str, String)>, f64)> {
-        let mut samples: Vec<_> = self.family.samples.iter().collect();
-        if !self.sorted_by.is_empty() {
+        let mut samples: Vec<_> = self.samples.samples.iter().collect();
+        if self.sorted {
             let key = |labels: &[(&'static str, String)]| -> Vec<String> {
-                let value = |name| labels.iter().find(|(k, _)| k == name).map(|(_, v)| v);
-                self.sorted_by
-                    .iter()
+                let value = |name: &str| labels.iter().find(|(k, _)| *k == name).map(|(_, v)| v);
+                let names = self.family.labels.iter();
+                names
                     .map(|name| value(name).cloned().unwrap_or_default())
                     .collect()
             };
@@ -109,124 +118,41 @@ const ROUTING_HIT: usize = 18;
 const LORA_FOUND: usize = 19;
 const LORA_UNDONE: usize = 20;
 
+/// Looked up in the declaration (`families`) when the server starts: a gauge, or a counter
+/// of an engine total every server sees (the Python servers' `view_counter`).
 fn families() -> Vec<Series> {
-    let s = |name, help, kind| Series {
-        name,
-        help,
-        kind,
-        family: Family::default(),
-        sorted_by: &[],
+    let gauge = |name| Series {
+        family: families::gauge(name),
+        samples: Samples::default(),
+        sorted: false,
     };
-    let view = |name, help, sorted_by| Series {
-        sorted_by,
-        ..s(name, help, "counter")
+    let view = |name| Series {
+        family: families::counter(name),
+        samples: Samples::default(),
+        sorted: true,
     };
     vec![
-        s(
-            "vllm:num_requests_running",
-            "Requests in the engine's running batch.",
-            "gauge",
-        ),
-        s(
-            "vllm:num_requests_waiting",
-            "Requests queued in the engine, waiting to run.",
-            "gauge",
-        ),
-        s(
-            "vllm:kv_cache_usage_perc",
-            "Fraction of KV cache blocks in use (0..1).",
-            "gauge",
-        ),
-        s(
-            "vllm:cache_config_info",
-            "KV cache configuration of the engine.",
-            "gauge",
-        ),
-        s(
-            "rankcast:engine_up",
-            "1 while the engine core is connected; 0 once it is gone (its load series read 0).",
-            "gauge",
-        ),
-        s(
-            "vllm:num_preemptions",
-            "Requests preempted by the engine since it started (recomputed later).",
-            "gauge",
-        ),
-        view(
-            "vllm:prefix_cache_queries_total",
-            "Prompt tokens the engine looked up in its prefix cache.",
-            &["model_name", "engine"],
-        ),
-        view(
-            "vllm:prefix_cache_hits_total",
-            "Prompt tokens the engine found in its prefix cache (not recomputed).",
-            &["model_name", "engine"],
-        ),
-        s(
-            "rankcast:notification_gathers",
-            "Notification gathers (one collective RPC each) the engine core made since it started.",
-            "gauge",
-        ),
-        s(
-            "rankcast:notification_gather_seconds",
-            "Seconds the engine core spent in notification gathers since it started.",
-            "gauge",
-        ),
-        view(
-            "rankcast:engine_notifications_total",
-            "Engine notifications received, by type and (for custom events) key.",
-            &["type", "key"],
-        ),
-        view(
-            "rankcast:engine_notifications_skipped_total",
-            "Notifications of a type the API servers do not know (counted, then skipped).",
-            &["type"],
-        ),
-        view(
-            "rankcast:worker_notifications_dropped_total",
-            "Notifications lost to a full buffer, by engine and rank (engine_core: the engine's).",
-            &["engine", "rank"],
-        ),
-        s(
-            "rankcast:worker_weights_load_seconds",
-            "Seconds each rank took to load its shard of the weights.",
-            "gauge",
-        ),
-        s(
-            "rankcast:worker_weights_load_bytes",
-            "Bytes of weights each rank loaded (its shard).",
-            "gauge",
-        ),
-        s(
-            "rankcast:kv_cache_committed_bytes",
-            "KV-cache memory the engine's ranks took at start (0: left to first use).",
-            "gauge",
-        ),
-        view(
-            "rankcast:routing_decisions_total",
-            "Requests routed to the engine, by the term that chose it (load, prefix, adapter).",
-            &["engine", "reason"],
-        ),
-        view(
-            "rankcast:routing_expected_prefix_tokens_total",
-            "Prompt tokens the router expected cached on the engine it chose.",
-            &["engine"],
-        ),
-        view(
-            "rankcast:routing_hit_prefix_tokens_total",
-            "Prompt tokens the engine then found cached for the requests routed to it.",
-            &["engine"],
-        ),
-        view(
-            "rankcast:lora_requests_found_total",
-            "Requests on an adapter, by where they found it: device slot, host tier or disk.",
-            &["engine", "adapter_name", "tier"],
-        ),
-        view(
-            "rankcast:lora_evictions_undone_total",
-            "Requests that needed an adapter back after it was evicted to make room for another.",
-            &["engine", "adapter_name"],
-        ),
+        gauge("vllm:num_requests_running"),
+        gauge("vllm:num_requests_waiting"),
+        gauge("vllm:kv_cache_usage_perc"),
+        gauge("vllm:cache_config_info"),
+        gauge("rankcast:engine_up"),
+        gauge("vllm:num_preemptions"),
+        view("vllm:prefix_cache_queries"),
+        view("vllm:prefix_cache_hits"),
+        gauge("rankcast:notification_gathers"),
+        gauge("rankcast:notification_gather_seconds"),
+        view("rankcast:engine_notifications"),
+        view("rankcast:engine_notifications_skipped"),
+        view("rankcast:worker_notifications_dropped"),
+        gauge("rankcast:worker_weights_load_seconds"),
+        gauge("rankcast:worker_weights_load_bytes"),
+        gauge("rankcast:kv_cache_committed_bytes"),
+        view("rankcast:routing_decisions"),
+        view("rankcast:routing_expected_prefix_tokens"),
+        view("rankcast:routing_hit_prefix_tokens"),
+        view("rankcast:lora_requests_found"),
+        view("rankcast:lora_evictions_undone"),
     ]
 }
 
@@ -291,86 +217,58 @@ impl EngineMetrics {
         }
     }
 
-    fn engine_labels(&self, engine: i64) -> Vec<(&'static str, String)> {
-        vec![
-            ("model_name", self.model.clone()),
-            ("engine", engine.to_string()),
-        ]
+    /// The label values of a family labelled by model and engine.
+    fn engine_labels(&self, engine: i64) -> [String; 2] {
+        [self.model.clone(), engine.to_string()]
     }
 
     pub fn record_stats(&self, engine: i64, stats: &SchedulerStats) {
         let labels = self.engine_labels(engine);
         let mut guard = self.series.lock().expect("metrics lock");
         let (series, cache_labels) = &mut *guard;
-        series[RUNNING]
-            .family
-            .set(labels.clone(), stats.num_running_reqs as f64);
-        series[WAITING]
-            .family
-            .set(labels.clone(), stats.num_waiting_reqs as f64);
-        series[KV_USAGE]
-            .family
-            .set(labels.clone(), stats.kv_cache_usage);
-        series[PREEMPTIONS]
-            .family
-            .set(labels.clone(), stats.num_preemptions as f64);
+        series[RUNNING].set(labels.clone(), stats.num_running_reqs as f64);
+        series[WAITING].set(labels.clone(), stats.num_waiting_reqs as f64);
+        series[KV_USAGE].set(labels.clone(), stats.kv_cache_usage);
+        series[PREEMPTIONS].set(labels.clone(), stats.num_preemptions as f64);
+        let e = || engine.to_string();
         {
             let mut all = self.totals.lock().expect("totals lock");
             let totals = all.entry(engine).or_default();
             let queries = totals.show("queries", stats.prefix_cache_queries as f64);
             let hits = totals.show("hits", stats.prefix_cache_hits as f64);
-            series[PREFIX_QUERIES].family.set(labels.clone(), queries);
-            series[PREFIX_HITS].family.set(labels.clone(), hits);
-            let e = || vec![("engine", engine.to_string())];
+            series[PREFIX_QUERIES].set(labels.clone(), queries);
+            series[PREFIX_HITS].set(labels.clone(), hits);
             for (reason, count) in &stats.routing_decisions.0 {
                 let shown = totals.show(&format!("routed:{reason}"), *count as f64);
-                let mut by_reason = e();
-                by_reason.push(("reason", reason.clone()));
-                series[ROUTING_DECISIONS].family.set(by_reason, shown);
+                series[ROUTING_DECISIONS].set([e(), reason.clone()], shown);
             }
             let expected = totals.show("expected", stats.routing_expected_prefix_tokens as f64);
-            series[ROUTING_EXPECTED].family.set(e(), expected);
+            series[ROUTING_EXPECTED].set([e()], expected);
             let found = totals.show("found", stats.routing_hit_prefix_tokens as f64);
-            series[ROUTING_HIT].family.set(e(), found);
+            series[ROUTING_HIT].set([e()], found);
             for (adapter, by_tier) in &stats.lora_requests_found.0 {
                 for (tier, count) in &by_tier.0 {
                     let shown = totals.show(&format!("adapter:{adapter}:{tier}"), *count as f64);
-                    let mut labels = e();
-                    labels.push(("adapter_name", adapter.clone()));
-                    labels.push(("tier", tier.clone()));
-                    series[LORA_FOUND].family.set(labels, shown);
+                    series[LORA_FOUND].set([e(), adapter.clone(), tier.clone()], shown);
                 }
             }
             for (adapter, count) in &stats.lora_evictions_undone.0 {
                 let shown = totals.show(&format!("undone:{adapter}"), *count as f64);
-                let mut labels = e();
-                labels.push(("adapter_name", adapter.clone()));
-                series[LORA_UNDONE].family.set(labels, shown);
+                series[LORA_UNDONE].set([e(), adapter.clone()], shown);
             }
         }
-        series[KV_COMMITTED]
-            .family
-            .set(labels.clone(), stats.kv_cache_committed_bytes as f64);
-        let e = vec![("engine", engine.to_string())];
-        series[GATHERS]
-            .family
-            .set(e.clone(), stats.notification_gathers as f64);
-        series[GATHER_SECONDS]
-            .family
-            .set(e, stats.notification_gather_seconds);
+        series[KV_COMMITTED].set(labels.clone(), stats.kv_cache_committed_bytes as f64);
+        series[GATHERS].set([e()], stats.notification_gathers as f64);
+        series[GATHER_SECONDS].set([e()], stats.notification_gather_seconds);
         let config = (stats.block_size.to_string(), stats.num_blocks.to_string());
         if cache_labels.as_ref() != Some(&config) {
+            let [model, engine] = labels;
             if let Some((block_size, blocks)) = cache_labels.take() {
-                let mut old = labels.clone();
-                old.extend([("block_size", block_size), ("num_gpu_blocks", blocks)]);
-                series[CACHE_CONFIG].family.remove(&old);
+                let old = [model.clone(), engine.clone(), block_size, blocks];
+                series[CACHE_CONFIG].remove(old);
             }
-            let mut new = labels;
-            new.extend([
-                ("block_size", config.0.clone()),
-                ("num_gpu_blocks", config.1.clone()),
-            ]);
-            series[CACHE_CONFIG].family.set(new, 1.0);
+            let new = [model, engine, config.0.clone(), config.1.clone()];
+            series[CACHE_CONFIG].set(new, 1.0);
             *cache_labels = Some(config);
         }
     }
@@ -379,13 +277,10 @@ impl EngineMetrics {
         let labels = self.engine_labels(engine);
         let mut guard = self.series.lock().expect("metrics lock");
         let series = &mut guard.0;
-        series[ENGINE_UP].family.set(
-            vec![("engine", engine.to_string())],
-            f64::from(u8::from(up)),
-        );
+        series[ENGINE_UP].set([engine.to_string()], f64::from(u8::from(up)));
         if !up {
             for index in [RUNNING, WAITING, KV_USAGE] {
-                series[index].family.set(labels.clone(), 0.0);
+                series[index].set(labels.clone(), 0.0);
             }
         }
     }
@@ -473,21 +368,20 @@ impl EngineMetrics {
             series[NOTIFICATIONS].set_all(
                 totals
                     .into_iter()
-                    .map(|((kind, key), count)| (vec![("type", kind), ("key", key)], count as f64)),
+                    .map(|((kind, key), count)| (vec![kind, key], count as f64)),
             );
             series[SKIPPED].set_all(
                 skipped
                     .into_iter()
-                    .map(|(kind, count)| (vec![("type", kind)], count as f64)),
+                    .map(|(kind, count)| (vec![kind], count as f64)),
             );
             series[DROPPED].set_all(dropped.into_iter().map(|((engine, rank), count)| {
-                let labels = vec![("engine", engine.to_string()), ("rank", rank_label(rank))];
-                (labels, count as f64)
+                (vec![engine.to_string(), rank_label(rank)], count as f64)
             }));
             for s in series.iter() {
-                write_header(&mut out, s.name, s.help, s.kind);
+                s.family.write_header(&mut out);
                 for (labels, value) in s.samples() {
-                    write_sample(&mut out, s.name, labels, *value);
+                    write_sample(&mut out, &s.family.name, labels, *value);
                 }
             }
         }
@@ -497,12 +391,12 @@ impl EngineMetrics {
 }
 
 fn record_weights(series: &mut [Series], engine: &str, rank: i64, payload: &Dict<Value>) {
-    let labels = vec![("engine", engine.to_string()), ("rank", rank_label(rank))];
+    let labels = [engine.to_string(), rank_label(rank)];
     if let Some(seconds) = number(payload.get("seconds")) {
-        series[WEIGHTS_SECONDS].family.set(labels.clone(), seconds);
+        series[WEIGHTS_SECONDS].set(labels.clone(), seconds);
     }
     if let Some(bytes) = number(payload.get("bytes")) {
-        series[WEIGHTS_BYTES].family.set(labels, bytes);
+        series[WEIGHTS_BYTES].set(labels, bytes);
     }
 }
 

@@ -1,9 +1,9 @@
 //! This server's `/metrics` families against `rankcast/api_server/metrics/families.json`, the
-//! declaration the Python servers build theirs from and are held to as well
-//! (`tests/test_metrics_spec.py`): fed the same golden wire messages and a few requests, every
-//! family this server exposes is declared there with the same type, labels (compared as sets:
-//! the declaration lists them in the order their values are given, expositions in name order)
-//! and help, and every declared family is exposed.
+//! declaration both kinds of server build theirs from (`families` compiles it in here) and the
+//! Python servers are held to as well (`tests/test_metrics_spec.py`): fed the same golden wire
+//! messages and a few requests, every family this server exposes is declared there with the
+//! same type, labels (compared as sets: the declaration lists them in the order their values are
+//! given, expositions in name order) and help, and every declared family is exposed.
 
 use std::collections::BTreeMap;
 use std::fs;

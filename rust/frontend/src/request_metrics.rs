@@ -1,81 +1,56 @@
 //! The series each API server counts itself (prompt and generated tokens, finished requests,
-//! time to first token, inter-token and end-to-end latency, notification delivery lag), under
-//! the Python servers' names, labels, help and buckets. Under the launcher every value is also
-//! written to this process's multiprocess files, and a scrape shows the sums over every API
-//! server's files (`multiprocess`), as the Python servers' scrapes do; run alone, a scrape shows
-//! this server's own values.
+//! time to first token, inter-token and end-to-end latency, notification delivery lag), with
+//! the names, labels, help and buckets declared for both kinds of server (`families`). Under
+//! the launcher every value is also written to this process's multiprocess files, and a scrape
+//! shows the sums over every API server's files (`multiprocess`), as the Python servers'
+//! scrapes do; run alone, a scrape shows this server's own values.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
+use crate::families::{self, Family};
 use crate::multiprocess::{self, DbFile, Key};
 
-const LATENCY_BUCKETS: [f64; 13] = [
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0, 120.0,
-];
-const ITL_BUCKETS: [f64; 13] = [
-    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
-];
-const LAG_BUCKETS: [f64; 13] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
-
-struct Counter {
-    name: &'static str,
-    help: &'static str,
+/// The families this server counts itself, looked up in the declaration (`families`) when it
+/// starts.
+struct Declared {
+    prompt_tokens: &'static Family,
+    generation_tokens: &'static Family,
+    request_success: &'static Family,
+    ttft: &'static Family,
+    itl: &'static Family,
+    e2e: &'static Family,
+    lag: &'static Family,
 }
 
-const PROMPT_TOKENS: Counter = Counter {
-    name: "vllm:prompt_tokens",
-    help: "Prompt tokens of finished requests (every API server's).",
-};
-const GENERATION_TOKENS: Counter = Counter {
-    name: "vllm:generation_tokens",
-    help: "Tokens generated for finished requests (every API server's).",
-};
-const REQUEST_SUCCESS: Counter = Counter {
-    name: "vllm:request_success",
-    help: "Finished requests (every API server's), by the engine that ran them and reason.",
-};
+impl Declared {
+    fn look_up() -> Declared {
+        Declared {
+            prompt_tokens: families::counter("vllm:prompt_tokens"),
+            generation_tokens: families::counter("vllm:generation_tokens"),
+            request_success: families::counter("vllm:request_success"),
+            ttft: families::histogram("vllm:time_to_first_token_seconds"),
+            itl: families::histogram("vllm:inter_token_latency_seconds"),
+            e2e: families::histogram("vllm:e2e_request_latency_seconds"),
+            lag: families::histogram("rankcast:notification_delivery_lag_seconds"),
+        }
+    }
 
-struct Histogram {
-    name: &'static str,
-    help: &'static str,
-    buckets: &'static [f64],
+    /// The summed families' names in the multiprocess files, as the Python servers' `SUMMED`.
+    fn summed(&self) -> [&'static str; 7] {
+        [
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.request_success,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.lag,
+        ]
+        .map(Family::base)
+    }
 }
-
-const TTFT: Histogram = Histogram {
-    name: "vllm:time_to_first_token_seconds",
-    help: "Time from arrival to the first generated token.",
-    buckets: &LATENCY_BUCKETS,
-};
-const ITL: Histogram = Histogram {
-    name: "vllm:inter_token_latency_seconds",
-    help: "Time between consecutive generated tokens.",
-    buckets: &ITL_BUCKETS,
-};
-const E2E: Histogram = Histogram {
-    name: "vllm:e2e_request_latency_seconds",
-    help: "Time from arrival to the last token.",
-    buckets: &LATENCY_BUCKETS,
-};
-const LAG: Histogram = Histogram {
-    name: "rankcast:notification_delivery_lag_seconds",
-    help: "Time from publish in a worker rank to receipt by the API server named.",
-    buckets: &LAG_BUCKETS,
-};
-
-/// The summed families, as the Python servers' `SUMMED`.
-const SUMMED: [&str; 7] = [
-    PROMPT_TOKENS.name,
-    GENERATION_TOKENS.name,
-    REQUEST_SUCCESS.name,
-    TTFT.name,
-    ITL.name,
-    E2E.name,
-    LAG.name,
-];
 
 /// This server's values of one metric type: in memory (what a scrape without the shared
 /// directory shows) and, under the launcher, in its file. A series is looked up once, into a
@@ -146,6 +121,7 @@ struct Series {
 }
 
 pub struct RequestMetrics {
+    families: Declared,
     model: String,
     api_server: String,
     directory: Option<PathBuf>,
@@ -162,6 +138,7 @@ impl RequestMetrics {
             children: HashMap::new(),
         };
         RequestMetrics {
+            families: Declared::look_up(),
             model: model.to_string(),
             api_server: api_server.to_string(),
             directory,
@@ -169,64 +146,75 @@ impl RequestMetrics {
         }
     }
 
-    fn inc(&self, counter: &Counter, labels: &[(&str, String)], by: f64) {
+    /// `counter`'s series labelled `values` (in the declared label order) up `by`.
+    fn inc<const N: usize>(&self, counter: &'static Family, values: [String; N], by: f64) {
         let mut series = self.series.lock().expect("metrics lock");
         let series = &mut *series;
-        let values = labels.iter().map(|(_, v)| v.clone()).collect();
         let slot = *series
             .counter_slots
-            .entry((counter.name, values))
+            .entry((counter.base(), values.to_vec()))
             .or_insert_with(|| {
-                let sample = format!("{}_total", counter.name);
-                let key = Key::new(counter.name, &sample, labels, counter.help);
+                let labels = counter.labelled(values);
+                let key = Key::new(counter.base(), &counter.name, &labels, &counter.help);
                 series.counters.create(key)
             });
         series.counters.add(slot, by);
     }
 
-    /// `times` observations of `seconds` in `histogram`'s one series (labelled `labels`).
-    fn observe(&self, histogram: &Histogram, labels: &[(&str, String)], seconds: f64, times: u32) {
+    /// `times` observations of `seconds` in `histogram`'s one series (labelled `values`, in
+    /// the declared label order).
+    fn observe<const N: usize>(
+        &self,
+        histogram: &'static Family,
+        values: [String; N],
+        seconds: f64,
+        times: u32,
+    ) {
         let mut series = self.series.lock().expect("metrics lock");
         let series = &mut *series;
         let store = &mut series.histograms;
-        let child = series.children.entry(histogram.name).or_insert_with(|| {
+        let name = histogram.base();
+        let bounds = &histogram.buckets;
+        let child = series.children.entry(name).or_insert_with(|| {
+            let labels = histogram.labelled(values);
             let key = |sample: &str, labels: &[(&str, String)]| {
-                let sample = format!("{}_{sample}", histogram.name);
-                Key::new(histogram.name, &sample, labels, histogram.help)
+                let sample = format!("{name}_{sample}");
+                Key::new(name, &sample, labels, &histogram.help)
             };
             // The sum first, then the buckets in bound order, as prometheus_client writes them.
-            let sum = store.create(key("sum", labels));
-            let bounds = histogram.buckets.iter().copied().chain([f64::INFINITY]);
+            let sum = store.create(key("sum", &labels));
             let buckets = bounds
+                .iter()
+                .copied()
+                .chain([f64::INFINITY])
                 .map(|bound| {
-                    let mut with_le = labels.to_vec();
+                    let mut with_le = labels.clone();
                     with_le.push(("le", crate::exposition::format_value(bound)));
                     store.create(key("bucket", &with_le))
                 })
                 .collect();
             Child { sum, buckets }
         });
-        let bucket = histogram
-            .buckets
+        let bucket = bounds
             .iter()
             .position(|bound| seconds <= *bound)
-            .unwrap_or(histogram.buckets.len());
+            .unwrap_or(bounds.len());
         for _ in 0..times {
             store.add(child.sum, seconds);
             store.add(child.buckets[bucket], 1.0);
         }
     }
 
-    fn model(&self) -> [(&'static str, String); 1] {
-        [("model_name", self.model.clone())]
+    fn model(&self) -> [String; 1] {
+        [self.model.clone()]
     }
 
     pub fn record_first_token(&self, seconds: f64) {
-        self.observe(&TTFT, &self.model(), seconds, 1);
+        self.observe(self.families.ttft, self.model(), seconds, 1);
     }
 
     pub fn record_inter_token(&self, seconds: f64, tokens: u32) {
-        self.observe(&ITL, &self.model(), seconds, tokens);
+        self.observe(self.families.itl, self.model(), seconds, tokens);
     }
 
     pub fn record_finished(
@@ -237,21 +225,22 @@ impl RequestMetrics {
         generation_tokens: usize,
         finish_reason: &str,
     ) {
-        self.observe(&E2E, &self.model(), e2e_seconds, 1);
-        self.inc(&PROMPT_TOKENS, &self.model(), prompt_tokens as f64);
-        self.inc(&GENERATION_TOKENS, &self.model(), generation_tokens as f64);
-        let labels = [
-            ("model_name", self.model.clone()),
-            ("engine", engine.to_string()),
-            ("finished_reason", finish_reason.to_string()),
+        let f = &self.families;
+        self.observe(f.e2e, self.model(), e2e_seconds, 1);
+        self.inc(f.prompt_tokens, self.model(), prompt_tokens as f64);
+        self.inc(f.generation_tokens, self.model(), generation_tokens as f64);
+        let values = [
+            self.model.clone(),
+            engine.to_string(),
+            finish_reason.to_string(),
         ];
-        self.inc(&REQUEST_SUCCESS, &labels, 1.0);
+        self.inc(f.request_success, values, 1.0);
     }
 
     /// One notification received `seconds` after it was published.
     pub fn record_delivery_lag(&self, seconds: f64) {
-        let labels = [("api_server", self.api_server.clone())];
-        self.observe(&LAG, &labels, seconds.max(0.0), 1);
+        let values = [self.api_server.clone()];
+        self.observe(self.families.lag, values, seconds.max(0.0), 1);
     }
 
     /// The summed families: every API server's files, or without them this server's values.
@@ -266,6 +255,6 @@ impl RequestMetrics {
                     .collect()
             }
         };
-        multiprocess::render(out, &files, &SUMMED);
+        multiprocess::render(out, &files, &self.families.summed());
     }
 }

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from rankcast.launcher import cli
 
 from rankcast.config import ConfigError, EngineConfig, ServeConfig
+from rankcast.launcher import cli
 
 FLAGS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 ENGINE_DEFAULTS = {name: f.default for name, (_, f) in EngineConfig.options().items()}

@@ -274,13 +274,14 @@ class ServerMetrics:
             if isinstance(n, NotificationsDropped):
                 self._show_dropped(n.engine_index, n.rank)
             elif isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY:
-                self._record_weights(str(n.engine_index), n.rank, n.payload)
+                loaded = self.views[engine].weights_loaded.get(n.rank, {})
+                self._record_weights(str(engine), n.rank, loaded)
             key = lora_event_key(n)
             if key is not None:
                 lora_keys.add(key)
         touched.update((kind, "") for kind in unknown)
         self._show_totals(touched, set(unknown))
-        if self.lora is not None and (lora_keys or notifications):
+        if self.lora is not None and lora_keys:  # loads come only with LoRA events
             self.lora.refresh(engine, lora_keys)
 
     def _show_totals(self, keys: Iterable[tuple[str, str]], skipped: Iterable[str]) -> None:

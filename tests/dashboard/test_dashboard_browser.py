@@ -290,8 +290,14 @@ def test_a_killed_engine_core_shows_down_then_back_under_the_next_incarnation(
 ) -> None:
     # Every state the engine row shows, recorded by the page itself: a restart may be quicker
     # than this test's look at the page.
-    for browser in pages.values():
-        assert _engine_cell(browser, 0, "incarnation") == "0"
+    for stream, browser in pages.items():
+        # Read until the row holds still: the page re-renders it at every /health poll, and a
+        # read between the find and the text meets the replaced element.
+        wait_for(
+            lambda browser=browser: _engine_cell(browser, 0, "incarnation") == "0",
+            10,
+            f"engine 0 under incarnation 0 ({stream})",
+        )
         browser.execute_script(
             """
             window.seenStates = [];

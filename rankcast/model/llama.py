@@ -1,8 +1,14 @@
-"""A Llama-family decoder (SmolLM2, Llama 2/3, Qwen2, Mistral) built from tensor-parallel layers.
+"""A Llama-family decoder (SmolLM2, Llama 2/3, Qwen2, Mistral, Qwen3) built from tensor-parallel
+layers.
 
 Parameter names follow HF checkpoints except where projections are stacked (`qkv_proj`,
 `gate_up_proj`); `load_weights` maps checkpoint names onto them and lets each parameter's
 `weight_loader` take this rank's shard.
+
+What sets the family's members apart is a switch of `ArchConfig`, such as Qwen3's per-head q/k
+RMSNorm (`qk_norm`). The C++ decoder stack (csrc/decoder_stack.cpp) has no q/k norm: a model
+with one runs its layers through the modules, each step still on the CPU kernels
+(`fuse_layers`).
 """
 
 from __future__ import annotations
@@ -53,16 +59,28 @@ class LlamaAttention(nn.Module):
             tp,
         )
         self.o_proj = RowParallelLinear(
-            arch.num_attention_heads * arch.head_dim, arch.hidden_size, False, tp
+            arch.num_attention_heads * arch.head_dim, arch.hidden_size, arch.output_bias, tp
         )
         self.head_dim = arch.head_dim
+        # Qwen3: one weight of head_dim each, shared by the heads, so every tensor-parallel rank
+        # holds it whole and normalises its own heads.
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.attn = PagedAttention(
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, arch.head_dim
         )
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+            by_head = (-1, self.head_dim)
+            q = qkv[:, :q_size].unflatten(1, by_head)
+            k = qkv[:, q_size : q_size + kv_size].unflatten(1, by_head)
+            ops.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
+            ops.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
         # nn.Module.__call__ is typed as returning Any; o_proj's forward returns a Tensor.
-        out: torch.Tensor = self.o_proj(self.attn(self.qkv_proj(hidden), meta))
+        out: torch.Tensor = self.o_proj(self.attn(qkv, meta))
         return out
 
 
@@ -159,13 +177,19 @@ class LlamaForCausalLM(nn.Module):
         rank (no all-reduce between layers), rankcast's packed linears, caches set; with LoRA
         slots attached, the stack adds their deltas where csrc/lora.cpp applies them, and
         otherwise runs only steps where no adapter applies.
-        Returns whether it could; the module path stays in use for everything else."""
+        Returns whether it could; the module path stays in use for everything else.
+
+        Not for Qwen3: the stack has no q/k norm, so the model keeps the module path on every
+        step, the per-op kernels included (a documented fallback, docs/models.md), rather than
+        run the stack without it."""
         self.fused_layers = None
         self.adapter_deltas = []
         self.stack_adds_deltas = False
         self.fused_max_rows = None
         layers = self.decoder_layers()
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
+            return False
+        if self.arch.qk_norm:
             return False
         projections: list[list[ops.PackedWeight]] = []
         for layer in layers:

@@ -224,6 +224,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
 
 
+def head_rms_norm_(heads: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """RMSNorm of each head of `heads` [T, H, D] over its D values, in place (Qwen3's q_norm and
+    k_norm, one weight of D shared by the heads). `heads` is a view into the fused projection's
+    output, whose rows are not evenly strided once split by head: its values are gathered into
+    [T * H, D] rows for `rms_norm` (the same per-row numerics as the block's norms) and written
+    back."""
+    rows = heads.reshape(-1, heads.shape[-1])
+    heads.copy_(rms_norm(rows, weight, eps).view(heads.shape))
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,10 @@
-"""The architecture description of a Llama-family checkpoint, read from its config.json."""
+"""The architecture description of a Llama-family checkpoint, read from its config.json.
+
+Beside Llama itself the family covers what differs from it by a switch the decoder takes:
+Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm (`qk_norm`) and explicit `head_dim`. A config
+asking for what the decoder does not do (a sliding window, an MLP bias) is refused at start,
+naming the field, rather than served wrongly.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,22 @@ from typing import Any
 
 from rankcast.errors import ModelFormatError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+# What a config.json may leave out, filled as transformers' config class of the architecture
+# fills it (Qwen3Config's head_dim is 128 whatever the hidden size), so a sparse config means
+# what it means to the reference.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen3ForCausalLM": {"head_dim": 128},
+}
+# Architectures whose o_proj has a bias wherever their q/k/v projections do (`attention_bias`);
+# Qwen2's and Mistral's never has one.
+_OUTPUT_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -33,7 +54,11 @@ class ArchConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v projections
+    output_bias: bool  # o_proj (Llama-style checkpoints with attention_bias)
+    # Qwen3: an RMSNorm over each query and each key head (`self_attn.q_norm`, `k_norm`, weights
+    # of head_dim), applied before RoPE.
+    qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -47,6 +72,7 @@ class ArchConfig:
                 f"{source}: architecture {arch!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        cfg = {**_DEFAULTS.get(arch, {}), **cfg}
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -58,6 +84,8 @@ class ArchConfig:
                 theta = rope.get("rope_theta")
             if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "default":
                 rope = None
+            _refuse_unsupported(cfg, arch, source)
+            attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -72,7 +100,9 @@ class ArchConfig:
                 rope_scaling=dict(rope) if isinstance(rope, dict) else None,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                attention_bias=attention_bias,
+                output_bias=attention_bias and arch in _OUTPUT_BIAS,
+                qk_norm=arch == "Qwen3ForCausalLM",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -100,3 +130,17 @@ class ArchConfig:
             merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
             arch = dataclasses.replace(arch, eos_token_ids=merged)
         return arch
+
+
+def _refuse_unsupported(cfg: dict[str, Any], arch: str, source: str) -> None:
+    """Refuse what the decoder would otherwise ignore and serve wrongly, naming the field."""
+    if cfg.get("mlp_bias"):
+        raise ModelFormatError(f"{source}: mlp_bias = true is not supported (no MLP biases)")
+    # Its config class applies a window only with both set. (Qwen2's and Mistral's windows are
+    # still ignored, as before.)
+    windowed = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
+    if arch == "Qwen3ForCausalLM" and windowed:
+        raise ModelFormatError(
+            f"{source}: use_sliding_window = true is not supported (every layer attends "
+            "to the whole context here)"
+        )

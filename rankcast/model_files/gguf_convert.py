@@ -31,12 +31,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Bump when the conversion's output changes, so stale caches are not reused.
-CONVERTER_VERSION = 2  # 2: each conversion records its source (pruning)
+# Bump when the conversion's output changes, so stale caches are not reused. 2: each conversion
+# records its source (pruning); 3: config.json names head_dim (a llama file whose heads are not
+# hidden / heads wide converted to a config that could not load).
+CONVERTER_VERSION = 3
 # In each conversion's directory: `source_identity` of the GGUF it was made from.
 _SOURCE_FILE = "rankcast-source.txt"
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Architectures whose Q and K rows llama.cpp's converter interleaves for its GGML_ROPE_TYPE_NORM
+# rotation (its LlamaModel); Qwen2's and Qwen3's rotate as HF does (NEOX), as stored.
+_PERMUTED_QK = ("llama",)
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -45,6 +54,8 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -137,6 +148,16 @@ def _read_config(reader: Any, path: Path, tensor_names: set[str]) -> dict[str, A
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    # Written always, as llama.cpp reads it: key_length where the file has it (Qwen3's head_dim
+    # is not hidden / heads: 0.6B's 1024 / 16 heads of 128), hidden / heads where not.
+    key_length = int(meta("attention.key_length", config["hidden_size"] // heads))
+    value_length = int(meta("attention.value_length", key_length))
+    if value_length != key_length:
+        raise ModelFormatError(
+            f"{path}: GGUF metadata {arch}.attention.value_length ({value_length}) differs "
+            f"from {arch}.attention.key_length ({key_length}), which is not supported"
+        )
+    config["head_dim"] = key_length
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling and scaling != "none":
         config["rope_scaling"] = {
@@ -171,9 +192,10 @@ def _dequantize(
             ) from None
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = np.asarray(array, dtype=np.float32).reshape(shape)
-        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+        permuted = arch in _PERMUTED_QK
+        if permuted and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
             array = undo_rope_permute(array, heads["q"])
-        elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             array = undo_rope_permute(array, heads["kv"])
         tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
     return tensors

@@ -1,0 +1,115 @@
+"""Tiny random-weight checkpoints of the Llama family's other members (Qwen3), built with
+transformers' own config and model classes, and the GGUF file llama.cpp's converter would write
+from one: what test_qwen3.py holds rankcast to."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# Small enough for 2 cores, with the shapes that matter: grouped KV heads (4 / 2, so TP=2 gives
+# each rank 2 query heads and 1 KV head), and the embedded tokenizer's 49,152 tokens so the
+# engine serves it.
+TINY = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": None,
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_checkpoint(
+    path: Path, model_type: str, tokenizer_from: Path, seed: int = 0, **overrides: Any
+) -> Path:
+    """A `model_type` ("qwen3") checkpoint of random weights, saved as safetensors
+    with the tokenizer copied in. Norm weights are random too (transformers starts them at
+    one), so a norm the engine skipped or misplaced shows in the logits."""
+    import transformers
+
+    config_class, model_class = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[model_type]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**TINY, **overrides}))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.08)
+            else:
+                param.normal_(1.0, 0.2)
+    model.save_pretrained(str(path), safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, path / name)
+    return path
+
+
+def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> Path:
+    """`model_dir` as a float32 GGUF file named as llama.cpp's convert_hf_to_gguf.py names it:
+    `general.architecture` the model type, its metadata keys, tensor names from gguf's own
+    TensorNameMap (not rankcast's table), and the tokenizer of `tokenizer_gguf`. Norms stay
+    float32, as llama.cpp keeps them."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from rankcast.model_files.gguf_convert import open_gguf
+
+    config = json.loads((model_dir / "config.json").read_text())
+    model_type = config["model_type"]
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3}[model_type]
+    layers = config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), model_type)
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    if "head_dim" in config:  # llama.cpp writes it where the HF config names one
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    for field in open_gguf(tokenizer_gguf).fields.values():
+        if field.name.startswith("tokenizer."):
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    names = gguf.get_tensor_name_map(arch, layers)
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        array = tensor.float().numpy()
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def reference_greedy_all(model_dir: Path, prompts: list[list[int]], count: int) -> list[list[int]]:
+    """transformers' `count` greedy tokens after each prompt, float32, one model load."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = []
+    for prompt in prompts:
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in range(count):
+                tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        out.append(tokens[len(prompt) :])
+    return out

@@ -1,0 +1,207 @@
+"""Qwen3 (dense) against transformers, float32: a per-head RMSNorm on q and k before RoPE, a
+head_dim (32) that is not hidden / heads (16), tied embeddings. From an HF directory and from a
+GGUF file as llama.cpp writes it; offline whole, chunked and with prefix-cache hits, and served
+at TP=2. The C++ decoder stack has no q/k norm, so the model runs the module path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rankcast import LLM, SamplingParams
+from rankcast.errors import ModelFormatError
+from rankcast.model.loader import load_model
+from rankcast.model_files.arch import ArchConfig
+from rankcast.protocol import ScheduledSequence, SchedulerOutput
+from rankcast.worker.model_runner import ModelRunner
+from tests.entrypoints.server_process import ServerProcess
+from tests.model.family_models import reference_greedy_all, write_checkpoint, write_llama_cpp_gguf
+
+NEW_TOKENS = 32
+_SHARED = [(13 * j) % 4000 + 300 for j in range(40)]
+# The second shares the first's two full 16-token blocks: run after it, it starts from them.
+PROMPTS = [_SHARED, [*_SHARED[:32], 77, 5001, 9, 12000], [400, 401, 402, 403, 404]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+ENGINE = {"dtype": "float32", "kv_cache_space_gib": 0.05}
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) -> Path:
+    path = tmp_path_factory.mktemp("qwen3")
+    return write_checkpoint(
+        path,
+        "qwen3",
+        tokenizer_source,
+        seed=7,
+        num_hidden_layers=3,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir: Path) -> list[list[int]]:
+    return reference_greedy_all(qwen3_dir, PROMPTS, NEW_TOKENS)
+
+
+def test_config_names_what_the_decoder_needs(qwen3_dir: Path) -> None:
+    arch = ArchConfig.from_model_dir(qwen3_dir)
+    assert arch.architecture == "Qwen3ForCausalLM"
+    assert arch.qk_norm and arch.head_dim == 32 and arch.tie_word_embeddings
+    assert not arch.attention_bias and not arch.output_bias
+    # As Qwen3Config fills a config that leaves it out: 128 wide, whatever hidden / heads.
+    sparse = json.loads((qwen3_dir / "config.json").read_text())
+    del sparse["head_dim"]
+    assert ArchConfig.from_dict(sparse).head_dim == 128
+
+
+@pytest.mark.parametrize(
+    "updates,removed,message",
+    [
+        ({"use_sliding_window": True, "sliding_window": 64}, (), "use_sliding_window"),
+        ({}, ("num_attention_heads",), "'num_attention_heads' is missing"),
+    ],
+    ids=["sliding-window", "missing-heads"],
+)
+def test_wrong_or_missing_fields_are_refused_by_name(
+    qwen3_dir: Path, updates: dict, removed: tuple[str, ...], message: str
+) -> None:
+    config = json.loads((qwen3_dir / "config.json").read_text())
+    config.update(updates)
+    for key in removed:
+        del config[key]
+    with pytest.raises(ModelFormatError, match=message):
+        ArchConfig.from_dict(config)
+
+
+def test_a_checkpoint_without_its_qk_norms_is_refused_naming_them(
+    qwen3_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "no-norms"
+    shutil.copytree(qwen3_dir, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if not k.endswith("k_norm.weight")}
+    save_file(kept, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    arch = ArchConfig.from_model_dir(broken)
+    with pytest.raises(ModelFormatError, match=r"lacks 3 tensors: layers\.0\.self_attn\.k_norm"):
+        load_model(broken, arch, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_word_embeddings": False, "attention_bias": True}],
+    ids=["tied", "own-head-with-biases"],
+)
+def test_prefill_and_decode_logits_match_transformers(
+    qwen3_dir: Path, tmp_path: Path, tokenizer_source: Path, overrides: dict
+) -> None:
+    """Prefill and decode steps against transformers, also with Qwen3's q, k, v and o biases."""
+    import transformers
+
+    if overrides:
+        qwen3_dir = write_checkpoint(
+            tmp_path / "m", "qwen3", tokenizer_source, seed=8, num_hidden_layers=2, **overrides
+        )
+    arch = ArchConfig.from_model_dir(qwen3_dir)
+    assert arch.output_bias == bool(overrides)
+    model = load_model(qwen3_dir, arch, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
+    runner.initialize_cache(64)
+    assert runner.model.fused_layers is None, "the stack has no q/k norm: the module path runs"
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(qwen3_dir), dtype=torch.float32
+    )
+    # Deliberately scattered, non-contiguous blocks of 8 tokens.
+    blocks = [[9, 2, 30, 4, 17, 50], [0, 11]]
+    sequences = [list(PROMPTS[0]), list(PROMPTS[2])]
+
+    def ours(prefill: bool) -> torch.Tensor:
+        steps = [
+            ScheduledSequence("r", s, 0, t)
+            if prefill
+            else ScheduledSequence("r", s[-1:], len(s) - 1, t)
+            for s, t in zip(sequences, blocks, strict=True)
+        ]
+        return runner.compute_logits(SchedulerOutput(steps))
+
+    def theirs() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.stack([theirs_model(torch.tensor([s])).logits[0, -1] for s in sequences])
+
+    torch.testing.assert_close(ours(True), want := theirs(), atol=1e-4, rtol=0)
+    for _ in range(5):
+        for seq, row in zip(sequences, want, strict=True):
+            seq.append(int(row.argmax()))
+        torch.testing.assert_close(ours(False), want := theirs(), atol=1e-4, rtol=0)
+
+
+def test_greedy_whole_chunked_and_from_the_prefix_cache(
+    qwen3_dir: Path, reference: list[list[int]]
+) -> None:
+    """32 greedy tokens equal transformers' with prompts whole, then in 16-token chunks with
+    the prefix cache on: one at a time (the second prompt starts from the first's blocks), and
+    all again (every full block a hit), the same tokens each time."""
+    with LLM(
+        str(qwen3_dir), enable_chunked_prefill=False, enable_prefix_caching=False, **ENGINE
+    ) as llm:
+        whole = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert whole == reference
+    with LLM(str(qwen3_dir), max_num_batched_tokens=16, max_num_seqs=4, **ENGINE) as llm:
+        for _ in range(2):
+            got = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+            assert got == reference
+        hits = llm.engine.client.core.scheduler.stats().prefix_cache_hits
+    # The second prompt's two shared blocks on the first pass, every prompt's full blocks short
+    # of its last token on the second.
+    assert hits >= 32 + 32 + 32, hits
+
+
+def test_a_llama_cpp_gguf_served_at_tp2(
+    qwen3_dir: Path,
+    reference: list[list[int]],
+    embedded_gguf: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The file llama.cpp's converter writes (`qwen3.attention.key_length` for head_dim,
+    `blk.N.attn_q_norm` / `attn_k_norm`, Q and K as stored) converts to the checkpoint's very
+    tensors, and `rankcast serve` of it at TP=2 (each rank normalising its own heads) answers
+    transformers' tokens."""
+    from safetensors.torch import load_file
+
+    from rankcast.model_files.source import resolve_model
+    from rankcast.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = write_llama_cpp_gguf(tmp_path / "qwen3-tiny.gguf", qwen3_dir, embedded_gguf)
+    converted = resolve_model(str(gguf_path)).model_dir
+    config = json.loads((converted / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 32
+    ours = load_file(str(converted / "model.safetensors"))
+    theirs = load_file(str(qwen3_dir / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    tokenizer = load_tokenizer(qwen3_dir)
+    server = ServerProcess(
+        str(gguf_path),
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.05",
+        "--tensor-parallel-size",
+        "2",
+        api_server_count=1,
+    )
+    with server.running(), httpx.Client(base_url=server.url, timeout=60) as http:
+        for prompt, want in zip(PROMPTS, reference, strict=True):
+            body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+            reply = http.post("/v1/completions", json={**body, "ignore_eos": True}).json()
+            assert reply["usage"]["completion_tokens"] == NEW_TOKENS
+            assert reply["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)

@@ -41,13 +41,30 @@ class AttentionMetadata:
     from_scratch: bool
     # Rotary cos|sin rows of the whole table, shared by every layer (set by the model).
     cos_sin: torch.Tensor | None = field(default=None)
+    # `positions` for layers without RoPE: every token at 0 (made on first use, once a step).
+    unrotated_positions: torch.Tensor | None = field(default=None)
+
+    def positions_for(self, rotates: bool) -> torch.Tensor:
+        """The positions a layer's q and k are rotated by. A layer without RoPE (SmolLM3's) has
+        each token read row 0 of the table, cos 1 and sin 0 exactly: the rotation then leaves q
+        and k as they are (x * 1 + y * 0 == x), and the same fused kernel still writes the cache.
+        """
+        if rotates:
+            return self.positions
+        if self.unrotated_positions is None:
+            self.unrotated_positions = torch.zeros_like(self.positions)
+        return self.unrotated_positions
 
 
 class PagedAttention(nn.Module):
-    """Rotates q and k, writes the step's K/V into the cache, then attends."""
+    """Rotates q and k (unless the layer has no RoPE), writes the step's K/V into the cache, then
+    attends."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, rotates: bool = True
+    ) -> None:
         super().__init__()
+        self.rotates = rotates
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -61,7 +78,7 @@ class PagedAttention(nn.Module):
         assert meta.cos_sin is not None
         ops.rotary_embedding_cache(
             qkv,
-            meta.positions,
+            meta.positions_for(self.rotates),
             meta.cos_sin,
             self.key_cache,
             self.value_cache,

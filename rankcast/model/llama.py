@@ -1,14 +1,14 @@
-"""A Llama-family decoder (SmolLM2, Llama 2/3, Qwen2, Mistral, Qwen3) built from tensor-parallel
-layers.
+"""A Llama-family decoder (SmolLM2, Llama 2/3, Qwen2, Mistral, Qwen3, SmolLM3) built from
+tensor-parallel layers.
 
 Parameter names follow HF checkpoints except where projections are stacked (`qkv_proj`,
 `gate_up_proj`); `load_weights` maps checkpoint names onto them and lets each parameter's
 `weight_loader` take this rank's shard.
 
-What sets the family's members apart is a switch of `ArchConfig`, such as Qwen3's per-head q/k
-RMSNorm (`qk_norm`). The C++ decoder stack (csrc/decoder_stack.cpp) has no q/k norm: a model
-with one runs its layers through the modules, each step still on the CPU kernels
-(`fuse_layers`).
+What sets the family's members apart is a switch of `ArchConfig`: Qwen3's per-head q/k RMSNorm
+(`qk_norm`), SmolLM3's layers without RoPE (`rope_layers`). The C++ decoder stack
+(csrc/decoder_stack.cpp) runs neither: a model using one runs its layers through the modules,
+each step still on the CPU kernels (`fuse_layers`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ _STACKED = (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup, layer: int) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             arch.hidden_size,
@@ -67,7 +67,10 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.attn = PagedAttention(
-            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, arch.head_dim
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            arch.head_dim,
+            rotates=arch.rope_layers[layer],
         )
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -98,9 +101,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup) -> None:
+    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup, layer: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, tp)
+        self.self_attn = LlamaAttention(arch, tp, layer)
         self.mlp = LlamaMLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -142,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleDict(
             {
-                str(i): LlamaDecoderLayer(arch, self.tp)
+                str(i): LlamaDecoderLayer(arch, self.tp, i)
                 for i in range(self.start_layer, self.end_layer)
             }
         )
@@ -179,9 +182,9 @@ class LlamaForCausalLM(nn.Module):
         otherwise runs only steps where no adapter applies.
         Returns whether it could; the module path stays in use for everything else.
 
-        Not for Qwen3: the stack has no q/k norm, so the model keeps the module path on every
-        step, the per-op kernels included (a documented fallback, docs/models.md), rather than
-        run the stack without it."""
+        Not for Qwen3 (q/k norm) or SmolLM3 (layers without RoPE): the stack has neither, so
+        those models keep the module path on every step, the per-op kernels included (a
+        documented fallback, docs/models.md), rather than run the stack without them."""
         self.fused_layers = None
         self.adapter_deltas = []
         self.stack_adds_deltas = False
@@ -189,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.decoder_layers()
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
             return False
-        if self.arch.qk_norm:
+        if self.arch.qk_norm or not all(self.arch.rope_layers):
             return False
         projections: list[list[ops.PackedWeight]] = []
         for layer in layers:

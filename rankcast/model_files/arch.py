@@ -1,9 +1,9 @@
 """The architecture description of a Llama-family checkpoint, read from its config.json.
 
 Beside Llama itself the family covers what differs from it by a switch the decoder takes:
-Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm (`qk_norm`) and explicit `head_dim`. A config
-asking for what the decoder does not do (a sliding window, an MLP bias) is refused at start,
-naming the field, rather than served wrongly.
+Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm (`qk_norm`) and explicit `head_dim`, SmolLM3's
+layers without RoPE (`rope_layers`). A config asking for what the decoder does not do (a sliding
+window, an MLP bias) is refused at start, naming the field, rather than served wrongly.
 """
 
 from __future__ import annotations
@@ -21,17 +21,20 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "MistralForCausalLM",
     "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
 )
 
 # What a config.json may leave out, filled as transformers' config class of the architecture
-# fills it (Qwen3Config's head_dim is 128 whatever the hidden size), so a sparse config means
-# what it means to the reference.
+# fills it (Qwen3Config's head_dim is 128 whatever the hidden size; SmolLM3Config's RoPE base is
+# 2e6 and its embeddings tied), so a sparse config means what it means to the reference.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"head_dim": 128},
+    "SmolLM3ForCausalLM": {"tie_word_embeddings": True},
 }
+_DEFAULT_THETA = {"SmolLM3ForCausalLM": 2000000.0}
 # Architectures whose o_proj has a bias wherever their q/k/v projections do (`attention_bias`);
 # Qwen2's and Mistral's never has one.
-_OUTPUT_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+_OUTPUT_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class ArchConfig:
     # Qwen3: an RMSNorm over each query and each key head (`self_attn.q_norm`, `k_norm`, weights
     # of head_dim), applied before RoPE.
     qk_norm: bool
+    # Per layer, whether its attention rotates q and k (SmolLM3 leaves every 4th layer without).
+    rope_layers: tuple[bool, ...]
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -76,6 +81,7 @@ class ArchConfig:
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            layers = int(cfg["num_hidden_layers"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
@@ -91,18 +97,23 @@ class ArchConfig:
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta if theta is not None else 10000.0),
+                rope_theta=float(theta if theta is not None else _DEFAULT_THETA.get(arch, 1e4)),
                 rope_scaling=dict(rope) if isinstance(rope, dict) else None,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=attention_bias,
                 output_bias=attention_bias and arch in _OUTPUT_BIAS,
                 qk_norm=arch == "Qwen3ForCausalLM",
+                rope_layers=(
+                    _rope_layers(cfg, layers, source)
+                    if arch == "SmolLM3ForCausalLM"
+                    else (True,) * layers
+                ),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -136,11 +147,35 @@ def _refuse_unsupported(cfg: dict[str, Any], arch: str, source: str) -> None:
     """Refuse what the decoder would otherwise ignore and serve wrongly, naming the field."""
     if cfg.get("mlp_bias"):
         raise ModelFormatError(f"{source}: mlp_bias = true is not supported (no MLP biases)")
-    # Its config class applies a window only with both set. (Qwen2's and Mistral's windows are
-    # still ignored, as before.)
+    # Their config classes apply a window only with both set. (Qwen2's and Mistral's windows
+    # are still ignored, as before.)
     windowed = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
-    if arch == "Qwen3ForCausalLM" and windowed:
+    if arch in ("Qwen3ForCausalLM", "SmolLM3ForCausalLM") and windowed:
         raise ModelFormatError(
             f"{source}: use_sliding_window = true is not supported (every layer attends "
             "to the whole context here)"
         )
+
+
+def _rope_layers(cfg: dict[str, Any], layers: int, source: str) -> tuple[bool, ...]:
+    """SmolLM3's per-layer RoPE switch: `no_rope_layers` (despite the name, 1 where the layer
+    uses RoPE, 0 where it does not), or when absent every `no_rope_layer_interval`-th layer
+    without (layer i rotates unless (i + 1) % interval == 0), as SmolLM3Config derives it."""
+    given = cfg.get("no_rope_layers")
+    if given is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ModelFormatError(
+                f"{source}: no_rope_layer_interval must be a positive integer, not {interval!r}"
+            )
+        return tuple((i + 1) % interval != 0 for i in range(layers))
+    if (
+        not isinstance(given, list)
+        or len(given) != layers
+        or any(flag not in (0, 1) or isinstance(flag, float) for flag in given)
+    ):
+        raise ModelFormatError(
+            f"{source}: no_rope_layers must list 0 or 1 for each of the {layers} layers "
+            f"(1: the layer uses RoPE), not {given!r}"
+        )
+    return tuple(bool(flag) for flag in given)

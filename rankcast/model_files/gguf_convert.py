@@ -42,10 +42,15 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 # Architectures whose Q and K rows llama.cpp's converter interleaves for its GGML_ROPE_TYPE_NORM
-# rotation (its LlamaModel); Qwen2's and Qwen3's rotate as HF does (NEOX), as stored.
-_PERMUTED_QK = ("llama",)
+# rotation (its LlamaModel and subclasses); Qwen2's and Qwen3's rotate as HF does (NEOX), as
+# stored.
+_PERMUTED_QK = ("llama", "smollm3")
+# llama.cpp stores no key for SmolLM3's layers without RoPE: its loader hardcodes every 4th
+# (`n_no_rope_layer_step = 4`, layer i without when (i + 1) % 4 == 0), SmolLM3Config's default.
+_SMOLLM3_NO_ROPE_INTERVAL = 4
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -158,6 +163,8 @@ def _read_config(reader: Any, path: Path, tensor_names: set[str]) -> dict[str, A
             f"from {arch}.attention.key_length ({key_length}), which is not supported"
         )
     config["head_dim"] = key_length
+    if arch == "smollm3":
+        config["no_rope_layer_interval"] = _SMOLLM3_NO_ROPE_INTERVAL
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling and scaling != "none":
         config["rope_scaling"] = {

@@ -1,6 +1,6 @@
-"""Tiny random-weight checkpoints of the Llama family's other members (Qwen3), built with
-transformers' own config and model classes, and the GGUF file llama.cpp's converter would write
-from one: what test_qwen3.py holds rankcast to."""
+"""Tiny random-weight checkpoints of the Llama family's other members (Qwen3, SmolLM3), built
+with transformers' own config and model classes, and the GGUF file llama.cpp's converter would
+write from one: what test_qwen3.py and test_smollm3.py hold rankcast to."""
 
 from __future__ import annotations
 
@@ -33,13 +33,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def write_checkpoint(
     path: Path, model_type: str, tokenizer_from: Path, seed: int = 0, **overrides: Any
 ) -> Path:
-    """A `model_type` ("qwen3") checkpoint of random weights, saved as safetensors
+    """A `model_type` ("qwen3", "smollm3") checkpoint of random weights, saved as safetensors
     with the tokenizer copied in. Norm weights are random too (transformers starts them at
     one), so a norm the engine skipped or misplaced shows in the logits."""
     import transformers
 
     config_class, model_class = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     model = model_class(config_class(**{**TINY, **overrides}))
@@ -56,11 +57,23 @@ def write_checkpoint(
     return path
 
 
+def permute_for_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter (LlamaModel.permute) does to Q and K rows of the
+    architectures it rotates the GPT-J way (llama, smollm3): each head's two halves
+    interleaved."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
 def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> Path:
     """`model_dir` as a float32 GGUF file named as llama.cpp's convert_hf_to_gguf.py names it:
     `general.architecture` the model type, its metadata keys, tensor names from gguf's own
-    TensorNameMap (not rankcast's table), and the tokenizer of `tokenizer_gguf`. Norms stay
-    float32, as llama.cpp keeps them."""
+    TensorNameMap (not rankcast's table), Q and K permuted where llama.cpp permutes them, and
+    the tokenizer of `tokenizer_gguf`. Norms stay float32, as llama.cpp keeps them."""
     import gguf
     from safetensors.torch import load_file
 
@@ -68,7 +81,7 @@ def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> P
 
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
-    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3}[model_type]
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "smollm3": gguf.MODEL_ARCH.SMOLLM3}[model_type]
     layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(path), model_type)
@@ -88,10 +101,15 @@ def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> P
             sub_type = field.types[-1] if len(field.types) > 1 else None
             writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
     names = gguf.get_tensor_name_map(arch, layers)
+    permutes = model_type == "smollm3"
     for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         array = tensor.float().numpy()
+        if permutes and name.endswith("q_proj.weight"):
+            array = permute_for_llama_cpp(array, heads)
+        elif permutes and name.endswith("k_proj.weight"):
+            array = permute_for_llama_cpp(array, kv_heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -54,6 +54,7 @@ def test_config_names_what_the_decoder_needs(qwen3_dir: Path) -> None:
     assert arch.architecture == "Qwen3ForCausalLM"
     assert arch.qk_norm and arch.head_dim == 32 and arch.tie_word_embeddings
     assert not arch.attention_bias and not arch.output_bias
+    assert arch.rope_layers == (True, True, True)
     # As Qwen3Config fills a config that leaves it out: 128 wide, whatever hidden / heads.
     sparse = json.loads((qwen3_dir / "config.json").read_text())
     del sparse["head_dim"]

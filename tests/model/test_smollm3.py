@@ -1,0 +1,197 @@
+"""SmolLM3 against transformers, float32: a Llama block with grouped KV heads whose attention
+skips RoPE on some layers (`no_rope_layers`, 1 where a layer rotates; by default every 4th
+layer without). From an HF directory and from a GGUF file as llama.cpp writes it (Q and K
+permuted, no key for the layers without RoPE: its loader takes every 4th); offline whole,
+chunked and with prefix-cache hits, at PP=2, and served at TP=2. The C++ decoder stack rotates
+every layer, so the model runs the module path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rankcast import LLM, SamplingParams
+from rankcast.errors import ModelFormatError
+from rankcast.model.loader import load_model
+from rankcast.model_files.arch import ArchConfig
+from rankcast.protocol import ScheduledSequence, SchedulerOutput
+from rankcast.worker.model_runner import ModelRunner
+from tests.entrypoints.server_process import ServerProcess
+from tests.model.family_models import reference_greedy_all, write_checkpoint, write_llama_cpp_gguf
+
+NEW_TOKENS = 32
+_SHARED = [(17 * j) % 5000 + 200 for j in range(40)]
+# The second shares the first's two full 16-token blocks: run after it, it starts from them.
+PROMPTS = [_SHARED, [*_SHARED[:32], 81, 6002, 14, 11000], [500, 501, 502, 503, 504, 505]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+ENGINE = {"dtype": "float32", "kv_cache_space_gib": 0.05}
+# 5 layers: with the default interval of 4, layer 3 alone has no RoPE.
+LAYERS = 5
+
+
+@pytest.fixture(scope="module")
+def smollm3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) -> Path:
+    path = tmp_path_factory.mktemp("smollm3")
+    return write_checkpoint(path, "smollm3", tokenizer_source, seed=11, num_hidden_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm3_dir: Path) -> list[list[int]]:
+    return reference_greedy_all(smollm3_dir, PROMPTS, NEW_TOKENS)
+
+
+def test_config_names_the_layers_without_rope(smollm3_dir: Path) -> None:
+    arch = ArchConfig.from_model_dir(smollm3_dir)
+    assert arch.architecture == "SmolLM3ForCausalLM" and not arch.qk_norm
+    assert arch.rope_layers == (True, True, True, False, True)
+    assert arch.tie_word_embeddings and arch.rope_theta == 2e6
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim) == (4, 2, 16)
+    config = json.loads((smollm3_dir / "config.json").read_text())
+    # Without the list, from the interval, as SmolLM3Config derives it.
+    del config["no_rope_layers"]
+    assert ArchConfig.from_dict(config).rope_layers == (True, True, True, False, True)
+    config["no_rope_layer_interval"] = 2
+    assert ArchConfig.from_dict(config).rope_layers == (True, False, True, False, True)
+
+
+@pytest.mark.parametrize(
+    "updates,message",
+    [
+        ({"no_rope_layers": [1, 1, 0]}, "no_rope_layers must list 0 or 1 for each of the 5"),
+        ({"no_rope_layers": [1, 2, 1, 0, 1]}, "no_rope_layers must list 0 or 1"),
+        ({"no_rope_layers": None, "no_rope_layer_interval": 0}, "no_rope_layer_interval"),
+        ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
+        ({"mlp_bias": True}, "mlp_bias"),
+    ],
+    ids=["short-list", "not-a-flag", "zero-interval", "sliding-window", "mlp-bias"],
+)
+def test_wrong_fields_are_refused_by_name(smollm3_dir: Path, updates: dict, message: str) -> None:
+    config = json.loads((smollm3_dir / "config.json").read_text())
+    config.update(updates)
+    with pytest.raises(ModelFormatError, match=message):
+        ArchConfig.from_dict(config)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"no_rope_layers": [0, 1, 0, 1, 1], "tie_word_embeddings": False}],
+    ids=["every-4th-tied", "own-list-untied"],
+)
+def test_prefill_and_decode_logits_match_transformers(
+    tmp_path: Path, tokenizer_source: Path, overrides: dict
+) -> None:
+    import transformers
+
+    model_dir = write_checkpoint(
+        tmp_path / "m", "smollm3", tokenizer_source, seed=12, num_hidden_layers=LAYERS, **overrides
+    )
+    arch = ArchConfig.from_model_dir(model_dir)
+    model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
+    runner.initialize_cache(64)
+    assert runner.model.fused_layers is None, "the stack rotates every layer: the modules run"
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32
+    )
+    # Deliberately scattered, non-contiguous blocks of 8 tokens.
+    blocks = [[9, 2, 30, 4, 17, 50], [0, 11]]
+    sequences = [list(PROMPTS[0]), list(PROMPTS[2])]
+
+    def ours(prefill: bool) -> torch.Tensor:
+        steps = [
+            ScheduledSequence("r", s, 0, t)
+            if prefill
+            else ScheduledSequence("r", s[-1:], len(s) - 1, t)
+            for s, t in zip(sequences, blocks, strict=True)
+        ]
+        return runner.compute_logits(SchedulerOutput(steps))
+
+    def theirs() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.stack([theirs_model(torch.tensor([s])).logits[0, -1] for s in sequences])
+
+    torch.testing.assert_close(ours(True), want := theirs(), atol=1e-4, rtol=0)
+    for _ in range(5):
+        for seq, row in zip(sequences, want, strict=True):
+            seq.append(int(row.argmax()))
+        torch.testing.assert_close(ours(False), want := theirs(), atol=1e-4, rtol=0)
+
+
+def test_greedy_whole_chunked_and_from_the_prefix_cache(
+    smollm3_dir: Path, reference: list[list[int]]
+) -> None:
+    """32 greedy tokens equal transformers' with prompts whole, then in 16-token chunks with
+    the prefix cache on: one at a time (the second prompt starts from the first's blocks), and
+    all again (every full block a hit), the same tokens each time."""
+    with LLM(
+        str(smollm3_dir), enable_chunked_prefill=False, enable_prefix_caching=False, **ENGINE
+    ) as llm:
+        whole = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert whole == reference
+    with LLM(str(smollm3_dir), max_num_batched_tokens=16, max_num_seqs=4, **ENGINE) as llm:
+        for _ in range(2):
+            got = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+            assert got == reference
+        hits = llm.engine.client.core.scheduler.stats().prefix_cache_hits
+    # The second prompt's two shared blocks on the first pass, every prompt's full blocks short
+    # of its last token on the second.
+    assert hits >= 32 + 32 + 32, hits
+
+
+def test_a_llama_cpp_gguf_served_at_tp2(
+    smollm3_dir: Path,
+    reference: list[list[int]],
+    embedded_gguf: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The file llama.cpp's converter writes (`general.architecture` smollm3, Q and K permuted
+    as for Llama, nothing naming the layers without RoPE) converts to the checkpoint's very
+    tensors and its every-4th-layer pattern, and `rankcast serve` of it at TP=2 answers
+    transformers' tokens."""
+    from safetensors.torch import load_file
+
+    from rankcast.model_files.source import resolve_model
+    from rankcast.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = write_llama_cpp_gguf(tmp_path / "smollm3-tiny.gguf", smollm3_dir, embedded_gguf)
+    converted = resolve_model(str(gguf_path)).model_dir
+    config = json.loads((converted / "config.json").read_text())
+    assert config["architectures"] == ["SmolLM3ForCausalLM"]
+    assert ArchConfig.from_model_dir(converted).rope_layers == (True, True, True, False, True)
+    ours = load_file(str(converted / "model.safetensors"))
+    theirs = load_file(str(smollm3_dir / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    tokenizer = load_tokenizer(smollm3_dir)
+    server = ServerProcess(
+        str(gguf_path),
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.05",
+        "--tensor-parallel-size",
+        "2",
+        api_server_count=1,
+    )
+    with server.running(), httpx.Client(base_url=server.url, timeout=60) as http:
+        for prompt, want in zip(PROMPTS, reference, strict=True):
+            body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+            reply = http.post("/v1/completions", json={**body, "ignore_eos": True}).json()
+            assert reply["usage"]["completion_tokens"] == NEW_TOKENS
+            assert reply["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_pipeline_stages_keep_each_layers_rope_switch(
+    smollm3_dir: Path, reference: list[list[int]]
+) -> None:
+    """At PP=2 the layer without RoPE (3 of 5) sits in the second stage, which must still know
+    it by its index in the whole model."""
+    with LLM(str(smollm3_dir), pipeline_parallel_size=2, **ENGINE) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == reference

@@ -6,9 +6,8 @@ Parameter names follow HF checkpoints except where projections are stacked (`qkv
 `weight_loader` take this rank's shard.
 
 What sets the family's members apart is a switch of `ArchConfig`: Qwen3's per-head q/k RMSNorm
-(`qk_norm`), SmolLM3's layers without RoPE (`rope_layers`). The C++ decoder stack
-(csrc/decoder_stack.cpp) runs neither: a model using one runs its layers through the modules,
-each step still on the CPU kernels (`fuse_layers`).
+(`qk_norm`), SmolLM3's layers without RoPE (`rope_layers`). The modules and the C++ decoder
+stack (csrc/decoder_stack.cpp, `fuse_layers`) both take them, with the same kernels.
 """
 
 from __future__ import annotations
@@ -182,17 +181,13 @@ class LlamaForCausalLM(nn.Module):
         otherwise runs only steps where no adapter applies.
         Returns whether it could; the module path stays in use for everything else.
 
-        Not for Qwen3 (q/k norm) or SmolLM3 (layers without RoPE): the stack has neither, so
-        those models keep the module path on every step, the per-op kernels included (a
-        documented fallback, docs/models.md), rather than run the stack without them."""
+        Each layer's q/k norms (Qwen3) and RoPE switch (SmolLM3) go with it (`set_attention`)."""
         self.fused_layers = None
         self.adapter_deltas = []
         self.stack_adds_deltas = False
         self.fused_max_rows = None
         layers = self.decoder_layers()
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
-            return False
-        if self.arch.qk_norm or not all(self.arch.rope_layers):
             return False
         projections: list[list[ops.PackedWeight]] = []
         for layer in layers:
@@ -238,6 +233,14 @@ class LlamaForCausalLM(nn.Module):
                 o.scales,
                 gate_up.scales,
                 down.scales,
+            )
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            stack.set_attention(
+                i,
+                attn.q_norm.weight.detach() if attn.q_norm is not None else None,
+                attn.k_norm.weight.detach() if attn.k_norm is not None else None,
+                attn.attn.rotates,
             )
         self.stack_adds_deltas = self._hand_deltas_to(stack, layers)
         self.fused_layers = stack

@@ -118,6 +118,39 @@ def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> P
     return path
 
 
+def stack_expected(dtype: torch.dtype) -> bool:
+    """Whether a single rank runs its layers through the C++ decoder stack: wherever the linears
+    take rankcast's packed kernel (`choose_linear_path`: the kernels built, an x86 CPU)."""
+    from rankcast.model.linear_kernels import choose_linear_path
+
+    return choose_linear_path(dtype, torch.device("cpu")).kernel == "rankcast"
+
+
+def stack_and_modules_logits(model_dir: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """One decode step's logits (after two prompts' prefill) through the C++ decoder stack and
+    through the modules, from the same cache: the stack must give the modules' very bits."""
+    from rankcast.model.loader import load_model
+    from rankcast.model_files.arch import ArchConfig
+    from rankcast.protocol import ScheduledSequence, SchedulerOutput
+    from rankcast.worker.model_runner import ModelRunner
+
+    arch = ArchConfig.from_model_dir(model_dir)
+    model = load_model(model_dir, arch, dtype, torch.device("cpu"))
+    runner = ModelRunner(model, arch, 16, torch.device("cpu"), dtype)
+    runner.initialize_cache(16)
+    assert runner.model.fused_layers is not None
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 61))]
+    tables = [[3, 8], [0, 12]]
+    prefill = [ScheduledSequence("r", p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    runner.compute_logits(SchedulerOutput(prefill))
+    step = SchedulerOutput(
+        [ScheduledSequence("r", [11], len(p), t) for p, t in zip(prompts, tables, strict=True)]
+    )
+    fused = runner.compute_logits(step)
+    runner.model.fused_layers = None
+    return fused, runner.compute_logits(step)
+
+
 def reference_greedy_all(model_dir: Path, prompts: list[list[int]], count: int) -> list[list[int]]:
     """transformers' `count` greedy tokens after each prompt, float32, one model load."""
     import transformers

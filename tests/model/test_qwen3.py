@@ -1,7 +1,7 @@
 """Qwen3 (dense) against transformers, float32: a per-head RMSNorm on q and k before RoPE, a
 head_dim (32) that is not hidden / heads (16), tied embeddings. From an HF directory and from a
-GGUF file as llama.cpp writes it; offline whole, chunked and with prefix-cache hits, and served
-at TP=2. The C++ decoder stack has no q/k norm, so the model runs the module path."""
+GGUF file as llama.cpp writes it; through the C++ decoder stack and the modules (the same bits);
+offline whole, chunked and with prefix-cache hits, and served at TP=2."""
 
 from __future__ import annotations
 
@@ -20,7 +20,13 @@ from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
 from tests.entrypoints.server_process import ServerProcess
-from tests.model.family_models import reference_greedy_all, write_checkpoint, write_llama_cpp_gguf
+from tests.model.family_models import (
+    reference_greedy_all,
+    stack_and_modules_logits,
+    stack_expected,
+    write_checkpoint,
+    write_llama_cpp_gguf,
+)
 
 NEW_TOKENS = 32
 _SHARED = [(13 * j) % 4000 + 300 for j in range(40)]
@@ -95,13 +101,14 @@ def test_a_checkpoint_without_its_qk_norms_is_refused_naming_them(
         load_model(broken, arch, torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "module-path"])
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"tie_word_embeddings": False, "attention_bias": True}],
     ids=["tied", "own-head-with-biases"],
 )
 def test_prefill_and_decode_logits_match_transformers(
-    qwen3_dir: Path, tmp_path: Path, tokenizer_source: Path, overrides: dict
+    qwen3_dir: Path, tmp_path: Path, tokenizer_source: Path, overrides: dict, fused: bool
 ) -> None:
     """Prefill and decode steps against transformers, also with Qwen3's q, k, v and o biases."""
     import transformers
@@ -115,7 +122,9 @@ def test_prefill_and_decode_logits_match_transformers(
     model = load_model(qwen3_dir, arch, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
     runner.initialize_cache(64)
-    assert runner.model.fused_layers is None, "the stack has no q/k norm: the module path runs"
+    assert (runner.model.fused_layers is not None) == stack_expected(torch.float32)
+    if not fused:
+        runner.model.fused_layers = None
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(qwen3_dir), dtype=torch.float32
     )
@@ -141,6 +150,15 @@ def test_prefill_and_decode_logits_match_transformers(
         for seq, row in zip(sequences, want, strict=True):
             seq.append(int(row.argmax()))
         torch.testing.assert_close(ours(False), want := theirs(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_decoder_stack_gives_the_modules_bits(qwen3_dir: Path, dtype: torch.dtype) -> None:
+    """The C++ decoder stack runs the q/k norms with the modules' kernels, in their order."""
+    if not stack_expected(dtype):
+        pytest.skip("the C++ decoder stack needs rankcast's packed linears on this machine")
+    fused, modules = stack_and_modules_logits(qwen3_dir, dtype)
+    assert torch.equal(fused, modules)
 
 
 def test_greedy_whole_chunked_and_from_the_prefix_cache(

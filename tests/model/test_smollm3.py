@@ -2,8 +2,8 @@
 skips RoPE on some layers (`no_rope_layers`, 1 where a layer rotates; by default every 4th
 layer without). From an HF directory and from a GGUF file as llama.cpp writes it (Q and K
 permuted, no key for the layers without RoPE: its loader takes every 4th); offline whole,
-chunked and with prefix-cache hits, at PP=2, and served at TP=2. The C++ decoder stack rotates
-every layer, so the model runs the module path."""
+through the C++ decoder stack and the modules (the same bits); offline whole, chunked and with
+prefix-cache hits, at PP=2, and served at TP=2."""
 
 from __future__ import annotations
 
@@ -21,7 +21,13 @@ from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
 from tests.entrypoints.server_process import ServerProcess
-from tests.model.family_models import reference_greedy_all, write_checkpoint, write_llama_cpp_gguf
+from tests.model.family_models import (
+    reference_greedy_all,
+    stack_and_modules_logits,
+    stack_expected,
+    write_checkpoint,
+    write_llama_cpp_gguf,
+)
 
 NEW_TOKENS = 32
 _SHARED = [(17 * j) % 5000 + 200 for j in range(40)]
@@ -76,13 +82,14 @@ def test_wrong_fields_are_refused_by_name(smollm3_dir: Path, updates: dict, mess
         ArchConfig.from_dict(config)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "module-path"])
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"no_rope_layers": [0, 1, 0, 1, 1], "tie_word_embeddings": False}],
     ids=["every-4th-tied", "own-list-untied"],
 )
 def test_prefill_and_decode_logits_match_transformers(
-    tmp_path: Path, tokenizer_source: Path, overrides: dict
+    tmp_path: Path, tokenizer_source: Path, overrides: dict, fused: bool
 ) -> None:
     import transformers
 
@@ -93,7 +100,9 @@ def test_prefill_and_decode_logits_match_transformers(
     model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
     runner.initialize_cache(64)
-    assert runner.model.fused_layers is None, "the stack rotates every layer: the modules run"
+    assert (runner.model.fused_layers is not None) == stack_expected(torch.float32)
+    if not fused:
+        runner.model.fused_layers = None
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32
     )
@@ -119,6 +128,15 @@ def test_prefill_and_decode_logits_match_transformers(
         for seq, row in zip(sequences, want, strict=True):
             seq.append(int(row.argmax()))
         torch.testing.assert_close(ours(False), want := theirs(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_decoder_stack_gives_the_modules_bits(smollm3_dir: Path, dtype: torch.dtype) -> None:
+    """The C++ decoder stack runs the layers without RoPE with the modules' kernels, in order."""
+    if not stack_expected(dtype):
+        pytest.skip("the C++ decoder stack needs rankcast's packed linears on this machine")
+    fused, modules = stack_and_modules_logits(smollm3_dir, dtype)
+    assert torch.equal(fused, modules)
 
 
 def test_greedy_whole_chunked_and_from_the_prefix_cache(

@@ -9,6 +9,11 @@
 // cannot do is needed (one tensor-parallel rank, rankcast's packed linears, adapters through
 // csrc/lora.cpp).
 //
+// The Llama family's switches ride along per layer (`set_attention`): Qwen3's RMSNorm of each q
+// and k head before RoPE, by the same rms_norm kernel over the heads gathered into rows, as the
+// module path does; SmolLM3's layers without RoPE, whose tokens all read row 0 of the table
+// (cos 1, sin 0: q and k left as they are, the cache still written by the same kernel).
+//
 // Adapters: each projection may hold its LoRA slots (`set_lora`), the very tensors the model's
 // LoRALinear writes adapters into, and a step that names a slot per token adds each token's delta
 // right after the projection, as the module path does. Steps with adapters used to leave the stack
@@ -63,7 +68,19 @@ struct Layer {
   at::Tensor input_norm, post_norm;
   Projection qkv, o, gate_up, down;
   at::Tensor key_cache, value_cache;
+  c10::optional<at::Tensor> q_norm, k_norm;  // per-head norms' weights [head_dim], or none
+  bool rotates = true;
 };
+
+// In place: RMSNorm of `count` heads of `qkv` [tokens, width] from head `first` on, each over its
+// head_dim values. Split by head the rows are not evenly strided, so they are gathered into
+// [tokens * count, head_dim] rows (ops.head_rms_norm_ in Python does the same, for equal bits).
+void head_rms_norm_(at::Tensor& qkv, int64_t first, int64_t count, int64_t head_dim,
+                    const at::Tensor& weight, double eps) {
+  at::Tensor part = qkv.narrow(1, first * head_dim, count * head_dim);
+  at::Tensor rows = part.reshape({-1, head_dim});
+  part.copy_(rms_norm(rows, weight, eps).view({part.size(0), count * head_dim}));
+}
 
 }  // namespace
 
@@ -91,6 +108,22 @@ class DecoderStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Layer `layer`'s attention switches: the weights of its per-head q and k norms (both or
+  // neither), and whether it rotates q and k.
+  void set_attention(int64_t layer, c10::optional<at::Tensor> q_norm,
+                     c10::optional<at::Tensor> k_norm, bool rotates) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_attention: no layer ", layer);
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "set_attention: both norms or neither");
+    if (q_norm.has_value()) {
+      TORCH_CHECK(q_norm->numel() == head_dim_ && k_norm->numel() == head_dim_,
+                  "set_attention: the norms' weights are one head wide");
+    }
+    Layer& l = layers_[layer];
+    l.q_norm = std::move(q_norm);
+    l.k_norm = std::move(k_norm);
+    l.rotates = rotates;
+  }
+
   // Adapter slots for projection `projection` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`:
   // views of the tensors adapters are written into, so a slot written later is seen here. The
   // row-parallel projections' bias would go before the delta here and after it in the modules:
@@ -116,6 +149,7 @@ class DecoderStack : public torch::CustomClassHolder {
                                             c10::optional<at::Tensor> token_slots) {
     const int64_t tokens = hidden.size(0);
     at::Tensor res = residual.has_value() ? *residual : at::Tensor();
+    at::Tensor unrotated;  // every token at position 0, for layers without RoPE (made once)
     // Each kernel is a named range for torch.profiler (a thread-local check when not profiling),
     // so a profile of a fused step still shows where its time goes.
     for (Layer& layer : layers_) {
@@ -135,10 +169,17 @@ class DecoderStack : public torch::CustomClassHolder {
         qkv = layer.qkv(x);
       }
       layer.qkv.lora.add_to(qkv, x, token_slots);
+      if (layer.q_norm.has_value()) {
+        RECORD_FUNCTION("rankcast::head_rms_norm", std::vector<c10::IValue>());
+        head_rms_norm_(qkv, 0, heads_, head_dim_, *layer.q_norm, eps_);
+        head_rms_norm_(qkv, heads_, kv_heads_, head_dim_, *layer.k_norm, eps_);
+      }
+      if (!layer.rotates && !unrotated.defined()) unrotated = at::zeros_like(positions);
       {
         RECORD_FUNCTION("rankcast::rotary_embedding_cache", std::vector<c10::IValue>());
-        rotary_embedding_cache(qkv, positions, cos_sin_, layer.key_cache, layer.value_cache,
-                               slot_mapping, heads_, kv_heads_);
+        rotary_embedding_cache(qkv, layer.rotates ? positions : unrotated, cos_sin_,
+                               layer.key_cache, layer.value_cache, slot_mapping, heads_,
+                               kv_heads_);
       }
       at::Tensor attn = at::empty({tokens, heads_, head_dim_}, hidden.options());
       {
@@ -191,6 +232,7 @@ void register_decoder_stack(torch::Library& m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_lora", &DecoderStack::set_lora)
+      .def("set_attention", &DecoderStack::set_attention)
       .def("forward", &DecoderStack::forward);
 }
 

@@ -164,3 +164,78 @@ def reference_greedy_all(model_dir: Path, prompts: list[list[int]], count: int) 
                 tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
         out.append(tokens[len(prompt) :])
     return out
+
+
+# ---- the checks every architecture's tests make (test_qwen3.py, test_smollm3.py, ...) ----
+
+NEW_TOKENS = 32
+_SHARED = [(13 * j) % 4000 + 300 for j in range(40)]
+# The second shares the first's two full 16-token blocks: run after it, it starts from them.
+PROMPTS = [_SHARED, [*_SHARED[:32], 77, 5001, 9, 12000], [400, 401, 402, 403, 404]]
+ENGINE = {"dtype": "float32", "kv_cache_space_gib": 0.05}
+
+
+def assert_logits_match_transformers(model_dir: Path, fused: bool) -> None:
+    """Prefill, then five decode steps, of two sequences in scattered non-contiguous blocks:
+    logits within 1e-4 of transformers' in float32, through the C++ decoder stack (`fused`,
+    where this machine builds it) or the modules."""
+    import transformers
+
+    from rankcast.model.loader import load_model
+    from rankcast.model_files.arch import ArchConfig
+    from rankcast.protocol import ScheduledSequence, SchedulerOutput
+    from rankcast.worker.model_runner import ModelRunner
+
+    arch = ArchConfig.from_model_dir(model_dir)
+    model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
+    runner.initialize_cache(64)
+    assert (runner.model.fused_layers is not None) == stack_expected(torch.float32)
+    if not fused:
+        runner.model.fused_layers = None
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32
+    )
+    blocks = [[9, 2, 30, 4, 17, 50], [0, 11]]
+    sequences = [list(PROMPTS[0]), list(PROMPTS[2])]
+
+    def ours(prefill: bool) -> torch.Tensor:
+        steps = [
+            ScheduledSequence("r", s, 0, t)
+            if prefill
+            else ScheduledSequence("r", s[-1:], len(s) - 1, t)
+            for s, t in zip(sequences, blocks, strict=True)
+        ]
+        return runner.compute_logits(SchedulerOutput(steps))
+
+    def theirs() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.stack([theirs_model(torch.tensor([s])).logits[0, -1] for s in sequences])
+
+    torch.testing.assert_close(ours(True), want := theirs(), atol=1e-4, rtol=0)
+    for _ in range(5):
+        for seq, row in zip(sequences, want, strict=True):
+            seq.append(int(row.argmax()))
+        torch.testing.assert_close(ours(False), want := theirs(), atol=1e-4, rtol=0)
+
+
+def assert_greedy_whole_chunked_and_cached(model_dir: Path, reference: list[list[int]]) -> None:
+    """32 greedy tokens equal transformers' (`reference`) with prompts whole, then in 16-token
+    chunks with the prefix cache on: one at a time (the second prompt starts from the first's
+    blocks), and all again (every full block a hit), the same tokens each time."""
+    from rankcast import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(
+        str(model_dir), enable_chunked_prefill=False, enable_prefix_caching=False, **ENGINE
+    ) as llm:
+        whole = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert whole == reference
+    with LLM(str(model_dir), max_num_batched_tokens=16, max_num_seqs=4, **ENGINE) as llm:
+        for _ in range(2):
+            got = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in PROMPTS]
+            assert got == reference
+        hits = llm.engine.client.core.scheduler.stats().prefix_cache_hits
+    # The second prompt's two shared blocks on the first pass, every prompt's full blocks short
+    # of its last token on the second.
+    assert hits >= 32 + 32 + 32, hits

@@ -13,14 +13,16 @@ import httpx
 import pytest
 import torch
 
-from rankcast import LLM, SamplingParams
+from rankcast import SamplingParams
 from rankcast.errors import ModelFormatError
 from rankcast.model.loader import load_model
 from rankcast.model_files.arch import ArchConfig
-from rankcast.protocol import ScheduledSequence, SchedulerOutput
-from rankcast.worker.model_runner import ModelRunner
 from tests.entrypoints.server_process import ServerProcess
 from tests.model.family_models import (
+    NEW_TOKENS,
+    PROMPTS,
+    assert_greedy_whole_chunked_and_cached,
+    assert_logits_match_transformers,
     reference_greedy_all,
     stack_and_modules_logits,
     stack_expected,
@@ -28,12 +30,7 @@ from tests.model.family_models import (
     write_llama_cpp_gguf,
 )
 
-NEW_TOKENS = 32
-_SHARED = [(13 * j) % 4000 + 300 for j in range(40)]
-# The second shares the first's two full 16-token blocks: run after it, it starts from them.
-PROMPTS = [_SHARED, [*_SHARED[:32], 77, 5001, 9, 12000], [400, 401, 402, 403, 404]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-ENGINE = {"dtype": "float32", "kv_cache_space_gib": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +108,6 @@ def test_prefill_and_decode_logits_match_transformers(
     qwen3_dir: Path, tmp_path: Path, tokenizer_source: Path, overrides: dict, fused: bool
 ) -> None:
     """Prefill and decode steps against transformers, also with Qwen3's q, k, v and o biases."""
-    import transformers
 
     if overrides:
         qwen3_dir = write_checkpoint(
@@ -119,37 +115,7 @@ def test_prefill_and_decode_logits_match_transformers(
         )
     arch = ArchConfig.from_model_dir(qwen3_dir)
     assert arch.output_bias == bool(overrides)
-    model = load_model(qwen3_dir, arch, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
-    runner.initialize_cache(64)
-    assert (runner.model.fused_layers is not None) == stack_expected(torch.float32)
-    if not fused:
-        runner.model.fused_layers = None
-    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(qwen3_dir), dtype=torch.float32
-    )
-    # Deliberately scattered, non-contiguous blocks of 8 tokens.
-    blocks = [[9, 2, 30, 4, 17, 50], [0, 11]]
-    sequences = [list(PROMPTS[0]), list(PROMPTS[2])]
-
-    def ours(prefill: bool) -> torch.Tensor:
-        steps = [
-            ScheduledSequence("r", s, 0, t)
-            if prefill
-            else ScheduledSequence("r", s[-1:], len(s) - 1, t)
-            for s, t in zip(sequences, blocks, strict=True)
-        ]
-        return runner.compute_logits(SchedulerOutput(steps))
-
-    def theirs() -> torch.Tensor:
-        with torch.no_grad():
-            return torch.stack([theirs_model(torch.tensor([s])).logits[0, -1] for s in sequences])
-
-    torch.testing.assert_close(ours(True), want := theirs(), atol=1e-4, rtol=0)
-    for _ in range(5):
-        for seq, row in zip(sequences, want, strict=True):
-            seq.append(int(row.argmax()))
-        torch.testing.assert_close(ours(False), want := theirs(), atol=1e-4, rtol=0)
+    assert_logits_match_transformers(qwen3_dir, fused)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -167,19 +133,7 @@ def test_greedy_whole_chunked_and_from_the_prefix_cache(
     """32 greedy tokens equal transformers' with prompts whole, then in 16-token chunks with
     the prefix cache on: one at a time (the second prompt starts from the first's blocks), and
     all again (every full block a hit), the same tokens each time."""
-    with LLM(
-        str(qwen3_dir), enable_chunked_prefill=False, enable_prefix_caching=False, **ENGINE
-    ) as llm:
-        whole = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    assert whole == reference
-    with LLM(str(qwen3_dir), max_num_batched_tokens=16, max_num_seqs=4, **ENGINE) as llm:
-        for _ in range(2):
-            got = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
-            assert got == reference
-        hits = llm.engine.client.core.scheduler.stats().prefix_cache_hits
-    # The second prompt's two shared blocks on the first pass, every prompt's full blocks short
-    # of its last token on the second.
-    assert hits >= 32 + 32 + 32, hits
+    assert_greedy_whole_chunked_and_cached(qwen3_dir, reference)
 
 
 def test_a_llama_cpp_gguf_served_at_tp2(

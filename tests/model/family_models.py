@@ -239,3 +239,43 @@ def assert_greedy_whole_chunked_and_cached(model_dir: Path, reference: list[list
     # The second prompt's two shared blocks on the first pass, every prompt's full blocks short
     # of its last token on the second.
     assert hits >= 32 + 32 + 32, hits
+
+
+def assert_gguf_converts_to_the_checkpoint(gguf_path: Path, model_dir: Path) -> Path:
+    """A llama.cpp-style GGUF converts to the checkpoint's very tensors; the converted dir."""
+    from safetensors.torch import load_file
+
+    from rankcast.model_files.source import resolve_model
+
+    converted = resolve_model(str(gguf_path)).model_dir
+    ours = load_file(str(converted / "model.safetensors"))
+    theirs = load_file(str(model_dir / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    return converted
+
+
+def assert_served_at_tp2(model: Path, tokenizer_dir: Path, reference: list[list[int]]) -> None:
+    """`rankcast serve MODEL --tensor-parallel-size 2` answers transformers' greedy tokens."""
+    import httpx
+
+    from rankcast.tokenizer import load_tokenizer
+    from tests.entrypoints.server_process import ServerProcess
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    server = ServerProcess(
+        str(model),
+        "--dtype",
+        "float32",
+        "--kv-cache-space",
+        "0.05",
+        "--tensor-parallel-size",
+        "2",
+        api_server_count=1,
+    )
+    with server.running(), httpx.Client(base_url=server.url, timeout=60) as http:
+        for prompt, want in zip(PROMPTS, reference, strict=True):
+            body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+            reply = http.post("/v1/completions", json={**body, "ignore_eos": True}).json()
+            assert reply["usage"]["completion_tokens"] == NEW_TOKENS
+            assert reply["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)

@@ -9,7 +9,6 @@ import json
 import shutil
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -17,12 +16,13 @@ from rankcast import SamplingParams
 from rankcast.errors import ModelFormatError
 from rankcast.model.loader import load_model
 from rankcast.model_files.arch import ArchConfig
-from tests.entrypoints.server_process import ServerProcess
 from tests.model.family_models import (
     NEW_TOKENS,
     PROMPTS,
+    assert_gguf_converts_to_the_checkpoint,
     assert_greedy_whole_chunked_and_cached,
     assert_logits_match_transformers,
+    assert_served_at_tp2,
     reference_greedy_all,
     stack_and_modules_logits,
     stack_expected,
@@ -147,34 +147,9 @@ def test_a_llama_cpp_gguf_served_at_tp2(
     `blk.N.attn_q_norm` / `attn_k_norm`, Q and K as stored) converts to the checkpoint's very
     tensors, and `rankcast serve` of it at TP=2 (each rank normalising its own heads) answers
     transformers' tokens."""
-    from safetensors.torch import load_file
-
-    from rankcast.model_files.source import resolve_model
-    from rankcast.tokenizer import load_tokenizer
-
     monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
     gguf_path = write_llama_cpp_gguf(tmp_path / "qwen3-tiny.gguf", qwen3_dir, embedded_gguf)
-    converted = resolve_model(str(gguf_path)).model_dir
+    converted = assert_gguf_converts_to_the_checkpoint(gguf_path, qwen3_dir)
     config = json.loads((converted / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 32
-    ours = load_file(str(converted / "model.safetensors"))
-    theirs = load_file(str(qwen3_dir / "model.safetensors"))
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
-    tokenizer = load_tokenizer(qwen3_dir)
-    server = ServerProcess(
-        str(gguf_path),
-        "--dtype",
-        "float32",
-        "--kv-cache-space",
-        "0.05",
-        "--tensor-parallel-size",
-        "2",
-        api_server_count=1,
-    )
-    with server.running(), httpx.Client(base_url=server.url, timeout=60) as http:
-        for prompt, want in zip(PROMPTS, reference, strict=True):
-            body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
-            reply = http.post("/v1/completions", json={**body, "ignore_eos": True}).json()
-            assert reply["usage"]["completion_tokens"] == NEW_TOKENS
-            assert reply["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    assert_served_at_tp2(gguf_path, qwen3_dir, reference)

@@ -10,20 +10,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from rankcast import LLM, SamplingParams
 from rankcast.errors import ModelFormatError
 from rankcast.model_files.arch import ArchConfig
-from tests.entrypoints.server_process import ServerProcess
 from tests.model.family_models import (
     ENGINE,
     NEW_TOKENS,
     PROMPTS,
+    assert_gguf_converts_to_the_checkpoint,
     assert_greedy_whole_chunked_and_cached,
     assert_logits_match_transformers,
+    assert_served_at_tp2,
     reference_greedy_all,
     stack_and_modules_logits,
     stack_expected,
@@ -124,38 +124,13 @@ def test_a_llama_cpp_gguf_served_at_tp2(
     as for Llama, nothing naming the layers without RoPE) converts to the checkpoint's very
     tensors and its every-4th-layer pattern, and `rankcast serve` of it at TP=2 answers
     transformers' tokens."""
-    from safetensors.torch import load_file
-
-    from rankcast.model_files.source import resolve_model
-    from rankcast.tokenizer import load_tokenizer
-
     monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
     gguf_path = write_llama_cpp_gguf(tmp_path / "smollm3-tiny.gguf", smollm3_dir, embedded_gguf)
-    converted = resolve_model(str(gguf_path)).model_dir
+    converted = assert_gguf_converts_to_the_checkpoint(gguf_path, smollm3_dir)
     config = json.loads((converted / "config.json").read_text())
     assert config["architectures"] == ["SmolLM3ForCausalLM"]
     assert ArchConfig.from_model_dir(converted).rope_layers == (True, True, True, False, True)
-    ours = load_file(str(converted / "model.safetensors"))
-    theirs = load_file(str(smollm3_dir / "model.safetensors"))
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
-    tokenizer = load_tokenizer(smollm3_dir)
-    server = ServerProcess(
-        str(gguf_path),
-        "--dtype",
-        "float32",
-        "--kv-cache-space",
-        "0.05",
-        "--tensor-parallel-size",
-        "2",
-        api_server_count=1,
-    )
-    with server.running(), httpx.Client(base_url=server.url, timeout=60) as http:
-        for prompt, want in zip(PROMPTS, reference, strict=True):
-            body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
-            reply = http.post("/v1/completions", json={**body, "ignore_eos": True}).json()
-            assert reply["usage"]["completion_tokens"] == NEW_TOKENS
-            assert reply["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    assert_served_at_tp2(gguf_path, smollm3_dir, reference)
 
 
 def test_pipeline_stages_keep_each_layers_rope_switch(

@@ -7,7 +7,9 @@ that does not escape HTML, `raise_exception` and `strftime_now`, a `namespace` t
 underscore names, and the `{% generation %}` block (which only marks assistant text for
 training masks, so here it renders its body). The template sees the conversation (messages
 with None-valued keys dropped and the reasoning fields aliased as transformers aliases them),
-`tools`, `documents`, `add_generation_prompt` and the named special tokens (`bos_token`, ...).
+`tools`, `documents`, `add_generation_prompt`, the named special tokens (`bos_token`, ...) and
+the caller's own variables (a request's `chat_template_kwargs`, such as Qwen3's `enable_thinking`),
+which may override a special token's name but not the conversation's own arguments.
 
 transformers is kept out of the serving path because importing it costs over a second of a
 2-core machine's start-up (its lazy-module machinery indexes the whole package); the tests hold
@@ -144,19 +146,32 @@ def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return kept
 
 
+# What `render_chat` passes itself: variables of a caller cannot take these names.
+RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
 def render_chat(
     template: str,
     messages: Sequence[Mapping[str, Any]],
     special_tokens: Mapping[str, str],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    variables: Mapping[str, Any] | None = None,
 ) -> str:
-    """The prompt text of a conversation. A template's own refusal (`raise_exception`) and
-    Jinja's errors come out as jinja2.TemplateError."""
+    """The prompt text of a conversation. `variables` are more names the template sees, as
+    transformers' `apply_chat_template(**kwargs)` passes them (ValueError for a reserved
+    name). A template's own refusal (`raise_exception`) and Jinja's errors come out as
+    jinja2.TemplateError."""
     if not messages:
         raise ValueError("the conversation is empty")
+    reserved = [name for name in variables or {} if name in RESERVED_VARIABLES]
+    if reserved:
+        raise ValueError(
+            f"chat template variables cannot be named {', '.join(map(repr, reserved))}: "
+            "the conversation sets those"
+        )
     return compile_template(template).render(
-        **special_tokens,
+        **{**special_tokens, **(variables or {})},
         messages=[_template_message(m) for m in messages],
         tools=tools,
         documents=None,

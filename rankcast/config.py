@@ -37,6 +37,10 @@ class ConfigError(ValueError):
 
 # The engine choice of `--routing-policy` (rankcast/engine_client/engine_router.py).
 ROUTING_POLICIES = ("load", "prefix", "adapter", "auto")
+# How the Python API servers read a model's own output (rankcast/api_server/output_parsers.py),
+# by vLLM's names: its `<think>` reasoning, and the tool calls it writes itself.
+REASONING_PARSERS = ("qwen3",)
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -458,6 +462,12 @@ class ServeConfig:
     # How an API server picks a data-parallel engine for a request
     # (rankcast/engine_client/engine_router.py): load, prefix, adapter or auto (all three).
     routing_policy: str = "auto"
+    # What the Python API servers read out of a chat's output (vLLM's flags): `<think>` text
+    # as `reasoning_content`, and tool calls the model writes itself as `tool_calls` (with
+    # `tool_choice` auto).
+    reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, f"--port must be 1..65535, got {self.port}")
@@ -489,3 +499,34 @@ class ServeConfig:
             "--allow-runtime-lora-updating needs a Python API server (--api-server-count >= 1): "
             "the Rust API server has no adapter-loading routes",
         )
+        _require(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+            f"got {self.reasoning_parser!r}",
+        )
+        _require(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+            f"got {self.tool_call_parser!r}",
+        )
+        _require(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "--enable-auto-tool-choice needs --tool-call-parser (the format the model writes "
+            f"its tool calls in: {', '.join(TOOL_CALL_PARSERS)})",
+        )
+        _require(
+            self.tool_call_parser is None or self.enable_auto_tool_choice,
+            "--tool-call-parser is read only with --enable-auto-tool-choice (tool_choice "
+            "auto); give both",
+        )
+        # Behind one port a request reaches any server, so a fleet parses for all or none.
+        for flag, given in (
+            ("--reasoning-parser", self.reasoning_parser is not None),
+            ("--enable-auto-tool-choice", self.enable_auto_tool_choice),
+        ):
+            _require(
+                not (given and self.rust_api_server_count),
+                f"{flag} is served by the Python API servers only: the Rust API server "
+                "(--rust-api-server-count) does not parse model output yet, and requests "
+                "reaching it would be answered differently",
+            )

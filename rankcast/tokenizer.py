@@ -89,8 +89,10 @@ class ModelTokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        """The conversation as prompt text; ValueError when the model has no template or the
+        """The conversation as prompt text; `variables`: more names the template sees (a
+        request's `chat_template_kwargs`). ValueError when the model has no template or the
         template refuses the conversation (in the template's own words)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use a plain completion prompt")
@@ -103,10 +105,16 @@ class ModelTokenizer:
         template = pick_template(self.chat_template, with_tools=tools is not None)
         try:
             return render_chat(
-                template, messages, self.special_tokens, add_generation_prompt, tools
+                template, messages, self.special_tokens, add_generation_prompt, tools, variables
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the conversation: {exc}") from None
+        except (TypeError, ArithmeticError, LookupError, AttributeError) as exc:
+            # What a template does with values of a type it did not expect (a request's
+            # chat_template_kwargs or message fields are the caller's data): the input's fault.
+            raise ValueError(
+                f"the chat template failed on this conversation: {type(exc).__name__}: {exc}"
+            ) from None
 
 
 def apply_chat_template(
@@ -114,11 +122,12 @@ def apply_chat_template(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    variables: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Render a conversation to prompt token ids; a model without a template is an error.
     `tools` (OpenAI's function definitions) reach templates that describe tools to the model;
-    others ignore them."""
-    text = tokenizer.render_chat(messages, add_generation_prompt, tools)
+    others ignore them. `variables`: more names the template sees (`enable_thinking`)."""
+    text = tokenizer.render_chat(messages, add_generation_prompt, tools, variables)
     # The template already wrote any BOS it wants; do not let encoding add a second one.
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -478,7 +478,13 @@ def run_api_server(
         app = build_app(
             config,
             index,
-            ServingContext(engine, tokenizer, config.model_name),
+            ServingContext(
+                engine,
+                tokenizer,
+                config.model_name,
+                config.reasoning_parser,
+                config.tool_call_parser,
+            ),
             metrics,
             events,
             drain,

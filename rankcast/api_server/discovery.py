@@ -26,7 +26,6 @@ from rankcast.api_server.serving import (
     live,
     sampling_params,
 )
-from rankcast.api_server.structured import requested_shape
 from rankcast.channel.vllm_kv_events import engine_sources
 from rankcast.version import __version__
 
@@ -53,7 +52,7 @@ def _generate_request(
 
 def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> dict[str, Any]:
     check_model(ctx, body.model)
-    structured, _ = requested_shape(body)
+    structured, _ = ctx.shape(body)
     token_ids = chat_prompt_ids(ctx, body)
     top = body.top_logprobs or 0
     params = sampling_params(
@@ -67,7 +66,7 @@ def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> dict[str, A
 
 def render_completion(ctx: ServingContext, body: CompletionRequest) -> list[dict[str, Any]]:
     check_model(ctx, body.model)
-    structured, _ = requested_shape(body)
+    structured, _ = ctx.shape(body)
     _, token_ids = completion_prompt(ctx, body)
     params = sampling_params(ctx, body, len(token_ids), body.max_tokens, body.logprobs, structured)
     model = body.model or ctx.model_name

@@ -179,6 +179,21 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+# What the chat template is given itself; `chat_template_kwargs` cannot set these
+# (rankcast/chat_template.py's RESERVED_VARIABLES).
+_TEMPLATE_OWN = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    taken = [name for name in value or {} if name in _TEMPLATE_OWN]
+    if taken:
+        raise ValueError(
+            f"cannot set {', '.join(map(repr, taken))}: the request's own fields give the "
+            "template those"
+        )
+    return value
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
@@ -186,6 +201,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # More variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -229,6 +248,9 @@ class TokenizeRequest(RequestBody):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -31,3 +31,7 @@ class ApiServerConfig:
     # Adapters each engine's host tier holds (--max-cpu-loras), which the router keeps a
     # request from overfilling; None without LoRA.
     lora_host_places: int | None = None
+    # How chat outputs are read (--reasoning-parser; --tool-call-parser when
+    # --enable-auto-tool-choice is on): api_server/output_parsers.py.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None

@@ -17,14 +17,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rankcast.api_server.drain import ServerShuttingDownError
 from rankcast.api_server.errors import APIError, error_body
+from rankcast.api_server.output_parsers import (
+    HermesToolParser,
+    OutputParser,
+    Parsed,
+    ThinkParser,
+    prompt_opens_think,
+)
 from rankcast.api_server.schema import ChatCompletionRequest, CompletionRequest
-from rankcast.api_server.structured import ToolCallShape, requested_shape
+from rankcast.api_server.structured import ToolCallShape, auto_tools, requested_shape
 from rankcast.engine_client.async_llm import AsyncLLM
 from rankcast.engine_client.mp_client import EngineDeadError
 from rankcast.outputs import Logprob, RequestOutput, RequestRejectedError
 from rankcast.sampling_params import SamplingParams
 from rankcast.structured_outputs import StructuredOutputs
-from rankcast.tokenizer import ModelTokenizer, apply_chat_template
+from rankcast.tokenizer import ModelTokenizer
 
 T = TypeVar("T")
 
@@ -34,6 +41,16 @@ class ServingContext:
     engine: AsyncLLM
     tokenizer: ModelTokenizer
     model_name: str
+    # How chat outputs are read (--reasoning-parser; --tool-call-parser with
+    # --enable-auto-tool-choice): output_parsers.py.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+    def shape(
+        self, body: ChatCompletionRequest | CompletionRequest
+    ) -> tuple[StructuredOutputs | None, ToolCallShape | None]:
+        """The request's output shape, as this server reads tool calls (structured.py)."""
+        return requested_shape(body, auto_tool_choice=self.tool_call_parser is not None)
 
 
 def check_model(ctx: ServingContext, requested: str | None) -> str | None:
@@ -198,9 +215,10 @@ def _dead_error() -> dict[str, dict[str, str | int | None]]:
     return error_body(503, "The engine core is not running; the request cannot complete.")
 
 
-def chat_prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
-    """The token ids the engine computes for a chat request: its messages (and tools) through
-    the model's chat template. `/v1/chat/completions/render` answers exactly these."""
+def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The prompt text of a chat request and the token ids the engine computes for it: its
+    messages (and tools, and `chat_template_kwargs`) through the model's chat template.
+    `/v1/chat/completions/render` answers exactly these ids."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
         # Fields beyond role and content (an assistant's tool_calls, a tool's tool_call_id)
@@ -208,9 +226,40 @@ def chat_prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[in
         messages = [
             {**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages
         ]
-        return apply_chat_template(ctx.tokenizer, messages, tools=tools)
+        text = ctx.tokenizer.render_chat(messages, True, tools, body.chat_template_kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from None
+    # The template already wrote any BOS it wants; encoding must not add a second one.
+    return text, ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    return chat_prompt(ctx, body)[1]
+
+
+def output_parser(
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    prompt: str,
+    structured: StructuredOutputs | None,
+    forced: ToolCallShape | None,
+) -> OutputParser | None:
+    """What reads this chat's output (None: it is all content): the reasoning parser unless
+    the request forces tool calls (the output is then their JSON), the tool-call parser when
+    the request leaves calling its tools to the model."""
+    tools = None
+    if ctx.tool_call_parser == "hermes" and auto_tools(body):
+        tools = HermesToolParser()
+    think = None
+    if ctx.reasoning_parser == "qwen3" and forced is None:
+        think = ThinkParser(
+            opened=prompt_opens_think(prompt),
+            constrained=structured is not None,
+            call_ends=tools is not None,
+        )
+    if think is None and tools is None:
+        return None
+    return OutputParser(think, tools)
 
 
 def completion_prompt(ctx: ServingContext, body: CompletionRequest) -> tuple[str | None, list[int]]:
@@ -234,8 +283,11 @@ async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, request: Request
 ) -> Response:
     lora_name = check_model(ctx, body.model)
-    structured, tool_calls = requested_shape(body)
-    prompt_ids = chat_prompt_ids(ctx, body)
+    structured, tool_calls = ctx.shape(body)
+    prompt_text, prompt_ids = chat_prompt(ctx, body)
+    parser = output_parser(ctx, body, prompt_text, structured, tool_calls)
+    # The reasoning fields are there whenever the server reads reasoning, as vLLM's are.
+    reasoning_fields = ctx.reasoning_parser is not None
     top = body.top_logprobs or 0
     params = sampling_params(
         ctx, body, len(prompt_ids), body.output_limit(), top if body.logprobs else None, structured
@@ -266,6 +318,7 @@ async def create_chat_completion(
                 include_usage,
                 top if body.logprobs else None,
                 tool_calls,
+                parser,
             ),
             media_type="text/event-stream",
             headers=headers,
@@ -274,7 +327,9 @@ async def create_chat_completion(
     if final is None:
         return Response(status_code=499)
     completion = final.outputs[0]
-    message, finish_reason = _chat_message(completion.text, completion.finish_reason, tool_calls)
+    message, finish_reason = _chat_message(
+        completion.text, completion.finish_reason, tool_calls, parser, reasoning_fields
+    )
     choice: dict[str, Any] = {
         "index": 0,
         "message": message,
@@ -297,15 +352,33 @@ async def create_chat_completion(
 
 
 def _chat_message(
-    text: str, finish_reason: str | None, tool_calls: ToolCallShape | None
+    text: str,
+    finish_reason: str | None,
+    tool_calls: ToolCallShape | None,
+    parser: OutputParser | None = None,
+    reasoning_fields: bool = False,
 ) -> tuple[dict[str, Any], str | None]:
     """The assistant message and finish reason: tool calls where the request forced them and
-    the output holds them, the text as content otherwise (as when max_tokens cut the JSON)."""
+    the output holds them, the text as content otherwise (as when max_tokens cut the JSON);
+    with a parser, the reasoning and the calls the model wrote itself taken out of the text."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning_fields:
+        message.update(reasoning=None, reasoning_content=None)
     calls = tool_calls.calls(text) if tool_calls is not None and finish_reason == "stop" else None
-    if calls is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    assert tool_calls is not None
-    return {"role": "assistant", "content": None, "tool_calls": calls}, tool_calls.finish_reason
+    if calls is not None:
+        assert tool_calls is not None
+        return {**message, "content": None, "tool_calls": calls}, tool_calls.finish_reason
+    if parser is None:
+        return message, finish_reason
+    parsed = parser.whole(text)
+    # No text beside reasoning or calls is no content, as OpenAI's and vLLM's answers say it.
+    message["content"] = parsed.content or (None if parsed.reasoning or parsed.calls else "")
+    if reasoning_fields:
+        message.update(reasoning=parsed.reasoning, reasoning_content=parsed.reasoning)
+    if parsed.calls:
+        message["tool_calls"] = [call.as_message() for call in parsed.calls]
+        return message, "tool_calls"
+    return message, finish_reason
 
 
 def _header(model: str, request_id: str, created: int, kind: str) -> dict[str, Any]:
@@ -383,10 +456,15 @@ def _chat_stream(
     include_usage: bool,
     top: int | None,
     tool_calls: ToolCallShape | None = None,
+    parser: OutputParser | None = None,
 ) -> AsyncIterator[bytes]:
     """Chat chunks; a tool-forcing request's output is held back and sent, once complete, as
-    one `tool_calls` delta (its JSON means nothing to a client until it is whole)."""
+    one `tool_calls` delta (its JSON means nothing to a client until it is whole). With a
+    parser, each output's text becomes reasoning, content and tool-call deltas, in chunks of
+    their own (clients read one kind per delta); a call the model wrote is sent once complete,
+    as OpenAI streams one: its id and name, then its arguments."""
     header = state.header
+    calls_sent = 0
 
     def chunk(
         delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None
@@ -408,11 +486,46 @@ def _chat_stream(
                     {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
                 ]
             return chunk(delta, None) + chunk({}, finish)
+        if parser is not None:
+            return parsed_events(output, logprobs)
         events = b""
         if completion.delta_text or logprobs:
             events = chunk({"content": completion.delta_text}, None, logprobs)
         if output.finished:
             events += chunk({}, completion.finish_reason)
+        return events
+
+    def parsed_events(output: RequestOutput, logprobs: dict[str, Any] | None) -> bytes:
+        nonlocal calls_sent
+        assert parser is not None
+        completion = output.outputs[0]
+        reasoning, parsed = (
+            parser.feed(completion.delta_text) if completion.delta_text else ("", Parsed())
+        )
+        if output.finished:
+            last_reasoning, last = parser.finish()
+            reasoning += last_reasoning
+            parsed.content += last.content
+            parsed.calls += last.calls
+        deltas: list[dict[str, Any]] = []
+        if reasoning:
+            deltas.append({"reasoning": reasoning, "reasoning_content": reasoning})
+        if parsed.content:
+            deltas.append({"content": parsed.content})
+        for call in parsed.calls:
+            index, calls_sent = calls_sent, calls_sent + 1
+            named = {"name": call.name, "arguments": ""}
+            head = {"index": index, "id": call.id, "type": "function", "function": named}
+            deltas.append({"tool_calls": [head]})
+            arguments = {"index": index, "function": {"arguments": call.arguments}}
+            deltas.append({"tool_calls": [arguments]})
+        if logprobs and not deltas:
+            deltas.append({})  # the tokens' logprobs, their text held back for now
+        events = b"".join(
+            chunk(delta, None, logprobs if i == 0 else None) for i, delta in enumerate(deltas)
+        )
+        if output.finished:
+            events += chunk({}, "tool_calls" if calls_sent else completion.finish_reason)
         return events
 
     opening = chunk({"role": "assistant", "content": ""}, None)
@@ -424,7 +537,7 @@ async def create_completion(
 ) -> Response:
     lora_name = check_model(ctx, body.model)
     prompt_text, prompt_ids = completion_prompt(ctx, body)
-    structured, _ = requested_shape(body)
+    structured, _ = ctx.shape(body)
     params = sampling_params(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs, structured)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())

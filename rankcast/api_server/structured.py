@@ -4,8 +4,9 @@ A request may name one shape, in any of the dialects clients use: OpenAI's `resp
 vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and its newer
 `structured_outputs` object, or tools with `tool_choice` set to `required` or a named function
 (the output is then JSON the tool-call shape below turns into `tool_calls`). Two shapes in one
-request, a schema llguidance cannot build, or `tool_choice: auto` (which needs a parser of the
-model's own tool-call format) are a 400 naming the field.
+request, a schema llguidance cannot build, or `tool_choice: auto` on a server without a parser
+of the model's own tool-call format (`--enable-auto-tool-choice --tool-call-parser`;
+`output_parsers.py` reads the calls) are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ class ToolCallShape:
 
 
 def requested_shape(
-    body: ChatCompletionRequest | CompletionRequest,
+    body: ChatCompletionRequest | CompletionRequest, auto_tool_choice: bool = False
 ) -> tuple[StructuredOutputs | None, ToolCallShape | None]:
-    """The grammar the request's output must follow (None: free text), and for tool calls
-    how to read the output back."""
+    """The grammar the request's output must follow (None: free text), and for forced tool
+    calls how to read the output back. `auto_tool_choice`: the server parses the calls a
+    model writes itself, so tools with `tool_choice` auto leave the output free."""
     asked: list[tuple[str, dict[str, Any]]] = []
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -88,7 +90,7 @@ def requested_shape(
         asked.append(("structured_outputs", given))
     tools: ToolCallShape | None = None
     if isinstance(body, ChatCompletionRequest) and body.tools:
-        tool_shape = _tool_shape(body.tools, body.tool_choice)
+        tool_shape = _tool_shape(body.tools, body.tool_choice, auto_tool_choice)
         if tool_shape is not None:
             tools, grammar = tool_shape
             asked.append(("tools", grammar))
@@ -104,18 +106,27 @@ def requested_shape(
         raise APIError(400, f"{field}: {exc}", field) from None
 
 
+def auto_tools(body: ChatCompletionRequest) -> bool:
+    """Whether the request leaves calling its tools to the model (`tool_choice` auto, the
+    default when tools are given)."""
+    return bool(body.tools) and body.tool_choice in (None, "auto")
+
+
 def _tool_shape(
-    tools: list[Tool], choice: str | NamedToolChoice | None
+    tools: list[Tool], choice: str | NamedToolChoice | None, auto_tool_choice: bool
 ) -> tuple[ToolCallShape, dict[str, Any]] | None:
     """The tool-call shape and its grammar spec; None when tools do not constrain the output."""
     if choice == "none":
         return None
     if choice is None or choice == "auto":
+        if auto_tool_choice:
+            return None
         raise APIError(
             400,
-            "tool_choice 'auto' (the default when tools are given) is not supported: it needs a "
-            "parser of the model's own tool-call format; use tool_choice 'required', a named "
-            "function, or 'none'",
+            "tool_choice 'auto' (the default when tools are given) needs a parser of the "
+            "model's own tool-call format, which this server was not started with "
+            "(--enable-auto-tool-choice --tool-call-parser hermes); use tool_choice "
+            "'required', a named function, or 'none'",
             "tool_choice",
         )
     if isinstance(choice, NamedToolChoice):

@@ -17,7 +17,9 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict[str, Any]:
     if body.messages is not None:
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = ctx.tokenizer.render_chat(messages, body.add_generation_prompt)
+            text = ctx.tokenizer.render_chat(
+                messages, body.add_generation_prompt, variables=body.chat_template_kwargs
+            )
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from None
         # The rendered text encoded as a completion prompt would be, special tokens on request.

@@ -26,7 +26,9 @@ from rankcast.config import (
     EXECUTOR_BACKENDS,
     QUANTIZATIONS,
     RAY_PLACEMENTS,
+    REASONING_PARSERS,
     ROUTING_POLICIES,
+    TOOL_CALL_PARSERS,
     ConfigError,
     EngineConfig,
     KVEventsConfig,
@@ -136,6 +138,32 @@ FLAGS: tuple[Flag, ...] = (
         "then the rest end with an error",
         metavar="SECONDS",
         target="serve",
+    ),
+    Flag(
+        "--reasoning-parser",
+        "reasoning_parser",
+        "chat answers give the model's reasoning as reasoning_content (and reasoning; streamed "
+        "as delta.reasoning_content), the rest as content; qwen3: the text between `<think>` "
+        "(written by the model, or left open by the chat template) and `</think>`; Python API "
+        "servers only (unset: all text is content)",
+        target="serve",
+        choices=REASONING_PARSERS,
+    ),
+    Flag(
+        "--enable-auto-tool-choice",
+        "enable_auto_tool_choice",
+        "serve tool_choice auto (the default with tools): tool calls the model writes itself "
+        "become tool_calls, read as --tool-call-parser says; Python API servers only",
+        target="serve",
+    ),
+    Flag(
+        "--tool-call-parser",
+        "tool_call_parser",
+        "the format the model writes tool calls in, for --enable-auto-tool-choice; hermes: "
+        '`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3, Hermes) '
+        "(unset: none)",
+        target="serve",
+        choices=TOOL_CALL_PARSERS,
     ),
     # `rankcast chat`'s question and sampling.
     Flag("message", "message", "the user message to answer", target="chat"),

@@ -240,6 +240,8 @@ def _api_server_specs(
         config.cache.kv_events_config,
         server.routing_policy,
         config.lora.host_capacity if config.lora.enable_lora else None,
+        reasoning_parser=server.reasoning_parser,
+        tool_call_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
     )
     python = [
         (

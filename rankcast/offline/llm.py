@@ -73,14 +73,17 @@ class LLM:
         self,
         messages: list[Message] | Sequence[list[Message]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or several, then generate."""
+        """Apply the model's chat template to one conversation or several, then generate.
+        `chat_template_kwargs`: more variables the template sees (Qwen3's `enable_thinking`),
+        as vLLM's `LLM.chat` takes them."""
         if messages and isinstance(messages[0], dict):
             conversations = [cast(list[Message], messages)]
         else:
             conversations = [list(conv) for conv in cast(Sequence[list[Message]], messages)]
         prompts: list[str | list[int]] = [
-            self.engine.apply_chat_template(conv) for conv in conversations
+            self.engine.apply_chat_template(conv, chat_template_kwargs) for conv in conversations
         ]
         return self._run(prompts, params)
 

@@ -108,10 +108,12 @@ class LLMEngine:
         ...); what a utility that changes producers published is gathered before it returns."""
         return self.client.call(utility)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], variables: dict[str, Any] | None = None
+    ) -> list[int]:
         from rankcast.tokenizer import apply_chat_template
 
-        return apply_chat_template(self.tokenizer, messages)
+        return apply_chat_template(self.tokenizer, messages, variables=variables)
 
     def shutdown(self) -> None:
         atexit.unregister(self.client.shutdown)

@@ -197,6 +197,7 @@ def test_bad_fields_are_400s_and_unknown_models_404s(fleet: Fleet) -> None:
         {"guided_choice": ["yes", "no"]},
         {"guided_grammar": 'root ::= "a"'},
         {"response_format": {"type": "json_object"}},
+        {"chat_template_kwargs": {"enable_thinking": False}},
     ],
     ids=lambda field: next(iter(field)),
 )

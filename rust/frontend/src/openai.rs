@@ -79,7 +79,7 @@ fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
 }
 
 /// Request fields of the Python servers that this server does not serve yet.
-const NOT_SERVED_YET: [&str; 9] = [
+const NOT_SERVED_YET: [&str; 10] = [
     "echo",
     "tools",
     "tool_choice",
@@ -89,6 +89,7 @@ const NOT_SERVED_YET: [&str; 9] = [
     "guided_choice",
     "guided_grammar",
     "structured_outputs",
+    "chat_template_kwargs",
 ];
 
 /// A request refused before it reaches the engine: message, field, status (400 unless said).

@@ -1,24 +1,28 @@
-"""A Llama-family decoder (SmolLM2, Llama 2/3, Qwen2, Mistral, Qwen3, SmolLM3) built from
-tensor-parallel layers.
+"""A Llama-family decoder (SmolLM2, Llama 2/3, Qwen2, Mistral, Qwen3, SmolLM3, Phi-3/Phi-4-mini)
+built from tensor-parallel layers.
 
 Parameter names follow HF checkpoints except where projections are stacked (`qkv_proj`,
 `gate_up_proj`); `load_weights` maps checkpoint names onto them and lets each parameter's
 `weight_loader` take this rank's shard.
 
 What sets the family's members apart is a switch of `ArchConfig`: Qwen3's per-head q/k RMSNorm
-(`qk_norm`), SmolLM3's layers without RoPE (`rope_layers`). The modules and the C++ decoder
-stack (csrc/decoder_stack.cpp, `fuse_layers`) both take them, with the same kernels.
+(`qk_norm`), SmolLM3's layers without RoPE (`rope_layers`), Phi-3's partial rotary
+(`rotary_dim`: q and k heads stored reordered, rotary.py) and LongRoPE (the RoPE table). The
+modules and the C++ decoder stack (csrc/decoder_stack.cpp, `fuse_layers`) both take them, with
+the same kernels. Phi-3's fused `qkv_proj` and `gate_up_proj` are split at load into the parts
+each rank's shards are cut from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from rankcast.distributed import PipelineStage, TensorParallelGroup
+from rankcast.errors import ModelFormatError
 from rankcast.model import ops
 from rankcast.model.attention import AttentionMetadata, PagedAttention
 from rankcast.model.layers import (
@@ -33,7 +37,7 @@ from rankcast.model.layers import (
     default_weight_loader,
 )
 from rankcast.model.linear_kernels import ROWS_SPLIT
-from rankcast.model.rotary import RotaryEmbedding
+from rankcast.model.rotary import RotaryEmbedding, partial_rotary_order
 from rankcast.model_files.arch import ArchConfig
 
 # checkpoint suffix -> (stacked parameter suffix, shard id)
@@ -135,7 +139,17 @@ class LlamaForCausalLM(nn.Module):
         self.pp = pp or PipelineStage()
         self.start_layer, self.end_layer = self.pp.layer_range(arch.num_hidden_layers)
         self.rope = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+            arch.head_dim,
+            arch.max_position_embeddings,
+            arch.rope_theta,
+            arch.rope_scaling,
+            arch.rotary_dim,
+        )
+        # Partial rotary: the order each q and k head's values are stored in (rotary.py).
+        self.head_order = (
+            partial_rotary_order(arch.head_dim, arch.rotary_dim)
+            if arch.rotary_dim < arch.head_dim
+            else None
         )
         self.embed_tokens = (
             VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, self.tp)
@@ -320,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for ckpt_name, tensor in weights:
+        for ckpt_name, tensor in self._split_fused(weights):
             name = ckpt_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -335,6 +349,8 @@ class LlamaForCausalLM(nn.Module):
                 if f".{ckpt_part}." in name:
                     target, shard = name.replace(ckpt_part, param_part), shard_id
                     break
+            if self.head_order is not None and shard in ("q", "k"):
+                tensor = self._reorder_heads(tensor)
             if target not in params:
                 continue  # belongs to another stage (embedding, norm, head)
             param = params[target]
@@ -348,3 +364,48 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None and self.arch.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
+
+    def _split_fused(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Phi-3's fused projections as the parts rankcast's stacked ones are loaded from:
+        `qkv_proj` rows [q | k | v] (heads, kv heads, kv heads of head_dim) as q_proj, k_proj
+        and v_proj, `gate_up_proj` rows [gate | up] as gate_proj and up_proj, so each
+        tensor-parallel rank cuts its heads and columns from each part as from separate
+        checkpoint tensors. Everything else passes as it is."""
+        arch = self.arch
+        q = arch.num_attention_heads * arch.head_dim
+        kv = arch.num_key_value_heads * arch.head_dim
+        for name, tensor in weights:
+            module, _, suffix = name.rpartition(".")
+            prefix, _, fused = module.rpartition(".")
+            if fused == "qkv_proj" and prefix.endswith(".self_attn"):
+                if tensor.shape[0] != q + 2 * kv:
+                    raise ModelFormatError(
+                        f"{name}: {tensor.shape[0]} rows, not the {q + 2 * kv} of q, k and v "
+                        f"({arch.num_attention_heads} + 2 x {arch.num_key_value_heads} heads "
+                        f"of {arch.head_dim})"
+                    )
+                yield f"{prefix}.q_proj.{suffix}", tensor.narrow(0, 0, q)
+                yield f"{prefix}.k_proj.{suffix}", tensor.narrow(0, q, kv)
+                yield f"{prefix}.v_proj.{suffix}", tensor.narrow(0, q + kv, kv)
+            elif fused == "gate_up_proj" and prefix.endswith(".mlp"):
+                width = arch.intermediate_size
+                if tensor.shape[0] != 2 * width:
+                    raise ModelFormatError(
+                        f"{name}: {tensor.shape[0]} rows, not the 2 x {width} of gate and up "
+                        "(intermediate_size)"
+                    )
+                yield f"{prefix}.gate_proj.{suffix}", tensor.narrow(0, 0, width)
+                yield f"{prefix}.up_proj.{suffix}", tensor.narrow(0, width, width)
+            else:
+                yield name, tensor
+
+    def _reorder_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A q or k projection's rows (or bias), whole heads of head_dim, each head's values put
+        in `head_order` (partial rotary, rotary.py). The heads stay where they are, so each rank
+        cuts its own from the result as from the checkpoint's."""
+        assert self.head_order is not None
+        d = self.arch.head_dim
+        by_head = tensor.reshape(-1, d, *tensor.shape[1:])
+        return by_head[:, self.head_order].reshape(tensor.shape)

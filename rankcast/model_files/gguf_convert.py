@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -43,6 +44,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # Architectures whose Q and K rows llama.cpp's converter interleaves for its GGML_ROPE_TYPE_NORM
 # rotation (its LlamaModel and subclasses); Qwen2's and Qwen3's rotate as HF does (NEOX), as
@@ -51,6 +53,13 @@ _PERMUTED_QK = ("llama", "smollm3")
 # llama.cpp stores no key for SmolLM3's layers without RoPE: its loader hardcodes every 4th
 # (`n_no_rope_layer_step = 4`, layer i without when (i + 1) % 4 == 0), SmolLM3Config's default.
 _SMOLLM3_NO_ROPE_INTERVAL = 4
+
+# Phi-3 (llama.cpp's Phi3MiniModel writes the checkpoint's tensors as they are): q, k and v fused in
+# `attn_qkv`, and `ffn_up` holding gate_up_proj, gate and up rows both (there is no ffn_gate);
+# the model splits them at load. Its LongRoPE factors are the tensors `rope_factors_short` and
+# `rope_factors_long`, which go to config.json's rope_scaling.
+_PHI3_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_ROPE_FACTORS = {"rope_factors_short": "short_factor", "rope_factors_long": "long_factor"}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -87,11 +96,14 @@ def cached_model_dir(path: Path) -> Path:
     return envs.cache_dir() / "gguf" / f"{path.stem}-{cache_key(path)}"
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """Map a GGUF tensor name (`blk.3.attn_q.weight`) to its HF name, or None if unknown."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Map a GGUF tensor name (`blk.3.attn_q.weight`) of a file of `arch` to its HF name, or
+    None if unknown."""
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, index, kind = base.split(".", 2)
+        if arch == "phi3" and kind in _PHI3_TENSORS:
+            return f"model.layers.{index}.{_PHI3_TENSORS[kind]}.{suffix}"
         if kind in _LAYER_TENSORS:
             return f"model.layers.{index}.{_LAYER_TENSORS[kind]}.{suffix}"
         return None
@@ -165,13 +177,50 @@ def _read_config(reader: Any, path: Path, tensor_names: set[str]) -> dict[str, A
     config["head_dim"] = key_length
     if arch == "smollm3":
         config["no_rope_layer_interval"] = _SMOLLM3_NO_ROPE_INTERVAL
+    if arch == "phi3":
+        _read_phi3_config(reader, path, config)
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling and scaling != "none":
+    if scaling and scaling != "none" and "rope_scaling" not in config:
         config["rope_scaling"] = {
             "rope_type": scaling,
             "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
         }
     return config
+
+
+def _read_phi3_config(reader: Any, path: Path, config: dict[str, Any]) -> None:
+    """What llama.cpp's converter writes of a Phi3Config: the rotated width
+    (`phi3.rope.dimension_count`, int(partial_rotary_factor * hidden) // heads), the original
+    context (`phi3.rope.scaling.original_context_length`), the window (`phi3.attention.
+    sliding_window`, 0 for none), and with LongRoPE its factors as two tensors and the
+    attention factor it computed (`phi3.rope.scaling.attn_factor`)."""
+    head_dim = config["head_dim"]
+    rotary = int(_field(reader, "phi3.rope.dimension_count", head_dim))
+    factor = rotary / head_dim
+    if int(head_dim * factor) != rotary:  # read back as transformers does: int(head_dim * f)
+        factor = math.nextafter(factor, math.inf)
+    config["partial_rotary_factor"] = factor
+    original = _field(reader, "phi3.rope.scaling.original_context_length")
+    if original is not None:
+        config["original_max_position_embeddings"] = int(original)
+    window = int(_field(reader, "phi3.attention.sliding_window", 0))
+    config["sliding_window"] = window if window > 0 else None
+    factors = {}
+    for tensor in reader.tensors:
+        if tensor.name.removesuffix(".weight") in _ROPE_FACTORS:
+            key = _ROPE_FACTORS[tensor.name.removesuffix(".weight")]
+            factors[key] = [float(x) for x in tensor.data.reshape(-1)]
+    if not factors:
+        return
+    if len(factors) != 2 or original is None:
+        raise ModelFormatError(
+            f"{path}: a phi3 GGUF with LongRoPE needs rope_factors_short, rope_factors_long "
+            "and phi3.rope.scaling.original_context_length"
+        )
+    config["rope_scaling"] = {"rope_type": "longrope", **factors}
+    attn_factor = _field(reader, "phi3.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        config["rope_scaling"]["attention_factor"] = float(attn_factor)
 
 
 def _dequantize(
@@ -186,7 +235,7 @@ def _dequantize(
     for tensor in tqdm(
         reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=envs.disable_progress()
     ):
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
@@ -343,7 +392,16 @@ def open_gguf(path: Path) -> Any:
 
 
 # The decoder layers' projections in a GGUF file's names: what `native_quantization` looks at.
-_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_PROJECTIONS = (
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_qkv",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
 # GGUF tensor types rankcast multiplies as they are stored (`--quantization` of the same name).
 _NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}

@@ -1,6 +1,6 @@
-"""Tiny random-weight checkpoints of the Llama family's other members (Qwen3, SmolLM3), built
-with transformers' own config and model classes, and the GGUF file llama.cpp's converter would
-write from one: what test_qwen3.py and test_smollm3.py hold rankcast to."""
+"""Tiny random-weight checkpoints of the Llama family's other members (Qwen3, SmolLM3, Phi-3),
+built with transformers' own config and model classes, and the GGUF file llama.cpp's converter
+would write from one: what test_qwen3.py, test_smollm3.py and test_phi3.py hold rankcast to."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def write_checkpoint(
     config_class, model_class = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     model = model_class(config_class(**{**TINY, **overrides}))
@@ -81,7 +82,11 @@ def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> P
 
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
-    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "smollm3": gguf.MODEL_ARCH.SMOLLM3}[model_type]
+    arch = {
+        "qwen3": gguf.MODEL_ARCH.QWEN3,
+        "smollm3": gguf.MODEL_ARCH.SMOLLM3,
+        "phi3": gguf.MODEL_ARCH.PHI3,
+    }[model_type]
     layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(path), model_type)
@@ -96,6 +101,8 @@ def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> P
     if "head_dim" in config:  # llama.cpp writes it where the HF config names one
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
+    if model_type == "phi3":
+        _add_phi3_metadata(writer, config)
     for field in open_gguf(tokenizer_gguf).fields.values():
         if field.name.startswith("tokenizer."):
             sub_type = field.types[-1] if len(field.types) > 1 else None
@@ -116,6 +123,28 @@ def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> P
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_phi3_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """What llama.cpp's Phi3MiniModel adds: the rotated width, the original context, the window
+    (0 for none) and, with LongRoPE, the attention factor it computes and the two factor
+    tensors."""
+    import math
+
+    rope = config["rope_parameters"]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    original = rope.get("original_max_position_embeddings", config["max_position_embeddings"])
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("long_factor"):
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        )
+        for key, name in (("long_factor", "long"), ("short_factor", "short")):
+            values = np.asarray(rope[key], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{name}.weight", values)
 
 
 def stack_expected(dtype: torch.dtype) -> bool:

@@ -18,12 +18,17 @@ from typing import Any
 import torch
 
 from rankcast.errors import ClientError
+from rankcast.model.rotary import partial_rotary_order
 from rankcast.model_files.arch import ArchConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target.
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's fused projections, which its adapters target: one A shared by the parts, B's rows the
+# parts' in order. Read as the parts (`_split_fused`), as the model loads its own weights.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
 
 class LoRAAdapterError(ClientError):
@@ -76,11 +81,14 @@ class LoRAAdapter:
 
 
 def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each targetable projection, unsharded."""
+    """(in_features, out_features) of each targetable projection, unsharded (with Phi-3's
+    fused ones, for the architectures that have them)."""
     q = arch.num_attention_heads * arch.head_dim
     kv = arch.num_key_value_heads * arch.head_dim
     hidden, inter = arch.hidden_size, arch.intermediate_size
+    fused = {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter)}
     return {
+        **(fused if arch.architecture in _FUSED_ARCHITECTURES else {}),
         "q_proj": (hidden, q),
         "k_proj": (hidden, kv),
         "v_proj": (hidden, kv),
@@ -215,10 +223,10 @@ def inspect_peft_adapter(
         if parsed is None:
             raise LoRAAdapterError(f"{weights_path}: unexpected tensor {key!r}")
         layer, module, half = parsed
-        if module not in TARGETABLE:
+        if module not in shapes:
             raise LoRAAdapterError(
                 f"{weights_path}: {key!r} targets {module!r}; the model's targetable modules are "
-                f"{', '.join(TARGETABLE)}"
+                f"{', '.join(shapes)}"
             )
         if not 0 <= layer < arch.num_hidden_layers:
             raise LoRAAdapterError(
@@ -234,7 +242,10 @@ def inspect_peft_adapter(
             )
         keys[key] = parsed
         halves.setdefault((layer, module), set()).add(half)
-        nbytes += 4 * math.prod(shape)
+        # A fused projection's A is read once for each of its parts.
+        nbytes += (
+            4 * math.prod(shape) * (len(FUSED[module]) if module in FUSED and half == "A" else 1)
+        )
     if not halves:
         raise LoRAAdapterError(f"{weights_path}: holds no LoRA tensors")
     for (layer, module), pair in sorted(halves.items()):
@@ -273,4 +284,39 @@ def load_peft_adapter(
         (layer, module): LoRAWeights(pair["A"].contiguous(), pair["B"].contiguous())
         for (layer, module), pair in sorted(halves.items())
     }
-    return LoRAAdapter(name, meta.path, meta.rank, meta.scaling, weights)
+    return LoRAAdapter(name, meta.path, meta.rank, meta.scaling, _split_fused(weights, arch))
+
+
+def _split_fused(
+    weights: dict[tuple[int, str], LoRAWeights], arch: ArchConfig
+) -> dict[tuple[int, str], LoRAWeights]:
+    """The adapter as the model's parts: a fused projection's pair as one pair per part (the
+    shared A, that part's rows of B), and where the model stores its q and k heads reordered
+    (partial rotary, rankcast/model/rotary.py) the q and k rows of B in the same order, so each
+    delta lands on the values it was made for."""
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    sizes |= {"gate_proj": arch.intermediate_size, "up_proj": arch.intermediate_size}
+    order = (
+        partial_rotary_order(arch.head_dim, arch.rotary_dim)
+        if arch.rotary_dim < arch.head_dim
+        else None
+    )
+    out: dict[tuple[int, str], LoRAWeights] = {}
+    for (layer, module), pair in weights.items():
+        if module in FUSED:
+            offset = 0
+            for part in FUSED[module]:
+                rows = pair.b.narrow(0, offset, sizes[part]).contiguous()
+                out[(layer, part)] = LoRAWeights(pair.a, rows)
+                offset += sizes[part]
+        else:
+            out[(layer, module)] = pair
+    if order is not None:
+        d = arch.head_dim
+        for (layer, module), pair in list(out.items()):
+            if module in ("q_proj", "k_proj"):
+                b = pair.b.reshape(-1, d, pair.b.shape[1])[:, order].reshape(pair.b.shape)
+                out[(layer, module)] = LoRAWeights(pair.a, b.contiguous())
+    return out

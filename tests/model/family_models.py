@@ -70,11 +70,15 @@ def permute_for_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> Path:
+def write_llama_cpp_gguf(
+    path: Path, model_dir: Path, tokenizer_gguf: Path, projections: str = "F32"
+) -> Path:
     """`model_dir` as a float32 GGUF file named as llama.cpp's convert_hf_to_gguf.py names it:
     `general.architecture` the model type, its metadata keys, tensor names from gguf's own
     TensorNameMap (not rankcast's table), Q and K permuted where llama.cpp permutes them, and
-    the tokenizer of `tokenizer_gguf`. Norms stay float32, as llama.cpp keeps them."""
+    the tokenizer of `tokenizer_gguf`. Norms stay float32, as llama.cpp keeps them; the decoder
+    layers' projections are stored as `projections` (a GGML type name: "Q8_0" as
+    llama-quantize would write them)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -117,7 +121,11 @@ def write_llama_cpp_gguf(path: Path, model_dir: Path, tokenizer_gguf: Path) -> P
             array = permute_for_llama_cpp(array, heads)
         elif permutes and name.endswith("k_proj.weight"):
             array = permute_for_llama_cpp(array, kv_heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        if projections != "F32" and gguf_name.startswith("blk.") and array.ndim == 2:
+            kind = gguf.GGMLQuantizationType[projections]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

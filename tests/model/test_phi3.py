@@ -311,3 +311,59 @@ def test_a_fused_projection_of_the_wrong_size_is_refused_naming_it(
     arch = ArchConfig.from_model_dir(broken)
     with pytest.raises(ModelFormatError, match=r"layers\.0\.self_attn\.qkv_proj\.weight: 256 rows"):
         load_model(broken, arch, torch.float32, torch.device("cpu"))
+
+
+def test_pipeline_stages_and_a_quantized_gguf(
+    longrope_dir: Path, embedded_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At PP=2 each stage builds its own table and reorders its own layers' heads: transformers'
+    tokens. A file whose projections llama-quantize made Q8_0 (the fused attn_qkv and ffn_up
+    among them) is served with its own weights (`native_quantization`), rows split and reordered
+    within whole quantization blocks."""
+    from rankcast import LLM, SamplingParams
+    from rankcast.model_files.gguf_convert import native_quantization
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine = {"dtype": "float32", "kv_cache_space_gib": 0.05}
+    reference = _cached_greedy(longrope_dir, PROMPTS, ORIGINAL)
+    with LLM(str(longrope_dir), pipeline_parallel_size=2, **engine) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == reference
+    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_cpp_gguf(tmp_path / "q8.gguf", longrope_dir, embedded_gguf, "Q8_0")
+    assert native_quantization(path) == "q8_0"
+    with LLM(str(path), quantization="auto", **engine) as llm:
+        outputs = llm.generate(PROMPTS, greedy)
+    assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outputs)
+
+
+def test_a_peft_adapter_on_the_fused_projections(phi3_dir: Path, tmp_path: Path) -> None:
+    """An adapter peft makes for Phi-3 targets its fused qkv_proj and gate_up_proj: read as
+    the parts (B's rows split, q and k rows in the model's head order), it generates what
+    transformers with peft generates, at TP=1 and TP=2."""
+    import peft
+    import transformers
+
+    from rankcast import LLM, LoRARequest, SamplingParams
+    from tests.conftest import reference_greedy
+
+    torch.manual_seed(3)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(phi3_dir), dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+        lora_dropout=0.0,
+        init_lora_weights=False,  # B not zero: a delta that shows
+    )
+    adapter = tmp_path / "phi3-lora"
+    peft.get_peft_model(base, config).save_pretrained(str(adapter))
+    prompt = PROMPTS[0]
+    want = reference_greedy(phi3_dir, prompt, 16, adapter)
+    assert want != reference_greedy(phi3_dir, prompt, 16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    options = {"dtype": "float32", "kv_cache_space_gib": 0.05, "enable_lora": True}
+    for tp in (1, 2):
+        with LLM(str(phi3_dir), tensor_parallel_size=tp, max_lora_rank=8, **options) as llm:
+            request = LoRARequest("phi3-lora", str(adapter))
+            out = llm.generate([prompt], greedy, lora_request=request)
+        assert list(out[0].outputs[0].token_ids) == want, tp

@@ -293,11 +293,16 @@ def assert_gguf_converts_to_the_checkpoint(gguf_path: Path, model_dir: Path) -> 
 
 
 def assert_served_at_tp2(model: Path, tokenizer_dir: Path, reference: list[list[int]]) -> None:
-    """`rankcast serve MODEL --tensor-parallel-size 2` answers transformers' greedy tokens."""
+    """`rankcast serve MODEL --tensor-parallel-size 2` with a Python and a Rust API server: each
+    server answers transformers' greedy tokens, whole and streamed."""
+    import json as json_module
+    import time
+
     import httpx
 
     from rankcast.tokenizer import load_tokenizer
     from tests.entrypoints.server_process import ServerProcess
+    from tests.frontend_rust.rust_fleet import frontend_env
 
     tokenizer = load_tokenizer(tokenizer_dir)
     server = ServerProcess(
@@ -309,10 +314,36 @@ def assert_served_at_tp2(model: Path, tokenizer_dir: Path, reference: list[list[
         "--tensor-parallel-size",
         "2",
         api_server_count=1,
+        rust_api_server_count=1,
+        env=frontend_env(),
     )
-    with server.running(), httpx.Client(base_url=server.url, timeout=60) as http:
+
+    def answer(body: dict[str, Any]) -> tuple[str, str]:
+        """(the answering server, the text), on a fresh connection."""
+        url = f"{server.url}/v1/completions"
+        if not body.get("stream"):
+            reply = httpx.post(url, json=body, timeout=60)
+            data = reply.json()
+            assert data["usage"]["completion_tokens"] == NEW_TOKENS
+            return reply.headers["x-rankcast-api-server"], data["choices"][0]["text"]
+        text = ""
+        with httpx.stream("POST", url, json=body, timeout=60) as reply:
+            who = reply.headers["x-rankcast-api-server"]
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    text += json_module.loads(line[6:])["choices"][0]["text"]
+        return who, text
+
+    with server.running():
         for prompt, want in zip(PROMPTS, reference, strict=True):
-            body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
-            reply = http.post("/v1/completions", json={**body, "ignore_eos": True}).json()
-            assert reply["usage"]["completion_tokens"] == NEW_TOKENS
-            assert reply["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+            expected = tokenizer.decode(want, skip_special_tokens=True)
+            for stream in (False, True):
+                body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+                body.update(ignore_eos=True, stream=stream)
+                answered: dict[str, str] = {}
+                deadline = time.monotonic() + 60
+                while set(answered) != {"0", "1"}:  # the Python server, then the Rust one
+                    assert time.monotonic() < deadline, f"answered only by {sorted(answered)}"
+                    who, text = answer(body)
+                    answered[who] = text
+                assert answered == {"0": expected, "1": expected}, (stream, answered)

@@ -347,3 +347,35 @@ def assert_served_at_tp2(model: Path, tokenizer_dir: Path, reference: list[list[
                     who, text = answer(body)
                     answered[who] = text
                 assert answered == {"0": expected, "1": expected}, (stream, answered)
+
+
+def assert_peft_adapter_matches(
+    model_dir: Path, adapter: Path, target_modules: list[str], prompt: list[int]
+) -> None:
+    """An adapter peft makes for the architecture (B not zero, so its delta shows) generates
+    what transformers with peft generates, at TP=1 and TP=2."""
+    import peft
+    import transformers
+
+    from rankcast import LLM, LoRARequest, SamplingParams
+    from tests.conftest import reference_greedy
+
+    torch.manual_seed(3)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=target_modules,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+    )
+    peft.get_peft_model(base, config).save_pretrained(str(adapter))
+    want = reference_greedy(model_dir, prompt, 16, adapter)
+    assert want != reference_greedy(model_dir, prompt, 16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    options = {"dtype": "float32", "kv_cache_space_gib": 0.05, "enable_lora": True}
+    for tp in (1, 2):
+        with LLM(str(model_dir), tensor_parallel_size=tp, max_lora_rank=8, **options) as llm:
+            request = LoRARequest(adapter.name, str(adapter))
+            out = llm.generate([prompt], greedy, lora_request=request)
+        assert list(out[0].outputs[0].token_ids) == want, tp

@@ -24,6 +24,7 @@ from tests.model.family_models import (
     assert_gguf_converts_to_the_checkpoint,
     assert_greedy_whole_chunked_and_cached,
     assert_logits_match_transformers,
+    assert_peft_adapter_matches,
     assert_served_at_tp2,
     stack_and_modules_logits,
     stack_expected,
@@ -340,30 +341,9 @@ def test_a_peft_adapter_on_the_fused_projections(phi3_dir: Path, tmp_path: Path)
     """An adapter peft makes for Phi-3 targets its fused qkv_proj and gate_up_proj: read as
     the parts (B's rows split, q and k rows in the model's head order), it generates what
     transformers with peft generates, at TP=1 and TP=2."""
-    import peft
-    import transformers
-
-    from rankcast import LLM, LoRARequest, SamplingParams
-    from tests.conftest import reference_greedy
-
-    torch.manual_seed(3)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(phi3_dir), dtype=torch.float32)
-    config = peft.LoraConfig(
-        r=4,
-        lora_alpha=8,
-        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-        lora_dropout=0.0,
-        init_lora_weights=False,  # B not zero: a delta that shows
+    assert_peft_adapter_matches(
+        phi3_dir,
+        tmp_path / "phi3-lora",
+        ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+        PROMPTS[0],
     )
-    adapter = tmp_path / "phi3-lora"
-    peft.get_peft_model(base, config).save_pretrained(str(adapter))
-    prompt = PROMPTS[0]
-    want = reference_greedy(phi3_dir, prompt, 16, adapter)
-    assert want != reference_greedy(phi3_dir, prompt, 16)
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    options = {"dtype": "float32", "kv_cache_space_gib": 0.05, "enable_lora": True}
-    for tp in (1, 2):
-        with LLM(str(phi3_dir), tensor_parallel_size=tp, max_lora_rank=8, **options) as llm:
-            request = LoRARequest("phi3-lora", str(adapter))
-            out = llm.generate([prompt], greedy, lora_request=request)
-        assert list(out[0].outputs[0].token_ids) == want, tp

@@ -22,6 +22,7 @@ from tests.model.family_models import (
     assert_gguf_converts_to_the_checkpoint,
     assert_greedy_whole_chunked_and_cached,
     assert_logits_match_transformers,
+    assert_peft_adapter_matches,
     assert_served_at_tp2,
     reference_greedy_all,
     stack_and_modules_logits,
@@ -153,3 +154,14 @@ def test_a_llama_cpp_gguf_served_at_tp2(
     config = json.loads((converted / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 32
     assert_served_at_tp2(gguf_path, qwen3_dir, reference)
+
+
+def test_a_peft_adapter_on_every_projection(qwen3_dir: Path, tmp_path: Path) -> None:
+    """A peft adapter for Qwen3 generates transformers + peft's tokens at TP=1 and TP=2 (its
+    q/k norms apply after the adapter's delta, as peft's wrapped q_proj and k_proj give)."""
+    assert_peft_adapter_matches(
+        qwen3_dir,
+        tmp_path / "lora",
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        PROMPTS[0],
+    )

@@ -23,6 +23,7 @@ from tests.model.family_models import (
     assert_gguf_converts_to_the_checkpoint,
     assert_greedy_whole_chunked_and_cached,
     assert_logits_match_transformers,
+    assert_peft_adapter_matches,
     assert_served_at_tp2,
     reference_greedy_all,
     stack_and_modules_logits,
@@ -141,3 +142,14 @@ def test_pipeline_stages_keep_each_layers_rope_switch(
     with LLM(str(smollm3_dir), pipeline_parallel_size=2, **ENGINE) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert got == reference
+
+
+def test_a_peft_adapter_on_every_projection(smollm3_dir: Path, tmp_path: Path) -> None:
+    """A peft adapter for SmolLM3 (layers without RoPE included) generates transformers +
+    peft's tokens at TP=1 and TP=2."""
+    assert_peft_adapter_matches(
+        smollm3_dir,
+        tmp_path / "lora",
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        PROMPTS[0],
+    )

@@ -112,6 +112,12 @@ class ArchConfig:
                 rope = _longrope(cfg, rope, rotary_dim, max_positions, source)
                 attention_bias = False  # Phi3Attention's projections never have one
                 max_positions = _windowed_context(cfg, max_positions, source)
+            elif arch == "MistralForCausalLM" or (
+                arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window")
+            ):
+                # Their config classes apply the window (Mistral whenever it is set, Qwen2
+                # only with use_sliding_window): capped like Phi-3's, never ignored.
+                max_positions = _windowed_context(cfg, max_positions, source)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -169,7 +175,7 @@ def _refuse_unsupported(cfg: dict[str, Any], arch: str, source: str) -> None:
     if cfg.get("mlp_bias"):
         raise ModelFormatError(f"{source}: mlp_bias = true is not supported (no MLP biases)")
     # Their config classes apply a window only with both set. (Qwen2's and Mistral's windows
-    # are still ignored, as before.)
+    # cap the context: `_windowed_context`.)
     if arch == "Phi3ForCausalLM" and cfg.get("hidden_act", "silu") != "silu":
         raise ModelFormatError(
             f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (the MLP is SiLU's)"
@@ -282,7 +288,8 @@ def _longrope(
 
 
 def _windowed_context(cfg: dict[str, Any], max_positions: int, source: str) -> int:
-    """Phi-3's context under its `sliding_window` (Phi-3-mini-4k: 2047 of 4096). Every layer
+    """The context under a `sliding_window` (Phi-3-mini-4k: 2047 of 4096; Mistral 7B v0.1:
+    4096 of 32768; Qwen2 with `use_sliding_window`). Every layer
     here attends to the whole context, which is the window's attention exactly while a
     sequence is no longer than the window: so the context is capped at the window rather than
     the model refused (Phi-3.5 and Phi-4-mini set a window beyond their context: no cap)."""

@@ -176,3 +176,29 @@ def test_bfloat16_decode_through_fused_layers_matches_the_modules(tmp_path: Path
     modules = runner.compute_logits(step)
     assert stack is not None
     torch.testing.assert_close(fused, modules, atol=2e-2, rtol=2e-2)
+
+
+def test_a_mistral_or_qwen2_sliding_window_caps_the_context_instead_of_being_ignored() -> None:
+    """Every layer attends to the whole context, which is a window's attention exactly while a
+    sequence is no longer than the window: Mistral's window (set: applied, as MistralConfig
+    does) and Qwen2's (only with use_sliding_window) cap the context rather than being ignored
+    and answering differently beyond it."""
+    from rankcast.model_files.arch import ArchConfig
+
+    base = {
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 32768,
+    }
+    mistral = {**base, "architectures": ["MistralForCausalLM"]}
+    assert ArchConfig.from_dict({**mistral, "sliding_window": 4096}).max_position_embeddings == 4096
+    assert (
+        ArchConfig.from_dict({**mistral, "sliding_window": None}).max_position_embeddings == 32768
+    )
+    qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
+    assert ArchConfig.from_dict(qwen2).max_position_embeddings == 32768
+    windowed = {**qwen2, "use_sliding_window": True}
+    assert ArchConfig.from_dict(windowed).max_position_embeddings == 4096

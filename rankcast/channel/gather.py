@@ -193,8 +193,3 @@ class EngineNotificationChannel:
                 observe(n)
             raws.append(msgspec.Raw(self.encoder.encode(n)))
         return raws
-
-    def last_engine_seq(self) -> int:
-        """The `engine_seq` of the last event flushed: a snapshot taken now includes it, and the
-        stream continues after it."""
-        return self.next_engine_seq - 1

@@ -146,9 +146,9 @@ MUTANTS = [
     Mutant(
         "snapshot-seq-off-by-one",
         "8 A late API server continues exactly after its snapshot",
-        "rankcast/channel/gather.py",
-        "        return self.next_engine_seq - 1",
-        "        return self.next_engine_seq",
+        "rankcast/channel/view.py",
+        "        self.engine_seq = max(self.engine_seq, n.engine_seq)",
+        "        self.engine_seq = max(self.engine_seq, n.engine_seq + 1)",
         (SERVED,),
     ),
     Mutant(

@@ -41,6 +41,8 @@ class AttentionMetadata:
     from_scratch: bool
     # Rotary cos|sin rows of the whole table, shared by every layer (set by the model).
     cos_sin: torch.Tensor | None = field(default=None)
+    # Gemma 3: the table of its sliding-window layers' own RoPE base (set by the model).
+    local_cos_sin: torch.Tensor | None = field(default=None)
     # `positions` for layers without RoPE: every token at 0 (made on first use, once a step).
     unrotated_positions: torch.Tensor | None = field(default=None)
 
@@ -58,28 +60,40 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     """Rotates q and k (unless the layer has no RoPE), writes the step's K/V into the cache, then
-    attends."""
+    attends: over the whole context, or with a sliding `window` over the last `window`
+    positions (each query included), the layer's RoPE table the model's main one or, with
+    `local_rope`, its local layers' (Gemma 3)."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, rotates: bool = True
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotates: bool = True,
+        scale: float | None = None,
+        window: int = 0,
+        local_rope: bool = False,
     ) -> None:
         super().__init__()
         self.rotates = rotates
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.window = window
+        self.local_rope = local_rope
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
 
     def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) D], the fused projection's output -> [T, H*D]."""
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        assert meta.cos_sin is not None
+        cos_sin = meta.local_cos_sin if self.local_rope else meta.cos_sin
+        assert cos_sin is not None
         ops.rotary_embedding_cache(
             qkv,
             meta.positions_for(self.rotates),
-            meta.cos_sin,
+            cos_sin,
             self.key_cache,
             self.value_cache,
             meta.slot_mapping,
@@ -106,13 +120,15 @@ class PagedAttention(nn.Module):
             meta.query_start,
             self.scale,
             meta.query_lens,
+            self.window,
         )
         return out.view(-1, heads * d)
 
     def _prompts(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int]
     ) -> torch.Tensor:
-        """Whole prompts from position 0: causal attention over their own K/V, one SDPA each."""
+        """Whole prompts from position 0: causal attention over their own K/V (within the
+        window, if the layer has one), one SDPA each."""
         outputs = []
         start = 0
         for length in query_lens:
@@ -120,9 +136,17 @@ class PagedAttention(nn.Module):
             qs = q[start:end].transpose(0, 1).unsqueeze(0)
             ks = k[start:end].transpose(0, 1).unsqueeze(0)
             vs = v[start:end].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
-            )
+            if self.window and length > self.window:
+                i = torch.arange(length, device=q.device)
+                behind = i[:, None] - i[None, :]
+                visible = (behind >= 0) & (behind < self.window)
+                out = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=visible, scale=self.scale, enable_gqa=True
+                )
+            else:
+                out = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
+                )
             outputs.append(out.squeeze(0).transpose(0, 1))
             start = end
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

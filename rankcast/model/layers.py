@@ -133,13 +133,36 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add, computed in float32 like the reference."""
+    """RMSNorm with an optional fused residual add, computed in float32 like the reference.
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    With a `weight_offset` (Gemma's 1: the norm scales by 1 + w), the weight is kept as
+    offset + w in float32, formed once at load as the reference forms it at each call, and the
+    normalised values are scaled by it before they are rounded to the activations' dtype
+    (Gemma's order; Llama's rounds first). In float32 that is the kernels' arithmetic exactly."""
+
+    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        _attach_loader(self.weight, default_weight_loader)
+        self.weight_offset = weight_offset
+        if weight_offset:
+            self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
+            _attach_loader(self.weight, self._load_offset_weight)
+        else:
+            self.weight = nn.Parameter(torch.ones(hidden_size))
+            _attach_loader(self.weight, default_weight_loader)
+
+    def _load_offset_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != param.shape:
+            raise ValueError(
+                f"norm: checkpoint has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+            )
+        param.data.copy_(loaded.float() + self.weight_offset)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """rms_norm(x) * weight, without a residual (rows of x)."""
+        if self.weight.dtype == x.dtype:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm_scaled_in_float(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -150,8 +173,11 @@ class RMSNorm(nn.Module):
         it over): that saves a temporary per layer on the hot path.
         """
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps), x
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.normalize(x), x
+        if self.weight.dtype == x.dtype:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self.normalize(total), total
 
 
 class ColumnParallelLinear(PackedLinearMixin, nn.Module):

@@ -1,5 +1,5 @@
-"""A Llama-family decoder (SmolLM2, Llama 2/3, Qwen2, Mistral, Qwen3, SmolLM3, Phi-3/Phi-4-mini)
-built from tensor-parallel layers.
+"""A Llama-family decoder (SmolLM2, Llama 2/3, Qwen2, Mistral, Qwen3, SmolLM3, Phi-3/Phi-4-mini,
+Gemma 3) built from tensor-parallel layers.
 
 Parameter names follow HF checkpoints except where projections are stacked (`qkv_proj`,
 `gate_up_proj`); `load_weights` maps checkpoint names onto them and lets each parameter's
@@ -7,10 +7,13 @@ Parameter names follow HF checkpoints except where projections are stacked (`qkv
 
 What sets the family's members apart is a switch of `ArchConfig`: Qwen3's per-head q/k RMSNorm
 (`qk_norm`), SmolLM3's layers without RoPE (`rope_layers`), Phi-3's partial rotary
-(`rotary_dim`: q and k heads stored reordered, rotary.py) and LongRoPE (the RoPE table). The
-modules and the C++ decoder stack (csrc/decoder_stack.cpp, `fuse_layers`) both take them, with
-the same kernels. Phi-3's fused `qkv_proj` and `gate_up_proj` are split at load into the parts
-each rank's shards are cut from.
+(`rotary_dim`: q and k heads stored reordered, rotary.py) and LongRoPE (the RoPE table), sliding
+windows per layer (`layer_windows`). The modules and the C++ decoder stack
+(csrc/decoder_stack.cpp, `fuse_layers`) both take them, with the same kernels. Gemma 3's block
+(four norms scaling by 1 + w, GeGLU, scaled embeddings, a second RoPE table for its local layers,
+soft-capped logits) runs on the modules only (`ArchConfig.decoder_stack_runs_it`). Phi-3's
+fused `qkv_proj` and `gate_up_proj` are split at load into the parts each rank's shards are cut
+from.
 """
 
 from __future__ import annotations
@@ -65,15 +68,20 @@ class LlamaAttention(nn.Module):
             arch.num_attention_heads * arch.head_dim, arch.hidden_size, arch.output_bias, tp
         )
         self.head_dim = arch.head_dim
-        # Qwen3: one weight of head_dim each, shared by the heads, so every tensor-parallel rank
-        # holds it whole and normalises its own heads.
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        # Qwen3, Gemma 3: one weight of head_dim each, shared by the heads, so every
+        # tensor-parallel rank holds it whole and normalises its own heads.
+        offset = arch.norm_weight_offset
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, offset) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, offset) if arch.qk_norm else None
+        window = arch.window(layer)
         self.attn = PagedAttention(
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
             arch.head_dim,
             rotates=arch.rope_layers[layer],
+            scale=arch.attention_scale,
+            window=window,
+            local_rope=bool(window) and arch.local_rope_theta is not None,
         )
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -83,11 +91,21 @@ class LlamaAttention(nn.Module):
             by_head = (-1, self.head_dim)
             q = qkv[:, :q_size].unflatten(1, by_head)
             k = qkv[:, q_size : q_size + kv_size].unflatten(1, by_head)
-            ops.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
-            ops.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
+            _normalize_heads_(q, self.q_norm)
+            _normalize_heads_(k, self.k_norm)
         # nn.Module.__call__ is typed as returning Any; o_proj's forward returns a Tensor.
         out: torch.Tensor = self.o_proj(self.attn(qkv, meta))
         return out
+
+
+def _normalize_heads_(heads: torch.Tensor, norm: RMSNorm) -> None:
+    """RMSNorm of each head of `heads` [T, H, D] (a view into the fused projection's output) over
+    its D values, in place: one weight of D shared by the heads (`ops.head_rms_norm_`, or
+    Gemma's (1 + w) norm where its float32 weight differs from the activations' dtype)."""
+    if norm.weight.dtype == heads.dtype:
+        ops.head_rms_norm_(heads, norm.weight, norm.eps)
+    else:
+        heads.copy_(norm.normalize(heads.reshape(-1, heads.shape[-1])).view(heads.shape))
 
 
 class LlamaMLP(nn.Module):
@@ -97,27 +115,47 @@ class LlamaMLP(nn.Module):
             arch.hidden_size, [arch.intermediate_size] * 2, False, tp
         )
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, False, tp)
+        self.act_and_mul = (
+            ops.gelu_tanh_and_mul if arch.hidden_activation == "gelu_tanh" else ops.silu_and_mul
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         return out
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Llama's block: input norm, attention, then the norm before the MLP (HF's
+    `post_attention_layernorm`), each adding the residual stream as it normalises. With
+    `sandwich_norms` (Gemma 3), attention's and the MLP's outputs are normalised too before
+    they join the stream: `post_attention_layernorm` is then that norm, and
+    `pre_feedforward_layernorm` the one before the MLP."""
+
     def __init__(self, arch: ArchConfig, tp: TensorParallelGroup, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, tp, layer)
         self.mlp = LlamaMLP(arch, tp)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        width, eps, offset = arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset
+        self.input_layernorm = RMSNorm(width, eps, offset)
+        self.post_attention_layernorm = RMSNorm(width, eps, offset)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if arch.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(width, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(width, eps, offset)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden, _ = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden, _ = self.post_feedforward_layernorm(self.mlp(hidden))
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -145,6 +183,14 @@ class LlamaForCausalLM(nn.Module):
             arch.rope_scaling,
             arch.rotary_dim,
         )
+        # Gemma 3's local layers: plain RoPE with their own base.
+        self.local_rope = (
+            RotaryEmbedding(
+                arch.head_dim, arch.max_position_embeddings, arch.local_rope_theta, None
+            )
+            if arch.local_rope_theta is not None and arch.layer_windows
+            else None
+        )
         # Partial rotary: the order each q and k head's values are stored in (rotary.py).
         self.head_order = (
             partial_rotary_order(arch.head_dim, arch.rotary_dim)
@@ -162,7 +208,11 @@ class LlamaForCausalLM(nn.Module):
                 for i in range(self.start_layer, self.end_layer)
             }
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.pp.is_last else None
+        self.norm = (
+            RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset)
+            if self.pp.is_last
+            else None
+        )
         self.lm_head: ParallelLMHead | None = None
         if self.pp.is_last:
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, self.tp)
@@ -201,7 +251,12 @@ class LlamaForCausalLM(nn.Module):
         self.stack_adds_deltas = False
         self.fused_max_rows = None
         layers = self.decoder_layers()
-        if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
+        if (
+            self.tp.size != 1
+            or not layers
+            or not self.arch.decoder_stack_runs_it
+            or not ops.can_fuse_layers(layers[0].self_attn.attn)
+        ):
             return False
         projections: list[list[ops.PackedWeight]] = []
         for layer in layers:
@@ -255,6 +310,7 @@ class LlamaForCausalLM(nn.Module):
                 attn.q_norm.weight.detach() if attn.q_norm is not None else None,
                 attn.k_norm.weight.detach() if attn.k_norm is not None else None,
                 attn.attn.rotates,
+                attn.attn.window,
             )
         self.stack_adds_deltas = self._hand_deltas_to(stack, layers)
         self.fused_layers = stack
@@ -298,10 +354,15 @@ class LlamaForCausalLM(nn.Module):
         if self.pp.is_first:
             assert self.embed_tokens is not None and input_ids is not None
             hidden, residual = self.embed_tokens(input_ids), None
+            if self.arch.embedding_multiplier != 1.0:
+                # In the embeddings' dtype, as Gemma's reference scales them.
+                hidden = hidden * torch.tensor(self.arch.embedding_multiplier, dtype=hidden.dtype)
         else:
             assert intermediate is not None
             hidden, residual = intermediate
         meta.cos_sin = self.rope.cos_sin
+        if self.local_rope is not None:
+            meta.local_cos_sin = self.local_rope.cos_sin
         fits = self.fused_max_rows is None or hidden.shape[0] < self.fused_max_rows
         adapters = any(delta.adds_this_step() for delta in self.adapter_deltas)
         if self.fused_layers is not None and fits and (self.stack_adds_deltas or not adapters):
@@ -325,7 +386,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors, skipping those another pipeline stage owns.

@@ -224,6 +224,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
 
 
+def rms_norm_scaled_in_float(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 scaled by a float32 `weight` before rounding to x's dtype (Gemma's
+    norms in bfloat16: `(norm(x.float()) * (1 + w).float()).to(x.dtype)`)."""
+    normed = F.rms_norm(x.float(), weight.shape, None, eps)
+    return (normed * weight).to(x.dtype)
+
+
 def head_rms_norm_(heads: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """RMSNorm of each head of `heads` [T, H, D] over its D values, in place (Qwen3's q_norm and
     k_norm, one weight of D shared by the heads). `heads` is a view into the fused projection's
@@ -242,6 +249,13 @@ def add_rms_norm(
         return torch.ops.rankcast.add_rms_norm(x, residual, weight, eps), residual
     total = x + residual
     return rms_norm(total, weight, eps), total
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) (its tanh approximation, transformers' gelu_pytorch_tanh) * up for
+    x = [gate | up]: Gemma's GeGLU. Plain torch on every path (no fused kernel yet)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -316,33 +330,46 @@ def paged_attention(
     query_start: torch.Tensor,
     scale: float,
     query_lens: list[int],
+    window: int = 0,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole cached context, into `out`
     [T, H, D]. Sequence b's queries are rows `query_start[b]:query_start[b+1]` and are its last
     positions among `seq_lens[b]` cached tokens (the current step's K/V already written).
 
-    The kernel reads the cache blocks in place; the torch path gathers each sequence's context.
+    With a sliding `window` (> 0), a query at position p sees only keys p - window + 1 .. p (as
+    transformers' sliding mask has it), and blocks wholly behind every query's window are never
+    read: the engine may have freed them. The kernel reads the cache blocks in place; the torch
+    path gathers each sequence's context.
     """
     if paged_kernel_applies(query, key_cache):
         torch.ops.rankcast.paged_attention(
-            out, query, key_cache, value_cache, block_tables, seq_lens, query_start, scale
+            out, query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window
         )
         return
     if all(n == 1 for n in query_lens):
-        out.copy_(_decode_reference(query, key_cache, value_cache, block_tables, seq_lens, scale))
+        out.copy_(
+            _decode_reference(query, key_cache, value_cache, block_tables, seq_lens, scale, window)
+        )
         return
     kv_heads, head_dim, block_size = key_cache.shape[1:]
     start = 0
     for b, n in enumerate(query_lens):
         length = int(seq_lens[b])
-        blocks = block_tables[b, : -(-length // block_size)].long()
-        keys = key_cache[blocks].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)[:, :length]
-        values = value_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        # Blocks wholly behind the first query's window are left out (never gathered).
+        skip = max(0, length - n + 1 - window) // block_size if window else 0
+        blocks = block_tables[b, skip : -(-length // block_size)].long()
+        first = skip * block_size
+        keys = key_cache[blocks].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
+        values = value_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)
+        keys, values = keys[:, : length - first], values[:, : length - first]
         q = query[start : start + n].transpose(0, 1)
-        # Query i sits at position length - n + i and sees keys up to there.
-        visible = torch.arange(length, device=q.device) <= (
-            torch.arange(n, device=q.device)[:, None] + length - n
-        )
+        # Query i sits at position length - n + i and sees keys up to there (and, with a
+        # window, from window - 1 before it).
+        key_positions = torch.arange(first, length, device=q.device)
+        query_positions = torch.arange(n, device=q.device)[:, None] + length - n
+        visible = key_positions <= query_positions
+        if window:
+            visible &= key_positions > query_positions - window
         out[start : start + n] = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
         ).transpose(0, 1)
@@ -356,15 +383,20 @@ def _decode_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One new token per sequence: one gather and one SDPA call for the whole batch."""
+    """One new token per sequence: one gather and one SDPA call for the whole batch. (Blocks
+    behind a window are gathered too, and masked: their contents must be finite.)"""
     batch, heads, head_dim = query.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
     context = int(seq_lens.max())
     tables = block_tables[:, : -(-context // block_size)].long()
     keys = key_cache[tables].permute(0, 2, 1, 4, 3).flatten(2, 3)[:, :, :context]
     values = value_cache[tables].transpose(1, 2).flatten(2, 3)[:, :, :context]
-    beyond = torch.arange(context, device=query.device) >= seq_lens[:, None]
+    key_positions = torch.arange(context, device=query.device)
+    beyond = key_positions >= seq_lens[:, None]
+    if window:
+        beyond |= key_positions <= seq_lens[:, None] - 1 - window
     bias = torch.zeros(beyond.shape, dtype=query.dtype, device=query.device)
     bias = bias.masked_fill_(beyond, float("-inf"))[:, None, None, :]
     # Fold the query heads that share a KV head into the query length: no KV repetition.

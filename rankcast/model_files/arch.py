@@ -3,8 +3,12 @@
 Beside Llama itself the family covers what differs from it by a switch the decoder takes:
 Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm (`qk_norm`) and explicit `head_dim`, SmolLM3's
 layers without RoPE (`rope_layers`), Phi-3's partial rotary (`rotary_dim`) and LongRoPE (its
-`rope_scaling`, normalised here: `_longrope`). A config asking for what the decoder does not do (a
-sliding window, an MLP bias) is refused at start, naming the field, rather than served wrongly.
+`rope_scaling`, normalised here: `_longrope`), sliding windows per layer (`layer_windows`:
+Mistral's, Qwen2's and Qwen3's with `use_sliding_window`, Phi-3's, Gemma 3's local layers), and
+Gemma 3's block (`sandwich_norms`, norms scaling by 1 + w, scaled embeddings, GeGLU, its own
+attention scale and a second RoPE base for local layers). A config asking for what the decoder
+does not do (an MLP bias, attention logit soft-capping) is refused at start, naming the field,
+rather than served wrongly.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "SmolLM3ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 # What a config.json may leave out, filled as transformers' config class of the architecture
@@ -38,8 +43,20 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "original_max_position_embeddings": 4096,
     },
+    "Gemma3ForCausalLM": {
+        "head_dim": 256,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "max_position_embeddings": 131072,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
 }
-_DEFAULT_THETA = {"SmolLM3ForCausalLM": 2000000.0}
+_DEFAULT_THETA = {"SmolLM3ForCausalLM": 2000000.0, "Gemma3ForCausalLM": 1000000.0}
+# Gemma3TextConfig's RoPE base for its sliding-window layers (`rope_local_base_freq`).
+_GEMMA3_LOCAL_THETA = 10000.0
+# The activations Gemma 3's MLP may name: the tanh approximation of GELU, under both names.
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 # Architectures whose o_proj has a bias wherever their q/k/v projections do (`attention_bias`);
 # Qwen2's and Mistral's never has one.
 _OUTPUT_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
@@ -67,8 +84,8 @@ class ArchConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q, k and v projections
     output_bias: bool  # o_proj (Llama-style checkpoints with attention_bias)
-    # Qwen3: an RMSNorm over each query and each key head (`self_attn.q_norm`, `k_norm`, weights
-    # of head_dim), applied before RoPE.
+    # Qwen3, Gemma 3: an RMSNorm over each query and each key head (`self_attn.q_norm`,
+    # `k_norm`, weights of head_dim), applied before RoPE.
     qk_norm: bool
     # Per layer, whether its attention rotates q and k (SmolLM3 leaves every 4th layer without).
     rope_layers: tuple[bool, ...]
@@ -77,6 +94,41 @@ class ArchConfig:
     rotary_dim: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Per layer, its sliding window: a query sees the keys at most window - 1 positions back
+    # (0: the whole context). Empty: no layer has one.
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 3: the RoPE base of its windowed layers (None: every layer uses rope_theta, which
+    # with rope_scaling is then its global layers').
+    local_rope_theta: float | None = None
+    # Gemma 3's block: norms after attention and after the MLP too (post_attention_layernorm,
+    # pre_feedforward_layernorm, post_feedforward_layernorm), each norm scaling by
+    # (norm_weight_offset + w) in float32, embeddings multiplied by embedding_multiplier,
+    # GeGLU ("gelu_tanh") instead of SwiGLU ("silu").
+    sandwich_norms: bool = False
+    norm_weight_offset: float = 0.0
+    embedding_multiplier: float = 1.0
+    hidden_activation: str = "silu"
+    # The attention's softmax scale where it is not head_dim ** -0.5 (Gemma 3's
+    # query_pre_attn_scalar ** -0.5).
+    attention_scale: float | None = None
+    # Gemma: logits = cap * tanh(logits / cap).
+    final_logit_softcapping: float | None = None
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 for none."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def decoder_stack_runs_it(self) -> bool:
+        """Whether the C++ decoder stack (csrc/decoder_stack.cpp) runs this architecture's
+        block: Llama's two norms, SwiGLU, one RoPE table. Gemma 3's block runs on the modules
+        (docs/models.md has the measured cost)."""
+        return (
+            not self.sandwich_norms
+            and self.norm_weight_offset == 0.0
+            and self.hidden_activation == "silu"
+            and self.local_rope_theta is None
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ArchConfig:
@@ -107,17 +159,13 @@ class ArchConfig:
             head_dim = int(cfg.get("head_dim") or hidden // heads)
             max_positions = int(cfg.get("max_position_embeddings", 2048))
             rotary_dim = head_dim
+            gemma: dict[str, Any] = {}
             if arch == "Phi3ForCausalLM":
                 rotary_dim = _rotary_dim(cfg, given_rope, head_dim, source)
                 rope = _longrope(cfg, rope, rotary_dim, max_positions, source)
                 attention_bias = False  # Phi3Attention's projections never have one
-                max_positions = _windowed_context(cfg, max_positions, source)
-            elif arch == "MistralForCausalLM" or (
-                arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window")
-            ):
-                # Their config classes apply the window (Mistral whenever it is set, Qwen2
-                # only with use_sliding_window): capped like Phi-3's, never ignored.
-                max_positions = _windowed_context(cfg, max_positions, source)
+            elif arch == "Gemma3ForCausalLM":
+                gemma, rope, theta = _gemma3(cfg, hidden, source)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -134,7 +182,7 @@ class ArchConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=attention_bias,
                 output_bias=attention_bias and arch in _OUTPUT_BIAS,
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
                 rope_layers=(
                     _rope_layers(cfg, layers, source)
                     if arch == "SmolLM3ForCausalLM"
@@ -143,6 +191,8 @@ class ArchConfig:
                 rotary_dim=rotary_dim,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                layer_windows=_layer_windows(cfg, arch, layers, max_positions, source),
+                **gemma,
             )
         except KeyError as exc:
             raise ModelFormatError(f"{source}: required field {exc.args[0]!r} is missing") from None
@@ -174,18 +224,33 @@ def _refuse_unsupported(cfg: dict[str, Any], arch: str, source: str) -> None:
     """Refuse what the decoder would otherwise ignore and serve wrongly, naming the field."""
     if cfg.get("mlp_bias"):
         raise ModelFormatError(f"{source}: mlp_bias = true is not supported (no MLP biases)")
-    # Their config classes apply a window only with both set. (Qwen2's and Mistral's windows
-    # cap the context: `_windowed_context`.)
     if arch == "Phi3ForCausalLM" and cfg.get("hidden_act", "silu") != "silu":
         raise ModelFormatError(
             f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (the MLP is SiLU's)"
         )
+    # SmolLM3Config applies a window only with both set.
     windowed = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
-    if arch in ("Qwen3ForCausalLM", "SmolLM3ForCausalLM") and windowed:
+    if arch == "SmolLM3ForCausalLM" and windowed:
         raise ModelFormatError(
-            f"{source}: use_sliding_window = true is not supported (every layer attends "
-            "to the whole context here)"
+            f"{source}: use_sliding_window = true is not supported for SmolLM3 (every layer "
+            "attends to the whole context here)"
         )
+    if arch == "Gemma3ForCausalLM":
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ModelFormatError(
+                f"{source}: attn_logit_softcapping is not supported (Gemma 3 has none; "
+                "Gemma 2's checkpoints set it)"
+            )
+        if cfg.get("use_bidirectional_attention"):
+            raise ModelFormatError(
+                f"{source}: use_bidirectional_attention = true is not supported (a decoder "
+                "serves causal attention)"
+            )
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in _GELU_TANH:
+            raise ModelFormatError(
+                f"{source}: hidden_activation {cfg['hidden_activation']!r} is not supported "
+                f"(Gemma 3's MLP is GeGLU: {' or '.join(_GELU_TANH)})"
+            )
 
 
 def _rope_layers(cfg: dict[str, Any], layers: int, source: str) -> tuple[bool, ...]:
@@ -287,17 +352,106 @@ def _longrope(
     }
 
 
-def _windowed_context(cfg: dict[str, Any], max_positions: int, source: str) -> int:
-    """The context under a `sliding_window` (Phi-3-mini-4k: 2047 of 4096; Mistral 7B v0.1:
-    4096 of 32768; Qwen2 with `use_sliding_window`). Every layer
-    here attends to the whole context, which is the window's attention exactly while a
-    sequence is no longer than the window: so the context is capped at the window rather than
-    the model refused (Phi-3.5 and Phi-4-mini set a window beyond their context: no cap)."""
+def _layer_windows(
+    cfg: dict[str, Any], arch: str, layers: int, max_positions: int, source: str
+) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none), as each architecture's config class sets it:
+    Mistral and Phi-3 window every layer when `sliding_window` is set; Qwen2 and Qwen3 only
+    with `use_sliding_window`, the layers from `max_window_layers` on (or as `layer_types`
+    says); Gemma 3 the layers `layer_types` calls "sliding_attention" (without it, all but
+    every `sliding_window_pattern`-th, 6 by default). A window at least the context long
+    (Phi-3.5's, Phi-4-mini's) is no window. Empty where no layer has one."""
+    types = cfg.get("layer_types")
+    kinds = ("sliding_attention", "full_attention")
+    if types is not None and (
+        not isinstance(types, list)
+        or len(types) != layers
+        or any(kind not in kinds for kind in types)
+    ):
+        raise ModelFormatError(
+            f"{source}: layer_types must name each of the {layers} layers "
+            f"sliding_attention or full_attention, not {types!r}"
+        )
     window = cfg.get("sliding_window")
-    if window is None:
-        return max_positions
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+        window = None
+    if (
+        arch
+        not in (
+            "MistralForCausalLM",
+            "Phi3ForCausalLM",
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+            "Gemma3ForCausalLM",
+        )
+        or window is None
+    ):
+        return ()
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ModelFormatError(
             f"{source}: sliding_window must be a positive integer or null, not {window!r}"
         )
-    return min(max_positions, int(window))
+    if types is None:
+        if arch == "Gemma3ForCausalLM":
+            pattern = cfg.get("sliding_window_pattern", 6)
+            if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+                raise ModelFormatError(
+                    f"{source}: sliding_window_pattern must be a positive integer, not {pattern!r}"
+                )
+            types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(layers)
+            ]
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            first = cfg.get("max_window_layers", 28)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        else:
+            types = ["sliding_attention"] * layers
+    if window >= max_positions:
+        return ()
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    return windows if any(windows) else ()
+
+
+def _gemma3(
+    cfg: dict[str, Any], hidden: int, source: str
+) -> tuple[dict[str, Any], dict[str, Any] | None, float]:
+    """Gemma 3's switches (ArchConfig fields), its global layers' RoPE scaling and base. Its
+    RoPE parameters come either as transformers 5 writes them (`rope_parameters` keyed by layer
+    type, each with its `rope_theta`) or as older configs do (`rope_theta` and `rope_scaling`
+    for the global layers, `rope_local_base_freq` for the local ones)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full, local = dict(cfg.get("rope_scaling") or params or {}), {}
+    theta = full.pop("rope_theta", None) or cfg.get("rope_theta") or 1000000.0
+    local_theta = local.get("rope_theta") or cfg.get("rope_local_base_freq") or _GEMMA3_LOCAL_THETA
+    if local.get("rope_type", "default") != "default":
+        raise ModelFormatError(
+            f"{source}: rope_parameters.sliding_attention.rope_type "
+            f"{local['rope_type']!r} is not supported (Gemma 3's local layers use plain RoPE)"
+        )
+    kind = full.get("rope_type", full.get("type", "default"))
+    rope = None if kind == "default" else full
+    scalar = cfg["query_pre_attn_scalar"]
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ModelFormatError(
+            f"{source}: query_pre_attn_scalar must be a positive number, not {scalar!r}"
+        )
+    cap = cfg.get("final_logit_softcapping")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+        raise ModelFormatError(
+            f"{source}: final_logit_softcapping must be a positive number or null, not {cap!r}"
+        )
+    switches = {
+        "local_rope_theta": float(local_theta),
+        "sandwich_norms": True,
+        "norm_weight_offset": 1.0,
+        "embedding_multiplier": math.sqrt(hidden),
+        "hidden_activation": "gelu_tanh",
+        "attention_scale": float(scalar) ** -0.5,
+        "final_logit_softcapping": float(cap) if cap is not None else None,
+    }
+    return switches, rope, float(theta)

@@ -45,6 +45,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose Q and K rows llama.cpp's converter interleaves for its GGML_ROPE_TYPE_NORM
 # rotation (its LlamaModel and subclasses); Qwen2's and Qwen3's rotate as HF does (NEOX), as
@@ -60,6 +61,22 @@ _SMOLLM3_NO_ROPE_INTERVAL = 4
 # `rope_factors_long`, which go to config.json's rope_scaling.
 _PHI3_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _ROPE_FACTORS = {"rope_factors_short": "short_factor", "rope_factors_long": "long_factor"}
+
+# Gemma 3 (llama.cpp's Gemma3Model): four norms a block, `ffn_norm` being the one before the MLP
+# (Llama's is its post_attention_layernorm), and every norm weight stored with Gemma's 1 added
+# (its `norm_shift`), which the conversion takes off again. llama.cpp keeps no key for the
+# local layers: with a sliding window, every 6th layer is global (`set_swa_pattern(6)`), the
+# local ones rotate with base 10,000, and the attention scale is head_dim ** -0.5 except on the
+# 27B (62 layers: (hidden / heads) ** -0.5).
+_GEMMA3_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA3_NORM_SHIFT = 1.0
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10000.0
+_GEMMA3_27B_LAYERS = 62
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -104,6 +121,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         _, index, kind = base.split(".", 2)
         if arch == "phi3" and kind in _PHI3_TENSORS:
             return f"model.layers.{index}.{_PHI3_TENSORS[kind]}.{suffix}"
+        if arch == "gemma3" and kind in _GEMMA3_TENSORS:
+            return f"model.layers.{index}.{_GEMMA3_TENSORS[kind]}.{suffix}"
         if kind in _LAYER_TENSORS:
             return f"model.layers.{index}.{_LAYER_TENSORS[kind]}.{suffix}"
         return None
@@ -179,6 +198,8 @@ def _read_config(reader: Any, path: Path, tensor_names: set[str]) -> dict[str, A
         config["no_rope_layer_interval"] = _SMOLLM3_NO_ROPE_INTERVAL
     if arch == "phi3":
         _read_phi3_config(reader, path, config)
+    if arch == "gemma3":
+        _read_gemma3_config(reader, config)
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling and scaling != "none" and "rope_scaling" not in config:
         config["rope_scaling"] = {
@@ -186,6 +207,27 @@ def _read_config(reader: Any, path: Path, tensor_names: set[str]) -> dict[str, A
             "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
         }
     return config
+
+
+def _read_gemma3_config(reader: Any, config: dict[str, Any]) -> None:
+    """What llama.cpp's Gemma3Model writes of a Gemma3TextConfig, and what its loader assumes
+    (`_GEMMA3_*` above): the window (`gemma3.attention.sliding_window`; none: every layer
+    global), the local layers' base, the attention scale, the logit soft-cap where set."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    config["model_type"] = "gemma3_text"
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    window = int(_field(reader, "gemma3.attention.sliding_window", 0))
+    config["sliding_window"] = window if window > 0 else None
+    config["layer_types"] = [
+        "sliding_attention" if window > 0 and (i + 1) % _GEMMA3_SWA_PATTERN else "full_attention"
+        for i in range(layers)
+    ]
+    config["rope_local_base_freq"] = _GEMMA3_LOCAL_THETA
+    config["query_pre_attn_scalar"] = (
+        config["hidden_size"] // heads if layers == _GEMMA3_27B_LAYERS else config["head_dim"]
+    )
+    cap = _field(reader, "gemma3.final_logit_softcapping")
+    config["final_logit_softcapping"] = float(cap) if cap is not None else None
 
 
 def _read_phi3_config(reader: Any, path: Path, config: dict[str, Any]) -> None:
@@ -248,6 +290,8 @@ def _dequantize(
             ) from None
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = np.asarray(array, dtype=np.float32).reshape(shape)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array - np.float32(_GEMMA3_NORM_SHIFT)
         permuted = arch in _PERMUTED_QK
         if permuted and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
             array = undo_rope_permute(array, heads["q"])
@@ -441,7 +485,7 @@ def convert_gguf(path: Path) -> Path:
         reader = open_gguf(path)
         tensor_names = {t.name for t in reader.tensors}
         config = _read_config(reader, path, tensor_names)
-        arch = config["model_type"]
+        arch = _field(reader, "general.architecture")
         heads = {"q": config["num_attention_heads"], "kv": config["num_key_value_heads"]}
         logger.info("converting %s to float32 safetensors in %s (once)", path, out_dir)
         tensors = _dequantize(reader, path, arch, heads)

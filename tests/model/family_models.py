@@ -42,6 +42,8 @@ def write_checkpoint(
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     model = model_class(config_class(**{**TINY, **overrides}))
@@ -90,10 +92,12 @@ def write_llama_cpp_gguf(
         "qwen3": gguf.MODEL_ARCH.QWEN3,
         "smollm3": gguf.MODEL_ARCH.SMOLLM3,
         "phi3": gguf.MODEL_ARCH.PHI3,
+        "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
     }[model_type]
     layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(path), model_type)
+    gemma = model_type == "gemma3_text"
+    writer = gguf.GGUFWriter(str(path), "gemma3" if gemma else model_type)
     writer.add_block_count(layers)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -101,12 +105,15 @@ def write_llama_cpp_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base((rope["full_attention"] if gemma else rope)["rope_theta"])
     if "head_dim" in config:  # llama.cpp writes it where the HF config names one
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     if model_type == "phi3":
         _add_phi3_metadata(writer, config)
+    if gemma:
+        _add_gemma3_metadata(writer, config)
     for field in open_gguf(tokenizer_gguf).fields.values():
         if field.name.startswith("tokenizer."):
             sub_type = field.types[-1] if len(field.types) > 1 else None
@@ -117,6 +124,8 @@ def write_llama_cpp_gguf(
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         array = tensor.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            array = array + np.float32(1.0)  # llama.cpp's Gemma3Model.norm_shift
         if permutes and name.endswith("q_proj.weight"):
             array = permute_for_llama_cpp(array, heads)
         elif permutes and name.endswith("k_proj.weight"):
@@ -153,6 +162,21 @@ def _add_phi3_metadata(writer: Any, config: dict[str, Any]) -> None:
         for key, name in (("long_factor", "long"), ("short_factor", "short")):
             values = np.asarray(rope[key], dtype=np.float32)
             writer.add_tensor(f"rope_factors_{name}.weight", values)
+
+
+def _add_gemma3_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """What llama.cpp's Gemma3Model adds: the window, the global layers' linear RoPE scaling,
+    a final logit soft-cap where set. (The local layers, their RoPE base and the attention
+    scale are not written: llama.cpp's loader assumes them, so the checkpoint must match.)"""
+    import gguf
+
+    writer.add_sliding_window(config["sliding_window"])
+    full = config["rope_parameters"]["full_attention"]
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
 
 
 def stack_expected(dtype: torch.dtype) -> bool:
@@ -227,7 +251,8 @@ def assert_logits_match_transformers(model_dir: Path, fused: bool) -> None:
     model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
     runner.initialize_cache(64)
-    assert (runner.model.fused_layers is not None) == stack_expected(torch.float32)
+    stacked = stack_expected(torch.float32) and arch.decoder_stack_runs_it
+    assert (runner.model.fused_layers is not None) == stacked
     if not fused:
         runner.model.fused_layers = None
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -178,11 +178,10 @@ def test_bfloat16_decode_through_fused_layers_matches_the_modules(tmp_path: Path
     torch.testing.assert_close(fused, modules, atol=2e-2, rtol=2e-2)
 
 
-def test_a_mistral_or_qwen2_sliding_window_caps_the_context_instead_of_being_ignored() -> None:
-    """Every layer attends to the whole context, which is a window's attention exactly while a
-    sequence is no longer than the window: Mistral's window (set: applied, as MistralConfig
-    does) and Qwen2's (only with use_sliding_window) cap the context rather than being ignored
-    and answering differently beyond it."""
+def test_mistral_and_qwen2_sliding_windows_are_read_per_layer_as_their_configs_set_them() -> None:
+    """Mistral's window (set: every layer, as MistralConfig applies it), Qwen2's (only with
+    use_sliding_window, from max_window_layers on, or as layer_types says); the context is the
+    model's whole context either way (the attention is windowed, not the context capped)."""
     from rankcast.model_files.arch import ArchConfig
 
     base = {
@@ -194,11 +193,14 @@ def test_a_mistral_or_qwen2_sliding_window_caps_the_context_instead_of_being_ign
         "max_position_embeddings": 32768,
     }
     mistral = {**base, "architectures": ["MistralForCausalLM"]}
-    assert ArchConfig.from_dict({**mistral, "sliding_window": 4096}).max_position_embeddings == 4096
-    assert (
-        ArchConfig.from_dict({**mistral, "sliding_window": None}).max_position_embeddings == 32768
-    )
+    windowed_mistral = ArchConfig.from_dict({**mistral, "sliding_window": 4096})
+    assert windowed_mistral.layer_windows == (4096, 4096)
+    assert windowed_mistral.max_position_embeddings == 32768
+    assert ArchConfig.from_dict({**mistral, "sliding_window": None}).layer_windows == ()
     qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
-    assert ArchConfig.from_dict(qwen2).max_position_embeddings == 32768
+    assert ArchConfig.from_dict(qwen2).layer_windows == ()
     windowed = {**qwen2, "use_sliding_window": True}
-    assert ArchConfig.from_dict(windowed).max_position_embeddings == 4096
+    assert ArchConfig.from_dict(windowed).layer_windows == ()  # max_window_layers 28 > 2
+    assert ArchConfig.from_dict({**windowed, "max_window_layers": 1}).layer_windows == (0, 4096)
+    given = {**windowed, "layer_types": ["sliding_attention", "full_attention"]}
+    assert ArchConfig.from_dict(given).layer_windows == (4096, 0)

@@ -444,6 +444,112 @@ def test_a_batch_of_decodes_gives_each_token_the_bits_it_gets_alone(
     torch.testing.assert_close(batch, want, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [5, 16, 20])
+def test_a_sliding_window_matches_torch_and_never_reads_behind_it(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, window: int
+) -> None:
+    """A mixed step (decodes, a chunk after a cached prefix, a whole prompt) with a window: the
+    kernel gives the masked reference's answer, and with every block wholly behind each
+    sequence's first query's window filled with NaN (memory the engine may have freed), it
+    still does: those blocks are never read."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    query_lens = [1, 1, 5, 40, 3]
+    seq_lens = [3, 70, 61, 40, 130]
+    blocks = 48
+    keys, values = _caches(blocks, kv_heads, head_dim, block_size, dtype)
+    gen = torch.Generator().manual_seed(21)
+    order = torch.randperm(blocks - 1, generator=gen).add(1).tolist()  # block 0 kept aside
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables, behind = [], []
+    for n, q in zip(seq_lens, query_lens, strict=True):
+        need = -(-n // block_size)
+        row = [order.pop() for _ in range(need)]
+        skipped = max(0, n - q + 1 - window) // block_size
+        behind += row[:skipped]
+        tables.append(row + [0] * (width - need))
+    assert behind, "the step must have blocks behind a window"
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    query = torch.randn(starts[-1], heads, head_dim, generator=gen).to(dtype)
+    args = (
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
+        head_dim**-0.5,
+        query_lens,
+        window,
+    )
+    want = torch.empty_like(query)
+    reference(monkeypatch, ops.paged_attention, want, query, keys, values, *args)
+    got = torch.empty_like(query)
+    ops.paged_attention(got, query, keys, values, *args)
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    if not kernels.load():
+        return
+    poisoned_keys, poisoned_values = keys.clone(), values.clone()
+    poisoned_keys[behind] = float("nan")
+    poisoned_values[behind] = float("nan")
+    poisoned = torch.empty_like(query)
+    ops.paged_attention(poisoned, query, poisoned_keys, poisoned_values, *args)
+    assert torch.equal(poisoned, got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,block_size", DECODE_GEOMETRIES)
+def test_a_windowed_token_gets_the_same_bits_on_every_path(
+    dtype: torch.dtype, heads: int, kv_heads: int, block_size: int
+) -> None:
+    """With a window, a token decoded alone on one thread (the tiles), alone on two (its
+    context split between them), in a batch of decodes (one sequence per item) and as the last
+    of a chunk comes out with the same bits: each path starts at the window's first block and
+    adds the same chunk sums in the same order."""
+    if not kernels.load():
+        pytest.skip("kernel property")
+    head_dim, scale, window = 64, 64**-0.5, 100
+    lengths = [701, 300, 90, 257, 150, 400, 33, 600]
+    gen = torch.Generator().manual_seed(13)
+    needs = [-(-n // block_size) for n in lengths]
+    keys, values = _caches(sum(needs) + 3, kv_heads, head_dim, block_size, dtype)
+    order = torch.randperm(sum(needs) + 3, generator=gen).tolist()
+    width = max(needs)
+    table = torch.tensor(
+        [[order.pop() for _ in range(need)] + [0] * (width - need) for need in needs],
+        dtype=torch.int32,
+    )
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    query = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dtype)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = torch.empty_like(query)
+        starts = torch.arange(len(lengths) + 1, dtype=torch.int32)
+        ops.paged_attention(
+            batch, query, keys, values, table, seq_lens, starts, scale, [1] * len(lengths), window
+        )
+        one_start = torch.tensor([0, 1], dtype=torch.int32)
+        for b, length in enumerate(lengths):
+            one = (keys, values, table[b : b + 1], seq_lens[b : b + 1])
+            alone = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                out = torch.empty_like(query[b : b + 1])
+                ops.paged_attention(out, query[b : b + 1], *one, one_start, scale, [1], window)
+                alone.append(out[0])
+            assert torch.equal(alone[0], alone[1]), f"{length} tokens: threads changed the bits"
+            assert torch.equal(alone[0], batch[b]), f"{length} tokens: the batch's bits differ"
+            chunk = torch.randn(3, heads, head_dim, generator=gen).to(dtype)
+            chunk[2] = query[b]
+            inside = torch.empty_like(chunk)
+            ops.paged_attention(
+                inside, chunk, *one, torch.tensor([0, 3], dtype=torch.int32), scale, [3], window
+            )
+            assert torch.equal(inside[2], batch[b]), f"{length} tokens: a chunk's bits differ"
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _fused_qkv_and_adapters(
     gen: torch.Generator, widths: list[int], in_size: int, scale: float
 ) -> tuple[list, int, list]:

@@ -114,7 +114,7 @@ def test_config_names_what_the_decoder_needs(phi3_dir: Path, longrope_dir: Path)
     assert scaling["original_max_position_embeddings"] == ORIGINAL
     assert scaling["attention_factor"] == math.sqrt(1 + math.log(512 / 32) / math.log(32))
     # Phi-4-mini's config.json: the factor at the top level, the old "type" key, a window
-    # beyond the context; Phi-3-mini-4k's window below it caps the context.
+    # beyond the context (no window); Phi-3-mini-4k's window below it windows every layer.
     sparse = {
         "architectures": ["Phi3ForCausalLM"],
         "vocab_size": 100,
@@ -135,9 +135,11 @@ def test_config_names_what_the_decoder_needs(phi3_dir: Path, longrope_dir: Path)
     }
     phi4 = ArchConfig.from_dict(sparse)
     assert phi4.rotary_dim == 96 and phi4.max_position_embeddings == 131072
+    assert phi4.layer_windows == ()
     assert phi4.rms_norm_eps == 1e-5  # Phi3Config's default
     mini_4k = ArchConfig.from_dict({**sparse, "rope_scaling": None, "sliding_window": 2047})
-    assert mini_4k.max_position_embeddings == 2047 and mini_4k.rope_scaling is None
+    assert mini_4k.max_position_embeddings == 131072 and mini_4k.rope_scaling is None
+    assert mini_4k.layer_windows == (2047, 2047)
 
 
 def test_the_rope_table_is_transformers_rotation_reordered() -> None:

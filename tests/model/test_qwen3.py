@@ -68,10 +68,14 @@ def test_config_names_what_the_decoder_needs(qwen3_dir: Path) -> None:
 @pytest.mark.parametrize(
     "updates,removed,message",
     [
-        ({"use_sliding_window": True, "sliding_window": 64}, (), "use_sliding_window"),
+        (
+            {"use_sliding_window": True, "layer_types": ["sliding_attention"]},
+            (),
+            "layer_types must name each of the 3",
+        ),
         ({}, ("num_attention_heads",), "'num_attention_heads' is missing"),
     ],
-    ids=["sliding-window", "missing-heads"],
+    ids=["layer-types", "missing-heads"],
 )
 def test_wrong_or_missing_fields_are_refused_by_name(
     qwen3_dir: Path, updates: dict, removed: tuple[str, ...], message: str
@@ -117,6 +121,28 @@ def test_prefill_and_decode_logits_match_transformers(
     arch = ArchConfig.from_model_dir(qwen3_dir)
     assert arch.output_bias == bool(overrides)
     assert_logits_match_transformers(qwen3_dir, fused)
+
+
+def test_use_sliding_window_windows_the_layers_from_max_window_layers(
+    tmp_path: Path, tokenizer_source: Path
+) -> None:
+    """Qwen3Config's window applies with use_sliding_window, to the layers from
+    max_window_layers on: those attend 20 positions back, the first one the whole context, as
+    transformers' model does, through the C++ decoder stack and the modules."""
+    windowed = write_checkpoint(
+        tmp_path / "m",
+        "qwen3",
+        tokenizer_source,
+        seed=9,
+        num_hidden_layers=3,
+        head_dim=32,
+        use_sliding_window=True,
+        sliding_window=20,
+        max_window_layers=1,
+    )
+    assert ArchConfig.from_model_dir(windowed).layer_windows == (0, 20, 20)
+    for fused in (True, False):
+        assert_logits_match_transformers(windowed, fused)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

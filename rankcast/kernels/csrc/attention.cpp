@@ -11,6 +11,13 @@
 // A step may mix sequences that decode one token with sequences that prefill a chunk after a
 // cached prefix: sequence b has query tokens [query_start[b], query_start[b+1]) at the last
 // positions of its seq_lens[b] tokens, and each query sees the keys up to its own position.
+//
+// A sliding window (`window` > 0: Gemma 3's local layers, Mistral's) hides the keys more than
+// window - 1 positions behind a query, as transformers' mask does. Every path then starts at the
+// block holding its earliest visible key (a 16-aligned base) instead of at 0, and masks the keys
+// before it in that block: the chunks it skips would only have added exact zeros to each row's
+// softmax sum and weighted values, so a token's output keeps the bits it has at any chunking, and
+// blocks wholly behind the window are never read (the engine may have freed them).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -127,42 +134,58 @@ inline void chunk_values(Vec16 (&a)[R][C], const float* p, int64_t p_stride, int
 }
 
 // out[r, d0 + c*16 ..] = sum_t p[r, t] * v[t, d0 + c*16 ..] over every visible token: the chunks'
-// sums (`chunk_values`) added in order into `acc`, R * C of them in registers at a time.
+// sums (`chunk_values`) from `start` (16-aligned) added in order into `acc`, R * C of them in
+// registers at a time.
 template <typename T, int R, int C>
-inline void weighted_values(float* acc, int D, const float* p, int64_t p_stride, int reach,
-                            const T* value_cache, const int64_t* offsets, int bs, int d0) {
-  for (int t0 = 0; t0 < reach; t0 += kChunk) {
+inline void weighted_values(float* acc, int D, const float* p, int64_t p_stride, int start,
+                            int reach, const T* value_cache, const int64_t* offsets, int bs,
+                            int d0) {
+  for (int t0 = start; t0 < reach; t0 += kChunk) {
     Vec16 a[R][C];
     chunk_values<T, R, C>(a, p, p_stride, t0, std::min(reach, t0 + kChunk), value_cache, offsets,
                           bs, D, d0);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) {
         float* out = acc + r * D + d0 + c * 16;
-        store16(out, t0 == 0 ? a[r][c] : load16(out) + a[r][c]);
+        store16(out, t0 == start ? a[r][c] : load16(out) + a[r][c]);
       }
   }
 }
 
-// A row's scores (`reach` of them, -inf where hidden) made its probabilities in place: the
-// exact softmax, every path the same way.
-inline void softmax_row(float* pr, int reach) {
+// A row's scores [start, reach) (-inf where hidden; start 16-aligned) made its probabilities in
+// place: the exact softmax, every path the same way.
+inline void softmax_row(float* pr, int start, int reach) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   Vec16 mx = splat(neg_inf);
-  for (int t = 0; t < reach; t += 16)
+  for (int t = start; t < reach; t += 16)
     mx = max(mx, keep_first(load16(pr + t, std::min(16, reach - t)), reach - t, neg_inf));
   const float row_max = reduce_max(mx);
   Vec16 sum = zero16();
-  for (int t = 0; t < reach; t += 16) {
+  for (int t = start; t < reach; t += 16) {
     const int n = std::min(16, reach - t);
     const Vec16 e = keep_first(exp16(load16(pr + t, n) - splat(row_max)), n, 0.0f);
     store16(pr + t, e, n);
     sum = sum + e;
   }
   const float inv = 1.0f / reduce_add(sum);
-  for (int t = 0; t < reach; t += 16) {
+  for (int t = start; t < reach; t += 16) {
     const int n = std::min(16, reach - t);
     store16(pr + t, load16(pr + t, n) * splat(inv), n);
   }
+}
+
+// The block where a window's reading starts: the one holding token `lo`, moved back until its
+// base is 16-aligned (block sizes are powers of two from 8), so that chunks keep their grid.
+inline int first_block_of(int lo, int bs) {
+  int j = lo / bs;
+  while ((j * bs) % kChunk != 0) --j;
+  return j;
+}
+
+// Scores of tokens [from, lo) of a row, in the block where reading starts, hidden.
+inline void hide_before(float* pr, int from, int lo) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int t = from; t < lo; ++t) pr[t] = neg_inf;
 }
 
 // fn.template operator()<C>(d0) over a head's dimensions in groups of C vectors (4 for up to 3
@@ -176,22 +199,24 @@ inline void for_dim_groups(int D, const Fn& fn) {
   for (; d0 < D; d0 += 16) fn.template operator()<1>(d0);
 }
 
-// One tile: R query rows sharing a sequence and a KV head; row r sees keys [0, limit[r]).
+// One tile: R query rows sharing a sequence and a KV head; row r sees keys [begin[r], limit[r]).
 // Two passes over the context: every score first (so the softmax is exact and done once per
 // row), then the weighted sum of values, chunk by chunk (`weighted_values`).
 template <typename T, int R>
-void attend_tile(const T* const* q, T* const* out, const int* limit, const T* key_cache,
-                 const T* value_cache, const int* table, int kv_head, const Geometry& g,
-                 float scale, float* scratch, int64_t p_stride) {
+void attend_tile(const T* const* q, T* const* out, const int* begin, const int* limit,
+                 const T* key_cache, const T* value_cache, const int* table, int kv_head,
+                 const Geometry& g, float scale, float* scratch, int64_t p_stride) {
   const int D = g.head_dim, bs = g.block_size;
   float* qf = scratch;      // [R, D] scaled queries
   float* acc = qf + R * D;  // [R, D] weighted sums
   float* p = acc + R * D;   // [R, p_stride] scores, then probabilities
-  int reach = 0;
+  int reach = 0, lo = std::numeric_limits<int>::max();
   for (int r = 0; r < R; ++r) {
     for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[r][d]) * scale;
     reach = std::max(reach, limit[r]);
+    lo = std::min(lo, begin[r]);
   }
+  const int first_block = first_block_of(lo, bs), start = first_block * bs;
   const int num_blocks = (reach + bs - 1) / bs;
   const int64_t block_elems = static_cast<int64_t>(D) * bs;
   int64_t offsets_small[64];
@@ -201,18 +226,19 @@ void attend_tile(const T* const* q, T* const* out, const int* limit, const T* ke
     offsets_large.resize(num_blocks);
     offsets = offsets_large.data();
   }
-  for (int j = 0; j < num_blocks; ++j) {
+  for (int j = first_block; j < num_blocks; ++j) {
     offsets[j] = (static_cast<int64_t>(table[j]) * g.kv_heads + kv_head) * block_elems;
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Blocks are scattered, so the hardware cannot guess the next one: keep kAheadBlocks key blocks
   // in flight, and fetch each value block while the scores of its key block are computed.
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
-  for (int j = 0; j < std::min(num_blocks, kAheadBlocks); ++j) prefetch(key_cache + offsets[j], block_bytes);
+  for (int j = first_block; j < std::min(num_blocks, first_block + kAheadBlocks); ++j)
+    prefetch(key_cache + offsets[j], block_bytes);
   const int block_lines = static_cast<int>(block_bytes / 64);
   const int chunks = (bs + 15) / 16;
   const int lines_per_chunk = (block_lines + chunks - 1) / chunks;
-  for (int j = 0, base = 0; base < reach; ++j, base += bs) {
+  for (int j = first_block, base = start; base < reach; ++j, base += bs) {
     const int ntok = std::min(bs, reach - base);
     const char* key_ahead = j + kAheadBlocks < num_blocks
                                 ? reinterpret_cast<const char*>(key_cache + offsets[j + kAheadBlocks])
@@ -234,12 +260,13 @@ void attend_tile(const T* const* q, T* const* out, const int* limit, const T* ke
       for (int r = 0; r < R; ++r) {
         const int visible = std::clamp(limit[r] - base - t0, 0, n);
         store16(p + r * p_stride + base + t0, keep_first(s[r], visible, neg_inf), n);
+        hide_before(p + r * p_stride, base + t0, std::min(begin[r], base + t0 + n));
       }
     }
   }
-  for (int r = 0; r < R; ++r) softmax_row(p + r * p_stride, reach);
+  for (int r = 0; r < R; ++r) softmax_row(p + r * p_stride, start, reach);
   for_dim_groups<R>(D, [&]<int C>(int d0) {
-    weighted_values<T, R, C>(acc, D, p, p_stride, reach, value_cache, offsets, bs, d0);
+    weighted_values<T, R, C>(acc, D, p, p_stride, start, reach, value_cache, offsets, bs, d0);
   });
   for (int r = 0; r < R; ++r) {
     for (int d = 0; d < D; d += 16) store16(out[r] + d, load16(acc + r * D + d));
@@ -318,11 +345,12 @@ inline void block_offsets(std::vector<int64_t>& offsets, const int* table, int n
 // whole, in the cache's order (`score_stretch`), rather than as each head's 2 kB of a 6 kB
 // block. The scores, softmax and chunk sums are `attend_tile`'s, in its order.
 template <typename T, int R>
-void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len,
+void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len, int lo,
                      const int* table, const T* key_cache, const T* value_cache,
                      const Geometry& g, float scale, SequenceScratch& scratch) {
   const int D = g.head_dim, bs = g.block_size, rows = g.kv_heads * R;
   const int reach = seq_len;
+  const int start = first_block_of(lo, bs) * bs;
   const int num_blocks = (reach + bs - 1) / bs;
   const int64_t p_stride = (static_cast<int64_t>(num_blocks) * bs + 15) / 16 * 16;
   const int64_t block_elems = static_cast<int64_t>(D) * bs;
@@ -334,9 +362,12 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
   float* p = scratch.p.data();
   for (int r = 0; r < rows; ++r)
     for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[r * q_head + d]) * scale;
-  score_stretch<T, R>(qf, p, p_stride, 0, reach, reach, scratch.offsets.data(), key_cache,
+  score_stretch<T, R>(qf, p, p_stride, start, reach, reach, scratch.offsets.data(), key_cache,
                       value_cache, g);
-  for (int r = 0; r < rows; ++r) softmax_row(p + r * p_stride, reach);
+  for (int r = 0; r < rows; ++r) {
+    hide_before(p + r * p_stride, start, lo);
+    softmax_row(p + r * p_stride, start, reach);
+  }
   scratch.head_offsets.resize(num_blocks);
   float* acc = scratch.acc.data();
   for (int h = 0; h < g.kv_heads; ++h) {
@@ -344,7 +375,7 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
       scratch.head_offsets[j] = scratch.offsets[j] + h * block_elems;
     const float* ph = p + h * R * p_stride;
     for_dim_groups<R>(D, [&]<int C>(int d0) {
-      weighted_values<T, R, C>(acc, D, ph, p_stride, reach, value_cache,
+      weighted_values<T, R, C>(acc, D, ph, p_stride, start, reach, value_cache,
                                scratch.head_offsets.data(), bs, d0);
     });
     for (int r = 0; r < R; ++r)
@@ -363,11 +394,12 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
 // is the one `attend_tile` computes for that token (the same scores, softmax and chunk sums, in
 // the same order), so a decode gives the same bits either way.
 template <typename T, int R>
-void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len,
+void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len, int lo,
                   const int* table, const T* key_cache, const T* value_cache, const Geometry& g,
                   float scale, int threads) {
   const int D = g.head_dim, bs = g.block_size, rows = g.kv_heads * R;
   const int reach = seq_len;
+  const int start = first_block_of(lo, bs) * bs;
   const int num_blocks = (reach + bs - 1) / bs;
   const int chunks = (reach + kChunk - 1) / kChunk;
   const int64_t p_stride = (static_cast<int64_t>(num_blocks) * bs + 15) / 16 * 16;
@@ -380,12 +412,12 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
   const std::unique_ptr<float[]> partials(new float[static_cast<size_t>(chunks) * rows * D]);
   // Stretches in units of whole blocks and whole chunks, so a thread's chunks lie in its blocks.
   const int unit = std::max(bs, kChunk);
-  const int units = (reach + unit - 1) / unit;
+  const int units = (reach - start + unit - 1) / unit;
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int first = std::min(reach, units * tid / nt * unit);
-    const int last = std::min(reach, units * (tid + 1) / nt * unit);
+    const int first = std::min(reach, start + units * tid / nt * unit);
+    const int last = std::min(reach, start + units * (tid + 1) / nt * unit);
     std::vector<float> qf(static_cast<size_t>(rows) * D);
     for (int r = 0; r < rows; ++r)
       for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[r * q_head + d]) * scale;
@@ -394,7 +426,10 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
                         key_cache, value_cache, g);
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int r = 0; r < rows; ++r) softmax_row(p.get() + r * p_stride, reach);
+    for (int r = 0; r < rows; ++r) {
+      hide_before(p.get() + r * p_stride, start, lo);
+      softmax_row(p.get() + r * p_stride, start, reach);
+    }
     // (the implicit barrier of the loop: every probability is in place)
     std::vector<int64_t> head_offsets(num_blocks);
     for (int h = 0; h < g.kv_heads; ++h) {
@@ -417,8 +452,9 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) {
       for (int d = 0; d < D; d += 16) {
-        Vec16 total = load16(partials.get() + static_cast<size_t>(r) * D + d);
-        for (int c = 1; c < chunks; ++c)
+        const int c0 = start / kChunk;
+        Vec16 total = load16(partials.get() + (static_cast<size_t>(c0) * rows + r) * D + d);
+        for (int c = c0 + 1; c < chunks; ++c)
           total = total + load16(partials.get() + (static_cast<size_t>(c) * rows + r) * D + d);
         store16(out + r * o_head + d, total);
       }
@@ -442,8 +478,8 @@ void with_group(int group, Fn&& fn) {
 }
 
 template <typename T>
-using TileFn = void (*)(const T* const*, T* const*, const int*, const T*, const T*, const int*,
-                        int, const Geometry&, float, float*, int64_t);
+using TileFn = void (*)(const T* const*, T* const*, const int*, const int*, const T*, const T*,
+                        const int*, int, const Geometry&, float, float*, int64_t);
 
 template <typename T, int... Rs>
 constexpr auto tile_table(std::integer_sequence<int, Rs...>) {
@@ -462,7 +498,11 @@ template <typename T>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start,
-                          double scale) {
+                          double scale, int window) {
+  // The first key position a query at `position` sees.
+  auto first_visible = [window](int position) {
+    return window > 0 ? std::max(0, position + 1 - window) : 0;
+  };
   const int num_seqs = static_cast<int>(seq_lens.size(0));
   const int heads = static_cast<int>(query.size(1));
   const Geometry g{static_cast<int>(key_cache.size(1)), static_cast<int>(key_cache.size(2)),
@@ -487,7 +527,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   bool long_contexts = true;
   for (int b = 0; b < num_seqs && decodes; ++b) {
     decodes = starts[b + 1] - starts[b] == 1;
-    long_contexts = long_contexts && lens[b] >= kSplitMinTokens;
+    const int visible = lens[b] - first_visible(lens[b] - 1);
+    long_contexts = long_contexts && visible >= kSplitMinTokens;
   }
   if (decodes && num_seqs >= kSequenceItemsPerThread * available) {
     const int threads = std::min(available, num_seqs);
@@ -501,8 +542,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
         const int* table = tables + b * g.max_blocks;
         const float sc = static_cast<float>(scale);
         with_group(group, [&](auto rows) {
-          attend_sequence<T, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b], table, kc, vc,
-                                                    g, sc, scratch);
+          attend_sequence<T, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b],
+                                                    first_visible(lens[b] - 1), table, kc, vc, g,
+                                                    sc, scratch);
         });
       }
     }
@@ -517,8 +559,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
       const int* table = tables + b * g.max_blocks;
       const float sc = static_cast<float>(scale);
       with_group(group, [&](auto rows) {
-        attend_split<T, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b], table, kc, vc, g,
-                                               sc, available);
+        attend_split<T, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b],
+                                               first_visible(lens[b] - 1), table, kc, vc, g, sc,
+                                               available);
       });
     }
     return;
@@ -545,8 +588,12 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const int64_t block_bytes = static_cast<int64_t>(g.head_dim) * g.block_size * sizeof(T);
   auto prefetch_start = [&](const WorkItem& item) {
     const int* table = tables + item.seq * g.max_blocks;
-    const int blocks = std::min(kAheadBlocks, (lens[item.seq] + g.block_size - 1) / g.block_size);
-    for (int j = 0; j < blocks; ++j) {
+    const int first_pos = lens[item.seq] - (starts[item.seq + 1] - starts[item.seq]) +
+                          (item.first_token - starts[item.seq]);
+    const int first = first_block_of(first_visible(first_pos), g.block_size);
+    const int blocks =
+        std::min(first + kAheadBlocks, (lens[item.seq] + g.block_size - 1) / g.block_size);
+    for (int j = first; j < blocks; ++j) {
       const int64_t offset =
           (static_cast<int64_t>(table[j]) * g.kv_heads + item.kv_head) * g.head_dim * g.block_size;
       prefetch(kc + offset, block_bytes);
@@ -565,12 +612,12 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
       const int first_pos = seq_len - (starts[item.seq + 1] - starts[item.seq]);
       const T* qrow[kMaxRows];
       T* orow[kMaxRows];
-      int limit[kMaxRows];
+      int begin[kMaxRows], limit[kMaxRows];
       int rows = 0;
       auto flush = [&]() {
         if (rows > 0) {
-          tiles[rows - 1](qrow, orow, limit, kc, vc, tables + item.seq * g.max_blocks, item.kv_head,
-                          g, static_cast<float>(scale), scratch.data(), p_stride);
+          tiles[rows - 1](qrow, orow, begin, limit, kc, vc, tables + item.seq * g.max_blocks,
+                          item.kv_head, g, static_cast<float>(scale), scratch.data(), p_stride);
         }
         rows = 0;
       };
@@ -580,6 +627,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
           const int head = item.kv_head * group + hh;
           qrow[rows] = q + t * q_tok + head * q_head;
           orow[rows] = o + t * o_tok + head * o_head;
+          begin[rows] = first_visible(position);
           limit[rows] = position + 1;
           if (++rows == kMaxRows) flush();
         }
@@ -639,7 +687,9 @@ void rotary_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::T
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale) {
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
+                     int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_attention: the window must be 0 (none) or positive");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [tokens, heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
@@ -654,10 +704,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
               "query, cache and out must share a dtype");
   if (query.scalar_type() == at::kFloat) {
     paged_attention_impl<float>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                query_start, scale);
+                                query_start, scale, static_cast<int>(window));
   } else if (query.scalar_type() == at::kBFloat16) {
     paged_attention_impl<bf16>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                               query_start, scale);
+                               query_start, scale, static_cast<int>(window));
   } else {
     TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
   }

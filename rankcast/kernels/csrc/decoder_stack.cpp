@@ -70,6 +70,7 @@ struct Layer {
   at::Tensor key_cache, value_cache;
   c10::optional<at::Tensor> q_norm, k_norm;  // per-head norms' weights [head_dim], or none
   bool rotates = true;
+  int64_t window = 0;  // sliding window (keys this many positions back and nearer), 0: none
 };
 
 // In place: RMSNorm of `count` heads of `qkv` [tokens, width] from head `first` on, each over its
@@ -109,9 +110,9 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // Layer `layer`'s attention switches: the weights of its per-head q and k norms (both or
-  // neither), and whether it rotates q and k.
+  // neither), whether it rotates q and k, and its sliding window (0: none).
   void set_attention(int64_t layer, c10::optional<at::Tensor> q_norm,
-                     c10::optional<at::Tensor> k_norm, bool rotates) {
+                     c10::optional<at::Tensor> k_norm, bool rotates, int64_t window) {
     TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_attention: no layer ", layer);
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "set_attention: both norms or neither");
     if (q_norm.has_value()) {
@@ -122,6 +123,7 @@ class DecoderStack : public torch::CustomClassHolder {
     l.q_norm = std::move(q_norm);
     l.k_norm = std::move(k_norm);
     l.rotates = rotates;
+    l.window = window;
   }
 
   // Adapter slots for projection `projection` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`:
@@ -186,7 +188,7 @@ class DecoderStack : public torch::CustomClassHolder {
         RECORD_FUNCTION("rankcast::paged_attention", std::vector<c10::IValue>());
         at::Tensor q = qkv.narrow(1, 0, heads_ * head_dim_).view({tokens, heads_, head_dim_});
         paged_attention(attn, q, layer.key_cache, layer.value_cache, block_tables, seq_lens,
-                        query_start, scale_);
+                        query_start, scale_, layer.window);
       }
       at::Tensor h;
       {

@@ -10,7 +10,8 @@ namespace rankcast {
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale);
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
+                     int64_t window = 0);
 void rotary_embedding_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                             const c10::optional<at::Tensor>& key_cache,
                             const c10::optional<at::Tensor>& value_cache,

@@ -44,7 +44,7 @@ int64_t bind_threads(at::IntArrayRef cpus) {
 TORCH_LIBRARY(rankcast, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale, int window=0) -> ()");
   m.def(
       "rotary_embedding_cache(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, "
       "Tensor(b!)? key_cache, Tensor(c!)? value_cache, Tensor slot_mapping, int heads, "

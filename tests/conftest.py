@@ -78,6 +78,22 @@ def reference_greedy(
     return tokens[len(prompt) :]
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the other CPU families' kernel builds in the background (niced) when their tests
+    were collected: they compile while the rest of the suite runs
+    (tests/kernel_family_builds.py)."""
+    from tests import kernel_family_builds
+
+    if any("test_cpu_families.py" in item.nodeid for item in session.items):
+        kernel_family_builds.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests import kernel_family_builds
+
+    kernel_family_builds.stop()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The suite runs in random order (pytest-randomly, seed printed at the top); a module

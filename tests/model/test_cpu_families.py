@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rankcast import kernels
+from tests import kernel_family_builds
 
 ROOT = Path(__file__).resolve().parents[2]
 # What each family's build must pass: the kernels against torch and their bitwise properties,
@@ -36,18 +37,12 @@ TESTS = [
 def test_another_familys_build_passes_the_kernel_tests_here(isa: str) -> None:
     if not kernels.isa_runs_here(isa):
         pytest.skip(f"this CPU cannot run a {isa} build")
-    if isa == "avx512-bf16" and "amx_bf16" not in kernels.cpu_fingerprint().split():
+    if not kernel_family_builds.needed_here(isa):
         pytest.skip("without AMX this CPU's own build is the avx512-bf16 one")
     env = {**os.environ, "RANKCAST_KERNELS_ISA": isa, "RANKCAST_KERNELS": "require"}
-    build = subprocess.run(
-        [sys.executable, "-m", "rankcast.kernels.build"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert build.returncode == 0, build.stdout + build.stderr
+    # Started in the background when the suite collected this test (tests/conftest.py).
+    status, output = kernel_family_builds.finish(isa)
+    assert status == 0, output
     probe = subprocess.run(
         [
             sys.executable,
@@ -99,17 +94,10 @@ def test_a_named_kernels_build_is_loaded_instead_of_this_checkouts() -> None:
     path that is not there is an error naming the setting, not a silent fallback."""
     if not kernels.isa_runs_here("avx2"):
         pytest.skip("this CPU cannot run an avx2 build")
-    build = subprocess.run(
-        [sys.executable, "-m", "rankcast.kernels.build"],
-        cwd=ROOT,
-        env={**os.environ, "RANKCAST_KERNELS_ISA": "avx2"},
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert build.returncode == 0, build.stdout + build.stderr
-    library = build.stdout.strip().splitlines()[-1]
-    assert Path(library).is_file(), build.stdout
+    status, output = kernel_family_builds.finish("avx2")
+    assert status == 0, output
+    library = output.strip().splitlines()[-1]
+    assert Path(library).is_file(), output
     env = {k: v for k, v in os.environ.items() if k != "RANKCAST_KERNELS_ISA"}
     loaded = _build_isa_loaded({**env, "RANKCAST_KERNELS_LIBRARY": library})
     assert loaded.stdout.split() == ["avx2"], loaded.stdout + loaded.stderr

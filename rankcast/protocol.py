@@ -233,6 +233,9 @@ class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     # Whether the step reaches the sequence's newest token, so a token is sampled from it;
     # False for a chunk of a prompt that continues in a later step.
     sample: bool = True
+    # Its block table in the model's sliding-window group, where the model's windowed layers
+    # have a KV-cache group of their own (engine_core/kv_cache_manager.py); None elsewhere.
+    window_block_ids: list[int] | None = None
 
 
 class LoRAMove(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -453,19 +456,32 @@ class RankCall(Verb[R], array_like=True):
     """A call the engine core makes on every rank; `REPLY` is each rank's answer."""
 
 
-class NumAvailableBlocks(RankCall[int], array_like=True):
-    """How many KV blocks this rank's budget holds (the engine takes the minimum)."""
+class CacheBudget(msgspec.Struct, array_like=True):
+    """A rank's KV-cache budget and what one block of each KV-cache group costs it (0 for a
+    group it has no layers of): the engine sizes the pools so every rank's fit."""
+
+    budget_bytes: int
+    full_block_bytes: int
+    window_block_bytes: int
+
+
+class NumAvailableBlocks(RankCall[CacheBudget], array_like=True):
+    """This rank's KV-cache budget (`CacheBudget`); the engine sizes the pools from every
+    rank's."""
 
     METHOD = "num_available_blocks"
-    REPLY = int
+    REPLY = CacheBudget
 
 
 class InitializeCache(RankCall[int], array_like=True):
-    """Allocate the KV cache; each rank answers the bytes it commits."""
+    """Allocate the KV cache, `num_blocks` in the full group's pool and `num_window_blocks` in
+    the sliding-window group's (0: the model has no such group); each rank answers the bytes
+    it commits."""
 
     METHOD = "initialize_cache"
     REPLY = int
     num_blocks: int
+    num_window_blocks: int = 0
 
 
 class TakeNotifications(RankCall["list[WorkerNotification] | None"], array_like=True):

@@ -15,6 +15,18 @@ csrc/decoder_stack.cpp). Without it, a burst of requests sharing a system prompt
 prompt once per request in the step that admits them; with it, once per step, as vLLM's KV
 cache manager does by naming blocks when it allocates them. The blocks are named (and their
 KV events published) only after the step has computed them, as every block is.
+
+One manager keeps one KV-cache group: the layers whose caches share its block ids. A model
+whose layers all attend to the whole context has one group; so has one whose layers all have a
+sliding window (`window`: Mistral's). A model with both (Gemma 3's five local layers per global
+one) has two, kept together by `KVCacheManager` (kv_cache_manager.py): the full layers' and the
+windowed layers', each with its own pool and its own table per request
+(`Request.kv_groups[group]`). A windowed group hands back each request's blocks once they fall
+behind the window of every query still to come (`cache_computed_blocks`), so a long
+sequence holds only about a window's worth of them; handed-back blocks keep their names, and
+a prefix hit there needs only the blocks of the window before the hit's end
+(`cached_blocks`), the leading table entries pointing at the group's null block (block 0,
+never allocated), which the attention kernel never reads.
 """
 
 from __future__ import annotations
@@ -24,7 +36,11 @@ from dataclasses import dataclass
 
 from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared, KVCacheEvent
 from rankcast.channel.kv_index import block_hash
-from rankcast.engine_core.request import Request
+from rankcast.engine_core.request import GroupBlocks, Request
+
+# A windowed group's placeholder for table entries of blocks it does not hold (behind the
+# window): never allocated, never read.
+NULL_BLOCK = 0
 
 
 @dataclass
@@ -40,13 +56,22 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         kv_events: bool = False,
+        window: int = 0,
+        group: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # The group's sliding window (0: its layers attend to the whole context), and which of
+        # a request's `kv_groups` is this group's.
+        self.window = window
+        self.group = group
         self.blocks = [Block() for _ in range(num_blocks)]
-        # Free blocks, least recently used first: allocation takes from the front.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free blocks, least recently used first: allocation takes from the front. A windowed
+        # group keeps block 0 aside as its null block.
+        first = 1 if window else 0
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, num_blocks))
+        self.usable_blocks = num_blocks - first
         self.cached: dict[int, int] = {}  # block hash -> block id
         # Full blocks that requests admitted into the step being formed compute in it:
         # block hash -> block id, matched after `cached` (cleared as each step is formed).
@@ -64,8 +89,13 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _table(self, request: Request) -> GroupBlocks:
+        while len(request.kv_groups) <= self.group:
+            request.kv_groups.append(GroupBlocks())
+        return request.kv_groups[self.group]
+
     def _missing(self, request: Request, num_tokens: int) -> int:
-        return max(0, self.blocks_for(num_tokens) - len(request.block_ids))
+        return max(0, self.blocks_for(num_tokens) - len(self._table(request).block_ids))
 
     def can_allocate(self, request: Request, num_tokens: int) -> bool:
         """Whether the request can hold K/V for its first `num_tokens` tokens."""
@@ -84,18 +114,21 @@ class BlockManager:
                         self._removed.append(block.block_hash)
                 block.block_hash = None
             block.ref_count = 1
-            request.block_ids.append(block_id)
+            self._table(request).block_ids.append(block_id)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; its last blocks become the first to be reused, so a
         shared prefix outlives the tails that followed it."""
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-        request.block_ids = []
-        request.num_cached_blocks = 0
+        table = self._table(request)
+        for block_id in reversed(table.block_ids[table.num_released :]):
+            self._release(block_id)
+        request.kv_groups[self.group] = GroupBlocks()
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
 
     def _hashes(self, request: Request, full_blocks: int) -> list[int]:
         """The request's block names for its first `full_blocks` blocks, computed once."""
@@ -119,30 +152,77 @@ class BlockManager:
             return
         full = num_tokens // self.block_size
         hashes = self._hashes(request, full)
+        table = self._table(request).block_ids
         for i in range(request.num_computed_tokens // self.block_size, full):
             if hashes[i] not in self.cached and hashes[i] not in self.planned:
-                self.planned[hashes[i]] = request.block_ids[i]
+                self.planned[hashes[i]] = table[i]
 
-    def match_prefix(self, request: Request) -> int:
-        """Give a request that holds no blocks the longest cached run of its leading full blocks
-        (never its last token: that one is computed, to sample from), cached or computed in
-        this step by a request admitted before it. Returns the tokens found; the request counts
-        them as computed."""
-        if not self.enable_prefix_caching or request.block_ids:
+    def _lookup(self, name: int) -> int | None:
+        """The block holding `name`: cached, or computed in this step by a request admitted
+        before (held by the request computing it)."""
+        block_id = self.cached.get(name)
+        return block_id if block_id is not None else self.planned.get(name)
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        """The first block a query at position `num_tokens` still reads (0 without a window:
+        it sees keys from num_tokens - window + 1 on)."""
+        if not self.window:
             return 0
-        for name in self._hashes(request, (request.num_tokens - 1) // self.block_size):
-            block_id = self.cached.get(name)
-            if block_id is None:
-                block_id = self.planned.get(name)  # held by the request computing it
-            if block_id is None:
-                break
+        return max(0, num_tokens - self.window + 1) // self.block_size
+
+    def hit_possible(self, request: Request, blocks: int) -> bool:
+        """Whether this group could start the request after its first `blocks` full blocks:
+        it holds every block a query there reads."""
+        hashes = self._hashes(request, blocks)
+        first = self.first_needed_block(blocks * self.block_size)
+        return all(self._lookup(name) is not None for name in hashes[first:blocks])
+
+    def cached_blocks(self, request: Request) -> int:
+        """The longest prefix (in full blocks, never the request's last token: that one is
+        computed, to sample from) this group could start the request after. Without a window,
+        the longest run of cached leading blocks; with one, the furthest point whose window's
+        blocks are all cached."""
+        if not self.enable_prefix_caching or self._table(request).block_ids:
+            return 0
+        limit = (request.num_tokens - 1) // self.block_size
+        hashes = self._hashes(request, limit)
+        run = 0
+        while run < limit and self._lookup(hashes[run]) is not None:
+            run += 1
+        if not self.window:
+            return run
+        for blocks in range(limit, run, -1):
+            if self.hit_possible(request, blocks):
+                return blocks
+        return run
+
+    def take_prefix(self, request: Request, blocks: int) -> None:
+        """Give a request that holds no blocks its first `blocks` full blocks from the cache
+        (`cached_blocks` or `hit_possible` said this group has them); the entries before the
+        window are the null block."""
+        table = self._table(request)
+        first = self.first_needed_block(blocks * self.block_size)
+        table.block_ids = [NULL_BLOCK] * first
+        for name in self._hashes(request, blocks)[first:]:
+            block_id = self._lookup(name)
+            assert block_id is not None, "take_prefix: a block the group does not hold"
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_blocks[block_id]
             block.ref_count += 1
-            request.block_ids.append(block_id)
-        request.num_cached_blocks = len(request.block_ids)
-        request.num_computed_tokens = len(request.block_ids) * self.block_size
+            table.block_ids.append(block_id)
+        table.num_cached_blocks = blocks
+        table.num_released = first
+
+    def match_prefix(self, request: Request) -> int:
+        """Give a request that holds no blocks the longest cached prefix of its full blocks
+        (`cached_blocks`), cached or computed in this step by a request admitted before it.
+        Returns the tokens found; the request counts them as computed."""
+        blocks = self.cached_blocks(request)
+        if not blocks:
+            return 0
+        self.take_prefix(request, blocks)
+        request.num_computed_tokens = blocks * self.block_size
         return request.num_computed_tokens
 
     def record_lookup(self, queried: int, hit: int) -> None:
@@ -150,17 +230,29 @@ class BlockManager:
         self.hit_tokens += hit
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Name the request's blocks that have become full of computed tokens, so that later
-        requests find them (a block another request named first stays unnamed)."""
-        if not self.enable_prefix_caching:
-            return
+        """After a step computed the request's tokens: name its blocks that have become full of
+        computed tokens, so that later requests find them (a block another request named first
+        stays unnamed); then, in a windowed group, hand back the blocks behind the window of
+        every query still to come (they keep their names)."""
+        if self.enable_prefix_caching:
+            self._name_full_blocks(request)
+        if self.window:
+            table = self._table(request)
+            first = min(self.first_needed_block(request.num_computed_tokens), len(table.block_ids))
+            for i in range(table.num_released, first):
+                self._release(table.block_ids[i])
+                table.block_ids[i] = NULL_BLOCK
+            table.num_released = max(table.num_released, first)
+
+    def _name_full_blocks(self, request: Request) -> None:
+        table = self._table(request)
         full = request.num_computed_tokens // self.block_size
-        if full <= request.num_cached_blocks:
+        if full <= table.num_cached_blocks:
             return
         hashes = self._hashes(request, full)
         named: list[int] = []  # blocks of this request named now (a run; flushed on a gap)
-        for i in range(request.num_cached_blocks, full):
-            block_id = request.block_ids[i]
+        for i in range(table.num_cached_blocks, full):
+            block_id = table.block_ids[i]
             if hashes[i] not in self.cached:
                 self.cached[hashes[i]] = block_id
                 self.blocks[block_id].block_hash = hashes[i]
@@ -170,7 +262,7 @@ class BlockManager:
                 named = []
         if named:
             self._stored(request, hashes, named)
-        request.num_cached_blocks = full
+        table.num_cached_blocks = full
 
     def _stored(self, request: Request, hashes: list[int], run: list[int]) -> None:
         if not self.kv_events:
@@ -201,7 +293,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only while no request holds a block (False otherwise),
         so no running request loses a name it is about to publish."""
-        if len(self.free_blocks) != self.num_blocks:
+        if len(self.free_blocks) != self.usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None
@@ -215,5 +307,5 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests, 0..1, as routers read `kv_cache_usage_perc`
         (cached blocks no request holds count as free: they are reused on demand)."""
-        used = self.num_blocks - len(self.free_blocks)
-        return used / self.num_blocks if self.num_blocks else 0.0
+        used = self.usable_blocks - len(self.free_blocks)
+        return used / self.usable_blocks if self.usable_blocks else 0.0

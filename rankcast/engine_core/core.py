@@ -34,6 +34,12 @@ from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.channel.view import EngineView, LoRAShape
 from rankcast.config import ConfigError, EngineConfig
 from rankcast.engine_core.block_manager import BlockManager
+from rankcast.engine_core.kv_cache_manager import (
+    KVCacheManager,
+    KVCacheSplit,
+    split_cache,
+    window_pool_cap,
+)
 from rankcast.engine_core.lora_registry import LoRARegistry, startup_share
 from rankcast.engine_core.request import Request
 from rankcast.engine_core.scheduler import Scheduler
@@ -106,10 +112,13 @@ class EngineCore:
     def _start(self) -> None:
         """Everything after the ranks are up: cache, scheduler, notification channel."""
         config = self.config
-        num_blocks = min(self.executor.call(NumAvailableBlocks()))
         block_size = config.cache.block_size
+        split = self._size_kv_cache()
+        num_blocks = split.full_blocks or split.window_blocks
         self.max_model_len = self._resolve_max_model_len(num_blocks * block_size)
-        self.kv_cache_committed_bytes = sum(self.executor.call(InitializeCache(num_blocks)))
+        self.kv_cache_committed_bytes = sum(
+            self.executor.call(InitializeCache(num_blocks, split.window_blocks))
+        )
         if self.kv_cache_committed_bytes:
             logger.info(
                 "KV cache: %.0f MiB over %d rank(s), committed before the first step "
@@ -139,12 +148,7 @@ class EngineCore:
             )
         self.scheduler = Scheduler(
             config.scheduler,
-            BlockManager(
-                num_blocks,
-                block_size,
-                config.cache.enable_prefix_caching,
-                config.cache.block_events,
-            ),
+            self._kv_cache_manager(num_blocks, split),
             self.max_model_len,
             self.loras,
             config.lora.lora_turn_steps,
@@ -181,6 +185,64 @@ class EngineCore:
             num_blocks * block_size,
             self.max_model_len,
         )
+        if split.window_blocks:
+            logger.info(
+                "KV cache of the sliding-window layers: %d blocks of their own (a window of %d "
+                "tokens; blocks behind it are handed back)",
+                split.window_blocks,
+                self.arch.group_windows()[1],
+            )
+
+    def _size_kv_cache(self) -> KVCacheSplit:
+        """The pools of the model's KV-cache groups, sized from every rank's budget
+        (kv_cache_manager.py): one pool where the model has one group, else the windowed
+        group's sized for its window and the full group's taking the rest. `--num-gpu-blocks`
+        An explicit `cache.num_blocks` gives every group that many."""
+        windows = self.arch.group_windows()
+        given = self.config.cache.num_blocks
+        if given is not None:
+            return KVCacheSplit(given, given if len(windows) == 2 else 0)
+        budgets = [
+            (b.budget_bytes, b.full_block_bytes, b.window_block_bytes)
+            for b in self.executor.call(NumAvailableBlocks())
+        ]
+        if len(windows) == 1:  # one group: every layer's cache in it
+            return KVCacheSplit(max(1, min(b // (f + w) for b, f, w in budgets)), 0)
+        scheduler = self.config.scheduler
+        cap = window_pool_cap(
+            windows[1],
+            self.config.cache.block_size,
+            scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens
+            if scheduler.enable_chunked_prefill
+            else self.arch.max_position_embeddings,
+        )
+        return split_cache(budgets, cap)
+
+    def _kv_cache_manager(
+        self, num_blocks: int, split: KVCacheSplit
+    ) -> BlockManager | KVCacheManager:
+        """The block manager of each KV-cache group, as one (kv_cache_manager.py)."""
+        cache = self.config.cache
+        windows = self.arch.group_windows()
+        first = BlockManager(
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            cache.block_events,
+            window=windows[0],
+        )
+        if len(windows) == 1:
+            return first
+        windowed = BlockManager(
+            split.window_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            kv_events=False,
+            window=windows[1],
+            group=1,
+        )
+        return KVCacheManager(first, windowed)
 
     def _resolve_max_model_len(self, cache_tokens: int) -> int:
         """The model's context unless the user asks for less; never more than the cache holds."""

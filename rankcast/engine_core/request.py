@@ -9,6 +9,18 @@ from rankcast.protocol import FinishReason, TokenLogprobs
 from rankcast.sampling_params import SamplingParams
 
 
+@dataclass
+class GroupBlocks:
+    """A request's blocks in one KV-cache group (block_manager.py): its block table, how many
+    of them are named in the prefix cache, and how many leading entries it no longer holds (a
+    sliding-window group's blocks behind the window, handed back; or skipped by a prefix hit:
+    their entries hold the group's null block, which no kernel reads)."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_released: int = 0
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -43,12 +55,12 @@ class Request:
     routing_hit_counted: bool = False
     # Whether the scheduler counted where this request found its adapter (its first turn).
     adapter_found_counted: bool = False
-    # Prefix-cache names of its full blocks (computed once), and how many of its blocks have
-    # been named in the cache.
+    # Prefix-cache names of its full blocks (computed once, shared by every KV-cache group).
     block_hashes: list[int] = field(default_factory=list)
-    num_cached_blocks: int = 0
+    # Its blocks in each KV-cache group: the full-attention layers' (or the only group's)
+    # first, then a model's sliding-window layers' where they form a group of their own.
+    kv_groups: list[GroupBlocks] = field(default_factory=lambda: [GroupBlocks()])
     status: RequestStatus = RequestStatus.WAITING
-    block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_preemptions: int = 0
@@ -60,6 +72,15 @@ class Request:
     # Tokens and logprobs sampled since the last output was sent.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Its block table in the first KV-cache group."""
+        return self.kv_groups[0].block_ids
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.kv_groups[0].num_cached_blocks
 
     @property
     def num_tokens(self) -> int:

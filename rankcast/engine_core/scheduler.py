@@ -26,6 +26,7 @@ from collections import deque
 from rankcast.config import SchedulerConfig
 from rankcast.engine_core.adapter_turns import AdapterSlots, AdapterTurns
 from rankcast.engine_core.block_manager import BlockManager
+from rankcast.engine_core.kv_cache_manager import KVCacheManager
 from rankcast.engine_core.request import Request, RequestStatus
 from rankcast.protocol import (
     EngineCoreOutput,
@@ -43,7 +44,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        block_manager: BlockManager,
+        block_manager: BlockManager | KVCacheManager,
         max_model_len: int,
         adapters: AdapterSlots | None = None,
         lora_turn_steps: int = 0,
@@ -378,6 +379,9 @@ class Scheduler:
                     request.params if i >= len(scheduled) else None,
                     request.lora_slot,
                     sample=start + count == request.num_tokens,
+                    window_block_ids=list(request.kv_groups[1].block_ids)
+                    if len(request.kv_groups) > 1
+                    else None,
                 )
             )
         moves = self.adapters.take_moves() if self.adapters is not None else []

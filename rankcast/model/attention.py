@@ -43,6 +43,18 @@ class AttentionMetadata:
     cos_sin: torch.Tensor | None = field(default=None)
     # Gemma 3: the table of its sliding-window layers' own RoPE base (set by the model).
     local_cos_sin: torch.Tensor | None = field(default=None)
+    # Where the windowed layers' caches form a KV-cache group of their own: their slots and
+    # block tables (the group's blocks behind the window hold its null block).
+    window_slot_mapping: torch.Tensor | None = field(default=None)
+    window_block_tables: torch.Tensor | None = field(default=None)
+
+    def for_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot mapping, block tables) of a layer whose cache is in KV-cache group `group`."""
+        if group == 0:
+            return self.slot_mapping, self.block_tables
+        assert self.window_slot_mapping is not None and self.window_block_tables is not None
+        return self.window_slot_mapping, self.window_block_tables
+
     # `positions` for layers without RoPE: every token at 0 (made on first use, once a step).
     unrotated_positions: torch.Tensor | None = field(default=None)
 
@@ -73,6 +85,7 @@ class PagedAttention(nn.Module):
         scale: float | None = None,
         window: int = 0,
         local_rope: bool = False,
+        kv_group: int = 0,
     ) -> None:
         super().__init__()
         self.rotates = rotates
@@ -82,6 +95,7 @@ class PagedAttention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.window = window
         self.local_rope = local_rope
+        self.kv_group = kv_group
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
 
@@ -90,13 +104,14 @@ class PagedAttention(nn.Module):
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos_sin = meta.local_cos_sin if self.local_rope else meta.cos_sin
         assert cos_sin is not None
+        slot_mapping, block_tables = meta.for_group(self.kv_group)
         ops.rotary_embedding_cache(
             qkv,
             meta.positions_for(self.rotates),
             cos_sin,
             self.key_cache,
             self.value_cache,
-            meta.slot_mapping,
+            slot_mapping,
             heads,
             kv_heads,
         )
@@ -115,7 +130,7 @@ class PagedAttention(nn.Module):
             q,
             self.key_cache,
             self.value_cache,
-            meta.block_tables,
+            block_tables,
             meta.seq_lens,
             meta.query_start,
             self.scale,

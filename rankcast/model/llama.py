@@ -82,6 +82,7 @@ class LlamaAttention(nn.Module):
             scale=arch.attention_scale,
             window=window,
             local_rope=bool(window) and arch.local_rope_theta is not None,
+            kv_group=arch.kv_group(layer),
         )
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -119,12 +119,33 @@ class ArchConfig:
         return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
+    def separate_window_group(self) -> bool:
+        """Whether the windowed layers' caches form a KV-cache group of their own (group 1,
+        engine_core/kv_cache_manager.py): the model has layers with and without a window."""
+        return bool(self.layer_windows) and 0 in self.layer_windows
+
+    def kv_group(self, layer: int) -> int:
+        """The KV-cache group of layer `layer`'s cache: 1 for a windowed layer of a model that
+        also has full ones, else 0."""
+        return 1 if self.separate_window_group and self.window(layer) else 0
+
+    def group_windows(self) -> tuple[int, ...]:
+        """Each KV-cache group's window (what its blocks are handed back behind): the largest
+        of its layers' (0: it keeps every block)."""
+        if not self.layer_windows:
+            return (0,)
+        widest = max(self.layer_windows)
+        return (0, widest) if self.separate_window_group else (widest,)
+
+    @property
     def decoder_stack_runs_it(self) -> bool:
         """Whether the C++ decoder stack (csrc/decoder_stack.cpp) runs this architecture's
-        block: Llama's two norms, SwiGLU, one RoPE table. Gemma 3's block runs on the modules
-        (docs/models.md has the measured cost)."""
+        block: Llama's two norms, SwiGLU, one RoPE table, one block table (so not a model whose
+        windowed layers have a KV-cache group of their own). Gemma 3's block runs on the
+        modules (docs/models.md has the measured cost)."""
         return (
-            not self.sandwich_norms
+            not self.separate_window_group
+            and not self.sandwich_norms
             and self.norm_weight_offset == 0.0
             and self.hidden_activation == "silu"
             and self.local_rope_theta is None

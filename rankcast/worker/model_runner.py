@@ -142,14 +142,17 @@ class ModelRunner:
 
     # ---- KV cache ----
 
-    def bytes_per_block(self) -> int:
-        layers = len(self.model.attention_layers())
-        attn = self.model.attention_layers()[0] if layers else None
-        kv_heads = attn.num_kv_heads if attn else 0
+    def bytes_per_block(self, group: int = 0) -> int:
+        """What one block of KV-cache group `group` costs on this rank: K and V of each of its
+        layers here (0 where this rank has none of them)."""
+        layers = [a for a in self.model.attention_layers() if a.kv_group == group]
+        kv_heads = layers[0].num_kv_heads if layers else 0
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * layers * self.block_size * kv_heads * self.arch.head_dim * element
+        return 2 * len(layers) * self.block_size * kv_heads * self.arch.head_dim * element
 
-    def initialize_cache(self, num_blocks: int, commit: bool = True) -> int:
+    def initialize_cache(
+        self, num_blocks: int, commit: bool = True, num_window_blocks: int | None = None
+    ) -> int:
         """Allocate every layer's cache up front, so its size is fixed at start-up, and with
         `commit` take all its memory before the first step; returns the bytes committed (0 when
         pages are left to be taken as blocks are first written).
@@ -160,12 +163,17 @@ class ModelRunner:
         touches, and every page is this process's before any request runs.
 
         Each layer's keys and values share one allocation, laid out as `attention.py` describes.
+        A layer of the sliding-window KV-cache group (`kv_group` 1) has `num_window_blocks`
+        blocks (by default as many as the others: a caller without the engine's scheduler then
+        gives a sequence the same table in both groups), the others `num_blocks`.
         """
         self.kv_caches = []
+        window_blocks = num_blocks if num_window_blocks is None else num_window_blocks
         for attn in self.model.attention_layers():
-            whole = (2, num_blocks, attn.num_kv_heads, self.block_size * attn.head_dim)
+            blocks = window_blocks if attn.kv_group == 1 else num_blocks
+            whole = (2, blocks, attn.num_kv_heads, self.block_size * attn.head_dim)
             cache = zeroed_tensor(whole, self.dtype, self.device)
-            shape = (num_blocks, attn.num_kv_heads)
+            shape = (blocks, attn.num_kv_heads)
             attn.key_cache = cache[0].view(*shape, attn.head_dim, self.block_size)
             attn.value_cache = cache[1].view(*shape, self.block_size, attn.head_dim)
             self.kv_caches.append(cache)
@@ -228,8 +236,15 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         query_start = [0]
-        width = max(len(seq.block_ids) for seq in batch.sequences)
+        width = max(
+            max(len(seq.block_ids), len(seq.window_block_ids or ())) for seq in batch.sequences
+        )
         tables: list[list[int]] = []
+        # A sequence without a table of that group (a caller without the engine's scheduler)
+        # uses its one table in both.
+        windowed = self.arch.separate_window_group
+        window_slots: list[int] = []
+        window_tables: list[list[int]] = []
         for seq in batch.sequences:
             n = len(seq.token_ids)
             first = seq.start_position
@@ -241,6 +256,10 @@ class ModelRunner:
             seq_lens.append(first + n)
             query_start.append(query_start[-1] + n)
             tables.append(blocks + [0] * (width - len(blocks)))
+            if windowed:
+                own = seq.window_block_ids if seq.window_block_ids is not None else blocks
+                window_slots.extend(own[p // bs] * bs + p % bs for p in range(first, first + n))
+                window_tables.append(own + [0] * (width - len(own)))
         dev = self.device
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -251,6 +270,9 @@ class ModelRunner:
             query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
             from_scratch=all(seq.start_position == 0 for seq in batch.sequences),
         )
+        if windowed:
+            meta.window_slot_mapping = torch.tensor(window_slots, dtype=torch.long, device=dev)
+            meta.window_block_tables = torch.tensor(window_tables, dtype=torch.int32, device=dev)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         context = self.lora_context
         if context is not None:

@@ -30,6 +30,7 @@ from rankcast.process import is_rankcast_process
 from rankcast.protocol import (
     RANK_CALLS,
     ApplyLoRAMoves,
+    CacheBudget,
     ExecuteModel,
     InitializeCache,
     LoRAMove,
@@ -86,7 +87,9 @@ class Worker:
         # The engine core's calls on this rank (`rankcast.protocol.RankCall`), one handler each.
         self.rank_call_handlers: dict[type[RankCall[Any]], Callable[[Any], Any]] = {
             NumAvailableBlocks: lambda _: self.num_available_blocks(),
-            InitializeCache: lambda call: self.initialize_cache(call.num_blocks),
+            InitializeCache: lambda call: self.initialize_cache(
+                call.num_blocks, call.num_window_blocks
+            ),
             TakeNotifications: lambda _: self.take_notifications(),
             ApplyLoRAMoves: lambda call: self.apply_lora_moves(call.moves),
             ExecuteModel: lambda call: self.execute_model(call.batch),
@@ -193,19 +196,18 @@ class Worker:
         """Drain this rank's notification buffer (None, allocating nothing, when empty)."""
         return self.notifications.take()
 
-    def num_available_blocks(self) -> int:
-        """How many KV blocks this rank's budget holds (the engine takes the minimum over ranks)."""
+    def num_available_blocks(self) -> CacheBudget:
+        """This rank's KV-cache budget and what a block of each KV-cache group costs it (the
+        engine sizes the pools so every rank's fit)."""
         assert self.runner is not None
-        if self.config.cache.num_blocks is not None:
-            return self.config.cache.num_blocks
         budget = int(self.config.cache.space_gib * 2**30)
-        return max(1, budget // self.runner.bytes_per_block())
+        return CacheBudget(budget, self.runner.bytes_per_block(0), self.runner.bytes_per_block(1))
 
-    def initialize_cache(self, num_blocks: int) -> int:
+    def initialize_cache(self, num_blocks: int, num_window_blocks: int = 0) -> int:
         """Allocate this rank's KV cache, its memory committed before the first step unless told
         not to (`ModelRunner.initialize_cache`); returns the bytes committed."""
         assert self.runner is not None
-        return self.runner.initialize_cache(num_blocks, self.config.cache.commit)
+        return self.runner.initialize_cache(num_blocks, self.config.cache.commit, num_window_blocks)
 
     def execute_model(self, batch: SchedulerOutput) -> StepReply:
         """The step's adapter moves first (a request admitted this step may need the slot),

@@ -307,6 +307,7 @@ pub fn schema() -> Vec<String> {
         PinLoRA::schema_line(),
         ListLoRAs::schema_line(),
         ResetPrefixCache::schema_line(),
+        CacheBudget::schema_line(),
         NumAvailableBlocks::schema_line(),
         InitializeCache::schema_line(),
         TakeNotifications::schema_line(),

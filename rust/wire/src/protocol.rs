@@ -272,6 +272,7 @@ array_struct! {
         sampling_params: Option<SamplingParams> = None,
         lora_slot: i64 = -1,
         sample: bool = true,
+        window_block_ids: Option<Vec<i64>> = None,
     }
 }
 
@@ -370,9 +371,17 @@ array_struct! { ResetPrefixCache {} }
 // ---- the engine core's calls on its ranks: each call's arguments, in `WorkerCall.args` order
 // (`rankcast/protocol.py`, `RankCall`) ----
 
+array_struct! {
+    CacheBudget {
+        budget_bytes: i64,
+        full_block_bytes: i64,
+        window_block_bytes: i64,
+    }
+}
+
 array_struct! { NumAvailableBlocks {} }
 
-array_struct! { InitializeCache { num_blocks: i64 } }
+array_struct! { InitializeCache { num_blocks: i64, num_window_blocks: i64 = 0 } }
 
 array_struct! { TakeNotifications {} }
 

@@ -144,12 +144,19 @@ class KVBlocksStored(Notification, tag="kv_blocks_stored"):
     block_size: int
     lora_id: int = 0
     lora_name: str | None = None
+    # The KV-cache group the blocks are in (engine_core/kv_cache_manager.py): 0, the full
+    # attention layers' (or a model's only group); 1, the sliding-window layers' of a model
+    # that has both, which hands blocks back behind the window. A prefix index matches on
+    # group 0.
+    group_idx: int = 0
 
 
 class KVBlocksRemoved(Notification, tag="kv_blocks_removed"):
-    """The engine reused the memory of these cached blocks: their K/V is gone."""
+    """The engine reused the memory of these cached blocks of KV-cache group `group_idx`: their
+    K/V is gone there."""
 
     block_hashes: list[int]
+    group_idx: int = 0
 
 
 class KVCacheCleared(Notification, tag="kv_cache_cleared"):

@@ -53,7 +53,11 @@ class KVCacheIndex:
         self.roots = 0
 
     def apply(self, n: Notification) -> None:
-        """Apply one event (other notification types are ignored)."""
+        """Apply one event (other notification types are ignored, and so are the blocks of a
+        sliding-window KV-cache group, `group_idx` 1: a prefix is matched on the full group's
+        blocks, which the index mirrors)."""
+        if isinstance(n, (KVBlocksStored, KVBlocksRemoved)) and n.group_idx != 0:
+            return
         if isinstance(n, KVBlocksStored):
             bs = n.block_size
             for i, name in enumerate(n.block_hashes):

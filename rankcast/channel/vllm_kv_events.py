@@ -15,7 +15,12 @@ Meanings, where rankcast's engine differs from vLLM's:
 - `medium` is "GPU", vLLM's name for the engine's own KV cache whatever the device: consumers
   read "CPU" as an offload tier and discount it, and this cache is the one requests run from;
 - `lora_id` is the adapter's registration (None for the base model) and `lora_name` the name
-  clients send as `model`, which is what consumers hash with the tokens.
+  clients send as `model`, which is what consumers hash with the tokens;
+- `group_idx`, left out for group 0, is 1 for the blocks of a sliding-window layers' KV-cache
+  group (engine_core/kv_cache_manager.py: Gemma 3's local layers), whose blocks are handed
+  back behind the window: a consumer matching prefixes reads group 0 (one that does not know
+  the field ignores it, as msgspec and vLLM's own decoder do, and then sees the windowed
+  group's names stored and removed beside the full group's).
 
 The rule that keeps a consumer's index from going stale: `AllBlocksCleared` is the first event
 of every engine incarnation and follows every prefix-cache reset at once, idle or not.
@@ -47,11 +52,13 @@ class BlockStored(VLLMKVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    group_idx: int | None = None
 
 
 class BlockRemoved(VLLMKVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(VLLMKVCacheEvent):
@@ -75,9 +82,12 @@ def to_vllm(event: KVCacheEvent) -> BlockStored | BlockRemoved | AllBlocksCleare
             lora_id=event.lora_id or None,
             medium=MEDIUM,
             lora_name=event.lora_name,
+            group_idx=event.group_idx or None,
         )
     if isinstance(event, KVBlocksRemoved):
-        return BlockRemoved(block_hashes=event.block_hashes, medium=MEDIUM)
+        return BlockRemoved(
+            block_hashes=event.block_hashes, medium=MEDIUM, group_idx=event.group_idx or None
+        )
     assert isinstance(event, KVCacheCleared)
     return AllBlocksCleared()
 

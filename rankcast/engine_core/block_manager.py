@@ -276,6 +276,7 @@ class BlockManager:
                 block_size=bs,
                 lora_id=request.lora_id,
                 lora_name=request.lora_name,
+                group_idx=self.group,
             )
         )
 
@@ -284,7 +285,7 @@ class BlockManager:
         names blocks after it ran), then each run of newly named blocks."""
         events: list[KVCacheEvent] = []
         if self._removed:
-            events.append(KVBlocksRemoved(block_hashes=self._removed))
+            events.append(KVBlocksRemoved(block_hashes=self._removed, group_idx=self.group))
             self._removed = []
         events += self._events
         self._events = []

@@ -238,7 +238,7 @@ class EngineCore:
             split.window_blocks,
             cache.block_size,
             cache.enable_prefix_caching,
-            kv_events=False,
+            cache.block_events,
             window=windows[1],
             group=1,
         )

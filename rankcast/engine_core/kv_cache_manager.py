@@ -10,9 +10,10 @@ sized for the window, not for the context: the memory saved goes to the full gro
 
 A prefix-cache hit must hold for both groups at once, as vLLM's hybrid allocator has it: the
 full group needs every block up to the hit's end, the windowed group only the blocks of the
-window before it; the hit is the furthest point both can start from (`match_prefix`). KV
-events are the full group's: its blocks are the ones a router's index can match from the
-start of a prompt (the windowed group's names are the same, held for less long).
+window before it; the hit is the furthest point both can start from (`match_prefix`). Both
+groups publish their KV events, each saying its group (`group_idx`, as vLLM's events do for
+hybrid models): the full group's blocks are the ones a prefix index matches from the start of a
+prompt, the windowed group's tell which windows are still held.
 
 The scheduler talks to this as to a single `BlockManager` (same methods).
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rankcast.channel.events import KVCacheEvent
+from rankcast.channel.events import KVCacheCleared, KVCacheEvent
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.request import Request
 
@@ -124,8 +125,10 @@ class KVCacheManager:
             group.cache_computed_blocks(request)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        self.windowed.take_kv_events()  # off: kept empty
-        return self.full.take_kv_events()
+        """The step's events of the full group, then the windowed group's (the first event of
+        an incarnation, `KVCacheCleared`, only once)."""
+        windowed = [e for e in self.windowed.take_kv_events() if not isinstance(e, KVCacheCleared)]
+        return self.full.take_kv_events() + windowed
 
     def reset_prefix_cache(self) -> bool:
         if any(len(g.free_blocks) != g.usable_blocks for g in self.groups):

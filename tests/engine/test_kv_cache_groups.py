@@ -126,6 +126,42 @@ def test_a_hybrid_hit_stops_where_the_windowed_group_lost_its_window() -> None:
     assert blocks.hit_tokens - hits < 32
 
 
+def test_both_groups_publish_their_blocks_each_saying_its_group() -> None:
+    """With KV events on, the full group's blocks and the windowed group's are published, each
+    event with its `group_idx`; an incarnation's opening `KVCacheCleared` comes once; in vLLM's
+    format group 0 leaves the field out and group 1 says 1; the engine view's prefix index
+    holds the full group's blocks only."""
+    import msgspec
+
+    from rankcast.channel.events import KVBlocksRemoved, KVBlocksStored, KVCacheCleared
+    from rankcast.channel.kv_index import KVCacheIndex
+    from rankcast.channel.vllm_kv_events import to_vllm
+
+    blocks = KVCacheManager(
+        BlockManager(64, BLOCK, kv_events=True),
+        BlockManager(12, BLOCK, kv_events=True, window=WINDOW, group=1),
+    )
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), blocks, 1024)
+    scheduler.add_request(_prompt_request("first", list(range(100, 133))))
+    _finish(scheduler, "first")
+    scheduler.add_request(_prompt_request("other", list(range(600, 640))))  # evicts group 1
+    _finish(scheduler, "other")
+    events = blocks.take_kv_events()
+    assert sum(isinstance(e, KVCacheCleared) for e in events) == 1
+    stored = [e for e in events if isinstance(e, KVBlocksStored)]
+    removed = [e for e in events if isinstance(e, KVBlocksRemoved)]
+    assert {e.group_idx for e in stored} == {0, 1}
+    assert removed and {e.group_idx for e in removed} == {1}  # only the small pool ran out
+    index = KVCacheIndex()
+    for event in events:
+        index.apply(event)
+    full_names = {h for e in stored if e.group_idx == 0 for h in e.block_hashes}
+    assert set(index.blocks) == full_names
+    for event in stored[:1] + [e for e in stored if e.group_idx == 1][:1]:
+        encoded = msgspec.json.decode(msgspec.json.encode(to_vllm(event)))
+        assert encoded.get("group_idx") == (event.group_idx or None)
+
+
 def test_the_pools_are_sized_for_the_window_and_every_rank() -> None:
     """The windowed pool is as large as the full one until the window's needs are met (then
     capped); the full pool takes every byte left; the tightest rank decides; a rank with

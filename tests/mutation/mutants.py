@@ -606,8 +606,8 @@ MUTANTS = [
         "prefix-hit-covers-last-token",
         "A prefix-cache hit never covers a prompt's last token",
         "rankcast/engine_core/block_manager.py",
-        "        for name in self._hashes(request, (request.num_tokens - 1) // self.block_size):",
-        "        for name in self._hashes(request, request.num_tokens // self.block_size):",
+        "        limit = (request.num_tokens - 1) // self.block_size",
+        "        limit = request.num_tokens // self.block_size",
         ("tests/engine/test_cache_rules.py",),
     ),
     Mutant(

@@ -400,6 +400,10 @@ impl EngineView {
             }
             // Nothing the rank held changed (the engine's eviction with "load_failed" follows).
             Notification::LoRALoadFailed(_) => {}
+            // A sliding-window group's blocks (group_idx 1) stay out of the index, which
+            // mirrors the full group's (kv_index.py).
+            Notification::KVStored(s) if s.group_idx != 0 => {}
+            Notification::KVRemoved(r) if r.group_idx != 0 => {}
             Notification::KVStored(s) => {
                 self.kv.stored(s);
                 if let Some(name) = &s.lora_name {

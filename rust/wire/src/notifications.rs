@@ -105,12 +105,14 @@ notification! {
         block_size: i64,
         lora_id: i64 = 0,
         lora_name: Option<String> = None,
+        group_idx: i64 = 0,
     }
 }
 
 notification! {
     KVBlocksRemoved tag "kv_blocks_removed" {
         block_hashes: Vec<i64>,
+        group_idx: i64 = 0,
     }
 }
 

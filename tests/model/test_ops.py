@@ -199,6 +199,25 @@ def _caches(blocks: int, kv_heads: int, head_dim: int, block_size: int, dtype: t
     return keys, values
 
 
+def _decode_batch(
+    lengths: list[int], heads: int, kv_heads: int, block_size: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
+    """Caches, block tables of scattered blocks, context lengths and one query token for each
+    of a batch of decodes (head_dim 64): (keys, values, table, seq_lens, query, generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    needs = [-(-n // block_size) for n in lengths]
+    keys, values = _caches(sum(needs) + 3, kv_heads, 64, block_size, dtype)
+    order = torch.randperm(sum(needs) + 3, generator=gen).tolist()  # scattered blocks
+    width = max(needs)
+    table = torch.tensor(
+        [[order.pop() for _ in range(need)] + [0] * (width - need) for need in needs],
+        dtype=torch.int32,
+    )
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    query = torch.randn(len(lengths), heads, 64, generator=gen).to(dtype)
+    return keys, values, table, seq_lens, query, gen
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (16, 4), (128, 32)])
 def test_rotary_and_cache_write_match_torch(
@@ -390,17 +409,9 @@ def test_a_batch_of_decodes_gives_each_token_the_bits_it_gets_alone(
         pytest.skip("kernel property")
     head_dim, scale = 64, 64**-0.5
     lengths = [1, 17, 150, 300, 45, 700, 16, 3]
-    gen = torch.Generator().manual_seed(5)
-    needs = [-(-n // block_size) for n in lengths]
-    keys, values = _caches(sum(needs) + 3, kv_heads, head_dim, block_size, dtype)
-    order = torch.randperm(sum(needs) + 3, generator=gen).tolist()  # scattered blocks
-    width = max(needs)
-    tables = []
-    for need in needs:
-        tables.append([order.pop() for _ in range(need)] + [0] * (width - need))
-    table = torch.tensor(tables, dtype=torch.int32)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    query = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dtype)
+    keys, values, table, seq_lens, query, gen = _decode_batch(
+        lengths, heads, kv_heads, block_size, dtype, seed=5
+    )
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -509,17 +520,9 @@ def test_a_windowed_token_gets_the_same_bits_on_every_path(
         pytest.skip("kernel property")
     head_dim, scale, window = 64, 64**-0.5, 100
     lengths = [701, 300, 90, 257, 150, 400, 33, 600]
-    gen = torch.Generator().manual_seed(13)
-    needs = [-(-n // block_size) for n in lengths]
-    keys, values = _caches(sum(needs) + 3, kv_heads, head_dim, block_size, dtype)
-    order = torch.randperm(sum(needs) + 3, generator=gen).tolist()
-    width = max(needs)
-    table = torch.tensor(
-        [[order.pop() for _ in range(need)] + [0] * (width - need) for need in needs],
-        dtype=torch.int32,
+    keys, values, table, seq_lens, query, gen = _decode_batch(
+        lengths, heads, kv_heads, block_size, dtype, seed=13
     )
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    query = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dtype)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

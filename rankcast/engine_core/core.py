@@ -196,8 +196,8 @@ class EngineCore:
     def _size_kv_cache(self) -> KVCacheSplit:
         """The pools of the model's KV-cache groups, sized from every rank's budget
         (kv_cache_manager.py): one pool where the model has one group, else the windowed
-        group's sized for its window and the full group's taking the rest. `--num-gpu-blocks`
-        An explicit `cache.num_blocks` gives every group that many."""
+        group's sized for its window and the full group's taking the rest. An explicit
+        `cache.num_blocks` gives every group that many."""
         windows = self.arch.group_windows()
         given = self.config.cache.num_blocks
         if given is not None:

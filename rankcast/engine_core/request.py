@@ -79,10 +79,6 @@ class Request:
         return self.kv_groups[0].block_ids
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.kv_groups[0].num_cached_blocks
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -7,6 +7,7 @@ holds for both. Scheduler-level with plain token ids, then the engine on a tiny 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -225,7 +226,9 @@ def test_gemma3s_local_layers_hold_a_window_of_a_long_chat(gemma3_long: Path) ->
         engine = llm.engine
         engine.add_request(prompt, greedy)
         peak, got = 0, []
+        deadline = time.monotonic() + 120
         while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the engine stopped making progress"
             for output in engine.step():
                 got = list(output.outputs[0].token_ids)
             held = blocks.windowed.usable_blocks - len(blocks.windowed.free_blocks)

@@ -79,8 +79,8 @@ def reference_greedy(
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the other CPU families' kernel builds in the background (niced) when their tests
-    were collected: they compile while the rest of the suite runs
+    """Start the other CPU families' kernel builds in the background (at idle priority) when
+    their tests were collected: they compile while the rest of the suite runs
     (tests/kernel_family_builds.py)."""
     from tests import kernel_family_builds
 
@@ -94,11 +94,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     kernel_family_builds.stop()
 
 
+_FAMILY_TESTS = "tests/model/test_cpu_families.py"
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The suite runs in random order (pytest-randomly, seed printed at the top); a module
     marked `scenario` is one session told in steps, so its tests keep their file order (the
-    module itself still lands anywhere in the run)."""
+    module itself still lands anywhere in the run). The other CPU families' kernel tests run
+    last: their builds compile on the CPU the rest of the suite leaves idle, and are done by
+    then (tests/kernel_family_builds.py)."""
+    families = [item for item in items if item.nodeid.startswith(_FAMILY_TESTS)]
+    items[:] = [item for item in items if not item.nodeid.startswith(_FAMILY_TESTS)] + families
     start = 0
     while start < len(items):
         end = start

@@ -223,16 +223,18 @@ def next_engine_core(launcher: subprocess.Popen[Any], old: int | None, timeout_s
 
 
 @contextlib.contextmanager
-def launcher_while_loading(timeout_s: float = 60.0) -> Iterator[tuple[subprocess.Popen[str], int]]:
+def launcher_while_loading(
+    timeout_s: float = 60.0, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """`rankcast serve` of the embedded model (seconds to load), handed over as soon as its
-    engine core exists, with that process's pid; stderr is piped. The whole session is killed
-    afterwards if the launcher is still running."""
+    engine core exists, with that process's pid; stderr is piped; `env` added to the
+    environment. The whole session is killed afterwards if the launcher is still running."""
     launcher = subprocess.Popen(
         [sys.executable, "-m", "rankcast.launcher.cli", "serve", "--port", str(free_port())],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env=dict(os.environ, RANKCAST_DISABLE_PROGRESS="1"),
+        env={**os.environ, "RANKCAST_DISABLE_PROGRESS": "1", **(env or {})},
     )
     try:
         yield launcher, next_engine_core(launcher, None, timeout_s)

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import httpx
 
+from rankcast.start_up_holds import held_file_name
 from tests.entrypoints.server_process import (
     ServerProcess,
     assert_session_ends,
     launcher_while_loading,
 )
 from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
+from tests.reliability.start_up_kills import arm_hold
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -98,12 +100,22 @@ def test_ctrl_c_during_start_up_is_a_stop_not_a_failure() -> None:
     assert_session_ends(launcher.pid)
 
 
-def test_a_stop_during_start_up_ends_it_at_once() -> None:
-    with launcher_while_loading() as (launcher, _):
-        stopped = time.monotonic()
+def test_a_stop_during_start_up_ends_it_at_once(tmp_path: Path) -> None:
+    """SIGTERM while the engine core loads ends the start-up there, without waiting for the
+    load: the load is held (a start-up hold at the engine core's `load` point) until the test
+    lets it go, which it never does, so a launcher that waited for it would not end at all."""
+    holds = tmp_path / "holds"
+    role, point = "engine_core_dp0", "load"
+    arm_hold(holds, role, point)
+    held = holds / held_file_name(role, point)
+    with launcher_while_loading(env={"RANKCAST_START_UP_HOLDS": str(holds)}) as (launcher, _):
+        deadline = time.monotonic() + 60
+        while not held.exists():
+            assert launcher.poll() is None, f"the launcher exited ({launcher.returncode})"
+            assert time.monotonic() < deadline, "the engine core never reached its load"
+            time.sleep(0.02)
         launcher.send_signal(signal.SIGTERM)
         launcher.communicate(timeout=30)
-        took = time.monotonic() - stopped
+        assert held.exists(), "the load went on before the launcher stopped"
     assert launcher.returncode == 0
-    assert took < 2.0, f"the start-up took {took:.1f} s to stop"
     assert_session_ends(launcher.pid)  # ranks still loading go when their C call returns

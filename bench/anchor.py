@@ -70,13 +70,14 @@ def run_offline(
     runs: int,
     prompts: int | None = None,
     schema: Path | None = None,
+    workload: Path = HERE / "prompts.json",
 ) -> dict:
     """vLLM's batch and single-stream throughput on the workload (`anchor_offline.py`); with
     `schema`, also its batch with every request under that JSON schema."""
     python = anchor_python()
     assert python is not None, missing_message()
     command = [str(python), str(HERE / "anchor_offline.py"), str(model_dir), "--dtype", dtype]
-    command += ["--runs", str(runs), "--workload", str(HERE / "prompts.json")]
+    command += ["--runs", str(runs), "--workload", str(workload)]
     if prompts is not None:
         command += ["--prompts", str(prompts)]
     if schema is not None:

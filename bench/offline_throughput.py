@@ -38,7 +38,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import anchor, bandwidth, llamacpp
-from bench.workload import ROOT, Chat, describe, load_chats, machine_info
+from bench.workload import (
+    ROOT,
+    Chat,
+    describe,
+    load_chats,
+    machine_info,
+    single_and_batch_rates,
+)
 
 START_SCRIPT = """
 import time
@@ -79,13 +86,7 @@ def bench_rankcast(
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.chat(chats[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
 
-    def rate(batch: list[Chat]) -> float:
-        start = time.perf_counter()
-        outs = llm.chat(batch, params)
-        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-
-    single = [rate(chats[:1]) for _ in range(runs)]
-    batch = [rate(chats) for _ in range(runs)]
+    single, batch = single_and_batch_rates(lambda some: llm.chat(list(some), params), chats, runs)
     worker = llm.engine.client.core.executor.worker
     resolved = str(worker.dtype).replace("torch.", "")
     quantization = worker.source.quantization(quantization)

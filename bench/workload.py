@@ -11,13 +11,31 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "bench" / "prompts.json"
 
 Chat = list[dict[str, str]]
+T = TypeVar("T")
+
+
+def single_and_batch_rates(
+    generate: Callable[[Sequence[T]], Sequence[Any]], items: Sequence[T], runs: int
+) -> tuple[list[float], list[float]]:
+    """Generated tok/s of the first item alone, then of all of them at once, `runs` times
+    each: `generate` takes a list of prompts (or chats) and returns their outputs."""
+
+    def rate(batch: Sequence[T]) -> float:
+        start = time.perf_counter()
+        outs = generate(batch)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+    single = [rate(items[:1]) for _ in range(runs)]
+    return single, [rate(items) for _ in range(runs)]
 
 
 def load_prompts() -> tuple[list[str], int]:

@@ -45,23 +45,36 @@ def build(force: bool = False, verbose: bool = False) -> Path:
     start = time.perf_counter()
     cflags = list(kernels.cflags())
     header = _precompile_header(work, cflags)
-    try:
-        built = cpp_extension.load(
-            name=kernels.LIBRARY_NAME,
-            sources=[str(path) for path in kernels.sources()],
-            # A precompiled header that GCC finds unusable is an error, not a silent slow build.
-            extra_cflags=cflags
-            + ([] if header is None else ["-include", str(header), "-Werror=invalid-pch"]),
-            extra_ldflags=list(kernels.LDFLAGS),
-            build_directory=str(work),
-            is_python_module=False,
-            verbose=verbose,
+
+    def compile_and_link(header: Path | None) -> str:
+        # A precompiled header GCC finds unusable fails the build (said below, then built
+        # without it) rather than being skipped silently, which would hide a slow build.
+        precompiled = [] if header is None else ["-include", str(header), "-Werror=invalid-pch"]
+        return str(
+            cpp_extension.load(
+                name=kernels.LIBRARY_NAME,
+                sources=[str(path) for path in kernels.sources()],
+                extra_cflags=cflags + precompiled,
+                extra_ldflags=list(kernels.LDFLAGS),
+                build_directory=str(work),
+                is_python_module=False,
+                verbose=verbose,
+            )
         )
+
+    try:
+        built = compile_and_link(header)
+    except RuntimeError as error:
+        if header is None or "invalid-pch" not in str(error):
+            raise
+        print("the precompiled header did not match the build's flags; building without it")
+        # torch names a second load of the same extension in one process `<name>_v1`.
+        built = str(Path(compile_and_link(None)).replace(target))
     finally:
         if header is not None:
             Path(f"{header}.gch").unlink(missing_ok=True)
     print(f"built {built} in {time.perf_counter() - start:.0f} s")
-    return Path(str(built))
+    return Path(built)
 
 
 def _compiler() -> str:

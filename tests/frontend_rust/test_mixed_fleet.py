@@ -142,6 +142,8 @@ def test_a_stop_drains_the_rust_server_like_the_python_ones() -> None:
         deadline = time.monotonic() + 60
         while stream is None or stream.server != "1":
             assert time.monotonic() < deadline, "no stream landed on the Rust server"
+            if stream is not None:
+                stream.cancel()  # it landed on the Python server: not left to take the CPU
             stream = StreamedCompletion(server.url, model=MODEL, max_tokens=900)
             assert stream.first.wait(60), "the stream should be running before the stop"
         server.proc.send_signal(signal.SIGTERM)

@@ -17,6 +17,7 @@ class StreamedCompletion:
     def __init__(self, url: str, max_tokens: int, model: str | None = None) -> None:
         self.events: list[str] = []
         self.first = threading.Event()
+        self._cancelled = threading.Event()
         self.server: str | None = None  # the x-rankcast-api-server that answered
         body: dict[str, object] = {
             "prompt": "Tell a long story",
@@ -36,9 +37,18 @@ class StreamedCompletion:
         ):
             self.server = response.headers.get("x-rankcast-api-server")
             for line in response.iter_lines():
+                if self._cancelled.is_set():
+                    return  # the connection closes: the server aborts the request
                 if line.startswith("data: "):
                     self.events.append(line[6:])
                     self.first.set()
+
+    def cancel(self, timeout_s: float = 30.0) -> None:
+        """Stop reading and close the connection (the request is aborted), and wait until the
+        reader has."""
+        self._cancelled.set()
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "a cancelled stream's reader did not stop"
 
     def chunks(self) -> Iterator[dict[str, object]]:
         for event in self.events:

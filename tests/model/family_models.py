@@ -41,9 +41,9 @@ def write_checkpoint(
 ) -> Path:
     """A `model_type` ("qwen3", "smollm3") checkpoint of random weights, saved as safetensors
     in `dtype` with the tokenizer copied in. Norm weights are random too (transformers starts
-    them at one), so a norm the engine skipped or misplaced shows in the logits. (bench/
-    models.py builds real sizes in bfloat16, built in it so a 3B model never exists in
-    float32, with a smaller `std` so its activations stay finite.)"""
+    them at one), so a norm the engine skipped or misplaced shows in the logits. The model is
+    built in `dtype` (bench/models.py's 3B shape never exists in float32), its matrices drawn
+    with `std` (smaller at real widths, so activations stay finite)."""
     import transformers
 
     config_class, model_class = {

@@ -284,7 +284,13 @@ def _attempt(rows: list[dict[str, Any]], what: str, run: Any) -> None:
     """Run one engine's figures into `rows`; a failure is recorded and printed, not fatal."""
     print(f"  {what} ...", flush=True)
     try:
-        rows.append(run())
+        row = run()
+        rows.append(row)
+        print(
+            f"  {what}: {row['single_tokens_per_s']:.1f} tok/s alone, "
+            f"{row['batch_tokens_per_s']:.1f} in a batch of {BATCH}",
+            flush=True,
+        )
     except Exception as error:  # any engine's failure is a result to report, not the end
         engine, _, weights = what.partition(" ")
         print(f"  {what} failed: {str(error)[-600:]}", flush=True)

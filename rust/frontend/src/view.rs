@@ -111,7 +111,12 @@ pub struct KVCacheIndex {
 }
 
 impl KVCacheIndex {
+    /// A sliding-window group's blocks (`group_idx` 1) stay out: the index mirrors the full
+    /// group's, which prefixes are matched on (as `kv_index.py`'s `apply`).
     fn stored(&mut self, n: &KVBlocksStored) {
+        if n.group_idx != 0 {
+            return;
+        }
         let size = n.block_size.max(0) as usize;
         for (i, name) in n.block_hashes.iter().enumerate() {
             let parent = if i == 0 {
@@ -139,6 +144,9 @@ impl KVCacheIndex {
     }
 
     fn removed(&mut self, n: &KVBlocksRemoved) {
+        if n.group_idx != 0 {
+            return;
+        }
         for name in &n.block_hashes {
             if let Some(gone) = self.blocks.remove(name) {
                 if gone.parent.is_none() {
@@ -400,10 +408,6 @@ impl EngineView {
             }
             // Nothing the rank held changed (the engine's eviction with "load_failed" follows).
             Notification::LoRALoadFailed(_) => {}
-            // A sliding-window group's blocks (group_idx 1) stay out of the index, which
-            // mirrors the full group's (kv_index.py).
-            Notification::KVStored(s) if s.group_idx != 0 => {}
-            Notification::KVRemoved(r) if r.group_idx != 0 => {}
             Notification::KVStored(s) => {
                 self.kv.stored(s);
                 if let Some(name) = &s.lora_name {

@@ -8,6 +8,11 @@ LM head), `--steps` times, and reports the 10th percentile and the median in ms 
 of weights a step reads and the rate they are read at, beside the machine's streaming-read
 bandwidth (bench/bandwidth.py). Every figure runs in a fresh process.
 
+`--model DIR` times another model (an HF directory or a GGUF file; bench/models.py caches the
+real shapes of Qwen3, Gemma 3 and SmolLM3 under ~/.cache/rankcast-bench-models), and
+`--paths stack,modules` runs each step through the C++ decoder stack and through the Python
+modules in turn: what the stack saves that model.
+
 `--libraries A.so,B.so` compares builds of the kernels (RANKCAST_KERNELS_LIBRARY): each round
 runs every (weights, library) pair once, the libraries alternating, so a drift of the machine
 touches them alike; the table gives each pair's best round and the ratio to the first library.
@@ -19,7 +24,8 @@ engine, so the side-by-side comparison stays with bench/offline_throughput.py an
 bench/serve.py; this one says what a kernel change did, as a ratio to the first library.
 
     python bench/decode_step.py [--quantizations none,q4_1] [--dtype bfloat16] [--batch 1]
-        [--context 150] [--steps 400] [--rounds 1] [--libraries A.so,B.so] [--out FILE]
+        [--context 150] [--steps 400] [--rounds 1] [--libraries A.so,B.so] [--model DIR]
+        [--paths stack,modules] [--out FILE]
 """
 
 from __future__ import annotations
@@ -41,10 +47,17 @@ from bench.workload import ROOT, describe, machine_info
 
 
 def time_steps(
-    quantization: str, dtype: str, batch: int, context: int, steps: int
+    quantization: str,
+    dtype: str,
+    batch: int,
+    context: int,
+    steps: int,
+    model_path: str | None = None,
+    path: str = "stack",
 ) -> dict[str, Any]:
     """In this process: the model's decode step for `batch` sequences at `context`, `steps`
-    times (after 20 unmeasured), with what the kernels loaded were."""
+    times (after 20 unmeasured), with what the kernels loaded were; `path` "modules" runs the
+    layers through the Python modules even where the C++ decoder stack could."""
     import torch
 
     from bench.offline_throughput import weight_bytes_per_token
@@ -52,12 +65,15 @@ def time_steps(
     from rankcast.model.attention import AttentionMetadata
     from rankcast.model.weight_snapshot import wait_for_writes
 
-    llm = LLM(dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
+    llm = LLM(model_path, dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
     try:
         wait_for_writes()  # a first start's snapshot, written in the background, is not timed
         worker = llm.engine.client.core.executor.worker
         runner = worker.runner
         model = runner.model
+        stacked = model.fused_layers is not None
+        if path == "modules":
+            model.fused_layers = None
         size = runner.block_size
         per_sequence = (context + 8) // size + 2  # blocks a sequence needs up to context + 8
         tables = [
@@ -66,7 +82,7 @@ def time_steps(
 
         def metadata(position: int) -> AttentionMetadata:
             slots = [table[position // size] * size + position % size for table in tables]
-            return AttentionMetadata(
+            meta = AttentionMetadata(
                 positions=torch.full((batch,), position, dtype=torch.long),
                 slot_mapping=torch.tensor(slots, dtype=torch.long),
                 query_lens=[1] * batch,
@@ -75,6 +91,11 @@ def time_steps(
                 query_start=torch.arange(batch + 1, dtype=torch.int32),
                 from_scratch=False,
             )
+            # A model whose windowed layers have a KV-cache group of their own (Gemma 3): the
+            # same block ids there (the context is inside the window).
+            meta.window_slot_mapping = meta.slot_mapping
+            meta.window_block_tables = meta.block_tables
+            return meta
 
         # Eight positions in turn: each step writes its K/V and attends over context+1.. tokens.
         metas = [metadata(context + i) for i in range(8)]
@@ -92,6 +113,8 @@ def time_steps(
         built = kernels.load()
         return {
             "quantization": worker.source.quantization(quantization),
+            "model": model_path or "embedded SmolLM2-135M-Instruct",
+            "path": "stack" if stacked and path == "stack" else "modules",
             "dtype": str(worker.dtype).replace("torch.", ""),
             "library": str(kernels.library_path()) if built else None,
             "step_ms_p10": seconds[len(seconds) // 10] * 1e3,
@@ -102,8 +125,11 @@ def time_steps(
         llm.shutdown()
 
 
-def run_child(args: argparse.Namespace, quantization: str, library: str | None) -> dict[str, Any]:
-    """`time_steps` in a fresh interpreter (one kernels build per process)."""
+def run_child(
+    args: argparse.Namespace, quantization: str, library: str | None, path: str
+) -> dict[str, Any]:
+    """`time_steps` in a fresh interpreter (one kernels build per process), its layers through
+    `path` ("stack" or "modules")."""
     env = dict(os.environ, RANKCAST_DISABLE_PROGRESS="1", RANKCAST_LOG_LEVEL="WARNING")
     if library is not None:
         env["RANKCAST_KERNELS_LIBRARY"] = library
@@ -120,7 +146,11 @@ def run_child(args: argparse.Namespace, quantization: str, library: str | None) 
         str(args.context),
         "--steps",
         str(args.steps),
+        "--paths",
+        path,
     ]
+    if args.model:
+        command += ["--model", args.model]
     done = subprocess.run(
         command, env=env, capture_output=True, text=True, check=False, timeout=1800
     )
@@ -141,12 +171,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--libraries", default="", help="comma list of rankcast_kernels.so")
+    parser.add_argument(
+        "--model", default=None, help="HF directory or GGUF file (default: SmolLM2)"
+    )
+    parser.add_argument("--paths", default="stack", help="comma list of stack, modules")
     parser.add_argument("--no-bandwidth", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_step.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        figures = time_steps(args.child, args.dtype, args.batch, args.context, args.steps)
+        figures = time_steps(
+            args.child, args.dtype, args.batch, args.context, args.steps, args.model, args.paths
+        )
         print(json.dumps(figures))
         return
 
@@ -154,15 +190,21 @@ def main() -> None:
     probe = None if args.no_bandwidth else bandwidth.probe()
     libraries: list[str | None] = [lib for lib in args.libraries.split(",") if lib] or [None]
     quantizations = [q for q in args.quantizations.split(",") if q]
-    runs: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = set(paths) - {"stack", "modules"}
+    if unknown:
+        parser.error(f"--paths takes stack and modules, not {', '.join(sorted(unknown))}")
+    # What is compared within a weight type: each library through each path, in turn a round.
+    variants = [(library, path) for library in libraries for path in paths]
+    runs: dict[tuple[str, str | None, str], list[dict[str, Any]]] = {}
     for round_index in range(args.rounds):
         for quantization in quantizations:
-            for library in libraries:
-                figures = run_child(args, quantization, library)
-                runs.setdefault((quantization, library), []).append(figures)
+            for library, path in variants:
+                figures = run_child(args, quantization, library, path)
+                runs.setdefault((quantization, library, path), []).append(figures)
                 print(
-                    f"round {round_index + 1}: {quantization} {library or 'this build'}: "
-                    f"p10 {figures['step_ms_p10']:.3f} ms",
+                    f"round {round_index + 1}: {quantization} {library or 'this build'} "
+                    f"{figures['path']}: p10 {figures['step_ms_p10']:.3f} ms",
                     flush=True,
                 )
 
@@ -171,28 +213,39 @@ def main() -> None:
     if gbps:
         print(f"streaming-read bandwidth: {gbps:.1f} GB/s")
     print(
-        f"decode step alone: {args.dtype}, {args.batch} sequence(s) at position {args.context}, "
-        f"{args.steps} steps a run, best of {args.rounds} round(s)\n"
+        f"decode step alone: {args.model or 'embedded SmolLM2-135M-Instruct'}, {args.dtype}, "
+        f"{args.batch} sequence(s) at position {args.context}, {args.steps} steps a run, "
+        f"best of {args.rounds} round(s)\n"
     )
-    header = f"{'weights':<10} {'library':<40} {'p10 ms':>8} {'median':>8} {'MB':>7} {'GB/s':>6}"
+    header = (
+        f"{'weights':<10} {'library':<32} {'layers':<8} {'p10 ms':>8} {'median':>8} {'MB':>7} "
+        f"{'GB/s':>6}"
+    )
     print(header + (f" {'of bw':>6}" if gbps else "") + f" {'speed x first':>14}")
     rows = []
     for quantization in quantizations:
         first = None
-        for library in libraries:
-            best = min(runs[(quantization, library)], key=lambda r: r["step_ms_p10"])
+        for library, path in variants:
+            best = min(runs[(quantization, library, path)], key=lambda r: r["step_ms_p10"])
             first = first or best["step_ms_p10"]
             rate = best["weight_bytes_per_step"] / best["step_ms_p10"] / 1e6
             name = "this build" if library is None else Path(library).parent.name
             line = (
-                f"{quantization:<10} {name:<40} {best['step_ms_p10']:>8.3f} "
+                f"{quantization:<10} {name:<32} {best['path']:<8} {best['step_ms_p10']:>8.3f} "
                 f"{best['step_ms_median']:>8.3f} {best['weight_bytes_per_step'] / 1e6:>7.1f} "
                 f"{rate:>6.1f}"
             )
             if gbps:
                 line += f" {rate / gbps:>6.0%}"
             print(line + f" {first / best['step_ms_p10']:>13.2f}x")
-            rows.append({"library": library, "best": best, "runs": runs[(quantization, library)]})
+            rows.append(
+                {
+                    "library": library,
+                    "path": path,
+                    "best": best,
+                    "runs": runs[(quantization, library, path)],
+                }
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

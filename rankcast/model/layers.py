@@ -160,9 +160,7 @@ class RMSNorm(nn.Module):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """rms_norm(x) * weight, without a residual (rows of x)."""
-        if self.weight.dtype == x.dtype:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.rms_norm_scaled_in_float(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -174,10 +172,7 @@ class RMSNorm(nn.Module):
         """
         if residual is None:
             return self.normalize(x), x
-        if self.weight.dtype == x.dtype:
-            return ops.add_rms_norm(x, residual, self.weight, self.eps)
-        total = x + residual
-        return self.normalize(total), total
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class ColumnParallelLinear(PackedLinearMixin, nn.Module):

@@ -8,10 +8,10 @@ Parameter names follow HF checkpoints except where projections are stacked (`qkv
 What sets the family's members apart is a switch of `ArchConfig`: Qwen3's per-head q/k RMSNorm
 (`qk_norm`), SmolLM3's layers without RoPE (`rope_layers`), Phi-3's partial rotary
 (`rotary_dim`: q and k heads stored reordered, rotary.py) and LongRoPE (the RoPE table), sliding
-windows per layer (`layer_windows`). The modules and the C++ decoder stack
-(csrc/decoder_stack.cpp, `fuse_layers`) both take them, with the same kernels. Gemma 3's block
-(four norms scaling by 1 + w, GeGLU, scaled embeddings, a second RoPE table for its local layers,
-soft-capped logits) runs on the modules only (`ArchConfig.decoder_stack_runs_it`). Phi-3's
+windows per layer (`layer_windows`), and Gemma 3's block (four norms scaling by 1 + w, GeGLU,
+a second RoPE table and a KV-cache group of their own for its local layers; its scaled
+embeddings and soft-capped logits stay outside the layers). The modules and the C++ decoder stack
+(csrc/decoder_stack.cpp, `fuse_layers`) both take them, with the same kernels. Phi-3's
 fused `qkv_proj` and `gate_up_proj` are split at load into the parts each rank's shards are cut
 from.
 """
@@ -92,21 +92,11 @@ class LlamaAttention(nn.Module):
             by_head = (-1, self.head_dim)
             q = qkv[:, :q_size].unflatten(1, by_head)
             k = qkv[:, q_size : q_size + kv_size].unflatten(1, by_head)
-            _normalize_heads_(q, self.q_norm)
-            _normalize_heads_(k, self.k_norm)
+            ops.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
+            ops.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
         # nn.Module.__call__ is typed as returning Any; o_proj's forward returns a Tensor.
         out: torch.Tensor = self.o_proj(self.attn(qkv, meta))
         return out
-
-
-def _normalize_heads_(heads: torch.Tensor, norm: RMSNorm) -> None:
-    """RMSNorm of each head of `heads` [T, H, D] (a view into the fused projection's output) over
-    its D values, in place: one weight of D shared by the heads (`ops.head_rms_norm_`, or
-    Gemma's (1 + w) norm where its float32 weight differs from the activations' dtype)."""
-    if norm.weight.dtype == heads.dtype:
-        ops.head_rms_norm_(heads, norm.weight, norm.eps)
-    else:
-        heads.copy_(norm.normalize(heads.reshape(-1, heads.shape[-1])).view(heads.shape))
 
 
 class LlamaMLP(nn.Module):
@@ -246,18 +236,15 @@ class LlamaForCausalLM(nn.Module):
         otherwise runs only steps where no adapter applies.
         Returns whether it could; the module path stays in use for everything else.
 
-        Each layer's q/k norms (Qwen3) and RoPE switch (SmolLM3) go with it (`set_attention`)."""
+        Each layer's q/k norms (Qwen3) and RoPE switch (SmolLM3) go with it (`set_attention`),
+        its RoPE table and KV-cache group (Gemma 3's local layers, `set_rope_and_group`), and its
+        block's shape (Gemma 3's MLP norms and GeGLU, `set_block`)."""
         self.fused_layers = None
         self.adapter_deltas = []
         self.stack_adds_deltas = False
         self.fused_max_rows = None
         layers = self.decoder_layers()
-        if (
-            self.tp.size != 1
-            or not layers
-            or not self.arch.decoder_stack_runs_it
-            or not ops.can_fuse_layers(layers[0].self_attn.attn)
-        ):
+        if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
             return False
         projections: list[list[ops.PackedWeight]] = []
         for layer in layers:
@@ -312,6 +299,17 @@ class LlamaForCausalLM(nn.Module):
                 attn.k_norm.weight.detach() if attn.k_norm is not None else None,
                 attn.attn.rotates,
                 attn.attn.window,
+            )
+            local_table = self.local_rope.cos_sin if self.local_rope is not None else None
+            stack.set_rope_and_group(
+                i, local_table if attn.attn.local_rope else None, attn.attn.kv_group
+            )
+            pre, post = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
+            stack.set_block(
+                i,
+                pre.weight.detach() if pre is not None else None,
+                post.weight.detach() if post is not None else None,
+                self.arch.hidden_activation == "gelu_tanh",
             )
         self.stack_adds_deltas = self._hand_deltas_to(stack, layers)
         self.fused_layers = stack
@@ -376,6 +374,8 @@ class LlamaForCausalLM(nn.Module):
                 meta.seq_lens,
                 meta.query_start,
                 self.adapter_deltas[0].token_slots() if adapters else None,
+                meta.window_slot_mapping,
+                meta.window_block_tables,
             )
         else:
             for layer in self.decoder_layers():

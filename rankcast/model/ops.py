@@ -216,19 +216,18 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Te
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32, rounded to x's dtype before the weight scales it (as HF does)."""
+    """RMSNorm in float32. A weight of x's dtype scales the row after it is rounded to that
+    dtype (as HF's Llama does); a float32 weight on lower-precision rows (Gemma's 1 + w) scales
+    it before the one rounding (`(norm(x.float()) * w).to(x.dtype)`, as Gemma's reference does).
+    """
     if kernels.available(x) and x.dim() == 2 and x.stride(1) == 1:
         return cast(torch.Tensor, torch.ops.rankcast.rms_norm(x, weight, eps))
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
-
-
-def rms_norm_scaled_in_float(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32 scaled by a float32 `weight` before rounding to x's dtype (Gemma's
-    norms in bfloat16: `(norm(x.float()) * (1 + w).float()).to(x.dtype)`)."""
     normed = F.rms_norm(x.float(), weight.shape, None, eps)
-    return (normed * weight).to(x.dtype)
+    if weight.dtype == torch.float32:
+        return (normed * weight).to(x.dtype)
+    return normed.to(x.dtype) * weight
 
 
 def head_rms_norm_(heads: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -253,7 +252,9 @@ def add_rms_norm(
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GELU(gate) (its tanh approximation, transformers' gelu_pytorch_tanh) * up for
-    x = [gate | up]: Gemma's GeGLU. Plain torch on every path (no fused kernel yet)."""
+    x = [gate | up]: Gemma's GeGLU."""
+    if kernels.available(x) and x.dim() == 2 and x.stride(1) == 1:
+        return cast(torch.Tensor, torch.ops.rankcast.gelu_tanh_and_mul(x))
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

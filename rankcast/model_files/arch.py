@@ -137,20 +137,6 @@ class ArchConfig:
         widest = max(self.layer_windows)
         return (0, widest) if self.separate_window_group else (widest,)
 
-    @property
-    def decoder_stack_runs_it(self) -> bool:
-        """Whether the C++ decoder stack (csrc/decoder_stack.cpp) runs this architecture's
-        block: Llama's two norms, SwiGLU, one RoPE table, one block table (so not a model whose
-        windowed layers have a KV-cache group of their own). Gemma 3's block runs on the
-        modules (docs/models.md has the measured cost)."""
-        return (
-            not self.separate_window_group
-            and not self.sandwich_norms
-            and self.norm_weight_offset == 0.0
-            and self.hidden_activation == "silu"
-            and self.local_rope_theta is None
-        )
-
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ArchConfig:
         """Read an HF config dict, rejecting what the decoder cannot run with a clear message."""

@@ -222,9 +222,13 @@ def stack_expected(dtype: torch.dtype) -> bool:
     return choose_linear_path(dtype, torch.device("cpu")).kernel == "rankcast"
 
 
-def stack_and_modules_logits(model_dir: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+def stack_and_modules_logits(
+    model_dir: Path, dtype: torch.dtype, window_tables: list[list[int]] | None = None
+) -> tuple[Any, Any]:
     """One decode step's logits (after two prompts' prefill) through the C++ decoder stack and
-    through the modules, from the same cache: the stack must give the modules' very bits."""
+    through the modules, from the same cache: the stack must give the modules' very bits.
+    `window_tables`: the sequences' blocks in the sliding-window KV-cache group (Gemma 3), other
+    than their main ones, so a layer reading the wrong group's blocks shows."""
     from rankcast.model.loader import load_model
     from rankcast.model_files.arch import ArchConfig
     from rankcast.protocol import ScheduledSequence, SchedulerOutput
@@ -237,10 +241,17 @@ def stack_and_modules_logits(model_dir: Path, dtype: torch.dtype) -> tuple[Any, 
     assert runner.model.fused_layers is not None
     prompts = [[5, 9, 200, 31, 7], list(range(40, 61))]
     tables = [[3, 8], [0, 12]]
-    prefill = [ScheduledSequence("r", p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    windows = window_tables or [None] * len(prompts)
+    prefill = [
+        ScheduledSequence("r", p, 0, t, window_block_ids=w)
+        for p, t, w in zip(prompts, tables, windows, strict=True)
+    ]
     runner.compute_logits(SchedulerOutput(prefill))
     step = SchedulerOutput(
-        [ScheduledSequence("r", [11], len(p), t) for p, t in zip(prompts, tables, strict=True)]
+        [
+            ScheduledSequence("r", [11], len(p), t, window_block_ids=w)
+            for p, t, w in zip(prompts, tables, windows, strict=True)
+        ]
     )
     fused = runner.compute_logits(step)
     runner.model.fused_layers = None
@@ -286,8 +297,7 @@ def assert_logits_match_transformers(model_dir: Path, fused: bool) -> None:
     model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
     runner.initialize_cache(64)
-    stacked = stack_expected(torch.float32) and arch.decoder_stack_runs_it
-    assert (runner.model.fused_layers is not None) == stacked
+    assert (runner.model.fused_layers is not None) == stack_expected(torch.float32)
     if not fused:
         runner.model.fused_layers = None
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -26,6 +26,8 @@ from tests.model.family_models import (
     assert_logits_match_transformers,
     assert_served_at_tp2,
     reference_greedy_all,
+    stack_and_modules_logits,
+    stack_expected,
     write_checkpoint,
     write_llama_cpp_gguf,
 )
@@ -71,7 +73,6 @@ def test_config_names_what_the_decoder_needs(gemma3_dir: Path) -> None:
     assert arch.qk_norm and arch.sandwich_norms and arch.norm_weight_offset == 1.0
     assert arch.embedding_multiplier == 8.0 and arch.hidden_activation == "gelu_tanh"
     assert arch.attention_scale == 32**-0.5 and arch.tie_word_embeddings
-    assert not arch.decoder_stack_runs_it
     # A config.json as the Hub's older Gemma 3 files have it: no layer_types (every 6th layer
     # global), rope_theta / rope_local_base_freq / rope_scaling at the top level.
     old = json.loads((gemma3_dir / "config.json").read_text())
@@ -139,7 +140,20 @@ def test_prefill_and_decode_logits_match_transformers(
             rope_parameters=ROPE,
             **overrides,
         )
-    assert_logits_match_transformers(gemma3_dir, fused=False)
+    for fused in (True, False):
+        assert_logits_match_transformers(gemma3_dir, fused=fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_decoder_stack_gives_the_modules_bits(gemma3_dir: Path, dtype: torch.dtype) -> None:
+    """The C++ decoder stack runs Gemma 3's block (four norms scaling by 1 + w in float32 before
+    rounding, GeGLU, the local layers' RoPE table and their own KV-cache group's blocks): one
+    decode step's logits are the modules' very bits, in bfloat16 too, where rounding before or
+    after the norm's scale would show."""
+    if not stack_expected(dtype):
+        pytest.skip("the C++ decoder stack needs rankcast's packed linears on this machine")
+    fused, modules = stack_and_modules_logits(gemma3_dir, dtype, window_tables=[[5], [14, 2]])
+    assert torch.equal(fused, modules)
 
 
 def test_greedy_whole_chunked_and_from_the_prefix_cache(

@@ -73,6 +73,48 @@ def test_silu_and_mul_matches_torch(
     )
 
 
+@pytest.mark.parametrize("width", [1152, 40])
+def test_a_float32_norm_weight_scales_bfloat16_rows_before_rounding(
+    monkeypatch: pytest.MonkeyPatch, width: int
+) -> None:
+    """Gemma's norms: a float32 (1 + w) weight on bfloat16 rows scales the float32 normalised
+    row and rounds once, as the reference does. Rounding first (Llama's order) changes about a
+    third of the values by an ulp, so a kernel in the wrong order cannot pass; the two paths
+    compute 1 / sqrt differently, which may move a rare value."""
+    gen = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(64, width, generator=gen)).to(torch.bfloat16)
+    residual = torch.randn(64, width, generator=gen).to(torch.bfloat16)
+    weight = 1 + 0.5 * torch.randn(width, generator=gen)
+
+    def mismatched(got: torch.Tensor, want: torch.Tensor) -> float:
+        assert got.dtype == torch.bfloat16
+        return (got != want).float().mean().item()
+
+    want = reference(monkeypatch, ops.rms_norm, x, weight, 1e-6)
+    assert mismatched(ops.rms_norm(x, weight, 1e-6), want) < 1e-3
+    want_out, want_sum = reference(monkeypatch, ops.add_rms_norm, x, residual.clone(), weight, 1e-6)
+    got_out, got_sum = ops.add_rms_norm(x, residual.clone(), weight, 1e-6)
+    assert torch.equal(got_sum, want_sum)
+    assert mismatched(got_out, want_out) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1152, 24])
+def test_gelu_tanh_and_mul_matches_torch(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, width: int
+) -> None:
+    """Gemma's GeGLU against torch's tanh-approximated GELU, gates out to +-30 (where tanh
+    saturates) included."""
+    x = 3 * torch.randn(5, 2 * width, generator=torch.Generator().manual_seed(3))
+    x[0, :4] = torch.tensor([30.0, -30.0, 12.0, -12.0])
+    x = x.to(dtype)
+    torch.testing.assert_close(
+        ops.gelu_tanh_and_mul(x),
+        reference(monkeypatch, ops.gelu_tanh_and_mul, x),
+        **tolerance(dtype),
+    )
+
+
 def _packed_or_skip(weight: torch.Tensor, kernel: str | None = None) -> ops.PackedWeight:
     """The weight packed for `kernel`, by default the path chosen for its dtype here
     (`choose_linear_path`); skipped only where that path is plain `F.linear` (bfloat16 on a CPU

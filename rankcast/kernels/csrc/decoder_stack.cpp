@@ -12,7 +12,13 @@
 // The Llama family's switches ride along per layer (`set_attention`): Qwen3's RMSNorm of each q
 // and k head before RoPE, by the same rms_norm kernel over the heads gathered into rows, as the
 // module path does; SmolLM3's layers without RoPE, whose tokens all read row 0 of the table
-// (cos 1, sin 0: q and k left as they are, the cache still written by the same kernel).
+// (cos 1, sin 0: q and k left as they are, the cache still written by the same kernel); a
+// layer's own RoPE table and KV-cache group (Gemma 3's sliding-window layers: another RoPE base,
+// and their caches in a group of their own, addressed by its slots and block tables).
+//
+// Gemma 3's block (`set_block`): four norms, the attention's and the MLP's outputs normalised
+// before they join the residual stream, and GeGLU instead of SwiGLU. Its norms' weights are
+// float32 (1 + w); the norm kernels scale by them before rounding, as the module path's do.
 //
 // Adapters: each projection may hold its LoRA slots (`set_lora`), the very tensors the model's
 // LoRALinear writes adapters into, and a step that names a slot per token adds each token's delta
@@ -71,6 +77,12 @@ struct Layer {
   c10::optional<at::Tensor> q_norm, k_norm;  // per-head norms' weights [head_dim], or none
   bool rotates = true;
   int64_t window = 0;  // sliding window (keys this many positions back and nearer), 0: none
+  c10::optional<at::Tensor> cos_sin;  // this layer's RoPE table, or none: the stack's
+  int64_t kv_group = 0;  // 0: the step's slots and block tables; 1: the window group's
+  // Gemma 3's sandwich: the norms before and after the MLP (post_norm then normalises the
+  // attention's output alone), or none: Llama's two norms.
+  c10::optional<at::Tensor> pre_ff_norm, post_ff_norm;
+  bool gelu_tanh = false;  // GeGLU (GELU, tanh approximation) instead of SwiGLU
 };
 
 // In place: RMSNorm of `count` heads of `qkv` [tokens, width] from head `first` on, each over its
@@ -126,6 +138,30 @@ class DecoderStack : public torch::CustomClassHolder {
     l.window = window;
   }
 
+  // Layer `layer`'s own RoPE table (none: the stack's) and KV-cache group (0, or 1: the
+  // sliding-window layers' group, whose slots and block tables `forward` takes apart).
+  void set_rope_and_group(int64_t layer, c10::optional<at::Tensor> cos_sin, int64_t kv_group) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_rope_and_group: no layer ", layer);
+    TORCH_CHECK(kv_group == 0 || kv_group == 1, "set_rope_and_group: group 0 or 1, not ",
+                kv_group);
+    Layer& l = layers_[layer];
+    l.cos_sin = std::move(cos_sin);
+    l.kv_group = kv_group;
+  }
+
+  // Layer `layer`'s block shape: Gemma 3's norms before and after the MLP (both or neither)
+  // and its GeGLU activation.
+  void set_block(int64_t layer, c10::optional<at::Tensor> pre_ff_norm,
+                 c10::optional<at::Tensor> post_ff_norm, bool gelu_tanh) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_block: no layer ", layer);
+    TORCH_CHECK(pre_ff_norm.has_value() == post_ff_norm.has_value(),
+                "set_block: both MLP norms or neither");
+    Layer& l = layers_[layer];
+    l.pre_ff_norm = std::move(pre_ff_norm);
+    l.post_ff_norm = std::move(post_ff_norm);
+    l.gelu_tanh = gelu_tanh;
+  }
+
   // Adapter slots for projection `projection` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`:
   // views of the tensors adapters are written into, so a slot written later is seen here. The
   // row-parallel projections' bias would go before the delta here and after it in the modules:
@@ -144,11 +180,15 @@ class DecoderStack : public torch::CustomClassHolder {
   // (hidden, residual) in, (hidden, residual) out, as the module path passes them between
   // layers; `residual` is undefined before the first layer of the first stage. `token_slots`:
   // each token's adapter slot (-1 none), or none when no token uses an adapter this step.
+  // `window_slot_mapping` and `window_block_tables`: the sliding-window group's, where a layer
+  // has its cache there.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, c10::optional<at::Tensor> residual,
                                             at::Tensor positions, at::Tensor slot_mapping,
                                             at::Tensor block_tables, at::Tensor seq_lens,
                                             at::Tensor query_start,
-                                            c10::optional<at::Tensor> token_slots) {
+                                            c10::optional<at::Tensor> token_slots,
+                                            c10::optional<at::Tensor> window_slot_mapping,
+                                            c10::optional<at::Tensor> window_block_tables) {
     const int64_t tokens = hidden.size(0);
     at::Tensor res = residual.has_value() ? *residual : at::Tensor();
     at::Tensor unrotated;  // every token at position 0, for layers without RoPE (made once)
@@ -177,17 +217,22 @@ class DecoderStack : public torch::CustomClassHolder {
         head_rms_norm_(qkv, heads_, kv_heads_, head_dim_, *layer.k_norm, eps_);
       }
       if (!layer.rotates && !unrotated.defined()) unrotated = at::zeros_like(positions);
+      const bool own_group = layer.kv_group != 0;
+      TORCH_CHECK(!own_group || (window_slot_mapping.has_value() && window_block_tables.has_value()),
+                  "DecoderStack.forward: a layer in the window group needs its slots and tables");
+      const at::Tensor& slots = own_group ? *window_slot_mapping : slot_mapping;
+      const at::Tensor& tables = own_group ? *window_block_tables : block_tables;
       {
         RECORD_FUNCTION("rankcast::rotary_embedding_cache", std::vector<c10::IValue>());
-        rotary_embedding_cache(qkv, layer.rotates ? positions : unrotated, cos_sin_,
-                               layer.key_cache, layer.value_cache, slot_mapping, heads_,
-                               kv_heads_);
+        rotary_embedding_cache(qkv, layer.rotates ? positions : unrotated,
+                               layer.cos_sin.has_value() ? *layer.cos_sin : cos_sin_,
+                               layer.key_cache, layer.value_cache, slots, heads_, kv_heads_);
       }
       at::Tensor attn = at::empty({tokens, heads_, head_dim_}, hidden.options());
       {
         RECORD_FUNCTION("rankcast::paged_attention", std::vector<c10::IValue>());
         at::Tensor q = qkv.narrow(1, 0, heads_ * head_dim_).view({tokens, heads_, head_dim_});
-        paged_attention(attn, q, layer.key_cache, layer.value_cache, block_tables, seq_lens,
+        paged_attention(attn, q, layer.key_cache, layer.value_cache, tables, seq_lens,
                         query_start, scale_, layer.window);
       }
       at::Tensor h;
@@ -199,7 +244,11 @@ class DecoderStack : public torch::CustomClassHolder {
       }
       {
         RECORD_FUNCTION("rankcast::add_rms_norm", std::vector<c10::IValue>());
-        x = add_rms_norm(h, res, layer.post_norm, eps_);
+        if (layer.pre_ff_norm.has_value()) {
+          x = add_rms_norm(rms_norm(h, layer.post_norm, eps_), res, *layer.pre_ff_norm, eps_);
+        } else {
+          x = add_rms_norm(h, res, layer.post_norm, eps_);
+        }
       }
       at::Tensor gate_up;
       {
@@ -209,14 +258,18 @@ class DecoderStack : public torch::CustomClassHolder {
       layer.gate_up.lora.add_to(gate_up, x, token_slots);
       at::Tensor act;
       {
-        RECORD_FUNCTION("rankcast::silu_and_mul", std::vector<c10::IValue>());
-        act = silu_and_mul(gate_up);
+        RECORD_FUNCTION("rankcast::act_and_mul", std::vector<c10::IValue>());
+        act = layer.gelu_tanh ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
       }
       {
         RECORD_FUNCTION("rankcast::packed_linear[down]", std::vector<c10::IValue>());
         hidden = layer.down(act);
       }
       layer.down.lora.add_to(hidden, act, token_slots);
+      if (layer.post_ff_norm.has_value()) {
+        RECORD_FUNCTION("rankcast::rms_norm", std::vector<c10::IValue>());
+        hidden = rms_norm(hidden, *layer.post_ff_norm, eps_);
+      }
     }
     return {hidden, res};
   }
@@ -235,6 +288,8 @@ void register_decoder_stack(torch::Library& m) {
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_lora", &DecoderStack::set_lora)
       .def("set_attention", &DecoderStack::set_attention)
+      .def("set_rope_and_group", &DecoderStack::set_rope_and_group)
+      .def("set_block", &DecoderStack::set_block)
       .def("forward", &DecoderStack::forward);
 }
 

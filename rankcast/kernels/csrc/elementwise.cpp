@@ -1,9 +1,12 @@
-// Fused element-wise steps of a decoder layer: (residual add +) RMSNorm, and SiLU-and-multiply.
+// Fused element-wise steps of a decoder layer: (residual add +) RMSNorm, and SiLU- or
+// GELU(tanh)-and-multiply.
 //
 // Each replaces three to five separate torch ops (and their temporaries) with one pass over the
-// rows. Rounding follows the Hugging Face reference in reduced precision: the normalised row is
-// rounded to the activation dtype before the weight multiplies it, and SiLU(gate) is rounded
-// before it multiplies `up`, so bfloat16 results match transformers' own bfloat16 model.
+// rows. Rounding follows the Hugging Face reference in reduced precision: Llama's normalised row
+// is rounded to the activation dtype before its weight (of that dtype) multiplies it; Gemma's
+// norm weight is float32 (1 + w, formed at load) and scales the row before it is rounded, as
+// Gemma's reference does; the activation of the gate is rounded before it multiplies `up`. So
+// bfloat16 results match transformers' own bfloat16 model.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -30,9 +33,12 @@ Vec16 round_trip(Vec16 x) {
   }
 }
 
-template <typename T>
-void rms_norm_impl(T* out, T* x, const T* residual_in, T* residual_out, const T* weight,
+// W, the weight's type: T (Llama: round the normalised row, then scale) or float with T
+// bfloat16 (Gemma: scale in float32, then round once).
+template <typename T, typename W = T>
+void rms_norm_impl(T* out, T* x, const T* residual_in, T* residual_out, const W* weight,
                    int64_t rows, int64_t width, int64_t x_stride, float eps) {
+  constexpr bool kScaleInFloat = std::is_same_v<W, float>;
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = x + r * x_stride;
@@ -53,7 +59,8 @@ void rms_norm_impl(T* out, T* x, const T* residual_in, T* residual_out, const T*
       T* dst = out + r * width;
       for (int64_t i = 0; i < width; i += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, width - i));
-        const Vec16 normed = round_trip<T>(load16(normed_src + i, n) * splat(inv));
+        Vec16 normed = load16(normed_src + i, n) * splat(inv);
+        if constexpr (!kScaleInFloat) normed = round_trip<T>(normed);
         store16(dst + i, normed * load16(weight + i, n), n);
       }
     }
@@ -72,6 +79,28 @@ void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t width, int64_t 
         const Vec16 g = load16(gate + i, n);
         const Vec16 silu = round_trip<T>(g / (splat(1.0f) + exp16(zero16() - g)));
         store16(dst + i, silu * load16(up + i, n), n);
+      }
+    }
+  });
+}
+
+// GELU's tanh approximation (transformers' gelu_pytorch_tanh) of the gate, rounded, times
+// `up`: Gemma's GeGLU. 0.5 (1 + tanh(u)) is the logistic function of 2u, so
+// gelu(g) = g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3): SiLU's shape, one exp.
+template <typename T>
+void gelu_tanh_and_mul_impl(T* out, const T* x, int64_t rows, int64_t width, int64_t x_stride) {
+  constexpr float kTwoSqrtTwoOverPi = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * x_stride;
+      const T* up = gate + width;
+      T* dst = out + r * width;
+      for (int64_t i = 0; i < width; i += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, width - i));
+        const Vec16 g = load16(gate + i, n);
+        const Vec16 two_u = splat(kTwoSqrtTwoOverPi) * fma(splat(0.044715f) * g, g * g, g);
+        const Vec16 gelu = round_trip<T>(g / (splat(1.0f) + exp16(zero16() - two_u)));
+        store16(dst + i, gelu * load16(up + i, n), n);
       }
     }
   });
@@ -153,14 +182,31 @@ void check_rows(const at::Tensor& x, const char* what) {
               ": float32 or bfloat16 only, got ", x.scalar_type());
 }
 
+// A norm's weight: [width], contiguous, of the input's dtype or (Gemma's 1 + w) float32.
+void check_norm_weight(const at::Tensor& x, const at::Tensor& weight, const char* what) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  (weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat),
+              what, ": weight must be contiguous, [width], and of the input's dtype or float32");
+}
+
+// A float32 weight on bfloat16 rows scales before rounding (Gemma); on float32 rows the two
+// orders are the same arithmetic.
+bool scales_in_float(const at::Tensor& x, const at::Tensor& weight) {
+  return x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kFloat;
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm input");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be contiguous, [width], and of the input's dtype");
+  check_norm_weight(x, weight, "rms_norm");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (scales_in_float(x, weight)) {
+    rms_norm_impl<bf16, float>(out.data_ptr<bf16>(), x.data_ptr<bf16>(), nullptr, nullptr,
+                               weight.data_ptr<float>(), x.size(0), x.size(1), x.stride(0),
+                               static_cast<float>(eps));
+    return out;
+  }
   AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
                      AT_DISPATCH_CASE(at::kFloat, [&] {
                        rms_norm_impl<float>(out.data_ptr<float>(), x.data_ptr<float>(), nullptr,
@@ -181,10 +227,15 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
                   residual.scalar_type() == x.scalar_type(),
               "add_rms_norm: residual must be contiguous and shaped like the input");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm: weight must be contiguous, [width], and of the input's dtype");
+  check_norm_weight(x, weight, "add_rms_norm");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (scales_in_float(x, weight)) {
+    rms_norm_impl<bf16, float>(out.data_ptr<bf16>(), x.data_ptr<bf16>(),
+                               residual.data_ptr<bf16>(), residual.data_ptr<bf16>(),
+                               weight.data_ptr<float>(), x.size(0), x.size(1), x.stride(0),
+                               static_cast<float>(eps));
+    return out;
+  }
   AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm",
                      AT_DISPATCH_CASE(at::kFloat, [&] {
                        rms_norm_impl<float>(out.data_ptr<float>(), x.data_ptr<float>(),
@@ -212,6 +263,22 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
                      }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
                        silu_and_mul_impl<bf16>(out.data_ptr<bf16>(), x.data_ptr<bf16>(), x.size(0),
                                                width, x.stride(0));
+                     }));
+  return out;
+}
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  check_rows(x, "gelu_tanh_and_mul input");
+  TORCH_CHECK(x.size(1) % 2 == 0, "gelu_tanh_and_mul: the width must be even (gate | up)");
+  const int64_t width = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), width}, x.options());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "gelu_tanh_and_mul",
+                     AT_DISPATCH_CASE(at::kFloat, [&] {
+                       gelu_tanh_and_mul_impl<float>(out.data_ptr<float>(), x.data_ptr<float>(),
+                                                     x.size(0), width, x.stride(0));
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       gelu_tanh_and_mul_impl<bf16>(out.data_ptr<bf16>(), x.data_ptr<bf16>(),
+                                                    x.size(0), width, x.stride(0));
                      }));
   return out;
 }

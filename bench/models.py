@@ -119,6 +119,33 @@ SHAPES = {
         },
         bfloat16=False,
     ),
+    # Phi-4-mini (3.8B): fused projections, RoPE on 96 of each head's 128 values, LongRoPE from
+    # an original 4,096 positions to 131,072 (the factors here are made up: they change the
+    # RoPE table, not the work), the 200,064-token vocabulary tied to the embeddings.
+    "phi4-mini": Shape(
+        "Phi-4-mini",
+        "phi3",
+        {
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "vocab_size": 200064,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "partial_rotary_factor": 0.75,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.05 * i for i in range(48)],
+                "long_factor": [1.0 + 0.5 * i for i in range(48)],
+            },
+            "tie_word_embeddings": True,
+        },
+        bfloat16=False,
+    ),
 }
 
 

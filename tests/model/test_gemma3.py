@@ -24,6 +24,7 @@ from tests.model.family_models import (
     PROMPTS,
     assert_greedy_whole_chunked_and_cached,
     assert_logits_match_transformers,
+    assert_peft_adapter_matches,
     assert_served_at_tp2,
     reference_greedy_all,
     stack_and_modules_logits,
@@ -162,6 +163,17 @@ def test_greedy_whole_chunked_and_from_the_prefix_cache(
     """32 greedy tokens equal transformers' whole, in 16-token chunks and from the prefix cache:
     the windowed layers give a token the same bits however its prompt was cut."""
     assert_greedy_whole_chunked_and_cached(gemma3_dir, reference)
+
+
+def test_a_peft_adapter_on_every_projection(gemma3_dir: Path, tmp_path: Path) -> None:
+    """A peft adapter for Gemma 3 generates transformers + peft's tokens at TP=1 (its deltas
+    added inside the C++ decoder stack, between the block's extra norms) and TP=2."""
+    assert_peft_adapter_matches(
+        gemma3_dir,
+        tmp_path / "lora",
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        PROMPTS[0],
+    )
 
 
 def test_pipeline_stages_keep_each_layers_window_and_rope_table(

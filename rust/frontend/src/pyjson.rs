@@ -1,20 +1,47 @@
-//! JSON as Python's `json` module reads and writes it, for the two places where this server must
-//! give the Python servers' bytes, not just their values:
+//! JSON as Python writes it, for the places where this server must give the Python servers'
+//! bytes, not just their values:
 //!
-//! - A tool call's `arguments` are the object the model wrote, written again by
-//!   `json.dumps(..., ensure_ascii=False)`: keys in the order written (a repeated key keeps its
-//!   first place and its last value), `", "` and `": "`, integers of any size as their digits,
-//!   floats as Python's `repr` spells them (`1e-05`, `1e+16`, `100.0`), `NaN` and `Infinity`
-//!   read and written. serde_json sorts keys and spells floats otherwise, so it cannot be used.
+//! - A tool call's `arguments` are the object the model wrote, read by `json.loads` and written
+//!   again by `json.dumps(..., ensure_ascii=False)`: keys in the order written (a repeated key
+//!   keeps its first place and its last value), `", "` and `": "`, integers of any size as
+//!   their digits, floats as Python's `repr` spells them (`1e-05`, `1e+16`, `100.0`), `NaN`
+//!   and `Infinity` read and written. serde_json sorts keys and spells floats otherwise.
 //! - Responses keep the Python servers' field order (`id`, `object`, `created`, ...), where
-//!   serde_json's maps would sort it: `Json::compact` writes them as FastAPI's JSON and msgspec
-//!   do (`","`, `":"`).
+//!   serde_json's maps would sort it: `Json::response` writes a whole response as FastAPI's
+//!   `JSONResponse` does (`json.dumps`, compact), `Json::event` a streamed chunk as msgspec
+//!   does (compact, floats spelt `0.00001` and `1e-6`, `1e16`; NaN and infinities `null`).
 //!
-//! Strings are escaped as both Python encoders escape them (`\"`, `\\`, `\b\f\n\r\t`, other
-//! control characters as `\u00xx`, everything else as it is), which is serde_json's escaping.
+//! Strings are escaped as all three Python encoders escape them (`\"`, `\\`, `\b\f\n\r\t`,
+//! other control characters as `\u00xx`, everything else as it is), which is serde_json's
+//! escaping too.
 
 use std::collections::HashMap;
 use std::fmt::Write;
+
+/// How one of Python's encoders writes: separators, and whose float spelling.
+struct Style {
+    comma: &'static str,
+    colon: &'static str,
+    msgspec: bool,
+}
+
+impl Style {
+    const DUMPS: Style = Style {
+        comma: ", ",
+        colon: ": ",
+        msgspec: false,
+    };
+    const RESPONSE: Style = Style {
+        comma: ",",
+        colon: ":",
+        msgspec: false,
+    };
+    const EVENT: Style = Style {
+        comma: ",",
+        colon: ":",
+        msgspec: true,
+    };
+}
 
 /// A JSON value with its object keys in order.
 #[derive(Clone, Debug, PartialEq)]
@@ -54,16 +81,28 @@ impl Json {
 
     /// `json.dumps(self, ensure_ascii=False)`.
     pub fn dumps(&self) -> String {
+        self.text(&Style::DUMPS)
+    }
+
+    /// A whole response as the Python servers write one (`JSONResponse`: `json.dumps` with
+    /// `separators=(",", ":")`).
+    pub fn response(&self) -> String {
+        self.text(&Style::RESPONSE)
+    }
+
+    /// A streamed event's JSON as the Python servers write it (msgspec).
+    pub fn event(&self) -> String {
+        self.text(&Style::EVENT)
+    }
+
+    fn text(&self, style: &Style) -> String {
         let mut out = String::new();
-        self.write(&mut out, ", ", ": ");
+        self.write(&mut out, style);
         out
     }
 
-    /// The compact form the Python servers' responses take (`separators=(",", ":")`).
-    pub fn compact(&self) -> String {
-        let mut out = String::new();
-        self.write(&mut out, ",", ":");
-        out
+    pub fn is_null(&self) -> bool {
+        matches!(self, Json::Null)
     }
 
     /// The value at `key` of an object (None for other values and missing keys).
@@ -74,11 +113,17 @@ impl Json {
         }
     }
 
-    fn write(&self, out: &mut String, comma: &str, colon: &str) {
+    fn write(&self, out: &mut String, style: &Style) {
+        let Style {
+            comma,
+            colon,
+            msgspec,
+        } = *style;
         match self {
             Json::Null => out.push_str("null"),
             Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
             Json::Int(digits) => out.push_str(digits),
+            Json::Float(x) if msgspec => out.push_str(&float_msgspec(*x)),
             Json::Float(x) => out.push_str(&float_repr(*x)),
             Json::Str(s) => write_str(out, s),
             Json::Array(items) => {
@@ -87,7 +132,7 @@ impl Json {
                     if i > 0 {
                         out.push_str(comma);
                     }
-                    item.write(out, comma, colon);
+                    item.write(out, style);
                 }
                 out.push(']');
             }
@@ -99,7 +144,7 @@ impl Json {
                     }
                     write_str(out, key);
                     out.push_str(colon);
-                    value.write(out, comma, colon);
+                    value.write(out, style);
                 }
                 out.push('}');
             }
@@ -140,7 +185,7 @@ macro_rules! from_integer {
         }
     )*};
 }
-from_integer!(i64, u64, usize, u8, u32);
+from_integer!(i64, u64, usize, u8, u16, u32);
 
 impl<T: Into<Json>> From<Option<T>> for Json {
     fn from(value: Option<T>) -> Json {
@@ -182,39 +227,33 @@ fn write_str(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// `repr(x)` of a Python float, as `json.dumps` writes it: the shortest digits that read back
-/// as `x`, in positional notation while the decimal point falls within 16 digits of the first
-/// and not more than 4 zeros before it (`0.0001`, `1e-05`, `1000000000000000.0`, `1e+16`).
-pub fn float_repr(x: f64) -> String {
-    if x.is_nan() {
-        return "NaN".into();
-    }
-    if x.is_infinite() {
-        return if x > 0.0 { "Infinity" } else { "-Infinity" }.into();
-    }
-    // Rust's `{:e}` gives the shortest round-trip digits, as Python's repr chooses them.
-    let scientific = format!("{x:e}");
-    let (mantissa, exponent) = scientific
+/// The shortest digits that read back as finite `x`, its sign, and where the decimal point
+/// falls, counted from the first digit (`1.5` is "15" at 1, `0.001` "1" at -2). Where two such
+/// strings are equally close to `x`, Python takes the one ending in an even digit and Rust's
+/// `{:e}` the upper one (a float32 logprob such as -11.4810943603515625 is "...562" in Python,
+/// "...563" in Rust's form), so `x` is rounded exactly to the shortest form's number of digits,
+/// which Rust does ties-to-even: that string reads back as `x` too, being at least as close.
+fn shortest(x: f64) -> (&'static str, String, i32) {
+    let rough = format!("{x:e}");
+    let (mantissa, _) = rough
         .split_once('e')
         .expect("{:e} always writes an exponent");
+    let count = mantissa.chars().filter(char::is_ascii_digit).count();
+    let exact = format!("{:.*e}", count.saturating_sub(1), x);
+    let (mantissa, exponent) = exact.split_once('e').expect("an exponent");
     let exponent: i32 = exponent.parse().expect("an integer exponent");
     let (sign, mantissa) = match mantissa.strip_prefix('-') {
         Some(rest) => ("-", rest),
         None => ("", mantissa),
     };
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-    let point = exponent + 1; // where the decimal point falls, counted from the first digit
+    (sign, mantissa.replace('.', ""), exponent + 1)
+}
+
+/// `digits` with the decimal point at `point`, in positional notation, with a `.0` where
+/// nothing follows the point.
+fn positional(digits: &str, point: i32) -> String {
     let n = digits.len() as i32;
-    let body = if point <= -4 || point > 16 {
-        let rest = if n > 1 {
-            format!("{}.{}", &digits[..1], &digits[1..])
-        } else {
-            digits.clone()
-        };
-        let magnitude = (point - 1).abs();
-        let sign_e = if point - 1 < 0 { '-' } else { '+' };
-        format!("{rest}e{sign_e}{magnitude:02}")
-    } else if point <= 0 {
+    if point <= 0 {
         format!("0.{}{digits}", "0".repeat((-point) as usize))
     } else if point >= n {
         format!("{digits}{}.0", "0".repeat((point - n) as usize))
@@ -224,8 +263,46 @@ pub fn float_repr(x: f64) -> String {
             &digits[..point as usize],
             &digits[point as usize..]
         )
+    }
+}
+
+/// `digits` as `d.ddd` and the exponent of its first digit.
+fn mantissa(digits: &str, point: i32) -> (String, i32) {
+    let first = if digits.len() > 1 {
+        format!("{}.{}", &digits[..1], &digits[1..])
+    } else {
+        digits.to_string()
     };
-    format!("{sign}{body}")
+    (first, point - 1)
+}
+
+/// `repr(x)` of a Python float, as `json.dumps` writes it: positional while the decimal point
+/// falls within 16 digits of the first and fewer than 4 zeros before it (`0.0001`, `1e-05`,
+/// `1000000000000000.0`, `1e+16`), the exponent signed and of two digits at least.
+pub fn float_repr(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let (sign, digits, point) = shortest(x);
+    if point <= -4 || point > 16 {
+        let (first, exponent) = mantissa(&digits, point);
+        let mark = if exponent < 0 { '-' } else { '+' };
+        return format!("{sign}{first}e{mark}{:02}", exponent.abs());
+    }
+    format!("{sign}{}", positional(&digits, point))
+}
+
+/// A float as msgspec writes it, which is serde_json's (ryu's) spelling: positional from
+/// `0.00001` (then `1e-6`) up to 16 digits (`1e16`), ties to the even digit; NaN and infinities
+/// are `null`. `tests/fixtures/metrics/values.txt` holds both to msgspec's output.
+pub fn float_msgspec(x: f64) -> String {
+    if !x.is_finite() {
+        return "null".into();
+    }
+    serde_json::to_string(&x).expect("a finite double")
 }
 
 struct Reader<'a> {
@@ -477,7 +554,7 @@ impl Reader<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{float_repr, Json};
+    use super::{float_msgspec, float_repr, Json};
 
     fn round_trip(text: &str) -> Option<String> {
         Json::parse(text).map(|value| value.dumps())
@@ -500,6 +577,25 @@ mod tests {
         ] {
             assert_eq!(float_repr(x), want);
         }
+        for (x, want) in [
+            (1e-5, "0.00001"),
+            (1.2345e-5, "0.000012345"),
+            (1e-6, "1e-6"),
+            (9.99e-6, "9.99e-6"),
+            (1e16, "1e16"),
+            (-1.2345e17, "-1.2345e17"),
+            (1e15, "1000000000000000.0"),
+            (0.1, "0.1"),
+            (-0.0, "-0.0"),
+            (f64::NAN, "null"),
+        ] {
+            assert_eq!(float_msgspec(x), want);
+        }
+        // A tie between two shortest forms goes to the even digit, as in Python: the float32
+        // logprob -752425/65536 = -11.4810943603515625.
+        let tie = -752_425.0 / 65_536.0;
+        assert_eq!(float_repr(tie), "-11.481094360351562");
+        assert_eq!(float_msgspec(tie), "-11.481094360351562");
     }
 
     #[test]

@@ -462,9 +462,9 @@ class ServeConfig:
     # How an API server picks a data-parallel engine for a request
     # (rankcast/engine_client/engine_router.py): load, prefix, adapter or auto (all three).
     routing_policy: str = "auto"
-    # What the Python API servers read out of a chat's output (vLLM's flags): `<think>` text
-    # as `reasoning_content`, and tool calls the model writes itself as `tool_calls` (with
-    # `tool_choice` auto).
+    # What every API server, Python or Rust, reads out of a chat's output (vLLM's flags):
+    # `<think>` text as `reasoning_content`, and tool calls the model writes itself as
+    # `tool_calls` (with `tool_choice` auto).
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -519,14 +519,3 @@ class ServeConfig:
             "--tool-call-parser is read only with --enable-auto-tool-choice (tool_choice "
             "auto); give both",
         )
-        # Behind one port a request reaches any server, so a fleet parses for all or none.
-        for flag, given in (
-            ("--reasoning-parser", self.reasoning_parser is not None),
-            ("--enable-auto-tool-choice", self.enable_auto_tool_choice),
-        ):
-            _require(
-                not (given and self.rust_api_server_count),
-                f"{flag} is served by the Python API servers only: the Rust API server "
-                "(--rust-api-server-count) does not parse model output yet, and requests "
-                "reaching it would be answered differently",
-            )

@@ -144,8 +144,8 @@ FLAGS: tuple[Flag, ...] = (
         "reasoning_parser",
         "chat answers give the model's reasoning as reasoning_content (and reasoning; streamed "
         "as delta.reasoning_content), the rest as content; qwen3: the text between `<think>` "
-        "(written by the model, or left open by the chat template) and `</think>`; Python API "
-        "servers only (unset: all text is content)",
+        "(written by the model, or left open by the chat template) and `</think>` (unset: all "
+        "text is content)",
         target="serve",
         choices=REASONING_PARSERS,
     ),
@@ -153,7 +153,7 @@ FLAGS: tuple[Flag, ...] = (
         "--enable-auto-tool-choice",
         "enable_auto_tool_choice",
         "serve tool_choice auto (the default with tools): tool calls the model writes itself "
-        "become tool_calls, read as --tool-call-parser says; Python API servers only",
+        "become tool_calls, read as --tool-call-parser says",
         target="serve",
     ),
     Flag(

@@ -70,6 +70,11 @@ def frontend_command(
     ]  # fmt: skip
     if config.api_key:
         command += ["--api-key", config.api_key]
+    # The fleet reads chat outputs alike on every server: a request may reach any of them.
+    if config.reasoning_parser is not None:
+        command += ["--reasoning-parser", config.reasoning_parser]
+    if config.tool_call_parser is not None:
+        command += ["--tool-call-parser", config.tool_call_parser]
     return command
 
 

@@ -212,11 +212,6 @@ def test_markdown_flags_prints_the_table() -> None:
             {},
             "--allow-runtime-lora-updating needs a Python API server",
         ),
-        (
-            ("serve", "--reasoning-parser", "qwen3", "--rust-api-server-count", "1"),
-            {},
-            "--reasoning-parser is served by the Python API servers only",
-        ),
         (("serve", "--port", "70000"), {}, "--port must be 1..65535"),
         (("serve",), {"RANKCAST_KV_CACHE_SPACE": "abc"}, "RANKCAST_KV_CACHE_SPACE must be"),
         (("serve",), {"RANKCAST_KERNELS": "bogus"}, "RANKCAST_KERNELS must be"),

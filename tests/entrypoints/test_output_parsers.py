@@ -6,9 +6,11 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pytest
 
+from rankcast.addresses import ClientAddresses
 from rankcast.api_server.output_parsers import (
     HermesToolParser,
     OutputParser,
@@ -16,9 +18,11 @@ from rankcast.api_server.output_parsers import (
     prompt_opens_think,
 )
 from rankcast.api_server.schema import _TEMPLATE_OWN
+from rankcast.api_server.server_config import ApiServerConfig
 from rankcast.chat_template import RESERVED_VARIABLES, render_chat
 from rankcast.config import ConfigError, ServeConfig
 from rankcast.launcher import cli
+from rankcast.launcher.rust_api_server import frontend_command
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 BROKEN = '{"name": "get_weather", "arguments": {"city": '
@@ -222,22 +226,6 @@ def test_the_flags_land_in_the_serve_config() -> None:
     [
         (("--enable-auto-tool-choice",), "--enable-auto-tool-choice needs --tool-call-parser"),
         (("--tool-call-parser", "hermes"), "--tool-call-parser is read only with"),
-        (
-            ("--reasoning-parser", "qwen3", "--rust-api-server-count", "1"),
-            "--reasoning-parser is served by the Python API servers only",
-        ),
-        (
-            (
-                "--enable-auto-tool-choice",
-                "--tool-call-parser",
-                "hermes",
-                "--api-server-count",
-                "0",
-                "--rust-api-server-count",
-                "1",
-            ),
-            "--enable-auto-tool-choice is served by the Python API servers only",
-        ),
     ],
 )
 def test_settings_the_servers_cannot_honour_are_refused(
@@ -245,3 +233,35 @@ def test_settings_the_servers_cannot_honour_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         _serve(*argv)
+
+
+def test_rust_api_servers_parse_too_and_are_told_to() -> None:
+    """The Rust API server reads outputs with the same parsers (rust/frontend's
+    output_parsers.rs), so a fleet with Rust servers takes the flags, and the launcher passes
+    them on: a request must be answered alike whichever server it reaches."""
+    config = _serve(
+        "--reasoning-parser",
+        "qwen3",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--api-server-count",
+        "0",
+        "--rust-api-server-count",
+        "1",
+    )
+    assert config.rust_api_server_count == 1 and config.reasoning_parser == "qwen3"
+    server = ApiServerConfig(
+        "127.0.0.1", 8000, "m", Path("/m"), "", reasoning_parser="qwen3", tool_call_parser="hermes"
+    )
+    engine = ClientAddresses("ipc:///in", "ipc:///out")
+    command = frontend_command(Path("/bin/rankcast-frontend"), server, 0, engine)
+    for flag, value in (("--reasoning-parser", "qwen3"), ("--tool-call-parser", "hermes")):
+        assert command[command.index(flag) + 1] == value
+    plain = frontend_command(
+        Path("/bin/rankcast-frontend"),
+        ApiServerConfig("127.0.0.1", 8000, "m", Path("/m"), ""),
+        0,
+        engine,
+    )
+    assert "--reasoning-parser" not in plain and "--tool-call-parser" not in plain

@@ -5,6 +5,7 @@ they die, like the Python ones."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -274,6 +275,18 @@ def _each_server_answer(url: str, route: str, body: dict[str, object]) -> dict[s
     return answers
 
 
+def _with_chat_template(tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path: Path) -> Path:
+    """The tiny model with the embedded model's chat template beside it (links to the rest):
+    the template the Rust server renders."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in tiny_llama_dir.iterdir():
+        (model / item.name).symlink_to(item)
+    template = (embedded_model_dir / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(template)
+    return model
+
+
 def _streamed_logprobs(chunks: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """The logprobs of a stream's chunks put together (each chunk carries its tokens')."""
     joined: dict[str, list[Any]] = {}
@@ -289,12 +302,7 @@ def test_logprobs_are_the_python_servers_whole_and_streamed(
 ) -> None:
     """Chat's `logprobs` + `top_logprobs` and the completions API's `logprobs: k`, whole and
     streamed, equal on both kinds of server (token texts, values, alternatives, offsets)."""
-    model = tmp_path / "model"  # the tiny model with the embedded model's chat template
-    model.mkdir()
-    for item in tiny_llama_dir.iterdir():
-        (model / item.name).symlink_to(item)
-    template = (embedded_model_dir / "chat_template.jinja").read_text()
-    (model / "chat_template.jinja").write_text(template)
+    model = _with_chat_template(tiny_llama_dir, embedded_model_dir, tmp_path)
     server = ServerProcess(
         *tiny_model_args(model),
         api_server_count=1,
@@ -328,3 +336,136 @@ def test_logprobs_are_the_python_servers_whole_and_streamed(
             for index, chunks in streamed.items():
                 joined = _streamed_logprobs(chunks)  # type: ignore[arg-type]
                 assert joined == python, f"server {index}, {route}, streamed"
+
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+# Arguments in an order JSON libraries like to sort, a float Python spells its own way, text
+# beyond ASCII: the Rust server must write them back as Python's json.dumps does.
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "at": 1e-05, "unit": "°C"}}'
+THOUGHT_AND_CALL = (
+    f"<think>\nNeeds the weather.\n</think>\n\nLet me check.\n<tool_call>\n{CALL}\n</tool_call>"
+)
+
+
+def _each_server_raw(url: str, route: str, body: dict[str, Any]) -> dict[str, str]:
+    """The same request until both servers answered it: each one's body as it came, with
+    what must differ between two answers (response ids, times, tool call ids) replaced."""
+    answers: dict[str, str] = {}
+    deadline = time.monotonic() + 60
+    while set(answers) != {"0", "1"}:
+        assert time.monotonic() < deadline, f"only {sorted(answers)} answered"
+        # A fresh connection each time, so the kernel spreads them over the servers.
+        response = httpx.post(f"{url}{route}", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        text = response.content.decode()
+        calls = re.findall(r'"id":"(call_[^"]*)"', text)
+        assert all(re.fullmatch(r"call_[0-9a-f]{24}", c) for c in calls), calls
+        text = re.sub(r'"id":"(chat)?cmpl-[^"]+"', '"id":"ID"', text)
+        text = re.sub(r'"created":\d+', '"created":0', text)
+        text = re.sub(r'"id":"call_[0-9a-f]{24}"', '"id":"CALL"', text)
+        answers[response.headers["x-rankcast-api-server"]] = text
+    return answers
+
+
+def _chunks(stream: str) -> list[dict[str, Any]]:
+    events = [line[6:] for line in stream.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(data) for data in events[:-1]]
+
+
+def test_reasoning_and_tool_calls_are_the_python_servers_to_the_byte(
+    tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path: Path
+) -> None:
+    """A fleet of one Python and one Rust API server started with `--reasoning-parser qwen3
+    --enable-auto-tool-choice --tool-call-parser hermes`: the same chat, its output forced
+    by a one-string `choice` (reasoning, content and a tool call, a reasoning cut short, a
+    malformed call, calls left to the template by tool_choice none, chat_template_kwargs),
+    whole and streamed, with and without logprobs, gives the same bytes from both servers,
+    ids and times aside: field names and order, the parsed message, the chunks each stream is
+    cut into, the finish reasons, the arguments JSON. The Python answer is checked for what
+    it must say, so that the two cannot agree on a wrong one."""
+    model = _with_chat_template(tiny_llama_dir, embedded_model_dir, tmp_path)
+    server = ServerProcess(
+        *tiny_model_args(
+            model,
+            "--max-model-len",
+            "512",
+            "--reasoning-parser",
+            "qwen3",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ),
+        api_server_count=1,
+        rust_api_server_count=1,
+        env=frontend_env(),
+    )
+
+    def chat(output: str, **extra: Any) -> dict[str, Any]:
+        forced = {"structured_outputs": {"choice": [output]}}
+        return {"messages": ASK, "max_tokens": 120, "temperature": 0, **forced, **extra}
+
+    malformed = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    usage = {"stream_options": {"include_usage": True}}
+    logprobs = {"logprobs": True, "top_logprobs": 2}
+    cases = [
+        chat(THOUGHT_AND_CALL, tools=TOOLS),
+        chat(THOUGHT_AND_CALL, tools=TOOLS, **logprobs),
+        chat("<think>Still thinking"),
+        chat(malformed, tools=TOOLS),
+        chat(f"<tool_call>{CALL}</tool_call>", tools=TOOLS, tool_choice="none"),
+        chat("why</think>Paris", chat_template_kwargs={"enable_thinking": False}),
+    ]
+    with server.running():
+        answers = []
+        for body in cases:
+            whole = _each_server_raw(server.url, "/v1/chat/completions", body)
+            assert whole["1"] == whole["0"], body
+            streamed = _each_server_raw(
+                server.url, "/v1/chat/completions", {**body, "stream": True, **usage}
+            )
+            assert streamed["1"] == streamed["0"], body
+            answers.append((json.loads(whole["0"]), _chunks(streamed["0"])))
+        # A completion, with logprobs: the other route's fields and chunks, the same way.
+        completion = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+        for body in (completion, {**completion, "logprobs": 2, "stream": True, **usage}):
+            both = _each_server_raw(server.url, "/v1/completions", {**body, "ignore_eos": True})
+            assert both["1"] == both["0"], body
+
+    (whole, chunks), (logged, _) = answers[0], answers[1]
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert list(message) == ["role", "content", "reasoning", "reasoning_content", "tool_calls"]
+    assert message["content"] == "Let me check."
+    assert message["reasoning"] == message["reasoning_content"] == "Needs the weather."
+    (call,) = message["tool_calls"]
+    assert call["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Paris", "at": 1e-05, "unit": "°C"}',
+    }
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert len([d for d in deltas if "reasoning_content" in d]) > 1, "reasoning streams"
+    assert next(d for d in deltas if "tool_calls" in d)["tool_calls"][0]["id"] == "CALL"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert len(logged["choices"][0]["logprobs"]["content"]) == whole["usage"]["completion_tokens"]
+    cut = answers[2][0]["choices"][0]["message"]
+    assert (cut["content"], cut["reasoning_content"]) == (None, "Still thinking")
+    assert answers[3][0]["choices"][0]["message"]["content"] == malformed
+    left = answers[4][0]["choices"][0]
+    assert left["message"]["content"] == f"<tool_call>{CALL}</tool_call>"
+    assert "tool_calls" not in left["message"] and left["finish_reason"] == "stop"
+    # SmolLM2's template reads no enable_thinking (nor opens `<think>`): the variable is taken
+    # and changes nothing, and a `</think>` the model did not open is text.
+    closed = answers[5][0]["choices"][0]["message"]
+    assert (closed["content"], closed["reasoning_content"]) == ("why</think>Paris", None)

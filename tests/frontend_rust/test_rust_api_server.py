@@ -194,7 +194,7 @@ def test_bad_fields_are_400s_and_unknown_models_404s(fleet: Fleet) -> None:
         {"echo": True},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"guided_regex": "[a-z]+"},
-        {"guided_choice": ["yes", "no"]},
+        {"structured_outputs": {"regex": "[a-z]+"}},
         {"guided_grammar": 'root ::= "a"'},
         {"response_format": {"type": "json_object"}},
         {"chat_template_kwargs": {"enable_thinking": False}},
@@ -224,3 +224,64 @@ def test_a_dead_engine_core_makes_the_rust_server_answer_503_then_exit(own_fleet
         time.sleep(0.02)
     assert fleet.frontend.wait(10) == 1
     assert "the engine core is gone" in fleet.frontend.communicate()[1]
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+
+
+def test_a_choice_is_served_and_tools_are_checked_as_on_the_python_servers(fleet: Fleet) -> None:
+    """A choice of strings is a grammar the engine takes as it is, so it is served (on both
+    routes); tools are a chat's, and without a tool-call parser (this server was started with
+    none) `tool_choice` auto is refused as the Python servers refuse it, `none` served;
+    forced calls are not served yet; a template variable may not take the conversation's
+    names. Each refusal names its field."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20}
+
+    def post(route: str, body: dict[str, object]) -> httpx.Response:
+        return httpx.post(f"{fleet.url}{route}", json=body, timeout=60)
+
+    completion = post(
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 20, "guided_choice": ["yes", "no way"]},
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"] in ("yes", "no way")
+    forced = post("/v1/chat/completions", {**chat, "structured_outputs": {"choice": ["Paris"]}})
+    assert forced.json()["choices"][0]["message"]["content"] == "Paris"
+    assert forced.json()["choices"][0]["finish_reason"] == "stop"
+    # Tools with tool_choice none, and template variables, leave SmolLM2's prompt as it is.
+    plain = post("/v1/chat/completions", {**chat, "temperature": 0, "ignore_eos": True})
+    with_tools = post(
+        "/v1/chat/completions",
+        {
+            **chat,
+            "temperature": 0,
+            "ignore_eos": True,
+            "tools": TOOLS,
+            "tool_choice": "none",
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
+    assert with_tools.status_code == 200, with_tools.text
+    assert with_tools.json()["choices"][0] == plain.json()["choices"][0]
+    assert with_tools.json()["usage"] == plain.json()["usage"]
+    for body, param, words in [
+        ({"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice --tool-call-parser"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "not served"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "name"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "'messages'"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "an object"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "one or more choices"),
+        ({"structured_outputs": {"choices": ["a"]}}, "structured_outputs", "unknown field"),
+        (
+            {"guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}},
+            "structured_outputs",
+            "at most one output shape",
+        ),
+        ({"guided_choice": ["a"], "ignore_eos": True}, None, "ignore_eos cannot be combined"),
+    ]:
+        refused = post("/v1/chat/completions", {**chat, **body})
+        assert refused.status_code == 400, (body, refused.text)
+        error = refused.json()["error"]
+        assert error["param"] == param and words in error["message"], (body, error)

@@ -49,7 +49,10 @@ impl ChatTemplate {
         ))
     }
 
-    /// The prompt for `messages` (role, content) with the assistant's turn opened.
+    /// The prompt for `messages` (role, content) with the assistant's turn opened. The
+    /// templates this frontend knows read neither a request's `tools` nor its
+    /// `chat_template_kwargs` (Jinja would render them the same with any), so both are taken
+    /// and do not change the prompt; a template added here that reads them must take them.
     pub fn render(&self, messages: &[(String, String)]) -> String {
         let mut out = String::new();
         for (i, (role, content)) in messages.iter().enumerate() {

@@ -4,6 +4,8 @@
 
 use std::fmt::Write;
 
+use rankcast_frontend::pyjson::float_repr as python_repr;
+
 /// A float as prometheus_client writes it: Python's repr, with Go's exponent form for large
 /// positive values.
 pub fn format_value(v: f64) -> String {
@@ -27,58 +29,6 @@ pub fn format_value(v: f64) -> String {
         }
     }
     s
-}
-
-/// Python's `repr(float)`: the shortest round-trip digits, fixed notation for exponents from
-/// -4 to 15, else `1.5e-05` / `1e+16`.
-fn python_repr(v: f64) -> String {
-    if v == 0.0 {
-        return if v.is_sign_negative() {
-            "-0.0".into()
-        } else {
-            "0.0".into()
-        };
-    }
-    let (mantissa, exp) = shortest_scientific(v);
-    if !(-4..16).contains(&exp) {
-        let sign = if exp < 0 { '-' } else { '+' };
-        return format!("{mantissa}e{sign}{:02}", exp.abs());
-    }
-    let negative = mantissa.starts_with('-');
-    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
-    let fixed = if exp < 0 {
-        format!("0.{}{digits}", "0".repeat((-exp - 1) as usize))
-    } else {
-        let point = exp as usize + 1;
-        let whole = format!("{digits:0<point$}");
-        let fraction = digits.get(point..).unwrap_or("");
-        let fraction = if fraction.is_empty() { "0" } else { fraction };
-        format!("{}.{fraction}", &whole[..point])
-    };
-    if negative {
-        format!("-{fixed}")
-    } else {
-        fixed
-    }
-}
-
-/// `v` as the shortest significant digits that read back as `v` (mantissa as in "1.5", and
-/// the power of ten), chosen as Python chooses them: where two such strings are equally close
-/// to `v`, the one ending in an even digit. Rust's own shortest form breaks that tie upward
-/// (76365/131072 = 0.58261871337890625 is "0.5826187133789063" in Rust, "...062" in Python:
-/// one fleet's servers once showed a histogram sum both ways), so `v` is rounded exactly to the
-/// shortest form's number of digits, which Rust does ties-to-even; that string reads back as
-/// `v` too, being at least as close to it.
-fn shortest_scientific(v: f64) -> (String, i32) {
-    let shortest = format!("{v:e}");
-    let (mantissa, _) = shortest.split_once('e').expect("an exponent");
-    let digits = mantissa.chars().filter(char::is_ascii_digit).count();
-    let exact = format!("{:.*e}", digits.saturating_sub(1), v);
-    let (mantissa, exp) = exact.split_once('e').expect("an exponent");
-    (
-        mantissa.to_string(),
-        exp.parse().expect("an integer exponent"),
-    )
 }
 
 fn escape_label(value: &str) -> String {

@@ -2,11 +2,13 @@
 //! `content` list (token, logprob, UTF-8 bytes, the `top` likeliest) and the completions API's
 //! legacy lists (tokens, token_logprobs, top_logprobs keyed by token text, text_offset in
 //! characters). A token's text is its own decode, special tokens included and an incomplete
-//! UTF-8 sequence replaced, as the Python tokenizer decodes one id.
+//! UTF-8 sequence replaced, as the Python tokenizer decodes one id. Fields come in the Python
+//! servers' order (`pyjson`), and a completion's `top_logprobs` by rank, as a dict keeps them.
 
 use rankcast_client::wire::protocol::TokenLogprobs;
+use rankcast_frontend::object;
+use rankcast_frontend::pyjson::Json;
 use rankcast_text::Tokenizer;
-use serde_json::{json, Map, Value};
 
 fn text(tokenizer: &Tokenizer, id: i64) -> String {
     u32::try_from(id).map_or_else(|_| String::new(), |id| tokenizer.decode(&[id], false))
@@ -32,24 +34,29 @@ fn ranked(item: &TokenLogprobs, top: usize) -> Vec<(i64, f64)> {
 }
 
 /// Chat's `logprobs`: `{"content": [...]}`, one entry per position.
-pub fn chat(tokenizer: &Tokenizer, items: &[TokenLogprobs], top: usize) -> Value {
+pub fn chat(tokenizer: &Tokenizer, items: &[TokenLogprobs], top: usize) -> Json {
     let token = |id: i64, logprob: f64| {
         let text = text(tokenizer, id);
-        json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()})
+        let bytes = text.as_bytes().to_vec();
+        vec![
+            ("token".to_string(), Json::from(text)),
+            ("logprob".to_string(), Json::from(logprob)),
+            ("bytes".to_string(), Json::from(bytes)),
+        ]
     };
-    let content: Vec<Value> = items
+    let content: Vec<Json> = items
         .iter()
         .map(|item| {
             let mut entry = token(item.token_id, item.logprob);
             let tops = ranked(item, top)
                 .into_iter()
-                .map(|(id, lp)| token(id, lp))
+                .map(|(id, lp)| Json::Object(token(id, lp)))
                 .collect();
-            entry["top_logprobs"] = Value::Array(tops);
-            entry
+            entry.push(("top_logprobs".to_string(), Json::Array(tops)));
+            Json::Object(entry)
         })
         .collect();
-    json!({ "content": content })
+    object![("content", Json::Array(content))]
 }
 
 /// The completions API's `logprobs`, its text offsets counted from `offset` (a stream's chunk
@@ -59,7 +66,7 @@ pub fn completion(
     items: &[TokenLogprobs],
     top: usize,
     mut offset: usize,
-) -> (Value, usize) {
+) -> (Json, usize) {
     let (mut tokens, mut logprobs, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
     for item in items {
         let chosen = text(tokenizer, item.token_id);
@@ -67,14 +74,23 @@ pub fn completion(
         offset += chosen.chars().count();
         tokens.push(chosen);
         logprobs.push(item.logprob);
-        let mut by_text = Map::new();
+        // A dict by token text: two ids of one text keep the first's place, the last's figure.
+        let mut by_text: Vec<(String, Json)> = Vec::new();
         for (id, lp) in ranked(item, top) {
-            by_text.insert(text(tokenizer, id), json!(lp));
+            let token = text(tokenizer, id);
+            match by_text.iter_mut().find(|(seen, _)| *seen == token) {
+                Some(entry) => entry.1 = Json::from(lp),
+                None => by_text.push((token, Json::from(lp))),
+            }
         }
-        tops.push(Value::Object(by_text));
+        tops.push(Json::Object(by_text));
     }
-    let rendered = json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
-                          "text_offset": offsets});
+    let rendered = object![
+        ("tokens", tokens),
+        ("token_logprobs", logprobs),
+        ("top_logprobs", tops),
+        ("text_offset", offsets),
+    ];
     (rendered, offset)
 }
 

@@ -5,6 +5,11 @@
 //!     rankcast-frontend --model-dir DIR --served-model-name NAME --port N [--host H]
 //!                       --engine-input ADDR --engine-output ADDR --client-index K
 //!                       [--api-key KEY] [--shutdown-timeout SECONDS] [--model-origin WHERE]
+//!                       [--reasoning-parser qwen3] [--tool-call-parser hermes]
+//!
+//! The parsers read chat outputs as the Python servers' flags of the same names do (the
+//! launcher gives `--tool-call-parser` only with `--enable-auto-tool-choice`, which serves
+//! `tool_choice` auto): a fleet parses on every server or on none.
 
 mod chat;
 mod dashboard;
@@ -22,6 +27,7 @@ mod metrics_spec;
 mod multiprocess;
 mod openai;
 mod request_metrics;
+mod shape;
 
 use std::convert::Infallible;
 use std::net::{SocketAddr, TcpListener};
@@ -47,6 +53,7 @@ struct Args {
     api_key: Option<String>,
     shutdown_timeout: Duration,
     model_origin: String,
+    parsers: openai::Parsers,
 }
 
 fn fail(message: &str) -> ! {
@@ -93,12 +100,35 @@ fn parse() -> Args {
                 )
             },
         ),
+        parsers: openai::Parsers {
+            qwen3_reasoning: one_of(
+                values.remove("--reasoning-parser"),
+                "--reasoning-parser",
+                "qwen3",
+            ),
+            hermes_tools: one_of(
+                values.remove("--tool-call-parser"),
+                "--tool-call-parser",
+                "hermes",
+            ),
+        },
         model_dir,
     };
     if let Some(unknown) = values.keys().next() {
         fail(&format!("unknown option {unknown}"));
     }
     args
+}
+
+/// Whether a flag whose only value is `known` was given (any other value is an error).
+fn one_of(value: Option<String>, flag: &str, known: &str) -> bool {
+    match value {
+        None => false,
+        Some(v) if v == known => true,
+        Some(v) => fail(&format!(
+            "{flag}: {known} is the one this server has, got {v:?}"
+        )),
+    }
 }
 
 /// A listening socket on `addr` that shares its port with the other API servers.
@@ -219,6 +249,7 @@ fn main() {
         counter: AtomicU64::new(0),
         drain: drain::Drain::new(args.shutdown_timeout),
         fleet: fleet_start::FleetStart::from_env(),
+        parsers: args.parsers,
     });
     let drain = server.drain.clone();
     let stopping_events = server.events.clone();

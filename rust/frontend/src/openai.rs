@@ -1,7 +1,11 @@
 //! The OpenAI routes: `/v1/completions` and `/v1/chat/completions` (streamed as server-sent
 //! events or whole), `/v1/models`, `/health`; and the engine as this server's view has it,
 //! `/v1/lora_adapters` and `/v1/engine_views`. Request fields are checked the way the Python API
-//! server checks them, and a bad one is a 400 in OpenAI's error shape naming it.
+//! server checks them, and a bad one is a 400 in OpenAI's error shape naming it. Completions,
+//! chunks and errors are written with the Python servers' field order and number spelling
+//! (`pyjson`), and a chat's output goes through the same reasoning and tool-call parsers
+//! (`output_parsers`), so a fleet answers the same bytes from either kind of server, ids and
+//! times aside.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,6 +17,11 @@ use hyper::{Body, Method, Request, Response, StatusCode};
 use rankcast_client::wire::protocol::{EngineCoreOutput, EngineCoreRequest, TokenLogprobs};
 use rankcast_client::wire::sampling::SamplingParams;
 use rankcast_frontend::engine_views::EngineViews;
+use rankcast_frontend::object;
+use rankcast_frontend::output_parsers::{
+    prompt_opens_think, HermesToolParser, OutputParser, Parsed, ThinkParser, ToolCall,
+};
+use rankcast_frontend::pyjson::Json;
 use rankcast_text::{IncrementalDetokenizer, Tokenizer};
 use serde_json::{json, Map, Value};
 
@@ -23,6 +32,7 @@ use crate::events::EventHub;
 use crate::fleet_start::FleetStart;
 use crate::logprobs;
 use crate::metrics::EngineMetrics;
+use crate::shape;
 
 pub struct Server {
     pub engine: Engine,
@@ -45,6 +55,19 @@ pub struct Server {
     pub drain: Arc<Drain>,
     /// Whether the launcher's fleet has started: `/health` is 503 until it has.
     pub fleet: FleetStart,
+    /// How chat outputs are read (`--reasoning-parser qwen3`, `--tool-call-parser hermes`):
+    /// as the Python servers of the fleet read them.
+    pub parsers: Parsers,
+}
+
+/// The output parsers this server was started with.
+#[derive(Clone, Copy, Default)]
+pub struct Parsers {
+    /// `--reasoning-parser qwen3`: `<think>` blocks are the answer's reasoning.
+    pub qwen3_reasoning: bool,
+    /// `--tool-call-parser hermes` (with `--enable-auto-tool-choice`): `<tool_call>` blocks
+    /// are tool calls, and `tool_choice` auto is served.
+    pub hermes_tools: bool,
 }
 
 /// Why a request ended without its finish reason.
@@ -57,15 +80,20 @@ enum Failure {
 type Reply = Response<Body>;
 
 fn json_reply(status: StatusCode, body: &Value) -> Reply {
+    text_reply(status, body.to_string())
+}
+
+/// A JSON body already written (`Json::response`).
+fn text_reply(status: StatusCode, body: String) -> Reply {
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
+        .body(Body::from(body))
         .expect("a response")
 }
 
-/// OpenAI's error shape, so official clients raise the right exception type.
-fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
+/// OpenAI's error body, its fields in the Python servers' order.
+fn error_body(status: StatusCode, message: &str, param: Option<&str>) -> Json {
     let kind = match status.as_u16() {
         400 => "BadRequestError",
         401 => "AuthenticationError",
@@ -73,27 +101,44 @@ fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
         503 => "ServiceUnavailableError",
         _ => "APIError",
     };
-    let body = json!({"error": {"message": message, "type": kind, "param": param,
-                                "code": status.as_u16()}});
-    json_reply(status, &body)
+    object![(
+        "error",
+        object![
+            ("message", message),
+            ("type", kind),
+            ("param", param),
+            ("code", status.as_u16()),
+        ]
+    )]
 }
 
-/// Request fields of the Python servers that this server does not serve yet.
-const NOT_SERVED_YET: [&str; 10] = [
+/// OpenAI's error shape, so official clients raise the right exception type.
+fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
+    text_reply(status, error_body(status, message, param).response())
+}
+
+/// Request fields of the Python servers that this server does not serve yet. Of the output
+/// shapes it serves a choice of strings (`guided_choice`, `structured_outputs.choice`:
+/// shape.rs), and tools, tool_choice and chat_template_kwargs on chat.
+const NOT_SERVED_YET: [&str; 5] = [
     "echo",
-    "tools",
-    "tool_choice",
     "response_format",
     "guided_json",
     "guided_regex",
-    "guided_choice",
     "guided_grammar",
-    "structured_outputs",
-    "chat_template_kwargs",
 ];
+
+/// Chat fields, refused by name on completions.
+const CHAT_ONLY: [&str; 3] = ["tools", "tool_choice", "chat_template_kwargs"];
 
 /// A request refused before it reaches the engine: message, field, status (400 unless said).
 struct BadRequest(String, Option<&'static str>, StatusCode);
+
+impl From<shape::Refusal> for BadRequest {
+    fn from(shape::Refusal(message, param): shape::Refusal) -> BadRequest {
+        BadRequest(message, Some(param), StatusCode::BAD_REQUEST)
+    }
+}
 
 fn bad<T>(message: impl Into<String>, param: &'static str) -> Result<T, BadRequest> {
     Err(BadRequest(
@@ -282,34 +327,187 @@ struct Generation {
 }
 
 impl Generation {
-    fn chunk(&self, text: &str, finish: Option<&str>) -> Value {
-        self.chunk_with(text, finish, Value::Null)
+    fn chunk(&self, text: &str, finish: Option<&str>) -> Json {
+        self.chunk_with(text, finish, Json::Null)
     }
 
     /// A chunk carrying the logprobs of its tokens.
-    fn chunk_with(&self, text: &str, finish: Option<&str>, logprobs: Value) -> Value {
-        let choice = if self.chat {
+    fn chunk_with(&self, text: &str, finish: Option<&str>, logprobs: Json) -> Json {
+        if self.chat {
             let delta = if text.is_empty() && logprobs.is_null() {
-                json!({})
+                object![]
             } else {
-                json!({"content": text})
+                object![("content", text)]
             };
-            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
-        } else {
-            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
-        };
-        json!({"id": self.request_id, "object": self.object, "created": self.created,
-               "model": self.model, "choices": [choice]})
+            return self.chat_chunk(delta, finish, logprobs);
+        }
+        let choice = object![
+            ("index", 0u64),
+            ("text", text),
+            ("logprobs", logprobs),
+            ("finish_reason", finish),
+        ];
+        self.with_choices(vec![choice])
     }
 
-    fn usage(&self, completion: usize) -> Value {
-        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-               "total_tokens": self.prompt_tokens + completion})
+    fn chat_chunk(&self, delta: Json, finish: Option<&str>, logprobs: Json) -> Json {
+        let choice = object![
+            ("index", 0u64),
+            ("delta", delta),
+            ("logprobs", logprobs),
+            ("finish_reason", finish),
+        ];
+        self.with_choices(vec![choice])
+    }
+
+    /// The fields every chunk of a response repeats, then `choices`.
+    fn with_choices(&self, choices: Vec<Json>) -> Json {
+        object![
+            ("id", self.request_id.as_str()),
+            ("object", self.object),
+            ("created", self.created),
+            ("model", self.model.as_str()),
+            ("choices", choices),
+        ]
+    }
+
+    /// The usage chunk that ends a stream when the request asked for it.
+    fn usage_chunk(&self, completion: usize) -> Json {
+        let Json::Object(mut fields) = self.with_choices(Vec::new()) else {
+            unreachable!("a chunk is an object")
+        };
+        fields.push(("usage".into(), self.usage(completion)));
+        Json::Object(fields)
+    }
+
+    fn usage(&self, completion: usize) -> Json {
+        object![
+            ("prompt_tokens", self.prompt_tokens),
+            ("completion_tokens", completion),
+            ("total_tokens", self.prompt_tokens + completion),
+        ]
+    }
+
+    /// One output's text through the chat's parsers, as the Python servers stream it: its
+    /// reasoning, its content and each tool call in chunks of their own (clients read one
+    /// kind per delta), a call as OpenAI streams one (its index, id and name, then its
+    /// arguments), the output's logprobs on the first chunk (on an empty delta when all of
+    /// its text is held back). `finished`: the parsers give what they held.
+    fn parsed_chunks(
+        &self,
+        parser: &mut OutputParser,
+        text: &str,
+        finished: bool,
+        logprobs: Json,
+        calls_sent: &mut usize,
+    ) -> Vec<Json> {
+        let (mut reasoning, mut parsed) = if text.is_empty() {
+            (String::new(), Parsed::default())
+        } else {
+            parser.feed(text)
+        };
+        if finished {
+            let (last_reasoning, last) = parser.finish();
+            reasoning.push_str(&last_reasoning);
+            parsed.content.push_str(&last.content);
+            parsed.calls.extend(last.calls);
+        }
+        let mut deltas = Vec::new();
+        if !reasoning.is_empty() {
+            deltas.push(object![
+                ("reasoning", reasoning.as_str()),
+                ("reasoning_content", reasoning.as_str()),
+            ]);
+        }
+        if !parsed.content.is_empty() {
+            deltas.push(object![("content", parsed.content)]);
+        }
+        for call in parsed.calls {
+            let index = *calls_sent;
+            *calls_sent += 1;
+            let named = object![("name", call.name), ("arguments", "")];
+            let head = object![
+                ("index", index),
+                ("id", call.id),
+                ("type", "function"),
+                ("function", named),
+            ];
+            deltas.push(object![("tool_calls", vec![head])]);
+            let arguments = object![
+                ("index", index),
+                ("function", object![("arguments", call.arguments)]),
+            ];
+            deltas.push(object![("tool_calls", vec![arguments])]);
+        }
+        if !logprobs.is_null() && deltas.is_empty() {
+            deltas.push(object![]); // the tokens' logprobs, their text held back for now
+        }
+        let mut logprobs = Some(logprobs);
+        deltas
+            .into_iter()
+            .map(|delta| {
+                let logprobs = logprobs.take().unwrap_or(Json::Null);
+                self.chat_chunk(delta, None, logprobs)
+            })
+            .collect()
     }
 }
 
-fn sse(value: &Value) -> Bytes {
-    Bytes::from(format!("data: {value}\n\n"))
+/// A call in a message's `tool_calls`.
+fn call_message(call: ToolCall) -> Json {
+    object![
+        ("id", call.id),
+        ("type", "function"),
+        (
+            "function",
+            object![("name", call.name), ("arguments", call.arguments)]
+        ),
+    ]
+}
+
+/// A whole chat answer's message and finish reason, as the Python servers write them: with a
+/// parser, the reasoning and the calls the model wrote taken out of the text (no text beside
+/// them is `content: null`) and the finish reason `tool_calls` when it wrote some; the
+/// reasoning fields are there (`null` without reasoning) whenever the server reads reasoning.
+fn chat_message(
+    text: String,
+    finish: String,
+    parser: Option<OutputParser>,
+    reasoning_fields: bool,
+) -> (Json, String) {
+    let mut fields = vec![("role".to_string(), Json::from("assistant"))];
+    let Some(mut parser) = parser else {
+        fields.push(("content".into(), Json::from(text)));
+        if reasoning_fields {
+            fields.push(("reasoning".into(), Json::Null));
+            fields.push(("reasoning_content".into(), Json::Null));
+        }
+        return (Json::Object(fields), finish);
+    };
+    let parsed = parser.whole(&text);
+    let content = if !parsed.content.is_empty() {
+        Json::from(parsed.content)
+    } else if parsed.reasoning.is_some() || !parsed.calls.is_empty() {
+        Json::Null
+    } else {
+        Json::from("")
+    };
+    fields.push(("content".into(), content));
+    if reasoning_fields {
+        let reasoning = Json::from(parsed.reasoning);
+        fields.push(("reasoning".into(), reasoning.clone()));
+        fields.push(("reasoning_content".into(), reasoning));
+    }
+    if parsed.calls.is_empty() {
+        return (Json::Object(fields), finish);
+    }
+    let calls: Vec<Json> = parsed.calls.into_iter().map(call_message).collect();
+    fields.push(("tool_calls".into(), Json::Array(calls)));
+    (Json::Object(fields), "tool_calls".into())
+}
+
+fn sse(value: &Json) -> Bytes {
+    Bytes::from(format!("data: {}\n\n", value.event()))
 }
 
 impl Server {
@@ -528,6 +726,22 @@ impl Server {
             }
         };
         let model = requested.unwrap_or(&self.model_name).to_string();
+        // What the Python servers do and this one does not do yet is refused by name, never
+        // ignored (the answer would look right and mean something else).
+        let refused = if chat { &[][..] } else { &CHAT_ONLY[..] };
+        for unsupported in NOT_SERVED_YET.iter().chain(refused) {
+            let given = body
+                .get(*unsupported)
+                .is_some_and(|v| !v.is_null() && v != &Value::Bool(false));
+            if given {
+                return bad(
+                    format!("{unsupported} is not served by the Rust frontend yet"),
+                    unsupported,
+                );
+            }
+        }
+        let structured = shape::structured(body)?;
+        let mut parsing = None;
         let prompt_ids: Vec<u32> = if chat {
             let Some(template) = &self.template else {
                 return bad(
@@ -541,10 +755,15 @@ impl Server {
             if messages.is_empty() {
                 return bad("messages must be a non-empty list", "messages");
             }
+            let auto_tools = shape::auto_tools(body, self.parsers.hermes_tools)?;
+            shape::check_template_variables(body)?;
             let mut turns = Vec::new();
             for message in messages {
                 let role = message.get("role").and_then(Value::as_str);
                 let content = match message.get("content") {
+                    // No content (an assistant's turn of tool calls) is empty text, as the
+                    // Python servers give it to the template.
+                    None | Some(Value::Null) => Some(String::new()),
                     Some(Value::String(s)) => Some(s.clone()),
                     Some(Value::Array(parts)) => parts
                         .iter()
@@ -558,7 +777,11 @@ impl Server {
                     _ => return bad("each message needs a role and text content", "messages"),
                 }
             }
-            self.tokenizer.encode(&template.render(&turns))
+            // The templates this server renders read neither `tools` nor the request's
+            // `chat_template_kwargs` (chat.rs), so the prompt is what Jinja gives with them.
+            let prompt = template.render(&turns);
+            parsing = Parsing::new(self.parsers, &prompt, structured.is_some(), auto_tools);
+            self.tokenizer.encode(&prompt)
         } else {
             match body.get("prompt") {
                 Some(Value::String(text)) => self.tokenizer.encode(text),
@@ -600,21 +823,18 @@ impl Server {
             (None, true) => Some(room),
             (None, false) => Some(16.min(room)),
         };
-        // What the Python servers do and this one does not do yet is refused by name, never
-        // ignored (the answer would look right and mean something else).
-        for unsupported in NOT_SERVED_YET {
-            let given = body
-                .get(unsupported)
-                .is_some_and(|v| !v.is_null() && v != &Value::Bool(false));
-            if given {
-                return bad(
-                    format!("{unsupported} is not served by the Rust frontend yet"),
-                    unsupported,
-                );
-            }
-        }
         let (mut params, stops) = sampling(body, max_tokens)?;
         params.logprobs = requested_logprobs(body, chat)?;
+        if structured.is_some() && params.ignore_eos {
+            return Err(BadRequest(
+                "ignore_eos cannot be combined with structured outputs: the output ends where \
+                 its shape does"
+                    .into(),
+                None,
+                StatusCode::BAD_REQUEST,
+            ));
+        }
+        params.structured = structured;
         let include_usage = body
             .get("stream_options")
             .and_then(|o| o.get("include_usage"))
@@ -634,6 +854,8 @@ impl Server {
             params,
             stream: flag(body, "stream", false)?,
             include_usage,
+            parsing,
+            reasoning_fields: chat && self.parsers.qwen3_reasoning,
         })
     }
 
@@ -687,6 +909,7 @@ impl Server {
             reason: finish,
             tokens,
             logprobs: entries,
+            ..
         } = match done {
             Ok(done) => done,
             Err(Failure::Engine(why) | Failure::Shutdown(why)) => {
@@ -698,29 +921,44 @@ impl Server {
         let rendered = match prepared.top_logprobs {
             Some(top) if chat => logprobs::chat(&self.tokenizer, &entries, top),
             Some(top) => logprobs::completion(&self.tokenizer, &entries, top, 0).0,
-            None => Value::Null,
+            None => Json::Null,
         };
         let choice = if chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text},
-                   "logprobs": rendered, "finish_reason": finish})
+            let parser = prepared.parsing.map(Parsing::parser);
+            let (message, finish) = chat_message(text, finish, parser, prepared.reasoning_fields);
+            object![
+                ("index", 0u64),
+                ("message", message),
+                ("logprobs", rendered),
+                ("finish_reason", finish),
+            ]
         } else {
-            json!({"index": 0, "text": text, "logprobs": rendered, "finish_reason": finish})
+            object![
+                ("index", 0u64),
+                ("text", text),
+                ("logprobs", rendered),
+                ("finish_reason", finish),
+            ]
         };
         let object = if chat {
             "chat.completion"
         } else {
             "text_completion"
         };
-        json_reply(
-            StatusCode::OK,
-            &json!({"id": generation.request_id, "object": object, "created": generation.created,
-                    "model": generation.model, "choices": [choice],
-                    "usage": generation.usage(tokens)}),
-        )
+        let body = object![
+            ("id", generation.request_id.as_str()),
+            ("object", object),
+            ("created", generation.created),
+            ("model", generation.model.as_str()),
+            ("choices", vec![choice]),
+            ("usage", generation.usage(tokens)),
+        ];
+        text_reply(StatusCode::OK, body.response())
     }
 
     /// Drive one request to its end: (text, finish reason, tokens). With `sender`, each piece
-    /// of text that is safe to show is streamed as it comes.
+    /// of text that is safe to show is streamed as it comes (a chat's through its parsers),
+    /// a completion's last piece with its finish reason, as the Python servers stream them.
     async fn collect(
         &self,
         generation: &Generation,
@@ -735,10 +973,13 @@ impl Server {
         let mut shown = 0usize;
         let mut tokens = 0usize;
         let mut last_token_at: Option<Instant> = None;
+        // A whole answer is parsed once it is complete (`chat_message`).
+        let mut parser = sender.as_ref().and(prepared.parsing).map(Parsing::parser);
+        let mut calls_sent = 0usize;
         if let Some(sender) = sender.as_deref_mut() {
             if generation.chat {
-                let mut first = generation.chunk("", None);
-                first["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+                let opening = object![("role", "assistant"), ("content", "")];
+                let first = generation.chat_chunk(opening, None, Json::Null);
                 if sender.send_data(sse(&first)).await.is_err() {
                     self.engine.abort(&generation.request_id);
                     return Err(Failure::ClientGone);
@@ -798,12 +1039,28 @@ impl Server {
                             rendered
                         }
                     }
-                    _ => Value::Null,
+                    _ => Json::Null,
                 };
-                if visible > shown || !delta_logprobs.is_null() {
-                    let piece = generation.chunk_with(&text[shown..visible], None, delta_logprobs);
-                    shown = visible;
-                    if sender.send_data(sse(&piece)).await.is_err() {
+                let piece = &text[shown..visible];
+                let chunks = match parser.as_mut() {
+                    Some(parser) => generation.parsed_chunks(
+                        parser,
+                        piece,
+                        finish.is_some(),
+                        delta_logprobs,
+                        &mut calls_sent,
+                    ),
+                    None if !generation.chat && finish.is_some() => {
+                        vec![generation.chunk_with(piece, finish.as_deref(), delta_logprobs)]
+                    }
+                    None if !piece.is_empty() || !delta_logprobs.is_null() => {
+                        vec![generation.chunk_with(piece, None, delta_logprobs)]
+                    }
+                    None => Vec::new(),
+                };
+                shown = visible;
+                for chunk in chunks {
+                    if sender.send_data(sse(&chunk)).await.is_err() {
                         self.engine.abort(&generation.request_id);
                         return Err(Failure::ClientGone);
                     }
@@ -822,6 +1079,7 @@ impl Server {
                     reason,
                     tokens,
                     logprobs,
+                    calls_sent,
                 });
             }
         }
@@ -869,21 +1127,32 @@ impl Server {
             .collect(&generation, &prepared, events, Some(&mut sender))
             .await;
         let tail = match result {
-            Ok(Finished { reason, tokens, .. }) => {
-                let mut out = vec![sse(&generation.chunk("", Some(&reason)))];
+            Ok(Finished {
+                reason,
+                tokens,
+                calls_sent,
+                ..
+            }) => {
+                let mut out = Vec::new();
+                // A chat ends with a chunk of its own (a completion's last piece carried it),
+                // `tool_calls` when the model's calls were sent.
+                if generation.chat {
+                    let reason = if calls_sent > 0 {
+                        "tool_calls"
+                    } else {
+                        &reason
+                    };
+                    out.push(sse(&generation.chunk("", Some(reason))));
+                }
                 if prepared.include_usage {
-                    let mut usage = generation.chunk("", None);
-                    usage["choices"] = json!([]);
-                    usage["usage"] = generation.usage(tokens);
-                    out.push(sse(&usage));
+                    out.push(sse(&generation.usage_chunk(tokens)));
                 }
                 out
             }
             Err(Failure::ClientGone) => return,
             // As the Python servers end a cut stream: a finish reason, then the error.
             Err(Failure::Engine(why) | Failure::Shutdown(why)) => {
-                let body = json!({"error": {"message": why, "type": "ServiceUnavailableError",
-                                             "param": null, "code": 503}});
+                let body = error_body(StatusCode::SERVICE_UNAVAILABLE, &why, None);
                 vec![sse(&generation.chunk("", Some("abort"))), sse(&body)]
             }
         };
@@ -898,12 +1167,14 @@ impl Server {
     }
 }
 
-/// A request that reached its finish reason: its text, token count and logprobs.
+/// A request that reached its finish reason: its text, token count and logprobs, and how many
+/// tool calls its stream sent.
 struct Finished {
     text: String,
     reason: String,
     tokens: usize,
     logprobs: Vec<TokenLogprobs>,
+    calls_sent: usize,
 }
 
 struct Prepared {
@@ -917,4 +1188,41 @@ struct Prepared {
     include_usage: bool,
     /// How many alternatives each position's logprobs list, when logprobs were asked for.
     top_logprobs: Option<usize>,
+    /// How the chat's output is read (None: all of it is content).
+    parsing: Option<Parsing>,
+    /// The answer has `reasoning` and `reasoning_content` fields (the server reads reasoning).
+    reasoning_fields: bool,
+}
+
+/// Which parsers read a chat's output, decided with its prompt (Python's `output_parser`).
+#[derive(Clone, Copy)]
+struct Parsing {
+    /// The reasoning parser's (`opened`, `constrained`), when the server reads reasoning.
+    think: Option<(bool, bool)>,
+    /// The request leaves its tools to the model, and the server reads the calls it writes.
+    tools: bool,
+}
+
+impl Parsing {
+    /// The parsing of a chat with `prompt`: reasoning when the server reads it (from inside
+    /// the block when the template left `<think>` open; `constrained` by a grammar), tool
+    /// calls when `auto_tools`; None when neither.
+    fn new(parsers: Parsers, prompt: &str, constrained: bool, auto_tools: bool) -> Option<Parsing> {
+        let think = parsers
+            .qwen3_reasoning
+            .then(|| (prompt_opens_think(prompt), constrained));
+        (think.is_some() || auto_tools).then_some(Parsing {
+            think,
+            tools: auto_tools,
+        })
+    }
+
+    fn parser(self) -> OutputParser {
+        OutputParser {
+            think: self
+                .think
+                .map(|(opened, constrained)| ThinkParser::new(opened, constrained, self.tools)),
+            tools: self.tools.then(HermesToolParser::default),
+        }
+    }
 }

@@ -10,11 +10,19 @@ exercises the decode path a served model takes. Where llama.cpp is installed (LL
 default ~/.cache/rankcast-llamacpp; see bench/llamacpp.py) its `llama-perplexity` runs on the
 same text for each GGUF weight type it has.
 
+The KV cache's formats (`--kv-cache-dtypes auto,int8,fp8_e4m3,fp8_e5m2`) are scored the same
+way, each a row of the weight types asked for (`--weight-types bfloat16` keeps one), beside
+llama.cpp with its KV cache in Q8_0 (`-fa on -ctk q8_0 -ctv q8_0`). Their cost shows at long
+context: `--text long` scores the Python documentation every interpreter ships
+(`pydoc_data.topics`, ~110k tokens) instead of the short text, in windows of `--ctx` up to
+SmolLM2's 8,192.
+
 Greedy agreement: the 32 standard chats, 128 tokens each with EOS ignored, generated with bf16
 weights and with each other type; reported as the chats whose text is identical and the mean
 number of tokens before the first difference.
 
-    python bench/perplexity.py [--ctx 256] [--no-llamacpp] [--no-agreement]
+    python bench/perplexity.py [--ctx 256] [--no-llamacpp] [--no-agreement] [--text long]
+        [--weight-types bfloat16,...] [--kv-cache-dtypes auto,int8,fp8_e4m3,fp8_e5m2]
 """
 
 from __future__ import annotations
@@ -52,18 +60,33 @@ WEIGHT_TYPES = [
 ]
 
 
-def text_tokens(model: str | None = None) -> list[int]:
+def long_text() -> str:
+    """The Python documentation's topics as the interpreter ships them (pydoc_data): prose and
+    grammar, ~465 kB, the same wherever this runs, and nothing to download or commit."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def text_tokens(model: str | None = None, text: str | None = None) -> list[int]:
     from rankcast.model_files.source import resolve_model
     from rankcast.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(model).model_dir)
-    return list(tokenizer.encode(TEXT.read_text(), add_special_tokens=False))
+    return list(tokenizer.encode(text or TEXT.read_text(), add_special_tokens=False))
 
 
 def rankcast_perplexity(
-    tokens: list[int], ctx: int, dtype: str, quantization: str, model: str | None = None
+    tokens: list[int],
+    ctx: int,
+    dtype: str,
+    quantization: str,
+    model: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, float]:
-    """Perplexity over the second half of every ctx-token window, all windows in one batch."""
+    """Perplexity over the second half of every ctx-token window, all windows in one batch, the
+    KV cache holding `kv_cache_dtype` (model/kv_quant.py)."""
+    from rankcast.model import kv_quant
     from rankcast.model.loader import load_model
     from rankcast.model_files.arch import ArchConfig
     from rankcast.model_files.source import resolve_model
@@ -79,7 +102,8 @@ def rankcast_perplexity(
     block_size = 16
     windows = [tokens[i * ctx : (i + 1) * ctx] for i in range(len(tokens) // ctx)]
     blocks_each = -(-ctx // block_size)
-    runner = ModelRunner(decoder, arch, block_size, cpu, torch_dtype)
+    cache = kv_quant.cache_dtype(kv_cache_dtype, torch_dtype)
+    runner = ModelRunner(decoder, arch, block_size, cpu, torch_dtype, None, cache)
     runner.initialize_cache(blocks_each * len(windows))
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(windows))]
     first = ctx // 2
@@ -108,17 +132,22 @@ def rankcast_perplexity(
     }
 
 
-def llamacpp_perplexity(weight_type: str, ctx: int) -> float | None:
+def llamacpp_perplexity(
+    weight_type: str, ctx: int, text: Path = TEXT, kv_q8_0: bool = False
+) -> float | None:
     """llama-perplexity's final estimate for the anchor's file of `weight_type` (found, and run
-    with `--no-repack` where it must be, by bench/llamacpp.py), or None if it has none."""
+    with `--no-repack` where it must be, by bench/llamacpp.py), or None if it has none; with
+    `kv_q8_0`, its KV cache in Q8_0 (which its flash attention needs)."""
     tool, model = llamacpp.binary("llama-perplexity"), llamacpp.models().get(weight_type)
     if tool is None or model is None:
         return None
-    command = [str(tool), "-m", str(model), "-f", str(TEXT), "-c", str(ctx), "-b", str(ctx)]
+    command = [str(tool), "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(ctx)]
+    if kv_q8_0:
+        command += ["-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]
     command += ["-t", str(llamacpp.threads())]
     if llamacpp.no_repack(weight_type):
         command.append("--no-repack")
-    out = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
     if found is None:
         print(f"  llama-perplexity {weight_type}: no estimate (exit {out.returncode})")
@@ -158,18 +187,46 @@ def main() -> None:
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (unset: the embedded SmolLM2)"
     )
+    parser.add_argument(
+        "--text", choices=("short", "long"), default="short", help="long: pydoc_data's topics"
+    )
+    parser.add_argument(
+        "--weight-types", default="", help="comma list of WEIGHT_TYPES names (unset: all)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtypes", default="auto", help="comma list of --kv-cache-dtype values"
+    )
     args = parser.parse_args()
     machine = machine_info()
     print(describe(machine))
-    tokens = text_tokens(args.model)
-    print(f"text: {TEXT.relative_to(ROOT)}, {len(tokens)} tokens, windows of {args.ctx}")
-    results: dict[str, Any] = {"machine": machine, "ctx": args.ctx, "text_tokens": len(tokens)}
+    text_file = TEXT
+    if args.text == "long":
+        text_file = RESULTS.parent / "perplexity-long.txt"
+        text_file.parent.mkdir(parents=True, exist_ok=True)
+        text_file.write_text(long_text())  # llama-perplexity reads a file
+    tokens = text_tokens(args.model, text_file.read_text())
+    print(f"text: {text_file.relative_to(ROOT)}, {len(tokens)} tokens, windows of {args.ctx}")
+    results: dict[str, Any] = {
+        "machine": machine,
+        "ctx": args.ctx,
+        "text": args.text,
+        "text_tokens": len(tokens),
+    }
+    wanted = {w for w in args.weight_types.split(",") if w}
+    unknown = wanted - {name for name, _, _ in WEIGHT_TYPES}
+    if unknown:
+        parser.error(f"unknown --weight-types {sorted(unknown)}")
+    weight_types = [w for w in WEIGHT_TYPES if not wanted or w[0] in wanted]
+    kv_dtypes = [k for k in args.kv_cache_dtypes.split(",") if k]
     ours = {}
-    for name, dtype, quantization in WEIGHT_TYPES:
-        ours[name] = rankcast_perplexity(tokens, args.ctx, dtype, quantization, args.model)
+    for name, dtype, quantization in weight_types:
+        for kv in kv_dtypes:
+            row = name if kv == "auto" else f"{name}, KV {kv}"
+            ours[row] = rankcast_perplexity(tokens, args.ctx, dtype, quantization, args.model, kv)
+            print(f"  {row}: {ours[row]['perplexity']:.4f}", flush=True)
     # The K-quant mixes llama.cpp's anchor derives from the same weights (bench/llamacpp.py),
     # served by rankcast as `auto` takes them.
-    mixes = {} if args.no_llamacpp or args.model else llamacpp.models()
+    mixes = {} if args.no_llamacpp or args.model or wanted else llamacpp.models()
     for mix in (m for m in llamacpp.DERIVED if m in mixes):
         for dtype in ("float32", "bfloat16"):
             name = f"{mix} file, none / auto ({dtype} model)"
@@ -184,10 +241,14 @@ def main() -> None:
         why = missing or "its files are the embedded model's, not --model's"
         print(f"llama.cpp: {'--no-llamacpp' if args.no_llamacpp else why}; its rows are left out")
     else:
-        theirs = {t: llamacpp_perplexity(t, args.ctx) for t in llamacpp.models()}
+        for t in llamacpp.models():
+            theirs[t] = llamacpp_perplexity(t, args.ctx, text_file)
+            if any(kv != "auto" for kv in kv_dtypes):
+                theirs[f"{t}, KV q8_0"] = llamacpp_perplexity(t, args.ctx, text_file, kv_q8_0=True)
     results["llamacpp"] = theirs
-    base = ours["bfloat16"]["perplexity"]
-    print("\n| weights | perplexity | vs bfloat16 | scored tokens |\n|---|---|---|---|")
+    base_name = "bfloat16" if "bfloat16" in ours else next(iter(ours))
+    base = ours[base_name]["perplexity"]
+    print(f"\n| weights | perplexity | vs {base_name} | scored tokens |\n|---|---|---|---|")
     for name, row in ours.items():
         change = 100 * (row["perplexity"] / base - 1)
         ppl, scored = row["perplexity"], row["scored_tokens"]
@@ -206,7 +267,7 @@ def main() -> None:
         results["agreement"] = {}
         print("\n| weights | chats identical to bfloat16 | mean tokens before a difference |")
         print("|---|---|---|")
-        for name, dtype, quantization in WEIGHT_TYPES:
+        for name, dtype, quantization in weight_types:
             if (dtype, quantization) == ("bfloat16", "none"):
                 continue
             row = agreement(reference, greedy_outputs(dtype, quantization, args.model))

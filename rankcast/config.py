@@ -21,6 +21,9 @@ from rankcast import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "auto", "int8", "w8a8", "q4_0", "q4_1", "q8_0")
+# What the KV cache holds (rankcast/model/kv_quant.py): "auto" the activations' dtype, or an
+# 8-bit format with per-token scales (vLLM's names; "fp8" is e4m3).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # How the ray executor places pipeline stages on nodes (Ray's placement-group strategies).
 RAY_PLACEMENTS = ("pack", "spread", "strict-spread")
@@ -168,6 +171,9 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_space_gib: float | None = None
+    # The cache's element type (KV_CACHE_DTYPES): 8-bit formats halve what a block costs and
+    # what a token reads from it.
+    kv_cache_dtype: str = "auto"
     num_blocks: int | None = None
     # Reuse the K/V of full blocks another request already computed
     # (rankcast/engine_core/block_manager.py).
@@ -185,6 +191,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(
             self.block_size in (8, 16, 32, 64, 128), "--block-size must be 8..128, a power of 2"
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+            f"got {self.kv_cache_dtype!r}",
         )
         _require(
             self.num_blocks is None or self.num_blocks > 0,

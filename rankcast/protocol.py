@@ -45,7 +45,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 # 9: StepReply.adapter_reads (a rank's finished adapter reads, typed: the engine's readiness
 #    no longer follows events), SchedulerStats.kv_cache_committed_bytes.
 # 12: AdapterResidency.pinned_ranks (the snapshot is the engine view's state, pins per rank).
-PROTOCOL_VERSION = 12
+# 13: SchedulerStats.kv_cache_dtype (an 8-bit KV cache is named on /metrics).
+PROTOCOL_VERSION = 13
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -141,6 +142,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # ({"sql": {"device": 9, "disk": 1}}), and evictions a request then had to undo.
     lora_requests_found: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     lora_evictions_undone: dict[str, int] = msgspec.field(default_factory=dict)
+    # What the KV cache holds (`--kv-cache-dtype` as the ranks resolved it: "bfloat16", "int8",
+    # "fp8_e4m3", ...): vLLM's `cache_dtype` label of `vllm:cache_config_info`.
+    kv_cache_dtype: str = ""
 
 
 class ErrorKind(enum.StrEnum):
@@ -473,13 +477,21 @@ class NumAvailableBlocks(RankCall[CacheBudget], array_like=True):
     REPLY = CacheBudget
 
 
-class InitializeCache(RankCall[int], array_like=True):
+class CacheAllocated(msgspec.Struct, array_like=True):
+    """A rank's KV cache once allocated: the bytes it committed before the first step (0: left
+    to first use) and what the cache holds (`--kv-cache-dtype` resolved: "bfloat16", "int8",
+    "fp8_e4m3", ...), which only the ranks know (the engine core has no torch)."""
+
+    committed_bytes: int
+    kv_cache_dtype: str
+
+
+class InitializeCache(RankCall[CacheAllocated], array_like=True):
     """Allocate the KV cache, `num_blocks` in the full group's pool and `num_window_blocks` in
-    the sliding-window group's (0: the model has no such group); each rank answers the bytes
-    it commits."""
+    the sliding-window group's (0: the model has no such group)."""
 
     METHOD = "initialize_cache"
-    REPLY = int
+    REPLY = CacheAllocated
     num_blocks: int
     num_window_blocks: int = 0
 

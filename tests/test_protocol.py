@@ -54,7 +54,7 @@ def test_decoder_ignores_unknown_trailing_fields() -> None:
             [],
             [
                 *(1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, 40, 32, 64),
-                *({"load": 1}, 16, 8, {"sql": {"device": 2}}, {"sql": 1}, "future"),
+                *({"load": 1}, 16, 8, {"sql": {"device": 2}}, {"sql": 1}, "int8", "future"),
             ],
             1.0,
         ]
@@ -83,6 +83,7 @@ def test_decoder_ignores_unknown_trailing_fields() -> None:
         8,
         {"sql": {"device": 2}},
         {"sql": 1},
+        "int8",
     )
 
 

@@ -116,9 +116,10 @@ class EngineCore:
         split = self._size_kv_cache()
         num_blocks = split.full_blocks or split.window_blocks
         self.max_model_len = self._resolve_max_model_len(num_blocks * block_size)
-        self.kv_cache_committed_bytes = sum(
-            self.executor.call(InitializeCache(num_blocks, split.window_blocks))
-        )
+        allocated = self.executor.call(InitializeCache(num_blocks, split.window_blocks))
+        self.kv_cache_committed_bytes = sum(a.committed_bytes for a in allocated)
+        # Every rank resolves --kv-cache-dtype against the same model dtype.
+        self.kv_cache_dtype = allocated[0].kv_cache_dtype
         if self.kv_cache_committed_bytes:
             logger.info(
                 "KV cache: %.0f MiB over %d rank(s), committed before the first step "
@@ -179,10 +180,11 @@ class EngineCore:
         )
         self.notifications.observers.append(self.view.apply)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+            "KV cache: %d blocks of %d tokens (%d tokens), %s; max_model_len %d",
             num_blocks,
             block_size,
             num_blocks * block_size,
+            self.kv_cache_dtype,
             self.max_model_len,
         )
         if split.window_blocks:
@@ -574,6 +576,7 @@ class EngineCore:
         """The scheduler's load figures plus what the notification channel has cost so far."""
         stats = self.scheduler.stats()
         stats.kv_cache_committed_bytes = self.kv_cache_committed_bytes
+        stats.kv_cache_dtype = self.kv_cache_dtype
         stats.notification_gathers = self.notifications.gathers
         stats.notification_gather_seconds = self.notifications.gather_seconds
         if self.loras is not None:

@@ -24,6 +24,7 @@ from rankcast.config import (
     DEFAULT_KV_CACHE_SPACE_GIB,
     DTYPES,
     EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     RAY_PLACEMENTS,
     REASONING_PARSERS,
@@ -239,6 +240,14 @@ FLAGS: tuple[Flag, ...] = (
         parse=KVEventsConfig.from_json,
     ),
     Flag("--block-size", "block_size", "tokens per KV cache block: 8..128, a power of 2"),
+    Flag(
+        "--kv-cache-dtype",
+        "kv_cache_dtype",
+        "what the KV cache holds: auto (the activations' dtype), or int8, fp8 (= fp8_e4m3), "
+        "fp8_e5m2: one byte a value with a float32 scale per token and head, about half the "
+        "memory and the reads of a bfloat16 cache",
+        choices=KV_CACHE_DTYPES,
+    ),
     Flag(
         "--kv-cache-space",
         "kv_cache_space_gib",

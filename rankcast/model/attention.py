@@ -98,6 +98,9 @@ class PagedAttention(nn.Module):
         self.kv_group = kv_group
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        # An 8-bit cache's per-token scales [blocks, Hkv, block_size] (model/kv_quant.py).
+        self.key_scale: torch.Tensor | None = None
+        self.value_scale: torch.Tensor | None = None
 
     def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) D], the fused projection's output -> [T, H*D]."""
@@ -114,12 +117,20 @@ class PagedAttention(nn.Module):
             slot_mapping,
             heads,
             kv_heads,
+            self.key_scale,
+            self.value_scale,
         )
         q = qkv[:, : heads * d].view(-1, heads, d)
         if (
             self.key_cache is None
             or self.value_cache is None
-            or (meta.from_scratch and not ops.paged_kernel_applies(q, self.key_cache))
+            or (
+                # A whole prompt attends over its own K/V, unless the cache is 8-bit: what a
+                # later chunk or a prefix hit reads is the stored bytes, and so must it.
+                meta.from_scratch
+                and self.key_scale is None
+                and not ops.paged_kernel_applies(q, self.key_cache)
+            )
         ):
             k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)
@@ -136,6 +147,8 @@ class PagedAttention(nn.Module):
             self.scale,
             meta.query_lens,
             self.window,
+            self.key_scale,
+            self.value_scale,
         )
         return out.view(-1, heads * d)
 

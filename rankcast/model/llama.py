@@ -304,6 +304,8 @@ class LlamaForCausalLM(nn.Module):
             stack.set_rope_and_group(
                 i, local_table if attn.attn.local_rope else None, attn.attn.kv_group
             )
+            if attn.attn.key_scale is not None and attn.attn.value_scale is not None:
+                stack.set_kv_scales(i, attn.attn.key_scale, attn.attn.value_scale)
             pre, post = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
             stack.set_block(
                 i,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rankcast import kernels
+from rankcast.model import kv_quant
 from rankcast.model.quantization import (
     FOUR_BIT,
     SCHEMES,
@@ -178,10 +179,15 @@ def lora_tiles_apply(weight: torch.Tensor) -> bool:
 
 def can_fuse_layers(attention: torch.nn.Module) -> bool:
     """Whether the C++ decoder stack can run layers shaped like this attention's: the kernels
-    are built and take the cache's dtype, and the head size suits the attention kernel."""
+    are built and take the cache's dtype (16-bit, or 8-bit with its scales), and the head size
+    suits the attention kernel."""
     cache = getattr(attention, "key_cache", None)
     head_dim = getattr(attention, "head_dim", 0)
-    return cache is not None and kernels.available(cache) and head_dim % 16 == 0
+    if cache is None or head_dim % 16 != 0:
+        return False
+    if kv_quant.is_8bit(cache.dtype):
+        return cache.device.type == "cpu" and kernels.load()
+    return kernels.available(cache)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -276,16 +282,29 @@ def rotary_embedding_cache(
     slot_mapping: torch.Tensor,
     heads: int,
     kv_heads: int,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotate the query and key heads of `qkv` [T, (H + 2 Hkv) D] in place (rotate-half RoPE),
     then write each token's key and value into its cache slot (slot -1: not written).
 
     Caches are laid out as `key_cache [blocks, Hkv, D, block_size]` (keys transposed within a
-    block) and `value_cache [blocks, Hkv, block_size, D]`; see `attention.py`.
+    block) and `value_cache [blocks, Hkv, block_size, D]`; see `attention.py`. An 8-bit cache
+    (kv_quant.py) takes each token's head as bytes and its scale into `key_scale` /
+    `value_scale` [blocks, Hkv, block_size].
     """
     if kernels.available(qkv) and qkv.stride(1) == 1:
         torch.ops.rankcast.rotary_embedding_cache(
-            qkv, positions, cos_sin, key_cache, value_cache, slot_mapping, heads, kv_heads
+            qkv,
+            positions,
+            cos_sin,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            heads,
+            kv_heads,
+            key_scale,
+            value_scale,
         )
         return
     head_dim = cos_sin.shape[1]
@@ -304,6 +323,9 @@ def rotary_embedding_cache(
     blocks, offsets = slots // block_size, slots % block_size
     k = qk[keep][:, heads:]
     v = qkv[keep][:, (heads + kv_heads) * head_dim :].view(-1, kv_heads, head_dim)
+    if key_scale is not None and value_scale is not None:
+        k, key_scale[blocks, :, offsets] = kv_quant.quantize_heads(k, key_cache.dtype)
+        v, value_scale[blocks, :, offsets] = kv_quant.quantize_heads(v, value_cache.dtype)
     key_cache[blocks, :, :, offsets] = k
     value_cache[blocks, :, offsets] = v
 
@@ -316,7 +338,7 @@ def paged_kernel_applies(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     return (
         kernels.available(query)
         and query.stride(2) == 1
-        and key_cache.dtype == query.dtype
+        and (key_cache.dtype == query.dtype or kv_quant.is_8bit(key_cache.dtype))
         and query.shape[2] % 16 == 0
     )
 
@@ -332,6 +354,8 @@ def paged_attention(
     scale: float,
     query_lens: list[int],
     window: int = 0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole cached context, into `out`
     [T, H, D]. Sequence b's queries are rows `query_start[b]:query_start[b+1]` and are its last
@@ -340,16 +364,37 @@ def paged_attention(
     With a sliding `window` (> 0), a query at position p sees only keys p - window + 1 .. p (as
     transformers' sliding mask has it), and blocks wholly behind every query's window are never
     read: the engine may have freed them. The kernel reads the cache blocks in place; the torch
-    path gathers each sequence's context.
+    path gathers each sequence's context. An 8-bit cache is read with its per-token
+    `key_scale` / `value_scale` (kv_quant.py).
     """
     if paged_kernel_applies(query, key_cache):
         torch.ops.rankcast.paged_attention(
-            out, query, key_cache, value_cache, block_tables, seq_lens, query_start, scale, window
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start,
+            scale,
+            window,
+            key_scale,
+            value_scale,
         )
         return
     if all(n == 1 for n in query_lens):
         out.copy_(
-            _decode_reference(query, key_cache, value_cache, block_tables, seq_lens, scale, window)
+            _decode_reference(
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                scale,
+                window,
+                key_scale,
+                value_scale,
+            )
         )
         return
     kv_heads, head_dim, block_size = key_cache.shape[1:]
@@ -360,8 +405,10 @@ def paged_attention(
         skip = max(0, length - n + 1 - window) // block_size if window else 0
         blocks = block_tables[b, skip : -(-length // block_size)].long()
         first = skip * block_size
-        keys = key_cache[blocks].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
-        values = value_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)
+        keys = kv_quant.read_blocks(key_cache, key_scale, blocks, query.dtype, keys=True)
+        keys = keys.permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
+        values = kv_quant.read_blocks(value_cache, value_scale, blocks, query.dtype, keys=False)
+        values = values.transpose(0, 1).reshape(kv_heads, -1, head_dim)
         keys, values = keys[:, : length - first], values[:, : length - first]
         q = query[start : start + n].transpose(0, 1)
         # Query i sits at position length - n + i and sees keys up to there (and, with a
@@ -385,6 +432,8 @@ def _decode_reference(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: one gather and one SDPA call for the whole batch. (Blocks
     behind a window are gathered too, and masked: their contents must be finite.)"""
@@ -392,8 +441,10 @@ def _decode_reference(
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
     context = int(seq_lens.max())
     tables = block_tables[:, : -(-context // block_size)].long()
-    keys = key_cache[tables].permute(0, 2, 1, 4, 3).flatten(2, 3)[:, :, :context]
-    values = value_cache[tables].transpose(1, 2).flatten(2, 3)[:, :, :context]
+    keys = kv_quant.read_blocks(key_cache, key_scale, tables, query.dtype, keys=True)
+    keys = keys.permute(0, 2, 1, 4, 3).flatten(2, 3)[:, :, :context]
+    values = kv_quant.read_blocks(value_cache, value_scale, tables, query.dtype, keys=False)
+    values = values.transpose(1, 2).flatten(2, 3)[:, :, :context]
     key_positions = torch.arange(context, device=query.device)
     beyond = key_positions >= seq_lens[:, None]
     if window:

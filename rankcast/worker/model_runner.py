@@ -21,6 +21,7 @@ import torch
 
 from rankcast.lora.layers import LoRABatch, LoRAContext, LoRALinear, attach_lora
 from rankcast.lora.peft_adapter import LoRAAdapter, SlotImage
+from rankcast.model import kv_quant
 from rankcast.model.attention import AttentionMetadata
 from rankcast.model.llama import LlamaForCausalLM
 from rankcast.model_files.arch import ArchConfig
@@ -77,8 +78,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         grammars: GrammarMatchers | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        # What the cache holds: the activations' dtype, or an 8-bit format (kv_quant.py).
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.grammars = grammars  # None: this runner refuses structured requests
         self.arch = arch
         self.block_size = block_size
@@ -147,8 +151,11 @@ class ModelRunner:
         layers here (0 where this rank has none of them)."""
         layers = [a for a in self.model.attention_layers() if a.kv_group == group]
         kv_heads = layers[0].num_kv_heads if layers else 0
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * len(layers) * self.block_size * kv_heads * self.arch.head_dim * element
+        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+        # A token's head: its values, and with an 8-bit cache their float32 scale.
+        scale = 4 if kv_quant.is_8bit(self.kv_cache_dtype) else 0
+        per_head = self.arch.head_dim * element + scale
+        return 2 * len(layers) * self.block_size * kv_heads * per_head
 
     def initialize_cache(
         self, num_blocks: int, commit: bool = True, num_window_blocks: int | None = None
@@ -162,7 +169,8 @@ class ModelRunner:
         step waits for it (`wait_for_cache`), so no step writes a block the commit still
         touches, and every page is this process's before any request runs.
 
-        Each layer's keys and values share one allocation, laid out as `attention.py` describes.
+        Each layer's keys and values share one allocation, laid out as `attention.py` describes;
+        an 8-bit cache's per-token scales share another ([2, blocks, Hkv, block_size] float32).
         A layer of the sliding-window KV-cache group (`kv_group` 1) has `num_window_blocks`
         blocks (by default as many as the others: a caller without the engine's scheduler then
         gives a sequence the same table in both groups), the others `num_blocks`.
@@ -172,11 +180,15 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             blocks = window_blocks if attn.kv_group == 1 else num_blocks
             whole = (2, blocks, attn.num_kv_heads, self.block_size * attn.head_dim)
-            cache = zeroed_tensor(whole, self.dtype, self.device)
+            cache = zeroed_tensor(whole, self.kv_cache_dtype, self.device)
             shape = (blocks, attn.num_kv_heads)
             attn.key_cache = cache[0].view(*shape, attn.head_dim, self.block_size)
             attn.value_cache = cache[1].view(*shape, self.block_size, attn.head_dim)
             self.kv_caches.append(cache)
+            if kv_quant.is_8bit(self.kv_cache_dtype):
+                scales = zeroed_tensor((2, *shape, self.block_size), torch.float32, self.device)
+                attn.key_scale, attn.value_scale = scales[0], scales[1]
+                self.kv_caches.append(scales)
         self.model.fuse_layers()
         if not commit or self.device.type != "cpu":
             # Other devices' caches are zeroed, so resident, as they are made.

@@ -23,6 +23,7 @@ from rankcast.channel.doorbell import Doorbell
 from rankcast.channel.events import WEIGHTS_LOADED_KEY, CustomNotification, WorkerNotification
 from rankcast.config import EngineConfig
 from rankcast.distributed import PipelineStage, TensorParallelGroup
+from rankcast.model import kv_quant
 from rankcast.model.loader import load_model
 from rankcast.model_files.arch import ArchConfig
 from rankcast.model_files.source import ModelSource
@@ -30,6 +31,7 @@ from rankcast.process import is_rankcast_process
 from rankcast.protocol import (
     RANK_CALLS,
     ApplyLoRAMoves,
+    CacheAllocated,
     CacheBudget,
     ExecuteModel,
     InitializeCache,
@@ -156,7 +158,13 @@ class Worker:
         )
         grammars = GrammarMatchers(self.source.model_dir, arch.vocab_size, arch.eos_token_ids)
         self.runner = ModelRunner(
-            model, arch, self.config.cache.block_size, self.device, self.dtype, grammars
+            model,
+            arch,
+            self.config.cache.block_size,
+            self.device,
+            self.dtype,
+            grammars,
+            kv_quant.cache_dtype(self.config.cache.kv_cache_dtype, self.dtype),
         )
         if self.config.lora.enable_lora:
             lora = self.config.lora
@@ -203,11 +211,13 @@ class Worker:
         budget = int(self.config.cache.space_gib * 2**30)
         return CacheBudget(budget, self.runner.bytes_per_block(0), self.runner.bytes_per_block(1))
 
-    def initialize_cache(self, num_blocks: int, num_window_blocks: int = 0) -> int:
+    def initialize_cache(self, num_blocks: int, num_window_blocks: int = 0) -> CacheAllocated:
         """Allocate this rank's KV cache, its memory committed before the first step unless told
-        not to (`ModelRunner.initialize_cache`); returns the bytes committed."""
+        not to (`ModelRunner.initialize_cache`): the bytes committed and what the cache holds."""
         assert self.runner is not None
-        return self.runner.initialize_cache(num_blocks, self.config.cache.commit, num_window_blocks)
+        runner = self.runner
+        committed = runner.initialize_cache(num_blocks, self.config.cache.commit, num_window_blocks)
+        return CacheAllocated(committed, kv_quant.dtype_name(runner.kv_cache_dtype))
 
     def execute_model(self, batch: SchedulerOutput) -> StepReply:
         """The step's adapter moves first (a request admitted this step may need the slot),

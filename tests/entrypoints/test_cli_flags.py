@@ -86,6 +86,7 @@ SERVE_EVERYTHING = (
     "--kv-events",
     '--kv-events-config={"enable_kv_cache_events": true, "topic": "kv"}',
     "--block-size=32",
+    "--kv-cache-dtype=int8",
     "--kv-cache-space=0.5",
     "--num-gpu-blocks-override=7",
     "--tensor-parallel-size=2",
@@ -135,6 +136,7 @@ def test_every_flag_lands_in_its_option() -> None:
     assert config.scheduler.max_num_seqs == 3
     assert config.cache.space_gib == 0.5
     assert config.cache.num_blocks == 7
+    assert config.cache.kv_cache_dtype == "int8"
     assert config.notifications.worker_notification_doorbell is False
     assert config.notifications.poll_interval == 0.5
     assert config.lora.lora_modules == (("a", "/adapters/a"), ("b", "/adapters/b"))

@@ -182,9 +182,9 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     """Every family the Rust server exposes (the engine-derived ones: load, cache
     configuration, notification totals and drops, weight loads; and the ones each server counts
     itself, summed over the fleet) is line for line the Python server's, at rest after
-    traffic that both served."""
+    traffic that both served. The engine's KV cache is 8-bit: both name it the same way."""
     server = ServerProcess(
-        *tiny_model_args(tiny_llama_dir),
+        *tiny_model_args(tiny_llama_dir, "--kv-cache-dtype", "int8"),
         api_server_count=1,
         rust_api_server_count=1,
         env=frontend_env(),
@@ -213,6 +213,8 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     weights = rust["rankcast:worker_weights_load_seconds"]
     assert any(line.startswith("rankcast:worker_weights_load_seconds{") for line in weights)
     assert 'rankcast:engine_up{engine="0"} 1.0' in rust["rankcast:engine_up"]
+    (config,) = [line for line in rust["vllm:cache_config_info"] if line[0] != "#"]
+    assert 'block_size="16",cache_dtype="int8",engine="0"' in config, config
 
 
 def test_the_rust_server_serves_adapters_by_name(tiny_llama_dir: Path, tmp_path: Path) -> None:

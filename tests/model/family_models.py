@@ -223,12 +223,16 @@ def stack_expected(dtype: torch.dtype) -> bool:
 
 
 def stack_and_modules_logits(
-    model_dir: Path, dtype: torch.dtype, window_tables: list[list[int]] | None = None
+    model_dir: Path,
+    dtype: torch.dtype,
+    window_tables: list[list[int]] | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[Any, Any]:
     """One decode step's logits (after two prompts' prefill) through the C++ decoder stack and
     through the modules, from the same cache: the stack must give the modules' very bits.
     `window_tables`: the sequences' blocks in the sliding-window KV-cache group (Gemma 3), other
-    than their main ones, so a layer reading the wrong group's blocks shows."""
+    than their main ones, so a layer reading the wrong group's blocks shows. `kv_cache_dtype`:
+    what the cache holds (None: the activations' dtype)."""
     from rankcast.model.loader import load_model
     from rankcast.model_files.arch import ArchConfig
     from rankcast.protocol import ScheduledSequence, SchedulerOutput
@@ -236,7 +240,7 @@ def stack_and_modules_logits(
 
     arch = ArchConfig.from_model_dir(model_dir)
     model = load_model(model_dir, arch, dtype, torch.device("cpu"))
-    runner = ModelRunner(model, arch, 16, torch.device("cpu"), dtype)
+    runner = ModelRunner(model, arch, 16, torch.device("cpu"), dtype, None, kv_cache_dtype)
     runner.initialize_cache(16)
     assert runner.model.fused_layers is not None
     prompts = [[5, 9, 200, 31, 7], list(range(40, 61))]

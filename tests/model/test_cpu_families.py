@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # the decoder against transformers, and the model-level invariance property on the tiny model.
 TESTS = [
     "tests/model/test_ops.py",
+    "tests/model/test_kv_cache_dtype.py::test_the_kernel_writes_the_bytes_and_scales_torch_writes",
+    "tests/model/test_kv_cache_dtype.py::test_paged_attention_reads_an_8bit_cache_as_torch_does",
+    "tests/model/test_kv_cache_dtype.py::test_a_token_gets_the_same_bits_alone_batched_split_or_in_a_prompt",
     "tests/model/test_quantized_linears.py",
     "tests/model/test_llama_logits.py",
     "tests/model/test_batch_invariance.py::test_the_tiny_models_logits_do_not_depend_on_the_batch",

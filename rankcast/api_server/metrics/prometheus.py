@@ -168,7 +168,7 @@ class ServerMetrics:
         self.weights_load_seconds = gauge("rankcast:worker_weights_load_seconds", self.registry)
         self.weights_load_bytes = gauge("rankcast:worker_weights_load_bytes", self.registry)
         self.kv_cache_committed = gauge("rankcast:kv_cache_committed_bytes", self.registry)
-        self._cache_labels: dict[int, tuple[str, str]] = {}
+        self._cache_labels: dict[int, tuple[str, str, str]] = {}
         self._engine_totals: dict[int, _EngineTotals] = {}
         # The LoRA series, when the API server serves adapters (set by the API server).
         self.lora: LoRAMetrics | None = None
@@ -202,7 +202,7 @@ class ServerMetrics:
         self.kv_cache_committed.labels(*labels).set(stats.kv_cache_committed_bytes)
         self.gathers.labels(str(engine_index)).set(stats.notification_gathers)
         self.gather_seconds.labels(str(engine_index)).set(stats.notification_gather_seconds)
-        config = (str(stats.block_size), str(stats.num_blocks))
+        config = (str(stats.block_size), stats.kv_cache_dtype, str(stats.num_blocks))
         if self._cache_labels.get(engine_index) != config:
             previous = self._cache_labels.get(engine_index)
             if previous is not None:

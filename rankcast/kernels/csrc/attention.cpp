@@ -18,6 +18,16 @@
 // before it in that block: the chunks it skips would only have added exact zeros to each row's
 // softmax sum and weighted values, so a token's output keeps the bits it has at any chunking, and
 // blocks wholly behind the window are never read (the engine may have freed them).
+//
+// An 8-bit cache (int8, fp8 e4m3 or e5m2: `--kv-cache-dtype`) holds each token's key and value
+// of each head as bytes with one float32 scale each (key_scale and value_scale [num_blocks,
+// kv_heads, block_size]): amax / the format's largest value, set when the token is written, so a
+// token's stored bytes depend on its own values alone (the batch-invariance rule holds). Scores
+// are the dot products of the query with the decoded bytes, times each token's key scale; each
+// probability is multiplied by its token's value scale once the softmax is done, before the
+// weighted sum: every path does both at the same point, so a token's output has the same bits
+// on each, as in 16-bit caches. The bytes a token reads are half a bfloat16 cache's, plus 8 of
+// scales per head.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -44,6 +54,33 @@ struct Geometry {
   int block_size;
   int64_t max_blocks;  // block table row stride
 };
+
+// An 8-bit cache's per-token scales ([num_blocks, kv_heads, block_size] float32), or none. A
+// block-head's scales start at its cache offset / head_dim.
+struct KVScales {
+  const float* key = nullptr;
+  const float* value = nullptr;
+};
+
+// Tokens [start, reach)'s probabilities in `pr` times their value scales (an 8-bit cache), the
+// blocks' cache offsets `offsets` plus `shift` elements (another head of the same blocks).
+inline void fold_value_scales(float* pr, int start, int reach, const float* value_scale,
+                              const int64_t* offsets, int64_t shift, int bs, int D) {
+  for (int t = start; t < reach;) {
+    const int j = t / bs;
+    const int stop = std::min(reach, (j + 1) * bs);
+    const float* sc = value_scale + (offsets[j] + shift) / D + (t - j * bs);
+    for (; t < stop; ++t, ++sc) pr[t] *= *sc;
+  }
+}
+
+// Scores of 16 tokens (n of them) times their key scales, where the cache is 8-bit.
+template <int R>
+inline void scale_scores(Vec16* s, const float* key_scale, int64_t offset, int t0, int n, int D) {
+  if (key_scale == nullptr) return;
+  const Vec16 ks = load16(key_scale + offset / D + t0, n);
+  for (int r = 0; r < R; ++r) s[r] = s[r] * ks;
+}
 
 inline void prefetch(const void* p, int64_t bytes) {
 #if defined(__GNUC__)
@@ -80,8 +117,8 @@ inline Prefetches chunk_prefetches(const char* key_ahead, const char* values, in
   return pf;
 }
 
-template <typename T, int R>
-inline void key_scores(const float* qf, int D, const T* kt, int bs, int n, Vec16* s,
+template <typename K, int R>
+inline void key_scores(const float* qf, int D, const K* kt, int bs, int n, Vec16* s,
                        const Prefetches& pf) {
   constexpr int U = kPartialSums;
   Vec16 part[R][U];
@@ -114,16 +151,16 @@ constexpr int kChunk = 16;
 
 // The sum over tokens [t_begin, t_end) (within one chunk) of p[r, t] * v[t, d0 + c*16 ..] for R
 // rows and C vectors of dimensions, from zero, in token order.
-template <typename T, int R, int C>
+template <typename K, int R, int C>
 inline void chunk_values(Vec16 (&a)[R][C], const float* p, int64_t p_stride, int t_begin,
-                         int t_end, const T* value_cache, const int64_t* offsets, int bs, int D,
+                         int t_end, const K* value_cache, const int64_t* offsets, int bs, int D,
                          int d0) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = zero16();
   for (int t = t_begin; t < t_end;) {
     const int j = t / bs;
     const int stop = std::min(t_end, (j + 1) * bs);
-    const T* row = value_cache + offsets[j] + static_cast<int64_t>(t - j * bs) * D + d0;
+    const K* row = value_cache + offsets[j] + static_cast<int64_t>(t - j * bs) * D + d0;
     for (; t < stop; ++t, row += D) {
       for (int c = 0; c < C; ++c) {
         const Vec16 v = load16(row + c * 16);
@@ -136,13 +173,13 @@ inline void chunk_values(Vec16 (&a)[R][C], const float* p, int64_t p_stride, int
 // out[r, d0 + c*16 ..] = sum_t p[r, t] * v[t, d0 + c*16 ..] over every visible token: the chunks'
 // sums (`chunk_values`) from `start` (16-aligned) added in order into `acc`, R * C of them in
 // registers at a time.
-template <typename T, int R, int C>
+template <typename K, int R, int C>
 inline void weighted_values(float* acc, int D, const float* p, int64_t p_stride, int start,
-                            int reach, const T* value_cache, const int64_t* offsets, int bs,
+                            int reach, const K* value_cache, const int64_t* offsets, int bs,
                             int d0) {
   for (int t0 = start; t0 < reach; t0 += kChunk) {
     Vec16 a[R][C];
-    chunk_values<T, R, C>(a, p, p_stride, t0, std::min(reach, t0 + kChunk), value_cache, offsets,
+    chunk_values<K, R, C>(a, p, p_stride, t0, std::min(reach, t0 + kChunk), value_cache, offsets,
                           bs, D, d0);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) {
@@ -202,10 +239,11 @@ inline void for_dim_groups(int D, const Fn& fn) {
 // One tile: R query rows sharing a sequence and a KV head; row r sees keys [begin[r], limit[r]).
 // Two passes over the context: every score first (so the softmax is exact and done once per
 // row), then the weighted sum of values, chunk by chunk (`weighted_values`).
-template <typename T, int R>
+template <typename T, typename K, int R>
 void attend_tile(const T* const* q, T* const* out, const int* begin, const int* limit,
-                 const T* key_cache, const T* value_cache, const int* table, int kv_head,
-                 const Geometry& g, float scale, float* scratch, int64_t p_stride) {
+                 const K* key_cache, const K* value_cache, const KVScales& scales,
+                 const int* table, int kv_head, const Geometry& g, float scale, float* scratch,
+                 int64_t p_stride) {
   const int D = g.head_dim, bs = g.block_size;
   float* qf = scratch;      // [R, D] scaled queries
   float* acc = qf + R * D;  // [R, D] weighted sums
@@ -232,7 +270,7 @@ void attend_tile(const T* const* q, T* const* out, const int* begin, const int* 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Blocks are scattered, so the hardware cannot guess the next one: keep kAheadBlocks key blocks
   // in flight, and fetch each value block while the scores of its key block are computed.
-  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(K));
   for (int j = first_block; j < std::min(num_blocks, first_block + kAheadBlocks); ++j)
     prefetch(key_cache + offsets[j], block_bytes);
   const int block_lines = static_cast<int>(block_bytes / 64);
@@ -244,7 +282,7 @@ void attend_tile(const T* const* q, T* const* out, const int* begin, const int* 
                                 ? reinterpret_cast<const char*>(key_cache + offsets[j + kAheadBlocks])
                                 : nullptr;
     const char* values = reinterpret_cast<const char*>(value_cache + offsets[j]);
-    const T* kb = key_cache + offsets[j];
+    const K* kb = key_cache + offsets[j];
     for (int t0 = 0, c = 0; t0 < bs; t0 += 16, ++c) {
       // Every chunk of the block passes, visible or not, so that the prefetches all happen.
       const Prefetches pf = chunk_prefetches(key_ahead, values, c, lines_per_chunk, block_lines);
@@ -256,7 +294,8 @@ void attend_tile(const T* const* q, T* const* out, const int* begin, const int* 
       }
       const int n = std::min(16, ntok - t0);
       Vec16 s[R];
-      key_scores<T, R>(qf, D, kb + t0, bs, n, s, pf);
+      key_scores<K, R>(qf, D, kb + t0, bs, n, s, pf);
+      scale_scores<R>(s, scales.key, offsets[j], t0, n, D);
       for (int r = 0; r < R; ++r) {
         const int visible = std::clamp(limit[r] - base - t0, 0, n);
         store16(p + r * p_stride + base + t0, keep_first(s[r], visible, neg_inf), n);
@@ -264,9 +303,13 @@ void attend_tile(const T* const* q, T* const* out, const int* begin, const int* 
       }
     }
   }
-  for (int r = 0; r < R; ++r) softmax_row(p + r * p_stride, start, reach);
+  for (int r = 0; r < R; ++r) {
+    softmax_row(p + r * p_stride, start, reach);
+    if (scales.value != nullptr)
+      fold_value_scales(p + r * p_stride, start, reach, scales.value, offsets, 0, bs, D);
+  }
   for_dim_groups<R>(D, [&]<int C>(int d0) {
-    weighted_values<T, R, C>(acc, D, p, p_stride, start, reach, value_cache, offsets, bs, d0);
+    weighted_values<K, R, C>(acc, D, p, p_stride, start, reach, value_cache, offsets, bs, d0);
   });
   for (int r = 0; r < R; ++r) {
     for (int d = 0; d < D; d += 16) store16(out[r] + d, load16(acc + r * D + d));
@@ -292,13 +335,14 @@ constexpr int kSequenceItemsPerThread = 2;
 // (the cache's order: a block's heads lie side by side), into p [kv_heads * R, p_stride]; the
 // keys kSplitAheadBlocks blocks on and each block's values are prefetched meanwhile. `qf` holds
 // the scaled queries, row h * R + r for head h; `offsets` head 0's part of each block.
-template <typename T, int R>
+template <typename K, int R>
 void score_stretch(const float* qf, float* p, int64_t p_stride, int first, int last, int reach,
-                   const int64_t* offsets, const T* key_cache, const T* value_cache,
-                   const Geometry& g) {
+                   const int64_t* offsets, const K* key_cache, const K* value_cache,
+                   const float* key_scale, const Geometry& g) {
   const int D = g.head_dim, bs = g.block_size;
   const int64_t block_elems = static_cast<int64_t>(D) * bs;
-  const int block_lines = static_cast<int>(block_elems * static_cast<int64_t>(sizeof(T)) / 64);
+  const int block_lines =
+      std::max(1, static_cast<int>(block_elems * static_cast<int64_t>(sizeof(K)) / 64));
   const int sub_chunks = (bs + 15) / 16;
   const int lines_per_chunk = (block_lines + sub_chunks - 1) / sub_chunks;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -307,7 +351,7 @@ void score_stretch(const float* qf, float* p, int64_t p_stride, int first, int l
     const int j_ahead = j + kSplitAheadBlocks;
     const bool ahead = j_ahead * bs < last;
     for (int h = 0; h < g.kv_heads; ++h) {
-      const T* kb = key_cache + offsets[j] + h * block_elems;
+      const K* kb = key_cache + offsets[j] + h * block_elems;
       const char* key_ahead =
           ahead ? reinterpret_cast<const char*>(key_cache + offsets[j_ahead] + h * block_elems)
                 : nullptr;
@@ -317,7 +361,8 @@ void score_stretch(const float* qf, float* p, int64_t p_stride, int first, int l
         const Prefetches pf = chunk_prefetches(key_ahead, values, c, lines_per_chunk, block_lines);
         const int n = std::min(16, ntok - t0);
         Vec16 sc[R];
-        key_scores<T, R>(qf + h * R * D, D, kb + t0, bs, n, sc, pf);
+        key_scores<K, R>(qf + h * R * D, D, kb + t0, bs, n, sc, pf);
+        scale_scores<R>(sc, key_scale, offsets[j] + h * block_elems, t0, n, D);
         for (int r = 0; r < R; ++r)
           store16(p + (h * R + r) * p_stride + base + t0, keep_first(sc[r], n, neg_inf), n);
       }
@@ -344,10 +389,11 @@ inline void block_offsets(std::vector<int64_t>& offsets, const int* table, int n
 // batch, one sequence per item instead of one (sequence, head) pair, so that its blocks are read
 // whole, in the cache's order (`score_stretch`), rather than as each head's 2 kB of a 6 kB
 // block. The scores, softmax and chunk sums are `attend_tile`'s, in its order.
-template <typename T, int R>
+template <typename T, typename K, int R>
 void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len, int lo,
-                     const int* table, const T* key_cache, const T* value_cache,
-                     const Geometry& g, float scale, SequenceScratch& scratch) {
+                     const int* table, const K* key_cache, const K* value_cache,
+                     const KVScales& scales, const Geometry& g, float scale,
+                     SequenceScratch& scratch) {
   const int D = g.head_dim, bs = g.block_size, rows = g.kv_heads * R;
   const int reach = seq_len;
   const int start = first_block_of(lo, bs) * bs;
@@ -362,11 +408,14 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
   float* p = scratch.p.data();
   for (int r = 0; r < rows; ++r)
     for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[r * q_head + d]) * scale;
-  score_stretch<T, R>(qf, p, p_stride, start, reach, reach, scratch.offsets.data(), key_cache,
-                      value_cache, g);
+  score_stretch<K, R>(qf, p, p_stride, start, reach, reach, scratch.offsets.data(), key_cache,
+                      value_cache, scales.key, g);
   for (int r = 0; r < rows; ++r) {
     hide_before(p + r * p_stride, start, lo);
     softmax_row(p + r * p_stride, start, reach);
+    if (scales.value != nullptr)
+      fold_value_scales(p + r * p_stride, start, reach, scales.value, scratch.offsets.data(),
+                        (r / R) * block_elems, bs, D);
   }
   scratch.head_offsets.resize(num_blocks);
   float* acc = scratch.acc.data();
@@ -375,7 +424,7 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
       scratch.head_offsets[j] = scratch.offsets[j] + h * block_elems;
     const float* ph = p + h * R * p_stride;
     for_dim_groups<R>(D, [&]<int C>(int d0) {
-      weighted_values<T, R, C>(acc, D, ph, p_stride, start, reach, value_cache,
+      weighted_values<K, R, C>(acc, D, ph, p_stride, start, reach, value_cache,
                                scratch.head_offsets.data(), bs, d0);
     });
     for (int r = 0; r < R; ++r)
@@ -393,10 +442,10 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
 // context, then each chunk's weighted values, then the chunks' sums added in order. Every number
 // is the one `attend_tile` computes for that token (the same scores, softmax and chunk sums, in
 // the same order), so a decode gives the same bits either way.
-template <typename T, int R>
+template <typename T, typename K, int R>
 void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len, int lo,
-                  const int* table, const T* key_cache, const T* value_cache, const Geometry& g,
-                  float scale, int threads) {
+                  const int* table, const K* key_cache, const K* value_cache,
+                  const KVScales& scales, const Geometry& g, float scale, int threads) {
   const int D = g.head_dim, bs = g.block_size, rows = g.kv_heads * R;
   const int reach = seq_len;
   const int start = first_block_of(lo, bs) * bs;
@@ -422,13 +471,16 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
     for (int r = 0; r < rows; ++r)
       for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[r * q_head + d]) * scale;
     // Scores of the stretch (every head of each block, in the cache's order).
-    score_stretch<T, R>(qf.data(), p.get(), p_stride, first, last, reach, offsets.data(),
-                        key_cache, value_cache, g);
+    score_stretch<K, R>(qf.data(), p.get(), p_stride, first, last, reach, offsets.data(),
+                        key_cache, value_cache, scales.key, g);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) {
       hide_before(p.get() + r * p_stride, start, lo);
       softmax_row(p.get() + r * p_stride, start, reach);
+      if (scales.value != nullptr)
+        fold_value_scales(p.get() + r * p_stride, start, reach, scales.value, offsets.data(),
+                          (r / R) * block_elems, bs, D);
     }
     // (the implicit barrier of the loop: every probability is in place)
     std::vector<int64_t> head_offsets(num_blocks);
@@ -440,7 +492,7 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
         const int t1 = std::min(last, t0 + kChunk);
         for_dim_groups<R>(D, [&]<int C>(int d0) {
           Vec16 a[R][C];
-          chunk_values<T, R, C>(a, ph, p_stride, t0, t1, value_cache, head_offsets.data(), bs, D,
+          chunk_values<K, R, C>(a, ph, p_stride, t0, t1, value_cache, head_offsets.data(), bs, D,
                                 d0);
           for (int r = 0; r < R; ++r)
             for (int c = 0; c < C; ++c) store16(part + r * D + d0 + c * 16, a[r][c]);
@@ -477,13 +529,14 @@ void with_group(int group, Fn&& fn) {
   }
 }
 
-template <typename T>
-using TileFn = void (*)(const T* const*, T* const*, const int*, const int*, const T*, const T*,
-                        const int*, int, const Geometry&, float, float*, int64_t);
+template <typename T, typename K>
+using TileFn = void (*)(const T* const*, T* const*, const int*, const int*, const K*, const K*,
+                        const KVScales&, const int*, int, const Geometry&, float, float*,
+                        int64_t);
 
-template <typename T, int... Rs>
+template <typename T, typename K, int... Rs>
 constexpr auto tile_table(std::integer_sequence<int, Rs...>) {
-  return std::array<TileFn<T>, sizeof...(Rs)>{&attend_tile<T, Rs + 1>...};
+  return std::array<TileFn<T, K>, sizeof...(Rs)>{&attend_tile<T, K, Rs + 1>...};
 }
 
 // A unit of parallel work: some query positions of one sequence against one KV head.
@@ -494,11 +547,11 @@ struct WorkItem {
   int num_tokens;
 };
 
-template <typename T>
+template <typename T, typename K>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                          const at::Tensor& value_cache, const at::Tensor& block_tables,
-                          const at::Tensor& seq_lens, const at::Tensor& query_start,
-                          double scale, int window) {
+                          const at::Tensor& value_cache, const KVScales& scales,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start, double scale, int window) {
   // The first key position a query at `position` sees.
   auto first_visible = [window](int position) {
     return window > 0 ? std::max(0, position + 1 - window) : 0;
@@ -515,8 +568,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   T* o = out.data_ptr<T>();
   const int64_t q_tok = query.stride(0), q_head = query.stride(1);
   const int64_t o_tok = out.stride(0), o_head = out.stride(1);
-  const T* kc = key_cache.data_ptr<T>();
-  const T* vc = value_cache.data_ptr<T>();
+  const K* kc = static_cast<const K*>(key_cache.data_ptr());
+  const K* vc = static_cast<const K*>(value_cache.data_ptr());
 
   // Steps of decodes only (every sequence one query token) read each sequence's blocks whole,
   // every head of a block in turn: with enough sequences to share out, one sequence per item
@@ -542,9 +595,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
         const int* table = tables + b * g.max_blocks;
         const float sc = static_cast<float>(scale);
         with_group(group, [&](auto rows) {
-          attend_sequence<T, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b],
-                                                    first_visible(lens[b] - 1), table, kc, vc, g,
-                                                    sc, scratch);
+          attend_sequence<T, K, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b],
+                                                       first_visible(lens[b] - 1), table, kc, vc,
+                                                       scales, g, sc, scratch);
         });
       }
     }
@@ -559,9 +612,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
       const int* table = tables + b * g.max_blocks;
       const float sc = static_cast<float>(scale);
       with_group(group, [&](auto rows) {
-        attend_split<T, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b],
-                                               first_visible(lens[b] - 1), table, kc, vc, g, sc,
-                                               available);
+        attend_split<T, K, decltype(rows)::value>(qb, q_head, ob, o_head, lens[b],
+                                                  first_visible(lens[b] - 1), table, kc, vc,
+                                                  scales, g, sc, available);
       });
     }
     return;
@@ -575,7 +628,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
       for (int h = 0; h < g.kv_heads; ++h) items.push_back({b, h, t, n});
     }
   }
-  static constexpr auto tiles = tile_table<T>(std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto tiles = tile_table<T, K>(std::make_integer_sequence<int, kMaxRows>{});
   int longest = 0;
   for (int b = 0; b < num_seqs; ++b) longest = std::max(longest, lens[b]);
   // Scores for a whole context per row, padded to whole blocks and vectors.
@@ -585,7 +638,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   // The first key blocks of an item's context are read cold: a decode item is only a few blocks
   // long, so that wait is a large part of it. Each thread claims its following item before it
   // works on the current one and prefetches that item's first blocks meanwhile.
-  const int64_t block_bytes = static_cast<int64_t>(g.head_dim) * g.block_size * sizeof(T);
+  const int64_t block_bytes = static_cast<int64_t>(g.head_dim) * g.block_size * sizeof(K);
   auto prefetch_start = [&](const WorkItem& item) {
     const int* table = tables + item.seq * g.max_blocks;
     const int first_pos = lens[item.seq] - (starts[item.seq + 1] - starts[item.seq]) +
@@ -616,8 +669,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
       int rows = 0;
       auto flush = [&]() {
         if (rows > 0) {
-          tiles[rows - 1](qrow, orow, begin, limit, kc, vc, tables + item.seq * g.max_blocks,
-                          item.kv_head, g, static_cast<float>(scale), scratch.data(), p_stride);
+          tiles[rows - 1](qrow, orow, begin, limit, kc, vc, scales,
+                          tables + item.seq * g.max_blocks, item.kv_head, g,
+                          static_cast<float>(scale), scratch.data(), p_stride);
         }
         rows = 0;
       };
@@ -638,11 +692,44 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   }
 }
 
-template <typename T>
+// The largest finite value of an 8-bit cache format: a head's values are scaled so that their
+// largest magnitude lands there.
+template <typename K>
+constexpr float kLargest = std::is_same_v<K, int8_t> ? 127.0f
+                           : std::is_same_v<K, fp8e4m3> ? 448.0f
+                                                        : 57344.0f;
+
+// `x` [D] stored as K in `dst` (element i at dst[i * stride]) with its scale: a copy where K is
+// the activations' type; for an 8-bit cache, amax / kLargest<K> into `scale` and each value
+// divided by it, rounded to the nearest (int8: clamped to +-127; fp8: to its largest finite,
+// so no rounding past it makes a NaN or an infinity).
+template <typename T, typename K>
+inline void store_head(const T* x, K* dst, int64_t stride, float* scale, int64_t D) {
+  if constexpr (std::is_same_v<K, T>) {
+    for (int64_t d = 0; d < D; ++d) dst[d * stride] = x[d];
+  } else {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+    const float s = amax / kLargest<K>;
+    *scale = s;
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float v = std::clamp(static_cast<float>(x[d]) * inv, -kLargest<K>, kLargest<K>);
+      if constexpr (std::is_same_v<K, int8_t>) {
+        dst[d * stride] = static_cast<int8_t>(std::nearbyint(v));
+      } else {
+        dst[d * stride] = K(v);
+      }
+    }
+  }
+}
+
+template <typename T, typename K>
 void rotary_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                        const c10::optional<at::Tensor>& key_cache,
                        const c10::optional<at::Tensor>& value_cache,
-                       const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads) {
+                       const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads,
+                       float* key_scale, float* value_scale) {
   const int64_t tokens = qkv.size(0);
   const int64_t D = cos_sin.size(1), half = D / 2;
   const int64_t row = qkv.stride(0);
@@ -651,8 +738,8 @@ void rotary_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::T
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* table = cos_sin.data_ptr<float>();
   const bool cache = key_cache.has_value();
-  T* kc = cache ? key_cache->data_ptr<T>() : nullptr;
-  T* vc = cache ? value_cache->data_ptr<T>() : nullptr;
+  K* kc = cache ? static_cast<K*>(key_cache->data_ptr()) : nullptr;
+  K* vc = cache ? static_cast<K*>(value_cache->data_ptr()) : nullptr;
   const int64_t bs = cache ? key_cache->size(3) : 1;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -674,13 +761,41 @@ void rotary_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::T
       for (int64_t h = 0; h < kv_heads; ++h) {
         const T* k = tok + (heads + h) * D;
         const T* val = tok + (heads + kv_heads + h) * D;
-        T* kdst = kc + ((block * kv_heads + h) * D) * bs + offset;
-        for (int64_t d = 0; d < D; ++d) kdst[d * bs] = k[d];
-        T* vdst = vc + ((block * kv_heads + h) * bs + offset) * D;
-        std::copy(val, val + D, vdst);
+        const int64_t token = (block * kv_heads + h) * bs + offset;  // its scales' index
+        store_head<T, K>(k, kc + ((block * kv_heads + h) * D) * bs + offset, bs,
+                         key_scale ? key_scale + token : nullptr, D);
+        store_head<T, K>(val, vc + token * D, 1, value_scale ? value_scale + token : nullptr, D);
       }
     }
   });
+}
+
+// fn(K{}) for the cache's element type: the activations' own (`T`), or an 8-bit format.
+template <typename T, typename Fn>
+void with_cache_type(at::ScalarType type, Fn&& fn) {
+  switch (type) {
+    case at::kChar: fn(int8_t{}); break;
+    case at::kFloat8_e4m3fn: fn(fp8e4m3{}); break;
+    case at::kFloat8_e5m2: fn(fp8e5m2{}); break;
+    default: fn(T{}); break;
+  }
+}
+
+bool is_8bit(at::ScalarType type) {
+  return type == at::kChar || type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+}
+
+// An 8-bit cache's scales: float32 [num_blocks, kv_heads, block_size], both given.
+void check_scales(const at::Tensor& key_cache, const c10::optional<at::Tensor>& key_scale,
+                  const c10::optional<at::Tensor>& value_scale, const char* what) {
+  TORCH_CHECK(key_scale.has_value() && value_scale.has_value(), what,
+              ": an 8-bit cache needs its key_scale and value_scale");
+  for (const at::Tensor* sc : {&*key_scale, &*value_scale}) {
+    TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
+                    sc->size(0) == key_cache.size(0) && sc->size(1) == key_cache.size(1) &&
+                    sc->size(2) == key_cache.size(3),
+                what, ": scales must be float32 [num_blocks, kv_heads, block_size]");
+  }
 }
 
 }  // namespace
@@ -688,7 +803,8 @@ void rotary_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::T
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
-                     int64_t window) {
+                     int64_t window, const c10::optional<at::Tensor>& key_scale,
+                     const c10::optional<at::Tensor>& value_scale) {
   TORCH_CHECK(window >= 0, "paged_attention: the window must be 0 (none) or positive");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [tokens, heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
@@ -700,14 +816,29 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                   query_start.scalar_type() == at::kInt,
               "block_tables, seq_lens and query_start must be int32");
   TORCH_CHECK(block_tables.is_contiguous(), "block_tables must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, cache and out must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "both caches share a dtype");
+  const bool quantized = is_8bit(key_cache.scalar_type());
+  TORCH_CHECK(quantized || key_cache.scalar_type() == query.scalar_type(),
+              "paged_attention: the cache is the query's dtype, int8 or fp8, not ",
+              key_cache.scalar_type());
+  KVScales scales;
+  if (quantized) {
+    check_scales(key_cache, key_scale, value_scale, "paged_attention");
+    scales = {key_scale->data_ptr<float>(), value_scale->data_ptr<float>()};
+  }
+  auto run = [&](auto t) {
+    using T = decltype(t);
+    with_cache_type<T>(key_cache.scalar_type(), [&](auto k) {
+      paged_attention_impl<T, decltype(k)>(out, query, key_cache, value_cache, scales,
+                                           block_tables, seq_lens, query_start, scale,
+                                           static_cast<int>(window));
+    });
+  };
   if (query.scalar_type() == at::kFloat) {
-    paged_attention_impl<float>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                query_start, scale, static_cast<int>(window));
+    run(float{});
   } else if (query.scalar_type() == at::kBFloat16) {
-    paged_attention_impl<bf16>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                               query_start, scale, static_cast<int>(window));
+    run(bf16{});
   } else {
     TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
   }
@@ -716,23 +847,41 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void rotary_embedding_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                             const c10::optional<at::Tensor>& key_cache,
                             const c10::optional<at::Tensor>& value_cache,
-                            const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads) {
+                            const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads,
+                            const c10::optional<at::Tensor>& key_scale,
+                            const c10::optional<at::Tensor>& value_scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width] with unit stride");
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "cos_sin: float32");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
               "positions and slot_mapping must be int64");
   TORCH_CHECK(qkv.size(1) >= (heads + 2 * kv_heads) * cos_sin.size(1), "qkv is too narrow");
   TORCH_CHECK(key_cache.has_value() == value_cache.has_value(), "both caches or neither");
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
   if (key_cache.has_value()) {
     TORCH_CHECK(key_cache->is_contiguous() && value_cache->is_contiguous(), "caches: contiguous");
-    TORCH_CHECK(key_cache->scalar_type() == qkv.scalar_type(), "cache dtype must match qkv");
+    TORCH_CHECK(value_cache->scalar_type() == key_cache->scalar_type(), "caches: one dtype");
+    const bool quantized = is_8bit(key_cache->scalar_type());
+    TORCH_CHECK(quantized || key_cache->scalar_type() == qkv.scalar_type(),
+                "cache dtype must match qkv, or be int8 or fp8");
+    if (quantized) {
+      check_scales(*key_cache, key_scale, value_scale, "rotary_embedding_cache");
+      k_scale = key_scale->data_ptr<float>();
+      v_scale = value_scale->data_ptr<float>();
+    }
   }
+  const at::ScalarType cache_type = key_cache.has_value() ? key_cache->scalar_type() : qkv.scalar_type();
+  auto run = [&](auto t) {
+    using T = decltype(t);
+    with_cache_type<T>(cache_type, [&](auto k) {
+      rotary_cache_impl<T, decltype(k)>(qkv, positions, cos_sin, key_cache, value_cache,
+                                        slot_mapping, heads, kv_heads, k_scale, v_scale);
+    });
+  };
   if (qkv.scalar_type() == at::kFloat) {
-    rotary_cache_impl<float>(qkv, positions, cos_sin, key_cache, value_cache, slot_mapping, heads,
-                             kv_heads);
+    run(float{});
   } else if (qkv.scalar_type() == at::kBFloat16) {
-    rotary_cache_impl<bf16>(qkv, positions, cos_sin, key_cache, value_cache, slot_mapping, heads,
-                            kv_heads);
+    run(bf16{});
   } else {
     TORCH_CHECK(false, "rotary_embedding_cache: unsupported dtype ", qkv.scalar_type());
   }

@@ -83,6 +83,8 @@ struct Layer {
   // attention's output alone), or none: Llama's two norms.
   c10::optional<at::Tensor> pre_ff_norm, post_ff_norm;
   bool gelu_tanh = false;  // GeGLU (GELU, tanh approximation) instead of SwiGLU
+  // An 8-bit cache's per-token scales (csrc/attention.cpp), or none.
+  c10::optional<at::Tensor> key_scale, value_scale;
 };
 
 // In place: RMSNorm of `count` heads of `qkv` [tokens, width] from head `first` on, each over its
@@ -147,6 +149,15 @@ class DecoderStack : public torch::CustomClassHolder {
     Layer& l = layers_[layer];
     l.cos_sin = std::move(cos_sin);
     l.kv_group = kv_group;
+  }
+
+  // Layer `layer`'s 8-bit cache scales (`--kv-cache-dtype` int8 / fp8): float32 [num_blocks,
+  // kv_heads, block_size] each, the tensors the modules' attention writes and reads.
+  void set_kv_scales(int64_t layer, at::Tensor key_scale, at::Tensor value_scale) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_kv_scales: no layer ", layer);
+    Layer& l = layers_[layer];
+    l.key_scale = std::move(key_scale);
+    l.value_scale = std::move(value_scale);
   }
 
   // Layer `layer`'s block shape: Gemma 3's norms before and after the MLP (both or neither)
@@ -226,14 +237,15 @@ class DecoderStack : public torch::CustomClassHolder {
         RECORD_FUNCTION("rankcast::rotary_embedding_cache", std::vector<c10::IValue>());
         rotary_embedding_cache(qkv, layer.rotates ? positions : unrotated,
                                layer.cos_sin.has_value() ? *layer.cos_sin : cos_sin_,
-                               layer.key_cache, layer.value_cache, slots, heads_, kv_heads_);
+                               layer.key_cache, layer.value_cache, slots, heads_, kv_heads_,
+                               layer.key_scale, layer.value_scale);
       }
       at::Tensor attn = at::empty({tokens, heads_, head_dim_}, hidden.options());
       {
         RECORD_FUNCTION("rankcast::paged_attention", std::vector<c10::IValue>());
         at::Tensor q = qkv.narrow(1, 0, heads_ * head_dim_).view({tokens, heads_, head_dim_});
         paged_attention(attn, q, layer.key_cache, layer.value_cache, tables, seq_lens,
-                        query_start, scale_, layer.window);
+                        query_start, scale_, layer.window, layer.key_scale, layer.value_scale);
       }
       at::Tensor h;
       {
@@ -290,6 +302,7 @@ void register_decoder_stack(torch::Library& m) {
       .def("set_attention", &DecoderStack::set_attention)
       .def("set_rope_and_group", &DecoderStack::set_rope_and_group)
       .def("set_block", &DecoderStack::set_block)
+      .def("set_kv_scales", &DecoderStack::set_kv_scales)
       .def("forward", &DecoderStack::forward);
 }
 

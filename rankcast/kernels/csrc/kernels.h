@@ -11,11 +11,15 @@ namespace rankcast {
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
-                     int64_t window = 0);
+                     int64_t window = 0, const c10::optional<at::Tensor>& key_scale = {},
+                     const c10::optional<at::Tensor>& value_scale = {});
+// key_scale / value_scale: an 8-bit cache's per-token scales (csrc/attention.cpp), else none.
 void rotary_embedding_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                             const c10::optional<at::Tensor>& key_cache,
                             const c10::optional<at::Tensor>& value_cache,
-                            const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads);
+                            const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads,
+                            const c10::optional<at::Tensor>& key_scale = {},
+                            const c10::optional<at::Tensor>& value_scale = {});
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps);

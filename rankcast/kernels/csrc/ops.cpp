@@ -44,11 +44,12 @@ int64_t bind_threads(at::IntArrayRef cpus) {
 TORCH_LIBRARY(rankcast, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale, int window=0) -> ()");
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start, float scale, int window=0, "
+      "Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
   m.def(
       "rotary_embedding_cache(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, "
       "Tensor(b!)? key_cache, Tensor(c!)? value_cache, Tensor slot_mapping, int heads, "
-      "int kv_heads) -> ()");
+      "int kv_heads, Tensor(d!)? key_scale=None, Tensor(e!)? value_scale=None) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");

@@ -8,6 +8,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <cmath>
 #include <cstdint>
@@ -29,6 +31,35 @@
 namespace rankcast {
 
 using bf16 = c10::BFloat16;
+using fp8e4m3 = c10::Float8_e4m3fn;
+using fp8e5m2 = c10::Float8_e5m2;
+
+// An 8-bit KV cache's bytes as float32 (csrc/attention.cpp): int8 sign-extended; an fp8 byte
+// s|e|m placed in a float's bits as s|0..0e|m.. and multiplied by 2^(127 - bias), which gives
+// its value exactly, subnormals included (a float subnormal times a power of two is exact).
+// NaN and infinity are not decoded: the cache never holds them (writes are scaled to the
+// format's largest finite value).
+constexpr int kE4m3Shift = 20, kE5m2Shift = 21;  // where the 7 bits below the sign go
+constexpr float kE4m3Unbias = 1.329227995784916e+36f;  // 2^120
+constexpr float kE5m2Unbias = 5.192296858534828e+33f;  // 2^112
+template <typename K>
+struct Fp8Decode;
+template <>
+struct Fp8Decode<fp8e4m3> {
+  static constexpr int shift = kE4m3Shift;
+  static constexpr float unbias = kE4m3Unbias;
+};
+template <>
+struct Fp8Decode<fp8e5m2> {
+  static constexpr int shift = kE5m2Shift;
+  static constexpr float unbias = kE5m2Unbias;
+};
+
+// Up to 16 bytes from p (n of them; the rest zero), never reading past p + n.
+inline void copy_bytes16(uint8_t (&tmp)[16], const void* p, int n) {
+  std::memset(tmp, 0, sizeof(tmp));
+  std::memcpy(tmp, p, static_cast<size_t>(n < 0 ? 0 : (n > 16 ? 16 : n)));
+}
 
 // exp(x) = 2^k * P(r), r = x - k ln2 (ln2 in two parts, so r is exact), for every ISA below:
 // inputs clamped to [kExpMin, kExpMax]; P's coefficients from the highest power down, the last
@@ -58,6 +89,26 @@ inline Vec16 load16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpret
 inline Vec16 load16(const bf16* p, int n) {
   return widen(_mm256_maskz_loadu_epi16(tail_mask(n), p));
 }
+inline __m128i bytes16(const void* p, int n) {
+  if (n >= 16) return _mm_loadu_si128(static_cast<const __m128i*>(p));
+  uint8_t tmp[16];
+  copy_bytes16(tmp, p, n);
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
+}
+inline Vec16 load16(const int8_t* p, int n = 16) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(p, n)))};
+}
+template <typename K>
+inline Vec16 decode_fp8(__m128i b) {
+  const __m512i x = _mm512_cvtepu8_epi32(b);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  const __m512i rest = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)),
+                                         Fp8Decode<K>::shift);
+  return {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(sign, rest)),
+                        _mm512_set1_ps(Fp8Decode<K>::unbias))};
+}
+inline Vec16 load16(const fp8e4m3* p, int n = 16) { return decode_fp8<fp8e4m3>(bytes16(p, n)); }
+inline Vec16 load16(const fp8e5m2* p, int n = 16) { return decode_fp8<fp8e5m2>(bytes16(p, n)); }
 
 inline __m256i narrow(__m512 x) {
 #if defined(__AVX512BF16__)
@@ -160,6 +211,32 @@ inline Vec16 load16(const bf16* p, int n) {
   std::memcpy(tmp, p, static_cast<size_t>(n < 0 ? 0 : n) * sizeof(uint16_t));
   return load16(reinterpret_cast<const bf16*>(tmp));
 }
+inline __m128i bytes16(const void* p, int n) {
+  if (n >= 16) return _mm_loadu_si128(static_cast<const __m128i*>(p));
+  uint8_t tmp[16];
+  copy_bytes16(tmp, p, n);
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
+}
+inline Vec16 load16(const int8_t* p, int n = 16) {
+  const __m128i b = bytes16(p, n);
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+template <typename K>
+inline __m256 decode_fp8_8(__m128i b) {
+  const __m256i x = _mm256_cvtepu8_epi32(b);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  const __m256i rest = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)),
+                                         Fp8Decode<K>::shift);
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, rest)),
+                       _mm256_set1_ps(Fp8Decode<K>::unbias));
+}
+template <typename K>
+inline Vec16 decode_fp8(__m128i b) {
+  return {decode_fp8_8<K>(b), decode_fp8_8<K>(_mm_srli_si128(b, 8))};
+}
+inline Vec16 load16(const fp8e4m3* p, int n = 16) { return decode_fp8<fp8e4m3>(bytes16(p, n)); }
+inline Vec16 load16(const fp8e5m2* p, int n = 16) { return decode_fp8<fp8e5m2>(bytes16(p, n)); }
 
 // float32 -> bfloat16 bits in the low half of each 32-bit lane, rounded to nearest even as
 // c10::BFloat16 rounds (NaN stays NaN).

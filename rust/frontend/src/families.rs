@@ -228,12 +228,18 @@ mod tests {
 
     #[test]
     fn label_values_pair_with_the_declared_names_in_order() {
-        let labels =
-            gauge("vllm:cache_config_info").labelled(["m", "0", "16", "8"].map(String::from));
+        let labels = gauge("vllm:cache_config_info")
+            .labelled(["m", "0", "16", "int8", "8"].map(String::from));
         let names: Vec<&str> = labels.iter().map(|(n, _)| *n).collect();
         assert_eq!(
             names,
-            ["model_name", "engine", "block_size", "num_gpu_blocks"]
+            [
+                "model_name",
+                "engine",
+                "block_size",
+                "cache_dtype",
+                "num_gpu_blocks"
+            ]
         );
         assert_eq!(labels[2].1, "16");
     }

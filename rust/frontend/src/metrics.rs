@@ -172,8 +172,8 @@ fn number(value: Option<&Value>) -> Option<f64> {
     }
 }
 
-/// The families, and the cache configuration labels last set (block size, blocks).
-type State = (Vec<Series>, Option<(String, String)>);
+/// The families, and the cache configuration labels last set (block size, cache dtype, blocks).
+type State = (Vec<Series>, Option<(String, String, String)>);
 
 /// What one engine's total-mirroring counters set from its stats showed (prefix-cache queries,
 /// hits), and from which incarnation: a restarted engine counts from zero again, so its totals
@@ -260,14 +260,24 @@ impl EngineMetrics {
         series[KV_COMMITTED].set(labels.clone(), stats.kv_cache_committed_bytes as f64);
         series[GATHERS].set([e()], stats.notification_gathers as f64);
         series[GATHER_SECONDS].set([e()], stats.notification_gather_seconds);
-        let config = (stats.block_size.to_string(), stats.num_blocks.to_string());
+        let config = (
+            stats.block_size.to_string(),
+            stats.kv_cache_dtype.clone(),
+            stats.num_blocks.to_string(),
+        );
         if cache_labels.as_ref() != Some(&config) {
             let [model, engine] = labels;
-            if let Some((block_size, blocks)) = cache_labels.take() {
-                let old = [model.clone(), engine.clone(), block_size, blocks];
+            if let Some((block_size, dtype, blocks)) = cache_labels.take() {
+                let old = [model.clone(), engine.clone(), block_size, dtype, blocks];
                 series[CACHE_CONFIG].remove(old);
             }
-            let new = [model, engine, config.0.clone(), config.1.clone()];
+            let new = [
+                model,
+                engine,
+                config.0.clone(),
+                config.1.clone(),
+                config.2.clone(),
+            ];
             series[CACHE_CONFIG].set(new, 1.0);
             *cache_labels = Some(config);
         }

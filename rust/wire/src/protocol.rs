@@ -7,7 +7,7 @@ use crate::sampling::SamplingParams;
 use crate::{array_struct, array_union, Dict, Raw, Value};
 
 /// Bumped whenever a message changes shape; the engine refuses a client of another version.
-pub const PROTOCOL_VERSION: i64 = 12;
+pub const PROTOCOL_VERSION: i64 = 13;
 
 /// Why a request finished (`FinishReason` in Python): "stop", "length", "abort", "error".
 pub type FinishReason = String;
@@ -116,6 +116,7 @@ array_struct! {
         routing_hit_prefix_tokens: i64 = 0,
         lora_requests_found: Dict<Dict<i64>> = Dict::new(),
         lora_evictions_undone: Dict<i64> = Dict::new(),
+        kv_cache_dtype: String = String::new(),
     }
 }
 

@@ -117,6 +117,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 Dict(vec![("device".into(), 5), ("disk".into(), 1)]),
             )]),
             lora_evictions_undone: Dict(vec![("sql".into(), 1)]),
+            kv_cache_dtype: "int8".into(),
         }),
         timestamp: 1700000003.5,
         utility_output: None,

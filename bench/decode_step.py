@@ -11,7 +11,9 @@ bandwidth (bench/bandwidth.py). Every figure runs in a fresh process.
 `--model DIR` times another model (an HF directory or a GGUF file; bench/models.py caches the
 real shapes of Qwen3, Gemma 3 and SmolLM3 under ~/.cache/rankcast-bench-models), and
 `--paths stack,modules` runs each step through the C++ decoder stack and through the Python
-modules in turn: what the stack saves that model.
+modules in turn: what the stack saves that model. `--kv-cache-dtypes auto,int8` times each
+KV-cache format (model/kv_quant.py) in turn; with a long `--context` the table's KV MB (what a
+step reads of the cache) is then most of what moves.
 
 `--libraries A.so,B.so` compares builds of the kernels (RANKCAST_KERNELS_LIBRARY): each round
 runs every (weights, library) pair once, the libraries alternating, so a drift of the machine
@@ -25,7 +27,7 @@ bench/serve.py; this one says what a kernel change did, as a ratio to the first 
 
     python bench/decode_step.py [--quantizations none,q4_1] [--dtype bfloat16] [--batch 1]
         [--context 150] [--steps 400] [--rounds 1] [--libraries A.so,B.so] [--model DIR]
-        [--paths stack,modules] [--out FILE]
+        [--paths stack,modules] [--kv-cache-dtypes auto,int8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def time_steps(
     steps: int,
     model_path: str | None = None,
     path: str = "stack",
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """In this process: the model's decode step for `batch` sequences at `context`, `steps`
     times (after 20 unmeasured), with what the kernels loaded were; `path` "modules" runs the
@@ -65,7 +68,16 @@ def time_steps(
     from rankcast.model.attention import AttentionMetadata
     from rankcast.model.weight_snapshot import wait_for_writes
 
-    llm = LLM(model_path, dtype=dtype, quantization=quantization, kv_cache_space_gib=1.0)
+    # 64 kB a token of context: SmolLM2 takes 23 kB in bfloat16, Gemma-3-1B 26.
+    space_gib = max(1.0, batch * (context + 64) * 65536 / 2**30)
+    llm = LLM(
+        model_path,
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_space_gib=space_gib,
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=max(2048, context + 64),
+    )
     try:
         wait_for_writes()  # a first start's snapshot, written in the background, is not timed
         worker = llm.engine.client.core.executor.worker
@@ -115,6 +127,9 @@ def time_steps(
             "quantization": worker.source.quantization(quantization),
             "model": model_path or "embedded SmolLM2-135M-Instruct",
             "path": "stack" if stacked and path == "stack" else "modules",
+            "kv_cache_dtype": llm.engine.client.core.kv_cache_dtype,
+            # What a step reads of the cache: every sequence's context, K and V of each layer.
+            "kv_bytes_per_step": runner.bytes_per_block() // size * (context + 4) * batch,
             "dtype": str(worker.dtype).replace("torch.", ""),
             "library": str(kernels.library_path()) if built else None,
             "step_ms_p10": seconds[len(seconds) // 10] * 1e3,
@@ -126,7 +141,7 @@ def time_steps(
 
 
 def run_child(
-    args: argparse.Namespace, quantization: str, library: str | None, path: str
+    args: argparse.Namespace, quantization: str, library: str | None, path: str, kv: str
 ) -> dict[str, Any]:
     """`time_steps` in a fresh interpreter (one kernels build per process), its layers through
     `path` ("stack" or "modules")."""
@@ -148,6 +163,8 @@ def run_child(
         str(args.steps),
         "--paths",
         path,
+        "--kv-cache-dtypes",
+        kv,
     ]
     if args.model:
         command += ["--model", args.model]
@@ -175,13 +192,21 @@ def main() -> None:
         "--model", default=None, help="HF directory or GGUF file (default: SmolLM2)"
     )
     parser.add_argument("--paths", default="stack", help="comma list of stack, modules")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="comma list of KV formats")
     parser.add_argument("--no-bandwidth", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_step.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         figures = time_steps(
-            args.child, args.dtype, args.batch, args.context, args.steps, args.model, args.paths
+            args.child,
+            args.dtype,
+            args.batch,
+            args.context,
+            args.steps,
+            args.model,
+            args.paths,
+            args.kv_cache_dtypes,
         )
         print(json.dumps(figures))
         return
@@ -194,17 +219,20 @@ def main() -> None:
     unknown = set(paths) - {"stack", "modules"}
     if unknown:
         parser.error(f"--paths takes stack and modules, not {', '.join(sorted(unknown))}")
-    # What is compared within a weight type: each library through each path, in turn a round.
-    variants = [(library, path) for library in libraries for path in paths]
-    runs: dict[tuple[str, str | None, str], list[dict[str, Any]]] = {}
+    kv_dtypes = [k for k in args.kv_cache_dtypes.split(",") if k]
+    # What is compared within a weight type: each library through each path over each KV
+    # format, in turn a round.
+    variants = [(lib, path, kv) for lib in libraries for path in paths for kv in kv_dtypes]
+    runs: dict[tuple[str, str | None, str, str], list[dict[str, Any]]] = {}
     for round_index in range(args.rounds):
         for quantization in quantizations:
-            for library, path in variants:
-                figures = run_child(args, quantization, library, path)
-                runs.setdefault((quantization, library, path), []).append(figures)
+            for library, path, kv in variants:
+                figures = run_child(args, quantization, library, path, kv)
+                runs.setdefault((quantization, library, path, kv), []).append(figures)
                 print(
                     f"round {round_index + 1}: {quantization} {library or 'this build'} "
-                    f"{figures['path']}: p10 {figures['step_ms_p10']:.3f} ms",
+                    f"{figures['path']} KV {figures['kv_cache_dtype']}: "
+                    f"p10 {figures['step_ms_p10']:.3f} ms",
                     flush=True,
                 )
 
@@ -218,22 +246,24 @@ def main() -> None:
         f"best of {args.rounds} round(s)\n"
     )
     header = (
-        f"{'weights':<10} {'library':<32} {'layers':<8} {'p10 ms':>8} {'median':>8} {'MB':>7} "
-        f"{'GB/s':>6}"
+        f"{'weights':<10} {'library':<24} {'layers':<8} {'KV':<9} {'p10 ms':>8} {'median':>8} "
+        f"{'MB':>7} {'KV MB':>7} {'GB/s':>6}"
     )
     print(header + (f" {'of bw':>6}" if gbps else "") + f" {'speed x first':>14}")
     rows = []
     for quantization in quantizations:
         first = None
-        for library, path in variants:
-            best = min(runs[(quantization, library, path)], key=lambda r: r["step_ms_p10"])
+        for library, path, kv in variants:
+            best = min(runs[(quantization, library, path, kv)], key=lambda r: r["step_ms_p10"])
             first = first or best["step_ms_p10"]
-            rate = best["weight_bytes_per_step"] / best["step_ms_p10"] / 1e6
+            read = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]
+            rate = read / best["step_ms_p10"] / 1e6
             name = "this build" if library is None else Path(library).parent.name
             line = (
-                f"{quantization:<10} {name:<32} {best['path']:<8} {best['step_ms_p10']:>8.3f} "
-                f"{best['step_ms_median']:>8.3f} {best['weight_bytes_per_step'] / 1e6:>7.1f} "
-                f"{rate:>6.1f}"
+                f"{quantization:<10} {name:<24} {best['path']:<8} {best['kv_cache_dtype']:<9} "
+                f"{best['step_ms_p10']:>8.3f} {best['step_ms_median']:>8.3f} "
+                f"{best['weight_bytes_per_step'] / 1e6:>7.1f} "
+                f"{best['kv_bytes_per_step'] / 1e6:>7.1f} {rate:>6.1f}"
             )
             if gbps:
                 line += f" {rate / gbps:>6.0%}"
@@ -242,8 +272,9 @@ def main() -> None:
                 {
                     "library": library,
                     "path": path,
+                    "kv_cache_dtype": kv,
                     "best": best,
-                    "runs": runs[(quantization, library, path)],
+                    "runs": runs[(quantization, library, path, kv)],
                 }
             )
     out = Path(args.out)

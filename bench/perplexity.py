@@ -23,6 +23,7 @@ number of tokens before the first difference.
 
     python bench/perplexity.py [--ctx 256] [--no-llamacpp] [--no-agreement] [--text long]
         [--weight-types bfloat16,...] [--kv-cache-dtypes auto,int8,fp8_e4m3,fp8_e5m2]
+        [--max-windows N]
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def long_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _detokenize(model: str | None, tokens: list[int]) -> str:
+    """The text of `tokens` (to give llama-perplexity the same stretch rankcast scores)."""
+    from rankcast.model_files.source import resolve_model
+    from rankcast.tokenizer import load_tokenizer
+
+    return str(load_tokenizer(resolve_model(model).model_dir).decode(tokens))
 
 
 def text_tokens(model: str | None = None, text: str | None = None) -> list[int]:
@@ -196,6 +205,9 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtypes", default="auto", help="comma list of --kv-cache-dtype values"
     )
+    parser.add_argument(
+        "--max-windows", type=int, default=0, help="score at most this many windows (0: all)"
+    )
     args = parser.parse_args()
     machine = machine_info()
     print(describe(machine))
@@ -205,6 +217,10 @@ def main() -> None:
         text_file.parent.mkdir(parents=True, exist_ok=True)
         text_file.write_text(long_text())  # llama-perplexity reads a file
     tokens = text_tokens(args.model, text_file.read_text())
+    if args.max_windows:  # the text's first windows only (llama.cpp reads the same file)
+        tokens = tokens[: args.max_windows * args.ctx]
+        text_file = text_file.with_name(text_file.stem + f"-{args.max_windows}x{args.ctx}.txt")
+        text_file.write_text(_detokenize(args.model, tokens))
     print(f"text: {text_file.relative_to(ROOT)}, {len(tokens)} tokens, windows of {args.ctx}")
     results: dict[str, Any] = {
         "machine": machine,

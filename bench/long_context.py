@@ -686,7 +686,12 @@ def main() -> None:
             indent=2,
         )
     )
-    png = plot(rows, args, args.out.with_suffix(".png"), describe(machine))
+    title = (
+        f"SmolLM2-135M, bfloat16, random-id prompts, {args.tokens} tokens generated, greedy; "
+        f"solid: {args.sequences[0]} sequence(s), dashed: more\n{describe(machine)}; "
+        f"streaming read {probe['gb_per_s']:.1f} GB/s"
+    )
+    png = plot(rows, args, args.out.with_suffix(".png"), title)
     print(f"\nwrote {args.out}" + (f" and {png}" if png else ""))
     print(f"({(time.perf_counter() - started) / 60:.1f} min)")
 

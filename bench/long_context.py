@@ -37,6 +37,16 @@ How each engine is timed:
   decode time) figures. Each file runs with flash attention off (-fa off) and on (-fa on), and
   with a q8_0 KV cache (-ctk q8_0 -ctv q8_0, which needs -fa on).
 
+Past SmolLM2's 8k (--model llama3.2-1b): a random-weight checkpoint at Llama-3.2-1B's shape
+(16 layers, hidden 2,048, 32 query and 8 KV heads of 64, its `llama3` RoPE scaling to 131,072
+positions, 128,256-token vocabulary, tied embeddings; built once under --cache), served the same
+way to the lengths asked (say --lengths 8000 16000 32000 --sequences 1). Each rankcast child
+reports its peak resident memory (getrusage's maxrss: the whole engine, weights and KV cache
+included, since the offline `LLM` at TP 1 runs its worker in that process): chunked prefill
+(512 tokens a step) keeps the activations bounded, so what grows with the length is the KV
+cache. vLLM loads the same directory; llama.cpp runs the GGUF files our writer makes of it
+(BF16, and Q8_0 and Q4_1 from `llama-quantize`).
+
 Bandwidth ceiling: the streaming-read probe (bench/bandwidth.py) runs first. A decode step of n
 sequences reads the weights once (rankcast: its packed linears and an embedding row, as
 bench/offline_throughput.weight_bytes_per_token counts them; vLLM: the same bfloat16 weights;
@@ -53,6 +63,8 @@ and ISA) and, when matplotlib is installed, long_context.png beside it (tok/s ag
     python bench/long_context.py
     python bench/long_context.py --lengths 1000 --sequences 1 --tokens 16 --engines rankcast
     python bench/long_context.py --kv-cache-dtypes auto,fp8,int8 --llamacpp-types BF16,Q4_1,Q8_0
+    python bench/long_context.py --model llama3.2-1b --lengths 8000 16000 32000 --sequences 1 \
+        --tokens 32 --kv-cache-dtypes auto,int8 --llamacpp-types Q8_0
 """
 
 from __future__ import annotations
@@ -62,6 +74,7 @@ import json
 import math
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -75,6 +88,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import anchor, bandwidth, llamacpp
+from bench.models import Shape, checkpoint, gguf_files
 from bench.workload import ROOT, describe, machine_info
 
 ENGINES = ("rankcast", "vllm", "llama.cpp")
@@ -88,6 +102,33 @@ LLAMA_SETTINGS: dict[str, tuple[str, ...]] = {
 # Bytes an element of llama.cpp's KV cache takes: f16, and q8_0 (32 int8 and an f16 scale).
 LLAMA_KV_BYTES = {"fa off": 2.0, "fa on": 2.0, "fa on, KV q8_0": 34 / 32}
 WARM_UP_TOKENS = 256
+# Models past SmolLM2's 8,192 positions, at real long-context shapes with random weights.
+LONG_SHAPES = {
+    "llama3.2-1b": Shape(
+        "Llama-3.2-1B",
+        "llama",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 128256,
+            "max_position_embeddings": 131072,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+}
+MODELS = ("smollm2", *LONG_SHAPES)
 
 
 def column(length: int, sequences: int) -> str:
@@ -102,15 +143,22 @@ def prompt_set(seed: int, length: int, sequences: int, run: int) -> list[list[in
     return [[generator.randrange(300, 40000) for _ in range(length)] for _ in range(sequences)]
 
 
-def model_facts() -> dict[str, Any]:
-    """The embedded SmolLM2's directory (rankcast converts the GGUF once) and its shape."""
+def model_facts(model: str, cache: Path) -> dict[str, Any]:
+    """The model's directory and shape: the embedded SmolLM2 (rankcast converts the GGUF once)
+    or a long-context shape's random-weight checkpoint (built once under `cache`)."""
     from rankcast.model_files.source import resolve_model
 
-    model_dir = resolve_model(None).model_dir
+    if model == "smollm2":
+        model_dir, label = resolve_model(None).model_dir, "SmolLM2-135M"
+    else:
+        shape = LONG_SHAPES[model]
+        model_dir, label = checkpoint(shape, cache / model / "hf"), shape.label
     config = json.loads((model_dir / "config.json").read_text())
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     return {
+        "name": model,
+        "label": label,
         "model_dir": str(model_dir),
         "layers": config["num_hidden_layers"],
         "kv_heads": config["num_key_value_heads"],
@@ -164,6 +212,7 @@ def rankcast_child(spec: dict[str, Any]) -> dict[str, Any]:
 
     length, sequences, tokens = spec["length"], spec["sequences"], spec["tokens"]
     options: dict[str, Any] = {
+        "model": spec["model_dir"],
         "dtype": "bfloat16",
         "max_model_len": spec["max_model_len"],
         "kv_cache_space_gib": spec["kv_cache_space_gib"],
@@ -215,6 +264,8 @@ def rankcast_child(spec: dict[str, Any]) -> dict[str, Any]:
             "kv_cache_tensor_dtype": str(caches[0].dtype).replace("torch.", ""),
             "dtype": str(worker.dtype).replace("torch.", ""),
             "kernel_build": str(kernels.library_path()) if kernels.load() else None,
+            # Linux counts maxrss in KiB; the whole engine runs in this process at TP 1.
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
     finally:
         llm.shutdown()
@@ -258,13 +309,14 @@ def bench_rankcast(
         for sequences in args.sequences:
             name = column(length, sequences)
             spec = {
+                "model_dir": facts["model_dir"],
                 "kv_cache_dtype": kv_dtype,
                 "length": length,
                 "sequences": sequences,
                 "tokens": args.tokens,
                 "runs": args.runs,
                 "seed": args.seed,
-                "max_model_len": facts["context"],
+                "max_model_len": facts["max_model_len"],
                 "kv_cache_space_gib": gib,
             }
             print(f"  rankcast KV {kv_dtype} {name} ...", flush=True)
@@ -284,6 +336,7 @@ def bench_rankcast(
             for key in ("kv_cache_tensor_dtype", "dtype", "kernel_build"):
                 row[key] = result[key]
             cell = figures(result["runs"], length, sequences)
+            cell["peak_rss_bytes"] = result["peak_rss_bytes"]
             row["cells"][name] = {"length": length, "sequences": sequences, **cell}
             print(f"  {_progress(cell)}", flush=True)
     return row
@@ -335,7 +388,7 @@ def bench_vllm(args: argparse.Namespace, facts: dict[str, Any], gib: float) -> d
         load.write_text(
             json.dumps(
                 {
-                    "max_model_len": facts["context"],
+                    "max_model_len": facts["max_model_len"],
                     "output_tokens": args.tokens,
                     "warm_up": warm,
                     "configurations": configurations,
@@ -373,7 +426,11 @@ def bench_llamacpp(
 ) -> dict[str, Any]:
     """One `llama-batched-bench` run over every length x sequences for one file and setting."""
     bench = llamacpp.binary("llama-batched-bench")
-    model = llamacpp.models().get(weight_type)
+    if facts["name"] == "smollm2":
+        model = llamacpp.models().get(weight_type)
+    else:
+        found = facts.get("gguf_files", {}).get(weight_type)
+        model = Path(found) if found else None
     row: dict[str, Any] = {
         "engine": "llama.cpp",
         "setting": f"{weight_type} {setting}",
@@ -384,7 +441,7 @@ def bench_llamacpp(
         "cells": {},
     }
     if bench is None or model is None:
-        row["error"] = llamacpp.missing_message() or f"no smol-{weight_type}.gguf"
+        row["error"] = llamacpp.missing_message() or f"no {weight_type} GGUF file"
         return row
     row["weight_bytes_per_token"] = model.stat().st_size  # its file, near enough (see above)
     most = max(args.sequences)
@@ -497,6 +554,12 @@ def print_report(
                 value = row["cells"].get(name, {}).get(key)
                 cells.append(f"{'-' if value is None else format(value, fmt):>10}")
             print(f"{label(row):<{width}}" + "".join(cells))
+    print(f"\nrankcast's peak resident memory, GiB (the whole engine)\n{header}")
+    for row in rows:
+        if row["engine"] == "rankcast" and row["cells"]:
+            rss = [row["cells"].get(name, {}).get("peak_rss_bytes") for name in names]
+            gib_text = ["-" if b is None else f"{b / 2**30:.2f}" for b in rss]
+            print(f"{label(row):<{width}}" + "".join(f"{x:>10}" for x in gib_text))
     llama_rows = [r for r in rows if r["engine"] == "llama.cpp" and r["cells"]]
     if llama_rows:
         print("\nllama.cpp's best setting per column (prefill / decode):")
@@ -581,6 +644,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--model", default="smollm2", choices=MODELS, help="the embedded SmolLM2 or a long shape"
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "rankcast-bench-models",
+        help="where a long shape's checkpoint and GGUF files are kept between runs",
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000, 8000])
     parser.add_argument("--sequences", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
@@ -605,13 +677,25 @@ def main() -> None:
         return
 
     started = time.perf_counter()
-    facts = model_facts()
+    facts = model_facts(args.model, args.cache)
     too_long = [n for n in args.lengths if n + args.tokens > facts["context"]]
     if too_long:
         parser.error(
-            f"lengths {too_long} + {args.tokens} tokens exceed SmolLM2's context "
+            f"lengths {too_long} + {args.tokens} tokens exceed {facts['label']}'s context "
             f"({facts['context']} positions)"
         )
+    # SmolLM2 at its whole context, as before; a long shape at what the lengths need (its
+    # 131,072 positions would only size the block tables).
+    longest = max(args.lengths) + args.tokens
+    facts["max_model_len"] = (
+        facts["context"]
+        if args.model == "smollm2"
+        else min(facts["context"], -(-longest // 1024) * 1024)
+    )
+    if args.model != "smollm2" and "llama.cpp" in args.engines:
+        shape = LONG_SHAPES[args.model]
+        files = gguf_files(shape, Path(facts["model_dir"]), args.cache / args.model)
+        facts["gguf_files"] = {kind: str(path) for kind, path in files.items()}
     machine = machine_info()
     # A figure measured while something else ran is low (on 2 cores, decode the most: a
     # descheduled OpenMP thread holds every barrier): the run records the load it saw.
@@ -621,7 +705,7 @@ def main() -> None:
     probe = bandwidth.probe()
     print(f"  {probe['gb_per_s']:.1f} GB/s", flush=True)
     # A KV cache for the largest configuration in bfloat16 with half again to spare, 2 GiB at
-    # least (0.75 GiB holds 4 x 8,128 positions of SmolLM2).
+    # least (0.75 GiB holds 4 x 8,128 positions of SmolLM2, 1 GiB 32,768 of Llama-3.2-1B).
     need = max(args.sequences) * (max(args.lengths) + args.tokens)
     gib = max(2.0, math.ceil(need * kv_bytes_per_position(facts, 2) * 1.5 / 2**28) / 4)
     rows: list[dict[str, Any]] = []
@@ -687,7 +771,7 @@ def main() -> None:
         )
     )
     title = (
-        f"SmolLM2-135M, bfloat16, random-id prompts, {args.tokens} tokens generated, greedy; "
+        f"{facts['label']}, bfloat16, random-id prompts, {args.tokens} tokens generated, greedy; "
         f"solid: {args.sequences[0]} sequence(s), dashed: more\n{describe(machine)}; "
         f"streaming read {probe['gb_per_s']:.1f} GB/s"
     )

@@ -44,8 +44,9 @@ way to the lengths asked (say --lengths 8000 16000 32000 --sequences 1). Each ra
 reports its peak resident memory (getrusage's maxrss: the whole engine, weights and KV cache
 included, since the offline `LLM` at TP 1 runs its worker in that process): chunked prefill
 (512 tokens a step) keeps the activations bounded, so what grows with the length is the KV
-cache. vLLM loads the same directory; llama.cpp runs the GGUF files our writer makes of it
-(BF16, and Q8_0 and Q4_1 from `llama-quantize`).
+cache. vLLM loads the same directory; llama.cpp does not run there (the GGUF writer of
+tests/model/family_models.py has no `llama` architecture: llama.cpp keeps llama3's RoPE
+scaling as a `rope_freqs` tensor it would have to write).
 
 Bandwidth ceiling: the streaming-read probe (bench/bandwidth.py) runs first. A decode step of n
 sequences reads the weights once (rankcast: its packed linears and an embedding row, as
@@ -64,7 +65,7 @@ and ISA) and, when matplotlib is installed, long_context.png beside it (tok/s ag
     python bench/long_context.py --lengths 1000 --sequences 1 --tokens 16 --engines rankcast
     python bench/long_context.py --kv-cache-dtypes auto,fp8,int8 --llamacpp-types BF16,Q4_1,Q8_0
     python bench/long_context.py --model llama3.2-1b --lengths 8000 16000 32000 --sequences 1 \
-        --tokens 32 --kv-cache-dtypes auto,int8 --llamacpp-types Q8_0
+        --tokens 32 --kv-cache-dtypes auto,int8 --engines rankcast vllm
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import anchor, bandwidth, llamacpp
-from bench.models import Shape, checkpoint, gguf_files
+from bench.models import Shape, checkpoint
 from bench.workload import ROOT, describe, machine_info
 
 ENGINES = ("rankcast", "vllm", "llama.cpp")
@@ -347,6 +348,8 @@ def _progress(cell: dict[str, Any]) -> str:
         f"prefill {cell['prefill_tokens_per_s']:.1f} tok/s, "
         f"decode {cell['decode_tokens_per_s']:.1f} tok/s"
     )
+    if "peak_rss_bytes" in cell:
+        line += f", peak RSS {cell['peak_rss_bytes'] / 2**30:.2f} GiB"
     first = cell["runs"][0]
     if "cached_first_seconds" in first:  # whether the prefix cache served the decode's prompts
         line += (
@@ -426,11 +429,7 @@ def bench_llamacpp(
 ) -> dict[str, Any]:
     """One `llama-batched-bench` run over every length x sequences for one file and setting."""
     bench = llamacpp.binary("llama-batched-bench")
-    if facts["name"] == "smollm2":
-        model = llamacpp.models().get(weight_type)
-    else:
-        found = facts.get("gguf_files", {}).get(weight_type)
-        model = Path(found) if found else None
+    model = llamacpp.models().get(weight_type)
     row: dict[str, Any] = {
         "engine": "llama.cpp",
         "setting": f"{weight_type} {setting}",
@@ -693,9 +692,8 @@ def main() -> None:
         else min(facts["context"], -(-longest // 1024) * 1024)
     )
     if args.model != "smollm2" and "llama.cpp" in args.engines:
-        shape = LONG_SHAPES[args.model]
-        files = gguf_files(shape, Path(facts["model_dir"]), args.cache / args.model)
-        facts["gguf_files"] = {kind: str(path) for kind, path in files.items()}
+        print(f"llama.cpp: not run for --model {args.model} (no GGUF writer for its RoPE scaling)")
+        args.engines = [e for e in args.engines if e != "llama.cpp"]
     machine = machine_info()
     # A figure measured while something else ran is low (on 2 cores, decode the most: a
     # descheduled OpenMP thread holds every barrier): the run records the load it saw.

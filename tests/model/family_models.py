@@ -39,11 +39,11 @@ def write_checkpoint(
     std: float = 0.08,
     **overrides: Any,
 ) -> Path:
-    """A `model_type` ("qwen3", "smollm3") checkpoint of random weights, saved as safetensors
-    in `dtype` with the tokenizer copied in. Norm weights are random too (transformers starts
-    them at one), so a norm the engine skipped or misplaced shows in the logits. The model is
-    built in `dtype` (bench/models.py's 3B shape never exists in float32), its matrices drawn
-    with `std` (smaller at real widths, so activations stay finite)."""
+    """A `model_type` ("qwen3", "smollm3", ..., "llama") checkpoint of random weights, saved
+    as safetensors in `dtype` with the tokenizer copied in. Norm weights are random too
+    (transformers starts them at one), so a norm the engine skipped or misplaced shows in the
+    logits. The model is built in `dtype` (bench/models.py's 3B shape never exists in float32),
+    its matrices drawn with `std` (smaller at real widths, so activations stay finite)."""
     import transformers
 
     config_class, model_class = {
@@ -52,6 +52,7 @@ def write_checkpoint(
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     default = torch.get_default_dtype()

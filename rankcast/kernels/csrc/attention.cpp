@@ -123,6 +123,15 @@ inline Prefetches chunk_prefetches(const char* key_ahead, const char* values, in
   return pf;
 }
 
+// The next `per_step` lines of each stream of `pf` from `line` on (advanced past them): the
+// scores' loops spread a block's prefetches over their steps.
+inline void prefetch_step(const Prefetches& pf, int per_step, int& line) {
+  for (int j = 0; j < per_step && line < pf.lines; ++j, ++line) {
+    for (const char* stream : pf.first)
+      if (stream != nullptr) __builtin_prefetch(stream + static_cast<int64_t>(line) * 64);
+  }
+}
+
 // Keys of a bfloat16 cache are multiplied two dimensions at a time: lane t of a pair vector holds
 // token t's dimensions 2i (low half) and 2i + 1 (high), and VDPBF16PS (AVX512-BF16) adds
 // q[2i+1] * k[2i+1] and then q[2i] * k[2i] to lane t's sum, each exact product added with one
@@ -131,7 +140,7 @@ inline Prefetches chunk_prefetches(const char* key_ahead, const char* values, in
 // finished score. Builds without the instruction do the same two FMAs in the same order, so
 // each build gives a token the same bits on every path (a float32 or 8-bit cache keeps scaled
 // float32 queries). Measured on a 2-core Zen 4 (a 512-token chunk's attention after 2,000 and
-// 8,000 cached tokens, SmolLM2's heads): 1.05-1.07x; what bounds a long prompt's attention is
+// 8,000 cached tokens, SmolLM2's heads; bench/prefill_attention.py): 1.06-1.09x; what bounds a long prompt's attention is
 // rather that each (sequence, KV head) item of two positions reads its head's whole context.
 template <typename K>
 constexpr bool kPairedKeys = std::is_same_v<K, bf16>;
@@ -189,10 +198,7 @@ inline void paired_key_scores(const float* qf, int D, const bf16* kt, int bs, in
 #endif
   const int per_step = (pf.lines + pairs / U - 1) / (pairs / U);  // lines per stream per step
   for (int i = 0, line = 0; i < pairs; i += U) {
-    for (int j = 0; j < per_step && line < pf.lines; ++j, ++line) {
-      for (const char* stream : pf.first)
-        if (stream != nullptr) __builtin_prefetch(stream + static_cast<int64_t>(line) * 64);
-    }
+    prefetch_step(pf, per_step, line);
     for (int u = 0; u < U; ++u) {
       const int d = 2 * (i + u);
 #if defined(__AVX512BF16__)
@@ -233,10 +239,7 @@ inline void key_scores(const float* qf, int D, const K* kt, int bs, int n, Vec16
     for (int u = 0; u < U; ++u) part[r][u] = zero16();
   const int per_step = (pf.lines + D / U - 1) / (D / U);  // lines per stream per d step
   for (int d = 0, line = 0; d < D; d += U) {
-    for (int i = 0; i < per_step && line < pf.lines; ++i, ++line) {
-      for (const char* stream : pf.first)
-        if (stream != nullptr) __builtin_prefetch(stream + static_cast<int64_t>(line) * 64);
-    }
+    prefetch_step(pf, per_step, line);
     for (int u = 0; u < U; ++u) {
       const Vec16 k = n == 16 ? load16(kt + (d + u) * bs) : load16(kt + (d + u) * bs, n);
       for (int r = 0; r < R; ++r) part[r][u] = fma(splat(qf[r * D + d + u]), k, part[r][u]);
@@ -526,7 +529,7 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
   for (int r = 0; r < rows; ++r) {
     hide_before(p + r * p_stride, start, lo);
     finish_row(p + r * p_stride, start, reach, scales, scratch.offsets.data(),
-                  (r / R) * block_elems, bs, D);
+               (r / R) * block_elems, bs, D);
   }
   scratch.head_offsets.resize(num_blocks);
   float* acc = scratch.acc.data();
@@ -588,7 +591,7 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
     for (int r = 0; r < rows; ++r) {
       hide_before(p.get() + r * p_stride, start, lo);
       finish_row(p.get() + r * p_stride, start, reach, scales, offsets.data(),
-                    (r / R) * block_elems, bs, D);
+                 (r / R) * block_elems, bs, D);
     }
     // (the implicit barrier of the loop: every probability is in place)
     std::vector<int64_t> head_offsets(num_blocks);

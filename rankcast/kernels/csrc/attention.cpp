@@ -184,8 +184,9 @@ inline Vec16 dot_pairs(Vec16 acc, __m512i a, __m512i b) {
 }
 #endif
 
-// Paired keys' scores (see kPairedKeys), with the same partial sums as below over pairs.
-template <int R>
+// Paired keys' scores (see kPairedKeys), with the same partial sums as below over pairs; `full`
+// as below (only builds without AVX512-BF16 branch on it: the instruction's loads are masked).
+template <int R, bool full>
 inline void paired_key_scores(const float* qf, int D, const bf16* kt, int bs, int n, Vec16* s,
                               const Prefetches& pf, float scale) {
   constexpr int U = kPartialSums;
@@ -208,8 +209,8 @@ inline void paired_key_scores(const float* qf, int D, const bf16* kt, int bs, in
         part[r][u] = dot_pairs(part[r][u], qq, k);
       }
 #else
-      const Vec16 k_even = n == 16 ? load16(kt + d * bs) : load16(kt + d * bs, n);
-      const Vec16 k_odd = n == 16 ? load16(kt + (d + 1) * bs) : load16(kt + (d + 1) * bs, n);
+      const Vec16 k_even = full ? load16(kt + d * bs) : load16(kt + d * bs, n);
+      const Vec16 k_odd = full ? load16(kt + (d + 1) * bs) : load16(kt + (d + 1) * bs, n);
       for (int r = 0; r < R; ++r) {
         part[r][u] = fma(splat(qf[r * D + d + 1]), k_odd, part[r][u]);
         part[r][u] = fma(splat(qf[r * D + d]), k_even, part[r][u]);
@@ -224,15 +225,17 @@ inline void paired_key_scores(const float* qf, int D, const bf16* kt, int bs, in
   }
 }
 
-// Scores of R query rows against up to 16 tokens (see above); `scale` multiplies paired keys'
-// scores (the other caches' queries are scaled already).
-template <typename K, int R>
-inline void key_scores(const float* qf, int D, const K* kt, int bs, int n, Vec16* s,
-                       const Prefetches& pf, float scale) {
-  if constexpr (kPairedKeys<K>) {
-    paired_key_scores<R>(qf, D, kt, bs, n, s, pf, scale);
-    return;
-  }
+// Scores of R query rows against 16 tokens (`full`) or n < 16 of them: the unpaired caches'
+// loop. For the 8-bit caches whether the chunk is full is a template argument, so that the loop
+// holds no branch: with `n == 16 ? load : partial load` inside it (a partial load of bytes
+// copies them), GCC kept the R * U partial sums in memory, a load and a store around every FMA
+// (perf annotate), and an int8 cache's scores took 2.4x a float32 cache's. One 512-token chunk's
+// attention (bench/prefill_attention.py, 2-core Zen 4, builds alternated): int8 cache 1.72x
+// after 2,000 tokens (24.8 -> 14.4 ms), 1.71x after 8,000 (110.5 -> 64.7 ms); float32 within
+// noise (1.03-1.05x); bfloat16 (paired keys) unchanged.
+template <typename K, int R, bool full>
+inline void unpaired_key_scores(const float* qf, int D, const K* kt, int bs, int n, Vec16* s,
+                                const Prefetches& pf) {
   constexpr int U = kPartialSums;
   Vec16 part[R][U];
   for (int r = 0; r < R; ++r)
@@ -241,7 +244,7 @@ inline void key_scores(const float* qf, int D, const K* kt, int bs, int n, Vec16
   for (int d = 0, line = 0; d < D; d += U) {
     prefetch_step(pf, per_step, line);
     for (int u = 0; u < U; ++u) {
-      const Vec16 k = n == 16 ? load16(kt + (d + u) * bs) : load16(kt + (d + u) * bs, n);
+      const Vec16 k = full ? load16(kt + (d + u) * bs) : load16(kt + (d + u) * bs, n);
       for (int r = 0; r < R; ++r) part[r][u] = fma(splat(qf[r * D + d + u]), k, part[r][u]);
     }
   }
@@ -249,6 +252,29 @@ inline void key_scores(const float* qf, int D, const K* kt, int bs, int n, Vec16
     Vec16 total = part[r][0];
     for (int u = 1; u < U; ++u) total = total + part[r][u];
     s[r] = total;
+  }
+}
+
+// Scores of R query rows against up to 16 tokens (see above); `scale` multiplies paired keys'
+// scores (the other caches' queries are scaled already).
+template <typename K, int R>
+inline void key_scores(const float* qf, int D, const K* kt, int bs, int n, Vec16* s,
+                       const Prefetches& pf, float scale) {
+  if constexpr (kPairedKeys<K>) {
+#if defined(__AVX512BF16__)
+    paired_key_scores<R, false>(qf, D, kt, bs, n, s, pf, scale);
+#else
+    if (n == 16)
+      paired_key_scores<R, true>(qf, D, kt, bs, n, s, pf, scale);
+    else
+      paired_key_scores<R, false>(qf, D, kt, bs, n, s, pf, scale);
+#endif
+  } else if (sizeof(K) > 1) {  // a masked load of floats costs what a whole one does
+    unpaired_key_scores<K, R, false>(qf, D, kt, bs, n, s, pf);
+  } else if (n == 16) {
+    unpaired_key_scores<K, R, true>(qf, D, kt, bs, n, s, pf);
+  } else {
+    unpaired_key_scores<K, R, false>(qf, D, kt, bs, n, s, pf);
   }
 }
 

@@ -452,6 +452,7 @@ _PROJECTIONS = (
 )
 # GGUF tensor types rankcast multiplies as they are stored (`--quantization` of the same name).
 _NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+_RECORDABLE = {"none", *_NATIVE.values()}  # what `native_quantization` can answer
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
@@ -484,7 +485,9 @@ def converted_gguf(path: Path) -> tuple[Path, str]:
     out_dir = convert_gguf(path)
     record = out_dir / _QUANTIZATION_FILE
     with contextlib.suppress(OSError):
-        return out_dir, record.read_text()
+        recorded = record.read_text()
+        if recorded in _RECORDABLE:  # anything else (a torn write, an edit) is made again
+            return out_dir, recorded
     quantization = native_quantization(path)
     with contextlib.suppress(OSError):  # a read-only cache still serves: it is only slower
         partial = out_dir / f".{_QUANTIZATION_FILE}.{os.getpid()}"

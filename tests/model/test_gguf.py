@@ -367,6 +367,9 @@ def test_a_start_from_the_conversion_cache_reads_the_recorded_quantization(
     assert (older / record.name).read_text() == "q4_1"
     (older / record.name).write_text("q8_0")  # what is recorded is what a start reads
     assert resolve_model(None).native_quantization == "q8_0"
+    (older / record.name).write_text("q4_")  # a record cut short is made again from the file
+    assert resolve_model(None).native_quantization == "q4_1"
+    assert (older / record.name).read_text() == "q4_1"
 
 
 def test_8bit_groups_keep_a_q5_0_or_q4_0_files_own_values() -> None:

@@ -8,6 +8,7 @@ after a cached prefix and whole prompts.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -593,6 +594,81 @@ def test_a_windowed_token_gets_the_same_bits_on_every_path(
             assert torch.equal(inside[2], batch[b]), f"{length} tokens: a chunk's bits differ"
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,block_size,window", [(9, 3, 16, 0), (7, 1, 8, 300)])
+def test_a_long_prompt_gives_each_token_its_bits_whole_in_chunks_and_decoded(
+    dtype: torch.dtype, heads: int, kv_heads: int, block_size: int, window: int
+) -> None:
+    """A 600-token prompt attended whole, in chunks of uneven sizes (each after the cached
+    prefix before it) and token by token as decodes on one and two threads: every token comes
+    out with the same bits. Past a few hundred tokens the paths part: the AMX tiles sum a row's
+    weighted values in 256-token segments (csrc/attention_amx.cpp), the vector kernels in
+    16-token chunks, and a lone decode splits the context between threads; a chunk boundary or a
+    split that moved a sum by one position would change the bits here."""
+    if not kernels.load():
+        pytest.skip("kernel property")
+    head_dim, length, scale = 64, 600, 64**-0.5
+    need = -(-length // block_size)
+    keys, values = _caches(need + 3, kv_heads, head_dim, block_size, dtype)
+    gen = torch.Generator().manual_seed(21)
+    table = torch.tensor(
+        [torch.randperm(need + 3, generator=gen)[:need].tolist()], dtype=torch.int32
+    )
+    query = torch.randn(length, heads, head_dim, generator=gen).to(dtype)
+
+    def attend(first: int, last: int) -> torch.Tensor:
+        """Positions [first, last) as one chunk after the cached [0, first)."""
+        out = torch.empty_like(query[first:last])
+        seq_len = torch.tensor([last], dtype=torch.int32)
+        starts = torch.tensor([0, last - first], dtype=torch.int32)
+        ops.paged_attention(
+            out,
+            query[first:last],
+            keys,
+            values,
+            table,
+            seq_len,
+            starts,
+            scale,
+            [last - first],
+            window,
+        )
+        return out
+
+    whole = attend(0, length)
+    bounds = [0, 100, 273, 600]
+    chunked = torch.cat([attend(a, b) for a, b in itertools.pairwise(bounds)])
+    assert torch.equal(chunked, whole), "chunking changed a token's bits"
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for position in (255, 256, 300, 511, 513, 599):
+                alone = attend(position, position + 1)
+                assert torch.equal(alone[0], whole[position]), (
+                    f"position {position} decoded on {threads} threads: the bits differ"
+                )
+    finally:
+        torch.set_num_threads(previous)
+    want = torch.empty_like(query)
+    starts = torch.tensor([0, length], dtype=torch.int32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "available", lambda tensor: False)
+        ops.paged_attention(
+            want,
+            query,
+            keys,
+            values,
+            table,
+            torch.tensor([length], dtype=torch.int32),
+            starts,
+            scale,
+            [length],
+            window,
+        )
+    torch.testing.assert_close(whole, want, **tolerance(dtype))
 
 
 def _fused_qkv_and_adapters(

@@ -19,6 +19,10 @@
 // softmax sum and weighted values, so a token's output keeps the bits it has at any chunking, and
 // blocks wholly behind the window are never read (the engine may have freed them).
 //
+// On an AMX build whose tiles the OS granted, a bfloat16 model with a bfloat16 cache takes
+// csrc/attention_amx.cpp's tiles instead, every step of it (its bits are that build's own); the
+// shared pieces (the geometry, the softmax, where a window's reading starts) are in attention.h.
+//
 // An 8-bit cache (int8, fp8 e4m3 or e5m2: `--kv-cache-dtype`) holds each token's key and value
 // of each head as bytes with one float32 scale each (key_scale and value_scale [num_blocks,
 // kv_heads, block_size]): amax / the format's largest value, set when the token is written, so a
@@ -40,21 +44,17 @@
 #include <memory>
 #include <vector>
 
+#include "attention.h"
 #include "kernels.h"
 #include "simd.h"
 
 namespace rankcast {
 namespace {
 
+using namespace attention;
+
 constexpr int kMaxRows = 6;  // query rows (heads x positions) attended together in registers
 constexpr int kAheadBlocks = 3;  // cache blocks prefetched ahead of the one being read
-
-struct Geometry {
-  int kv_heads;
-  int head_dim;
-  int block_size;
-  int64_t max_blocks;  // block table row stride
-};
 
 // An 8-bit cache's per-token scales ([num_blocks, kv_heads, block_size] float32), or none. A
 // block-head's scales start at its cache offset / head_dim.
@@ -172,22 +172,6 @@ inline void stage_queries(const RowFn& row, int rows, int D, float scale, float*
 }
 
 #if defined(__AVX512BF16__)
-// Sixteen lanes of pairs: lane i holds lo[i] (low half) and hi[i] (high half), the lanes in
-// `lanes` (the rest 0; masked loads, so a partial chunk costs no branch in the loop).
-inline __m512i pair_rows(const bf16* lo, const bf16* hi, __mmask16 lanes) {
-  // One two-source word permute (VPERMT2W) interleaves them: word 2i from lo[i], 2i+1 from
-  // hi[i] (32 + i: the second source). Two widenings, a shift and an OR before: on the 2-core
-  // Zen 4, builds alternated, a 512-token chunk's attention 1.03-1.08x (bench/prefill_attention.py,
-  // after 2,000 and 8,000 tokens), SmolLM2's q4_1 decode step 1.05x at 2,000 tokens and the same
-  // at 8,000, where the step waits on memory (bench/decode_step.py).
-  const __m512i interleave = _mm512_set_epi16(
-      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(lanes, lo));
-  const __m512i b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(lanes, hi));
-  return _mm512_permutex2var_epi16(a, interleave, b);
-}
-
 // acc + VDPBF16PS of two vectors of bfloat16 pairs (see kPairedKeys for its order).
 inline Vec16 dot_pairs(Vec16 acc, __m512i a, __m512i b) {
   return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b))};
@@ -288,13 +272,6 @@ inline void key_scores(const float* qf, int D, const K* kt, int bs, int n, Vec16
   }
 }
 
-// Tokens whose products a row sums in one chain before adding that chain to its total: the
-// weighted sum of values is the sum, in order, of the sums of 16-token chunks (from position 0),
-// each chunk summed in token order. A decode step splits a long context's chunks between
-// threads (`attend_split`) and adds their sums in the same order, so a token's output does not
-// depend on whether it was decoded alone, in a batch, or in a prompt.
-constexpr int kChunk = 16;
-
 // The sum over tokens [t_begin, t_end) (within one chunk) of p[r, t] * v[t, d0 + c*16 ..] for R
 // rows and C vectors of dimensions, from zero, in token order.
 template <typename K, int R, int C>
@@ -335,28 +312,6 @@ inline void weighted_values(float* acc, int D, const float* p, int64_t p_stride,
   }
 }
 
-// A row's scores [start, reach) (-inf where hidden; start 16-aligned) made its probabilities in
-// place: the exact softmax, every path the same way.
-inline void softmax_row(float* pr, int start, int reach) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  Vec16 mx = splat(neg_inf);
-  for (int t = start; t < reach; t += 16)
-    mx = max(mx, keep_first(load16(pr + t, std::min(16, reach - t)), reach - t, neg_inf));
-  const float row_max = reduce_max(mx);
-  Vec16 sum = zero16();
-  for (int t = start; t < reach; t += 16) {
-    const int n = std::min(16, reach - t);
-    const Vec16 e = keep_first(exp16(load16(pr + t, n) - splat(row_max)), n, 0.0f);
-    store16(pr + t, e, n);
-    sum = sum + e;
-  }
-  const float inv = 1.0f / reduce_add(sum);
-  for (int t = start; t < reach; t += 16) {
-    const int n = std::min(16, reach - t);
-    store16(pr + t, load16(pr + t, n) * splat(inv), n);
-  }
-}
-
 // A row's scores [start, reach) made what its weighted sum reads: the softmax's probabilities,
 // times each token's value scale where the cache is 8-bit (`fold_value_scales`). Every path
 // finishes a row here, so none can do it differently.
@@ -365,20 +320,6 @@ inline void finish_row(float* pr, int start, int reach, const KVScales& scales,
   softmax_row(pr, start, reach);
   if (scales.value != nullptr)
     fold_value_scales(pr, start, reach, scales.value, offsets, shift, bs, D);
-}
-
-// The block where a window's reading starts: the one holding token `lo`, moved back until its
-// base is 16-aligned (block sizes are powers of two from 8), so that chunks keep their grid.
-inline int first_block_of(int lo, int bs) {
-  int j = lo / bs;
-  while ((j * bs) % kChunk != 0) --j;
-  return j;
-}
-
-// Scores of tokens [from, lo) of a row, in the block where reading starts, hidden.
-inline void hide_before(float* pr, int from, int lo) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int t = from; t < lo; ++t) pr[t] = neg_inf;
 }
 
 // fn.template operator()<C>(d0) over a head's dimensions in groups of C vectors (4 for up to 3
@@ -717,6 +658,13 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const int64_t o_tok = out.stride(0), o_head = out.stride(1);
   const K* kc = static_cast<const K*>(key_cache.data_ptr());
   const K* vc = static_cast<const K*>(value_cache.data_ptr());
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<K, bf16>) {
+    // On AMX tiles where this build and process have them (csrc/attention_amx.cpp).
+    const StepView step{q,      o,     q_tok,    q_head,          o_tok,  o_head,
+                        kc,     vc,    lens,     starts,          tables, num_seqs,
+                        heads,  g,     static_cast<float>(scale), window};
+    if (amx_attention(step)) return;
+  }
 
   // Steps of decodes only (every sequence one query token) read each sequence's blocks whole,
   // every head of a block in turn: with enough sequences to share out, one sequence per item

@@ -1,0 +1,603 @@
+// Paged attention on AMX tiles (TDPBF16PS): a bfloat16 model with a bfloat16 cache, on an AMX
+// build whose tiles the OS granted. It reads the cache csrc/attention.cpp documents, where it
+// lies, and gives every query row the vector kernels' softmax; what the tiles change is how the
+// two products are summed:
+//
+// - Scores: a tile of up to 16 query rows (positions x the heads of a KV group) times 16 tokens'
+//   keys, the head's dimensions 32 at a time in order. A key block is dimension-major, so the
+//   tile's operand (16 rows of 64 bytes, row i the pair of dimensions 2i and 2i + 1 of 16
+//   tokens) is built with one word permute per row (`pair_rows`), into L1, and loaded from there.
+//   The score is that sum times the scale, as the vector kernel's paired keys give it.
+// - Weighted values: the probabilities rounded to bfloat16 (what the tiles multiply; vLLM's and
+//   SGLang's CPU kernels do the same), times the values paired two tokens at a time, summed on the
+//   tiles in token order within 256-token segments of the absolute positions (`kSegment`), the
+//   segments' sums then added in order in float32.
+//
+// So an AMX build's tokens have bits of their own (not the vector kernels'), and every step of
+// that build gives them: a row's sums depend on its own query, keys and probabilities only, never
+// on the rows beside it in a tile (each tile element is its own row's), and a lone decode's split
+// of the context between threads falls on segment boundaries, whose sums are added in the same
+// order (`attend_split`). Hidden tokens inside a step (before a row's first visible key, past the
+// context) multiply a zero probability by a zero row (never by a block the engine may have freed),
+// so they add exact zeros.
+//
+// Why: on long prompts attention is most of the prefill (SmolLM2 at 8,000 tokens: more arithmetic
+// than its linears), and the vector kernel's float32 multiply-adds did a 512-token chunk's
+// weighted sum at one product per lane and cycle; a tile does 16 x 16 x 32 in one instruction.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "attention.h"
+#include "gemm.h"
+
+namespace rankcast {
+namespace attention {
+
+#if RANKCAST_AMX_BF16
+namespace {
+
+constexpr int kTileRows = 32;     // query rows a set of tiles holds: two row tiles of 16
+constexpr int kStep = 32;         // tokens one multiply of the weighted values takes (64 bytes of bf16)
+constexpr int kSegment = 256;     // tokens the tiles sum in one chain (a multiple of kStep)
+constexpr int kMaxHeadDim = 256;  // the widest head a zero value row covers
+constexpr int kPairTile = 16 * 32;  // bfloat16 elements of one operand tile (16 rows of 64 bytes)
+constexpr int kAheadBlocks = 2;  // key blocks on whose lines a block's scores fetch
+// Contexts from which a lone decode is split between threads (csrc/attention.cpp's kSplitMinTokens).
+constexpr int kSplitMinTokens = 256;
+// Decode steps with at least this many sequences per thread take one sequence per item
+// (csrc/attention.cpp's kSequenceItemsPerThread).
+constexpr int kSequenceItemsPerThread = 2;
+
+alignas(64) const bf16 kZeroRow[kMaxHeadDim] = {};
+
+// Tiles for up to 32 rows, the first 16 (`upper`) and the rest (`lower`, none for 16 or fewer):
+// sums tmm0 (upper) and tmm1 (lower) for the scores and for 16 of a pass's 32 dimensions of
+// weighted values, tmm2 and tmm3 for the other 16; the rows' operands (queries or probabilities,
+// 32 bfloat16 a row) tmm4 (upper) and tmm5 (lower); the cache's operands (16 pairs x 16
+// columns) tmm6 and tmm7. Both row tiles multiply every cache tile loaded, so building it
+// (the pairing, in L1) is paid once for 32 rows; each row's sums are its own, whatever the rows
+// beside it (each tile element depends on its own row alone).
+void configure_tiles(int rows) {
+  gemm::TileConfig config;
+  const int upper = std::min(rows, 16), lower = rows - upper;
+  for (int t : {0, 2, 4}) config.rows[t] = static_cast<uint8_t>(upper);
+  for (int t : {1, 3, 5}) config.rows[t] = static_cast<uint8_t>(lower);
+  for (int t : {6, 7}) config.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = config.rows[t] > 0 ? 64 : 0;
+  gemm::load_tile_config(config);
+}
+
+// Scores of the configured rows (their queries `q16` [rows, D] bfloat16) against tokens
+// [t0, t0 + n) of the transposed key block `kt` (kt[d * bs + t]), unscaled, into `sums`
+// [rows, 16]: for each 32 dimensions in order, the 16 pairs of each token built into `pairs`
+// (one tile per 32 dimensions, D / 32 of them, so a load never waits on the next tile's stores).
+// The same tokens of `ahead` (a block to come, or null) are fetched a row at a time meanwhile:
+// a whole block's lines at once stalled the loop on the core's miss buffers (perf annotate).
+inline void tile_scores(const bf16* q16, int D, bool lower, const bf16* kt, int bs, int t0, int n,
+                        const bf16* ahead, bf16* pairs, float* sums) {
+  const __mmask16 lanes = tail_mask(n);
+  const int q_stride = D * static_cast<int>(sizeof(bf16));
+  _tile_zero(0);
+  if (lower) _tile_zero(1);
+  for (int d0 = 0; d0 < D; d0 += 32) {
+    bf16* tile = pairs + (d0 / 32) * kPairTile;
+    for (int i = 0; i < 16; ++i) {
+      const int d = d0 + 2 * i;
+      if (ahead != nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + d * bs + t0), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (d + 1) * bs + t0), _MM_HINT_T0);
+      }
+      _mm512_store_si512(tile + 32 * i, pair_rows(kt + d * bs + t0, kt + (d + 1) * bs + t0, lanes));
+    }
+    _tile_loadd(4, q16 + d0, q_stride);
+    if (lower) _tile_loadd(5, q16 + 16 * D + d0, q_stride);
+    if ((d0 / 32) % 2 == 0) {  // alternate the cache's tiles so a load need not wait on a multiply
+      _tile_loadd(6, tile, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (lower) _tile_dpbf16ps(1, 5, 6);
+    } else {
+      _tile_loadd(7, tile, 64);
+      _tile_dpbf16ps(0, 4, 7);
+      if (lower) _tile_dpbf16ps(1, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 16 * static_cast<int>(sizeof(float)));
+  if (lower) _tile_stored(1, sums + 16 * 16, 16 * static_cast<int>(sizeof(float)));
+}
+
+// The cache's operands for the weighted values of 32 tokens (`rows32`: each token's value row,
+// or a zero row where hidden) over dimensions [d0, d0 + 32): tile c's row k holds tokens 2k and
+// 2k + 1's dimensions d0 + 16c .. + 16, interleaved (one word permute per tile row). The next
+// step's rows (`next32`) are fetched meanwhile, a pair of rows at a time.
+inline void value_pairs(const bf16* const* rows32, const bf16* const* next32, int d0,
+                        bf16* pairs) {
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                       8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int k = 0; k < 16; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(next32[2 * k] + d0), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(next32[2 * k + 1] + d0), _MM_HINT_T0);
+    const __m512i a = _mm512_loadu_si512(rows32[2 * k] + d0);
+    const __m512i b = _mm512_loadu_si512(rows32[2 * k + 1] + d0);
+    _mm512_store_si512(pairs + 32 * k, _mm512_permutex2var_epi16(a, low, b));
+    _mm512_store_si512(pairs + kPairTile + 32 * k, _mm512_permutex2var_epi16(a, high, b));
+  }
+}
+
+// Where a context's value rows lie: token u's row, or the zero row outside [start, reach).
+struct ValueRows {
+  const bf16* cache;
+  const int64_t* offsets;  // the head's part of each block (valid from the first block read)
+  int bs, D, start, reach;
+
+  const bf16* operator()(int u) const {
+    if (u < start || u >= reach) return kZeroRow;
+    const int j = u / bs;
+    return cache + offsets[j] + static_cast<int64_t>(u - j * bs) * D;
+  }
+};
+
+// One segment's weighted values for the configured rows: sum over tokens [lo, hi) (kStep-aligned,
+// inside one segment) of p16[r, u] * v[u, d], on the tiles from zero in token order, stored as
+// float32 into `sums` [rows, D]. The dimensions go 32 at a time (two sums tiles per row tile),
+// each pass over the segment's tokens pairing only its own 32 of each value row; the segment's
+// rows stay in L1 from one pass to the next (256 tokens of 128 dimensions: 64 KB).
+void segment_values(const bf16* p16, int64_t p16_stride, bool lower, int lo, int hi,
+                    const ValueRows& values, bf16* pairs, float* sums) {
+  const int D = values.D;
+  const int p_stride = static_cast<int>(p16_stride * sizeof(bf16));
+  const int s_stride = D * static_cast<int>(sizeof(float));
+  const bf16* rows[2][kStep];
+  for (int d0 = 0; d0 < D; d0 += 32) {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (lower) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+    for (int i = 0; i < kStep; ++i) rows[0][i] = values(lo + i);
+    for (int t = lo, which = 0; t < hi; t += kStep, which ^= 1) {
+      // The next step's rows (past the segment: the next segment's), to fetch meanwhile.
+      for (int i = 0; i < kStep; ++i) rows[which ^ 1][i] = values(t + kStep + i);
+      bf16* tile = pairs + which * 2 * kPairTile;  // alternate buffers: no store waits on a load
+      value_pairs(rows[which], rows[which ^ 1], d0, tile);
+      _tile_loadd(4, p16 + t, p_stride);
+      if (lower) _tile_loadd(5, p16 + 16 * p16_stride + t, p_stride);
+      _tile_loadd(6, tile, 64);
+      _tile_loadd(7, tile + kPairTile, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      if (lower) {
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, sums + d0, s_stride);
+    _tile_stored(2, sums + d0 + 16, s_stride);
+    if (lower) {
+      _tile_stored(1, sums + 16 * D + d0, s_stride);
+      _tile_stored(3, sums + 16 * D + d0 + 16, s_stride);
+    }
+  }
+}
+
+// Tokens [lo, hi) of segment s of a context read over [start, reach): the segment's part,
+// widened to kStep (the tokens added have zero probabilities and zero rows).
+inline void segment_span(int s, int start, int reach, int& lo, int& hi) {
+  lo = std::max(s * kSegment, start / kStep * kStep);
+  hi = std::min((s + 1) * kSegment, (reach + kStep - 1) / kStep * kStep);
+}
+
+// Row r's scores [start, reach) of `p` made its probabilities as the tiles read them, in p16
+// (both indexed by position), zero over the rest of the kStep grid around them: softmax_row's
+// numbers (the row's largest score `row_max`, its exponentials summed in the same order, each times
+// the inverse of the sum) rounded to bfloat16. Two passes over the row instead of softmax_row's
+// three and a rounding pass: a tile's 16 rows of 8,000 tokens spent more on them than on the
+// tiles' products (perf annotate), so the tile path finds the largest score as it places the
+// scores and rounds as it normalizes.
+inline void probabilities(float* p, bf16* p16, int start, int reach, float row_max) {
+  Vec16 sum = zero16();
+  for (int t = start; t < reach; t += 16) {
+    const int n = std::min(16, reach - t);
+    const Vec16 e = keep_first(exp16(load16(p + t, n) - splat(row_max)), n, 0.0f);
+    store16(p + t, e, n);
+    sum = sum + e;
+  }
+  const Vec16 inv = splat(1.0f / reduce_add(sum));
+  const int lo = start / kStep * kStep, hi = (reach + kStep - 1) / kStep * kStep;
+  for (int t = lo; t < start; ++t) p16[t] = bf16(0.0f);
+  for (int t = start; t < reach; t += 16) {
+    const int n = std::min(16, reach - t);
+    store16(p16 + t, load16(p + t, n) * inv, n);
+  }
+  for (int t = reach; t < hi; ++t) p16[t] = bf16(0.0f);
+}
+
+// The largest of a row's scores [start, reach) (-inf where hidden), as softmax_row finds it.
+inline float largest(const float* p, int start, int reach) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  Vec16 mx = splat(neg_inf);
+  for (int t = start; t < reach; t += 16)
+    mx = max(mx, keep_first(load16(p + t, std::min(16, reach - t)), reach - t, neg_inf));
+  return reduce_max(mx);
+}
+
+// Scores [rows, 16] of a tile made row r's part of p (p + r * p_stride, positions [base, base +
+// n)): times the scale, -inf before begin[r] and from limit[r]; maxes[r] keeps the row's largest
+// so far.
+inline void place_scores(const float* sums, int rows, float scale, float* p, int64_t p_stride,
+                         int base, int n, const int* begin, const int* limit, Vec16* maxes) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < rows; ++r) {
+    const Vec16 s = load16(sums + r * 16) * splat(scale);
+    const __mmask16 visible = tail_mask(std::clamp(limit[r] - base, 0, n)) &
+                              static_cast<__mmask16>(~tail_mask(std::clamp(begin[r] - base, 0, 16)));
+    const Vec16 kept{_mm512_mask_mov_ps(neg_inf, visible, s.v)};
+    store16(p + r * p_stride + base, kept, n);
+    maxes[r] = max(maxes[r], kept);
+  }
+}
+
+// A thread's working memory for tiles of rows, kept across its items.
+struct TileScratch {
+  std::vector<int64_t> offsets;
+  std::vector<float> p;   // [rows, p_stride] scores, then probabilities
+  std::vector<bf16> p16;  // [rows, p_stride] probabilities rounded, the tiles' operand
+  std::vector<float> acc;  // [rows, D]
+  std::vector<bf16> q16;   // [rows, D] the queries, the tiles' operand
+  std::vector<Vec16> maxes;  // each row's largest score so far, lane by lane
+  alignas(64) bf16 pairs[8 * kPairTile];  // a key chunk's D / 32 tiles, or 4 value tiles
+  alignas(64) float sums[kTileRows * kMaxHeadDim];  // a tile's scores [rows, 16] or sums [rows, D]
+};
+
+// Up to 32 query rows of one sequence against one KV head: row r sees keys [begin[r], limit[r]).
+// Every score first (so the softmax is exact and done once per row), then the weighted values
+// segment by segment.
+void attend_rows(const bf16* const* q, bf16* const* out, const int* begin, const int* limit,
+                 int rows, const StepView& step, const int* table, int kv_head, int64_t p_stride,
+                 TileScratch& scratch) {
+  const Geometry& g = step.g;
+  const int D = g.head_dim, bs = g.block_size;
+  int reach = 0, lo = std::numeric_limits<int>::max();
+  scratch.q16.resize(static_cast<size_t>(rows) * D);
+  scratch.maxes.resize(rows);
+  for (int r = 0; r < rows; ++r) {
+    reach = std::max(reach, limit[r]);
+    lo = std::min(lo, begin[r]);
+    std::memcpy(scratch.q16.data() + r * D, q[r], D * sizeof(bf16));
+  }
+  const int first_block = first_block_of(lo, bs), start = first_block * bs;
+  const int num_blocks = (reach + bs - 1) / bs;
+  const int64_t block_elems = static_cast<int64_t>(D) * bs;
+  scratch.offsets.resize(num_blocks);
+  for (int j = first_block; j < num_blocks; ++j)
+    scratch.offsets[j] = (static_cast<int64_t>(table[j]) * g.kv_heads + kv_head) * block_elems;
+  float* p = scratch.p.data();
+  for (int r = 0; r < rows; ++r) scratch.maxes[r] = splat(-std::numeric_limits<float>::infinity());
+  configure_tiles(rows);
+  for (int j = first_block, base = start; base < reach; ++j, base += bs) {
+    const int ntok = std::min(bs, reach - base);
+    const bf16* kb = step.key_cache + scratch.offsets[j];
+    const bf16* ahead =
+        j + kAheadBlocks < num_blocks ? step.key_cache + scratch.offsets[j + kAheadBlocks] : nullptr;
+    for (int t0 = 0; t0 < ntok; t0 += 16) {
+      const int n = std::min(16, ntok - t0);
+      tile_scores(scratch.q16.data(), D, rows > 16, kb, bs, t0, n, ahead, scratch.pairs, scratch.sums);
+      place_scores(scratch.sums, rows, step.scale, p, p_stride, base + t0, n, begin, limit,
+                   scratch.maxes.data());
+    }
+  }
+  bf16* p16 = scratch.p16.data();
+  for (int r = 0; r < rows; ++r) {
+    probabilities(p + r * p_stride, p16 + r * p_stride, start, reach, reduce_max(scratch.maxes[r]));
+  }
+  const ValueRows values{step.value_cache, scratch.offsets.data(), bs, D, start, reach};
+  float* acc = scratch.acc.data();
+  const int first_segment = start / kSegment, last_segment = (reach - 1) / kSegment;
+  for (int s = first_segment; s <= last_segment; ++s) {
+    int seg_lo, seg_hi;
+    segment_span(s, start, reach, seg_lo, seg_hi);
+    segment_values(p16, p_stride, rows > 16, seg_lo, seg_hi, values, scratch.pairs, scratch.sums);
+    for (int r = 0; r < rows; ++r)
+      for (int d = 0; d < D; d += 16) {
+        float* a = acc + r * D + d;
+        const Vec16 part = load16(scratch.sums + r * D + d);
+        store16(a, s == first_segment ? part : load16(a) + part);
+      }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < D; d += 16) store16(out[r] + d, load16(acc + r * D + d));
+}
+
+// One sequence's single query token against every KV head, the context shared out between the
+// threads in whole segments: scores, then each row's softmax, then each segment's weighted
+// values, then the segments' sums added in order: `attend_rows`'s numbers, in its order.
+void attend_split(const StepView& step, int b, int threads) {
+  const Geometry& g = step.g;
+  const int D = g.head_dim, bs = g.block_size;
+  const int group = step.heads / g.kv_heads, rows = step.heads;
+  const int reach = step.seq_lens[b];
+  const int position = reach - 1;
+  const int lo = step.window > 0 ? std::max(0, position + 1 - step.window) : 0;
+  const int start = first_block_of(lo, bs) * bs;
+  const int num_blocks = (reach + bs - 1) / bs;
+  const int64_t block_elems = static_cast<int64_t>(D) * bs;
+  const int* table = step.block_tables + b * g.max_blocks;
+  const bf16* q = step.q + step.query_start[b] * step.q_tok;
+  bf16* o = step.out + step.query_start[b] * step.o_tok;
+  const int64_t p_stride = (static_cast<int64_t>(num_blocks) * bs + kStep + 31) / 32 * 32;
+  std::vector<int64_t> offsets(num_blocks);
+  for (int j = 0; j < num_blocks; ++j)
+    offsets[j] = static_cast<int64_t>(table[j]) * g.kv_heads * block_elems;
+  const std::unique_ptr<float[]> p(new float[static_cast<size_t>(rows) * p_stride]);
+  const std::unique_ptr<bf16[]> p16(new bf16[static_cast<size_t>(rows) * p_stride]);
+  const int first_segment = start / kSegment, last_segment = (reach - 1) / kSegment;
+  const int segments = last_segment - first_segment + 1;
+  const std::unique_ptr<float[]> partials(new float[static_cast<size_t>(segments) * rows * D]);
+  // Stretches of whole segments and whole blocks, on the absolute grid.
+  const int unit = std::max(bs, kSegment);
+  const int grid_start = start / unit * unit;
+  const int units = (reach - grid_start + unit - 1) / unit;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int first = std::max(start, std::min(reach, grid_start + units * tid / nt * unit));
+    const int last = std::min(reach, grid_start + units * (tid + 1) / nt * unit);
+    const std::unique_ptr<TileScratch> scratch(new TileScratch);
+    std::vector<int64_t> head_offsets(num_blocks);
+    int begins[kTileRows], limits[kTileRows];
+    for (int r = 0; r < group; ++r) {
+      begins[r] = lo;
+      limits[r] = reach;
+    }
+    scratch->q16.resize(static_cast<size_t>(group) * D);
+    scratch->maxes.resize(group);
+    for (int h = 0; h < g.kv_heads && first < last; ++h) {
+      for (int r = 0; r < group; ++r) scratch->maxes[r] = splat(-std::numeric_limits<float>::infinity());
+      for (int r = 0; r < group; ++r)
+        std::memcpy(scratch->q16.data() + r * D, q + (h * group + r) * step.q_head,
+                    D * sizeof(bf16));
+      configure_tiles(group);
+      for (int j = first / bs, base = j * bs; base < last; ++j, base += bs) {
+        const int ntok = std::min(bs, reach - base);
+        const bf16* kb = step.key_cache + offsets[j] + h * block_elems;
+        const bf16* ahead = (j + kAheadBlocks) * bs < last
+                                ? step.key_cache + offsets[j + kAheadBlocks] + h * block_elems
+                                : nullptr;
+        for (int t0 = 0; t0 < ntok; t0 += 16) {
+          const int n = std::min(16, ntok - t0);
+          tile_scores(scratch->q16.data(), D, group > 16, kb, bs, t0, n, ahead, scratch->pairs,
+                      scratch->sums);
+          place_scores(scratch->sums, group, step.scale, p.get() + h * group * p_stride, p_stride,
+                       base + t0, n, begins, limits, scratch->maxes.data());
+        }
+      }
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r) {
+      float* pr = p.get() + r * p_stride;
+      probabilities(pr, p16.get() + r * p_stride, start, reach, largest(pr, start, reach));
+    }
+    // (the implicit barrier of the loop: every probability is in place)
+    for (int h = 0; h < g.kv_heads && first < last; ++h) {
+      for (int j = 0; j < num_blocks; ++j) head_offsets[j] = offsets[j] + h * block_elems;
+      const ValueRows values{step.value_cache, head_offsets.data(), bs, D, start, reach};
+      const bf16* ph = p16.get() + h * group * p_stride;
+      configure_tiles(group);
+      for (int s = first / kSegment; s * kSegment < last; ++s) {
+        int seg_lo, seg_hi;
+        segment_span(s, start, reach, seg_lo, seg_hi);
+        segment_values(ph, p_stride, group > 16, seg_lo, seg_hi, values, scratch->pairs,
+                       scratch->sums);
+        float* part =
+            partials.get() + (static_cast<size_t>(s - first_segment) * rows + h * group) * D;
+        std::memcpy(part, scratch->sums, static_cast<size_t>(group) * D * sizeof(float));
+      }
+    }
+    _tile_release();
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r) {
+      for (int d = 0; d < D; d += 16) {
+        Vec16 total = load16(partials.get() + static_cast<size_t>(r) * D + d);
+        for (int s = 1; s < segments; ++s)
+          total = total + load16(partials.get() + (static_cast<size_t>(s) * rows + r) * D + d);
+        store16(o + r * step.o_head + d, total);
+      }
+    }
+  }
+}
+
+// One sequence's single query token against every KV head on this thread: a step of decodes
+// only, one sequence per item (csrc/attention.cpp's attend_sequence), so that its blocks are read
+// whole, every head of a block in turn (the cache's order), rather than one head's part of each
+// block per item: on the 2-core Xeon, 4 decodes at 2,000 tokens took 0.85x the vector kernel's
+// step time with an item per (sequence, KV head). The numbers are `attend_rows`'s, in its order.
+void attend_sequence(const StepView& step, int b, TileScratch& scratch) {
+  const Geometry& g = step.g;
+  const int D = g.head_dim, bs = g.block_size;
+  const int group = step.heads / g.kv_heads, rows = step.heads;
+  const int reach = step.seq_lens[b];
+  const int lo = step.window > 0 ? std::max(0, reach - step.window) : 0;
+  const int start = first_block_of(lo, bs) * bs;
+  const int num_blocks = (reach + bs - 1) / bs;
+  const int64_t block_elems = static_cast<int64_t>(D) * bs;
+  const int* table = step.block_tables + b * g.max_blocks;
+  const bf16* q = step.q + step.query_start[b] * step.q_tok;
+  bf16* o = step.out + step.query_start[b] * step.o_tok;
+  const int64_t p_stride = (static_cast<int64_t>(num_blocks) * bs + kStep + 31) / 32 * 32;
+  scratch.offsets.resize(num_blocks);
+  scratch.p.resize(static_cast<size_t>(rows) * p_stride);
+  scratch.p16.resize(static_cast<size_t>(rows) * p_stride);
+  scratch.acc.resize(static_cast<size_t>(group) * D);
+  scratch.q16.resize(static_cast<size_t>(rows) * D);
+  scratch.maxes.assign(rows, splat(-std::numeric_limits<float>::infinity()));
+  for (int j = 0; j < num_blocks; ++j)
+    scratch.offsets[j] = static_cast<int64_t>(table[j]) * g.kv_heads * block_elems;
+  for (int r = 0; r < rows; ++r)
+    std::memcpy(scratch.q16.data() + r * D, q + r * step.q_head, D * sizeof(bf16));
+  int begins[kTileRows], limits[kTileRows];
+  for (int r = 0; r < group; ++r) {
+    begins[r] = lo;
+    limits[r] = reach;
+  }
+  float* p = scratch.p.data();
+  bf16* p16 = scratch.p16.data();
+  configure_tiles(group);
+  for (int j = start / bs, base = start; base < reach; ++j, base += bs) {
+    const int ntok = std::min(bs, reach - base);
+    for (int h = 0; h < g.kv_heads; ++h) {
+      const bf16* kb = step.key_cache + scratch.offsets[j] + h * block_elems;
+      const bf16* ahead = j + kAheadBlocks < num_blocks
+                              ? step.key_cache + scratch.offsets[j + kAheadBlocks] + h * block_elems
+                              : nullptr;
+      for (int t0 = 0; t0 < ntok; t0 += 16) {
+        const int n = std::min(16, ntok - t0);
+        tile_scores(scratch.q16.data() + h * group * D, D, group > 16, kb, bs, t0, n, ahead,
+                    scratch.pairs, scratch.sums);
+        place_scores(scratch.sums, group, step.scale, p + h * group * p_stride, p_stride,
+                     base + t0, n, begins, limits, scratch.maxes.data() + h * group);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    probabilities(p + r * p_stride, p16 + r * p_stride, start, reach, reduce_max(scratch.maxes[r]));
+  std::vector<int64_t> head_offsets(num_blocks);
+  float* acc = scratch.acc.data();
+  const int first_segment = start / kSegment, last_segment = (reach - 1) / kSegment;
+  for (int h = 0; h < g.kv_heads; ++h) {
+    for (int j = 0; j < num_blocks; ++j) head_offsets[j] = scratch.offsets[j] + h * block_elems;
+    const ValueRows values{step.value_cache, head_offsets.data(), bs, D, start, reach};
+    for (int s = first_segment; s <= last_segment; ++s) {
+      int seg_lo, seg_hi;
+      segment_span(s, start, reach, seg_lo, seg_hi);
+      segment_values(p16 + h * group * p_stride, p_stride, group > 16, seg_lo, seg_hi, values,
+                     scratch.pairs, scratch.sums);
+      for (int r = 0; r < group; ++r)
+        for (int d = 0; d < D; d += 16) {
+          float* a = acc + r * D + d;
+          const Vec16 part = load16(scratch.sums + r * D + d);
+          store16(a, s == first_segment ? part : load16(a) + part);
+        }
+    }
+    for (int r = 0; r < group; ++r)
+      for (int d = 0; d < D; d += 16)
+        store16(o + (h * group + r) * step.o_head + d, load16(acc + r * D + d));
+  }
+}
+
+// A unit of parallel work: some query positions of one sequence against one KV head.
+struct WorkItem {
+  int seq;
+  int kv_head;
+  int first_token;  // index into the step's tokens
+  int num_tokens;
+};
+
+}  // namespace
+
+bool amx_attention(const StepView& step) {
+  const Geometry& g = step.g;
+  if (!gemm::amx_ready() || g.head_dim % 32 != 0 || g.head_dim > kMaxHeadDim) return false;
+  const int group = step.heads / g.kv_heads;
+  const int* lens = step.seq_lens;
+  const int* starts = step.query_start;
+  auto first_visible = [&](int position) {
+    return step.window > 0 ? std::max(0, position + 1 - step.window) : 0;
+  };
+  const int available = at::get_num_threads();
+  // Steps of decodes only, as csrc/attention.cpp shares them out: with enough sequences, one per
+  // item (`attend_sequence`); with too few (sequence, KV head) items for the threads and long
+  // contexts, each sequence's context split between the threads (`attend_split`).
+  bool decodes = group <= kTileRows;
+  bool long_contexts = true;
+  for (int b = 0; b < step.num_seqs && decodes; ++b) {
+    decodes = starts[b + 1] - starts[b] == 1;
+    long_contexts = long_contexts && lens[b] - first_visible(lens[b] - 1) >= kSplitMinTokens;
+  }
+  if (decodes && step.num_seqs >= kSequenceItemsPerThread * available) {
+    std::atomic<int> next_seq{0};
+#pragma omp parallel num_threads(std::min(available, step.num_seqs))
+    {
+      TileScratch scratch;
+      for (int b = next_seq.fetch_add(1); b < step.num_seqs; b = next_seq.fetch_add(1))
+        attend_sequence(step, b, scratch);
+      _tile_release();
+    }
+    return true;
+  }
+  if (decodes && long_contexts && available > 1 && step.num_seqs * g.kv_heads < 2 * available) {
+    for (int b = 0; b < step.num_seqs; ++b) attend_split(step, b, available);
+    return true;
+  }
+  // Positions per item: as many as fill a tile's 16 rows with whole groups.
+  const int positions = std::max(1, kTileRows / group);
+  std::vector<WorkItem> items;
+  int longest = 0;
+  for (int b = 0; b < step.num_seqs; ++b) {
+    longest = std::max(longest, lens[b]);
+    for (int t = starts[b]; t < starts[b + 1]; t += positions) {
+      const int n = std::min(positions, starts[b + 1] - t);
+      for (int h = 0; h < g.kv_heads; ++h) items.push_back({b, h, t, n});
+    }
+  }
+  // Scores and probabilities per row, by position, padded to whole blocks and whole steps.
+  const int64_t p_stride = (longest + g.block_size + kStep + 31) / 32 * 32;
+  const int threads = std::min<int64_t>(available, static_cast<int64_t>(items.size()));
+  std::atomic<size_t> next_item{0};
+  const size_t count = items.size();
+#pragma omp parallel num_threads(threads)
+  {
+    std::unique_ptr<TileScratch> scratch(new TileScratch);
+    scratch->p.resize(static_cast<size_t>(kTileRows) * p_stride);
+    scratch->p16.resize(static_cast<size_t>(kTileRows) * p_stride);
+    scratch->acc.resize(static_cast<size_t>(kTileRows) * g.head_dim);
+    for (size_t i = next_item.fetch_add(1); i < count; i = next_item.fetch_add(1)) {
+      const WorkItem& item = items[i];
+      const int first_pos = lens[item.seq] - (starts[item.seq + 1] - starts[item.seq]);
+      const int* table = step.block_tables + item.seq * g.max_blocks;
+      const bf16* qrow[kTileRows];
+      bf16* orow[kTileRows];
+      int begin[kTileRows], limit[kTileRows];
+      int rows = 0;
+      auto flush = [&]() {
+        if (rows > 0)
+          attend_rows(qrow, orow, begin, limit, rows, step, table, item.kv_head, p_stride,
+                      *scratch);
+        rows = 0;
+      };
+      for (int t = item.first_token; t < item.first_token + item.num_tokens; ++t) {
+        const int position = first_pos + (t - starts[item.seq]);
+        for (int hh = 0; hh < group; ++hh) {
+          const int head = item.kv_head * group + hh;
+          qrow[rows] = step.q + t * step.q_tok + head * step.q_head;
+          orow[rows] = step.out + t * step.o_tok + head * step.o_head;
+          begin[rows] = first_visible(position);
+          limit[rows] = position + 1;
+          if (++rows == kTileRows) flush();
+        }
+      }
+      flush();
+    }
+    _tile_release();
+  }
+  return true;
+}
+
+#else
+
+bool amx_attention(const StepView&) { return false; }
+
+#endif
+
+}  // namespace attention
+}  // namespace rankcast

@@ -3,8 +3,8 @@
 // lies, and gives every query row the vector kernels' softmax; what the tiles change is how the
 // two products are summed:
 //
-// - Scores: a tile of up to 16 query rows (positions x the heads of a KV group) times 16 tokens'
-//   keys, the head's dimensions 32 at a time in order. A key block is dimension-major, so the
+// - Scores: up to 32 query rows (positions x the heads of a KV group, two row tiles) times 16
+//   tokens' keys, the head's dimensions 32 at a time in order. A key block is dimension-major, so the
 //   tile's operand (16 rows of 64 bytes, row i the pair of dimensions 2i and 2i + 1 of 16
 //   tokens) is built with one word permute per row (`pair_rows`), into L1, and loaded from there.
 //   The score is that sum times the scale, as the vector kernel's paired keys give it.
@@ -17,13 +17,18 @@
 // that build gives them: a row's sums depend on its own query, keys and probabilities only, never
 // on the rows beside it in a tile (each tile element is its own row's), and a lone decode's split
 // of the context between threads falls on segment boundaries, whose sums are added in the same
-// order (`attend_split`). Hidden tokens inside a step (before a row's first visible key, past the
-// context) multiply a zero probability by a zero row (never by a block the engine may have freed),
-// so they add exact zeros.
+// order (`attend_split`). Tokens a row does not see add exact zeros: a zero probability times
+// a value the model wrote, or, outside the blocks a set of rows reads (before its first block,
+// past its context), times a zero row, never a block the engine may have freed.
 //
 // Why: on long prompts attention is most of the prefill (SmolLM2 at 8,000 tokens: more arithmetic
 // than its linears), and the vector kernel's float32 multiply-adds did a 512-token chunk's
 // weighted sum at one product per lane and cycle; a tile does 16 x 16 x 32 in one instruction.
+// On the 2-core Xeon with AMX (family 6 model 167; bench/prefill_attention.py, builds
+// alternated), one 512-token chunk's attention at SmolLM2's heads: 14.8-15.0 -> 5.7-5.9 ms after
+// 2,000 tokens, 85-112 -> 25-28 ms after 8,000 (16-row tiles: 6.2 and 33.8). Tried and left: the
+// softmax's normalizing moved past the weighted sum (one pass over a row fewer) measured 1.04x
+// and 0.95x, within noise; what a row's softmax costs is its exponentials.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>

@@ -19,7 +19,7 @@
 // softmax sum and weighted values, so a token's output keeps the bits it has at any chunking, and
 // blocks wholly behind the window are never read (the engine may have freed them).
 //
-// On an AMX build whose tiles the OS granted, a bfloat16 model with a bfloat16 cache takes
+// On an AMX build whose tiles the OS granted, a bfloat16 model (any cache: bfloat16 or 8-bit) takes
 // csrc/attention_amx.cpp's tiles instead, every step of it (its bits are that build's own); the
 // shared pieces (the geometry, the softmax, where a window's reading starts) are in attention.h.
 //
@@ -55,30 +55,6 @@ using namespace attention;
 
 constexpr int kMaxRows = 6;  // query rows (heads x positions) attended together in registers
 constexpr int kAheadBlocks = 3;  // cache blocks prefetched ahead of the one being read
-
-// An 8-bit cache's per-token scales ([num_blocks, kv_heads, block_size] float32), or none. A
-// block-head's scales start at its cache offset / head_dim.
-struct KVScales {
-  const float* key = nullptr;
-  const float* value = nullptr;
-};
-
-// Tokens [start, reach)'s probabilities in `pr` times their value scales (an 8-bit cache), the
-// blocks' cache offsets `offsets` plus `shift` elements (another head of the same blocks).
-inline void fold_value_scales(float* pr, int start, int reach, const float* value_scale,
-                              const int64_t* offsets, int64_t shift, int bs, int D) {
-  for (int t = start; t < reach;) {
-    const int j = t / bs;
-    const int stop = std::min(reach, (j + 1) * bs);
-    const float* sc = value_scale + (offsets[j] + shift) / D + (t - j * bs);
-    while (t < stop) {  // a block's tokens lie side by side in both
-      const int n = std::min(16, stop - t);
-      store16(pr + t, load16(pr + t, n) * load16(sc, n), n);
-      t += n;
-      sc += n;
-    }
-  }
-}
 
 // Scores of 16 tokens (n of them) times their key scales, where the cache is 8-bit.
 template <int R>
@@ -658,11 +634,11 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const int64_t o_tok = out.stride(0), o_head = out.stride(1);
   const K* kc = static_cast<const K*>(key_cache.data_ptr());
   const K* vc = static_cast<const K*>(value_cache.data_ptr());
-  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<K, bf16>) {
+  if constexpr (std::is_same_v<T, bf16>) {
     // On AMX tiles where this build and process have them (csrc/attention_amx.cpp).
-    const StepView step{q,      o,     q_tok,    q_head,          o_tok,  o_head,
-                        kc,     vc,    lens,     starts,          tables, num_seqs,
-                        heads,  g,     static_cast<float>(scale), window};
+    const StepView<K> step{q,      o,     q_tok,  q_head,   o_tok, o_head,
+                           kc,     vc,    scales, lens,     starts, tables,
+                           num_seqs, heads, g,    static_cast<float>(scale), window};
     if (amx_attention(step)) return;
   }
 

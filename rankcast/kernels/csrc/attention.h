@@ -81,14 +81,41 @@ inline __m512i pair_rows(const bf16* lo, const bf16* hi, __mmask16 lanes) {
 }
 #endif
 
-// One step's attention as the kernels see it: the query and output rows, the caches and each
-// sequence's place in the step (csrc/attention.cpp's header says what each means).
+// An 8-bit cache's per-token scales ([num_blocks, kv_heads, block_size] float32), or none. A
+// block-head's scales start at its cache offset / head_dim.
+struct KVScales {
+  const float* key = nullptr;
+  const float* value = nullptr;
+};
+
+// Tokens [start, reach)'s probabilities in `pr` times their value scales (an 8-bit cache), the
+// blocks' cache offsets `offsets` plus `shift` elements (another head of the same blocks).
+inline void fold_value_scales(float* pr, int start, int reach, const float* value_scale,
+                              const int64_t* offsets, int64_t shift, int bs, int D) {
+  for (int t = start; t < reach;) {
+    const int j = t / bs;
+    const int stop = std::min(reach, (j + 1) * bs);
+    const float* sc = value_scale + (offsets[j] + shift) / D + (t - j * bs);
+    while (t < stop) {  // a block's tokens lie side by side in both
+      const int n = std::min(16, stop - t);
+      store16(pr + t, load16(pr + t, n) * load16(sc, n), n);
+      t += n;
+      sc += n;
+    }
+  }
+}
+
+// One step's attention as the kernels see it: the query and output rows, the caches (`K`: the
+// activations' bfloat16 or an 8-bit format, with its scales) and each sequence's place in the
+// step (csrc/attention.cpp's header says what each means).
+template <typename K>
 struct StepView {
   const bf16* q;
   bf16* out;
   int64_t q_tok, q_head, o_tok, o_head;  // strides, in elements
-  const bf16* key_cache;
-  const bf16* value_cache;
+  const K* key_cache;
+  const K* value_cache;
+  KVScales scales;
   const int* seq_lens;
   const int* query_start;
   const int* block_tables;
@@ -99,11 +126,13 @@ struct StepView {
   int window;
 };
 
-// A bfloat16 model's step with a bfloat16 cache on AMX tiles (csrc/attention_amx.cpp): true where
-// it ran, false where this build or process has no tiles or the heads do not fit them, which
-// leaves the step to the vector kernels. Which it is does not change within a process, so every
-// step of a model takes the same path and a token's bits do not depend on the step.
-bool amx_attention(const StepView& step);
+// A bfloat16 model's step on AMX tiles (csrc/attention_amx.cpp), over a bfloat16 cache or an
+// 8-bit one (bf16, int8_t, fp8e4m3, fp8e5m2): true where it ran, false where this build or
+// process has no tiles or the heads or blocks do not fit them, which leaves the step to the
+// vector kernels. Which it is does not change within a process, so every step of a model takes
+// the same path and a token's bits do not depend on the step.
+template <typename K>
+bool amx_attention(const StepView<K>& step);
 
 }  // namespace attention
 }  // namespace rankcast

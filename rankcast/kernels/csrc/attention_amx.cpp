@@ -1,5 +1,6 @@
-// Paged attention on AMX tiles (TDPBF16PS): a bfloat16 model with a bfloat16 cache, on an AMX
-// build whose tiles the OS granted. It reads the cache csrc/attention.cpp documents, where it
+// Paged attention on AMX tiles (TDPBF16PS): a bfloat16 model with a bfloat16 or 8-bit cache (int8,
+// fp8 e4m3, e5m2: its bytes converted to bfloat16 exactly as they are paired), on an AMX build
+// whose tiles the OS granted. It reads the cache csrc/attention.cpp documents, where it
 // lies, and gives every query row the vector kernels' softmax; what the tiles change is how the
 // two products are summed:
 //
@@ -29,7 +30,10 @@
 // weighted sum at one product per lane and cycle; a tile does 16 x 16 x 32 in one instruction.
 // On the 2-core Xeon with AMX (family 6 model 167; bench/prefill_attention.py, builds
 // alternated), one 512-token chunk's attention at SmolLM2's heads: 14.8-15.0 -> 5.7-5.9 ms after
-// 2,000 tokens, 85-112 -> 25-28 ms after 8,000 (16-row tiles: 6.2 and 33.8). Tried and left: the
+// 2,000 tokens, 85-112 -> 25-28 ms after 8,000 (16-row tiles: 6.2 and 33.8); an int8 cache's
+// 13.6 -> 7.5 ms and 70.7 -> 26.8 ms, its decode steps (SmolLM2, bench/decode_step.py) 4-5 %
+// longer on tiles (1 sequence at 2,000 and 8,000 tokens, 4 at 2,000, 32 at 200): converting the
+// bytes costs a decode more than the products save. Tried and left: the
 // softmax's normalizing moved past the weighted sum (one pass over a row fewer) measured 1.04x
 // and 0.95x, within noise; what a row's softmax costs is its exponentials.
 #include <ATen/ATen.h>
@@ -65,7 +69,43 @@ constexpr int kSplitMinTokens = 256;
 // (csrc/attention.cpp's kSequenceItemsPerThread).
 constexpr int kSequenceItemsPerThread = 2;
 
-alignas(64) const bf16 kZeroRow[kMaxHeadDim] = {};
+alignas(64) const bf16 kZeroRow[kMaxHeadDim] = {};  // zero in bfloat16 and in 8-bit formats
+
+// Word i of `a` and of `b` at words 2i and 2i + 1 (i < 16; `high`: i + 16).
+inline __m512i interleave_words(__m512i a, __m512i b, bool high) {
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                       8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  return _mm512_permutex2var_epi16(a, high ? _mm512_add_epi16(low, _mm512_set1_epi16(16)) : low, b);
+}
+
+// An 8-bit cache's bytes are multiplied as bfloat16, converted exactly (every int8, fp8 e4m3 and
+// fp8 e5m2 value is a bfloat16): the scores times each token's key scale, the probabilities times
+// each token's value scale before they are rounded, as csrc/attention.cpp's header says.
+template <typename K>
+constexpr bool kEightBit = !std::is_same_v<K, bf16>;
+
+// Sixteen tokens' pairs of dimensions (row `lo`, row `hi` of a transposed key block; n tokens,
+// the rest zero) as bfloat16 pairs: a tile row of the keys' operand.
+template <typename K>
+inline __m512i key_pair_row(const K* lo, const K* hi, int n) {
+  if constexpr (!kEightBit<K>) {
+    return pair_rows(lo, hi, tail_mask(n));
+  } else {
+    const __m512i a = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(load16(lo, n).v)));
+    const __m512i b = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(load16(hi, n).v)));
+    return interleave_words(a, b, false);
+  }
+}
+
+// 32 dimensions of a value row as bfloat16.
+template <typename K>
+inline __m512i value_words(const K* row) {
+  if constexpr (!kEightBit<K>) {
+    return _mm512_loadu_si512(row);
+  } else {
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(load16(row + 16).v, load16(row).v));
+  }
+}
 
 // Tiles for up to 32 rows, the first 16 (`upper`) and the rest (`lower`, none for 16 or fewer):
 // sums tmm0 (upper) and tmm1 (lower) for the scores and for 16 of a pass's 32 dimensions of
@@ -90,9 +130,9 @@ void configure_tiles(int rows) {
 // (one tile per 32 dimensions, D / 32 of them, so a load never waits on the next tile's stores).
 // The same tokens of `ahead` (a block to come, or null) are fetched a row at a time meanwhile:
 // a whole block's lines at once stalled the loop on the core's miss buffers (perf annotate).
-inline void tile_scores(const bf16* q16, int D, bool lower, const bf16* kt, int bs, int t0, int n,
-                        const bf16* ahead, bf16* pairs, float* sums) {
-  const __mmask16 lanes = tail_mask(n);
+template <typename K>
+inline void tile_scores(const bf16* q16, int D, bool lower, const K* kt, int bs, int t0, int n,
+                        const K* ahead, bf16* pairs, float* sums) {
   const int q_stride = D * static_cast<int>(sizeof(bf16));
   _tile_zero(0);
   if (lower) _tile_zero(1);
@@ -104,7 +144,7 @@ inline void tile_scores(const bf16* q16, int D, bool lower, const bf16* kt, int 
         _mm_prefetch(reinterpret_cast<const char*>(ahead + d * bs + t0), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(ahead + (d + 1) * bs + t0), _MM_HINT_T0);
       }
-      _mm512_store_si512(tile + 32 * i, pair_rows(kt + d * bs + t0, kt + (d + 1) * bs + t0, lanes));
+      _mm512_store_si512(tile + 32 * i, key_pair_row(kt + d * bs + t0, kt + (d + 1) * bs + t0, n));
     }
     _tile_loadd(4, q16 + d0, q_stride);
     if (lower) _tile_loadd(5, q16 + 16 * D + d0, q_stride);
@@ -126,32 +166,30 @@ inline void tile_scores(const bf16* q16, int D, bool lower, const bf16* kt, int 
 // or a zero row where hidden) over dimensions [d0, d0 + 32): tile c's row k holds tokens 2k and
 // 2k + 1's dimensions d0 + 16c .. + 16, interleaved (one word permute per tile row). The next
 // step's rows (`next32`) are fetched meanwhile, a pair of rows at a time.
-inline void value_pairs(const bf16* const* rows32, const bf16* const* next32, int d0,
-                        bf16* pairs) {
-  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
-                                       8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+template <typename K>
+inline void value_pairs(const K* const* rows32, const K* const* next32, int d0, bf16* pairs) {
   for (int k = 0; k < 16; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(next32[2 * k] + d0), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(next32[2 * k + 1] + d0), _MM_HINT_T0);
-    const __m512i a = _mm512_loadu_si512(rows32[2 * k] + d0);
-    const __m512i b = _mm512_loadu_si512(rows32[2 * k + 1] + d0);
-    _mm512_store_si512(pairs + 32 * k, _mm512_permutex2var_epi16(a, low, b));
-    _mm512_store_si512(pairs + kPairTile + 32 * k, _mm512_permutex2var_epi16(a, high, b));
+    const __m512i a = value_words(rows32[2 * k] + d0);
+    const __m512i b = value_words(rows32[2 * k + 1] + d0);
+    _mm512_store_si512(pairs + 32 * k, interleave_words(a, b, false));
+    _mm512_store_si512(pairs + kPairTile + 32 * k, interleave_words(a, b, true));
   }
 }
 
 // Where a context's value rows lie: token u's row, or the zero row outside [start, reach).
 // Block sizes are powers of two (`amx_attention` checks), so a token's block and its place in
 // it are a shift and a mask.
+template <typename K>
 struct ValueRows {
-  const bf16* cache;
+  const K* cache;
   const int64_t* offsets;  // the head's part of each block (valid from the first block read)
   int bs, D, start, reach;
   int shift = std::countr_zero(static_cast<unsigned>(bs));
 
-  const bf16* operator()(int u) const {
-    if (u < start || u >= reach) return kZeroRow;
+  const K* operator()(int u) const {
+    if (u < start || u >= reach) return reinterpret_cast<const K*>(kZeroRow);
     return cache + offsets[u >> shift] + static_cast<int64_t>(u & (bs - 1)) * D;
   }
 };
@@ -161,15 +199,16 @@ struct ValueRows {
 // float32 into `sums` [rows, D]. The dimensions go 32 at a time (two sums tiles per row tile),
 // each pass over the segment's tokens pairing only its own 32 of each value row; the segment's
 // rows stay in L1 from one pass to the next (256 tokens of 128 dimensions: 64 KB).
+template <typename K>
 void segment_values(const bf16* p16, int64_t p16_stride, bool lower, int lo, int hi,
-                    const ValueRows& values, bf16* pairs, float* sums) {
+                    const ValueRows<K>& values, bf16* pairs, float* sums) {
   const int D = values.D;
   const int p_stride = static_cast<int>(p16_stride * sizeof(bf16));
   const int s_stride = D * static_cast<int>(sizeof(float));
   // The segment's rows, and the next step's past it (to fetch meanwhile), found once for every
   // pass over the dimensions (1.03-1.05x a 512-token chunk's attention against finding them in
   // each pass).
-  const bf16* rows[kSegment + kStep];
+  const K* rows[kSegment + kStep];
   for (int i = 0; i < hi - lo + kStep; ++i) rows[i] = values(lo + i);
   for (int d0 = 0; d0 < D; d0 += 32) {
     _tile_zero(0);
@@ -179,7 +218,7 @@ void segment_values(const bf16* p16, int64_t p16_stride, bool lower, int lo, int
       _tile_zero(3);
     }
     for (int t = lo, which = 0; t < hi; t += kStep, which ^= 1) {
-      const bf16* const* step_rows = rows + (t - lo);
+      const K* const* step_rows = rows + (t - lo);
       bf16* tile = pairs + which * 2 * kPairTile;  // alternate buffers: no store waits on a load
       value_pairs(step_rows, step_rows + kStep, d0, tile);
       _tile_loadd(4, p16 + t, p_stride);
@@ -209,6 +248,15 @@ inline void segment_span(int s, int start, int reach, int& lo, int& hi) {
   hi = std::min((s + 1) * kSegment, (reach + kStep - 1) / kStep * kStep);
 }
 
+// Where an 8-bit cache's value scales lie for a row's head (`fold_value_scales`'s arguments), or
+// none (`scale` null: a bfloat16 cache).
+struct ValueScales {
+  const float* scale = nullptr;
+  const int64_t* offsets = nullptr;
+  int64_t shift = 0;
+  int bs = 0, D = 0;
+};
+
 // Row r's scores [start, reach) of `p` made its probabilities as the tiles read them, in p16
 // (both indexed by position), zero over the rest of the kStep grid around them: softmax_row's
 // numbers (the row's largest score `row_max`, its exponentials summed in the same order, each times
@@ -216,7 +264,8 @@ inline void segment_span(int s, int start, int reach, int& lo, int& hi) {
 // three and a rounding pass: a tile's 16 rows of 8,000 tokens spent more on them than on the
 // tiles' products (perf annotate), so the tile path finds the largest score as it places the
 // scores and rounds as it normalizes.
-inline void probabilities(float* p, bf16* p16, int start, int reach, float row_max) {
+inline void probabilities(float* p, bf16* p16, int start, int reach, float row_max,
+                          const ValueScales& folded) {
   Vec16 sum = zero16();
   for (int t = start; t < reach; t += 16) {
     const int n = std::min(16, reach - t);
@@ -227,9 +276,22 @@ inline void probabilities(float* p, bf16* p16, int start, int reach, float row_m
   const Vec16 inv = splat(1.0f / reduce_add(sum));
   const int lo = start / kStep * kStep, hi = (reach + kStep - 1) / kStep * kStep;
   for (int t = lo; t < start; ++t) p16[t] = bf16(0.0f);
-  for (int t = start; t < reach; t += 16) {
-    const int n = std::min(16, reach - t);
-    store16(p16 + t, load16(p + t, n) * inv, n);
+  if (folded.scale != nullptr) {  // an 8-bit cache: the probabilities times the value scales
+    for (int t = start; t < reach; t += 16) {
+      const int n = std::min(16, reach - t);
+      store16(p + t, load16(p + t, n) * inv, n);
+    }
+    fold_value_scales(p, start, reach, folded.scale, folded.offsets, folded.shift, folded.bs,
+                      folded.D);
+    for (int t = start; t < reach; t += 16) {
+      const int n = std::min(16, reach - t);
+      store16(p16 + t, load16(p + t, n), n);
+    }
+  } else {
+    for (int t = start; t < reach; t += 16) {
+      const int n = std::min(16, reach - t);
+      store16(p16 + t, load16(p + t, n) * inv, n);
+    }
   }
   for (int t = reach; t < hi; ++t) p16[t] = bf16(0.0f);
 }
@@ -244,13 +306,16 @@ inline float largest(const float* p, int start, int reach) {
 }
 
 // Scores [rows, 16] of a tile made row r's part of p (p + r * p_stride, positions [base, base +
-// n)): times the scale, -inf before begin[r] and from limit[r]; maxes[r] keeps the row's largest
-// so far.
-inline void place_scores(const float* sums, int rows, float scale, float* p, int64_t p_stride,
-                         int base, int n, const int* begin, const int* limit, Vec16* maxes) {
+// n)): times the scale (and each token's key scale, `key_scales`, where the cache is 8-bit),
+// -inf before begin[r] and from limit[r]; maxes[r] keeps the row's largest so far.
+inline void place_scores(const float* sums, int rows, float scale, const float* key_scales,
+                         float* p, int64_t p_stride, int base, int n, const int* begin,
+                         const int* limit, Vec16* maxes) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const Vec16 ks = key_scales != nullptr ? load16(key_scales, n) : splat(1.0f);
   for (int r = 0; r < rows; ++r) {
-    const Vec16 s = load16(sums + r * 16) * splat(scale);
+    Vec16 s = load16(sums + r * 16) * splat(scale);
+    if (key_scales != nullptr) s = s * ks;
     const __mmask16 visible = tail_mask(std::clamp(limit[r] - base, 0, n)) &
                               static_cast<__mmask16>(~tail_mask(std::clamp(begin[r] - base, 0, 16)));
     const Vec16 kept{_mm512_mask_mov_ps(neg_inf, visible, s.v)};
@@ -271,11 +336,20 @@ struct TileScratch {
   alignas(64) float sums[kTileRows * kMaxHeadDim];  // a tile's scores [rows, 16] or sums [rows, D]
 };
 
+// An 8-bit cache's key scales for tokens t0.. of the block-head at cache offset `offset`, or
+// null (a bfloat16 cache).
+template <typename K>
+inline const float* key_scales(const StepView<K>& step, int64_t offset, int t0) {
+  if (step.scales.key == nullptr) return nullptr;
+  return step.scales.key + offset / step.g.head_dim + t0;
+}
+
 // Up to 32 query rows of one sequence against one KV head: row r sees keys [begin[r], limit[r]).
 // Every score first (so the softmax is exact and done once per row), then the weighted values
 // segment by segment.
+template <typename K>
 void attend_rows(const bf16* const* q, bf16* const* out, const int* begin, const int* limit,
-                 int rows, const StepView& step, const int* table, int kv_head, int64_t p_stride,
+                 int rows, const StepView<K>& step, const int* table, int kv_head, int64_t p_stride,
                  TileScratch& scratch) {
   const Geometry& g = step.g;
   const int D = g.head_dim, bs = g.block_size;
@@ -298,21 +372,23 @@ void attend_rows(const bf16* const* q, bf16* const* out, const int* begin, const
   configure_tiles(rows);
   for (int j = first_block, base = start; base < reach; ++j, base += bs) {
     const int ntok = std::min(bs, reach - base);
-    const bf16* kb = step.key_cache + scratch.offsets[j];
-    const bf16* ahead =
+    const K* kb = step.key_cache + scratch.offsets[j];
+    const K* ahead =
         j + kAheadBlocks < num_blocks ? step.key_cache + scratch.offsets[j + kAheadBlocks] : nullptr;
     for (int t0 = 0; t0 < ntok; t0 += 16) {
       const int n = std::min(16, ntok - t0);
       tile_scores(scratch.q16.data(), D, rows > 16, kb, bs, t0, n, ahead, scratch.pairs, scratch.sums);
-      place_scores(scratch.sums, rows, step.scale, p, p_stride, base + t0, n, begin, limit,
-                   scratch.maxes.data());
+      place_scores(scratch.sums, rows, step.scale, key_scales(step, scratch.offsets[j], t0), p,
+                   p_stride, base + t0, n, begin, limit, scratch.maxes.data());
     }
   }
   bf16* p16 = scratch.p16.data();
+  const ValueScales folded{step.scales.value, scratch.offsets.data(), 0, bs, D};
   for (int r = 0; r < rows; ++r) {
-    probabilities(p + r * p_stride, p16 + r * p_stride, start, reach, reduce_max(scratch.maxes[r]));
+    probabilities(p + r * p_stride, p16 + r * p_stride, start, reach, reduce_max(scratch.maxes[r]),
+                  folded);
   }
-  const ValueRows values{step.value_cache, scratch.offsets.data(), bs, D, start, reach};
+  const ValueRows<K> values{step.value_cache, scratch.offsets.data(), bs, D, start, reach};
   float* acc = scratch.acc.data();
   const int first_segment = start / kSegment, last_segment = (reach - 1) / kSegment;
   for (int s = first_segment; s <= last_segment; ++s) {
@@ -333,7 +409,8 @@ void attend_rows(const bf16* const* q, bf16* const* out, const int* begin, const
 // One sequence's single query token against every KV head, the context shared out between the
 // threads in whole segments: scores, then each row's softmax, then each segment's weighted
 // values, then the segments' sums added in order: `attend_rows`'s numbers, in its order.
-void attend_split(const StepView& step, int b, int threads) {
+template <typename K>
+void attend_split(const StepView<K>& step, int b, int threads) {
   const Geometry& g = step.g;
   const int D = g.head_dim, bs = g.block_size;
   const int group = step.heads / g.kv_heads, rows = step.heads;
@@ -381,16 +458,18 @@ void attend_split(const StepView& step, int b, int threads) {
       configure_tiles(group);
       for (int j = first / bs, base = j * bs; base < last; ++j, base += bs) {
         const int ntok = std::min(bs, reach - base);
-        const bf16* kb = step.key_cache + offsets[j] + h * block_elems;
-        const bf16* ahead = (j + kAheadBlocks) * bs < last
+        const K* kb = step.key_cache + offsets[j] + h * block_elems;
+        const K* ahead = (j + kAheadBlocks) * bs < last
                                 ? step.key_cache + offsets[j + kAheadBlocks] + h * block_elems
                                 : nullptr;
         for (int t0 = 0; t0 < ntok; t0 += 16) {
           const int n = std::min(16, ntok - t0);
           tile_scores(scratch->q16.data(), D, group > 16, kb, bs, t0, n, ahead, scratch->pairs,
                       scratch->sums);
-          place_scores(scratch->sums, group, step.scale, p.get() + h * group * p_stride, p_stride,
-                       base + t0, n, begins, limits, scratch->maxes.data());
+          place_scores(scratch->sums, group, step.scale,
+                       key_scales(step, offsets[j] + h * block_elems, t0),
+                       p.get() + h * group * p_stride, p_stride, base + t0, n, begins, limits,
+                       scratch->maxes.data());
         }
       }
     }
@@ -398,12 +477,13 @@ void attend_split(const StepView& step, int b, int threads) {
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) {
       float* pr = p.get() + r * p_stride;
-      probabilities(pr, p16.get() + r * p_stride, start, reach, largest(pr, start, reach));
+      const ValueScales folded{step.scales.value, offsets.data(), (r / group) * block_elems, bs, D};
+      probabilities(pr, p16.get() + r * p_stride, start, reach, largest(pr, start, reach), folded);
     }
     // (the implicit barrier of the loop: every probability is in place)
     for (int h = 0; h < g.kv_heads && first < last; ++h) {
       for (int j = 0; j < num_blocks; ++j) head_offsets[j] = offsets[j] + h * block_elems;
-      const ValueRows values{step.value_cache, head_offsets.data(), bs, D, start, reach};
+      const ValueRows<K> values{step.value_cache, head_offsets.data(), bs, D, start, reach};
       const bf16* ph = p16.get() + h * group * p_stride;
       configure_tiles(group);
       for (int s = first / kSegment; s * kSegment < last; ++s) {
@@ -435,7 +515,8 @@ void attend_split(const StepView& step, int b, int threads) {
 // whole, every head of a block in turn (the cache's order), rather than one head's part of each
 // block per item: on the 2-core Xeon, 4 decodes at 2,000 tokens took 0.85x the vector kernel's
 // step time with an item per (sequence, KV head). The numbers are `attend_rows`'s, in its order.
-void attend_sequence(const StepView& step, int b, TileScratch& scratch) {
+template <typename K>
+void attend_sequence(const StepView<K>& step, int b, TileScratch& scratch) {
   const Geometry& g = step.g;
   const int D = g.head_dim, bs = g.block_size;
   const int group = step.heads / g.kv_heads, rows = step.heads;
@@ -469,27 +550,33 @@ void attend_sequence(const StepView& step, int b, TileScratch& scratch) {
   for (int j = start / bs, base = start; base < reach; ++j, base += bs) {
     const int ntok = std::min(bs, reach - base);
     for (int h = 0; h < g.kv_heads; ++h) {
-      const bf16* kb = step.key_cache + scratch.offsets[j] + h * block_elems;
-      const bf16* ahead = j + kAheadBlocks < num_blocks
+      const K* kb = step.key_cache + scratch.offsets[j] + h * block_elems;
+      const K* ahead = j + kAheadBlocks < num_blocks
                               ? step.key_cache + scratch.offsets[j + kAheadBlocks] + h * block_elems
                               : nullptr;
       for (int t0 = 0; t0 < ntok; t0 += 16) {
         const int n = std::min(16, ntok - t0);
         tile_scores(scratch.q16.data() + h * group * D, D, group > 16, kb, bs, t0, n, ahead,
                     scratch.pairs, scratch.sums);
-        place_scores(scratch.sums, group, step.scale, p + h * group * p_stride, p_stride,
-                     base + t0, n, begins, limits, scratch.maxes.data() + h * group);
+        place_scores(scratch.sums, group, step.scale,
+                     key_scales(step, scratch.offsets[j] + h * block_elems, t0),
+                     p + h * group * p_stride, p_stride, base + t0, n, begins, limits,
+                     scratch.maxes.data() + h * group);
       }
     }
   }
-  for (int r = 0; r < rows; ++r)
-    probabilities(p + r * p_stride, p16 + r * p_stride, start, reach, reduce_max(scratch.maxes[r]));
+  for (int r = 0; r < rows; ++r) {
+    const ValueScales folded{step.scales.value, scratch.offsets.data(), (r / group) * block_elems,
+                             bs, D};
+    probabilities(p + r * p_stride, p16 + r * p_stride, start, reach, reduce_max(scratch.maxes[r]),
+                  folded);
+  }
   std::vector<int64_t> head_offsets(num_blocks);
   float* acc = scratch.acc.data();
   const int first_segment = start / kSegment, last_segment = (reach - 1) / kSegment;
   for (int h = 0; h < g.kv_heads; ++h) {
     for (int j = 0; j < num_blocks; ++j) head_offsets[j] = scratch.offsets[j] + h * block_elems;
-    const ValueRows values{step.value_cache, head_offsets.data(), bs, D, start, reach};
+    const ValueRows<K> values{step.value_cache, head_offsets.data(), bs, D, start, reach};
     for (int s = first_segment; s <= last_segment; ++s) {
       int seg_lo, seg_hi;
       segment_span(s, start, reach, seg_lo, seg_hi);
@@ -518,7 +605,8 @@ struct WorkItem {
 
 }  // namespace
 
-bool amx_attention(const StepView& step) {
+template <typename K>
+bool amx_attention(const StepView<K>& step) {
   const Geometry& g = step.g;
   if (!gemm::amx_ready() || g.head_dim % 32 != 0 || g.head_dim > kMaxHeadDim ||
       !std::has_single_bit(static_cast<unsigned>(g.block_size)))
@@ -610,9 +698,17 @@ bool amx_attention(const StepView& step) {
 
 #else
 
-bool amx_attention(const StepView&) { return false; }
+template <typename K>
+bool amx_attention(const StepView<K>&) {
+  return false;
+}
 
 #endif
+
+template bool amx_attention(const StepView<bf16>&);
+template bool amx_attention(const StepView<int8_t>&);
+template bool amx_attention(const StepView<fp8e4m3>&);
+template bool amx_attention(const StepView<fp8e5m2>&);
 
 }  // namespace attention
 }  // namespace rankcast

@@ -27,14 +27,18 @@ struct Geometry {
 // depend on whether it was decoded alone, in a batch, or in a prompt.
 constexpr int kChunk = 16;
 
-// A row's scores [start, reach) (-inf where hidden; start 16-aligned) made its probabilities in
-// place: the exact softmax, every path the same way.
-inline void softmax_row(float* pr, int start, int reach) {
+// The largest of a row's scores [start, reach) (-inf where hidden).
+inline float largest_score(const float* pr, int start, int reach) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   Vec16 mx = splat(neg_inf);
   for (int t = start; t < reach; t += 16)
     mx = max(mx, keep_first(load16(pr + t, std::min(16, reach - t)), reach - t, neg_inf));
-  const float row_max = reduce_max(mx);
+  return reduce_max(mx);
+}
+
+// A row's scores [start, reach) (start 16-aligned) made exp(score - row_max) in place (0 where
+// hidden), returning their sum: sixteen lanes summed in order from `start`, then across the lanes.
+inline float exponentiate(float* pr, int start, int reach, float row_max) {
   Vec16 sum = zero16();
   for (int t = start; t < reach; t += 16) {
     const int n = std::min(16, reach - t);
@@ -42,7 +46,13 @@ inline void softmax_row(float* pr, int start, int reach) {
     store16(pr + t, e, n);
     sum = sum + e;
   }
-  const float inv = 1.0f / reduce_add(sum);
+  return reduce_add(sum);
+}
+
+// A row's scores [start, reach) (-inf where hidden; start 16-aligned) made its probabilities in
+// place: the exact softmax, every path the same way.
+inline void softmax_row(float* pr, int start, int reach) {
+  const float inv = 1.0f / exponentiate(pr, start, reach, largest_score(pr, start, reach));
   for (int t = start; t < reach; t += 16) {
     const int n = std::min(16, reach - t);
     store16(pr + t, load16(pr + t, n) * splat(inv), n);

@@ -266,14 +266,7 @@ struct ValueScales {
 // scores and rounds as it normalizes.
 inline void probabilities(float* p, bf16* p16, int start, int reach, float row_max,
                           const ValueScales& folded) {
-  Vec16 sum = zero16();
-  for (int t = start; t < reach; t += 16) {
-    const int n = std::min(16, reach - t);
-    const Vec16 e = keep_first(exp16(load16(p + t, n) - splat(row_max)), n, 0.0f);
-    store16(p + t, e, n);
-    sum = sum + e;
-  }
-  const Vec16 inv = splat(1.0f / reduce_add(sum));
+  const Vec16 inv = splat(1.0f / exponentiate(p, start, reach, row_max));
   const int lo = start / kStep * kStep, hi = (reach + kStep - 1) / kStep * kStep;
   for (int t = lo; t < start; ++t) p16[t] = bf16(0.0f);
   if (folded.scale != nullptr) {  // an 8-bit cache: the probabilities times the value scales
@@ -296,15 +289,6 @@ inline void probabilities(float* p, bf16* p16, int start, int reach, float row_m
   for (int t = reach; t < hi; ++t) p16[t] = bf16(0.0f);
 }
 
-// The largest of a row's scores [start, reach) (-inf where hidden), as softmax_row finds it.
-inline float largest(const float* p, int start, int reach) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  Vec16 mx = splat(neg_inf);
-  for (int t = start; t < reach; t += 16)
-    mx = max(mx, keep_first(load16(p + t, std::min(16, reach - t)), reach - t, neg_inf));
-  return reduce_max(mx);
-}
-
 // Scores [rows, 16] of a tile made row r's part of p (p + r * p_stride, positions [base, base +
 // n)): times the scale (and each token's key scale, `key_scales`, where the cache is 8-bit),
 // -inf before begin[r] and from limit[r]; maxes[r] keeps the row's largest so far.
@@ -321,6 +305,26 @@ inline void place_scores(const float* sums, int rows, float scale, const float* 
     const Vec16 kept{_mm512_mask_mov_ps(neg_inf, visible, s.v)};
     store16(p + r * p_stride + base, kept, n);
     maxes[r] = max(maxes[r], kept);
+  }
+}
+
+// The weighted values of the configured rows (their weights `p16`, rows `p16_stride` apart, over
+// [start, reach)) into acc [rows, D]: each segment's sums on the tiles, added in order.
+template <typename K>
+void weighted_sum(const bf16* p16, int64_t p16_stride, int rows, int start, int reach,
+                  const ValueRows<K>& values, bf16* pairs, float* sums, float* acc) {
+  const int D = values.D;
+  const int first_segment = start / kSegment, last_segment = (reach - 1) / kSegment;
+  for (int s = first_segment; s <= last_segment; ++s) {
+    int seg_lo, seg_hi;
+    segment_span(s, start, reach, seg_lo, seg_hi);
+    segment_values(p16, p16_stride, rows > 16, seg_lo, seg_hi, values, pairs, sums);
+    for (int r = 0; r < rows; ++r)
+      for (int d = 0; d < D; d += 16) {
+        float* a = acc + r * D + d;
+        const Vec16 part = load16(sums + r * D + d);
+        store16(a, s == first_segment ? part : load16(a) + part);
+      }
   }
 }
 
@@ -390,20 +394,40 @@ void attend_rows(const bf16* const* q, bf16* const* out, const int* begin, const
   }
   const ValueRows<K> values{step.value_cache, scratch.offsets.data(), bs, D, start, reach};
   float* acc = scratch.acc.data();
-  const int first_segment = start / kSegment, last_segment = (reach - 1) / kSegment;
-  for (int s = first_segment; s <= last_segment; ++s) {
-    int seg_lo, seg_hi;
-    segment_span(s, start, reach, seg_lo, seg_hi);
-    segment_values(p16, p_stride, rows > 16, seg_lo, seg_hi, values, scratch.pairs, scratch.sums);
-    for (int r = 0; r < rows; ++r)
-      for (int d = 0; d < D; d += 16) {
-        float* a = acc + r * D + d;
-        const Vec16 part = load16(scratch.sums + r * D + d);
-        store16(a, s == first_segment ? part : load16(a) + part);
-      }
-  }
+  weighted_sum(p16, p_stride, rows, start, reach, values, scratch.pairs, scratch.sums, acc);
   for (int r = 0; r < rows; ++r)
     for (int d = 0; d < D; d += 16) store16(out[r] + d, load16(acc + r * D + d));
+}
+
+// Where a decoding sequence's rows and context lie: its heads' rows (`group` per KV head), the
+// keys its token sees [lo, reach) and the block-aligned `start` reading begins at, its blocks,
+// its query and output rows, and the stride of rows of scores by position.
+struct DecodeLayout {
+  int group, rows, reach, lo, start, num_blocks;
+  int64_t block_elems;
+  const int* table;
+  const bf16* q;
+  bf16* o;
+  int64_t p_stride;
+};
+
+template <typename K>
+DecodeLayout decode_layout(const StepView<K>& step, int b) {
+  const Geometry& g = step.g;
+  const int bs = g.block_size, reach = step.seq_lens[b];
+  const int lo = step.window > 0 ? std::max(0, reach - step.window) : 0;
+  const int num_blocks = (reach + bs - 1) / bs;
+  return {step.heads / g.kv_heads,
+          step.heads,
+          reach,
+          lo,
+          first_block_of(lo, bs) * bs,
+          num_blocks,
+          static_cast<int64_t>(g.head_dim) * bs,
+          step.block_tables + b * g.max_blocks,
+          step.q + step.query_start[b] * step.q_tok,
+          step.out + step.query_start[b] * step.o_tok,
+          (static_cast<int64_t>(num_blocks) * bs + kStep + 31) / 32 * 32};
 }
 
 // One sequence's single query token against every KV head, the context shared out between the
@@ -411,19 +435,10 @@ void attend_rows(const bf16* const* q, bf16* const* out, const int* begin, const
 // values, then the segments' sums added in order: `attend_rows`'s numbers, in its order.
 template <typename K>
 void attend_split(const StepView<K>& step, int b, int threads) {
+  const auto [group, rows, reach, lo, start, num_blocks, block_elems, table, q, o, p_stride] =
+      decode_layout(step, b);
+  const int D = step.g.head_dim, bs = step.g.block_size;
   const Geometry& g = step.g;
-  const int D = g.head_dim, bs = g.block_size;
-  const int group = step.heads / g.kv_heads, rows = step.heads;
-  const int reach = step.seq_lens[b];
-  const int position = reach - 1;
-  const int lo = step.window > 0 ? std::max(0, position + 1 - step.window) : 0;
-  const int start = first_block_of(lo, bs) * bs;
-  const int num_blocks = (reach + bs - 1) / bs;
-  const int64_t block_elems = static_cast<int64_t>(D) * bs;
-  const int* table = step.block_tables + b * g.max_blocks;
-  const bf16* q = step.q + step.query_start[b] * step.q_tok;
-  bf16* o = step.out + step.query_start[b] * step.o_tok;
-  const int64_t p_stride = (static_cast<int64_t>(num_blocks) * bs + kStep + 31) / 32 * 32;
   std::vector<int64_t> offsets(num_blocks);
   for (int j = 0; j < num_blocks; ++j)
     offsets[j] = static_cast<int64_t>(table[j]) * g.kv_heads * block_elems;
@@ -478,7 +493,7 @@ void attend_split(const StepView<K>& step, int b, int threads) {
     for (int r = 0; r < rows; ++r) {
       float* pr = p.get() + r * p_stride;
       const ValueScales folded{step.scales.value, offsets.data(), (r / group) * block_elems, bs, D};
-      probabilities(pr, p16.get() + r * p_stride, start, reach, largest(pr, start, reach), folded);
+      probabilities(pr, p16.get() + r * p_stride, start, reach, largest_score(pr, start, reach), folded);
     }
     // (the implicit barrier of the loop: every probability is in place)
     for (int h = 0; h < g.kv_heads && first < last; ++h) {
@@ -517,18 +532,10 @@ void attend_split(const StepView<K>& step, int b, int threads) {
 // step time with an item per (sequence, KV head). The numbers are `attend_rows`'s, in its order.
 template <typename K>
 void attend_sequence(const StepView<K>& step, int b, TileScratch& scratch) {
+  const auto [group, rows, reach, lo, start, num_blocks, block_elems, table, q, o, p_stride] =
+      decode_layout(step, b);
+  const int D = step.g.head_dim, bs = step.g.block_size;
   const Geometry& g = step.g;
-  const int D = g.head_dim, bs = g.block_size;
-  const int group = step.heads / g.kv_heads, rows = step.heads;
-  const int reach = step.seq_lens[b];
-  const int lo = step.window > 0 ? std::max(0, reach - step.window) : 0;
-  const int start = first_block_of(lo, bs) * bs;
-  const int num_blocks = (reach + bs - 1) / bs;
-  const int64_t block_elems = static_cast<int64_t>(D) * bs;
-  const int* table = step.block_tables + b * g.max_blocks;
-  const bf16* q = step.q + step.query_start[b] * step.q_tok;
-  bf16* o = step.out + step.query_start[b] * step.o_tok;
-  const int64_t p_stride = (static_cast<int64_t>(num_blocks) * bs + kStep + 31) / 32 * 32;
   scratch.offsets.resize(num_blocks);
   scratch.p.resize(static_cast<size_t>(rows) * p_stride);
   scratch.p16.resize(static_cast<size_t>(rows) * p_stride);
@@ -573,22 +580,11 @@ void attend_sequence(const StepView<K>& step, int b, TileScratch& scratch) {
   }
   std::vector<int64_t> head_offsets(num_blocks);
   float* acc = scratch.acc.data();
-  const int first_segment = start / kSegment, last_segment = (reach - 1) / kSegment;
   for (int h = 0; h < g.kv_heads; ++h) {
     for (int j = 0; j < num_blocks; ++j) head_offsets[j] = scratch.offsets[j] + h * block_elems;
     const ValueRows<K> values{step.value_cache, head_offsets.data(), bs, D, start, reach};
-    for (int s = first_segment; s <= last_segment; ++s) {
-      int seg_lo, seg_hi;
-      segment_span(s, start, reach, seg_lo, seg_hi);
-      segment_values(p16 + h * group * p_stride, p_stride, group > 16, seg_lo, seg_hi, values,
-                     scratch.pairs, scratch.sums);
-      for (int r = 0; r < group; ++r)
-        for (int d = 0; d < D; d += 16) {
-          float* a = acc + r * D + d;
-          const Vec16 part = load16(scratch.sums + r * D + d);
-          store16(a, s == first_segment ? part : load16(a) + part);
-        }
-    }
+    weighted_sum(p16 + h * group * p_stride, p_stride, group, start, reach, values,
+                 scratch.pairs, scratch.sums, acc);
     for (int r = 0; r < group; ++r)
       for (int d = 0; d < D; d += 16)
         store16(o + (h * group + r) * step.o_head + d, load16(acc + r * D + d));

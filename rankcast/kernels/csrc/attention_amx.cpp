@@ -638,7 +638,7 @@ bool amx_attention(const StepView<K>& step) {
     for (int b = 0; b < step.num_seqs; ++b) attend_split(step, b, available);
     return true;
   }
-  // Positions per item: as many as fill a tile's 16 rows with whole groups.
+  // Positions per item: as many as fill the tiles' 32 rows with whole groups.
   const int positions = std::max(1, kTileRows / group);
   std::vector<WorkItem> items;
   int longest = 0;

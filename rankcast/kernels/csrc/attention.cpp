@@ -389,16 +389,6 @@ void attend_tile(const T* const* q, T* const* out, const int* begin, const int* 
 // Blocks ahead of the one being scored whose keys `attend_split` prefetches (1, 4 and 8 measured
 // within noise of each other).
 constexpr int kSplitAheadBlocks = 8;
-// Contexts from which a lone decode is split between threads. SmolLM2's q4_1 decode step alone,
-// 2-core Zen 4, builds alternated (bench/decode_step.py): at 150 tokens the split changed nothing,
-// at 600 it was 1.03-1.09x faster, at 2,000 1.24x (6.70 -> 5.39 ms); its barriers cost about
-// what it saves on a short context.
-constexpr int kSplitMinTokens = 256;
-// Decode steps with at least this many sequences per thread take one sequence per item
-// (`attend_sequence`). SmolLM2's decode step alone on the 2-core Zen 4, builds alternated
-// (bench/decode_step.py, bfloat16 weights unless named): 32 sequences at 200 tokens 36.4 -> 30.8
-// ms (q4_1 40.4 -> 31.1), 32 at 40 tokens 1.03x, 4 at 200 1.03x, 8 at 1,000 21.4 -> 17.7 ms.
-constexpr int kSequenceItemsPerThread = 2;
 
 // Every KV head's R query rows of one token scored against the blocks holding tokens
 // [first, last) of a context of `reach`, block after block and head after head within a block
@@ -603,23 +593,13 @@ constexpr auto tile_table(std::integer_sequence<int, Rs...>) {
   return std::array<TileFn<T, K>, sizeof...(Rs)>{&attend_tile<T, K, Rs + 1>...};
 }
 
-// A unit of parallel work: some query positions of one sequence against one KV head.
-struct WorkItem {
-  int seq;
-  int kv_head;
-  int first_token;  // index into the step's tokens
-  int num_tokens;
-};
-
 template <typename T, typename K>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const KVScales& scales,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start, double scale, int window) {
   // The first key position a query at `position` sees.
-  auto first_visible = [window](int position) {
-    return window > 0 ? std::max(0, position + 1 - window) : 0;
-  };
+  auto first_visible = [window](int position) { return attention::first_visible(position, window); };
   const int num_seqs = static_cast<int>(seq_lens.size(0));
   const int heads = static_cast<int>(query.size(1));
   const Geometry g{static_cast<int>(key_cache.size(1)), static_cast<int>(key_cache.size(2)),
@@ -642,19 +622,12 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
     if (amx_attention(step)) return;
   }
 
-  // Steps of decodes only (every sequence one query token) read each sequence's blocks whole,
-  // every head of a block in turn: with enough sequences to share out, one sequence per item
-  // (`attend_sequence`); with too few (sequence, head) items to keep every thread busy and long
-  // contexts, each sequence's context shared out between the threads (`attend_split`).
+  // Decodes only: one sequence per item (`attend_sequence`) or a lone one's context split between
+  // the threads (`attend_split`); other steps by items of tiles (`share_step`).
   const int available = at::get_num_threads();
-  bool decodes = group <= kMaxRows;
-  bool long_contexts = true;
-  for (int b = 0; b < num_seqs && decodes; ++b) {
-    decodes = starts[b + 1] - starts[b] == 1;
-    const int visible = lens[b] - first_visible(lens[b] - 1);
-    long_contexts = long_contexts && visible >= kSplitMinTokens;
-  }
-  if (decodes && num_seqs >= kSequenceItemsPerThread * available) {
+  const Sharing sharing =
+      share_step(lens, starts, num_seqs, group, kMaxRows, g.kv_heads, window, available);
+  if (sharing == Sharing::kSequences) {
     const int threads = std::min(available, num_seqs);
     std::atomic<int> next_seq{0};
 #pragma omp parallel num_threads(threads)
@@ -674,9 +647,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
     }
     return;
   }
-  const bool lone_decodes = decodes && long_contexts && available > 1 &&
-                            num_seqs * g.kv_heads < 2 * available;
-  if (lone_decodes) {
+  if (sharing == Sharing::kSplit) {
     for (int b = 0; b < num_seqs; ++b) {
       const T* qb = q + starts[b] * q_tok;
       T* ob = o + starts[b] * o_tok;
@@ -691,14 +662,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
     return;
   }
   // Positions per item: enough rows (positions x heads in the group) to fill kMaxRows.
-  const int positions = std::max(1, kMaxRows / group);
-  std::vector<WorkItem> items;
-  for (int b = 0; b < num_seqs; ++b) {
-    for (int t = starts[b]; t < starts[b + 1]; t += positions) {
-      const int n = std::min(positions, starts[b + 1] - t);
-      for (int h = 0; h < g.kv_heads; ++h) items.push_back({b, h, t, n});
-    }
-  }
+  const std::vector<WorkItem> items =
+      work_items(starts, num_seqs, g.kv_heads, std::max(1, kMaxRows / group));
   static constexpr auto tiles = tile_table<T, K>(std::make_integer_sequence<int, kMaxRows>{});
   int longest = 0;
   for (int b = 0; b < num_seqs; ++b) longest = std::max(longest, lens[b]);

@@ -63,20 +63,8 @@ constexpr int kSegment = 256;     // tokens the tiles sum in one chain (a multip
 constexpr int kMaxHeadDim = 256;  // the widest head a zero value row covers
 constexpr int kPairTile = 16 * 32;  // bfloat16 elements of one operand tile (16 rows of 64 bytes)
 constexpr int kAheadBlocks = 2;  // key blocks on whose lines a block's scores fetch
-// Contexts from which a lone decode is split between threads (csrc/attention.cpp's kSplitMinTokens).
-constexpr int kSplitMinTokens = 256;
-// Decode steps with at least this many sequences per thread take one sequence per item
-// (csrc/attention.cpp's kSequenceItemsPerThread).
-constexpr int kSequenceItemsPerThread = 2;
 
 alignas(64) const bf16 kZeroRow[kMaxHeadDim] = {};  // zero in bfloat16 and in 8-bit formats
-
-// Word i of `a` and of `b` at words 2i and 2i + 1 (i < 16; `high`: i + 16).
-inline __m512i interleave_words(__m512i a, __m512i b, bool high) {
-  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
-                                       8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  return _mm512_permutex2var_epi16(a, high ? _mm512_add_epi16(low, _mm512_set1_epi16(16)) : low, b);
-}
 
 // An 8-bit cache's bytes are multiplied as bfloat16, converted exactly (every int8, fp8 e4m3 and
 // fp8 e5m2 value is a bfloat16): the scores times each token's key scale, the probabilities times
@@ -291,7 +279,8 @@ inline void probabilities(float* p, bf16* p16, int start, int reach, float row_m
 
 // Scores [rows, 16] of a tile made row r's part of p (p + r * p_stride, positions [base, base +
 // n)): times the scale (and each token's key scale, `key_scales`, where the cache is 8-bit),
-// -inf before begin[r] and from limit[r]; maxes[r] keeps the row's largest so far.
+// -inf before begin[r] and from limit[r]; maxes[r] (unless null: a split decode finds each
+// row's largest once every thread's scores are in) keeps the row's largest so far.
 inline void place_scores(const float* sums, int rows, float scale, const float* key_scales,
                          float* p, int64_t p_stride, int base, int n, const int* begin,
                          const int* limit, Vec16* maxes) {
@@ -304,7 +293,7 @@ inline void place_scores(const float* sums, int rows, float scale, const float* 
                               static_cast<__mmask16>(~tail_mask(std::clamp(begin[r] - base, 0, 16)));
     const Vec16 kept{_mm512_mask_mov_ps(neg_inf, visible, s.v)};
     store16(p + r * p_stride + base, kept, n);
-    maxes[r] = max(maxes[r], kept);
+    if (maxes != nullptr) maxes[r] = max(maxes[r], kept);
   }
 }
 
@@ -415,7 +404,7 @@ template <typename K>
 DecodeLayout decode_layout(const StepView<K>& step, int b) {
   const Geometry& g = step.g;
   const int bs = g.block_size, reach = step.seq_lens[b];
-  const int lo = step.window > 0 ? std::max(0, reach - step.window) : 0;
+  const int lo = first_visible(reach - 1, step.window);
   const int num_blocks = (reach + bs - 1) / bs;
   return {step.heads / g.kv_heads,
           step.heads,
@@ -464,9 +453,7 @@ void attend_split(const StepView<K>& step, int b, int threads) {
       limits[r] = reach;
     }
     scratch->q16.resize(static_cast<size_t>(group) * D);
-    scratch->maxes.resize(group);
     for (int h = 0; h < g.kv_heads && first < last; ++h) {
-      for (int r = 0; r < group; ++r) scratch->maxes[r] = splat(-std::numeric_limits<float>::infinity());
       for (int r = 0; r < group; ++r)
         std::memcpy(scratch->q16.data() + r * D, q + (h * group + r) * step.q_head,
                     D * sizeof(bf16));
@@ -484,7 +471,7 @@ void attend_split(const StepView<K>& step, int b, int threads) {
           place_scores(scratch->sums, group, step.scale,
                        key_scales(step, offsets[j] + h * block_elems, t0),
                        p.get() + h * group * p_stride, p_stride, base + t0, n, begins, limits,
-                       scratch->maxes.data());
+                       nullptr);
         }
       }
     }
@@ -591,14 +578,6 @@ void attend_sequence(const StepView<K>& step, int b, TileScratch& scratch) {
   }
 }
 
-// A unit of parallel work: some query positions of one sequence against one KV head.
-struct WorkItem {
-  int seq;
-  int kv_head;
-  int first_token;  // index into the step's tokens
-  int num_tokens;
-};
-
 }  // namespace
 
 template <typename K>
@@ -610,20 +589,11 @@ bool amx_attention(const StepView<K>& step) {
   const int group = step.heads / g.kv_heads;
   const int* lens = step.seq_lens;
   const int* starts = step.query_start;
-  auto first_visible = [&](int position) {
-    return step.window > 0 ? std::max(0, position + 1 - step.window) : 0;
-  };
   const int available = at::get_num_threads();
-  // Steps of decodes only, as csrc/attention.cpp shares them out: with enough sequences, one per
-  // item (`attend_sequence`); with too few (sequence, KV head) items for the threads and long
-  // contexts, each sequence's context split between the threads (`attend_split`).
-  bool decodes = group <= kTileRows;
-  bool long_contexts = true;
-  for (int b = 0; b < step.num_seqs && decodes; ++b) {
-    decodes = starts[b + 1] - starts[b] == 1;
-    long_contexts = long_contexts && lens[b] - first_visible(lens[b] - 1) >= kSplitMinTokens;
-  }
-  if (decodes && step.num_seqs >= kSequenceItemsPerThread * available) {
+  // Shared out as the vector kernels share a step (`share_step`), with up to 32 rows a tile.
+  const Sharing sharing = share_step(lens, starts, step.num_seqs, group, kTileRows, g.kv_heads,
+                                     step.window, available);
+  if (sharing == Sharing::kSequences) {
     std::atomic<int> next_seq{0};
 #pragma omp parallel num_threads(std::min(available, step.num_seqs))
     {
@@ -634,21 +604,15 @@ bool amx_attention(const StepView<K>& step) {
     }
     return true;
   }
-  if (decodes && long_contexts && available > 1 && step.num_seqs * g.kv_heads < 2 * available) {
+  if (sharing == Sharing::kSplit) {
     for (int b = 0; b < step.num_seqs; ++b) attend_split(step, b, available);
     return true;
   }
   // Positions per item: as many as fill the tiles' 32 rows with whole groups.
-  const int positions = std::max(1, kTileRows / group);
-  std::vector<WorkItem> items;
+  const std::vector<WorkItem> items =
+      work_items(starts, step.num_seqs, g.kv_heads, std::max(1, kTileRows / group));
   int longest = 0;
-  for (int b = 0; b < step.num_seqs; ++b) {
-    longest = std::max(longest, lens[b]);
-    for (int t = starts[b]; t < starts[b + 1]; t += positions) {
-      const int n = std::min(positions, starts[b + 1] - t);
-      for (int h = 0; h < g.kv_heads; ++h) items.push_back({b, h, t, n});
-    }
-  }
+  for (int b = 0; b < step.num_seqs; ++b) longest = std::max(longest, lens[b]);
   // Scores and probabilities per row, by position, padded to whole blocks and whole steps.
   const int64_t p_stride = (longest + g.block_size + kStep + 31) / 32 * 32;
   const int threads = std::min<int64_t>(available, static_cast<int64_t>(items.size()));
@@ -680,7 +644,7 @@ bool amx_attention(const StepView<K>& step) {
           const int head = item.kv_head * group + hh;
           qrow[rows] = step.q + t * step.q_tok + head * step.q_head;
           orow[rows] = step.out + t * step.o_tok + head * step.o_head;
-          begin[rows] = first_visible(position);
+          begin[rows] = first_visible(position, step.window);
           limit[rows] = position + 1;
           if (++rows == kTileRows) flush();
         }

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
+
 from rankcast import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -189,6 +191,9 @@ class CacheConfig:
     commit: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_events_config, dict):  # the offline `LLM` may give vLLM's dict
+            events = KVEventsConfig.from_json(msgspec.json.encode(self.kv_events_config).decode())
+            object.__setattr__(self, "kv_events_config", events)
         _require(
             self.block_size in (8, 16, 32, 64, 128), "--block-size must be 8..128, a power of 2"
         )
@@ -223,6 +228,141 @@ class CacheConfig:
         return self.kv_events or bool(self.kv_events_config and self.kv_events_config.publishes)
 
 
+# The speculative-decoding methods `--speculative-config` takes (vLLM's names): drafts read from
+# text already present, no draft model (rankcast/engine_core/speculation/).
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config`, `LLM(speculative_config=...)`), with vLLM's
+    keys and defaults, so a deployment's vLLM settings carry over as they are.
+
+    `ngram` drafts the tokens that followed the latest earlier occurrence of the sequence's last
+    `prompt_lookup_min`..`prompt_lookup_max` tokens in its own prompt and output; `suffix` also
+    looks in the outputs of the last `suffix_decoding_max_cached_requests` requests, so an answer
+    repeated across requests speculates too, drafting up to `suffix_decoding_max_spec_factor`
+    times the length matched (at most `suffix_decoding_max_tree_depth`) while the continuation
+    was seen at least `suffix_decoding_min_token_prob` of the time. `num_speculative_tokens` is
+    the most a request drafts in one step; the engine's cost model decides, each step, how many
+    it actually does (none where a wider step would be slower).
+    """
+
+    method: str
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10_000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            f"--speculative-config method must be one of {', '.join(SPECULATIVE_METHODS)} "
+            f"(drafts from the text itself; no draft model), got {self.method!r}",
+        )
+        if self.method == "ngram":
+            # vLLM's: one bound given sets the other; neither, both 5.
+            low, high = self.prompt_lookup_min, self.prompt_lookup_max
+            if low is None and high is None:
+                low = high = 5
+            low = high if low is None else low
+            high = low if high is None else high
+            assert low is not None and high is not None
+            _require(low >= 1, f"--speculative-config prompt_lookup_min must be >= 1, got {low}")
+            _require(
+                high >= low,
+                f"--speculative-config prompt_lookup_max ({high}) must be >= prompt_lookup_min "
+                f"({low})",
+            )
+            object.__setattr__(self, "prompt_lookup_min", low)
+            object.__setattr__(self, "prompt_lookup_max", high)
+            _require(
+                self.num_speculative_tokens is not None,
+                "--speculative-config num_speculative_tokens is required for method ngram",
+            )
+        else:
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                _require(
+                    getattr(self, key) is None,
+                    f"--speculative-config {key} is read by method ngram only",
+                )
+            _require(
+                self.suffix_decoding_max_tree_depth >= 1,
+                "--speculative-config suffix_decoding_max_tree_depth must be >= 1, got "
+                f"{self.suffix_decoding_max_tree_depth}",
+            )
+            _require(
+                self.suffix_decoding_max_cached_requests >= 0,
+                "--speculative-config suffix_decoding_max_cached_requests must be >= 0, got "
+                f"{self.suffix_decoding_max_cached_requests}",
+            )
+            _require(
+                self.suffix_decoding_max_spec_factor > 0,
+                "--speculative-config suffix_decoding_max_spec_factor must be > 0, got "
+                f"{self.suffix_decoding_max_spec_factor}",
+            )
+            _require(
+                0 <= self.suffix_decoding_min_token_prob <= 1,
+                "--speculative-config suffix_decoding_min_token_prob must be in [0, 1], got "
+                f"{self.suffix_decoding_min_token_prob}",
+            )
+            if self.num_speculative_tokens is None:
+                object.__setattr__(
+                    self, "num_speculative_tokens", self.suffix_decoding_max_tree_depth
+                )
+        _require(
+            self.num_speculative_tokens is not None and 1 <= self.num_speculative_tokens <= 64,
+            "--speculative-config num_speculative_tokens must be 1..64, got "
+            f"{self.num_speculative_tokens}",
+        )
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most tokens one request drafts in a step."""
+        assert self.num_speculative_tokens is not None
+        return self.num_speculative_tokens
+
+    @classmethod
+    def from_dict(cls, raw: object) -> SpeculativeConfig:
+        """vLLM's JSON object, parsed; an unknown key, a wrong type or a bad value is an error
+        naming it (msgspec checks the types against the fields)."""
+        import msgspec
+
+        if not isinstance(raw, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in raw:
+            if key not in known:
+                raise ConfigError(
+                    f"--speculative-config has no key {key!r} here (keys: {', '.join(known)}; "
+                    "rankcast drafts from the text itself, without a draft model)"
+                )
+        if "method" not in raw:
+            raise ConfigError(
+                f"--speculative-config needs a method ({', '.join(SPECULATIVE_METHODS)})"
+            )
+        try:
+            return msgspec.convert(raw, cls)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            raise ConfigError(
+                message if message.startswith("--") else f"--speculative-config: {message}"
+            ) from None
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        import msgspec
+
+        try:
+            raw = msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
+        return cls.from_dict(raw)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batch limits for continuous batching.
@@ -239,8 +379,13 @@ class SchedulerConfig:
     # same or better throughput; offline batch throughput is the same either way.
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
+    # Speculative decoding (None: off); the offline `LLM` may give vLLM's dict.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            spec = SpeculativeConfig.from_dict(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)
         _require(self.max_num_seqs > 0, f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens > 0,

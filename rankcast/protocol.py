@@ -46,7 +46,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 #    no longer follows events), SchedulerStats.kv_cache_committed_bytes.
 # 12: AdapterResidency.pinned_ranks (the snapshot is the engine view's state, pins per rank).
 # 13: SchedulerStats.kv_cache_dtype (an 8-bit KV cache is named on /metrics).
-PROTOCOL_VERSION = 13
+# 14: speculative decoding: ScheduledSequence.num_draft_tokens, ModelRunnerOutput's tokens and
+#     logprobs a list per sequence, SchedulerStats.spec_decode_* (vLLM's counters).
+PROTOCOL_VERSION = 14
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -145,6 +147,13 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # What the KV cache holds (`--kv-cache-dtype` as the ranks resolved it: "bfloat16", "int8",
     # "fp8_e4m3", ...): vLLM's `cache_dtype` label of `vllm:cache_config_info`.
     kv_cache_dtype: str = ""
+    # Speculative decoding since the engine started (vLLM's `vllm:spec_decode_*` counters):
+    # verifications run (a request's drafts in one step), tokens drafted, drafts accepted, and
+    # of those by position in the draft (index 0: the first drafted token).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class ErrorKind(enum.StrEnum):
@@ -240,6 +249,10 @@ class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     # Its block table in the model's sliding-window group, where the model's windowed layers
     # have a KV-cache group of their own (engine_core/kv_cache_manager.py); None elsewhere.
     window_block_ids: list[int] | None = None
+    # The last `num_draft_tokens` of `token_ids` are drafts (speculative decoding): the step
+    # samples at each of them as well and keeps the tokens up to the first draft the model
+    # disagrees with (worker/verification.py).
+    num_draft_tokens: int = 0
 
 
 class LoRAMove(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -269,11 +282,13 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The output rank's sampled tokens, in the order of `SchedulerOutput.sequences`."""
+    """The output rank's tokens for each sequence that sampled, in the order of
+    `SchedulerOutput.sequences`: one token, or with drafts the drafts it accepted and the token
+    sampled after them. `logprobs`, where asked for, one per token."""
 
     request_ids: list[str]
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 class AdapterRead(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -54,7 +54,8 @@ def test_decoder_ignores_unknown_trailing_fields() -> None:
             [],
             [
                 *(1, 2, 0.5, 0, 10, 16, 3, 0.25, ["a"], [], {"a": 1}, {}, 2.5, 40, 32, 64),
-                *({"load": 1}, 16, 8, {"sql": {"device": 2}}, {"sql": 1}, "int8", "future"),
+                *({"load": 1}, 16, 8, {"sql": {"device": 2}}, {"sql": 1}, "int8"),
+                *(3, 6, 4, [3, 1], "future"),
             ],
             1.0,
         ]
@@ -84,6 +85,10 @@ def test_decoder_ignores_unknown_trailing_fields() -> None:
         {"sql": {"device": 2}},
         {"sql": 1},
         "int8",
+        3,
+        6,
+        4,
+        [3, 1],
     )
 
 

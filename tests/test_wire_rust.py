@@ -75,6 +75,10 @@ def test_rust_outputs_and_the_notifications_they_carry_decode(samples: Path) -> 
     assert output.new_token_ids == [42, 43] and output.finish_reason is FinishReason.LENGTH
     assert message.scheduler_stats is not None
     assert message.scheduler_stats.running_lora_requests == {"sql": 1}
+    stats = message.scheduler_stats
+    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens) == (4, 12)
+    assert stats.spec_decode_num_accepted_tokens == 7
+    assert stats.spec_decode_num_accepted_tokens_per_pos == [4, 2, 1]
     assert message.finished_requests == ["rust-1"]
     assert message.engine_notifications is not None
     decoder = msgspec.msgpack.Decoder(AnyNotification)

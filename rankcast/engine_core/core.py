@@ -370,7 +370,9 @@ class EngineCore:
             stepped = self.notifications.should_gather(Moment.IDLE)
         if stepped:
             # Finished ids and adapter moves must reach the ranks even on an empty step.
+            started = time.perf_counter()
             result = self.executor.execute_model(batch)
+            self.scheduler.record_step_time(batch, time.perf_counter() - started)
             # Each rank's events came back with its reply to the step.
             self.notifications.receive(result.notifications)
             if self.loras is not None:

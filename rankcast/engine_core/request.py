@@ -69,6 +69,8 @@ class Request:
     # its adapter keeps the slot against queued requests.
     keeps_slot_until: int = 0
     error: str | None = None  # why the scheduler ended it, if it did
+    # This step's drafted tokens (speculative decoding), checked after its newest token.
+    draft_token_ids: list[int] = field(default_factory=list)
     # Tokens and logprobs sampled since the last output was sent.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -28,6 +28,7 @@ from rankcast.engine_core.adapter_turns import AdapterSlots, AdapterTurns
 from rankcast.engine_core.block_manager import BlockManager
 from rankcast.engine_core.kv_cache_manager import KVCacheManager
 from rankcast.engine_core.request import Request, RequestStatus
+from rankcast.engine_core.speculation.drafter import Drafter
 from rankcast.protocol import (
     EngineCoreOutput,
     FinishReason,
@@ -75,6 +76,9 @@ class Scheduler:
         self.routing_hit_prefix_tokens = 0
         # What the last `schedule()` gave each request, applied by `update_from_output`.
         self.scheduled: list[tuple[Request, int]] = []
+        # Speculative decoding: which decodes draft, and how far (None: off).
+        spec = config.speculative_config
+        self.drafter = Drafter(spec, max_model_len) if spec is not None else None
 
     # ---- queue management ----
 
@@ -124,6 +128,8 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
+        if self.drafter is not None:
+            self.drafter.finish(request)
         self.blocks.free(request)
         self.requests.pop(request.request_id, None)
         self.finished_since_last_step.append(request.request_id)
@@ -332,7 +338,33 @@ class Scheduler:
                 self.blocks.allocate(request, need)
                 scheduled.append((request, count))
                 budget -= count
+        if self.drafter is not None and scheduled:
+            budget = self._add_drafts(scheduled, budget)
         return scheduled, budget, preempted
+
+    def _add_drafts(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
+        """Widen the decodes the drafter chooses by their drafts, where their blocks fit
+        without taking any from another request; returns the budget left."""
+        assert self.drafter is not None
+        decodes = [
+            request
+            for request, count in scheduled
+            if count == 1 and request.num_tokens - request.num_computed_tokens == 1
+        ]
+        step_tokens = sum(count for _, count in scheduled)
+        drafts = self.drafter.plan(decodes, step_tokens, budget)
+        for i, (request, count) in enumerate(scheduled):
+            draft = drafts.get(request.request_id)
+            if not draft or count != 1:
+                continue
+            need = request.num_computed_tokens + 1 + len(draft)
+            if not self.blocks.can_allocate(request, need):
+                continue  # drafts never take blocks a request would have to be preempted for
+            self.blocks.allocate(request, need)
+            request.draft_token_ids = draft
+            scheduled[i] = (request, 1 + len(draft))
+            budget -= len(draft)
+        return budget
 
     def schedule(self) -> SchedulerOutput:
         finished = self.finished_since_last_step
@@ -369,19 +401,22 @@ class Scheduler:
         sequences = []
         for i, (request, count) in enumerate(self.scheduled):
             start = request.num_computed_tokens
+            drafts = request.draft_token_ids
+            own = count - len(drafts)  # the request's own tokens; then its drafts
             sequences.append(
                 ScheduledSequence(
                     request.request_id,
-                    request.token_slice(start, count),
+                    request.token_slice(start, own) + drafts,
                     start,
                     list(request.block_ids),
                     # Ranks learn a request's parameters when it is admitted (or readmitted).
                     request.params if i >= len(scheduled) else None,
                     request.lora_slot,
-                    sample=start + count == request.num_tokens,
+                    sample=start + own == request.num_tokens,
                     window_block_ids=list(request.kv_groups[1].block_ids)
                     if len(request.kv_groups) > 1
                     else None,
+                    num_draft_tokens=len(drafts),
                 )
             )
         moves = self.adapters.take_moves() if self.adapters is not None else []
@@ -391,23 +426,46 @@ class Scheduler:
         """Count the step's computed tokens, append sampled ones, finish requests that stop,
         and describe what changed: (client index, output), the client that owns the request."""
         for computed, count in self.scheduled:
+            if computed.draft_token_ids:
+                continue  # counted once its tokens are known: only accepted drafts count
             computed.num_computed_tokens += count
             self.blocks.cache_computed_blocks(computed)
         self.scheduled = []
         outputs: list[tuple[int, EngineCoreOutput]] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)
-        for request_id, token, lp in zip(
+        for request_id, tokens, lps in zip(
             result.request_ids, result.sampled_token_ids, logprobs, strict=True
         ):
             request = self.requests.get(request_id)
             if request is None:
                 continue  # aborted while the step ran
-            request.append_token(token, lp)
-            if request.check_stop(self.max_model_len):
+            drafts, request.draft_token_ids = request.draft_token_ids, []
+            kept = 0
+            for position, token in enumerate(tokens):
+                request.append_token(token, lps[position] if lps else None)
+                kept += 1
+                if request.check_stop(self.max_model_len):
+                    break  # a stop inside an accepted run: the rest is dropped
+            if drafts:
+                self._count_verified(request, drafts, len(tokens) - 1, kept)
+            if request.finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request)
             outputs.append((request.client_index, self._take_output(request)))
         return outputs
+
+    def _count_verified(
+        self, request: Request, drafts: list[int], accepted: int, kept: int
+    ) -> None:
+        """A verification's result: the newest token and the accepted drafts are computed
+        (their K/V holds the request's real tokens), the rejected drafts' slots are not, so
+        no block holding one is ever named in the prefix cache or announced."""
+        assert self.drafter is not None
+        self.drafter.record_verification(request, len(drafts), accepted)
+        request.num_computed_tokens = min(
+            request.num_computed_tokens + 1 + min(accepted, kept), request.num_tokens
+        )
+        self.blocks.cache_computed_blocks(request)
 
     def _take_output(self, request: Request) -> EngineCoreOutput:
         output = EngineCoreOutput(
@@ -424,7 +482,7 @@ class Scheduler:
         return output
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=len(self.running) + len(self.parked),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.blocks.usage,
@@ -441,3 +499,19 @@ class Scheduler:
             },
             lora_evictions_undone=dict(sorted(self.turns.evictions_undone.items())),
         )
+        if self.drafter is not None:
+            counters = self.drafter.counters
+            stats.spec_decode_num_drafts = counters.drafts
+            stats.spec_decode_num_draft_tokens = counters.draft_tokens
+            stats.spec_decode_num_accepted_tokens = counters.accepted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = list(counters.accepted_per_position)
+        return stats
+
+    def record_step_time(self, batch: SchedulerOutput, seconds: float) -> None:
+        """`batch` took `seconds`: what the drafter weighs drafts against. Only steps of
+        decodes (drafted or not) count: a prompt's tokens cost more each (a new request's
+        first step does more than compute), and drafts are weighed in decode steps."""
+        if self.drafter is None or not batch.sequences:
+            return
+        if all(len(s.token_ids) - s.num_draft_tokens == 1 for s in batch.sequences):
+            self.drafter.record_step(sum(len(s.token_ids) for s in batch.sequences), seconds)

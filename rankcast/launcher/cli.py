@@ -34,6 +34,7 @@ from rankcast.config import (
     EngineConfig,
     KVEventsConfig,
     ServeConfig,
+    SpeculativeConfig,
 )
 from rankcast.errors import ModelFormatError
 from rankcast.logger import init_logging
@@ -238,6 +239,18 @@ FLAGS: tuple[Flag, ...] = (
         "data-parallel engine i uses port + i (unset: none)",
         metavar="JSON",
         parse=KVEventsConfig.from_json,
+    ),
+    Flag(
+        "--speculative-config",
+        "speculative_config",
+        "speculative decoding, as vLLM takes it: a JSON object with method (ngram: drafts from "
+        "the request's own prompt and output; suffix: also from recent requests' outputs), "
+        "num_speculative_tokens, prompt_lookup_min/max (ngram), suffix_decoding_max_tree_depth, "
+        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
+        "suffix_decoding_min_token_prob (suffix); greedy output is unchanged, and a measured "
+        "cost model drafts only where the wider step pays (unset: off)",
+        metavar="JSON",
+        parse=SpeculativeConfig.from_json,
     ),
     Flag("--block-size", "block_size", "tokens per KV cache block: 8..128, a power of 2"),
     Flag(

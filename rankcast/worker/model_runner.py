@@ -28,7 +28,7 @@ from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.sampling_params import SamplingParams
 from rankcast.start_up_holds import hold_here
-from rankcast.worker import sampler
+from rankcast.worker import sampler, verification
 from rankcast.worker.grammar import GrammarMatchers, TokenMask
 
 logger = logging.getLogger(__name__)
@@ -294,8 +294,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor | None:
-        """Logits [sampling sequences, vocab] at the newest position of each sequence that
-        samples this step (a prompt chunk that continues later has none).
+        """Logits [sampling rows, vocab] at the newest position of each sequence that samples
+        this step (a prompt chunk that continues later has none), preceded, for a sequence with
+        drafts, by a row at each position a draft is checked at (verification.py).
 
         Every pipeline stage builds the same inputs from the shared batch; a non-first stage
         receives the previous stage's (hidden, residual), a non-last one passes its own on and
@@ -315,9 +316,15 @@ class ModelRunner:
             pp.send((hidden, residual))
             return None
         if hidden.shape[0] != len(batch.sequences) or not all(s.sample for s in batch.sequences):
-            # Each sampling sequence's last token: the end of its slice of the step's tokens.
+            # Each sampling sequence's last token (the end of its slice of the step's tokens),
+            # and with drafts the rows of the tokens before it that the drafts took.
             ends = itertools.accumulate(meta.query_lens)
-            rows = [end - 1 for end, seq in zip(ends, batch.sequences, strict=True) if seq.sample]
+            rows = [
+                row
+                for end, seq in zip(ends, batch.sequences, strict=True)
+                if seq.sample
+                for row in range(end - 1 - seq.num_draft_tokens, end)
+            ]
             if not rows:
                 empty: torch.Tensor = hidden.new_empty((0, self.arch.vocab_size))
                 return empty
@@ -341,18 +348,36 @@ class ModelRunner:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
         states = [self.requests[seq.request_id] for seq in sampling]
         request_ids = [seq.request_id for seq in sampling]
-        allowed = self._token_mask(request_ids, states)
+        spans = verification.row_spans(sampling)
+        # Each row samples with its sequence's parameters and generator (drafting sequences
+        # have several rows; structured ones never draft, so their mask rows are their own).
+        row_states = [
+            state for state, span in zip(states, spans, strict=True) for _ in range(span.rows)
+        ]
+        row_ids = [
+            rid for rid, span in zip(request_ids, spans, strict=True) for _ in range(span.rows)
+        ]
+        allowed = self._token_mask(row_ids, row_states)
+        generators = [s.generator for s in states]
+        saved = verification.generator_states(spans, generators)
         tokens, logprobs = sampler.sample(
-            logits, [s.params for s in states], [s.generator for s in states], allowed
+            logits, [s.params for s in row_states], [s.generator for s in row_states], allowed
         )
         if allowed is not None:
             assert self.grammars is not None
             for row in allowed.rows:
-                self.grammars.advance(request_ids[row], states[row].matcher, tokens[row])
+                self.grammars.advance(row_ids[row], row_states[row].matcher, tokens[row])
+        kept_tokens, kept_logprobs, kept = verification.split_rows(tokens, logprobs, spans)
+        for request, saved_state, span, count in zip(states, saved, spans, kept, strict=True):
+            generator = request.generator
+            if generator is None or saved_state is None or request.params.greedy:
+                continue  # a greedy request's generator draws nothing that matters
+            if count < span.rows:
+                verification.rewind(generator, saved_state, count, logits.shape[1], logits.device)
         return ModelRunnerOutput(
             request_ids=request_ids,
-            sampled_token_ids=tokens,
-            logprobs=logprobs,
+            sampled_token_ids=kept_tokens,
+            logprobs=kept_logprobs,
         )
 
     def _token_mask(self, request_ids: list[str], states: list[_RequestState]) -> TokenMask | None:

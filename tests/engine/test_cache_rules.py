@@ -31,7 +31,7 @@ def _finish(scheduler: Scheduler, rid: str, steps: int = 50) -> None:
         batch = scheduler.schedule()
         assert all(s.token_ids for s in batch.sequences), "a sequence with nothing to compute"
         ids = [s.request_id for s in batch.sequences if s.sample]
-        scheduler.update_from_output(ModelRunnerOutput(ids, [7] * len(ids)))
+        scheduler.update_from_output(ModelRunnerOutput(ids, [[7]] * len(ids)))
     raise AssertionError(f"{rid} did not finish in {steps} steps")
 
 
@@ -208,7 +208,7 @@ def test_requests_admitted_together_compute_their_shared_prefix_once() -> None:
     assert blocks.hit_tokens == 8
     _check_allocator(scheduler)
     ids = [s.request_id for s in (first, second, other)]
-    scheduler.update_from_output(ModelRunnerOutput(ids, [7] * 3))
+    scheduler.update_from_output(ModelRunnerOutput(ids, [[7]] * 3))
     stored = [e for e in blocks.take_kv_events() if isinstance(e, KVBlocksStored)]
     named = [h for e in stored for h in e.block_hashes]
     assert len(named) == len(set(named)) == 4, "each computed block named once, by its writer"

@@ -24,7 +24,7 @@ def _run(scheduler: Scheduler) -> list[str]:
     """One step with every sampling sequence given token 7; the ids that sampled."""
     batch = scheduler.schedule()
     ids = [s.request_id for s in batch.sequences if s.sample]
-    scheduler.update_from_output(ModelRunnerOutput(ids, [7] * len(ids)))
+    scheduler.update_from_output(ModelRunnerOutput(ids, [[7]] * len(ids)))
     return ids
 
 
@@ -41,7 +41,7 @@ def test_requests_join_and_leave_a_running_batch() -> None:
         ("b", 1),
         ("c", 3),
     ], "a new prompt joins the running decodes in the same step"
-    scheduler.update_from_output(ModelRunnerOutput(["a", "b", "c"], [7, 7, 7]))
+    scheduler.update_from_output(ModelRunnerOutput(["a", "b", "c"], [[7], [7], [7]]))
     assert "a" not in scheduler.requests, "a finished at its third token and left the batch"
     assert _run(scheduler) == ["b", "c"]
 
@@ -88,7 +88,7 @@ def test_a_long_prompt_is_chunked_while_running_requests_keep_decoding() -> None
             [(s.request_id, s.start_position, len(s.token_ids), s.sample) for s in batch.sequences]
         )
         ids = [s.request_id for s in batch.sequences if s.sample]
-        scheduler.update_from_output(ModelRunnerOutput(ids, [7] * len(ids)))
+        scheduler.update_from_output(ModelRunnerOutput(ids, [[7]] * len(ids)))
     # "a" decodes every step; the prompt takes what is left of the 8-token budget each time.
     assert steps == [
         [("a", 3, 1, True), ("long", 0, 7, False)],

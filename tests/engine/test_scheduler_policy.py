@@ -170,7 +170,7 @@ def _step(scheduler: Scheduler, slots: FakeSlots) -> dict[str, ScheduledSequence
     batch = scheduler.schedule()
     _check(scheduler, slots)
     ids = [s.request_id for s in batch.sequences if s.sample]
-    scheduler.update_from_output(ModelRunnerOutput(ids, [7] * len(ids)))
+    scheduler.update_from_output(ModelRunnerOutput(ids, [[7]] * len(ids)))
     return {s.request_id: s for s in batch.sequences}
 
 

@@ -85,6 +85,7 @@ SERVE_EVERYTHING = (
     "--no-enable-chunked-prefill",
     "--kv-events",
     '--kv-events-config={"enable_kv_cache_events": true, "topic": "kv"}',
+    '--speculative-config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
     "--block-size=32",
     "--kv-cache-dtype=int8",
     "--kv-cache-space=0.5",
@@ -128,6 +129,14 @@ def test_every_flag_lands_in_its_option() -> None:
     assert changed == every - {"enable_prefix_caching"}
     assert config.cache.kv_events_config is not None
     assert config.cache.kv_events_config.topic == "kv"
+    spec = config.scheduler.speculative_config
+    assert spec is not None and spec.method == "ngram"
+    # vLLM's rule: one lookup bound given sets the other.
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        3,
+        4,
+        4,
+    )
     assert config.cache.kv_events_config.publisher == "zmq"
     off = _parse("serve", "/models/m", "--no-enable-prefix-caching")
     no_cache = EngineConfig.from_kwargs(**cli.options_from_args(off, "engine")).cache

@@ -183,9 +183,17 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     """Every family the Rust server exposes (the engine-derived ones: load, cache
     configuration, notification totals and drops, weight loads; and the ones each server counts
     itself, summed over the fleet) is line for line the Python server's, at rest after
-    traffic that both served. The engine's KV cache is 8-bit: both name it the same way."""
+    traffic that both served. The engine's KV cache is 8-bit: both name it the same way. It
+    speculates (suffix decoding: the same completion again drafts from the last one's output),
+    and both show vLLM's speculative-decoding counters alike."""
     server = ServerProcess(
-        *tiny_model_args(tiny_llama_dir, "--kv-cache-dtype", "int8"),
+        *tiny_model_args(
+            tiny_llama_dir,
+            "--kv-cache-dtype",
+            "int8",
+            "--speculative-config",
+            '{"method": "suffix", "num_speculative_tokens": 4}',
+        ),
         api_server_count=1,
         rust_api_server_count=1,
         env=frontend_env(),
@@ -216,6 +224,16 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     assert 'rankcast:engine_up{engine="0"} 1.0' in rust["rankcast:engine_up"]
     (config,) = [line for line in rust["vllm:cache_config_info"] if line[0] != "#"]
     assert 'block_size="16",cache_dtype="int8",engine="0"' in config, config
+    (accepted,) = [
+        line for line in rust["vllm:spec_decode_num_accepted_tokens_total"] if line[0] != "#"
+    ]
+    assert float(accepted.rsplit(" ", 1)[1]) > 0, accepted
+    per_position = [
+        line
+        for line in rust["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+        if line[0] != "#"
+    ]
+    assert 'position="0"' in per_position[0], per_position
 
 
 def test_the_rust_server_serves_adapters_by_name(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -172,6 +172,45 @@ class Harness:
             done += n
         return logits
 
+    def verified(
+        self, data: st.DataObject, prompt: list[int], slot: int, sampled: list[int]
+    ) -> list[torch.Tensor]:
+        """The target's decodes checked as drafts (speculative decoding): its prompt, then one
+        step holding its first sampled token and the next ones as drafts, the last draft wrong
+        when hypothesis says so, beside other sequences. Its rows' logits, each after a token
+        that is the target's own (after a wrong draft the row is not the target's)."""
+        bs = self.runner.block_size
+        blocks = self.blocks(data.draw(st.integers(1, 1000), label="block order"))
+        rng = random.Random(data.draw(st.integers(0, 2**16), label="other sequences' phases"))
+        table = blocks.take(len(prompt) + GENERATED, bs)
+        self.runner.compute_logits(
+            SchedulerOutput([ScheduledSequence("t", prompt, 0, table, lora_slot=slot)])
+        )
+        tokens = sampled[:GENERATED]
+        wrong = data.draw(st.booleans(), label="last draft wrong")
+        if wrong:
+            tokens[-1] = (tokens[-1] + 1) % self.vocab
+        others = [
+            Other(
+                f"o{i}", self._random_prompt(rng), [], rng.randrange(-1, self.lora_slots), rng=rng
+            )
+            for i in range(data.draw(st.integers(0, 3), label="other sequences"))
+        ]
+        for other in others:
+            other.capacity = len(other.tokens) + 8
+            other.blocks = blocks.take(other.capacity, bs)
+        step = self._work(others)
+        place = data.draw(st.integers(0, len(step)), label="target's place")
+        target = ScheduledSequence(
+            "t", tokens, len(prompt), table, lora_slot=slot, num_draft_tokens=GENERATED - 1
+        )
+        step.insert(place, target)
+        out = self.runner.compute_logits(SchedulerOutput(step))
+        assert out is not None
+        first = sum(1 + s.num_draft_tokens for s in step[:place] if s.sample)
+        rows = GENERATED - 1 if wrong else GENERATED
+        return [out[first + row].clone() for row in range(rows)]
+
     def _random_prompt(self, rng: random.Random) -> list[int]:
         return [rng.randrange(self.vocab) for _ in range(rng.randint(1, 30))]
 
@@ -239,3 +278,35 @@ def test_smollm2s_logits_do_not_depend_on_the_batch(smollm: Harness, data: st.Da
     composed = smollm.composed(data, prompt, -1, sampled)
     for position, (want, got) in enumerate(zip(alone, composed, strict=True)):
         assert torch.equal(want, got), f"logits differ at sampled position {position}"
+
+
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_a_verification_step_gives_each_draft_the_logits_of_its_own_decode(
+    tiny: Harness, data: st.DataObject
+):
+    """Speculative decoding's exactness rests on this: the logits at a drafted position, inside
+    a step that checks several drafts beside other sequences, are bitwise those of the decode
+    that would have computed that position by itself."""
+    prompt = data.draw(st.lists(st.integers(0, 255), min_size=2, max_size=40), label="prompt")
+    slot = data.draw(st.integers(-1, 1), label="target's adapter slot")
+    sampled, alone = tiny.alone(prompt, slot)
+    verified = tiny.verified(data, prompt, slot, sampled)
+    for position, got in enumerate(verified):
+        assert torch.equal(alone[1 + position], got), f"logits differ at draft row {position}"
+
+
+@settings(
+    max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_smollm2s_verification_rows_are_its_decodes(smollm: Harness, data: st.DataObject):
+    prompt = data.draw(
+        st.lists(st.integers(0, smollm.vocab - 1), min_size=17, max_size=60), label="prompt"
+    )
+    sampled, alone = smollm.alone(prompt, -1)
+    verified = smollm.verified(data, prompt, -1, sampled)
+    for position, got in enumerate(verified):
+        assert torch.equal(alone[1 + position], got), f"logits differ at draft row {position}"

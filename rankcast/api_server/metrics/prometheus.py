@@ -146,6 +146,17 @@ class ServerMetrics:
         self.lora_evictions_undone = view_counter(
             self.fleet, "rankcast:lora_evictions_undone", self.registry
         )
+        # Speculative decoding, as vLLM counts it (the engine's totals, broadcast in its stats).
+        self.spec_drafts = view_counter(self.fleet, "vllm:spec_decode_num_drafts", self.registry)
+        self.spec_draft_tokens = view_counter(
+            self.fleet, "vllm:spec_decode_num_draft_tokens", self.registry
+        )
+        self.spec_accepted = view_counter(
+            self.fleet, "vllm:spec_decode_num_accepted_tokens", self.registry
+        )
+        self.spec_accepted_per_pos = view_counter(
+            self.fleet, "vllm:spec_decode_num_accepted_tokens_per_pos", self.registry
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", own)
         self.generation_tokens = counter("vllm:generation_tokens", own)
         self.request_success = counter("vllm:request_success", own)
@@ -199,6 +210,15 @@ class ServerMetrics:
         for adapter, count in stats.lora_evictions_undone.items():
             shown = totals.show(("undone", adapter), count)
             self.lora_evictions_undone.set((*engine, adapter), shown)
+        if stats.spec_decode_num_drafts:
+            self.spec_drafts.set(labels, totals.show(("drafts",), stats.spec_decode_num_drafts))
+            drafted = totals.show(("drafted",), stats.spec_decode_num_draft_tokens)
+            self.spec_draft_tokens.set(labels, drafted)
+            accepted = totals.show(("accepted",), stats.spec_decode_num_accepted_tokens)
+            self.spec_accepted.set(labels, accepted)
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                shown = totals.show(("accepted_at", str(position)), count)
+                self.spec_accepted_per_pos.set((*labels, str(position)), shown)
         self.kv_cache_committed.labels(*labels).set(stats.kv_cache_committed_bytes)
         self.gathers.labels(str(engine_index)).set(stats.notification_gathers)
         self.gather_seconds.labels(str(engine_index)).set(stats.notification_gather_seconds)

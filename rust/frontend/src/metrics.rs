@@ -117,6 +117,10 @@ const ROUTING_EXPECTED: usize = 17;
 const ROUTING_HIT: usize = 18;
 const LORA_FOUND: usize = 19;
 const LORA_UNDONE: usize = 20;
+const SPEC_DRAFTS: usize = 21;
+const SPEC_DRAFT_TOKENS: usize = 22;
+const SPEC_ACCEPTED: usize = 23;
+const SPEC_ACCEPTED_PER_POS: usize = 24;
 
 /// Looked up in the declaration (`families`) when the server starts: a gauge, or a counter
 /// of an engine total every server sees (the Python servers' `view_counter`).
@@ -153,6 +157,11 @@ fn families() -> Vec<Series> {
         view("rankcast:routing_hit_prefix_tokens"),
         view("rankcast:lora_requests_found"),
         view("rankcast:lora_evictions_undone"),
+        // Speculative decoding, as vLLM counts it (the engine's totals, in its stats).
+        view("vllm:spec_decode_num_drafts"),
+        view("vllm:spec_decode_num_draft_tokens"),
+        view("vllm:spec_decode_num_accepted_tokens"),
+        view("vllm:spec_decode_num_accepted_tokens_per_pos"),
     ]
 }
 
@@ -255,6 +264,21 @@ impl EngineMetrics {
             for (adapter, count) in &stats.lora_evictions_undone.0 {
                 let shown = totals.show(&format!("undone:{adapter}"), *count as f64);
                 series[LORA_UNDONE].set([e(), adapter.clone()], shown);
+            }
+            if stats.spec_decode_num_drafts != 0 {
+                let drafts = totals.show("drafts", stats.spec_decode_num_drafts as f64);
+                series[SPEC_DRAFTS].set(labels.clone(), drafts);
+                let drafted = totals.show("drafted", stats.spec_decode_num_draft_tokens as f64);
+                series[SPEC_DRAFT_TOKENS].set(labels.clone(), drafted);
+                let accepted =
+                    totals.show("accepted", stats.spec_decode_num_accepted_tokens as f64);
+                series[SPEC_ACCEPTED].set(labels.clone(), accepted);
+                let per_pos = &stats.spec_decode_num_accepted_tokens_per_pos;
+                for (position, count) in per_pos.iter().enumerate() {
+                    let shown = totals.show(&format!("accepted_at:{position}"), *count as f64);
+                    let [model, engine] = labels.clone();
+                    series[SPEC_ACCEPTED_PER_POS].set([model, engine, position.to_string()], shown);
+                }
             }
         }
         series[KV_COMMITTED].set(labels.clone(), stats.kv_cache_committed_bytes as f64);
@@ -466,6 +490,82 @@ mod tests {
         assert_eq!(at(0, 120, 50), (120.0, 50.0)); // a reconnect: nothing to add
         assert_eq!(at(1, 5, 1), (125.0, 51.0));
         assert_eq!(at(2, 0, 0), (125.0, 51.0));
+    }
+
+    /// The samples of `family` in `text`, each as (its labels, its value).
+    fn samples(text: &str, family: &str) -> Vec<(String, f64)> {
+        let prefix = format!("{family}{{");
+        text.lines()
+            .filter_map(|l| l.strip_prefix(&prefix))
+            .map(|rest| {
+                let (labels, value) = rest.rsplit_once("} ").expect("a sample");
+                (labels.to_string(), value.parse().expect("a value"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn spec_decode_counters_show_only_once_drafted_and_count_on_across_a_restart() {
+        let EngineCoreMessage::Ready(ready) = fixture("output_ready") else {
+            panic!()
+        };
+        let EngineCoreMessage::Outputs(step) = fixture("output_step") else {
+            panic!()
+        };
+        let mut snapshot = ready.snapshot.expect("a snapshot");
+        let mut stats = step.scheduler_stats.expect("stats");
+        snapshot.engine_index = 0;
+        let views = std::sync::Arc::new(EngineViews::new([0]));
+        let metrics = EngineMetrics::new("m", RequestMetrics::new("m", 0, None), views.clone());
+        let mut at = |incarnation: i64, drafts: i64, drafted: i64, per_pos: Vec<i64>| {
+            snapshot.incarnation = incarnation;
+            views.apply_snapshot(&snapshot);
+            metrics.apply_snapshot(&snapshot);
+            stats.spec_decode_num_drafts = drafts;
+            stats.spec_decode_num_draft_tokens = drafted;
+            stats.spec_decode_num_accepted_tokens = per_pos.iter().sum();
+            stats.spec_decode_num_accepted_tokens_per_pos = per_pos;
+            metrics.record_stats(0, &stats);
+            let text = metrics.exposition();
+            let one = |family: &str| -> Option<f64> {
+                let found = samples(&text, family);
+                assert!(found.len() <= 1, "{family}: {found:?}");
+                found.first().map(|(labels, value)| {
+                    assert_eq!(labels, "engine=\"0\",model_name=\"m\"");
+                    *value
+                })
+            };
+            let drafts = one("vllm:spec_decode_num_drafts_total");
+            let drafted = one("vllm:spec_decode_num_draft_tokens_total");
+            let accepted = one("vllm:spec_decode_num_accepted_tokens_total");
+            let per_pos = samples(&text, "vllm:spec_decode_num_accepted_tokens_per_pos_total");
+            (drafts, drafted, accepted, per_pos)
+        };
+        let pos = |p: &str, v: f64| (format!("engine=\"0\",model_name=\"m\",position=\"{p}\""), v);
+        // No drafts yet (speculative decoding off): no series at all.
+        assert_eq!(at(0, 0, 0, vec![]), (None, None, None, vec![]));
+        assert_eq!(
+            at(0, 4, 12, vec![3, 2, 1]),
+            (
+                Some(4.0),
+                Some(12.0),
+                Some(6.0),
+                vec![pos("0", 3.0), pos("1", 2.0), pos("2", 1.0)]
+            )
+        );
+        // A restarted engine counts from zero: added to what was shown, never back.
+        assert_eq!(
+            at(1, 1, 3, vec![1, 0, 0]),
+            (
+                Some(5.0),
+                Some(15.0),
+                Some(7.0),
+                vec![pos("0", 4.0), pos("1", 2.0), pos("2", 1.0)]
+            )
+        );
+        // Its first steps before any draft leave the counters as they were.
+        let (drafts, _, _, per_pos) = at(2, 0, 0, vec![]);
+        assert_eq!((drafts, per_pos.len()), (Some(5.0), 3));
     }
 
     #[test]

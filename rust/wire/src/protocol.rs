@@ -7,7 +7,7 @@ use crate::sampling::SamplingParams;
 use crate::{array_struct, array_union, Dict, Raw, Value};
 
 /// Bumped whenever a message changes shape; the engine refuses a client of another version.
-pub const PROTOCOL_VERSION: i64 = 13;
+pub const PROTOCOL_VERSION: i64 = 14;
 
 /// Why a request finished (`FinishReason` in Python): "stop", "length", "abort", "error".
 pub type FinishReason = String;
@@ -117,6 +117,12 @@ array_struct! {
         lora_requests_found: Dict<Dict<i64>> = Dict::new(),
         lora_evictions_undone: Dict<i64> = Dict::new(),
         kv_cache_dtype: String = String::new(),
+        /// Speculative decoding since the engine started (vLLM's `vllm:spec_decode_*`):
+        /// verifications, tokens drafted, drafts accepted, and accepted by position in the draft.
+        spec_decode_num_drafts: i64 = 0,
+        spec_decode_num_draft_tokens: i64 = 0,
+        spec_decode_num_accepted_tokens: i64 = 0,
+        spec_decode_num_accepted_tokens_per_pos: Vec<i64> = Vec::new(),
     }
 }
 
@@ -274,6 +280,8 @@ array_struct! {
         lora_slot: i64 = -1,
         sample: bool = true,
         window_block_ids: Option<Vec<i64>> = None,
+        /// The last `num_draft_tokens` of `token_ids` are drafts (speculative decoding).
+        num_draft_tokens: i64 = 0,
     }
 }
 
@@ -298,10 +306,12 @@ array_struct! {
 }
 
 array_struct! {
+    /// The output rank's tokens for each sequence that sampled: one, or with drafts the drafts
+    /// it accepted and the token sampled after them; `logprobs`, where asked for, one per token.
     ModelRunnerOutput {
         request_ids: Vec<String>,
-        sampled_token_ids: Vec<i64>,
-        logprobs: Option<Vec<Option<TokenLogprobs>>> = None,
+        sampled_token_ids: Vec<Vec<i64>>,
+        logprobs: Option<Vec<Option<Vec<TokenLogprobs>>>> = None,
     }
 }
 

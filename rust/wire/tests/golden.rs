@@ -163,6 +163,16 @@ fn the_fixtures_mean_what_the_python_side_wrote() {
     let stats = step.scheduler_stats.expect("stats");
     assert_eq!(stats.running_lora_requests.get("sql"), Some(&2));
     assert_eq!(stats.prefix_cache_hits, 1088);
+    assert_eq!(stats.kv_cache_dtype, "int8");
+    assert_eq!(
+        (
+            stats.spec_decode_num_drafts,
+            stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens
+        ),
+        (6, 18, 11)
+    );
+    assert_eq!(stats.spec_decode_num_accepted_tokens_per_pos, vec![5, 4, 2]);
 
     let EngineCoreMessage::Outputs(error) = output("output_utility_error") else {
         panic!()
@@ -257,4 +267,43 @@ fn a_notification_with_a_field_this_side_does_not_know_decodes() {
         panic!()
     };
     assert_eq!((n.count, n.rank), (3, -1));
+}
+
+#[test]
+fn a_rank_output_carries_a_list_of_tokens_per_sequence() {
+    use rankcast_wire::protocol::{ModelRunnerOutput, TokenLogprobs};
+    let output = ModelRunnerOutput {
+        request_ids: vec!["a".into(), "b".into()],
+        sampled_token_ids: vec![vec![7], vec![30, 31, 2]],
+        logprobs: Some(vec![
+            None,
+            Some(vec![TokenLogprobs {
+                token_id: 30,
+                logprob: -0.25,
+                rank: 1,
+                top_token_ids: Vec::new(),
+                top_logprobs: Vec::new(),
+            }]),
+        ]),
+    };
+    let ints = |v: &[i128]| Value::Array(v.iter().map(|i| Value::Int(*i)).collect());
+    let want = Value::Array(vec![
+        Value::Array(vec![Value::Str("a".into()), Value::Str("b".into())]),
+        Value::Array(vec![ints(&[7]), ints(&[30, 31, 2])]),
+        Value::Array(vec![
+            Value::Nil,
+            Value::Array(vec![Value::Array(vec![
+                Value::Int(30),
+                Value::Float(-0.25),
+                Value::Int(1),
+                Value::Array(Vec::new()),
+                Value::Array(Vec::new()),
+            ])]),
+        ]),
+    ]);
+    assert_eq!(to_bytes(&output), to_bytes(&want));
+    assert_eq!(
+        from_bytes::<ModelRunnerOutput>(&to_bytes(&want)),
+        Ok(output)
+    );
 }

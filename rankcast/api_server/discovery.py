@@ -97,6 +97,9 @@ def server_info(config: ApiServerConfig, max_model_len: int) -> dict[str, Any]:
             },
             "parallel_config": {"data_parallel_size": config.data_parallel_size},
             "kv_events_config": None if events is None else msgspec.to_builtins(events),
+            "speculative_config": None
+            if config.speculative_config is None
+            else msgspec.to_builtins(config.speculative_config),
         },
     }
 

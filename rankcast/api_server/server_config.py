@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rankcast.config import KVEventsConfig
+from rankcast.config import KVEventsConfig, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -35,3 +35,5 @@ class ApiServerConfig:
     # --enable-auto-tool-choice is on): api_server/output_parsers.py.
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    # Speculative decoding as the engines run it (`/get_server_info` names the method).
+    speculative_config: SpeculativeConfig | None = None

@@ -187,6 +187,14 @@ class EngineCore:
             self.kv_cache_dtype,
             self.max_model_len,
         )
+        spec = config.scheduler.speculative_config
+        if spec is not None:
+            logger.info(
+                "speculative decoding: %s, up to %d drafted tokens a request and step, as many "
+                "as the measured step cost says pay",
+                spec.method,
+                spec.max_draft_tokens,
+            )
         if split.window_blocks:
             logger.info(
                 "KV cache of the sliding-window layers: %d blocks of their own (a window of %d "

@@ -242,6 +242,7 @@ def _api_server_specs(
         config.lora.host_capacity if config.lora.enable_lora else None,
         reasoning_parser=server.reasoning_parser,
         tool_call_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
+        speculative_config=config.scheduler.speculative_config,
     )
     python = [
         (

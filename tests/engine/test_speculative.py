@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,6 +81,18 @@ def test_vllms_defaults_apply() -> None:
     suffix = SpeculativeConfig.from_dict({"method": "suffix"})
     assert suffix.num_speculative_tokens == suffix.suffix_decoding_max_tree_depth == 24
     assert EngineConfig().scheduler.speculative_config is None, "off by default"
+
+
+def test_get_server_info_names_the_method(tmp_path: Path) -> None:
+    from rankcast.api_server.discovery import server_info
+    from rankcast.api_server.server_config import ApiServerConfig
+
+    spec = SpeculativeConfig.from_dict(NGRAM)
+    config = ApiServerConfig("127.0.0.1", 8000, "m", tmp_path, "test", speculative_config=spec)
+    described = server_info(config, 128)["vllm_config"]["speculative_config"]
+    assert described["method"] == "ngram" and described["num_speculative_tokens"] == 5
+    off = ApiServerConfig("127.0.0.1", 8000, "m", tmp_path, "test")
+    assert server_info(off, 128)["vllm_config"]["speculative_config"] is None
 
 
 # ---- the proposers and the cost model, alone ----

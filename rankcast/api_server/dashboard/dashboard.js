@@ -414,6 +414,9 @@ function renderEngines() {
       .join(", ");
     const expected = total(now, "rankcast:routing_expected_prefix_tokens_total", mine);
     const hit = total(now, "rankcast:routing_hit_prefix_tokens_total", mine);
+    const drafted = total(now, "vllm:spec_decode_num_draft_tokens_total", mine);
+    const accepted = total(now, "vllm:spec_decode_num_accepted_tokens_total", mine);
+    const drafts = total(now, "vllm:spec_decode_num_drafts_total", mine);
     const ranks = page.ranks.get(engine);
     const row = document.createElement("tr");
     row.dataset.engine = engine;
@@ -428,6 +431,10 @@ function renderEngines() {
       ["hits", queries ? percent(hits / queries) : "-"],
       ["routed", routed || "-"],
       ["accuracy", expected ? percent(hit / expected) : "-"],
+      // Of the drafted tokens, those accepted; and tokens per verification (1 + accepted).
+      ["drafts", drafted
+        ? `${percent(accepted / drafted)} (${(1 + accepted / drafts).toFixed(2)} tok/step)`
+        : "-"],
     ];
     for (const [name, text] of cells) {
       const cell = document.createElement("td");

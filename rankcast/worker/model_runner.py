@@ -350,24 +350,22 @@ class ModelRunner:
         request_ids = [seq.request_id for seq in sampling]
         spans = verification.row_spans(sampling)
         # Each row samples with its sequence's parameters and generator (drafting sequences
-        # have several rows; structured ones never draft, so their mask rows are their own).
+        # have several rows, a structured one a mask for each: grammar.py).
         row_states = [
             state for state, span in zip(states, spans, strict=True) for _ in range(span.rows)
         ]
-        row_ids = [
-            rid for rid, span in zip(request_ids, spans, strict=True) for _ in range(span.rows)
-        ]
-        allowed = self._token_mask(row_ids, row_states)
+        allowed, structured = self._token_mask(request_ids, states, spans)
         generators = [s.generator for s in states]
         saved = verification.generator_states(spans, generators)
         tokens, logprobs = sampler.sample(
             logits, [s.params for s in row_states], [s.generator for s in row_states], allowed
         )
-        if allowed is not None:
-            assert self.grammars is not None
-            for row in allowed.rows:
-                self.grammars.advance(row_ids[row], row_states[row].matcher, tokens[row])
         kept_tokens, kept_logprobs, kept = verification.split_rows(tokens, logprobs, spans)
+        if structured:
+            assert self.grammars is not None
+            for index in structured:  # the grammar moves by the tokens kept, no further
+                for token in kept_tokens[index]:
+                    self.grammars.advance(request_ids[index], states[index].matcher, token)
         for request, saved_state, span, count in zip(states, saved, spans, kept, strict=True):
             generator = request.generator
             if generator is None or saved_state is None or request.params.greedy:
@@ -380,17 +378,28 @@ class ModelRunner:
             logprobs=kept_logprobs,
         )
 
-    def _token_mask(self, request_ids: list[str], states: list[_RequestState]) -> TokenMask | None:
-        """The step's mask of structured rows; None when no row is structured (the usual
-        step pays one attribute check per row)."""
-        rows = [row for row, state in enumerate(states) if state.params.structured is not None]
-        if not rows:
-            return None
+    def _token_mask(
+        self,
+        request_ids: list[str],
+        states: list[_RequestState],
+        spans: list[verification.RowSpan],
+    ) -> tuple[TokenMask | None, list[int]]:
+        """The step's mask of the structured sequences' rows, and which sequences those are;
+        (None, []) when none is structured (the usual step pays one attribute check per
+        sequence)."""
+        structured = [i for i, state in enumerate(states) if state.params.structured is not None]
+        if not structured:
+            return None, []
         if self.grammars is None:
             raise RuntimeError("this model runner has no tokenizer for structured outputs")
-        for row in rows:
-            state = states[row]
+        for index in structured:
+            state = states[index]
             if state.matcher is None:
                 assert state.params.structured is not None
-                state.matcher = self.grammars.matcher(request_ids[row], state.params.structured)
-        return self.grammars.mask(rows, [states[row].matcher for row in rows])
+                state.matcher = self.grammars.matcher(request_ids[index], state.params.structured)
+        mask = self.grammars.mask(
+            [spans[i].first for i in structured],
+            [states[i].matcher for i in structured],
+            [spans[i].drafts for i in structured],
+        )
+        return mask, structured

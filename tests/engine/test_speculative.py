@@ -134,6 +134,7 @@ def test_the_suffix_cache_drafts_a_repeated_answer_and_stops_where_answers_diffe
 def test_the_cost_model_reads_between_and_beyond_what_it_measured() -> None:
     cost = StepCostModel()
     assert cost.seconds(4) is None
+    cost.record(1, 3.0)  # an engine's first step: warming up, many times the others
     for _ in range(20):
         cost.record(1, 0.010)
         cost.record(16, 0.012)
@@ -317,3 +318,41 @@ def test_a_rejected_token_is_never_announced(dtype: str) -> None:
         )
         stored = {tokens for _, tokens in rebuild(stream.snapshot()).values()}
     assert stored == expected
+
+
+def test_structured_answers_check_their_drafts_against_the_grammar(
+    without: LLM, speculating: LLM
+) -> None:
+    """JSON pulled out of a document, under a schema: the drafts (the document's own words)
+    are masked by the grammar row by row, and the answer is the one without drafts."""
+    from rankcast.structured_outputs import StructuredOutputs
+
+    document = (
+        "Invoice 4471 from Harbour Supplies Ltd, dated 3 March 2026, for 12 coils of rope at "
+        "14.50 each, total 174.00, payable to Harbour Supplies Ltd within 30 days."
+    )
+    chat = [
+        {
+            "role": "user",
+            "content": f"Extract the supplier, the invoice number and the total as JSON from:"
+            f"\n\n{document}\n\nThen repeat the document.",
+        }
+    ]
+    schema = {
+        "type": "object",
+        "properties": {
+            "supplier": {"type": "string"},
+            "invoice": {"type": "string"},
+            "total": {"type": "string"},
+            "document": {"type": "string"},
+        },
+        "required": ["supplier", "invoice", "total", "document"],
+    }
+    params = SamplingParams(
+        temperature=0.0, max_tokens=96, structured=StructuredOutputs(json=schema)
+    )
+    before = _counters(speculating)
+    want = without.chat([chat, CHATS[0]], params)
+    got = speculating.chat([chat, CHATS[0]], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert _counters(speculating)[2] > before[2], "drafts were accepted under the grammar"

@@ -15,6 +15,7 @@ import torch
 from rankcast import LLM
 from rankcast.sampling_params import SamplingParams
 from rankcast.structured_outputs import StructuredOutputs
+from rankcast.tokenizer import load_hf_tokenizer
 from rankcast.worker.grammar import GrammarMatchers, TokenMask
 
 CITIES = ["Paris", "London", "Rome", "Lagos", "Lima", "Oslo", "Quito", "Hanoi"]
@@ -218,3 +219,26 @@ def test_what_a_schema_leaves_open_stays_open(
     matcher = grammars.matcher("r", structured)
     assert matcher.accept_string('{"a": 1, "b": [true, "x"]}')
     assert matcher.is_completed()
+
+
+def test_draft_rows_are_the_grammars_states_after_each_draft(embedded_model_dir: Path) -> None:
+    """Speculative decoding: the row after each draft is the mask the grammar gives once it
+    has taken the drafts before it; past a draft it refuses, rows allow everything; and the
+    matcher is left where it was."""
+    grammars = GrammarMatchers(embedded_model_dir, 49152, (2,))
+    structured = StructuredOutputs(regex="(ab|ac)d")
+    tokenizer = load_hf_tokenizer(embedded_model_dir)
+    a, b, c, d = (tokenizer.convert_tokens_to_ids(t) for t in "abcd")
+    drafted = grammars.matcher("r", structured)
+    stepped = grammars.matcher("s", structured)
+    mask = grammars.mask([3], [drafted], [[a, b, c]])  # c after "ab" leaves the shape
+    assert mask.rows == [3, 4, 5, 6]
+    one = grammars.mask([0], [stepped]).bitmask
+    assert torch.equal(mask.bitmask[0], one[0])
+    assert stepped.accept_token(a)
+    assert torch.equal(mask.bitmask[1], grammars.mask([0], [stepped]).bitmask[0])
+    assert stepped.accept_token(b)
+    assert torch.equal(mask.bitmask[2], grammars.mask([0], [stepped]).bitmask[0])
+    assert bool((mask.bitmask[3] == -1).all()), "after the refused draft: not read, all allowed"
+    # Left where it was: it still takes the first token and refuses d.
+    assert not drafted.accept_token(d) and drafted.accept_token(a)

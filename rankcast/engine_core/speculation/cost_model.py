@@ -5,30 +5,26 @@ On a CPU a decode step reads every weight once whatever the batch, so the first 
 tokens in a step cost little (the step is bound by memory bandwidth) and later ones cost their
 arithmetic (it is bound by compute): where that turn comes depends on the CPU, the model and
 the context, which is why it is measured rather than assumed. Steps are grouped by their token
-count in quarter-octave buckets; each bucket keeps a moving average of its steps' token count
-and seconds, and a count between buckets is read off the line joining its neighbours.
+count in quarter-octave buckets; each bucket keeps its last few steps and reads as their
+median (the first steps of an engine take many times longer while caches and allocators warm
+up: a mean would carry them for hundreds of steps), and a count between buckets is read off
+the line joining its neighbours.
 """
 
 from __future__ import annotations
 
-import itertools
+import bisect
+import collections
 import math
-from dataclasses import dataclass
+import statistics
 
-# Weight of a new step in its bucket's moving average: a few dozen steps make the estimate,
-# and a machine whose speed drifts (a VM's neighbours) is followed within as many.
-_SMOOTHING = 0.1
+# Steps each bucket remembers: enough for a stable median, few enough to follow a machine
+# whose speed drifts (a VM's neighbours) within a few dozen steps.
+_RECENT_STEPS = 15
 # Before a count above every measured one has been seen: assume this many more tokens cost
 # one more step's time (a bandwidth-bound CPU decode is flatter; the first wider steps measured
 # replace the guess).
 PRIOR_TOKENS_PER_STEP = 64
-
-
-@dataclass
-class _Bucket:
-    tokens: float
-    seconds: float
-    steps: int = 0
 
 
 def bucket_of(tokens: int) -> int:
@@ -39,36 +35,50 @@ class StepCostModel:
     """Seconds per step by tokens in the step, measured (`record`) and read (`seconds`)."""
 
     def __init__(self) -> None:
-        self.buckets: dict[int, _Bucket] = {}
+        self.buckets: dict[int, collections.deque[tuple[int, float]]] = {}
+        # (tokens, seconds) of each bucket, by tokens: rebuilt on the first read after a record.
+        self._points: list[tuple[float, float]] | None = None
 
     def record(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
         bucket = self.buckets.get(bucket_of(tokens))
         if bucket is None:
-            self.buckets[bucket_of(tokens)] = _Bucket(tokens, seconds, 1)
-            return
-        weight = max(_SMOOTHING, 1 / (bucket.steps + 1))
-        bucket.tokens += weight * (tokens - bucket.tokens)
-        bucket.seconds += weight * (seconds - bucket.seconds)
-        bucket.steps += 1
+            bucket = self.buckets[bucket_of(tokens)] = collections.deque(maxlen=_RECENT_STEPS)
+        bucket.append((tokens, seconds))
+        self._points = None
+
+    def points(self) -> list[tuple[float, float]]:
+        """Each bucket's (mean tokens, median seconds), by tokens."""
+        if self._points is None:
+            self._points = sorted(
+                (
+                    statistics.fmean(t for t, _ in steps),
+                    statistics.median(s for _, s in steps),
+                )
+                for steps in self.buckets.values()
+            )
+        return self._points
 
     def seconds(self, tokens: int) -> float | None:
         """The estimated time of a step of `tokens` tokens (None: nothing measured yet)."""
-        if not self.buckets:
+        points = self.points()
+        if not points:
             return None
-        points = sorted((b.tokens, b.seconds) for b in self.buckets.values())
         if tokens <= points[0][0]:
             return points[0][1]
-        for (low_tokens, low_seconds), (high_tokens, high_seconds) in itertools.pairwise(points):
-            if tokens <= high_tokens:
-                share = (tokens - low_tokens) / (high_tokens - low_tokens)
-                return low_seconds + share * (high_seconds - low_seconds)
+        above = bisect.bisect_left(points, (tokens, -math.inf))
+        if above < len(points):
+            (low_tokens, low_seconds), (high_tokens, high_seconds) = (
+                points[above - 1],
+                points[above],
+            )
+            share = (tokens - low_tokens) / (high_tokens - low_tokens)
+            return low_seconds + share * (high_seconds - low_seconds)
         top_tokens, top_seconds = points[-1]
+        slope = 0.0
         if len(points) >= 2:
             slope = (top_seconds - points[-2][1]) / (top_tokens - points[-2][0])
-        else:
-            slope = 0.0
         # Never flatter than the prior: one measured point says nothing of the slope.
         slope = max(slope, top_seconds / max(top_tokens, PRIOR_TOKENS_PER_STEP))
         return top_seconds + (tokens - top_tokens) * slope

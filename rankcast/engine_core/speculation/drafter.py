@@ -97,8 +97,6 @@ class Drafter:
             return {}  # the first steps measure what a step costs before any is widened
         options: list[tuple[float, str, list[int]]] = []
         for request in decodes:
-            if request.params.structured is not None:
-                continue  # its grammar would have to check every draft: not drafted (yet)
             limit = min(
                 self.config.max_draft_tokens,
                 request.max_tokens - len(request.output_token_ids) - 1,

@@ -356,3 +356,46 @@ def test_structured_answers_check_their_drafts_against_the_grammar(
     got = speculating.chat([chat, CHATS[0]], params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert _counters(speculating)[2] > before[2], "drafts were accepted under the grammar"
+
+
+def test_ranks_adapters_and_chunks_keep_the_answer(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Speculation over TP=2 x PP=2 ranks, a LoRA adapter and prompts chunked over steps: the
+    same tokens as the same engine without it. The tiny model copies nothing from its prompt,
+    so suffix decoding drafts each answer from the one before (each prompt is sent twice)."""
+    import random
+
+    from rankcast import LoRARequest
+    from tests.lora.conftest import make_adapter
+
+    adapter = tmp_path / "adapter"
+    make_adapter(tiny_llama_dir, adapter)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 250) for _ in range(rng.randrange(20, 40))] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    lora = LoRARequest("a", str(adapter))
+    engine = {
+        "dtype": "float32",
+        "kv_cache_space_gib": 0.05,
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "max_num_batched_tokens": 16,  # the prompts come in chunks
+        "max_num_seqs": 4,
+        "enable_lora": True,
+        "max_lora_rank": 8,
+    }
+
+    def answers(llm: LLM) -> list[list[int]]:
+        got = []
+        for _ in range(2):
+            for lora_request in (None, lora):
+                outs = llm.generate(prompts, params, lora_request=lora_request)
+                got += [out.outputs[0].token_ids for out in outs]
+        return got
+
+    with LLM(str(tiny_llama_dir), **engine) as llm:
+        want = answers(llm)
+    with LLM(str(tiny_llama_dir), speculative_config={"method": "suffix"}, **engine) as llm:
+        got = answers(llm)
+        accepted = _counters(llm)[2]
+    assert got == want
+    assert accepted > 0, "the repeated answers were drafted and accepted"

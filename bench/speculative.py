@@ -1,0 +1,582 @@
+"""Speculative decoding without a draft model: rankcast with speculation off, `ngram` and
+`suffix`, on chats whose answers copy text they were given and on chats that do not.
+
+Workloads (32 conversations each, built from the fixed texts in bench/texts/):
+- grounded: input-grounded chats on four texts (a README, a Python file, a notice, a short
+  history): quote or summarise a passage, rename an identifier in a code file and return the
+  whole file, extract fields of a document as JSON (8 instructions per text);
+- standard: the standard workload's 32 short open prompts (bench/prompts.json);
+- repeat: multi-turn chats whose earlier assistant turn is one of the texts and whose last user
+  turn asks for it again (repeat it, restate it, send it again in a quote block, ...).
+
+For each workload and each concurrency (--concurrency, default 1, 8 and 32): at 1, the first
+--sequential (default 4) conversations one after another, each alone; at N > 1, the first N
+submitted at once (N clients). Each (workload, concurrency) runs three engines side by side,
+each fresh (so the prefix cache and the suffix method's memory of earlier outputs hold nothing
+of an earlier cell) and warmed up with one call of unrelated chats: speculation off; `ngram`
+(num_speculative_tokens 5, prompt_lookup_min 2, prompt_lookup_max 5); `suffix` (vLLM's
+defaults). Greedy, --tokens (default 128) at most, EOS honoured (the copy ends where the model
+ends it), the embedded SmolLM2-135M-Instruct in bfloat16, the offline `LLM`'s engine stepped
+here so each output's arrival is timed. The three engines run --runs times (default 3),
+alternated, and each method's fastest run is shown (on a shared 2-core VM anything else running
+only slows a run down); every run's texts are checked.
+
+Reported per run: output tokens/s (generated tokens / wall time of the run, prefill included)
+and its ratio to speculation off; the acceptance length (1 + accepted / drafts: tokens a request
+gains per verification it drafted for) and the drafts, drafted and accepted tokens (the
+scheduler's spec_decode counters, the warm-up's subtracted); how many greedy texts differ from
+speculation off (speculation must not change a greedy answer: any difference is an engine bug
+and is printed loudly); and the per-token latency as time per output token (TPOT: (last token's
+arrival - first's) / (tokens - 1)) of each request, p50 and p99 over the requests (at 1 with 4
+requests the p99 is the slowest of 4). The engine's cost model decides per step how many drafted
+tokens to verify (none where a wider step would lower the expected tokens/s), so a run can draft
+little or nothing: the drafts column shows it, and "widened" the share of the steps with drafts
+to weigh that it did widen (where the drafter counts them).
+
+llama.cpp's `llama-server --spec-type` is not driven here: where bench/llamacpp.py finds the
+anchor (`$LLAMA_CPP_DIR`) the script says so and that it was not compared; where it does not,
+that it was skipped.
+
+Written: bench/results/speculative.json (machine: CPU model and ISA; the commit measured) and
+speculative.png beside it (tokens/s by concurrency per workload, a bar per method).
+
+    python bench/speculative.py
+    python bench/speculative.py --workloads grounded --concurrency 1 8 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import llamacpp
+from bench.workload import ROOT, Chat, describe, load_chats, machine_info
+
+TEXTS = ROOT / "bench" / "texts"
+WORKLOADS = ("grounded", "standard", "repeat")
+METHODS: dict[str, dict[str, Any] | None] = {
+    "off": None,
+    "ngram": {
+        "method": "ngram",
+        "num_speculative_tokens": 5,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    },
+    "suffix": {"method": "suffix"},
+}
+# The warm-up's chats: unrelated to every workload, so the suffix method's memory of outputs
+# learns nothing of them from it.
+WARM_UP = (
+    "Describe a bicycle.",
+    "What is a prime number?",
+    "Name three colours.",
+    "Why do cats purr?",
+    "What makes rain fall?",
+    "Describe a kitchen.",
+    "How do magnets work?",
+    "What is a volcano?",
+)
+WARM_UP_TOKENS = 32
+
+# Per text: how the user hands it over (code fenced) and eight instructions on it.
+GROUNDED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tidepool_readme.md": (
+        "markdown",
+        (
+            "Quote, word for word, the sentence that says how tidepool keeps its memory small.",
+            "Summarise this README in three sentences.",
+            "Rewrite this README with the name tidepool replaced by driftwood everywhere. "
+            "Return the whole text.",
+            "Quote the installation instructions exactly as they are written.",
+            "List every configuration setting this README mentions and what each one does.",
+            "Copy the second paragraph exactly.",
+            "Turn this README into a bulleted list of facts, keeping its wording.",
+            "What happens when the bucket cannot be reached? Answer by quoting the README.",
+        ),
+    ),
+    "inventory.py": (
+        "python",
+        tuple(
+            f"Edit this code file: rename `{old}` to `{new}` everywhere and return the whole "
+            "file, nothing else."
+            for old, new in (
+                ("total_value", "stock_value"),
+                ("items", "stock"),
+                ("Item", "Product"),
+                ("sku", "code"),
+                ("restock", "add_stock"),
+                ("items_to_reorder", "low_stock"),
+                ("quantity", "on_hand"),
+                ("unit_price", "price"),
+            )
+        ),
+    ),
+    "harbour_notice.txt": (
+        "",
+        tuple(
+            f"Extract this JSON object from the notice, filling in each value: {keys}. "
+            "Reply with the JSON only."
+            for keys in (
+                '{"closed_from": "", "closed_until": "", "contractor": "", "budget_pounds": 0}',
+                '{"harbour_master": "", "meeting_date": "", "meeting_time": "", '
+                '"meeting_place": ""}',
+                '{"email": "", "telephone": ""}',
+                '{"shuttle_every_minutes": 0, "shuttle_first": "", "shuttle_last": "", '
+                '"detour_metres": 0}',
+                '{"handrail_posts": 0, "corroded_posts": 0, "inspection_month": ""}',
+                '{"county_fund_pounds": 0, "harbour_dues_pounds": 0}',
+                '{"work_hours": "", "work_days": "", "weekend_work": false}',
+                '{"bridge": "", "between": ["", ""], "reason": ""}',
+            )
+        ),
+    ),
+    "lighthouse.txt": (
+        "",
+        (
+            "Summarise this passage in two sentences.",
+            "Quote the sentence about the last keeper exactly.",
+            "Copy the first paragraph exactly.",
+            'Extract this JSON object from the passage: {"first_lit": 0, "tower_metres": 0, '
+            '"automated": 0, "visible_nautical_miles": 0}. Reply with the JSON only.',
+            "Rewrite the passage with the word keepers replaced by wardens. Return the whole "
+            "passage.",
+            "List the years in the passage and what happened in each.",
+            "Quote the last paragraph exactly.",
+            "What did the keepers do at night? Answer by quoting the passage.",
+        ),
+    ),
+}
+# Per text: the user turn the text answered (it becomes the assistant's earlier answer).
+OPENERS = {
+    "tidepool_readme.md": "Write a short README for tidepool, a log rotation daemon.",
+    "inventory.py": "Write a small Python module that tracks a shop's stock levels.",
+    "harbour_notice.txt": "Draft a notice about closing the Eastquay Harbour footbridge.",
+    "lighthouse.txt": "Tell me the history of the Corran Head lighthouse.",
+}
+FOLLOW_UPS = (
+    "Repeat your previous answer exactly, word for word.",
+    "Say that again, please.",
+    "Restate your last answer, starting with 'To recap:'.",
+    "Copy your previous answer again, without any changes.",
+    "Repeat just the first half of your answer.",
+    "Write your previous answer again, inside a Markdown quote block.",
+    "Repeat your answer, but replace its first paragraph with a one-sentence summary.",
+    "I lost your last message. Can you send it again?",
+)
+
+
+def _text(name: str) -> str:
+    body = (TEXTS / name).read_text().strip()
+    fence = GROUNDED[name][0]
+    return f"```{fence}\n{body}\n```" if fence == "python" else body
+
+
+def grounded_chats() -> list[Chat]:
+    """Text-major within each instruction, so the first 4 (or 8) cover every text."""
+    names = list(GROUNDED)
+    return [
+        [{"role": "user", "content": f"{_text(name)}\n\n{GROUNDED[name][1][task]}"}]
+        for task in range(8)
+        for name in names
+    ]
+
+
+def repeat_chats() -> list[Chat]:
+    names = list(GROUNDED)
+    return [
+        [
+            {"role": "user", "content": OPENERS[name]},
+            {"role": "assistant", "content": _text(name)},
+            {"role": "user", "content": FOLLOW_UPS[turn]},
+        ]
+        for turn in range(len(FOLLOW_UPS))
+        for name in names
+    ]
+
+
+def workload_chats(name: str) -> list[Chat]:
+    if name == "grounded":
+        return grounded_chats()
+    if name == "repeat":
+        return repeat_chats()
+    return load_chats()[0]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear between the nearest ranks; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def generate(llm: Any, chats: list[Chat], params: Any) -> tuple[list[Any], list[list[float]]]:
+    """The outputs of `chats` submitted at once (as `LLM.chat` does, in order), and for each
+    the arrival time of every output token (tokens that arrive in one step share its time)."""
+    engine = llm.engine
+    order = {
+        engine.add_request(engine.apply_chat_template(chat, None), params): index
+        for index, chat in enumerate(chats)
+    }
+    finished: list[Any] = [None] * len(chats)
+    arrivals: list[list[float]] = [[] for _ in chats]
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            index = order.get(output.request_id)
+            if index is None:
+                continue
+            now = time.perf_counter()
+            seen = arrivals[index]
+            seen.extend([now] * (len(output.outputs[0].token_ids) - len(seen)))
+            if output.finished:
+                finished[index] = output
+    return finished, arrivals
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """The scheduler's spec_decode counters, and where the drafter keeps them, how many steps
+    had drafts to weigh and how many of those the cost model widened (None where it does not)."""
+    scheduler = llm.engine.client.core.scheduler
+    stats = scheduler.stats()
+    drafter = getattr(scheduler, "drafter", None)
+    return {
+        "drafts": stats.spec_decode_num_drafts,
+        "draft_tokens": stats.spec_decode_num_draft_tokens,
+        "accepted_tokens": stats.spec_decode_num_accepted_tokens,
+        "accepted_per_position": list(stats.spec_decode_num_accepted_tokens_per_pos),
+        "steps_with_proposals": getattr(drafter, "steps_with_proposals", None),
+        "steps_drafted": getattr(drafter, "steps_drafted", None),
+    }
+
+
+def revision() -> dict[str, Any]:
+    """The commit measured and whether rankcast/ differed from it (the figures are that tree's)."""
+
+    def git(*command: str) -> str:
+        done = subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "rankcast_changes": git("status", "--short", "rankcast"),
+    }
+
+
+def run_cell(
+    method: str, chats: list[Chat], concurrency: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One fresh engine: a warm-up call, then the chats (one after another at concurrency 1,
+    all at once otherwise), timed."""
+    from rankcast import LLM, SamplingParams
+
+    started = time.perf_counter()
+    config = METHODS[method]
+    kwargs: dict[str, Any] = {"kv_cache_space_gib": args.kv_cache_space, "max_num_seqs": 32}
+    if config is not None:
+        kwargs["speculative_config"] = dict(config)
+    llm = LLM(**kwargs)
+    try:
+        width = max(1, min(concurrency, len(WARM_UP)))
+        warm = [[{"role": "user", "content": p}] for p in WARM_UP[:width]]
+        llm.chat(warm, SamplingParams(temperature=0, max_tokens=WARM_UP_TOKENS))
+        before = spec_counters(llm) if config is not None else None
+        params = SamplingParams(temperature=0, max_tokens=args.tokens)
+        outputs: list[Any] = []
+        arrivals: list[list[float]] = []
+        starts: list[float] = []
+        begin = time.perf_counter()
+        batches = [[chat] for chat in chats] if concurrency == 1 else [chats]
+        for batch in batches:
+            starts.extend([time.perf_counter()] * len(batch))
+            done, times = generate(llm, batch, params)
+            outputs += done
+            arrivals += times
+        seconds = time.perf_counter() - begin
+        after = spec_counters(llm) if config is not None else None
+    finally:
+        llm.shutdown()
+    tokens = [len(o.outputs[0].token_ids) for o in outputs]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in arrivals if len(t) > 1]
+    ttft = [t[0] - start for t, start in zip(arrivals, starts, strict=True) if t]
+    row: dict[str, Any] = {
+        "method": method,
+        "speculative_config": config,
+        "requests": len(outputs),
+        "output_tokens": sum(tokens),
+        "seconds": seconds,
+        "tokens_per_s": sum(tokens) / seconds,
+        "tpot_ms_p50": _ms(percentile(tpot, 50)),
+        "tpot_ms_p99": _ms(percentile(tpot, 99)),
+        "ttft_ms_p50": _ms(percentile(ttft, 50)),
+        "tpot_ms": [seconds * 1000 for seconds in tpot],
+        "request_tokens": tokens,
+        "texts": [o.outputs[0].text for o in outputs],
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "engine_seconds": time.perf_counter() - started,
+    }
+    if before is not None and after is not None:
+        spec = {
+            key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted_tokens")
+        }
+        key = "accepted_per_position"
+        positions = zip(after[key], before[key], strict=True)
+        spec["accepted_per_position"] = [a - b for a, b in positions]
+        if after["steps_drafted"] is not None and before["steps_drafted"] is not None:
+            for key in ("steps_with_proposals", "steps_drafted"):
+                spec[key] = after[key] - before[key]
+            spec["widened_share"] = (
+                spec["steps_drafted"] / spec["steps_with_proposals"]
+                if spec["steps_with_proposals"]
+                else None
+            )
+        spec["acceptance_length"] = (
+            1 + spec["accepted_tokens"] / spec["drafts"] if spec["drafts"] else None
+        )
+        spec["draft_acceptance_rate"] = (
+            spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else None
+        )
+        row["spec_decode"] = spec
+    return row
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def compare(tries: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per method, its fastest run, with every run's tok/s; every run's texts are checked
+    against speculation off's first run (greedy: they must be identical, off's other runs
+    included), a conversation counted once however many runs differ."""
+    reference = tries["off"][0]["token_ids"]
+    rows = []
+    for runs in tries.values():
+        differing = sorted(
+            {
+                index
+                for run in runs
+                for index, (ours, theirs) in enumerate(
+                    zip(run["token_ids"], reference, strict=True)
+                )
+                if ours != theirs
+            }
+        )
+        row = dict(max(runs, key=lambda run: run["tokens_per_s"]))
+        row["runs_tokens_per_s"] = [run["tokens_per_s"] for run in runs]
+        row["differing_texts"] = len(differing)
+        row["differing_indices"] = differing
+        rows.append(row)
+    off = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["ratio_to_off"] = row["tokens_per_s"] / off
+    return rows
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(cells: list[dict[str, Any]], machine: dict[str, Any]) -> None:
+    print(f"\nrankcast, SmolLM2-135M-Instruct bfloat16, greedy; {describe(machine)}")
+    header = (
+        f"{'workload':<9}{'conc':>5} {'method':<7}{'tok/s':>8}{'x off':>7}{'acc len':>8}"
+        f"{'drafts':>8}{'drafted':>8}{'accepted':>9}{'widened':>8}"
+        f"{'TPOT p50':>9}{'p99 ms':>8}{'differ':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for cell in cells:
+        for row in cell["rows"]:
+            spec = row.get("spec_decode") or {}
+            print(
+                f"{cell['workload']:<9}{cell['concurrency']:>5} {row['method']:<7}"
+                f"{row['tokens_per_s']:>8.1f}{row['ratio_to_off']:>6.2f}x"
+                f"{_fmt(spec.get('acceptance_length'), '.2f'):>8}"
+                f"{spec.get('drafts', '-'):>8}{spec.get('draft_tokens', '-'):>8}"
+                f"{spec.get('accepted_tokens', '-'):>9}"
+                f"{_percent(spec.get('widened_share')):>8}"
+                f"{_fmt(row['tpot_ms_p50'], '.1f'):>9}{_fmt(row['tpot_ms_p99'], '.1f'):>8}"
+                f"{row['differing_texts']:>4}/{row['requests']:<2}"
+            )
+    differ = [
+        (cell["workload"], cell["concurrency"], row["method"], row["differing_texts"])
+        for cell in cells
+        for row in cell["rows"]
+        if row["differing_texts"]
+    ]
+    if differ:
+        print("\n" + "!" * 78)
+        print("GREEDY TEXTS DIFFER FROM SPECULATION OFF (an engine bug: speculation must not")
+        print("change a greedy answer):")
+        for workload, concurrency, method, count in differ:
+            print(f"  {workload} at concurrency {concurrency}, {method}: {count} text(s)")
+        print("!" * 78)
+    else:
+        print("\nevery greedy text with speculation is identical to speculation off's")
+
+
+def plot(cells: list[dict[str, Any]], workloads: list[str], path: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install '.[bench]'): no plot")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 4.2), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    methods = list(METHODS)
+    width = 0.8 / len(methods)
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        mine = [c for c in cells if c["workload"] == workload]
+        levels = [c["concurrency"] for c in mine]
+        for m, method in enumerate(methods):
+            values = [
+                next((r["tokens_per_s"] for r in c["rows"] if r["method"] == method), 0.0)
+                for c in mine
+            ]
+            xs = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(levels))]
+            bars = ax.bar(xs, values, width, label=method, color=colours[m])
+            if method != "off":
+                for bar, cell in zip(bars, mine, strict=True):
+                    row = next(r for r in cell["rows"] if r["method"] == method)
+                    ax.annotate(
+                        f"{row['ratio_to_off']:.2f}x",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center",
+                        va="bottom",
+                        fontsize=6,
+                    )
+        ax.set_xticks(range(len(levels)), [str(n) for n in levels])
+        ax.set_xlabel("concurrent conversations")
+        ax.set_ylabel("output tok/s")
+        ax.set_title(workload)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--sequential", type=int, default=4, help="conversations run one by one at concurrency 1"
+    )
+    parser.add_argument("--tokens", type=int, default=128, help="max tokens per answer")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="runs per method, alternated; the fastest is shown"
+    )
+    parser.add_argument("--kv-cache-space", type=float, default=0.5, help="GiB per engine")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "speculative.json")
+    args = parser.parse_args()
+    if any(n < 1 or n > 32 for n in args.concurrency):
+        parser.error("--concurrency levels must be 1..32 (32 conversations per workload)")
+
+    started = time.perf_counter()
+    machine = machine_info()
+    tree = revision()
+    print(
+        f"rankcast at {tree['commit'][:12]}"
+        + (" (rankcast/ changed)" if tree["rankcast_changes"] else "")
+    )
+    load = {"start": os.getloadavg()}
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in load['start'])}")
+    problem = llamacpp.missing_message("llama-server")
+    if problem is not None:
+        llama_note = f"llama-server --spec-type: skipped ({problem})"
+    else:
+        llama_note = (
+            f"llama-server found in {llamacpp.llamacpp_dir()}, but this script does not drive "
+            "its --spec-type yet: not compared"
+        )
+    print(llama_note, flush=True)
+    cells: list[dict[str, Any]] = []
+    for workload in args.workloads:
+        chats = workload_chats(workload)
+        for concurrency in args.concurrency:
+            count = args.sequential if concurrency == 1 else concurrency
+            chosen = chats[:count]
+            tries: dict[str, list[dict[str, Any]]] = {method: [] for method in METHODS}
+            for attempt in range(args.runs):
+                for method in METHODS:
+                    print(
+                        f"{workload}, concurrency {concurrency}, {method}, run {attempt + 1} ...",
+                        flush=True,
+                    )
+                    row = run_cell(method, chosen, concurrency, args)
+                    tries[method].append(row)
+                    print(
+                        f"  {row['output_tokens']} tokens in {row['seconds']:.1f} s: "
+                        f"{row['tokens_per_s']:.1f} tok/s",
+                        flush=True,
+                    )
+            rows = compare(tries)
+            cells.append({"workload": workload, "concurrency": concurrency, "rows": rows})
+    load["end"] = os.getloadavg()
+    print_table(cells, machine)
+    print(llama_note)
+    shown = {when: " ".join(f"{x:.2f}" for x in figures) for when, figures in load.items()}
+    print(f"load average (1, 5, 15 min) at start {shown['start']}, at end {shown['end']}")
+    seconds = time.perf_counter() - started
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "workload": {
+                    "workloads": args.workloads,
+                    "concurrency": args.concurrency,
+                    "sequential": args.sequential,
+                    "runs": args.runs,
+                    "max_tokens": args.tokens,
+                    "greedy": True,
+                    "ignore_eos": False,
+                    "methods": METHODS,
+                    "kv_cache_space_gib": args.kv_cache_space,
+                    "latency": (
+                        "per request: TPOT = (last token's arrival - first's) / (tokens - 1), "
+                        "arrivals timed as the offline engine's steps return; p50/p99 over "
+                        "the run's requests"
+                    ),
+                },
+                "revision": tree,
+                "llama_server": llama_note,
+                "seconds": seconds,
+                "load_average": load,
+                "cells": cells,
+            },
+            indent=2,
+        )
+    )
+    title = (
+        f"rankcast speculative decoding, SmolLM2-135M-Instruct bfloat16, greedy, <= {args.tokens} "
+        f"tokens; ratios to off above the bars\n{describe(machine)}"
+    )
+    png = plot(cells, args.workloads, args.out.with_suffix(".png"), title)
+    print(f"\nwrote {args.out}" + (f" and {png}" if png else ""))
+    print(f"({seconds / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()

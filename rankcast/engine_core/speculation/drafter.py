@@ -61,6 +61,10 @@ class Drafter:
         self.counters = SpeculationCounters(accepted_per_position=[0] * config.max_draft_tokens)
         self.requests: dict[str, RequestDrafts] = {}
         self.checked = 0  # drafted tokens checked, engine-wide (the acceptance rate's base)
+        # What the cost model decided: steps that had drafts to weigh, and those it widened
+        # (benchmarks report the share at each concurrency).
+        self.steps_with_proposals = 0
+        self.steps_drafted = 0
         # The suffix method's memory of recent requests' outputs (None: ngram).
         self.suffix = (
             SuffixCache(config.suffix_decoding_max_cached_requests)
@@ -117,6 +121,7 @@ class Drafter:
                 options.append((gain, request.request_id, draft[: position + 1]))
         if not options:
             return {}
+        self.steps_with_proposals += 1
         # The most likely drafted tokens first (a request's in order: each is less likely
         # than the one before), as many as make the step's expected tokens per second best.
         options.sort(key=lambda option: -option[0])
@@ -132,6 +137,7 @@ class Drafter:
         for _, request_id, draft in options[:best_count]:
             if len(draft) > len(drafts.get(request_id, ())):
                 drafts[request_id] = draft
+        self.steps_drafted += bool(drafts)
         return drafts
 
     def record_step(self, tokens: int, seconds: float) -> None:

@@ -10,8 +10,11 @@ Workloads (32 conversations each, built from the fixed texts in bench/texts/):
   turn asks for it again (repeat it, restate it, send it again in a quote block, ...).
 
 For each workload and each concurrency (--concurrency, default 1, 8 and 32): at 1, the first
---sequential (default 4) conversations one after another, each alone; at N > 1, the first N
-submitted at once (N clients). Each (workload, concurrency) runs three engines side by side,
+--sequential (default 4) conversations one after another, each alone; at N > 1, N closed-loop
+clients (each sends its next conversation as soon as its answer is done) over 64
+conversations: the workload's 32, then each again behind a system turn of its own (no prefix
+shared with the first round; the same questions, as a server sees questions come back).
+Each (workload, concurrency) runs three engines side by side,
 each fresh (so the prefix cache and the suffix method's memory of earlier outputs hold nothing
 of an earlier cell) and warmed up with one call of unrelated chats: speculation off; `ngram`
 (num_speculative_tokens 5, prompt_lookup_min 2, prompt_lookup_max 5); `suffix` (vLLM's
@@ -210,6 +213,19 @@ def workload_chats(name: str) -> list[Chat]:
     return load_chats()[0]
 
 
+# What a second round of a workload's conversations starts with, so its prompts share no
+# prefix with the first round's (the prefix cache would serve them whole otherwise); the
+# questions, and so much of each answer, are the same: a server sees questions come back.
+SECOND_ROUND_SYSTEM = "You are a helpful assistant. Answer the user's request."
+
+
+def pool(chats: list[Chat]) -> list[Chat]:
+    """What N > 1 clients send: the workload's conversations, then each again behind a system
+    turn of its own (64 in all, so 32 clients stay 32 until the pool runs out)."""
+    second = [[{"role": "system", "content": SECOND_ROUND_SYSTEM}, *chat] for chat in chats]
+    return chats + second
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0-100), linear between the nearest ranks; None when empty."""
     if not values:
@@ -221,14 +237,25 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def generate(llm: Any, chats: list[Chat], params: Any) -> tuple[list[Any], list[list[float]]]:
-    """The outputs of `chats` submitted at once (as `LLM.chat` does, in order), and for each
-    the arrival time of every output token (tokens that arrive in one step share its time)."""
+def generate(
+    llm: Any, chats: list[Chat], params: Any, clients: int
+) -> tuple[list[Any], list[list[float]], list[float]]:
+    """The outputs of `chats` sent by `clients` closed-loop clients (each sends its next
+    conversation when its answer is done, so `clients` are always in flight until the pool
+    runs out), and for each the arrival time of every output token (tokens that arrive in one
+    step share its time) and when it was sent."""
     engine = llm.engine
-    order = {
-        engine.add_request(engine.apply_chat_template(chat, None), params): index
-        for index, chat in enumerate(chats)
-    }
+    order: dict[str, int] = {}
+    sent: list[float] = [0.0] * len(chats)
+
+    def send(index: int) -> None:
+        prompt = engine.apply_chat_template(chats[index], None)
+        order[engine.add_request(prompt, params)] = index
+        sent[index] = time.perf_counter()
+
+    waiting = iter(range(len(chats)))
+    for _ in range(min(clients, len(chats))):
+        send(next(waiting))
     finished: list[Any] = [None] * len(chats)
     arrivals: list[list[float]] = [[] for _ in chats]
     while engine.has_unfinished_requests():
@@ -241,7 +268,10 @@ def generate(llm: Any, chats: list[Chat], params: Any) -> tuple[list[Any], list[
             seen.extend([now] * (len(output.outputs[0].token_ids) - len(seen)))
             if output.finished:
                 finished[index] = output
-    return finished, arrivals
+                following = next(waiting, None)
+                if following is not None:
+                    send(following)
+    return finished, arrivals, sent
 
 
 def spec_counters(llm: Any) -> dict[str, Any]:
@@ -292,16 +322,8 @@ def run_cell(
         llm.chat(warm, SamplingParams(temperature=0, max_tokens=WARM_UP_TOKENS))
         before = spec_counters(llm) if config is not None else None
         params = SamplingParams(temperature=0, max_tokens=args.tokens)
-        outputs: list[Any] = []
-        arrivals: list[list[float]] = []
-        starts: list[float] = []
         begin = time.perf_counter()
-        batches = [[chat] for chat in chats] if concurrency == 1 else [chats]
-        for batch in batches:
-            starts.extend([time.perf_counter()] * len(batch))
-            done, times = generate(llm, batch, params)
-            outputs += done
-            arrivals += times
+        outputs, arrivals, starts = generate(llm, chats, params, concurrency)
         seconds = time.perf_counter() - begin
         after = spec_counters(llm) if config is not None else None
     finally:
@@ -515,8 +537,7 @@ def main() -> None:
     for workload in args.workloads:
         chats = workload_chats(workload)
         for concurrency in args.concurrency:
-            count = args.sequential if concurrency == 1 else concurrency
-            chosen = chats[:count]
+            chosen = chats[: args.sequential] if concurrency == 1 else pool(chats)
             tries: dict[str, list[dict[str, Any]]] = {method: [] for method in METHODS}
             for attempt in range(args.runs):
                 for method in METHODS:

@@ -44,18 +44,18 @@ def test_default_model_answers_paris(quantization: str) -> None:
         assert (layer.quantization, head.quantization) == ("q4_1", "q8_0")
 
 
-GREEDY_40 = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def alone(smollm_fp32: LLM) -> list[list[int]]:
     """Each batch prompt's greedy tokens, generated alone (the batch tests' reference; made
     once: 16 single-stream runs are most of those tests' time)."""
-    return [smollm_fp32.generate([p], GREEDY_40)[0].outputs[0].token_ids for p in BATCH_PROMPTS]
+    return [smollm_fp32.generate([p], GREEDY_32)[0].outputs[0].token_ids for p in BATCH_PROMPTS]
 
 
 def test_batch_equals_each_prompt_alone(smollm_fp32: LLM, alone: list[list[int]]) -> None:
-    batched = smollm_fp32.generate(BATCH_PROMPTS, GREEDY_40)
+    batched = smollm_fp32.generate(BATCH_PROMPTS, GREEDY_32)
     assert len(batched) == 16
     for prompt, out, want in zip(BATCH_PROMPTS, batched, alone, strict=True):
         assert out.outputs[0].token_ids == want, prompt
@@ -68,7 +68,7 @@ def test_batch_equals_alone_under_preemption(alone: list[list[int]]) -> None:
     with LLM(dtype="float32", num_blocks=24, block_size=16, max_model_len=256) as llm:
         core = llm.engine.client.core
         before = core.scheduler.num_preemptions
-        batched = llm.generate(BATCH_PROMPTS, GREEDY_40)
+        batched = llm.generate(BATCH_PROMPTS, GREEDY_32)
         assert core.scheduler.num_preemptions > before, "the budget should have forced preemption"
     assert [o.outputs[0].token_ids for o in batched] == alone
 

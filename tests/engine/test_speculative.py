@@ -179,6 +179,14 @@ def speculating(dtype: str) -> Iterator[LLM]:
         yield llm
 
 
+def _default_path_only(dtype: str) -> None:
+    """Exactness is checked on both paths (greedy and seeded answers here, logits bit for bit
+    in tests/model/test_batch_invariance.py); the rest of what must hold, on the path users
+    run by default, to keep the suite's time."""
+    if dtype != "auto":
+        pytest.skip("checked on the default path")
+
+
 def _counters(llm: LLM) -> tuple[int, int, int, list[int]]:
     stats = llm.engine.client.core.scheduler.stats()
     return (
@@ -210,8 +218,9 @@ def test_greedy_answers_are_the_same_token_for_token(without: LLM, speculating: 
 
 
 def test_stops_and_lengths_inside_an_accepted_run_end_where_they_would(
-    without: LLM, speculating: LLM
+    dtype: str, without: LLM, speculating: LLM
 ) -> None:
+    _default_path_only(dtype)
     reference = without.chat([CHATS[0]], SamplingParams(temperature=0.0, max_tokens=48))[0]
     tokens = reference.outputs[0].token_ids
     stop_token = tokens[20]  # somewhere inside a copied run
@@ -247,9 +256,12 @@ def test_seeded_sampling_draws_the_same_tokens(without: LLM, speculating: LLM) -
     assert _counters(speculating)[2] > before, "drafts were accepted while sampling"
 
 
-def test_unseeded_sampling_keeps_the_models_distribution(without: LLM, speculating: LLM) -> None:
+def test_unseeded_sampling_keeps_the_models_distribution(
+    dtype: str, without: LLM, speculating: LLM
+) -> None:
     """Without a seed, the tokens after a copied run are sampled from the model either way: the
     frequencies of the first sampled tokens agree (a chi-square test at p = 0.001)."""
+    _default_path_only(dtype)
     chat = [{"role": "user", "content": f"Continue this passage:\n\n{PASSAGE}"}]
     params = SamplingParams(temperature=1.0, max_tokens=3)
     runs = 150
@@ -280,8 +292,7 @@ def test_unseeded_sampling_keeps_the_models_distribution(without: LLM, speculati
 def test_a_rejected_token_is_never_announced(dtype: str) -> None:
     """Through verifications that reject, the vLLM-format stream stores exactly the blocks full
     of the requests' own tokens: none holds a draft the model turned down."""
-    if dtype != "float32":
-        pytest.skip("one dtype is enough for the cache's bookkeeping")
+    _default_path_only(dtype)
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     events = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, topic="spec")
@@ -293,7 +304,6 @@ def test_a_rejected_token_is_never_announced(dtype: str) -> None:
         contextlib.closing(publisher),
         subscribed([endpoint], b"spec") as (stream,),
         LLM(
-            dtype="float32",
             kv_cache_space_gib=0.25,
             speculative_config=NGRAM,
             kv_events_config=events,
@@ -321,12 +331,13 @@ def test_a_rejected_token_is_never_announced(dtype: str) -> None:
 
 
 def test_structured_answers_check_their_drafts_against_the_grammar(
-    without: LLM, speculating: LLM
+    dtype: str, without: LLM, speculating: LLM
 ) -> None:
     """JSON pulled out of a document, under a schema: the drafts (the document's own words)
     are masked by the grammar row by row, and the answer is the one without drafts."""
     from rankcast.structured_outputs import StructuredOutputs
 
+    _default_path_only(dtype)
     document = (
         "Invoice 4471 from Harbour Supplies Ltd, dated 3 March 2026, for 12 coils of rope at "
         "14.50 each, total 174.00, payable to Harbour Supplies Ltd within 30 days."

@@ -36,6 +36,8 @@ VIEW = "tests/test_engine_view.py"
 RUST_VIEW_DEVICE_EVICTION = '        if n.tier == "cpu" {\n            tiers.clear();'
 RUST_VIEW_DEVICE_EVICTION_MUTATED = '        if n.tier != "disk" {\n            tiers.clear();'
 DASHBOARD_VIEW = "tests/dashboard/test_dashboard_view.py"
+SPECULATION = "tests/engine/test_speculative.py"
+SPECULATION_SCHEDULER = "tests/engine/test_speculative_scheduler.py"
 
 MUTANTS = [
     # ---- the notification contract (docs/architecture.md, rules 1-10) ----
@@ -681,6 +683,33 @@ MUTANTS = [
         "block_hash(hashes[-1] if hashes else None, tokens, request.lora_id)",
         "block_hash(hashes[-1] if hashes else None, tokens, 0)",
         ("tests/engine/test_scheduler.py",),
+    ),
+    Mutant(
+        "verification-counts-rejected-drafts",
+        "Speculative decoding: only the accepted drafts count as computed (a rejected draft's "
+        "slot never reaches the prefix cache or its events)",
+        "rankcast/engine_core/scheduler.py",
+        "            request.num_computed_tokens + 1 + min(accepted, kept), request.num_tokens",
+        "            request.num_computed_tokens + 1 + len(drafts), request.num_tokens",
+        (SPECULATION_SCHEDULER,),
+    ),
+    Mutant(
+        "verification-keeps-past-a-rejection",
+        "Speculative decoding: a sequence keeps its tokens up to the first that differs from "
+        "its draft, no further",
+        "rankcast/worker/verification.py",
+        "        if sampled[position] != draft:\n            return position + 1",
+        "        if sampled[position] != draft:\n            return len(drafts) + 1",
+        (SPECULATION,),
+    ),
+    Mutant(
+        "seeded-generator-not-rewound",
+        "Speculative decoding: a seeded request's generator is left as if only the kept "
+        "positions drew (it samples what it samples without drafts)",
+        "rankcast/worker/model_runner.py",
+        "            if count < span.rows:",
+        "            if False:",
+        (SPECULATION,),
     ),
     Mutant(
         "token-mask-not-applied",

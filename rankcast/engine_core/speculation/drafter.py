@@ -23,6 +23,11 @@ from rankcast.engine_core.speculation.suffix import SUFFIX_KEY, SuffixCache
 _PRIOR_CHECKS = 4
 # A drafted token less likely than this to be kept is never worth a row.
 _MIN_GAIN = 0.02
+# Drafts must promise at least this much more tokens per second than the step without them:
+# step times are measured on a shared machine and acceptance is an estimate, so a promise of
+# a few percent is within their error, and acting on it lost 4-14 % at 32 clients on the
+# standard workload (bench/speculative.py, AMX Xeon) where larger promises are what pays.
+MIN_PROMISED_SPEEDUP = 1.05
 
 
 @dataclass
@@ -126,7 +131,7 @@ class Drafter:
         # than the one before), as many as make the step's expected tokens per second best.
         options.sort(key=lambda option: -option[0])
         produced = float(len(decodes))
-        best_rate, best_count = produced / base, 0
+        best_rate, best_count = produced / base * MIN_PROMISED_SPEEDUP, 0
         for count, (gain, _, _) in enumerate(options[:budget], start=1):
             produced += gain
             seconds = self.cost.seconds(step_tokens + count)

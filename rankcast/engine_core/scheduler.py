@@ -338,22 +338,21 @@ class Scheduler:
                 self.blocks.allocate(request, need)
                 scheduled.append((request, count))
                 budget -= count
+        if self.drafter is not None and scheduled:
+            budget = self._add_drafts(scheduled, budget)
         return scheduled, budget, preempted
 
-    def _add_drafts(self, scheduled: list[tuple[Request, int]]) -> None:
+    def _add_drafts(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
         """Widen the decodes the drafter chooses by their drafts, where their blocks fit
-        without taking any from another request. Only a step of decodes drafts: one that
-        computes prompt tokens is wide already (compute-bound on a CPU), and its drafts would
-        take the budget from the prompts."""
+        without taking any from another request; returns the budget left."""
         assert self.drafter is not None
-        if not all(
-            count == 1 and request.num_tokens - request.num_computed_tokens == 1
+        decodes = [
+            request
             for request, count in scheduled
-        ):
-            return
-        decodes = [request for request, _ in scheduled]
-        budget = self.config.max_num_batched_tokens - len(scheduled)
-        drafts = self.drafter.plan(decodes, len(scheduled), budget)
+            if count == 1 and request.num_tokens - request.num_computed_tokens == 1
+        ]
+        step_tokens = sum(count for _, count in scheduled)
+        drafts = self.drafter.plan(decodes, step_tokens, budget)
         for i, (request, count) in enumerate(scheduled):
             draft = drafts.get(request.request_id)
             if not draft or count != 1:
@@ -364,6 +363,8 @@ class Scheduler:
             self.blocks.allocate(request, need)
             request.draft_token_ids = draft
             scheduled[i] = (request, 1 + len(draft))
+            budget -= len(draft)
+        return budget
 
     def schedule(self) -> SchedulerOutput:
         finished = self.finished_since_last_step
@@ -397,8 +398,6 @@ class Scheduler:
                 admitted = self._schedule_waiting(self.config.max_num_batched_tokens)
                 self.running.extend(request for request, _ in admitted)
         self.scheduled = scheduled + admitted
-        if self.drafter is not None and self.scheduled:
-            self._add_drafts(self.scheduled)
         sequences = []
         for i, (request, count) in enumerate(self.scheduled):
             start = request.num_computed_tokens

@@ -146,17 +146,3 @@ def test_a_step_that_would_be_slower_drafts_nothing() -> None:
     _step(scheduler, [4])
     (seq,) = scheduler.schedule().sequences
     assert seq.num_draft_tokens == 0
-
-
-def test_a_step_that_computes_a_prompt_drafts_nothing() -> None:
-    """A prompt makes the step wide (compute-bound) already: its decodes wait for the next."""
-    scheduler, _ = _scheduler()
-    _step(scheduler, [3])
-    _step(scheduler, [4])
-    params = SamplingParams(temperature=0.0, max_tokens=50)
-    scheduler.add_request(Request("new", [7, 8, 9], params, 50, frozenset({99})))
-    batch = scheduler.schedule()
-    assert [(s.request_id, s.num_draft_tokens) for s in batch.sequences] == [("r", 0), ("new", 0)]
-    scheduler.update_from_output(ModelRunnerOutput(["r", "new"], [[5], [1]]))
-    drafted = {s.request_id: s.num_draft_tokens for s in scheduler.schedule().sequences}
-    assert drafted["r"] > 0, "a step of decodes drafts again"

@@ -53,6 +53,31 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _flag_json(text: str, flag: str) -> object:
+    """A flag's JSON text, decoded; not JSON is an error naming the flag."""
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{flag} is not JSON: {exc}") from None
+
+
+def _flag_object(cls: type[_T], raw: object, flag: str, hint: str = "") -> _T:
+    """A flag's JSON object as the dataclass `cls` whose fields are its keys: an unknown key,
+    a wrong type or a bad value is an error naming it (msgspec checks the types against the
+    fields; `__post_init__` the values, its errors naming the flag and the key)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag} must be a JSON object")
+    known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{flag} has no key {key!r} (keys: {', '.join(known)}){hint}")
+    try:
+        return msgspec.convert(raw, cls)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith("--") else f"{flag}: {message}") from None
+
+
 def _from_env(read: Callable[[], _T]) -> _T:
     """Read a variable through `envs`, whose errors name it, as a configuration error."""
     try:
@@ -137,28 +162,8 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parse the flag's JSON object; an unknown key, a wrong type or a bad value is an
-        error naming it (msgspec checks the types against the fields)."""
-        import msgspec
-
-        try:
-            raw = msgspec.json.decode(text)
-        except msgspec.DecodeError as exc:
-            raise ConfigError(f"--kv-events-config is not JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError("--kv-events-config must be a JSON object")
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in raw:
-            if key not in known:
-                raise ConfigError(
-                    f"--kv-events-config has no field {key!r} (fields: {', '.join(known)})"
-                )
-        try:
-            return msgspec.convert(raw, cls)
-        except msgspec.ValidationError as exc:
-            message = str(exc)
-            raise ConfigError(
-                message if message.startswith("--") else f"--kv-events-config: {message}"
-            ) from None
+        error naming it."""
+        return _flag_object(cls, _flag_json(text, "--kv-events-config"), "--kv-events-config")
 
 
 @dataclass(frozen=True)
@@ -192,7 +197,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_events_config, dict):  # the offline `LLM` may give vLLM's dict
-            events = KVEventsConfig.from_json(msgspec.json.encode(self.kv_events_config).decode())
+            events = _flag_object(KVEventsConfig, self.kv_events_config, "--kv-events-config")
             object.__setattr__(self, "kv_events_config", events)
         _require(
             self.block_size in (8, 16, 32, 64, 128), "--block-size must be 8..128, a power of 2"
@@ -328,39 +333,16 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, raw: object) -> SpeculativeConfig:
         """vLLM's JSON object, parsed; an unknown key, a wrong type or a bad value is an error
-        naming it (msgspec checks the types against the fields)."""
-        import msgspec
-
-        if not isinstance(raw, dict):
-            raise ConfigError("--speculative-config must be a JSON object")
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in raw:
-            if key not in known:
-                raise ConfigError(
-                    f"--speculative-config has no key {key!r} here (keys: {', '.join(known)}; "
-                    "rankcast drafts from the text itself, without a draft model)"
-                )
-        if "method" not in raw:
-            raise ConfigError(
-                f"--speculative-config needs a method ({', '.join(SPECULATIVE_METHODS)})"
-            )
-        try:
-            return msgspec.convert(raw, cls)
-        except msgspec.ValidationError as exc:
-            message = str(exc)
-            raise ConfigError(
-                message if message.startswith("--") else f"--speculative-config: {message}"
-            ) from None
+        naming it."""
+        flag = "--speculative-config"
+        if isinstance(raw, dict) and "method" not in raw:
+            raise ConfigError(f"{flag} needs a method ({', '.join(SPECULATIVE_METHODS)})")
+        hint = "; rankcast drafts from the text itself, without a draft model"
+        return _flag_object(cls, raw, flag, hint)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
-        import msgspec
-
-        try:
-            raw = msgspec.json.decode(text)
-        except msgspec.DecodeError as exc:
-            raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(_flag_json(text, "--speculative-config"))
 
 
 @dataclass(frozen=True)

@@ -440,13 +440,39 @@ mod tests {
     use crate::exposition::format_value;
     use crate::request_metrics::RequestMetrics;
     use rankcast_client::wire::from_bytes;
-    use rankcast_client::wire::protocol::EngineCoreMessage;
+    use rankcast_client::wire::protocol::{EngineCoreMessage, EngineStateSnapshot, SchedulerStats};
     use rankcast_frontend::engine_views::EngineViews;
 
     fn fixture(name: &str) -> EngineCoreMessage {
         let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join(format!("../../tests/fixtures/wire/{name}.msgpack"));
         from_bytes(&std::fs::read(path).expect(name)).expect(name)
+    }
+
+    /// Engine 0's snapshot and stats from the golden fixtures, and the metrics of a server
+    /// whose views hold that engine.
+    fn engine_zero() -> (
+        EngineStateSnapshot,
+        SchedulerStats,
+        std::sync::Arc<EngineViews>,
+        EngineMetrics,
+    ) {
+        let EngineCoreMessage::Ready(ready) = fixture("output_ready") else {
+            panic!()
+        };
+        let EngineCoreMessage::Outputs(step) = fixture("output_step") else {
+            panic!()
+        };
+        let mut snapshot = ready.snapshot.expect("a snapshot");
+        snapshot.engine_index = 0;
+        let views = std::sync::Arc::new(EngineViews::new([0]));
+        let metrics = EngineMetrics::new("m", RequestMetrics::new("m", 0, None), views.clone());
+        (
+            snapshot,
+            step.scheduler_stats.expect("stats"),
+            views,
+            metrics,
+        )
     }
 
     fn prefix_cache(metrics: &EngineMetrics) -> (f64, f64) {
@@ -466,17 +492,7 @@ mod tests {
 
     #[test]
     fn engine_totals_count_on_across_an_engine_restart_never_back() {
-        let EngineCoreMessage::Ready(ready) = fixture("output_ready") else {
-            panic!()
-        };
-        let EngineCoreMessage::Outputs(step) = fixture("output_step") else {
-            panic!()
-        };
-        let mut snapshot = ready.snapshot.expect("a snapshot");
-        let mut stats = step.scheduler_stats.expect("stats");
-        snapshot.engine_index = 0;
-        let views = std::sync::Arc::new(EngineViews::new([0]));
-        let metrics = EngineMetrics::new("m", RequestMetrics::new("m", 0, None), views.clone());
+        let (mut snapshot, mut stats, views, metrics) = engine_zero();
         let mut at = |incarnation: i64, queries: i64, hits: i64| {
             snapshot.incarnation = incarnation;
             views.apply_snapshot(&snapshot);
@@ -506,17 +522,7 @@ mod tests {
 
     #[test]
     fn spec_decode_counters_show_only_once_drafted_and_count_on_across_a_restart() {
-        let EngineCoreMessage::Ready(ready) = fixture("output_ready") else {
-            panic!()
-        };
-        let EngineCoreMessage::Outputs(step) = fixture("output_step") else {
-            panic!()
-        };
-        let mut snapshot = ready.snapshot.expect("a snapshot");
-        let mut stats = step.scheduler_stats.expect("stats");
-        snapshot.engine_index = 0;
-        let views = std::sync::Arc::new(EngineViews::new([0]));
-        let metrics = EngineMetrics::new("m", RequestMetrics::new("m", 0, None), views.clone());
+        let (mut snapshot, mut stats, views, metrics) = engine_zero();
         let mut at = |incarnation: i64, drafts: i64, drafted: i64, per_pos: Vec<i64>| {
             snapshot.incarnation = incarnation;
             views.apply_snapshot(&snapshot);

@@ -45,6 +45,30 @@ def _by_server(url: str, rounds: int, until: frozenset[str] = frozenset()) -> di
     return seen
 
 
+def _streamed_by_server(url: str) -> tuple[dict[str, str], int]:
+    """BODY streamed, its deltas joined, by the API server that answered (fresh connections
+    until both kinds have answered once; a delta may carry several tokens), and how many
+    requests that took."""
+    seen: dict[str, str] = {}
+    sent = 0
+    deadline = time.monotonic() + 60
+    while set(seen) != {"0", "1"}:
+        assert time.monotonic() < deadline, f"streamed only by {sorted(seen)}"
+        text = ""
+        sent += 1
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**BODY, "stream": True}, timeout=60
+        ) as reply:
+            assert reply.status_code == 200
+            server = reply.headers["x-rankcast-api-server"]
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        if server not in seen:
+            seen[server] = text
+    return seen, sent
+
+
 def _dashboard_by_server(url: str, path: str) -> dict[str, bytes]:
     """`path` as each of the three servers serves it (fresh connections until each answered)."""
     seen: dict[str, bytes] = {}
@@ -201,6 +225,11 @@ def test_the_rust_server_reports_the_engine_series_as_the_python_ones(
     with server.running():
         served = _by_server(server.url, 12, until=frozenset({"0", "1"}))
         requests = sum(len(texts) for texts in served.values())
+        # The first answer was decoded a token a step, later ones from drafts of it: one text.
+        (text,) = {t for texts in served.values() for t in texts}
+        streamed, sent = _streamed_by_server(server.url)
+        assert streamed == {"0": text, "1": text}, streamed
+        requests += sent
         deadline = time.monotonic() + 30
         while True:
             bodies = scrape_each(server.url, 2)

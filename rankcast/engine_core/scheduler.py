@@ -403,10 +403,13 @@ class Scheduler:
             start = request.num_computed_tokens
             drafts = request.draft_token_ids
             own = count - len(drafts)  # the request's own tokens; then its drafts
+            token_ids = request.token_slice(start, own)
+            if drafts:
+                token_ids += drafts
             sequences.append(
                 ScheduledSequence(
                     request.request_id,
-                    request.token_slice(start, own) + drafts,
+                    token_ids,
                     start,
                     list(request.block_ids),
                     # Ranks learn a request's parameters when it is admitted (or readmitted).

@@ -98,8 +98,7 @@ def test_a_stop_inside_an_accepted_run_ends_the_request_there() -> None:
     assert output.stop_reason == 6
     assert request.output_token_ids == [3, 4, 5, 6]
     assert "r" not in scheduler.requests and len(scheduler.blocks.free_blocks) == 32
-    for block in _stored_tokens(scheduler):
-        assert block == request.all_token_ids[8:12]
+    assert _stored_tokens(scheduler) == [request.all_token_ids[8:12]], "own tokens only"
 
 
 def test_no_draft_reaches_past_max_tokens_and_the_last_token_ends_the_request() -> None:

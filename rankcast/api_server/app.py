@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rankcast.addresses import ClientAddresses
+from rankcast.api_server.anthropic_messages import add_messages_routes
 from rankcast.api_server.dashboard import add_dashboard_routes
 from rankcast.api_server.discovery import add_discovery_routes
 from rankcast.api_server.drain import (
@@ -39,6 +40,7 @@ from rankcast.api_server.events import EventFilter, EventHub, parse_event_id
 from rankcast.api_server.metrics.lora_metrics import LoRAMetrics
 from rankcast.api_server.metrics.prometheus import ServerMetrics
 from rankcast.api_server.middleware import LastResortErrors, TagAndAuthenticate
+from rankcast.api_server.openai_responses import add_responses_routes
 from rankcast.api_server.schema import (
     ChatCompletionRequest,
     CollectiveRpcRequest,
@@ -118,6 +120,8 @@ def build_app(
     _add_event_routes(app, events)
     _add_collective_rpc_route(app, serving)
     _add_completion_routes(app, serving)
+    add_responses_routes(app, serving)
+    add_messages_routes(app, serving)
     add_discovery_routes(app, config, serving)
     add_dashboard_routes(app)
     _document_errors_as_answered(app)
@@ -164,32 +168,33 @@ def _document_errors_as_answered(app: FastAPI) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error leaves in the OpenAI error shape (`error_response`), whatever raised it."""
+    """Every error leaves in its API's error shape (`error_response`), whatever raised it."""
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(400, message, param)
+        return error_response(400, message, param, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), path=request.url.path)
 
     @app.exception_handler(RequestRejectedError)
-    async def request_rejected(_: Request, exc: RequestRejectedError) -> JSONResponse:
-        return error_response(400, str(exc))
+    async def request_rejected(request: Request, exc: RequestRejectedError) -> JSONResponse:
+        return error_response(400, str(exc), path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, f"The engine core is not running: {exc}")
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        message = f"The engine core is not running: {exc}"
+        return error_response(503, message, path=request.url.path)
 
     @app.exception_handler(ServerShuttingDownError)
-    async def shutting_down(_: Request, exc: ServerShuttingDownError) -> JSONResponse:
-        response = error_response(503, str(exc))
+    async def shutting_down(request: Request, exc: ServerShuttingDownError) -> JSONResponse:
+        response = error_response(503, str(exc), path=request.url.path)
         response.headers["retry-after"] = str(RETRY_AFTER_S)
         return response
 

@@ -24,13 +24,15 @@ PROTECTED_PREFIXES = ("/v1", "/collective_rpc", "/reset_prefix_cache")
 
 
 class TagAndAuthenticate:
-    """Answers 401 to a protected route without the key; tags every response with the index of
-    the API server that answered (siblings share a port, so clients and tests can tell)."""
+    """Answers 401 to a protected route without the key (`Authorization: Bearer KEY`, or
+    `x-api-key: KEY` as Anthropic's clients send it); tags every response with the index of the
+    API server that answered (siblings share a port, so clients and tests can tell)."""
 
     def __init__(self, app: ASGIApp, index: int, api_key: str | None) -> None:
         self.app = app
         self.tag = (b"x-rankcast-api-server", str(index).encode())
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -44,9 +46,11 @@ class TagAndAuthenticate:
 
         if self.expected is not None and scope["path"].startswith(PROTECTED_PREFIXES):
             headers: list[tuple[bytes, Any]] = scope["headers"]
-            given = next((v for k, v in headers if k == b"authorization"), None)
-            if given != self.expected:
-                await error_response(401, "Invalid or missing API key.")(scope, receive, tagged)
+            bearer = next((v for k, v in headers if k == b"authorization"), None)
+            key = next((v for k, v in headers if k == b"x-api-key"), None)
+            if bearer != self.expected and key != self.key:
+                refusal = error_response(401, "Invalid or missing API key.", path=scope["path"])
+                await refusal(scope, receive, tagged)
                 return
         await self.app(scope, receive, tagged)
 
@@ -86,7 +90,9 @@ class LastResortErrors:
             if started:
                 raise
             response = error_response(
-                500, f"Internal server error (request id {request_id}); the server log has it."
+                500,
+                f"Internal server error (request id {request_id}); the server log has it.",
+                path=scope.get("path", ""),
             )
             response.headers["x-request-id"] = request_id
             await response(scope, receive, send)

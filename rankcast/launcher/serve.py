@@ -46,6 +46,7 @@ from rankcast.launcher.rust_api_server import frontend_binary, run_rust_api_serv
 from rankcast.launcher.supervision import Supervision
 from rankcast.model_files.source import ModelSource, resolve_model
 from rankcast.process import private_ipc_dir, remove_ipc_dirs_of
+from rankcast.api_server.response_store import RESPONSE_STORE_ENV
 from rankcast.supervisor_state import SUPERVISOR_STATE_ENV
 
 # What the CLI catches: a fleet that could not start, named as the launcher's own failure.
@@ -134,6 +135,8 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
     os.environ[MULTIPROC_DIR_ENV] = str(metrics_dir)
     state_path = metrics_dir / "supervisor.json"
     os.environ[SUPERVISOR_STATE_ENV] = str(state_path)
+    # Stored `/v1/responses` (response_store.py): any API server continues a conversation.
+    os.environ[RESPONSE_STORE_ENV] = str(metrics_dir / "responses")
     api_server_specs = _api_server_specs(server, config, model_name, source, engine_addresses)
     fleet = Fleet(
         spawn,
@@ -171,6 +174,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
             addresses.cleanup()
         os.environ.pop(MULTIPROC_DIR_ENV, None)
         os.environ.pop(SUPERVISOR_STATE_ENV, None)
+        os.environ.pop(RESPONSE_STORE_ENV, None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 

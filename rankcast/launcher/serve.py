@@ -28,6 +28,7 @@ from multiprocessing.process import BaseProcess
 
 from rankcast.addresses import EngineAddresses
 from rankcast.api_server.metrics.fleet import MULTIPROC_DIR_ENV
+from rankcast.api_server.response_store import RESPONSE_STORE_ENV
 from rankcast.api_server.server_config import ApiServerConfig
 from rankcast.config import ConfigError, EngineConfig, ServeConfig
 from rankcast.launcher.children import api_server_process, engine_core_process
@@ -46,7 +47,6 @@ from rankcast.launcher.rust_api_server import frontend_binary, run_rust_api_serv
 from rankcast.launcher.supervision import Supervision
 from rankcast.model_files.source import ModelSource, resolve_model
 from rankcast.process import private_ipc_dir, remove_ipc_dirs_of
-from rankcast.api_server.response_store import RESPONSE_STORE_ENV
 from rankcast.supervisor_state import SUPERVISOR_STATE_ENV
 
 # What the CLI catches: a fleet that could not start, named as the launcher's own failure.

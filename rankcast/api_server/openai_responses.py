@@ -22,7 +22,14 @@ from typing import Any, Literal
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rankcast.api_server.chat_turn import (
     CallPiece,
@@ -99,6 +106,12 @@ class ResponsesRequest(RequestBody):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     background: bool = False
+
+    @model_validator(mode="after")
+    def _tools_for_the_choice(self) -> ResponsesRequest:
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        return self
 
     @field_validator("background")
     @classmethod

@@ -35,7 +35,7 @@ from rankcast.api_server.drain import (
     DrainingServer,
     ServerShuttingDownError,
 )
-from rankcast.api_server.errors import APIError, error_response
+from rankcast.api_server.errors import ANTHROPIC_PREFIX, APIError, error_response
 from rankcast.api_server.events import EventFilter, EventHub, parse_event_id
 from rankcast.api_server.metrics.lora_metrics import LoRAMetrics
 from rankcast.api_server.metrics.prometheus import ServerMetrics
@@ -144,20 +144,36 @@ _ERROR_SCHEMA = {
 }
 
 
+_ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "type": {"type": "string", "const": "error"},
+        "error": {
+            "type": "object",
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
+
 def _document_errors_as_answered(app: FastAPI) -> None:
     """The OpenAPI schema says what the server does: a body that fails validation is a 400 in
-    the OpenAI error shape (what OpenAI answers and its clients expect), not FastAPI's 422."""
+    the error shape of the route's API (OpenAI's, or Anthropic's under /v1/messages: what each
+    API answers and its clients expect), not FastAPI's 422."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for path in schema.get("paths", {}).values():
+            for route, path in schema.get("paths", {}).items():
+                shape = _ERROR_SCHEMA
+                if route.startswith(ANTHROPIC_PREFIX):
+                    shape = _ANTHROPIC_ERROR_SCHEMA
                 for operation in path.values():
                     responses = operation.get("responses", {})
                     if responses.pop("422", None) is not None:
                         responses["400"] = {
                             "description": "Invalid request: the message names the field",
-                            "content": {"application/json": {"schema": _ERROR_SCHEMA}},
+                            "content": {"application/json": {"schema": shape}},
                         }
             schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
             schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)

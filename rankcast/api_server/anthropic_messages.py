@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -31,7 +31,13 @@ from rankcast.api_server.chat_turn import (
 )
 from rankcast.api_server.drain import ServerShuttingDownError
 from rankcast.api_server.errors import APIError, anthropic_error_body
-from rankcast.api_server.schema import INT_MAX, ChatCompletionRequest, RequestBody
+from rankcast.api_server.schema import (
+    ChatCompletionRequest,
+    NonEmptyText,
+    RequestBody,
+    TokenCount,
+    TopK,
+)
 from rankcast.api_server.serving import (
     ENGINE_HEADER,
     ServingContext,
@@ -44,28 +50,62 @@ from rankcast.engine_client.mp_client import EngineDeadError
 from rankcast.outputs import CompletionOutput, RequestOutput, RequestRejectedError
 
 
-class ContentBlock(BaseModel):
-    """One block of a message's content; which fields matter depends on `type`."""
+class TextBlock(BaseModel):
+    """Text: what a system prompt and a tool result hold, and any turn may."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: str
-    text: str | None = None
-    # tool_use
-    id: str | None = None
-    name: str | None = None
-    input: dict[str, Any] | None = None
-    # tool_result
-    tool_use_id: str | None = None
-    content: str | list[dict[str, Any]] | None = None
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(BaseModel):
+    """A call the assistant made (given back in a later request's history)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(BaseModel):
+    """What a call returned, in the user's turn."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
     is_error: bool | None = None
-    # thinking
-    thinking: str | None = None
 
 
-class InputMessage(BaseModel):
-    role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+class ThinkingBlock(BaseModel):
+    """Earlier reasoning given back: not shown to the model again, as chat templates do."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+# What each role's content may hold, told apart by `type`; any other kind (images, documents,
+# server tools) is a 400 naming where it is, and the schema says so.
+UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class UserMessage(BaseModel):
+    role: Literal["user"]
+    content: str | list[UserBlock]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | list[AssistantBlock]
+
+
+InputMessage = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class ToolDefinition(BaseModel):
@@ -109,7 +149,7 @@ class CountTokensRequest(RequestBody):
 
     model: str | None = None
     messages: list[InputMessage] = Field(min_length=1)
-    system: str | list[ContentBlock] | None = None
+    system: str | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
@@ -118,73 +158,48 @@ class CountTokensRequest(RequestBody):
 class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages`."""
 
-    max_tokens: int = Field(ge=1, le=INT_MAX)
-    stop_sequences: list[str] | None = None
+    max_tokens: TokenCount
+    stop_sequences: list[NonEmptyText] | None = Field(None, max_length=16)
     temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=0, le=INT_MAX)
+    top_k: TopK | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
 
 
-def _text_of(blocks: str | list[ContentBlock] | list[dict[str, Any]] | None, where: str) -> str:
-    """The text of a string or of text blocks; any other block there is refused."""
+def _text_of(blocks: str | list[TextBlock] | None) -> str:
+    """The text of a string or of text blocks (the schema takes no other kind there)."""
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
-    parts = []
-    for i, given in enumerate(cast(list[Any], blocks)):
-        block = given.model_dump() if isinstance(given, ContentBlock) else given
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise APIError(
-                400,
-                f"content block type {block.get('type')!r} is not supported here "
-                "(text blocks only)",
-                f"{where}.{i}",
-            )
-        parts.append(block["text"])
-    return "".join(parts)
+    return "".join(block.text for block in blocks)
 
 
 def _chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     """The conversation as chat messages, in order."""
     messages: list[dict[str, Any]] = []
-    system = _text_of(body.system, "system")
+    system = _text_of(body.system)
     if system:
         messages.append({"role": "system", "content": system})
-    for m, message in enumerate(body.messages):
-        where = f"messages.{m}.content"
+    for message in body.messages:
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
             continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
-        for b, block in enumerate(message.content):
-            if block.type == "text":
-                texts.append(block.text or "")
-            elif block.type == "tool_use" and message.role == "assistant":
-                if block.id is None or block.name is None:
-                    raise APIError(400, "a tool_use block needs id and name", f"{where}.{b}")
-                arguments = json.dumps(block.input or {})
-                function = {"name": block.name, "arguments": arguments}
+        for block in message.content:
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolUseBlock):
+                function = {"name": block.name, "arguments": json.dumps(block.input)}
                 calls.append({"id": block.id, "type": "function", "function": function})
-            elif block.type == "tool_result" and message.role == "user":
-                if block.tool_use_id is None:
-                    raise APIError(400, "a tool_result block needs tool_use_id", f"{where}.{b}")
-                result = _text_of(block.content, f"{where}.{b}.content")
+            elif isinstance(block, ToolResultBlock):
+                result = _text_of(block.content)
                 messages.append(
                     {"role": "tool", "tool_call_id": block.tool_use_id, "content": result}
                 )
-            elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
-                continue  # earlier reasoning is not given back to the model, as templates do
-            else:
-                raise APIError(
-                    400,
-                    f"content block type {block.type!r} is not supported in a "
-                    f"{message.role} message",
-                    f"{where}.{b}",
-                )
-        if texts or calls or message.role == "assistant":
+        # A turn of only tool results is those; an empty one is still a turn.
+        if texts or calls or not message.content or message.role == "assistant":
             entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
             if calls:
                 entry["tool_calls"] = calls

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -84,17 +85,51 @@ from rankcast.version import __version__
 logger = logging.getLogger(__name__)
 
 
+# The parts of a validation error's location that name a union's alternative (`str`,
+# `list[TextBlock]`, `UserMessage`), not a field: dropped, so the location reads as the body's
+# path. Field names are lower-case.
+_UNION_ALTERNATIVE = re.compile(
+    r"^(str|int|float|bool|none|constrained-\w+|[a-z-]+\[.*\]|[A-Z][A-Za-z0-9]*)$"
+)
+
+
+def _body_path(loc: tuple[Any, ...], body: Any) -> list[str]:
+    """`loc` as a path into the request body: union alternatives dropped, and a tagged
+    union's tag (pydantic names the alternative by the value of its `type` or `role`, which
+    is no key of the object) dropped once per object."""
+    path: list[str] = []
+    node, tag_dropped = body, False
+    for part in loc:
+        if part == "body" or (isinstance(part, str) and _UNION_ALTERNATIVE.match(part)):
+            continue
+        is_key = isinstance(node, dict) and part in node
+        if isinstance(node, dict) and not is_key and not tag_dropped and part in node.values():
+            tag_dropped = True
+            continue
+        path.append(str(part))
+        is_index = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        node, tag_dropped = (node[part] if is_key or is_index else None), False
+    return path
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """The message of a 400 for a body that failed validation, and the field it names first."""
-    parts, param = [], None
+    """The message of a 400 for a body that failed validation, and the field it names first.
+    Of the alternatives of a union the deepest failure is named (an image block in a message
+    is a bad block, not "should be a string")."""
+    found: list[tuple[str, str]] = []
     for error in exc.errors():
         if error.get("type") == "json_invalid":
             return f"Invalid JSON body: {error.get('ctx', {}).get('error', error.get('msg'))}", None
-        location = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
-        message = str(error.get("msg")).removeprefix("Value error, ")
-        parts.append(f"{location}: {message}" if location else message)
-        param = param or location or None
-    return "; ".join(parts) or "invalid request", param
+        location = ".".join(_body_path(tuple(error.get("loc", ())), exc.body))
+        found.append((location, str(error.get("msg")).removeprefix("Value error, ")))
+    deeper = [
+        (location, message)
+        for location, message in found
+        if not (location and any(other.startswith(f"{location}.") for other, _ in found))
+    ]
+    parts = [f"{location}: {message}" if location else message for location, message in deeper]
+    param = next((location for location, _ in deeper if location), None)
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
 
 
 def build_app(
@@ -124,7 +159,7 @@ def build_app(
     add_messages_routes(app, serving)
     add_discovery_routes(app, config, serving)
     add_dashboard_routes(app)
-    _document_errors_as_answered(app)
+    _document_errors_as_answered(app, len(serving.tokenizer))
     return app
 
 
@@ -156,7 +191,21 @@ _ANTHROPIC_ERROR_SCHEMA = {
 }
 
 
-def _document_errors_as_answered(app: FastAPI) -> None:
+def _bound_token_ids(node: Any, vocab: int) -> None:
+    """Every token-id array of the schema (`TokenId` items) gets the vocabulary's bound, which
+    only the running server knows: an id past it is a 400, and the schema says so."""
+    if isinstance(node, dict):
+        items = node.get("items")
+        if node.get("type") == "array" and items == {"minimum": 0, "type": "integer"}:
+            items["maximum"] = vocab - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab)
+
+
+def _document_errors_as_answered(app: FastAPI, vocab: int) -> None:
     """The OpenAPI schema says what the server does: a body that fails validation is a 400 in
     the error shape of the route's API (OpenAI's, or Anthropic's under /v1/messages: what each
     API answers and its clients expect), not FastAPI's 422."""
@@ -175,6 +224,7 @@ def _document_errors_as_answered(app: FastAPI) -> None:
                             "description": "Invalid request: the message names the field",
                             "content": {"application/json": {"schema": shape}},
                         }
+            _bound_token_ids(schema, vocab)
             schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
             schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
             app.openapi_schema = schema
@@ -197,7 +247,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), path=request.url.path)
+        response = error_response(exc.status_code, str(exc.detail), path=request.url.path)
+        # A 405 says which methods the route takes (`Allow`), as HTTP asks.
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(RequestRejectedError)
     async def request_rejected(request: Request, exc: RequestRejectedError) -> JSONResponse:
@@ -342,7 +395,7 @@ UTILITY_ERROR_STATUS: dict[ErrorKind, int] = {
     ErrorKind.NO_CAPACITY: 409,
     ErrorKind.ADAPTER_BUSY: 409,
     ErrorKind.ADAPTER_EXISTS: 409,
-    ErrorKind.UNKNOWN_METHOD: 400,
+    ErrorKind.UNKNOWN_METHOD: 404,
     ErrorKind.EXTENSION_FAILED: 400,
     ErrorKind.INTERNAL: 500,
 }

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -42,7 +42,11 @@ from rankcast.api_server.chat_turn import (
 from rankcast.api_server.drain import ServerShuttingDownError
 from rankcast.api_server.errors import APIError
 from rankcast.api_server.response_store import ResponseStore, StoredResponse
-from rankcast.api_server.schema import INT_MAX, ChatCompletionRequest, RequestBody
+from rankcast.api_server.schema import (
+    ChatCompletionRequest,
+    RequestBody,
+    TokenCount,
+)
 from rankcast.api_server.serving import (
     ENGINE_HEADER,
     ServingContext,
@@ -70,14 +74,21 @@ class NamedFunction(BaseModel):
     name: str = Field(min_length=1)
 
 
-class TextFormat(BaseModel):
+class PlainFormat(BaseModel):
+    type: Literal["text", "json_object"]
+
+
+class JsonSchemaTextFormat(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["json_schema"]
     name: str | None = None
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
+
+
+TextFormat = Annotated[PlainFormat | JsonSchemaTextFormat, Field(discriminator="type")]
 
 
 class TextConfig(BaseModel):
@@ -94,7 +105,7 @@ class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1, le=INT_MAX)
+    max_output_tokens: TokenCount | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     tools: list[FunctionTool] | None = None
@@ -105,7 +116,9 @@ class ResponsesRequest(RequestBody):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    background: bool = False
+    # Only foreground responses are served: the schema says so (`const`), and the validator
+    # names the field in the 400.
+    background: bool = Field(False, json_schema_extra={"const": False})
 
     @model_validator(mode="after")
     def _tools_for_the_choice(self) -> ResponsesRequest:
@@ -209,9 +222,7 @@ def chat_body(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComp
         elif choice is not None:
             fields["tool_choice"] = choice
     fmt = body.text.format if body.text is not None else None
-    if fmt is not None and fmt.type == "json_schema":
-        if fmt.schema_ is None:
-            raise APIError(400, "text.format json_schema needs schema", "text.format.schema")
+    if isinstance(fmt, JsonSchemaTextFormat):
         schema = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
         fields["response_format"] = {"type": "json_schema", "json_schema": schema}
     elif fmt is not None and fmt.type == "json_object":

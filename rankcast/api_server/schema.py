@@ -8,12 +8,39 @@ accepted too.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 # What msgpack (the engine's wire) and torch's seeds can carry.
 INT_MIN, INT_MAX, UINT_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+
+
+# The bounds as the published schema states them. JSON Schema tools read numbers as doubles, in
+# which 2**63 - 1 and 2**64 - 1 do not exist: a schema-driven client rounds them up and sends a
+# value past them. The schema gives the largest doubles within the bounds (the few integers
+# between those and the real bounds are served all the same).
+_DOCUMENTED_INT_MAX = 2**63 - 1024
+_DOCUMENTED_UINT_MAX = 2**64 - 2048
+
+# A count of tokens (max_tokens and its kin).
+TokenCount = Annotated[
+    int,
+    Field(ge=1, le=INT_MAX),
+    WithJsonSchema({"type": "integer", "minimum": 1, "maximum": _DOCUMENTED_INT_MAX}),
+]
+# top_k: -1 or 0 turn it off.
+TopK = Annotated[
+    int,
+    Field(ge=-1, le=INT_MAX),
+    WithJsonSchema({"type": "integer", "minimum": -1, "maximum": _DOCUMENTED_INT_MAX}),
+]
+# torch's generators take any seed in [-2**63, 2**64 - 1].
+Seed = Annotated[
+    int,
+    Field(ge=INT_MIN, le=UINT_MAX),
+    WithJsonSchema({"type": "integer", "minimum": INT_MIN, "maximum": _DOCUMENTED_UINT_MAX}),
+]
 
 
 def unrepresentable(value: Any, path: str = "body") -> str | None:
@@ -66,26 +93,38 @@ class RequestBody(BaseModel):
         return data
 
 
+# A choice of a `choice` shape: the grammar cannot match an empty one.
+NonEmptyText = Annotated[str, Field(min_length=1)]
+# A token id: what the schema can say of it statically (the vocabulary's size is added to the
+# served schema by the app, which knows it).
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    """A content part: text is the only kind this server's models read (images, audio and
+    files are refused by the schema, naming where they are)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
     def text(self) -> str:
-        """Plain text of the message; content parts other than text are rejected."""
+        """Plain text of the message."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"content part type {part.get('type')!r} is not supported")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -106,7 +145,7 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         schema = self.json_schema.schema_ if self.json_schema is not None else None
-        if self.type == "json_schema" and not schema:
+        if self.type == "json_schema" and schema is None:
             raise ValueError("response_format json_schema needs json_schema.schema")
         return self
 
@@ -119,7 +158,7 @@ class StructuredOutputsField(BaseModel):
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[NonEmptyText] | None = Field(None, min_length=1)
     grammar: str | None = None
 
 
@@ -127,13 +166,12 @@ class _SamplingFields(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT_MAX)
+    max_tokens: TokenCount | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1, le=INT_MAX)
+    top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    # torch's generators take any seed in [-2**63, 2**64 - 1].
-    seed: int | None = Field(None, ge=INT_MIN, le=UINT_MAX)
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -143,7 +181,7 @@ class _SamplingFields(RequestBody):
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[NonEmptyText] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsField | None = None
 
@@ -198,7 +236,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT_MAX)
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # More variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}.
@@ -211,9 +249,15 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1, le=INT_MAX)
+    # Text, token ids, or a list of one text (what the openai client sends for a string).
+    prompt: (
+        NonEmptyText
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
+    )
+    max_tokens: TokenCount | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
+    # The prompt's text before the completion's (vLLM's and OpenAI's legacy `echo`).
     echo: bool = False
 
     @field_validator("prompt")
@@ -227,24 +271,32 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("the prompt is empty")
         return cast(str | list[int], value)  # a list of strings returned above
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
 
 class TokenizeRequest(RequestBody):
     """`POST /tokenize`, in vLLM's shape: a completion `prompt`, or chat `messages` rendered by
     the model's template. `add_special_tokens` defaults as vLLM's does: on for a prompt (what a
     completion request adds), off for messages (the template writes its own)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # The schema says what the validator below checks: a prompt or messages, not both.
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": ["prompt"],
+                    "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}},
+                },
+                {
+                    "required": ["messages"],
+                    "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}},
+                },
+            ]
+        },
+    )
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -265,7 +317,7 @@ class DetokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class CollectiveRpcRequest(RequestBody):

@@ -539,6 +539,16 @@ async def create_completion(
     prompt_text, prompt_ids = completion_prompt(ctx, body)
     structured, _ = ctx.shape(body)
     params = sampling_params(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs, structured)
+    echo = ""
+    if body.echo:
+        if body.logprobs is not None:
+            raise APIError(
+                400,
+                "echo with logprobs needs the prompt's logprobs, which this server does not "
+                "compute yet; ask for one of them",
+                "echo",
+            )
+        echo = prompt_text if prompt_text is not None else ctx.tokenizer.decode(prompt_ids)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or ctx.model_name
@@ -560,6 +570,7 @@ async def create_completion(
                 outputs,
                 include_usage,
                 top,
+                echo,
             ),
             media_type="text/event-stream",
             headers=headers,
@@ -580,7 +591,7 @@ async def create_completion(
             "choices": [
                 {
                     "index": 0,
-                    "text": completion.text,
+                    "text": echo + completion.text,
                     "logprobs": logprobs,
                     "finish_reason": completion.finish_reason,
                 }
@@ -596,12 +607,14 @@ def _completion_stream(
     outputs: AsyncIterator[RequestOutput],
     include_usage: bool,
     top: int | None,
+    echo: str = "",
 ) -> AsyncIterator[bytes]:
+    """Completion chunks; with `echo`, the prompt's text leads the first one."""
     header = state.header
     offset = 0  # where the next chunk's first token starts in the completion's text
 
     def render(output: RequestOutput) -> bytes:
-        nonlocal offset
+        nonlocal offset, echo
         completion = output.outputs[0]
         state.completion_tokens = len(completion.token_ids)
         logprobs = None
@@ -612,9 +625,10 @@ def _completion_stream(
             offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         if not (completion.delta_text or logprobs or output.finished):
             return b""
+        text, echo = echo + completion.delta_text, ""
         choice = {
             "index": 0,
-            "text": completion.delta_text,
+            "text": text,
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
         }

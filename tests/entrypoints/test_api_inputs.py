@@ -167,6 +167,24 @@ def test_the_largest_values_that_fit_are_served(server: ServerProcess) -> None:
     assert response.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_method_a_route_does_not_take_is_a_405_naming_those_it_does(
+    server: ServerProcess,
+) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        traced = http.request("TRACE", "/version")
+        unknown = http.post("/collective_rpc", json={"method": "no_such_method"})
+        image = http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        )
+    assert traced.status_code == 405 and traced.headers["allow"] == "GET"
+    assert traced.json()["error"]["code"] == 405
+    # A method no extension has is a thing that does not exist, as an unknown model is.
+    assert unknown.status_code == 404 and "no_such_method" in unknown.json()["error"]["message"]
+    assert image.status_code == 400
+    assert image.json()["error"]["param"].startswith("messages.0.content.0"), image.text
+
+
 def test_the_schema_documents_the_400_that_invalid_bodies_get(server: ServerProcess) -> None:
     schema = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     with_body = [
@@ -176,6 +194,9 @@ def test_the_schema_documents_the_400_that_invalid_bodies_get(server: ServerProc
         if "requestBody" in operation
     ]
     assert len(with_body) >= 5
+    # Token ids are bounded by the served vocabulary, which only the running server knows.
+    tokens = schema["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]
+    assert tokens["items"]["maximum"] == 49151, tokens
     for path, operation in with_body:
         assert "422" not in operation["responses"], path
         error = operation["responses"]["400"]["content"]["application/json"]["schema"]

@@ -404,3 +404,18 @@ def test_reset_prefix_cache_needs_the_key_and_empties_the_cache(server: ServerPr
         assert time.monotonic() < deadline, "the request's lookup never showed in the metrics"
         time.sleep(0.1)
     assert totals()[1] == hits, "after a reset the same prompt finds nothing cached"
+
+
+def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert echoed.usage == plain.usage
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True
+    )
+    chunks = [chunk.choices[0].text for chunk in streamed]
+    assert chunks[0].startswith(prompt) and "".join(chunks) == echoed.choices[0].text

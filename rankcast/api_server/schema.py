@@ -175,7 +175,8 @@ class _SamplingFields(RequestBody):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    # Samples of the prompt, each a choice (parallel_sampling.py); OpenAI's bound.
+    n: int = Field(1, ge=1, le=128)
     ignore_eos: bool = False
     # Structured outputs: at most one of these (`structured.py` turns it into a grammar).
     response_format: ResponseFormat | None = None
@@ -259,6 +260,16 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     # The prompt's text before the completion's (vLLM's and OpenAI's legacy `echo`).
     echo: bool = False
+    # Samples drawn, of which the `n` most likely are answered (OpenAI's legacy `best_of`).
+    best_of: int | None = Field(None, ge=1, le=128)
+
+    @model_validator(mode="after")
+    def _best_of_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of cannot stream: the best samples are known only at the end")
+        return self
 
     @field_validator("prompt")
     @classmethod

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -24,9 +24,11 @@ from rankcast.api_server.output_parsers import (
     ThinkParser,
     prompt_opens_think,
 )
+from rankcast.api_server.parallel_sampling import child_params, finals, likelihood, samples
 from rankcast.api_server.schema import ChatCompletionRequest, CompletionRequest
 from rankcast.api_server.structured import ToolCallShape, auto_tools, requested_shape
 from rankcast.engine_client.async_llm import AsyncLLM
+from rankcast.engine_client.engine_router import Choice
 from rankcast.engine_client.mp_client import EngineDeadError
 from rankcast.outputs import Logprob, RequestOutput, RequestRejectedError
 from rankcast.sampling_params import SamplingParams
@@ -285,7 +287,11 @@ async def create_chat_completion(
     lora_name = check_model(ctx, body.model)
     structured, tool_calls = ctx.shape(body)
     prompt_text, prompt_ids = chat_prompt(ctx, body)
-    parser = output_parser(ctx, body, prompt_text, structured, tool_calls)
+
+    def parser() -> OutputParser | None:
+        """A parser per choice: each reads its own sample's text."""
+        return output_parser(ctx, body, prompt_text, structured, tool_calls)
+
     # The reasoning fields are there whenever the server reads reasoning, as vLLM's are.
     reasoning_fields = ctx.reasoning_parser is not None
     top = body.top_logprobs or 0
@@ -296,9 +302,7 @@ async def create_chat_completion(
     created = int(time.time())
     model = body.model or ctx.model_name
     routed = ctx.engine.route(prompt_ids, lora_name)
-    outputs = ctx.engine.generate(
-        request_id, prompt_ids, params, lora_name=lora_name, choice=routed
-    )
+    start = _sampler(ctx, request_id, prompt_ids, params, body.n, lora_name, routed)
     headers = {ENGINE_HEADER: str(routed.engine)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -307,48 +311,77 @@ async def create_chat_completion(
                 _StreamState(
                     _header(model, request_id, created, "chat.completion.chunk"),
                     len(prompt_ids),
-                    cut_choice={
-                        "index": 0,
-                        "delta": {},
-                        "logprobs": None,
-                        "finish_reason": "abort",
-                    },
+                    cut_choices=[
+                        {"index": i, "delta": {}, "logprobs": None, "finish_reason": "abort"}
+                        for i in range(body.n)
+                    ],
                 ),
-                outputs,
+                samples(start, body.n),
                 include_usage,
                 top if body.logprobs else None,
                 tool_calls,
-                parser,
+                [parser() for _ in range(body.n)],
             ),
             media_type="text/event-stream",
             headers=headers,
         )
-    final = await run_unless_disconnected(request, _final(outputs))
-    if final is None:
+    outputs = await run_unless_disconnected(request, finals(start, body.n))
+    if outputs is None:
         return Response(status_code=499)
-    completion = final.outputs[0]
-    message, finish_reason = _chat_message(
-        completion.text, completion.finish_reason, tool_calls, parser, reasoning_fields
-    )
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": message,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if body.logprobs and completion.logprobs is not None:
-        choice["logprobs"] = _chat_logprobs(completion.logprobs, completion.token_ids, top)
+    choices = []
+    for index, final in enumerate(outputs):
+        completion = final.outputs[0]
+        message, finish_reason = _chat_message(
+            completion.text, completion.finish_reason, tool_calls, parser(), reasoning_fields
+        )
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        if body.logprobs and completion.logprobs is not None:
+            choice["logprobs"] = _chat_logprobs(completion.logprobs, completion.token_ids, top)
+        choices.append(choice)
+    generated = sum(len(final.outputs[0].token_ids) for final in outputs)
     return JSONResponse(
         {
             "id": request_id,
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [choice],
-            "usage": _usage(len(prompt_ids), len(completion.token_ids)),
+            "choices": choices,
+            "usage": _usage(len(prompt_ids), generated),
         },
         headers=headers,
     )
+
+
+def _sampler(
+    ctx: ServingContext,
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    count: int,
+    lora_name: str | None,
+    routed: Choice,
+    prompt_text: str | None = None,
+) -> Callable[[int], AsyncIterator[RequestOutput]]:
+    """How to start sample `i` of a request (parallel_sampling.py): one engine request, with
+    the request's own id when it is the only one."""
+
+    def start(index: int) -> AsyncIterator[RequestOutput]:
+        child_id = request_id if count == 1 else f"{request_id}-{index}"
+        return ctx.engine.generate(
+            child_id,
+            prompt_ids,
+            child_params(params, index),
+            prompt_text,
+            lora_name=lora_name,
+            choice=routed,
+        )
+
+    return start
 
 
 def _chat_message(
@@ -392,51 +425,54 @@ class _StreamState:
 
     header: dict[str, Any]
     prompt_tokens: int
-    completion_tokens: int = 0
-    # The last choice of a stream a stopping server cuts off (its shape differs by endpoint).
-    cut_choice: dict[str, Any] | None = None
+    # Tokens generated so far, by choice.
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    # The last choices of a stream a stopping server cuts off (their shape differs by endpoint).
+    cut_choices: list[dict[str, Any]] = field(default_factory=list)
 
 
 async def _event_stream(
-    outputs: AsyncIterator[RequestOutput],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
     state: _StreamState,
     include_usage: bool,
-    render: Callable[[RequestOutput], bytes],
+    render: Callable[[int, RequestOutput], bytes],
+    count: int,
     opening: bytes = b"",
 ) -> AsyncIterator[bytes]:
-    """Every stream's shape: the opening event, one write per output with that output's events
-    (`render`; b"" for none), and the same ending: engine death as an error event, the usage
-    chunk, then [DONE]. The last output's events leave in one write with the ending, so a
-    stream's last token costs one write, not four. One generator per stream, with the
-    endpoint's shape a plain function, because every layer of async generators is resumed once
-    per streamed token."""
+    """Every stream's shape: the opening events, one write per output with that output's
+    events (`render`, given the output's choice; b"" for none), and the same ending: engine
+    death as an error event, the usage chunk, then [DONE]. The last output's events leave in
+    one write with the ending, so a stream's last token costs one write, not four. One
+    generator per stream, with the endpoint's shape a plain function, because every layer of
+    async generators is resumed once per streamed token."""
     if opening:
         yield opening
-    last = b""
+    pending, finished = b"", 0
     try:
-        async for output in outputs:
-            events = render(output)
-            if output.finished:
-                last = events
+        async for index, output in outputs:
+            events = render(index, output)
+            finished += output.finished
+            if finished == count:
+                pending = events
             elif events:
                 yield events
     except EngineDeadError:
-        yield _sse(_dead_error()) + _sse("[DONE]")
+        yield pending + _sse(_dead_error()) + _sse("[DONE]")
         return
     except RequestRejectedError as exc:
-        yield _sse(error_body(400, str(exc))) + _sse("[DONE]")
+        yield pending + _sse(error_body(400, str(exc))) + _sse("[DONE]")
         return
     except ServerShuttingDownError as exc:
         # A finish reason for clients that read only chunks, the error for those that read it.
         cut = b""
-        if state.cut_choice is not None:
-            cut = _sse({**state.header, "choices": [state.cut_choice]})
-        yield cut + _sse(error_body(503, str(exc))) + _sse("[DONE]")
+        if state.cut_choices:
+            cut = _sse({**state.header, "choices": state.cut_choices})
+        yield pending + cut + _sse(error_body(503, str(exc))) + _sse("[DONE]")
         return
     if include_usage:
-        usage = _usage(state.prompt_tokens, state.completion_tokens)
-        last += _sse({**state.header, "choices": [], "usage": usage})
-    yield last + _sse("[DONE]")
+        usage = _usage(state.prompt_tokens, sum(state.completion_tokens.values()))
+        pending += _sse({**state.header, "choices": [], "usage": usage})
+    yield pending + _sse("[DONE]")
 
 
 def _delta_logprobs(
@@ -452,29 +488,33 @@ def _delta_logprobs(
 
 def _chat_stream(
     state: _StreamState,
-    outputs: AsyncIterator[RequestOutput],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
     include_usage: bool,
     top: int | None,
-    tool_calls: ToolCallShape | None = None,
-    parser: OutputParser | None = None,
+    tool_calls: ToolCallShape | None,
+    parsers: list[OutputParser | None],
 ) -> AsyncIterator[bytes]:
-    """Chat chunks; a tool-forcing request's output is held back and sent, once complete, as
-    one `tool_calls` delta (its JSON means nothing to a client until it is whole). With a
-    parser, each output's text becomes reasoning, content and tool-call deltas, in chunks of
-    their own (clients read one kind per delta); a call the model wrote is sent once complete,
-    as OpenAI streams one: its id and name, then its arguments."""
+    """Chat chunks, each choice's from its own sample; a tool-forcing request's output is held
+    back and sent, once complete, as one `tool_calls` delta (its JSON means nothing to a client
+    until it is whole). With a parser, each output's text becomes reasoning, content and
+    tool-call deltas, in chunks of their own (clients read one kind per delta); a call the
+    model wrote is sent once complete, as OpenAI streams one: its id and name, then its
+    arguments."""
     header = state.header
-    calls_sent = 0
+    calls_sent = [0] * len(parsers)
 
     def chunk(
-        delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return _sse({**header, "choices": [choice]})
 
-    def render(output: RequestOutput) -> bytes:
+    def render(index: int, output: RequestOutput) -> bytes:
         completion = output.outputs[0]
-        state.completion_tokens = len(completion.token_ids)
+        state.completion_tokens[index] = len(completion.token_ids)
         logprobs = _delta_logprobs(output, top, _chat_logprobs)
         if tool_calls is not None:
             if not output.finished:
@@ -485,18 +525,18 @@ def _chat_stream(
                 delta["tool_calls"] = [
                     {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
                 ]
-            return chunk(delta, None) + chunk({}, finish)
-        if parser is not None:
-            return parsed_events(output, logprobs)
+            return chunk(index, delta, None) + chunk(index, {}, finish)
+        if parsers[index] is not None:
+            return parsed_events(index, output, logprobs)
         events = b""
         if completion.delta_text or logprobs:
-            events = chunk({"content": completion.delta_text}, None, logprobs)
+            events = chunk(index, {"content": completion.delta_text}, None, logprobs)
         if output.finished:
-            events += chunk({}, completion.finish_reason)
+            events += chunk(index, {}, completion.finish_reason)
         return events
 
-    def parsed_events(output: RequestOutput, logprobs: dict[str, Any] | None) -> bytes:
-        nonlocal calls_sent
+    def parsed_events(index: int, output: RequestOutput, logprobs: dict[str, Any] | None) -> bytes:
+        parser = parsers[index]
         assert parser is not None
         completion = output.outputs[0]
         reasoning, parsed = (
@@ -513,23 +553,28 @@ def _chat_stream(
         if parsed.content:
             deltas.append({"content": parsed.content})
         for call in parsed.calls:
-            index, calls_sent = calls_sent, calls_sent + 1
+            position = calls_sent[index]
+            calls_sent[index] += 1
             named = {"name": call.name, "arguments": ""}
-            head = {"index": index, "id": call.id, "type": "function", "function": named}
+            head = {"index": position, "id": call.id, "type": "function", "function": named}
             deltas.append({"tool_calls": [head]})
-            arguments = {"index": index, "function": {"arguments": call.arguments}}
+            arguments = {"index": position, "function": {"arguments": call.arguments}}
             deltas.append({"tool_calls": [arguments]})
         if logprobs and not deltas:
             deltas.append({})  # the tokens' logprobs, their text held back for now
         events = b"".join(
-            chunk(delta, None, logprobs if i == 0 else None) for i, delta in enumerate(deltas)
+            chunk(index, delta, None, logprobs if i == 0 else None)
+            for i, delta in enumerate(deltas)
         )
         if output.finished:
-            events += chunk({}, "tool_calls" if calls_sent else completion.finish_reason)
+            finish = "tool_calls" if calls_sent[index] else completion.finish_reason
+            events += chunk(index, {}, finish)
         return events
 
-    opening = chunk({"role": "assistant", "content": ""}, None)
-    return _event_stream(outputs, state, include_usage, render, opening)
+    opening = b"".join(
+        chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(parsers))
+    )
+    return _event_stream(outputs, state, include_usage, render, len(parsers), opening)
 
 
 async def create_completion(
@@ -538,7 +583,12 @@ async def create_completion(
     lora_name = check_model(ctx, body.model)
     prompt_text, prompt_ids = completion_prompt(ctx, body)
     structured, _ = ctx.shape(body)
-    params = sampling_params(ctx, body, len(prompt_ids), body.max_tokens, body.logprobs, structured)
+    top = body.logprobs
+    # best_of ranks its samples by their tokens' log-probabilities: it needs them whether or
+    # not the client asked for them.
+    ranked = body.best_of is not None and body.best_of > body.n
+    wanted = (top or 0) if ranked else top
+    params = sampling_params(ctx, body, len(prompt_ids), body.max_tokens, wanted, structured)
     echo = ""
     if body.echo:
         if body.logprobs is not None:
@@ -553,11 +603,9 @@ async def create_completion(
     created = int(time.time())
     model = body.model or ctx.model_name
     routed = ctx.engine.route(prompt_ids, lora_name)
-    outputs = ctx.engine.generate(
-        request_id, prompt_ids, params, prompt_text, lora_name=lora_name, choice=routed
-    )
+    count = body.best_of if ranked and body.best_of is not None else body.n
+    start = _sampler(ctx, request_id, prompt_ids, params, count, lora_name, routed, prompt_text)
     headers = {ENGINE_HEADER: str(routed.engine)}
-    top = body.logprobs
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -565,38 +613,48 @@ async def create_completion(
                 _StreamState(
                     _header(model, request_id, created, "text_completion"),
                     len(prompt_ids),
-                    cut_choice={"index": 0, "text": "", "logprobs": None, "finish_reason": "abort"},
+                    cut_choices=[
+                        {"index": i, "text": "", "logprobs": None, "finish_reason": "abort"}
+                        for i in range(count)
+                    ],
                 ),
-                outputs,
+                samples(start, count),
                 include_usage,
                 top,
+                count,
                 echo,
             ),
             media_type="text/event-stream",
             headers=headers,
         )
-    final = await run_unless_disconnected(request, _final(outputs))
-    if final is None:
+    outputs = await run_unless_disconnected(request, finals(start, count))
+    if outputs is None:
         return Response(status_code=499)
-    completion = final.outputs[0]
-    logprobs = None
-    if top is not None and completion.logprobs is not None:
-        logprobs = _completion_logprobs(completion.logprobs, completion.token_ids, top)
+    completions = [final.outputs[0] for final in outputs]
+    generated = sum(len(c.token_ids) for c in completions)  # every sample is computed
+    if ranked:
+        completions = sorted(completions, key=likelihood, reverse=True)[: body.n]
+    choices = []
+    for index, completion in enumerate(completions):
+        logprobs = None
+        if top is not None and completion.logprobs is not None:
+            logprobs = _completion_logprobs(completion.logprobs, completion.token_ids, top)
+        choices.append(
+            {
+                "index": index,
+                "text": echo + completion.text,
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+            }
+        )
     return JSONResponse(
         {
             "id": request_id,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": echo + completion.text,
-                    "logprobs": logprobs,
-                    "finish_reason": completion.finish_reason,
-                }
-            ],
-            "usage": _usage(len(prompt_ids), len(completion.token_ids)),
+            "choices": choices,
+            "usage": _usage(len(prompt_ids), generated),
         },
         headers=headers,
     )
@@ -604,34 +662,37 @@ async def create_completion(
 
 def _completion_stream(
     state: _StreamState,
-    outputs: AsyncIterator[RequestOutput],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
     include_usage: bool,
     top: int | None,
+    count: int,
     echo: str = "",
 ) -> AsyncIterator[bytes]:
-    """Completion chunks; with `echo`, the prompt's text leads the first one."""
+    """Completion chunks, each choice's from its own sample; with `echo`, the prompt's text
+    leads each choice's first chunk."""
     header = state.header
-    offset = 0  # where the next chunk's first token starts in the completion's text
+    # Where each choice's next chunk's first token starts in its text.
+    offsets = [0] * count
+    echoes = [echo] * count
 
-    def render(output: RequestOutput) -> bytes:
-        nonlocal offset, echo
+    def render(index: int, output: RequestOutput) -> bytes:
         completion = output.outputs[0]
-        state.completion_tokens = len(completion.token_ids)
+        state.completion_tokens[index] = len(completion.token_ids)
         logprobs = None
         if top is not None:
-            render_logprobs = functools.partial(_completion_logprobs, offset=offset)
+            render_logprobs = functools.partial(_completion_logprobs, offset=offsets[index])
             logprobs = _delta_logprobs(output, top, render_logprobs)
         if logprobs is not None:
-            offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         if not (completion.delta_text or logprobs or output.finished):
             return b""
-        text, echo = echo + completion.delta_text, ""
+        text, echoes[index] = echoes[index] + completion.delta_text, ""
         choice = {
-            "index": 0,
+            "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
         }
         return _sse({**header, "choices": [choice]})
 
-    return _event_stream(outputs, state, include_usage, render)
+    return _event_stream(outputs, state, include_usage, render, count)

@@ -6,7 +6,9 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -243,7 +245,7 @@ def test_bad_requests_get_openai_shaped_400s(server: ServerProcess, client: open
         (dict(temperature=5), "temperature"),
         (dict(top_p=0), "top_p"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(n=2), "n"),
+        (dict(n=129), "n"),
         (dict(top_logprobs=50, logprobs=True), "top_logprobs"),
     ):
         with pytest.raises(openai.BadRequestError, match=field):
@@ -419,3 +421,83 @@ def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> No
     )
     chunks = [chunk.choices[0].text for chunk in streamed]
     assert chunks[0].startswith(prompt) and "".join(chunks) == echoed.choices[0].text
+
+
+def test_n_samples_are_the_seeded_single_samples_and_share_the_prompts_blocks(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    """Choice i of a seeded n-sample request is the single sample with seed + i (vLLM's
+    rule), and samples after the first find the prompt's full blocks in the prefix cache."""
+    prompt = f"Request {uuid.uuid4().hex}: write one sentence about the sea. " * 3
+
+    def hits() -> float:
+        return prefix_cache_totals(_fresh_get(server.url, "/metrics").text)[1]
+
+    before = hits()
+    many = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, seed=7, n=3, temperature=1.0
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    singles = [
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, seed=7 + i, temperature=1.0
+        ).choices[0]
+        for i in range(3)
+    ]
+    assert [c.text for c in many.choices] == [c.text for c in singles]
+    assert many.usage is not None
+    assert many.usage.completion_tokens == sum(
+        len(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, seed=7 + i,
+                                      temperature=1.0, logprobs=0).choices[0].logprobs.tokens)
+        for i in range(3)
+    )  # fmt: skip
+    full_blocks = many.usage.prompt_tokens // 16 * 16
+    deadline = time.monotonic() + 30
+    while hits() < before + 2 * full_blocks:
+        assert time.monotonic() < deadline, (before, hits(), full_blocks)
+        time.sleep(0.05)
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=6,
+        seed=3,
+        n=2,
+        temperature=1.0,
+        stream=True,
+    )
+    streamed: dict[int, str] = {}
+    for chunk in chat:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=6,
+        seed=3,
+        n=2,
+        temperature=1.0,
+    )
+    assert streamed == {c.index: c.message.content for c in whole.choices}
+
+
+def test_best_of_answers_the_most_likely_samples(client: openai.OpenAI) -> None:
+    prompt = "Once upon a time"
+    drawn = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, seed=11, n=4, temperature=1.0, logprobs=0
+    )
+    best = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, seed=11, n=2, best_of=4, temperature=1.0
+    )
+    assert best.choices[0].logprobs is None  # not asked for, though ranked by them
+
+    def likelihood(choice: Any) -> float:
+        return sum(choice.logprobs.token_logprobs)
+
+    ranked = sorted(drawn.choices, key=likelihood, reverse=True)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.usage is not None and drawn.usage is not None
+    assert best.usage.completion_tokens == drawn.usage.completion_tokens
+    for bad in ({"n": 3, "best_of": 2}, {"best_of": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError, match="best_of"):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **bad)

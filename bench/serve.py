@@ -369,6 +369,24 @@ def serve_rankcast(
     }
 
 
+def serve_api_comparison(
+    prompts: list[str], tokens: int, levels: list[int], runs: int, quantization: str
+) -> dict:
+    """The same chat turns through each API of one fleet (bench/api_shapes.py)."""
+    from bench import api_shapes
+    from tests.entrypoints.server_process import ServerProcess
+
+    server = ServerProcess(
+        "--kv-cache-space", "1", "--max-num-seqs", "32", *quantization_args(quantization),
+        api_server_count=1,
+    )  # fmt: skip
+    try:
+        server.wait_healthy()
+        return api_shapes.compare(server.url, prompts, tokens, levels, runs)
+    finally:
+        server.stop()
+
+
 def serve_anchor(dtype: str, prompts: list[str], tokens: int, levels: list[int], runs: int) -> dict:
     from bench import anchor
     from rankcast.model_files.source import resolve_model
@@ -563,6 +581,12 @@ def main() -> None:
         default="1,2",
         help="Rust API servers alone, at every level and in the paired overhead (empty: none)",
     )
+    parser.add_argument(
+        "--apis",
+        default="chat",
+        help="chat,responses,messages: also the same turns through each API of one fleet "
+        "(bench/api_shapes.py), tokens/s and texts compared with chat's",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = parser.parse_args()
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
@@ -598,6 +622,11 @@ def main() -> None:
         for q in quantizations
         for k in rust_counts
     ]
+    apis = (
+        serve_api_comparison(prompts, tokens, levels, args.runs, quantizations[0])
+        if args.apis != "chat"
+        else None
+    )
     overhead = (
         serving_overhead(
             prompts, tokens, counts, args.overhead_rounds, rust_counts, quantizations[0]
@@ -620,6 +649,10 @@ def main() -> None:
     print_table(offline, runs)
     if overhead is not None:
         print_overhead(overhead)
+    if apis is not None:
+        from bench.api_shapes import print_comparison
+
+        print_comparison(apis)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -633,6 +666,7 @@ def main() -> None:
                 "runs_per_figure": args.runs,
                 "runs": runs,
                 "overhead_32_streams": overhead,
+                "apis": apis,
             },
             indent=2,
         )

@@ -27,6 +27,7 @@ from rankcast.api_server.chat_turn import (
     Piece,
     TextPiece,
     TurnReader,
+    run_to_end,
     start_chat,
 )
 from rankcast.api_server.drain import ServerShuttingDownError
@@ -44,10 +45,9 @@ from rankcast.api_server.serving import (
     chat_prompt,
     check_model,
     live,
-    run_unless_disconnected,
 )
 from rankcast.engine_client.mp_client import EngineDeadError
-from rankcast.outputs import CompletionOutput, RequestOutput, RequestRejectedError
+from rankcast.outputs import CompletionOutput, RequestRejectedError
 
 
 class TextBlock(BaseModel):
@@ -312,22 +312,9 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, request: Re
         return StreamingResponse(
             _message_events(turn), media_type="text/event-stream", headers=headers
         )
-    last = None
-
-    async def final() -> RequestOutput:
-        nonlocal last
-        async for output in turn.outputs:
-            last = output
-        assert last is not None
-        return last
-
-    try:
-        output = await run_unless_disconnected(request, final())
-    except RequestRejectedError as exc:
-        raise APIError(400, str(exc)) from None
-    if output is None:
+    completion = await run_to_end(turn, request)
+    if completion is None:
         return Response(status_code=499)
-    completion = output.outputs[0]
     reader = TurnReader(turn)
     pieces = reader.whole(completion)
     stop_reason, stop_sequence = _stop(completion, reader.calls)

@@ -13,13 +13,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from fastapi import Request
+
 from rankcast.api_server.output_parsers import OutputParser, Parsed
 from rankcast.api_server.schema import ChatCompletionRequest
 from rankcast.api_server.serving import (
     ServingContext,
     chat_prompt,
     check_model,
+    final_output,
     output_parser,
+    run_unless_disconnected,
     sampling_params,
 )
 from rankcast.api_server.structured import ToolCallShape
@@ -37,6 +41,12 @@ class ChatTurn:
     engine: int  # the data-parallel engine core the router chose
     tool_calls: ToolCallShape | None  # set when the request forces tool calls
     parser: OutputParser | None  # set when the server reads reasoning or the model's calls
+
+
+async def run_to_end(turn: ChatTurn, request: Request) -> CompletionOutput | None:
+    """The turn's finished output; None when the client left first (its request aborted)."""
+    output = await run_unless_disconnected(request, final_output(turn.outputs))
+    return None if output is None else output.outputs[0]
 
 
 def start_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: str) -> ChatTurn:

@@ -37,6 +37,7 @@ from rankcast.api_server.chat_turn import (
     Piece,
     TextPiece,
     TurnReader,
+    run_to_end,
     start_chat,
 )
 from rankcast.api_server.drain import ServerShuttingDownError
@@ -51,10 +52,9 @@ from rankcast.api_server.serving import (
     ENGINE_HEADER,
     ServingContext,
     live,
-    run_unless_disconnected,
 )
 from rankcast.engine_client.mp_client import EngineDeadError
-from rankcast.outputs import CompletionOutput, RequestOutput, RequestRejectedError
+from rankcast.outputs import CompletionOutput, RequestRejectedError
 
 
 class FunctionTool(BaseModel):
@@ -412,22 +412,9 @@ async def create_response(
         return StreamingResponse(
             _response_events(run), media_type="text/event-stream", headers=headers
         )
-    last = None
-
-    async def final() -> RequestOutput:
-        nonlocal last
-        async for output in run.turn.outputs:
-            last = output
-        assert last is not None
-        return last
-
-    try:
-        output = await run_unless_disconnected(request, final())
-    except RequestRejectedError as exc:
-        raise APIError(400, str(exc)) from None
-    if output is None:
+    completion = await run_to_end(run.turn, request)
+    if completion is None:
         return Response(status_code=499)
-    completion = output.outputs[0]
     pieces = TurnReader(run.turn).whole(completion)
     items = [_item(p, _item_id(p)) for p in pieces]
     return JSONResponse(run.finish(completion, pieces, items), headers=headers)

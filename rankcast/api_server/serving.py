@@ -141,7 +141,8 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T | N
     return None
 
 
-async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """A request's last output (the finished one)."""
     last = None
     async for output in stream:
         last = output

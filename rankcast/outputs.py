@@ -44,3 +44,7 @@ class RequestOutput:
     finished: bool
     # Why the engine refused or ended the request (finish_reason "abort"); None otherwise.
     error: str | None = None
+    # With `SamplingParams.prompt_logprobs`: per prompt position, the prompt token's logprob,
+    # rank and decoded text with the top-k there (the dict shape of `CompletionOutput.logprobs`);
+    # None at position 0, which nothing before it predicts. In every output from the first on.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -48,7 +48,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 # 13: SchedulerStats.kv_cache_dtype (an 8-bit KV cache is named on /metrics).
 # 14: speculative decoding: ScheduledSequence.num_draft_tokens, ModelRunnerOutput's tokens and
 #     logprobs a list per sequence, SchedulerStats.spec_decode_* (vLLM's counters).
-PROTOCOL_VERSION = 14
+# 15: prompt logprobs: SamplingParams.prompt_logprobs, ScheduledSequence.prompt_logprob_targets,
+#     ModelRunnerOutput.prompt_logprobs (PromptLogprobs), EngineCoreOutput.prompt_logprobs.
+PROTOCOL_VERSION = 15
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
@@ -103,6 +105,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     # Why the engine refused or ended the request (with finish_reason "abort"); None otherwise.
     error: str | None = None
+    # The scored prompt (SamplingParams.prompt_logprobs), on the request's first output that
+    # carries tokens and no other: one entry per prompt token after the first, in order (the
+    # first token has none, so the list is one shorter than the prompt).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -253,6 +259,11 @@ class ScheduledSequence(msgspec.Struct, array_like=True, omit_defaults=True):
     # samples at each of them as well and keeps the tokens up to the first draft the model
     # disagrees with (worker/verification.py).
     num_draft_tokens: int = 0
+    # Prompt logprobs: the prompt tokens that the step's first rows score, one per row (row j,
+    # at position start_position + j, scores the token at the next position; the last one may
+    # be the first token of the next chunk). The output rank takes these rows' logits too;
+    # None (the usual case): no prompt row is scored.
+    prompt_logprob_targets: list[int] | None = None
 
 
 class LoRAMove(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -281,14 +292,27 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_moves: list[LoRAMove] = msgspec.field(default_factory=list)
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A step's scores of one request's prompt tokens (`prompt_logprob_targets`): `logprobs[i]`
+    is the token at prompt position `position + i`'s. A prompt in chunks is scored a piece per
+    step; the engine concatenates them (a recompute after preemption replaces what it covers)."""
+
+    request_id: str
+    position: int
+    logprobs: list[TokenLogprobs]
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """The output rank's tokens for each sequence that sampled, in the order of
     `SchedulerOutput.sequences`: one token, or with drafts the drafts it accepted and the token
-    sampled after them. `logprobs`, where asked for, one per token."""
+    sampled after them. `logprobs`, where asked for, one per token. `prompt_logprobs`: the
+    step's scored prompt rows, per sequence that asked (None: none did), whether it sampled or
+    not."""
 
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    prompt_logprobs: list[PromptLogprobs] | None = None
 
 
 class AdapterRead(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -6,6 +6,10 @@ import msgspec
 
 from rankcast.structured_outputs import StructuredOutputs
 
+# The most alternatives one position may ask for, sampled (`logprobs`) or in the prompt
+# (`prompt_logprobs`): vLLM's default `max_logprobs`.
+MAX_LOGPROBS = 20
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick each next token and when to stop.
@@ -15,6 +19,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     tokens' log-probabilities (from the raw model distribution) with each sampled token.
     `structured` constrains the output to a shape (a JSON schema, a regex, ...): the output rank
     masks every token that would leave it, and the output ends (EOS) where the shape does.
+    `prompt_logprobs=k` (vLLM's meaning) scores the prompt itself: for every prompt position
+    after the first, the log-probability of the prompt's own token given the tokens before it,
+    with its rank and the k most likely tokens there (position 0 has none). Such a request
+    takes no prefix-cache hits until its prompt is scored (docs/architecture.md).
     """
 
     temperature: float = 1.0
@@ -31,6 +39,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     n: int = 1
     structured: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with messages that name the field."""
@@ -48,8 +57,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if self.n != 1:
             raise ValueError(f"only n=1 is supported, got {self.n}")
         if any(not s for s in self.stop):

@@ -50,6 +50,7 @@ def test_a_rust_request_decodes_with_its_sampling_parameters(samples: Path) -> N
     assert (params.temperature, params.top_k, params.seed) == (0.5, 40, -7)
     assert params.max_tokens is None  # given as nil: not the default 16
     assert params.stop == ["\n\n", "END"] and params.logprobs == 3
+    assert params.prompt_logprobs == 1
     assert params.top_p == 1.0 and params.skip_special_tokens  # left out: defaults
     assert params.structured is not None and params.structured.regex == "[a-z]+"
     assert (request.arrival_time, request.client_index, request.lora_name) == (
@@ -73,6 +74,14 @@ def test_rust_outputs_and_the_notifications_they_carry_decode(samples: Path) -> 
     assert isinstance(message, EngineCoreOutputs)
     (output,) = message.outputs
     assert output.new_token_ids == [42, 43] and output.finish_reason is FinishReason.LENGTH
+    assert output.prompt_logprobs is not None
+    assert [(lp.token_id, lp.rank) for lp in output.prompt_logprobs] == [
+        (9690, 7),
+        (28, 1),
+        (2, 2),
+        (70000, 4000),
+    ]
+    assert output.prompt_logprobs[0].top_token_ids == [28]
     assert message.scheduler_stats is not None
     assert message.scheduler_stats.running_lora_requests == {"sql": 1}
     stats = message.scheduler_stats

@@ -25,6 +25,8 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
+    # The scored prompt (`params.prompt_logprobs`) once the engine sent it (first output).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -87,6 +89,12 @@ class OutputProcessor:
                     self._logprob_entry(state, lp) for lp in output.new_logprobs or ()
                 ]
                 state.logprobs.extend(delta_logprobs)
+            if output.prompt_logprobs is not None:
+                # The first prompt token has no score: vLLM's None at position 0.
+                state.prompt_logprobs = [None]
+                state.prompt_logprobs += [
+                    self._logprob_entry(state, lp) for lp in output.prompt_logprobs
+                ]
             finish_reason = output.finish_reason
             stop_reason: int | str | None = output.stop_reason
             to_decode = new_ids
@@ -123,6 +131,7 @@ class OutputProcessor:
                     outputs=[completion],
                     finished=finished,
                     error=output.error,
+                    prompt_logprobs=state.prompt_logprobs,
                 )
             )
             if finished:

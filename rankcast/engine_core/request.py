@@ -74,6 +74,10 @@ class Request:
     # Tokens and logprobs sampled since the last output was sent.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Prompt logprobs (`params.prompt_logprobs`) scored so far, entry i the prompt token at
+    # position i + 1's; sent with the request's first output, and then no longer computed.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def block_ids(self) -> list[int]:
@@ -87,6 +91,43 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its steps must still score prompt tokens (asked for, not sent yet). Until
+        then it takes no prefix-cache hits, as in vLLM: a cached block's positions would have
+        no logits to score their tokens with."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    def prompt_logprob_targets(self, start: int, count: int) -> list[int] | None:
+        """The prompt tokens a step over positions [start, start + count) scores (None: none):
+        the row at position p scores the token at p + 1, up to the prompt's last token."""
+        if not self.scores_prompt:
+            return None
+        end = min(start + count, len(self.prompt_token_ids) - 1)
+        return self.prompt_token_ids[start + 1 : end + 1] if end > start else None
+
+    def add_prompt_logprobs(self, position: int, logprobs: list[TokenLogprobs]) -> None:
+        """A step's scores, of the prompt tokens from `position` on. A prompt in chunks comes
+        piece after piece; a recompute from the start (after preemption) replaces them."""
+        del self.prompt_logprobs[position - 1 :]
+        if len(self.prompt_logprobs) != position - 1:
+            raise RuntimeError(
+                f"request {self.request_id}: prompt logprobs from position {position}, but "
+                f"only {len(self.prompt_logprobs)} positions were scored before"
+            )
+        self.prompt_logprobs.extend(logprobs)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """Every prompt token's scores once all are in (and the request has sampled, so its
+        first output goes with them); None before that, and after they were taken once."""
+        if not (self.scores_prompt and self.output_token_ids):
+            return None
+        if len(self.prompt_logprobs) != len(self.prompt_token_ids) - 1:
+            return None
+        scored, self.prompt_logprobs = self.prompt_logprobs, []
+        self.prompt_logprobs_sent = True
+        return scored
 
     def token_slice(self, start: int, count: int) -> list[int]:
         """all_token_ids[start:start + count] without building the whole list (a decode step

@@ -170,7 +170,8 @@ class Scheduler:
         in_flight = len(self.running) + len(self.parked)
         while self.waiting and in_flight + len(admitted) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.blocks.match_prefix(request)
+            # A request still to score its prompt computes all of it (Request.scores_prompt).
+            cached = 0 if request.scores_prompt else self.blocks.match_prefix(request)
             count = self._chunk(request, budget, not admitted)
             need = request.num_computed_tokens + count
             if count == 0 or not self.blocks.can_allocate(request, need):
@@ -209,7 +210,8 @@ class Scheduler:
                 active.add(request.lora_name)
             self.blocks.allocate(request, need)
             self.blocks.plan_computed(request, need)
-            self.blocks.record_lookup(request.num_tokens, cached)
+            if not request.scores_prompt:  # as vLLM: a lookup skipped is not a query
+                self.blocks.record_lookup(request.num_tokens, cached)
             if request.routing_reason and not request.routing_hit_counted:
                 self.routing_hit_prefix_tokens += cached
                 request.routing_hit_counted = True
@@ -420,6 +422,7 @@ class Scheduler:
                     if len(request.kv_groups) > 1
                     else None,
                     num_draft_tokens=len(drafts),
+                    prompt_logprob_targets=request.prompt_logprob_targets(start, own),
                 )
             )
         moves = self.adapters.take_moves() if self.adapters is not None else []
@@ -434,6 +437,10 @@ class Scheduler:
             computed.num_computed_tokens += count
             self.blocks.cache_computed_blocks(computed)
         self.scheduled = []
+        for scored in result.prompt_logprobs or ():
+            request = self.requests.get(scored.request_id)
+            if request is not None and request.scores_prompt:
+                request.add_prompt_logprobs(scored.position, scored.logprobs)
         outputs: list[tuple[int, EngineCoreOutput]] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)
         for request_id, tokens, lps in zip(
@@ -479,6 +486,7 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
             error=request.error,
+            prompt_logprobs=request.take_prompt_logprobs(),
         )
         request.pending_token_ids = []
         request.pending_logprobs = []

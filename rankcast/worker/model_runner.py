@@ -28,7 +28,7 @@ from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ModelRunnerOutput, SchedulerOutput
 from rankcast.sampling_params import SamplingParams
 from rankcast.start_up_holds import hold_here
-from rankcast.worker import sampler, verification
+from rankcast.worker import prompt_logprobs, sampler, verification
 from rankcast.worker.grammar import GrammarMatchers, TokenMask
 
 logger = logging.getLogger(__name__)
@@ -302,6 +302,13 @@ class ModelRunner:
         receives the previous stage's (hidden, residual), a non-last one passes its own on and
         returns None.
         """
+        logits = self._step_logits(batch)
+        return None if logits is None else logits[0]
+
+    def _step_logits(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`compute_logits`'s rows, and then (prompt logprobs) the rows of the prompt positions
+        the batch's sequences name targets for, in batch order: one projection for both, so a
+        prompt row is computed as any sampling row is."""
         self.wait_for_cache()  # no block is written while the commit may still touch it
         ids, meta = self._prepare(batch)
         pp = self.model.pp
@@ -315,22 +322,31 @@ class ModelRunner:
             assert residual is not None
             pp.send((hidden, residual))
             return None
-        if hidden.shape[0] != len(batch.sequences) or not all(s.sample for s in batch.sequences):
+        scoring = any(s.prompt_logprob_targets for s in batch.sequences)
+        sampled = len(batch.sequences)
+        if scoring or hidden.shape[0] != sampled or not all(s.sample for s in batch.sequences):
             # Each sampling sequence's last token (the end of its slice of the step's tokens),
             # and with drafts the rows of the tokens before it that the drafts took.
-            ends = itertools.accumulate(meta.query_lens)
+            ends = list(itertools.accumulate(meta.query_lens))
             rows = [
                 row
                 for end, seq in zip(ends, batch.sequences, strict=True)
                 if seq.sample
                 for row in range(end - 1 - seq.num_draft_tokens, end)
             ]
+            sampled = len(rows)
+            # Then each scored prompt row: the first of the sequence's tokens on.
+            rows += [
+                end - len(seq.token_ids) + j
+                for end, seq in zip(ends, batch.sequences, strict=True)
+                for j in range(len(seq.prompt_logprob_targets or ()))
+            ]
             if not rows:
                 empty: torch.Tensor = hidden.new_empty((0, self.arch.vocab_size))
-                return empty
+                return empty, empty
             hidden = hidden[rows]
         logits: torch.Tensor = self.model.compute_logits(hidden)
-        return logits
+        return logits[:sampled], logits[sampled:]
 
     @torch.inference_mode()
     def execute_model(
@@ -340,12 +356,21 @@ class ModelRunner:
         self._update_states(batch)
         if not batch.sequences:
             return None
-        logits = self.compute_logits(batch)
-        if logits is None or not sample:
+        step_logits = self._step_logits(batch)
+        if step_logits is None or not sample:
             return None
+        logits, prompt_rows = step_logits
+        scored = None
+        if prompt_rows.shape[0]:
+            tops = [
+                self.requests[seq.request_id].params.prompt_logprobs or 0
+                for seq in batch.sequences
+                if seq.prompt_logprob_targets
+            ]
+            scored = prompt_logprobs.score_prompts(batch.sequences, prompt_rows, tops)
         sampling = [seq for seq in batch.sequences if seq.sample]
         if not sampling:
-            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], prompt_logprobs=scored)
         states = [self.requests[seq.request_id] for seq in sampling]
         request_ids = [seq.request_id for seq in sampling]
         spans = verification.row_spans(sampling)
@@ -376,6 +401,7 @@ class ModelRunner:
             request_ids=request_ids,
             sampled_token_ids=kept_tokens,
             logprobs=kept_logprobs,
+            prompt_logprobs=scored,
         )
 
     def _token_mask(

@@ -293,6 +293,7 @@ pub fn schema() -> Vec<String> {
         ScheduledSequence::schema_line(),
         LoRAMove::schema_line(),
         SchedulerOutput::schema_line(),
+        PromptLogprobs::schema_line(),
         ModelRunnerOutput::schema_line(),
         AdapterRead::schema_line(),
         StepReply::schema_line(),

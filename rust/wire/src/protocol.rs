@@ -7,7 +7,7 @@ use crate::sampling::SamplingParams;
 use crate::{array_struct, array_union, Dict, Raw, Value};
 
 /// Bumped whenever a message changes shape; the engine refuses a client of another version.
-pub const PROTOCOL_VERSION: i64 = 14;
+pub const PROTOCOL_VERSION: i64 = 15;
 
 /// Why a request finished (`FinishReason` in Python): "stop", "length", "abort", "error".
 pub type FinishReason = String;
@@ -83,6 +83,9 @@ array_struct! {
         stop_reason: Option<i64> = None,
         num_prompt_tokens: i64 = 0,
         error: Option<String> = None,
+        /// The scored prompt (`prompt_logprobs`), on the request's first output with tokens:
+        /// one per prompt token after the first (protocol 15).
+        prompt_logprobs: Option<Vec<TokenLogprobs>> = None,
     }
 }
 
@@ -282,6 +285,8 @@ array_struct! {
         window_block_ids: Option<Vec<i64>> = None,
         /// The last `num_draft_tokens` of `token_ids` are drafts (speculative decoding).
         num_draft_tokens: i64 = 0,
+        /// The prompt tokens the step's first rows score, one per row (prompt logprobs).
+        prompt_logprob_targets: Option<Vec<i64>> = None,
     }
 }
 
@@ -306,12 +311,23 @@ array_struct! {
 }
 
 array_struct! {
+    /// A step's scores of one request's prompt tokens, from prompt position `position` on.
+    PromptLogprobs {
+        request_id: String,
+        position: i64,
+        logprobs: Vec<TokenLogprobs>,
+    }
+}
+
+array_struct! {
     /// The output rank's tokens for each sequence that sampled: one, or with drafts the drafts
     /// it accepted and the token sampled after them; `logprobs`, where asked for, one per token.
     ModelRunnerOutput {
         request_ids: Vec<String>,
         sampled_token_ids: Vec<Vec<i64>>,
         logprobs: Option<Vec<Option<Vec<TokenLogprobs>>>> = None,
+        /// The step's scored prompt rows, per sequence that asked.
+        prompt_logprobs: Option<Vec<PromptLogprobs>> = None,
     }
 }
 

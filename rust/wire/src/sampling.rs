@@ -18,7 +18,8 @@ map_struct! {
 
 map_struct! {
     /// `temperature` 0 is greedy; `top_k` <= 0 disables top-k; `max_tokens` None runs to the
-    /// model's length; `logprobs` k returns the k likeliest tokens with each sampled one.
+    /// model's length; `logprobs` k returns the k likeliest tokens with each sampled one;
+/// `prompt_logprobs` k scores every prompt token after the first, with the k likeliest there.
     SamplingParams {
         temperature: f64 = 1.0,
         top_p: f64 = 1.0,
@@ -34,6 +35,7 @@ map_struct! {
         include_stop_str_in_output: bool = false,
         n: i64 = 1,
         structured: Option<StructuredOutputs> = None,
+        prompt_logprobs: Option<i64> = None,
     }
 }
 
@@ -54,6 +56,7 @@ impl Default for SamplingParams {
             include_stop_str_in_output: false,
             n: 1,
             structured: None,
+            prompt_logprobs: None,
         }
     }
 }

@@ -105,6 +105,7 @@ fn the_fixtures_mean_what_the_python_side_wrote() {
     assert_eq!(add.sampling_params.max_tokens, Some(32));
     assert_eq!(add.sampling_params.stop, vec!["\n\n".to_string()]);
     assert_eq!(add.sampling_params.seed, Some(42));
+    assert_eq!(add.sampling_params.prompt_logprobs, Some(2));
     assert_eq!(
         add.sampling_params.top_k, 0,
         "a default left out of the map"
@@ -160,6 +161,16 @@ fn the_fixtures_mean_what_the_python_side_wrote() {
     );
     let logprobs = step.outputs[1].new_logprobs.as_ref().expect("logprobs");
     assert_eq!(logprobs[0].top_logprobs, vec![-0.25, -1.5]);
+    // The first output of a request that asked for prompt logprobs: one per prompt token but
+    // the first.
+    let prompt = step.outputs[0]
+        .prompt_logprobs
+        .as_ref()
+        .expect("prompt logprobs");
+    let scored: Vec<(i64, i64)> = prompt.iter().map(|lp| (lp.token_id, lp.rank)).collect();
+    assert_eq!(scored, vec![(9690, 3), (28, 1), (2, 12)]);
+    assert_eq!(prompt[0].top_token_ids, vec![28, 2]);
+    assert!(step.outputs[1].prompt_logprobs.is_none());
     let stats = step.scheduler_stats.expect("stats");
     assert_eq!(stats.running_lora_requests.get("sql"), Some(&2));
     assert_eq!(stats.prefix_cache_hits, 1088);
@@ -270,36 +281,45 @@ fn a_notification_with_a_field_this_side_does_not_know_decodes() {
 }
 
 #[test]
-fn a_rank_output_carries_a_list_of_tokens_per_sequence() {
-    use rankcast_wire::protocol::{ModelRunnerOutput, TokenLogprobs};
+fn a_rank_output_carries_a_list_of_tokens_per_sequence_and_the_scored_prompts() {
+    use rankcast_wire::protocol::{ModelRunnerOutput, PromptLogprobs, TokenLogprobs};
+    let scored = |token_id, logprob| TokenLogprobs {
+        token_id,
+        logprob,
+        rank: 1,
+        top_token_ids: Vec::new(),
+        top_logprobs: Vec::new(),
+    };
     let output = ModelRunnerOutput {
         request_ids: vec!["a".into(), "b".into()],
         sampled_token_ids: vec![vec![7], vec![30, 31, 2]],
-        logprobs: Some(vec![
-            None,
-            Some(vec![TokenLogprobs {
-                token_id: 30,
-                logprob: -0.25,
-                rank: 1,
-                top_token_ids: Vec::new(),
-                top_logprobs: Vec::new(),
-            }]),
-        ]),
+        logprobs: Some(vec![None, Some(vec![scored(30, -0.25)])]),
+        // "c" is a prompt chunk that samples nothing yet: its rows are scored all the same.
+        prompt_logprobs: Some(vec![PromptLogprobs {
+            request_id: "c".into(),
+            position: 17,
+            logprobs: vec![scored(5, -0.5)],
+        }]),
     };
     let ints = |v: &[i128]| Value::Array(v.iter().map(|i| Value::Int(*i)).collect());
+    let token = |id: i128, logprob: f64| {
+        Value::Array(vec![
+            Value::Int(id),
+            Value::Float(logprob),
+            Value::Int(1),
+            Value::Array(Vec::new()),
+            Value::Array(Vec::new()),
+        ])
+    };
     let want = Value::Array(vec![
         Value::Array(vec![Value::Str("a".into()), Value::Str("b".into())]),
         Value::Array(vec![ints(&[7]), ints(&[30, 31, 2])]),
-        Value::Array(vec![
-            Value::Nil,
-            Value::Array(vec![Value::Array(vec![
-                Value::Int(30),
-                Value::Float(-0.25),
-                Value::Int(1),
-                Value::Array(Vec::new()),
-                Value::Array(Vec::new()),
-            ])]),
-        ]),
+        Value::Array(vec![Value::Nil, Value::Array(vec![token(30, -0.25)])]),
+        Value::Array(vec![Value::Array(vec![
+            Value::Str("c".into()),
+            Value::Int(17),
+            Value::Array(vec![token(5, -0.5)]),
+        ])]),
     ]);
     assert_eq!(to_bytes(&output), to_bytes(&want));
     assert_eq!(

@@ -43,6 +43,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             max_tokens: None,
             stop: vec!["\n\n".into(), "END".into()],
             logprobs: Some(3),
+            prompt_logprobs: Some(1),
             structured: Some(StructuredOutputs {
                 json: None,
                 json_object: false,
@@ -91,6 +92,24 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             stop_reason: None,
             num_prompt_tokens: 5,
             error: None,
+            // One per token of its 5-token prompt but the first, with the likeliest there.
+            prompt_logprobs: Some(
+                [
+                    (9690, -2.5, 7),
+                    (28, -0.75, 1),
+                    (2, -1.25, 2),
+                    (70000, -9.5, 4000),
+                ]
+                .into_iter()
+                .map(|(token_id, logprob, rank)| TokenLogprobs {
+                    token_id,
+                    logprob,
+                    rank,
+                    top_token_ids: vec![28],
+                    top_logprobs: vec![-0.75],
+                })
+                .collect(),
+            ),
         }],
         scheduler_stats: Some(SchedulerStats {
             num_running_reqs: 1,

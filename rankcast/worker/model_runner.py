@@ -335,7 +335,7 @@ class ModelRunner:
                 for row in range(end - 1 - seq.num_draft_tokens, end)
             ]
             sampled = len(rows)
-            # Then each scored prompt row: the first of the sequence's tokens on.
+            # Then the rows that score prompt tokens: the first len(targets) of each asker's.
             rows += [
                 end - len(seq.token_ids) + j
                 for end, seq in zip(ends, batch.sequences, strict=True)

@@ -712,6 +712,24 @@ MUTANTS = [
         (SPECULATION,),
     ),
     Mutant(
+        "prompt-logprobs-take-prefix-hits",
+        "A request with prompt logprobs takes no prefix-cache hits until its prompt is scored "
+        "(and its skipped lookup is not counted)",
+        "rankcast/engine_core/scheduler.py",
+        "            cached = 0 if request.scores_prompt else self.blocks.match_prefix(request)",
+        "            cached = self.blocks.match_prefix(request)",
+        ("tests/engine/test_prompt_logprobs.py",),
+    ),
+    Mutant(
+        "prompt-row-off-by-one",
+        "A prompt token is scored from the logits of the position before it (transformers' "
+        "log-softmax there), bitwise the same whole, chunked or batched",
+        "rankcast/worker/model_runner.py",
+        "                end - len(seq.token_ids) + j\n",
+        "                end - len(seq.token_ids) + j + 1\n",
+        ("tests/worker/test_prompt_logprobs.py",),
+    ),
+    Mutant(
         "token-mask-not-applied",
         "A structured request samples only tokens its shape allows",
         "rankcast/worker/grammar.py",

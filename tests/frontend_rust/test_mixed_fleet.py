@@ -608,20 +608,25 @@ def test_tokenizer_render_and_discovery_routes_are_the_python_servers_to_the_byt
         ("GET", "/version", None),
     ]  # fmt: skip
     long = "a " * 600  # more tokens than the model's 512
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
     refused: list[tuple[str, dict[str, Any], int]] = [
         ("/tokenize", {"prompt": "a", "messages": ASK}, 400),
         ("/tokenize", {"messages": [{"role": "bot"}, {"role": "user", "content": 5}]}, 400),
-        ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+        ("/tokenize", {"messages": [{"role": "user", "content": [image, {"type": "text"}]}]}, 400),
+        ("/tokenize", {"messages": []}, 400),
         ("/tokenize", {"prompt": "a", "add_special_tokens": "no?", "return_token_strs": None}, 400),
         ("/tokenize", {"prompt": "a", "chat_template_kwargs": {"messages": []}}, 400),
         ("/tokenize", {"prompt": "a", "model": "nope"}, 404),
         ("/detokenize", {"tokens": [1, 10**9]}, 400),
-        ("/detokenize", {"tokens": [1, "x", 2.5]}, 400),
+        ("/detokenize", {"tokens": [1, "x", 2.5, -1]}, 400),
         ("/detokenize", {}, 400),
         ("/v1/chat/completions/render", {"messages": []}, 400),
         ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": long}]}, 400),
         ("/v1/completions/render", {"prompt": "Hi", "max_tokens": 600}, 400),
         ("/v1/completions/render", {"prompt": [5, 99999999]}, 400),
+        ("/v1/completions/render", {"prompt": [""]}, 400),
+        ("/v1/completions/render", {"prompt": [5, -1, "x"]}, 400),
+        ("/v1/completions/render", {"prompt": ""}, 400),
     ]  # fmt: skip
     with server.running():
         answers = []

@@ -1,8 +1,9 @@
 //! Request fields read as the Python servers' pydantic models read them
 //! (`rankcast/api_server/schema.py`), so that a mixed fleet refuses a bad body with the same
 //! 400 from either kind of server: pydantic's lax conversions (`"yes"` is a boolean, `7.0` an
-//! integer), its messages, and every failing field named in declaration order, joined as the
-//! Python servers join them (`app.py`'s `_validation_message`).
+//! integer), its messages, and every failing field named in declaration order by its path in
+//! the body, joined as the Python servers join them (`app.py`'s `_validation_message`: of a
+//! union's alternatives only the deepest failures, each message once).
 
 use serde_json::{Map, Value};
 
@@ -11,6 +12,9 @@ const NOT_AN_INTEGER: &str = "Input should be a valid integer";
 const NOT_A_STRING: &str = "Input should be a valid string";
 const NOT_A_LIST: &str = "Input should be a valid list";
 const NOT_A_DICTIONARY: &str = "Input should be a valid dictionary";
+const NOT_AN_OBJECT: &str = "Input should be a valid dictionary or object to extract fields from";
+const MISSING: &str = "Field required";
+const NEGATIVE: &str = "Input should be greater than or equal to 0";
 const ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
 
 /// The fields that failed, each with pydantic's message, in the order they were checked.
@@ -26,20 +30,41 @@ impl Invalid {
         self.0.is_empty()
     }
 
-    /// The 400's message (`location: message; ...`) and the field it names first.
+    /// `key` missing from `object` at `at`. Where the object holds `key` as a value, the
+    /// Python servers take the key for a tagged union's tag (pydantic names an alternative by
+    /// its tag's value) and leave it out of the path; so does this.
+    pub fn missing(&mut self, object: &Map<String, Value>, at: &str, key: &str) {
+        let tag = object.values().any(|value| value.as_str() == Some(key));
+        self.add(if tag { at.to_string() } else { join(at, key) }, MISSING);
+    }
+
+    /// The 400's message (`location: message; ...`) and the field it names first: a failure
+    /// at a path that another failure lies below is left out (the alternatives of a union
+    /// that failed less deep), and each part is said once.
     pub fn message(&self) -> (String, Option<String>) {
-        let parts: Vec<String> = self
+        let deeper: Vec<&(String, String)> = self
             .0
             .iter()
-            .map(|(at, message)| {
-                if at.is_empty() {
-                    message.clone()
-                } else {
-                    format!("{at}: {message}")
-                }
+            .filter(|(at, _)| {
+                at.is_empty()
+                    || !self
+                        .0
+                        .iter()
+                        .any(|(other, _)| other.starts_with(&format!("{at}.")))
             })
             .collect();
-        let param = self.0.iter().map(|(at, _)| at).find(|at| !at.is_empty());
+        let mut parts: Vec<String> = Vec::new();
+        for (at, message) in &deeper {
+            let part = if at.is_empty() {
+                message.clone()
+            } else {
+                format!("{at}: {message}")
+            };
+            if !parts.contains(&part) {
+                parts.push(part);
+            }
+        }
+        let param = deeper.iter().map(|(at, _)| at).find(|at| !at.is_empty());
         (parts.join("; "), param.cloned())
     }
 
@@ -136,8 +161,8 @@ pub fn optional_object(value: &Value) -> Result<Option<Map<String, Value>>, &'st
     }
 }
 
-/// `list[int]`, each failing item named by its index.
-pub fn integers(invalid: &mut Invalid, key: &str, value: &Value) -> Vec<i64> {
+/// `list[TokenId]`: integers from 0, each failing item named by its index.
+pub fn token_ids(invalid: &mut Invalid, key: &str, value: &Value) -> Vec<i64> {
     let Some(items) = value.as_array() else {
         invalid.add(key, NOT_A_LIST);
         return Vec::new();
@@ -145,6 +170,7 @@ pub fn integers(invalid: &mut Invalid, key: &str, value: &Value) -> Vec<i64> {
     let mut ids = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         match integer(item) {
+            Ok(id) if id < 0 => invalid.add(format!("{key}.{i}"), NEGATIVE),
             Ok(id) => ids.push(id),
             Err(message) => invalid.add(format!("{key}.{i}"), message),
         }
@@ -152,40 +178,19 @@ pub fn integers(invalid: &mut Invalid, key: &str, value: &Value) -> Vec<i64> {
     ids
 }
 
-/// One chat message as the Python servers' `ChatMessage` holds it: its role, and its content
-/// as given (text, a list of parts, or none).
-pub struct Message {
-    pub role: String,
-    content: Value,
+fn join(at: &str, key: &str) -> String {
+    if at.is_empty() {
+        key.to_string()
+    } else {
+        format!("{at}.{key}")
+    }
 }
 
-impl Message {
-    /// The message's text (`ChatMessage.text`): no content is empty text, parts other than
-    /// text are refused, naming their type as Python's `repr` writes it.
-    pub fn text(&self) -> Result<String, String> {
-        let parts = match &self.content {
-            Value::Null => return Ok(String::new()),
-            Value::String(text) => return Ok(text.clone()),
-            Value::Array(parts) => parts,
-            _ => unreachable!("content was checked to be text, a list or none"),
-        };
-        let mut text = String::new();
-        for part in parts {
-            let kind = part.get("type");
-            if kind.and_then(Value::as_str) != Some("text") {
-                return Err(format!(
-                    "content part type {} is not supported",
-                    python_repr(kind.unwrap_or(&Value::Null))
-                ));
-            }
-            match part.get("text") {
-                None => {}
-                Some(Value::String(s)) => text.push_str(s),
-                Some(other) => text.push_str(&python_repr(other)),
-            }
-        }
-        Ok(text)
-    }
+/// One chat message as the Python servers' `ChatMessage` holds it: its role, and its text
+/// (no content is empty text, text parts are joined).
+pub struct Message {
+    pub role: String,
+    pub text: String,
 }
 
 /// `list[ChatMessage]` under `key`, at least `at_least` of them.
@@ -206,13 +211,12 @@ pub fn messages(invalid: &mut Invalid, key: &str, value: &Value, at_least: usize
     for (i, item) in items.iter().enumerate() {
         let at = format!("{key}.{i}");
         let Some(fields) = item.as_object() else {
-            let message = "Input should be a valid dictionary or instance of ChatMessage";
-            invalid.add(at, message);
+            invalid.add(at, NOT_AN_OBJECT);
             continue;
         };
         let role = match fields.get("role") {
             None => {
-                invalid.add(format!("{at}.role"), "Field required");
+                invalid.missing(fields, &at, "role");
                 None
             }
             Some(Value::String(role)) if ROLES.contains(&role.as_str()) => Some(role.clone()),
@@ -223,69 +227,107 @@ pub fn messages(invalid: &mut Invalid, key: &str, value: &Value, at_least: usize
                 None
             }
         };
-        let content = fields.get("content").cloned().unwrap_or(Value::Null);
-        let content_fits = match &content {
-            Value::Null | Value::String(_) => true,
-            Value::Array(parts) => {
-                let not_objects: Vec<usize> = (0..parts.len())
-                    .filter(|&p| !parts[p].is_object())
-                    .collect();
-                if !not_objects.is_empty() {
-                    invalid.add(format!("{at}.content.str"), NOT_A_STRING);
-                }
-                for &p in &not_objects {
-                    let place = format!("{at}.content.list[dict[str,any]].{p}");
-                    invalid.add(place, NOT_A_DICTIONARY);
-                }
-                not_objects.is_empty()
-            }
-            _ => {
-                invalid.add(format!("{at}.content.str"), NOT_A_STRING);
-                invalid.add(format!("{at}.content.list[dict[str,any]]"), NOT_A_LIST);
-                false
-            }
-        };
-        if let (Some(role), true) = (role, content_fits) {
-            messages.push(Message { role, content });
+        let text = content(invalid, &format!("{at}.content"), fields.get("content"));
+        if let (Some(role), Some(text)) = (role, text) {
+            messages.push(Message { role, text });
         }
     }
     messages
 }
 
-/// `repr(value)` of the Python value JSON `value` reads as, for the few kinds a message names.
-fn python_repr(value: &Value) -> String {
-    match value {
-        Value::Null => "None".into(),
-        Value::Bool(true) => "True".into(),
-        Value::Bool(false) => "False".into(),
-        Value::String(s) => {
-            let quote = if s.contains('\'') && !s.contains('"') {
-                '"'
-            } else {
-                '\''
-            };
-            let mut out = String::from(quote);
-            for c in s.chars() {
-                match c {
-                    '\\' => out.push_str("\\\\"),
-                    '\n' => out.push_str("\\n"),
-                    '\r' => out.push_str("\\r"),
-                    '\t' => out.push_str("\\t"),
-                    c if c == quote => {
-                        out.push('\\');
-                        out.push(c);
-                    }
-                    c if (c as u32) < 0x20 || c as u32 == 0x7f => {
-                        out.push_str(&format!("\\x{:02x}", c as u32));
-                    }
-                    c => out.push(c),
-                }
-            }
-            out.push(quote);
-            out
+/// A message's `content`: text, a list of text parts (`TextPart`: `type` "text" and `text`),
+/// or none; its text, None where it failed.
+fn content(invalid: &mut Invalid, at: &str, value: Option<&Value>) -> Option<String> {
+    let parts = match value {
+        None | Some(Value::Null) => return Some(String::new()),
+        Some(Value::String(text)) => return Some(text.clone()),
+        Some(Value::Array(parts)) => parts,
+        Some(_) => {
+            invalid.add(at, NOT_A_STRING);
+            invalid.add(at, NOT_A_LIST);
+            return None;
         }
-        other => other.to_string(),
+    };
+    let mut text = String::new();
+    let mut fits = true;
+    for (p, part) in parts.iter().enumerate() {
+        let at = format!("{at}.{p}");
+        let Some(fields) = part.as_object() else {
+            invalid.add(at, NOT_AN_OBJECT);
+            fits = false;
+            continue;
+        };
+        match fields.get("type") {
+            None => invalid.missing(fields, &at, "type"),
+            Some(Value::String(kind)) if kind == "text" => {}
+            Some(_) => invalid.add(format!("{at}.type"), "Input should be 'text'"),
+        }
+        match fields.get("text") {
+            None => invalid.missing(fields, &at, "text"),
+            Some(Value::String(piece)) => text.push_str(piece),
+            Some(_) => invalid.add(format!("{at}.text"), NOT_A_STRING),
+        }
+        fits &= fields.get("type").and_then(Value::as_str) == Some("text")
+            && fields.get("text").is_some_and(Value::is_string);
     }
+    fits.then_some(text)
+}
+
+/// A completion's `prompt`: text, or the token ids to compute.
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<i64>),
+}
+
+/// `prompt`, the union of the Python servers' `CompletionRequest`: non-empty text, token ids
+/// (from 0), or a list of one non-empty text; what fails is named as that union's deepest
+/// failures name it (a list of two or more is token ids or nothing).
+pub fn prompt(invalid: &mut Invalid, body: &Map<String, Value>) -> Option<Prompt> {
+    const AT: &str = "prompt";
+    let items = match body.get(AT) {
+        None => {
+            invalid.missing(body, "", AT);
+            return None;
+        }
+        Some(Value::String(text)) if text.is_empty() => {
+            invalid.add(AT, "String should have at least 1 character");
+            invalid.add(AT, NOT_A_LIST);
+            return None;
+        }
+        Some(Value::String(text)) => return Some(Prompt::Text(text.clone())),
+        Some(Value::Array(items)) => items,
+        Some(_) => {
+            invalid.add(AT, NOT_A_STRING);
+            invalid.add(AT, NOT_A_LIST);
+            return None;
+        }
+    };
+    if items.is_empty() {
+        invalid.add(AT, NOT_A_STRING);
+        invalid.add(
+            AT,
+            "List should have at least 1 item after validation, not 0",
+        );
+        return None;
+    }
+    if let [Value::String(text)] = items.as_slice() {
+        if !text.is_empty() {
+            return Some(Prompt::Text(text.clone()));
+        }
+    }
+    let before = invalid.0.len();
+    let ids = token_ids(invalid, AT, &Value::Array(items.clone()));
+    if invalid.0.len() == before {
+        return Some(Prompt::Ids(ids));
+    }
+    if let [item] = items.as_slice() {
+        let message = match item {
+            Value::String(_) => "String should have at least 1 character",
+            _ => NOT_A_STRING,
+        };
+        invalid.add(format!("{AT}.0"), message);
+    }
+    None
 }
 
 #[cfg(test)]
@@ -310,7 +352,7 @@ mod tests {
     }
 
     #[test]
-    fn every_failing_field_is_named_in_order_and_the_first_is_the_param() {
+    fn every_failing_field_is_named_by_its_path_in_order_and_the_first_is_the_param() {
         let mut invalid = Invalid::default();
         let body = json!([{"role": "bot"}, {"role": "user", "content": 5}]);
         assert!(messages(&mut invalid, "messages", &body, 0).is_empty());
@@ -319,25 +361,61 @@ mod tests {
         assert_eq!(
             message,
             "messages.0.role: Input should be 'system', 'user', 'assistant', 'tool' or \
-             'developer'; messages.1.content.str: Input should be a valid string; \
-             messages.1.content.list[dict[str,any]]: Input should be a valid list"
+             'developer'; messages.1.content: Input should be a valid string; \
+             messages.1.content: Input should be a valid list"
         );
     }
 
     #[test]
-    fn a_part_other_than_text_is_named_as_python_writes_it() {
+    fn a_part_other_than_text_is_named_where_it_is_and_a_tag_is_no_key() {
         let mut invalid = Invalid::default();
-        let parts = json!([{"role": "user", "content": [{"type": "image_url"}]}]);
-        let found = messages(&mut invalid, "messages", &parts, 1);
+        let parts = json!([{"role": "user", "content": [{"type": "image_url"}, {"type": "text"}]}]);
+        assert!(messages(&mut invalid, "messages", &parts, 1).is_empty());
         assert_eq!(
-            found[0].text().unwrap_err(),
-            "content part type 'image_url' is not supported"
+            invalid.message().0,
+            "messages.0.content.0.type: Input should be 'text'; messages.0.content.0.text: \
+             Field required; messages.0.content.1: Field required"
         );
-        let untyped = json!([{"role": "user", "content": [{"text": "a"}]}]);
-        let found = messages(&mut invalid, "messages", &untyped, 1);
+        let mut invalid = Invalid::default();
+        let text = json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]);
+        let found = messages(&mut invalid, "messages", &text, 1);
+        assert!(invalid.is_empty());
+        assert_eq!(found[0].text, "ab");
+    }
+
+    #[test]
+    fn a_prompt_is_text_token_ids_or_one_text_and_fails_as_its_union_does() {
+        let read = |body: Value| {
+            let mut invalid = Invalid::default();
+            let body = body.as_object().cloned().expect("an object");
+            let found = prompt(&mut invalid, &body);
+            (
+                found.map(|p| match p {
+                    Prompt::Text(text) => text,
+                    Prompt::Ids(ids) => format!("{ids:?}"),
+                }),
+                invalid.message().0,
+            )
+        };
+        assert_eq!(read(json!({"prompt": ["5"]})).0.as_deref(), Some("5"));
         assert_eq!(
-            found[0].text().unwrap_err(),
-            "content part type None is not supported"
+            read(json!({"prompt": [1.0, "2"]})).0.as_deref(),
+            Some("[1, 2]")
+        );
+        assert_eq!(
+            read(json!({"prompt": [""]})).1,
+            "prompt.0: Input should be a valid integer, unable to parse string as an integer; \
+             prompt.0: String should have at least 1 character"
+        );
+        assert_eq!(
+            read(json!({"prompt": [5, -1, "x"]})).1,
+            "prompt.1: Input should be greater than or equal to 0; prompt.2: Input should be a \
+             valid integer, unable to parse string as an integer"
+        );
+        assert_eq!(
+            read(json!({"prompt": []})).1,
+            "prompt: Input should be a valid string; prompt: List should have at least 1 item \
+             after validation, not 0"
         );
     }
 }

@@ -888,8 +888,7 @@ impl Server {
     }
 
     /// The prompt text of `messages` through the model's chat template (as the Python
-    /// servers' `render_chat` gives it), or the 400 they answer: no template, or a message
-    /// whose content is not text.
+    /// servers' `render_chat` gives it), or the 400 they answer without a template.
     pub(crate) fn render_chat(
         &self,
         messages: &[fields::Message],
@@ -901,13 +900,10 @@ impl Server {
                 "messages",
             );
         };
-        let mut turns = Vec::with_capacity(messages.len());
-        for message in messages {
-            match message.text() {
-                Ok(text) => turns.push((message.role.clone(), text)),
-                Err(why) => return bad(why, "messages"),
-            }
-        }
+        let turns: Vec<(String, String)> = messages
+            .iter()
+            .map(|message| (message.role.clone(), message.text.clone()))
+            .collect();
         Ok(template.render(&turns, add_generation_prompt))
     }
 
@@ -918,17 +914,21 @@ impl Server {
         body: &Map<String, Value>,
         chat: bool,
     ) -> Result<Prepared, BadRequest> {
-        // The messages' fields first, as the Python servers check a body before anything else.
+        // The messages' or the prompt's fields first, as the Python servers check a body
+        // before anything else.
         let mut messages = Vec::new();
+        let mut prompt = None;
+        let mut invalid = fields::Invalid::default();
         if chat {
-            let mut invalid = fields::Invalid::default();
             match body.get("messages") {
-                None => invalid.add("messages", "Field required"),
+                None => invalid.missing(body, "", "messages"),
                 Some(given) => messages = fields::messages(&mut invalid, "messages", given, 1),
             }
-            if !invalid.is_empty() {
-                return Err(invalid.into());
-            }
+        } else {
+            prompt = fields::prompt(&mut invalid, body);
+        }
+        if !invalid.is_empty() {
+            return Err(invalid.into());
         }
         // The base model, or an adapter the engine registered; responses name it as asked.
         let requested = body.get("model").and_then(Value::as_str);
@@ -961,12 +961,11 @@ impl Server {
             parsing = Parsing::new(self.parsers, &prompt, structured.is_some(), auto_tools);
             self.tokenizer.encode(&prompt)
         } else {
-            match body.get("prompt") {
-                Some(Value::String(text)) => self.tokenizer.encode(text),
-                Some(Value::Array(ids)) if !ids.is_empty() && ids.iter().all(Value::is_i64) => {
+            match prompt {
+                Some(fields::Prompt::Text(text)) => self.tokenizer.encode(&text),
+                Some(fields::Prompt::Ids(ids)) => {
                     let vocab = self.tokenizer.vocab_size() as i64;
-                    let ids: Vec<i64> = ids.iter().filter_map(Value::as_i64).collect();
-                    if ids.iter().any(|&id| !(0..vocab).contains(&id)) {
+                    if ids.iter().any(|&id| id >= vocab) {
                         return bad(
                             format!("prompt token ids must be in [0, {vocab})"),
                             "prompt",
@@ -974,7 +973,7 @@ impl Server {
                     }
                     ids.into_iter().map(|id| id as u32).collect()
                 }
-                _ => return bad("prompt must be a string or a list of token ids", "prompt"),
+                None => unreachable!("a completion's prompt was checked to be given"),
             }
         };
         if prompt_ids.is_empty() {

@@ -19,7 +19,7 @@ pub fn tokenize(server: &Server, body: &Map<String, Value>) -> Result<Json, BadR
     let prompt = invalid.field(body, "prompt", None, fields::optional_string);
     let messages = match body.get("messages") {
         None | Some(Value::Null) => None,
-        Some(given) => Some(fields::messages(&mut invalid, "messages", given, 0)),
+        Some(given) => Some(fields::messages(&mut invalid, "messages", given, 1)),
     };
     let add_special = invalid.field(body, "add_special_tokens", None, fields::optional_boolean);
     let add_generation_prompt = invalid.field(body, "add_generation_prompt", true, fields::boolean);
@@ -71,17 +71,17 @@ pub fn detokenize(server: &Server, body: &Map<String, Value>) -> Result<Json, Ba
     let model = invalid.field(body, "model", None, fields::optional_string);
     let tokens = match body.get("tokens") {
         None => {
-            invalid.add("tokens", "Field required");
+            invalid.missing(body, "", "tokens");
             Vec::new()
         }
-        Some(given) => fields::integers(&mut invalid, "tokens", given),
+        Some(given) => fields::token_ids(&mut invalid, "tokens", given),
     };
     if !invalid.is_empty() {
         return Err(invalid.into());
     }
     server.lora_for(model.as_deref())?;
     let vocab = server.tokenizer.vocab_size() as i64;
-    if tokens.iter().any(|&id| !(0..vocab).contains(&id)) {
+    if tokens.iter().any(|&id| id >= vocab) {
         let message = format!("token ids must be in [0, {vocab})");
         return Err(BadRequest::new(message, Some("tokens")));
     }

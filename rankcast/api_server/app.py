@@ -269,8 +269,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetrics) -> None:
-    """What load balancers and scrapers ask: /health (503 once the engine died), /version,
-    /metrics."""
+    """What load balancers and scrapers ask: /health (503 once the engine died), vLLM's /ping
+    and /load, /version, /metrics."""
 
     fleet_started = False  # once the launcher says so, for good: no file read after that
 
@@ -313,6 +313,16 @@ def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetr
         if "fleet" in body:
             response.headers["retry-after"] = str(RETRY_AFTER_S)
         return response
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) probe: /health's status, no body."""
+        return Response(status_code=(await health()).status_code)
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's: the completions in flight on this API server."""
+        return {"server_load": len(serving.engine.streams)}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

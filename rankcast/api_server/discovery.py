@@ -75,15 +75,6 @@ def render_completion(ctx: ServingContext, body: CompletionRequest) -> list[dict
     ]
 
 
-def kv_event_sources(config: ApiServerConfig) -> dict[str, dict[str, object]]:
-    """Each engine's vLLM-format publisher keyed by data-parallel rank; {} when none publishes
-    (as vLLM answers), rankcast's own stream being found in its flags instead."""
-    events = config.kv_events_config
-    if events is None or not events.publishes:
-        return {}
-    return engine_sources(events, config.data_parallel_size)
-
-
 def server_info(config: ApiServerConfig, max_model_len: int) -> dict[str, Any]:
     """The subset of vLLM's `vllm_config` (JSON form) that routers read."""
     events = config.kv_events_config
@@ -115,7 +106,7 @@ def add_discovery_routes(app: FastAPI, config: ApiServerConfig, serving: Serving
 
     @app.get("/kv_event_sources")
     async def kv_event_sources_route() -> dict[str, dict[str, object]]:
-        return kv_event_sources(config)
+        return engine_sources(config.kv_events_config, config.data_parallel_size)
 
     @app.get("/get_server_info")
     async def server_info_route() -> dict[str, Any]:

@@ -101,9 +101,13 @@ def for_engine(config: KVEventsConfig, engine_index: int) -> KVEventsConfig:
     )
 
 
-def engine_sources(config: KVEventsConfig, engines: int) -> dict[str, dict[str, object]]:
+def engine_sources(config: KVEventsConfig | None, engines: int) -> dict[str, dict[str, object]]:
     """What `GET /kv_event_sources` answers: each engine's publisher config keyed by its
-    data-parallel rank, in vLLM's shape (its `KVEventsConfig` fields), endpoints offset."""
+    data-parallel rank, in vLLM's shape (its `KVEventsConfig` fields), endpoints offset; {}
+    when none publishes (as vLLM answers), rankcast's own stream being found in its flags
+    instead. Every API server answers this, the Rust ones as the launcher hands it to them."""
+    if config is None or not config.publishes:
+        return {}
     return {str(rank): msgspec.to_builtins(for_engine(config, rank)) for rank in range(engines)}
 
 

@@ -9,6 +9,7 @@ through, and takes the binary down with it on SIGTERM/SIGINT or when the launche
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,8 +18,11 @@ import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import msgspec
+
 from rankcast.addresses import ClientAddresses
 from rankcast.api_server.server_config import ApiServerConfig
+from rankcast.channel.vllm_kv_events import engine_sources
 from rankcast.process import die_with_parent, set_process_title
 
 BINARY_ENV = "RANKCAST_RUST_FRONTEND"
@@ -75,7 +79,27 @@ def frontend_command(
         command += ["--reasoning-parser", config.reasoning_parser]
     if config.tool_call_parser is not None:
         command += ["--tool-call-parser", config.tool_call_parser]
-    return command
+    return command + _discovery_flags(config)
+
+
+def _discovery_flags(config: ApiServerConfig) -> list[str]:
+    """What routers' discovery asks every API server (`/get_server_info`,
+    `/kv_event_sources`), so that the Rust one answers what the Python ones do; the JSON is
+    written here, by the encoders the Python servers answer with, and given back as it is."""
+    flags = [
+        "--block-size", str(config.block_size),
+        "--enable-prefix-caching", "true" if config.enable_prefix_caching else "false",
+        "--data-parallel-size", str(config.data_parallel_size),
+        "--kv-event-sources",
+        json.dumps(engine_sources(config.kv_events_config, config.data_parallel_size)),
+    ]  # fmt: skip
+    for flag, value in (
+        ("--kv-events-config", config.kv_events_config),
+        ("--speculative-config", config.speculative_config),
+    ):
+        if value is not None:
+            flags += [flag, json.dumps(msgspec.to_builtins(value))]
+    return flags
 
 
 def run_rust_api_server(

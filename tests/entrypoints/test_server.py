@@ -163,6 +163,45 @@ def test_tokenize_and_detokenize_in_vllms_shapes(
     assert refusals["unknown model"].status_code == 404
 
 
+def _loads(url: str) -> dict[str, object]:
+    """`/load` by API server: fresh connections until both answered."""
+    loads: dict[str, object] = {}
+    deadline = time.monotonic() + 30
+    while len(loads) < 2:
+        assert time.monotonic() < deadline, f"only servers {sorted(loads)} answered /load"
+        response = _fresh_get(url, "/load")
+        assert response.status_code == 200
+        loads[response.headers["x-rankcast-api-server"]] = response.json()
+    return loads
+
+
+def test_ping_and_load_answer_as_vllms_do(server: ServerProcess) -> None:
+    """vLLM's probes: /ping (GET and POST, no key) is /health's 200 with no body, and /load is
+    each API server's completions in flight (`server_load`): the one streaming a completion
+    counts it, the other does not, and neither once its client has left."""
+    for method in ("GET", "POST"):
+        with httpx.Client(timeout=30) as http:
+            ping = http.request(method, f"{server.url}/ping")
+        assert (ping.status_code, ping.content) == (200, b""), method
+    body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 900, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with (
+        httpx.Client(base_url=server.url, headers=headers, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        streaming = response.headers["x-rankcast-api-server"]
+        lines = response.iter_lines()  # kept: dropping it would close the stream
+        assert next(lines).startswith("data:")
+        other = "1" if streaming == "0" else "0"
+        loads = _loads(server.url)
+        assert loads == {streaming: {"server_load": 1}, other: {"server_load": 0}}, loads
+    deadline = time.monotonic() + 30
+    while (loads := _loads(server.url))[streaming] != {"server_load": 0}:
+        assert time.monotonic() < deadline, f"a request whose client left still counts: {loads}"
+        time.sleep(0.1)
+
+
 def test_seeded_sampling_over_http_is_reproducible(client: openai.OpenAI) -> None:
     def sample() -> str:
         return (

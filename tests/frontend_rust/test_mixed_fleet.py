@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from tests.entrypoints.notification_clients import families, scrape_each
-from tests.entrypoints.server_process import ServerProcess, tiny_model_args
+from tests.entrypoints.server_process import ServerProcess, free_port, tiny_model_args
 from tests.entrypoints.test_server_chat_parsers import PARSER_FLAGS
 from tests.frontend_rust.rust_fleet import frontend_env, kill_and_wait_for_restart
 from tests.lora.conftest import make_adapter
@@ -522,3 +522,163 @@ def test_reasoning_and_tool_calls_are_the_python_servers_to_the_byte(
     # and changes nothing, and a `</think>` the model did not open is text.
     closed = answers[5][0]["choices"][0]["message"]
     assert (closed["content"], closed["reasoning_content"]) == ("why</think>Paris", None)
+
+
+# " 20 °C" and a token of the first byte of "°" alone.
+DEGREES = [216, 34, 32, 13518, 51, 141]
+
+
+def _from_each_server(
+    url: str, method: str, route: str, body: dict[str, Any] | None = None
+) -> dict[str, tuple[int, str]]:
+    """The same request until both servers answered it: each one's status and body as it
+    came, the request id (which must differ between two answers) replaced."""
+    answers: dict[str, tuple[int, str]] = {}
+    deadline = time.monotonic() + 60
+    while set(answers) != {"0", "1"}:
+        assert time.monotonic() < deadline, f"only {sorted(answers)} answered {route}"
+        # A fresh connection each time, so the kernel spreads them over the servers.
+        response = httpx.request(method, f"{url}{route}", json=body, timeout=60)
+        text = re.sub(r'"request_id":"[^"]+"', '"request_id":"ID"', response.content.decode())
+        answers[response.headers["x-rankcast-api-server"]] = (response.status_code, text)
+    return answers
+
+
+def _load_of(url: str, server: str) -> dict[str, int]:
+    """`/load` as API server `server` answers it (fresh connections until it does)."""
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, f"server {server} never answered /load"
+        response = httpx.get(f"{url}/load", timeout=10)
+        if response.headers["x-rankcast-api-server"] == server:
+            assert response.status_code == 200
+            load: dict[str, int] = response.json()
+            return load
+
+
+def test_tokenizer_render_and_discovery_routes_are_the_python_servers_to_the_byte(
+    tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path: Path
+) -> None:
+    """/tokenize, /detokenize, both render routes, /kv_event_sources, /get_server_info, /load,
+    /ping and /version answer the same bytes (request ids aside) from a Python and a Rust API
+    server, valid requests and refused ones alike: the status, the error's message and the
+    field it names. The discovery routes read what the launcher hands the Rust server
+    (--block-size, --kv-events-config, --speculative-config), each checked for what it must
+    say so that the two cannot agree on a wrong answer; /load counts the Rust server's
+    completions in flight as vLLM's counts them."""
+    model = _with_chat_template(tiny_llama_dir, embedded_model_dir, tmp_path)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    kv_events = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "kv"}
+    server = ServerProcess(
+        *tiny_model_args(
+            model,
+            "--served-model-name", MODEL,
+            "--block-size", "32",
+            "--kv-events-config", json.dumps(kv_events),
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        ),
+        api_server_count=1,
+        rust_api_server_count=1,
+        env=frontend_env(),
+    )  # fmt: skip
+    parts = [{"type": "text", "text": "Weather at "}, {"type": "text", "text": "20 °C?"}]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    valid: list[tuple[str, str, dict[str, Any] | None]] = [
+        ("POST", "/tokenize", {"prompt": "Once upon a time", "return_token_strs": True}),
+        ("POST", "/tokenize", {"messages": chat, "add_generation_prompt": False}),
+        ("POST", "/tokenize", {"messages": ASK, "add_special_tokens": True, "model": MODEL}),
+        ("POST", "/detokenize", {"tokens": [1, 9690, 198, 6403, 1980, 253, 655, 2, *DEGREES]}),
+        ("POST", "/v1/chat/completions/render", {"messages": ASK, "stream": True}),
+        (
+            "POST",
+            "/v1/chat/completions/render",
+            {"messages": chat, "temperature": 0, "max_tokens": 5, "stop": ["\n"], "seed": 7,
+             "logprobs": True, "top_logprobs": 2, "guided_choice": ["yes", "no"]},
+        ),
+        (
+            "POST",
+            "/v1/completions/render",
+            {"prompt": "Once upon a time", "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+             "min_p": 0.05, "logprobs": 2, "ignore_eos": True},
+        ),
+        ("POST", "/v1/completions/render", {"prompt": [1, 2, 3], "max_tokens": 500}),
+        ("GET", "/kv_event_sources", None),
+        ("GET", "/get_server_info", None),
+        ("GET", "/load", None),
+        ("GET", "/version", None),
+    ]  # fmt: skip
+    long = "a " * 600  # more tokens than the model's 512
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    refused: list[tuple[str, dict[str, Any], int]] = [
+        ("/tokenize", {"prompt": "a", "messages": ASK}, 400),
+        ("/tokenize", {"messages": [{"role": "bot"}, {"role": "user", "content": 5}]}, 400),
+        ("/tokenize", {"messages": [{"role": "user", "content": [image, {"type": "text"}]}]}, 400),
+        ("/tokenize", {"messages": []}, 400),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": "no?", "return_token_strs": None}, 400),
+        ("/tokenize", {"prompt": "a", "chat_template_kwargs": {"messages": []}}, 400),
+        ("/tokenize", {"prompt": "a", "model": "nope"}, 404),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400),
+        ("/detokenize", {"tokens": [1, "x", 2.5, -1]}, 400),
+        ("/detokenize", {}, 400),
+        ("/v1/chat/completions/render", {"messages": []}, 400),
+        ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": long}]}, 400),
+        ("/v1/completions/render", {"prompt": "Hi", "max_tokens": 600}, 400),
+        ("/v1/completions/render", {"prompt": [5, 99999999]}, 400),
+        ("/v1/completions/render", {"prompt": [""]}, 400),
+        ("/v1/completions/render", {"prompt": [5, -1, "x"]}, 400),
+        ("/v1/completions/render", {"prompt": ""}, 400),
+    ]  # fmt: skip
+    with server.running():
+        answers = []
+        for method, route, body in valid:
+            both = _from_each_server(server.url, method, route, body)
+            assert both["1"] == both["0"], (route, body, both)
+            status, text = both["0"]
+            assert status == 200, (route, text)
+            answers.append(json.loads(text))
+        for route, body, status in refused:
+            both = _from_each_server(server.url, "POST", route, body)
+            assert both["1"] == both["0"], (route, body, both)
+            assert both["0"][0] == status, (route, both["0"])
+        for method in ("GET", "POST"):
+            pings = _from_each_server(server.url, method, "/ping")
+            assert pings == {"0": (200, ""), "1": (200, "")}, pings
+        # A completion in flight on the Rust server is its load, and only its.
+        deadline = time.monotonic() + 90
+        while True:
+            assert time.monotonic() < deadline, "/load never counted the Rust server's stream"
+            stream = StreamedCompletion(server.url, model=MODEL, max_tokens=480)
+            assert stream.first.wait(60), "the stream should be running"
+            if stream.server == "1":
+                load = _load_of(server.url, "1")
+                if load == {"server_load": 1}:
+                    break
+            stream.cancel()
+        assert _load_of(server.url, "0") == {"server_load": 0}
+        stream.cancel()
+        while _load_of(server.url, "1") != {"server_load": 0}:
+            assert time.monotonic() < deadline, "a cancelled stream still counts as load"
+            time.sleep(0.1)
+
+    prompt, unopened, counted, text, chat_render, shaped, sampled, ids, sources, info = answers[:10]
+    assert prompt["count"] == len(prompt["tokens"]) == 4 and prompt["max_model_len"] == 512
+    assert prompt["token_strs"] == ["Once", "\u0120upon", "\u0120a", "\u0120time"]
+    # The template's turns without the assistant's opening, which the render adds.
+    assert unopened["token_strs"] is None
+    assert shaped["token_ids"][: unopened["count"]] == unopened["tokens"]
+    assert len(shaped["token_ids"]) > unopened["count"]
+    assert counted["tokens"] == chat_render["token_ids"]
+    # Special tokens kept; a token that ends inside a character is U+FFFD.
+    assert text == {"prompt": "<|im_start|>system\nOnce upon a time<|im_end|> 20 °C\ufffd"}
+    assert chat_render["sampling_params"] == {
+        "temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "max_tokens": None
+    }  # fmt: skip
+    assert chat_render["stream"] is True and chat_render["model"] == MODEL
+    assert shaped["sampling_params"]["structured"] == {"choice": ["yes", "no"]}
+    assert sampled[0]["sampling_params"]["top_k"] == 5 and ids[0]["token_ids"] == [1, 2, 3]
+    assert sources == {"0": {**sources["0"], "endpoint": endpoint, "topic": "kv"}}
+    config = info["vllm_config"]
+    assert config["cache_config"]["block_size"] == 32
+    assert config["kv_events_config"]["endpoint"] == endpoint
+    assert config["speculative_config"]["method"] == "ngram"
+    assert answers[10] == {"server_load": 0}

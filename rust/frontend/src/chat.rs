@@ -49,11 +49,12 @@ impl ChatTemplate {
         ))
     }
 
-    /// The prompt for `messages` (role, content) with the assistant's turn opened. The
+    /// The prompt for `messages` (role, content), with the assistant's turn opened when
+    /// `add_generation_prompt` (as a chat completion always asks, `/tokenize` by default). The
     /// templates this frontend knows read neither a request's `tools` nor its
     /// `chat_template_kwargs` (Jinja would render them the same with any), so both are taken
     /// and do not change the prompt; a template added here that reads them must take them.
-    pub fn render(&self, messages: &[(String, String)]) -> String {
+    pub fn render(&self, messages: &[(String, String)], add_generation_prompt: bool) -> String {
         let mut out = String::new();
         for (i, (role, content)) in messages.iter().enumerate() {
             if i == 0 && role != "system" {
@@ -63,7 +64,9 @@ impl ChatTemplate {
             }
             out.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
         }
-        out.push_str("<|im_start|>assistant\n");
+        if add_generation_prompt {
+            out.push_str("<|im_start|>assistant\n");
+        }
         out
     }
 }

@@ -44,6 +44,11 @@ impl Drain {
         self.draining.load(Ordering::SeqCst)
     }
 
+    /// Completions in flight on this server (what `/load` reports, as vLLM's counts them).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
     pub fn enter(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         InFlight(self.clone())

@@ -6,18 +6,25 @@
 //!                       --engine-input ADDR --engine-output ADDR --client-index K
 //!                       [--api-key KEY] [--shutdown-timeout SECONDS] [--model-origin WHERE]
 //!                       [--reasoning-parser qwen3] [--tool-call-parser hermes]
+//!                       [--block-size N] [--enable-prefix-caching true|false]
+//!                       [--data-parallel-size N] [--kv-events-config JSON]
+//!                       [--kv-event-sources JSON] [--speculative-config JSON]
 //!
 //! The parsers read chat outputs as the Python servers' flags of the same names do (the
 //! launcher gives `--tool-call-parser` only with `--enable-auto-tool-choice`, which serves
-//! `tool_choice` auto): a fleet parses on every server or on none.
+//! `tool_choice` auto): a fleet parses on every server or on none. The last six are what
+//! routers' discovery asks (`/get_server_info`, `/kv_event_sources`), as the launcher's
+//! configuration has them; the JSON ones are written by the Python side and answered as given.
 
 mod chat;
 mod dashboard;
+mod discovery;
 mod drain;
 mod engine;
 mod events;
 mod exposition;
 mod families;
+mod fields;
 mod fleet_start;
 mod logprobs;
 mod lora_metrics;
@@ -28,6 +35,7 @@ mod multiprocess;
 mod openai;
 mod request_metrics;
 mod shape;
+mod tokenization;
 
 use std::convert::Infallible;
 use std::net::{SocketAddr, TcpListener};
@@ -40,6 +48,7 @@ use std::time::Duration;
 use hyper::service::{make_service_fn, service_fn};
 use rankcast_client::EngineCoreClient;
 use rankcast_frontend::engine_views::EngineViews;
+use rankcast_frontend::pyjson::Json;
 use rankcast_text::Tokenizer;
 
 struct Args {
@@ -54,6 +63,7 @@ struct Args {
     shutdown_timeout: Duration,
     model_origin: String,
     parsers: openai::Parsers,
+    discovery: discovery::Discovery,
 }
 
 fn fail(message: &str) -> ! {
@@ -112,12 +122,42 @@ fn parse() -> Args {
                 "hermes",
             ),
         },
+        discovery: discovery_flags(&mut values),
         model_dir,
     };
     if let Some(unknown) = values.keys().next() {
         fail(&format!("unknown option {unknown}"));
     }
     args
+}
+
+/// What discovery answers, from its flags (each absent one as `ApiServerConfig` defaults it).
+fn discovery_flags(values: &mut std::collections::HashMap<String, String>) -> discovery::Discovery {
+    let mut found = discovery::Discovery::default();
+    let mut number = |flag: &str, default: i64| {
+        values.remove(flag).map_or(default, |v| {
+            v.parse()
+                .unwrap_or_else(|_| fail(&format!("{flag}: an integer")))
+        })
+    };
+    found.block_size = number("--block-size", found.block_size);
+    found.data_parallel_size = number("--data-parallel-size", found.data_parallel_size);
+    if let Some(v) = values.remove("--enable-prefix-caching") {
+        found.enable_prefix_caching = match v.as_str() {
+            "true" => true,
+            "false" => false,
+            _ => fail("--enable-prefix-caching: true or false"),
+        };
+    }
+    let mut json = |flag: &str, into: &mut Json| {
+        if let Some(text) = values.remove(flag) {
+            *into = Json::parse(&text).unwrap_or_else(|| fail(&format!("{flag}: JSON")));
+        }
+    };
+    json("--kv-events-config", &mut found.kv_events_config);
+    json("--kv-event-sources", &mut found.kv_event_sources);
+    json("--speculative-config", &mut found.speculative_config);
+    found
 }
 
 /// Whether a flag whose only value is `known` was given (any other value is an error).
@@ -250,6 +290,7 @@ fn main() {
         drain: drain::Drain::new(args.shutdown_timeout),
         fleet: fleet_start::FleetStart::from_env(),
         parsers: args.parsers,
+        discovery: args.discovery,
     });
     let drain = server.drain.clone();
     let stopping_events = server.events.clone();

@@ -1,6 +1,8 @@
 //! The OpenAI routes: `/v1/completions` and `/v1/chat/completions` (streamed as server-sent
-//! events or whole), `/v1/models`, `/health`; and the engine as this server's view has it,
-//! `/v1/lora_adapters` and `/v1/engine_views`. Request fields are checked the way the Python API
+//! events or whole), `/v1/models`, `/health`; vLLM's `/ping`, `/load` and `/version`, its
+//! `/tokenize` and `/detokenize` (tokenization.rs), the render and discovery routes routers ask
+//! (discovery.rs); and the engine as this server's view has it, `/v1/lora_adapters` and
+//! `/v1/engine_views`. Request fields are checked the way the Python API
 //! server checks them, and a bad one is a 400 in OpenAI's error shape naming it. Completions,
 //! chunks and errors are written with the Python servers' field order and number spelling
 //! (`pyjson`), and a chat's output goes through the same reasoning and tool-call parsers
@@ -26,9 +28,11 @@ use rankcast_text::{IncrementalDetokenizer, Tokenizer};
 use serde_json::{json, Map, Value};
 
 use crate::chat::ChatTemplate;
+use crate::discovery::Discovery;
 use crate::drain::{Drain, RETRY_AFTER_S};
 use crate::engine::{Engine, Event};
 use crate::events::EventHub;
+use crate::fields;
 use crate::fleet_start::FleetStart;
 use crate::logprobs;
 use crate::metrics::EngineMetrics;
@@ -58,6 +62,8 @@ pub struct Server {
     /// How chat outputs are read (`--reasoning-parser qwen3`, `--tool-call-parser hermes`):
     /// as the Python servers of the fleet read them.
     pub parsers: Parsers,
+    /// What routers' discovery reads of the fleet's configuration.
+    pub discovery: Discovery,
 }
 
 /// The output parsers this server was started with.
@@ -77,14 +83,14 @@ enum Failure {
     Shutdown(String),
 }
 
-type Reply = Response<Body>;
+pub(crate) type Reply = Response<Body>;
 
 fn json_reply(status: StatusCode, body: &Value) -> Reply {
     text_reply(status, body.to_string())
 }
 
 /// A JSON body already written (`Json::response`).
-fn text_reply(status: StatusCode, body: String) -> Reply {
+pub(crate) fn text_reply(status: StatusCode, body: String) -> Reply {
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
@@ -113,7 +119,7 @@ fn error_body(status: StatusCode, message: &str, param: Option<&str>) -> Json {
 }
 
 /// OpenAI's error shape, so official clients raise the right exception type.
-fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
+pub(crate) fn error(status: StatusCode, message: &str, param: Option<&str>) -> Reply {
     text_reply(status, error_body(status, message, param).response())
 }
 
@@ -132,20 +138,76 @@ const NOT_SERVED_YET: [&str; 5] = [
 const CHAT_ONLY: [&str; 3] = ["tools", "tool_choice", "chat_template_kwargs"];
 
 /// A request refused before it reaches the engine: message, field, status (400 unless said).
-struct BadRequest(String, Option<&'static str>, StatusCode);
+pub(crate) struct BadRequest(String, Option<String>, StatusCode);
+
+impl BadRequest {
+    pub(crate) fn new(message: impl Into<String>, param: Option<&str>) -> BadRequest {
+        BadRequest(
+            message.into(),
+            param.map(str::to_string),
+            StatusCode::BAD_REQUEST,
+        )
+    }
+
+    /// The refusal as the client gets it.
+    pub(crate) fn reply(self) -> Reply {
+        let BadRequest(message, param, status) = self;
+        error(status, &message, param.as_deref())
+    }
+}
 
 impl From<shape::Refusal> for BadRequest {
     fn from(shape::Refusal(message, param): shape::Refusal) -> BadRequest {
-        BadRequest(message, Some(param), StatusCode::BAD_REQUEST)
+        BadRequest(message, Some(param.into()), StatusCode::BAD_REQUEST)
+    }
+}
+
+impl From<fields::Invalid> for BadRequest {
+    fn from(invalid: fields::Invalid) -> BadRequest {
+        let (message, param) = invalid.message();
+        BadRequest(message, param, StatusCode::BAD_REQUEST)
     }
 }
 
 fn bad<T>(message: impl Into<String>, param: &'static str) -> Result<T, BadRequest> {
     Err(BadRequest(
         message.into(),
-        Some(param),
+        Some(param.into()),
         StatusCode::BAD_REQUEST,
     ))
+}
+
+/// The 400 a prompt gets that fills the model's context (`limit` tokens) by itself or with
+/// the tokens asked for, in the Python servers' words.
+pub(crate) fn context_check(
+    limit: i64,
+    prompt_len: usize,
+    max_tokens: Option<i64>,
+    chat: bool,
+) -> Result<(), BadRequest> {
+    let prompt_len = prompt_len as i64;
+    if prompt_len >= limit {
+        return bad(
+            format!(
+                "This model's maximum context length is {limit} tokens. However, your request \
+                 has {prompt_len} prompt tokens, leaving no room to generate. Please shorten the \
+                 prompt."
+            ),
+            if chat { "messages" } else { "prompt" },
+        );
+    }
+    match max_tokens {
+        Some(m) if prompt_len.saturating_add(m) > limit => bad(
+            format!(
+                "This model's maximum context length is {limit} tokens. However, you requested \
+                 {} tokens ({prompt_len} in the prompt, {m} for the completion). Please reduce \
+                 the prompt or max_tokens.",
+                prompt_len.saturating_add(m)
+            ),
+            "max_tokens",
+        ),
+        _ => Ok(()),
+    }
 }
 
 fn number(body: &Map<String, Value>, key: &'static str, default: f64) -> Result<f64, BadRequest> {
@@ -506,6 +568,32 @@ fn chat_message(
     (Json::Object(fields), "tool_calls".into())
 }
 
+/// A request's body, which must be a JSON object; the 400 to answer otherwise.
+async fn read_body(request: Request<Body>) -> Result<Map<String, Value>, Reply> {
+    let bytes = hyper::body::to_bytes(request.into_body())
+        .await
+        .map_err(|e| {
+            error(
+                StatusCode::BAD_REQUEST,
+                &format!("reading the body: {e}"),
+                None,
+            )
+        })?;
+    match serde_json::from_slice(&bytes) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(error(
+            StatusCode::BAD_REQUEST,
+            "the body must be a JSON object",
+            None,
+        )),
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            &format!("invalid JSON: {e}"),
+            None,
+        )),
+    }
+}
+
 fn sse(value: &Json) -> Bytes {
     Bytes::from(format!("data: {}\n\n", value.event()))
 }
@@ -546,28 +634,49 @@ impl Server {
             }
         }
         match (request.method(), path.as_str()) {
-            (&Method::GET, "/health") => {
-                if self.engine.alive() {
-                    let incarnation = self.events.incarnation(self.engine_index);
-                    let engine = json!({"engine": self.engine_index, "up": true,
-                                        "incarnation": incarnation});
-                    match self.fleet.starting() {
-                        None => json_reply(StatusCode::OK, &json!({"engines": [engine]})),
-                        Some(fleet) => {
-                            let body = json!({"engines": [engine], "fleet": fleet});
-                            let mut reply = json_reply(StatusCode::SERVICE_UNAVAILABLE, &body);
-                            let retry = hyper::header::HeaderValue::from(RETRY_AFTER_S);
-                            reply.headers_mut().insert("retry-after", retry);
-                            reply
-                        }
-                    }
-                } else {
-                    error(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the engine core is not running",
-                        None,
-                    )
-                }
+            (&Method::GET, "/health") => self.health(),
+            // vLLM's (SageMaker's) probe: /health's status, no body.
+            (&Method::GET | &Method::POST, "/ping") => Response::builder()
+                .status(self.health().status())
+                .body(Body::empty())
+                .expect("a response"),
+            // vLLM's: the completions in flight on this server.
+            (&Method::GET, "/load") => {
+                let load = object![("server_load", self.drain.in_flight())];
+                text_reply(StatusCode::OK, load.response())
+            }
+            (&Method::GET, "/version") => {
+                let version = object![("version", env!("CARGO_PKG_VERSION"))];
+                text_reply(StatusCode::OK, version.response())
+            }
+            (&Method::GET, "/kv_event_sources") => {
+                text_reply(StatusCode::OK, self.discovery.kv_event_sources.response())
+            }
+            (&Method::GET, "/get_server_info") => self.dead().unwrap_or_else(|| {
+                let info = self
+                    .discovery
+                    .server_info(&self.model_name, self.max_model_len);
+                text_reply(StatusCode::OK, info.response())
+            }),
+            (&Method::POST, "/tokenize") => {
+                self.answer(request, |server, body| {
+                    crate::tokenization::tokenize(server, body)
+                })
+                .await
+            }
+            (&Method::POST, "/detokenize") => {
+                self.answer(request, |server, body| {
+                    crate::tokenization::detokenize(server, body)
+                })
+                .await
+            }
+            (&Method::POST, "/v1/chat/completions/render") => {
+                self.answer(request, |server, body| server.render(body, true))
+                    .await
+            }
+            (&Method::POST, "/v1/completions/render") => {
+                self.answer(request, |server, body| server.render(body, false))
+                    .await
             }
             (&Method::GET, "/v1/models") => json_reply(
                 StatusCode::OK,
@@ -615,6 +724,74 @@ impl Server {
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
             _ => error(StatusCode::NOT_FOUND, &format!("no route {path}"), None),
         }
+    }
+
+    /// `/health`: this server's engine core up (with its incarnation) or not; 503 with the
+    /// fleet's progress until every API server of the fleet has started.
+    fn health(&self) -> Reply {
+        if !self.engine.alive() {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine core is not running",
+                None,
+            );
+        }
+        let incarnation = self.events.incarnation(self.engine_index);
+        let engine = json!({"engine": self.engine_index, "up": true, "incarnation": incarnation});
+        match self.fleet.starting() {
+            None => json_reply(StatusCode::OK, &json!({"engines": [engine]})),
+            Some(fleet) => {
+                let body = json!({"engines": [engine], "fleet": fleet});
+                let mut reply = json_reply(StatusCode::SERVICE_UNAVAILABLE, &body);
+                let retry = hyper::header::HeaderValue::from(RETRY_AFTER_S);
+                reply.headers_mut().insert("retry-after", retry);
+                reply
+            }
+        }
+    }
+
+    /// An engine-backed route that reads a JSON body and answers JSON: a 503 once the engine
+    /// core is gone, the refusal's error otherwise.
+    async fn answer(
+        &self,
+        request: Request<Body>,
+        handle: impl FnOnce(&Server, &Map<String, Value>) -> Result<Json, BadRequest>,
+    ) -> Reply {
+        if let Some(reply) = self.dead() {
+            return reply;
+        }
+        let body = match read_body(request).await {
+            Ok(body) => body,
+            Err(reply) => return reply,
+        };
+        match handle(self, &body) {
+            Ok(answer) => text_reply(StatusCode::OK, answer.response()),
+            Err(refused) => refused.reply(),
+        }
+    }
+
+    /// `/v1/chat/completions/render` (`chat`) and `/v1/completions/render`: what the
+    /// generation route would send the engine, after the same checks, as vLLM's
+    /// `GenerateRequest` (a list of one for a completion, as vLLM answers).
+    fn render(&self, body: &Map<String, Value>, chat: bool) -> Result<Json, BadRequest> {
+        let prepared = self.prepare(body, chat)?;
+        let rendered = crate::discovery::generate_request(&self.request_id(chat), &prepared);
+        Ok(if chat {
+            rendered
+        } else {
+            Json::Array(vec![rendered])
+        })
+    }
+
+    /// A new request id, unique among every server of the fleet (its index is in it).
+    fn request_id(&self, chat: bool) -> String {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let prefix = if chat { "chatcmpl" } else { "cmpl" };
+        format!(
+            "{prefix}-rs{}-{n}-{:x}",
+            self.client_index,
+            now_f64().to_bits()
+        )
     }
 
     /// The base model, then every registered adapter as a model of its own (as the Python
@@ -672,59 +849,90 @@ impl Server {
         if let Some(reply) = self.dead() {
             return reply;
         }
-        let bytes = match hyper::body::to_bytes(request.into_body()).await {
-            Ok(b) => b,
-            Err(e) => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    &format!("reading the body: {e}"),
-                    None,
-                )
-            }
-        };
-        let body: Map<String, Value> = match serde_json::from_slice(&bytes) {
-            Ok(Value::Object(map)) => map,
-            Ok(_) => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "the body must be a JSON object",
-                    None,
-                )
-            }
-            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid JSON: {e}"), None),
+        let body = match read_body(request).await {
+            Ok(body) => body,
+            Err(reply) => return reply,
         };
         match self.prepare(&body, chat) {
             Ok(prepared) => self.run(prepared, chat).await,
-            Err(BadRequest(message, param, status)) => error(status, &message, param),
+            Err(refused) => refused.reply(),
         }
     }
 
-    fn prepare(&self, body: &Map<String, Value>, chat: bool) -> Result<Prepared, BadRequest> {
+    /// The adapter `requested` names (None: the base model), as the Python servers'
+    /// `check_model` finds it: a 404 for a name that is neither.
+    pub(crate) fn lora_for(&self, requested: Option<&str>) -> Result<Option<String>, BadRequest> {
+        let Some(model) = requested.filter(|model| *model != self.model_name) else {
+            return Ok(None);
+        };
+        if !self
+            .views
+            .read(|v| v.adapter_names().iter().any(|n| n == model))
+        {
+            return Err(BadRequest(
+                format!("The model `{model}` does not exist."),
+                Some("model".into()),
+                StatusCode::NOT_FOUND,
+            ));
+        }
+        // Refused while every device slot holds another pinned adapter (the engine core
+        // checks the same at submission; this gives the client a 400).
+        if let Some(refusal) = self.views.read(|v| v.refusal(model)) {
+            return Err(BadRequest(
+                refusal,
+                Some("model".into()),
+                StatusCode::BAD_REQUEST,
+            ));
+        }
+        Ok(Some(model.to_string()))
+    }
+
+    /// The prompt text of `messages` through the model's chat template (as the Python
+    /// servers' `render_chat` gives it), or the 400 they answer without a template.
+    pub(crate) fn render_chat(
+        &self,
+        messages: &[fields::Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, BadRequest> {
+        let Some(template) = &self.template else {
+            return bad(
+                "this model has no chat template; use a plain completion prompt",
+                "messages",
+            );
+        };
+        let turns: Vec<(String, String)> = messages
+            .iter()
+            .map(|message| (message.role.clone(), message.text.clone()))
+            .collect();
+        Ok(template.render(&turns, add_generation_prompt))
+    }
+
+    /// A completion or chat request checked and made ready for the engine: what it generates
+    /// and what `/v1/completions/render` and `/v1/chat/completions/render` show.
+    pub(crate) fn prepare(
+        &self,
+        body: &Map<String, Value>,
+        chat: bool,
+    ) -> Result<Prepared, BadRequest> {
+        // The messages' or the prompt's fields first, as the Python servers check a body
+        // before anything else.
+        let mut messages = Vec::new();
+        let mut prompt = None;
+        let mut invalid = fields::Invalid::default();
+        if chat {
+            match body.get("messages") {
+                None => invalid.missing(body, "", "messages"),
+                Some(given) => messages = fields::messages(&mut invalid, "messages", given, 1),
+            }
+        } else {
+            prompt = fields::prompt(&mut invalid, body);
+        }
+        if !invalid.is_empty() {
+            return Err(invalid.into());
+        }
         // The base model, or an adapter the engine registered; responses name it as asked.
         let requested = body.get("model").and_then(Value::as_str);
-        let lora_name = match requested {
-            None => None,
-            Some(model) if model == self.model_name => None,
-            Some(model)
-                if self
-                    .views
-                    .read(|v| v.adapter_names().iter().any(|n| n == model)) =>
-            {
-                // Refused while every device slot holds another pinned adapter (the engine
-                // core checks the same at submission; this gives the client a 400).
-                if let Some(refusal) = self.views.read(|v| v.refusal(model)) {
-                    return Err(BadRequest(refusal, Some("model"), StatusCode::BAD_REQUEST));
-                }
-                Some(model.to_string())
-            }
-            Some(model) => {
-                return Err(BadRequest(
-                    format!("The model `{model}` does not exist."),
-                    Some("model"),
-                    StatusCode::NOT_FOUND,
-                ))
-            }
-        };
+        let lora_name = self.lora_for(requested)?;
         let model = requested.unwrap_or(&self.model_name).to_string();
         // What the Python servers do and this one does not do yet is refused by name, never
         // ignored (the answer would look right and mean something else).
@@ -743,52 +951,29 @@ impl Server {
         let structured = shape::structured(body)?;
         let mut parsing = None;
         let prompt_ids: Vec<u32> = if chat {
-            let Some(template) = &self.template else {
-                return bad(
-                    "this model has no chat template; use /v1/completions",
-                    "messages",
-                );
-            };
-            let Some(Value::Array(messages)) = body.get("messages") else {
-                return bad("messages must be a non-empty list", "messages");
-            };
-            if messages.is_empty() {
-                return bad("messages must be a non-empty list", "messages");
-            }
             let auto_tools = shape::auto_tools(body, self.parsers.hermes_tools)?;
             shape::check_template_variables(body)?;
-            let mut turns = Vec::new();
-            for message in messages {
-                let role = message.get("role").and_then(Value::as_str);
-                let content = match message.get("content") {
-                    // No content (an assistant's turn of tool calls) is empty text, as the
-                    // Python servers give it to the template.
-                    None | Some(Value::Null) => Some(String::new()),
-                    Some(Value::String(s)) => Some(s.clone()),
-                    Some(Value::Array(parts)) => parts
-                        .iter()
-                        .map(|p| p.get("text").and_then(Value::as_str).map(str::to_string))
-                        .collect::<Option<Vec<_>>>()
-                        .map(|texts| texts.concat()),
-                    _ => None,
-                };
-                match (role, content) {
-                    (Some(role), Some(content)) => turns.push((role.to_string(), content)),
-                    _ => return bad("each message needs a role and text content", "messages"),
-                }
-            }
             // The templates this server renders read neither `tools` nor the request's
             // `chat_template_kwargs` (chat.rs), so the prompt is what Jinja gives with them.
-            let prompt = template.render(&turns);
+            // No content (an assistant's turn of tool calls) is empty text, as the Python
+            // servers give it to the template.
+            let prompt = self.render_chat(&messages, true)?;
             parsing = Parsing::new(self.parsers, &prompt, structured.is_some(), auto_tools);
             self.tokenizer.encode(&prompt)
         } else {
-            match body.get("prompt") {
-                Some(Value::String(text)) => self.tokenizer.encode(text),
-                Some(Value::Array(ids)) if !ids.is_empty() && ids.iter().all(Value::is_u64) => {
-                    ids.iter().map(|v| v.as_u64().unwrap_or(0) as u32).collect()
+            match prompt {
+                Some(fields::Prompt::Text(text)) => self.tokenizer.encode(&text),
+                Some(fields::Prompt::Ids(ids)) => {
+                    let vocab = self.tokenizer.vocab_size() as i64;
+                    if ids.iter().any(|&id| id >= vocab) {
+                        return bad(
+                            format!("prompt token ids must be in [0, {vocab})"),
+                            "prompt",
+                        );
+                    }
+                    ids.into_iter().map(|id| id as u32).collect()
                 }
-                _ => return bad("prompt must be a string or a list of token ids", "prompt"),
+                None => unreachable!("a completion's prompt was checked to be given"),
             }
         };
         if prompt_ids.is_empty() {
@@ -797,32 +982,14 @@ impl Server {
                 if chat { "messages" } else { "prompt" },
             );
         }
-        let room = self.max_model_len - prompt_ids.len() as i64;
-        if room < 1 {
-            return bad(
-                format!(
-                    "the prompt has {} tokens; this model takes {}",
-                    prompt_ids.len(),
-                    self.max_model_len
-                ),
-                if chat { "messages" } else { "prompt" },
-            );
-        }
         let asked = match integer(body, "max_completion_tokens")? {
             Some(m) => Some(m),
             None => integer(body, "max_tokens")?,
         };
-        let max_tokens = match (asked, chat) {
-            (Some(m), _) if m > room => {
-                return bad(
-                    format!("max_tokens {m} leaves no room: at most {room}"),
-                    "max_tokens",
-                )
-            }
-            (Some(m), _) => Some(m),
-            (None, true) => Some(room),
-            (None, false) => Some(16.min(room)),
-        };
+        // As the Python servers ask: a chat without a limit runs to the model's length (the
+        // engine's reading of none), a completion takes 16 tokens.
+        let max_tokens = if chat { asked } else { asked.or(Some(16)) };
+        context_check(self.max_model_len, prompt_ids.len(), max_tokens, chat)?;
         let (mut params, stops) = sampling(body, max_tokens)?;
         params.logprobs = requested_logprobs(body, chat)?;
         if structured.is_some() && params.ignore_eos {
@@ -861,14 +1028,8 @@ impl Server {
 
     async fn run(self: Arc<Self>, prepared: Prepared, chat: bool) -> Reply {
         let in_flight = self.drain.enter();
-        let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let prefix = if chat { "chatcmpl" } else { "cmpl" };
         let generation = Generation {
-            request_id: format!(
-                "{prefix}-rs{}-{n}-{:x}",
-                self.client_index,
-                now_f64().to_bits()
-            ),
+            request_id: self.request_id(chat),
             prompt_tokens: prepared.prompt_ids.len(),
             object: if chat {
                 "chat.completion.chunk"
@@ -1177,14 +1338,15 @@ struct Finished {
     calls_sent: usize,
 }
 
-struct Prepared {
+pub(crate) struct Prepared {
     lora_name: Option<String>,
-    model: String,
-    prompt_ids: Vec<u32>,
-    params: SamplingParams,
+    /// The model as the request named it (the base model's name when it named none).
+    pub(crate) model: String,
+    pub(crate) prompt_ids: Vec<u32>,
+    pub(crate) params: SamplingParams,
     stop: StopStrings,
     skip_special: bool,
-    stream: bool,
+    pub(crate) stream: bool,
     include_usage: bool,
     /// How many alternatives each position's logprobs list, when logprobs were asked for.
     top_logprobs: Option<usize>,

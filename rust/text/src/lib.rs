@@ -217,6 +217,12 @@ impl Tokenizer {
         self.vocab.get(token).copied()
     }
 
+    /// The vocabulary's entry for `id` (byte-level pieces as the vocabulary spells them, as
+    /// `tokenizers`' `id_to_token` gives it); None outside the vocabulary.
+    pub fn token_string(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(String::as_str)
+    }
+
     pub fn is_special(&self, id: u32) -> bool {
         self.special_ids.get(id as usize).copied().unwrap_or(false)
     }

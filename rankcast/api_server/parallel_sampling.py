@@ -25,13 +25,17 @@ from rankcast.sampling_params import SamplingParams
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The sampling parameters of sample `index` (its own seed when the request has one)."""
-    if params.seed is None or index == 0:
+    """The sampling parameters of sample `index`: its own seed when the request has one; the
+    prompt is scored (`prompt_logprobs`) by the first sample alone, since scoring it takes no
+    prefix-cache hits and every sample's prompt is the same."""
+    if index == 0:
         return params
-    seed = params.seed + index
-    if seed > UINT_MAX:  # wraps within the range torch's generators take
-        seed += INT_MIN - UINT_MAX - 1
-    return msgspec.structs.replace(params, seed=seed)
+    seed = params.seed
+    if seed is not None:
+        seed += index
+        if seed > UINT_MAX:  # wraps within the range torch's generators take
+            seed += INT_MIN - UINT_MAX - 1
+    return msgspec.structs.replace(params, seed=seed, prompt_logprobs=None)
 
 
 async def samples(

@@ -193,14 +193,29 @@ def _chat_logprobs(
 
 
 def _completion_logprobs(
-    entries: list[dict[int, Logprob]], token_ids: list[int], top: int, offset: int = 0
+    entries: list[dict[int, Logprob]] | list[dict[int, Logprob] | None],
+    token_ids: list[int],
+    top: int,
+    offset: int = 0,
+    decode: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
     """The legacy completion shape; `text_offset` is where each token's text starts in the
-    completion (a stream's chunk starts at the length of the text streamed before it)."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    choice's text (a stream's chunk starts at the length of the text streamed before it). An
+    echoed prompt's first token has no logprob (None): its text is `decode`'s."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for token_id, entry in zip(token_ids, entries, strict=False):
-        chosen = entry[token_id]
         offsets.append(offset)
+        if entry is None:
+            text = decode(token_id) if decode is not None else ""
+            tokens.append(text)
+            token_logprobs.append(None)
+            tops.append(None)
+            offset += len(text)
+            continue
+        chosen = entry[token_id]
         offset += len(chosen.decoded_token)
         tokens.append(chosen.decoded_token)
         token_logprobs.append(chosen.logprob)
@@ -212,6 +227,13 @@ def _completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def _joined_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two runs of legacy logprobs as one (an echoed prompt's, then the completion's)."""
+    if then is None:
+        return first
+    return {key: first[key] + then[key] for key in first}
 
 
 def _dead_error() -> dict[str, dict[str, str | int | None]]:
@@ -592,14 +614,10 @@ async def create_completion(
     params = sampling_params(ctx, body, len(prompt_ids), body.max_tokens, wanted, structured)
     echo = ""
     if body.echo:
-        if body.logprobs is not None:
-            raise APIError(
-                400,
-                "echo with logprobs needs the prompt's logprobs, which this server does not "
-                "compute yet; ask for one of them",
-                "echo",
-            )
         echo = prompt_text if prompt_text is not None else ctx.tokenizer.decode(prompt_ids)
+        if top is not None:
+            # The prompt's tokens are scored too, as the completion's are.
+            params = msgspec.structs.replace(params, prompt_logprobs=top)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or ctx.model_name
@@ -624,6 +642,7 @@ async def create_completion(
                 top,
                 count,
                 echo,
+                _EchoedPrompt(ctx, prompt_ids, top) if echo and top is not None else None,
             ),
             media_type="text/event-stream",
             headers=headers,
@@ -640,6 +659,9 @@ async def create_completion(
         logprobs = None
         if top is not None and completion.logprobs is not None:
             logprobs = _completion_logprobs(completion.logprobs, completion.token_ids, top)
+        if echo and top is not None:
+            echoed = _echo_logprobs(ctx, outputs[0], prompt_ids, top)
+            logprobs = _joined_logprobs(echoed, _shifted(logprobs, echoed))
         choices.append(
             {
                 "index": index,
@@ -661,6 +683,40 @@ async def create_completion(
     )
 
 
+def _echo_logprobs(
+    ctx: ServingContext, output: RequestOutput, prompt_ids: list[int], top: int
+) -> dict[str, Any]:
+    """An echoed prompt's logprobs in the legacy shape (its first token has none)."""
+    entries = output.prompt_logprobs or [None] * len(prompt_ids)
+    return _completion_logprobs(
+        entries, prompt_ids, top, decode=lambda token: ctx.tokenizer.decode([token])
+    )
+
+
+@dataclass
+class _EchoedPrompt:
+    """An echoed prompt's logprobs for each choice's first chunk of a stream: the first
+    sample's scores (it alone scores the prompt, and its first output comes first)."""
+
+    ctx: ServingContext
+    prompt_ids: list[int]
+    top: int
+    scored: dict[str, Any] | None = None
+
+    def __call__(self, output: RequestOutput) -> dict[str, Any]:
+        if self.scored is None:
+            self.scored = _echo_logprobs(self.ctx, output, self.prompt_ids, self.top)
+        return self.scored
+
+
+def _shifted(logprobs: dict[str, Any] | None, before: dict[str, Any]) -> dict[str, Any] | None:
+    """Completion logprobs placed after an echoed prompt's: their offsets moved past its text."""
+    if logprobs is None:
+        return None
+    end = before["text_offset"][-1] + len(before["tokens"][-1]) if before["tokens"] else 0
+    return {**logprobs, "text_offset": [end + o for o in logprobs["text_offset"]]}
+
+
 def _completion_stream(
     state: _StreamState,
     outputs: AsyncIterator[tuple[int, RequestOutput]],
@@ -668,9 +724,10 @@ def _completion_stream(
     top: int | None,
     count: int,
     echo: str = "",
+    echo_logprobs: _EchoedPrompt | None = None,
 ) -> AsyncIterator[bytes]:
     """Completion chunks, each choice's from its own sample; with `echo`, the prompt's text
-    leads each choice's first chunk."""
+    (and, given `echo_logprobs`, its tokens' logprobs) leads each choice's first chunk."""
     header = state.header
     # Where each choice's next chunk's first token starts in its text.
     offsets = [0] * count
@@ -683,7 +740,10 @@ def _completion_stream(
         if top is not None:
             render_logprobs = functools.partial(_completion_logprobs, offset=offsets[index])
             logprobs = _delta_logprobs(output, top, render_logprobs)
-        if logprobs is not None:
+        if echoes[index] and echo_logprobs is not None:
+            echoed = echo_logprobs(output)
+            logprobs = _joined_logprobs(echoed, _shifted(logprobs, echoed))
+        if logprobs is not None and logprobs["tokens"]:
             offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         if not (completion.delta_text or logprobs or output.finished):
             return b""

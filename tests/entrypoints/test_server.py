@@ -461,6 +461,36 @@ def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> No
     chunks = [chunk.choices[0].text for chunk in streamed]
     assert chunks[0].startswith(prompt) and "".join(chunks) == echoed.choices[0].text
 
+    # With logprobs the prompt's tokens are scored too (the first has nothing before it).
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=2
+    )
+    alone = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2
+    )
+    got, own = scored.choices[0].logprobs, alone.choices[0].logprobs
+    assert got is not None and own is not None and scored.usage is not None
+    prompt_tokens = scored.usage.prompt_tokens
+    assert len(got.tokens) == prompt_tokens + len(own.tokens)
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in got.token_logprobs[1:prompt_tokens])
+    assert "".join(got.tokens[:prompt_tokens]) == prompt
+    assert got.tokens[prompt_tokens:] == own.tokens
+    assert got.token_logprobs[prompt_tokens:] == own.token_logprobs
+    assert got.text_offset[prompt_tokens:] == [len(prompt) + o for o in own.text_offset]
+    assert got.text_offset == sorted(got.text_offset)
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=2,
+        stream=True,
+    )  # fmt: skip
+    joined: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in streamed:
+        part = chunk.choices[0].logprobs
+        if part is not None:
+            for key, values in joined.items():
+                values.extend(getattr(part, key))
+    assert joined == {key: getattr(got, key) for key in joined}
+
 
 def test_n_samples_are_the_seeded_single_samples_and_share_the_prompts_blocks(
     client: openai.OpenAI, server: ServerProcess

@@ -38,6 +38,8 @@ RUST_VIEW_DEVICE_EVICTION_MUTATED = '        if n.tier != "disk" {\n            
 DASHBOARD_VIEW = "tests/dashboard/test_dashboard_view.py"
 SPECULATION = "tests/engine/test_speculative.py"
 SPECULATION_SCHEDULER = "tests/engine/test_speculative_scheduler.py"
+APIS = "tests/entrypoints/test_server_responses_messages.py"
+SERVER = "tests/entrypoints/test_server.py"
 
 MUTANTS = [
     # ---- the notification contract (docs/architecture.md, rules 1-10) ----
@@ -809,5 +811,30 @@ MUTANTS = [
         '        if fleet.get("state").and_then(Value::as_str) == Some("serving") {',
         '        if fleet.get("state").is_some() {',
         (f"{START}::test_health_says_starting_until_every_api_server_is_ready[rust-answers]",),
+    ),
+    Mutant(
+        "responses-drop-instructions",
+        "The Responses API gives the model the conversation chat would (one prompt, one text)",
+        "rankcast/api_server/openai_responses.py",
+        '        messages.insert(0, {"role": "system", "content": body.instructions})',
+        "        pass",
+        (f"{APIS}::test_the_three_apis_give_one_prompt_and_one_greedy_text",),
+    ),
+    Mutant(
+        "response-store-per-process",
+        "A stored response continues on any API server of the fleet",
+        "rankcast/api_server/response_store.py",
+        "        given = directory if directory is not None else "
+        "os.environ.get(RESPONSE_STORE_ENV)",
+        "        given = directory",
+        (f"{APIS}::test_a_forced_function_call_continues_on_the_other_api_server",),
+    ),
+    Mutant(
+        "n-samples-share-one-seed",
+        "Sample i of a seeded n-sample request draws with seed + i",
+        "rankcast/api_server/parallel_sampling.py",
+        "        seed += index",
+        "        seed += 0",
+        (f"{SERVER}::test_n_samples_are_the_seeded_single_samples_and_share_the_prompts_blocks",),
     ),
 ]

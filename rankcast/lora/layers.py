@@ -34,6 +34,7 @@ from rankcast.lora import tile_layout
 from rankcast.lora.peft_adapter import LoRAAdapter, SlotImage
 from rankcast.model import ops
 from rankcast.model.layers import KernelSlots
+from rankcast.model.moe import SparseMoeBlock
 from rankcast.platform import lora_compute_dtype
 
 if TYPE_CHECKING:
@@ -337,15 +338,14 @@ def attach_lora(
 def _lora_projections(
     layer: LlamaDecoderLayer, tp_rank: int
 ) -> list[tuple[ColumnParallelLinear | RowParallelLinear, list[SubProjection], int]]:
-    """A decoder layer's targetable projections on this rank (QKV, gate-up, O, down): each
-    linear, its sub-projections and its input width."""
+    """A decoder layer's targetable projections on this rank (QKV, O, and the MLP's gate-up
+    and down unless the layer's MLP is a mixture of experts): each linear, its
+    sub-projections and its input width."""
     qkv = layer.self_attn.qkv_proj
     q, kv = qkv.q_size, qkv.kv_size
     kv_index = tp_rank // qkv.kv_replicas
-    gate_up = layer.mlp.gate_up_proj
-    half = gate_up.output_size_per_rank // 2
-    o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
-    return [
+    o_proj = layer.self_attn.o_proj
+    attention: list[tuple[ColumnParallelLinear | RowParallelLinear, list[SubProjection], int]] = [
         (
             qkv,
             [
@@ -356,6 +356,19 @@ def _lora_projections(
             qkv.weight.shape[1],
         ),
         (
+            o_proj,
+            [SubProjection("o_proj", 0, o_proj.weight.shape[0], in_shard=tp_rank)],
+            o_proj.input_size_per_rank,
+        ),
+    ]
+    mlp = layer.mlp
+    if isinstance(mlp, SparseMoeBlock):
+        return attention
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    half = gate_up.output_size_per_rank // 2
+    return [
+        attention[0],
+        (
             gate_up,
             [
                 SubProjection("gate_proj", 0, half, tp_rank),
@@ -363,11 +376,7 @@ def _lora_projections(
             ],
             gate_up.weight.shape[1],
         ),
-        (
-            o_proj,
-            [SubProjection("o_proj", 0, o_proj.weight.shape[0], in_shard=tp_rank)],
-            o_proj.input_size_per_rank,
-        ),
+        attention[1],
         (
             down,
             [SubProjection("down_proj", 0, down.weight.shape[0], in_shard=tp_rank)],

@@ -80,6 +80,11 @@ class LoRAAdapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
 
 
+# The MLP's projections: on a mixture-of-experts layer they are the experts', which take no
+# adapter.
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
 def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each targetable projection, unsharded (with Phi-3's
     fused ones, for the architectures that have them)."""
@@ -232,6 +237,12 @@ def inspect_peft_adapter(
             raise LoRAAdapterError(
                 f"{weights_path}: {key!r} is for layer {layer}; the model has "
                 f"{arch.num_hidden_layers}"
+            )
+        if module in _MLP_MODULES and arch.is_moe(layer):
+            raise LoRAAdapterError(
+                f"{weights_path}: {key!r} adapts layer {layer}'s MLP, which is a mixture of "
+                "experts here; adapters on experts are not supported (attention projections "
+                "only)"
             )
         in_features, out_features = shapes[module]
         want = (rank, in_features) if half == "A" else (out_features, rank)

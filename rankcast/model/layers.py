@@ -264,15 +264,23 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(PackedLinearMixin, nn.Module):
-    """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
+    """y = x W^T with W split by input columns; partial sums are all-reduced across ranks
+    (unless `reduce` is off: a mixture of experts sums its experts' partials first and
+    all-reduces once)."""
 
     lora: LinearDelta | None = None
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TensorParallelGroup,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.reduce = reduce
         self.input_size_per_rank = _divide(input_size, tp.size, "input size")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank))
         _attach_loader(self.weight, self.weight_loader)
@@ -291,8 +299,21 @@ class RowParallelLinear(PackedLinearMixin, nn.Module):
         if self.lora is not None:
             # Each rank's partial adapter delta rides the same all-reduce as the output.
             self.lora.add_to(x, partial)
-        y = self.tp.all_reduce(partial)
+        y = self.tp.all_reduce(partial) if self.reduce else partial
         return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedLinear(PackedLinearMixin, nn.Module):
+    """y = x W^T with the whole W on every rank (a mixture of experts' router: each rank
+    routes its tokens itself, to the same experts), on the same kernels as the others."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        _attach_loader(self.weight, default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, None)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -40,6 +40,7 @@ from rankcast.model.layers import (
     default_weight_loader,
 )
 from rankcast.model.linear_kernels import ROWS_SPLIT
+from rankcast.model.moe import SparseMoeBlock
 from rankcast.model.rotary import RotaryEmbedding, partial_rotary_order
 from rankcast.model_files.arch import ArchConfig
 
@@ -51,6 +52,24 @@ _STACKED = (
     ("gate_proj", "gate_up_proj", 0),
     ("up_proj", "gate_up_proj", 1),
 )
+
+
+# Mixtral's names for its mixture of experts, as Qwen3-MoE's (SparseMoeBlock's): the block,
+# and each expert's gate (w1), down (w2) and up (w3) projections.
+_MIXTRAL = (
+    (".block_sparse_moe.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w2.", ".down_proj."),
+    (".w3.", ".up_proj."),
+)
+
+
+def _mixtral_names(name: str) -> str:
+    if ".block_sparse_moe." not in name:
+        return name
+    for theirs, ours in _MIXTRAL:
+        name = name.replace(theirs, ours)
+    return name
 
 
 class LlamaAttention(nn.Module):
@@ -125,7 +144,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, tp: TensorParallelGroup, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, tp, layer)
-        self.mlp = LlamaMLP(arch, tp)
+        self.mlp: LlamaMLP | SparseMoeBlock = (
+            SparseMoeBlock(arch, tp) if arch.is_moe(layer) else LlamaMLP(arch, tp)
+        )
         width, eps, offset = arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset
         self.input_layernorm = RMSNorm(width, eps, offset)
         self.post_attention_layernorm = RMSNorm(width, eps, offset)
@@ -246,9 +267,12 @@ class LlamaForCausalLM(nn.Module):
         layers = self.decoder_layers()
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
             return False
+        if any(isinstance(layer.mlp, SparseMoeBlock) for layer in layers):
+            return False  # the stack runs dense MLPs only; experts run on the module path
         projections: list[list[ops.PackedWeight]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, LlamaMLP)
             group = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             packed = [p.packed_weight for p in group]
             if attn.attn.key_cache is None:
@@ -326,6 +350,7 @@ class LlamaForCausalLM(nn.Module):
         handed: list[tuple[int, int, KernelSlots]] = []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, LlamaMLP)
             if attn.o_proj.lora is not None and attn.o_proj.bias is not None:
                 return False
             deltas = (
@@ -403,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for ckpt_name, tensor in self._split_fused(weights):
-            name = ckpt_name.removeprefix("model.")
+            name = _mixtral_names(ckpt_name.removeprefix("model."))
             if "rotary_emb.inv_freq" in name:
                 continue
             if name.startswith("layers."):

@@ -6,9 +6,10 @@ layers without RoPE (`rope_layers`), Phi-3's partial rotary (`rotary_dim`) and L
 `rope_scaling`, normalised here: `_longrope`), sliding windows per layer (`layer_windows`:
 Mistral's, Qwen2's and Qwen3's with `use_sliding_window`, Phi-3's, Gemma 3's local layers), and
 Gemma 3's block (`sandwich_norms`, norms scaling by 1 + w, scaled embeddings, GeGLU, its own
-attention scale and a second RoPE base for local layers). A config asking for what the decoder
-does not do (an MLP bias, attention logit soft-capping) is refused at start, naming the field,
-rather than served wrongly.
+attention scale and a second RoPE base for local layers), and the mixtures of experts of
+Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's): `moe_layers` and the experts' shape. A
+config asking for what the decoder does not do (an MLP bias, attention logit soft-capping) is
+refused at start, naming the field, rather than served wrongly.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "Phi3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 # What a config.json may leave out, filled as transformers' config class of the architecture
@@ -37,6 +40,16 @@ SUPPORTED_ARCHITECTURES = (
 # 2e6 and its embeddings tied), so a sparse config means what it means to the reference.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"head_dim": 128},
+    # Qwen3MoeConfig's: 128 experts of 768, 8 a token, not renormalised unless asked.
+    "Qwen3MoeForCausalLM": {
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+    },
+    # MixtralConfig's: 8 experts, 2 a token.
+    "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2},
     "SmolLM3ForCausalLM": {"tie_word_embeddings": True},
     "Phi3ForCausalLM": {
         "rms_norm_eps": 1e-5,
@@ -59,7 +72,14 @@ _GEMMA3_LOCAL_THETA = 10000.0
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 # Architectures whose o_proj has a bias wherever their q/k/v projections do (`attention_bias`);
 # Qwen2's and Mistral's never has one.
-_OUTPUT_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+_OUTPUT_BIAS = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "SmolLM3ForCausalLM",
+)
+# Architectures with the Qwen3 attention (per-head q/k norms); Mixtral's is Mistral's.
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -113,6 +133,20 @@ class ArchConfig:
     attention_scale: float | None = None
     # Gemma: logits = cap * tanh(logits / cap).
     final_logit_softcapping: float | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral): per layer, whether its MLP is the experts'
+    # (empty: a dense model; Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step` leave some
+    # layers dense, of intermediate_size); the experts, how many each token takes (the router's
+    # top k of its softmax), each expert's width, and whether the k weights are renormalised to
+    # sum to one (Qwen3-MoE's `norm_topk_prob`; Mixtral always does).
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 for none."""
@@ -163,6 +197,8 @@ class ArchConfig:
                 rope = None
             _refuse_unsupported(cfg, arch, source)
             attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
+            if arch == "MixtralForCausalLM":
+                attention_bias = False  # MixtralAttention's projections never have one
             head_dim = int(cfg.get("head_dim") or hidden // heads)
             max_positions = int(cfg.get("max_position_embeddings", 2048))
             rotary_dim = head_dim
@@ -189,7 +225,7 @@ class ArchConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=attention_bias,
                 output_bias=attention_bias and arch in _OUTPUT_BIAS,
-                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                qk_norm=arch in _QK_NORM,
                 rope_layers=(
                     _rope_layers(cfg, layers, source)
                     if arch == "SmolLM3ForCausalLM"
@@ -200,6 +236,7 @@ class ArchConfig:
                 eos_token_ids=eos_ids,
                 layer_windows=_layer_windows(cfg, arch, layers, max_positions, source),
                 **gemma,
+                **_experts(cfg, arch, layers, source),
             )
         except KeyError as exc:
             raise ModelFormatError(f"{source}: required field {exc.args[0]!r} is missing") from None
@@ -225,6 +262,58 @@ class ArchConfig:
             merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
             arch = dataclasses.replace(arch, eos_token_ids=merged)
         return arch
+
+
+def _experts(cfg: dict[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ArchConfig, as Qwen3MoeConfig and MixtralConfig read
+    their configs (transformers 5 saves Qwen3-MoE's expert count as `num_local_experts`, the
+    checkpoints on the hub as `num_experts`: both are read). Refused, naming the field, unless
+    each token takes between 1 and all of the experts."""
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return {}
+    if arch == "MixtralForCausalLM":
+        experts, width, norm = cfg["num_local_experts"], cfg["intermediate_size"], True
+        sparse = (True,) * layers
+    else:
+        experts = cfg.get("num_local_experts", cfg["num_experts"])
+        width, norm = cfg["moe_intermediate_size"], bool(cfg["norm_topk_prob"])
+        step = cfg.get("decoder_sparse_step", 1)
+        dense = cfg.get("mlp_only_layers") or []
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ModelFormatError(
+                f"{source}: decoder_sparse_step must be a positive integer, not {step!r}"
+            )
+        if not isinstance(dense, list) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in dense
+        ):
+            raise ModelFormatError(
+                f"{source}: mlp_only_layers must list layer indices below {layers}, not {dense!r}"
+            )
+        # Qwen3MoeDecoderLayer's rule: experts where the layer is not listed dense, there are
+        # experts, and (layer + 1) is a multiple of the step.
+        sparse = tuple(
+            i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)
+        )
+    per_token = cfg["num_experts_per_tok"]
+    width_name = "intermediate_size" if arch == "MixtralForCausalLM" else "moe_intermediate_size"
+    for name, value in (
+        ("num_experts", experts),
+        (width_name, width),
+        ("num_experts_per_tok", per_token),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelFormatError(f"{source}: {name} must be a positive integer, not {value!r}")
+    if per_token > experts:
+        raise ModelFormatError(
+            f"{source}: num_experts_per_tok ({per_token}) is more than the {experts} experts"
+        )
+    return {
+        "moe_layers": sparse if any(sparse) else (),
+        "num_experts": experts,
+        "experts_per_token": per_token,
+        "expert_intermediate_size": width,
+        "norm_topk_prob": norm,
+    }
 
 
 def _refuse_unsupported(cfg: dict[str, Any], arch: str, source: str) -> None:
@@ -380,15 +469,19 @@ def _layer_windows(
             f"sliding_attention or full_attention, not {types!r}"
         )
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get(
+        "use_sliding_window"
+    ):
         window = None
     if (
         arch
         not in (
             "MistralForCausalLM",
+            "MixtralForCausalLM",
             "Phi3ForCausalLM",
             "Qwen2ForCausalLM",
             "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM",
             "Gemma3ForCausalLM",
         )
         or window is None
@@ -409,7 +502,7 @@ def _layer_windows(
                 "sliding_attention" if (i + 1) % pattern else "full_attention"
                 for i in range(layers)
             ]
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             first = cfg.get("max_window_layers", 28)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         else:

@@ -1,6 +1,7 @@
-"""Tiny random-weight checkpoints of the Llama family's other members (Qwen3, SmolLM3, Phi-3),
-built with transformers' own config and model classes, and the GGUF file llama.cpp's converter
-would write from one: what test_qwen3.py, test_smollm3.py and test_phi3.py hold rankcast to."""
+"""Tiny random-weight checkpoints of the Llama family's other members (Qwen3, SmolLM3, Phi-3,
+Gemma 3, and the mixtures of experts Qwen3-MoE and Mixtral), built with transformers' own
+config and model classes, and the GGUF file llama.cpp's converter would write from one: what
+test_qwen3.py, test_smollm3.py, test_phi3.py, test_moe.py ... hold rankcast to."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def write_checkpoint(
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
@@ -63,7 +66,8 @@ def write_checkpoint(
         torch.set_default_dtype(default)
     with torch.no_grad():
         for param in model.parameters():
-            if param.dim() == 2:
+            # Matrices, and transformers' experts stacked as [experts, rows, columns].
+            if param.dim() >= 2:
                 param.normal_(0.0, std)
             else:
                 param.normal_(1.0, 0.2)
@@ -302,7 +306,9 @@ def assert_logits_match_transformers(model_dir: Path, fused: bool) -> None:
     model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
     runner.initialize_cache(64)
-    assert (runner.model.fused_layers is not None) == stack_expected(torch.float32)
+    # The stack runs dense MLPs only: a mixture of experts stays on the modules.
+    stack = stack_expected(torch.float32) and not arch.moe_layers
+    assert (runner.model.fused_layers is not None) == stack
     if not fused:
         runner.model.fused_layers = None
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,76 @@
+"""A mixture-of-experts MLP (Qwen3-MoE's sparse block, Mixtral's): a router picks each token's
+top-k experts from the softmax of its logits, each chosen expert (a SwiGLU MLP of its own) runs
+on the tokens that chose it, and their outputs join the token's, weighted.
+
+Batch invariance holds as for the dense MLP: a token's router logits and each expert's output
+for it come from linears on rankcast's row-invariant kernels (the experts are ordinary
+column- and row-parallel linears, packed and quantized like every other), and its output is
+summed in one order whatever the batch: from zero, expert by expert in index order (the order
+transformers adds them in), each adding the token's own row only. Which other tokens chose the
+same expert changes nothing in it.
+
+Under tensor parallelism every rank holds a slice of every expert (gate/up by output rows, down
+by input columns) and the whole router; the experts' partial sums are added on each rank and
+all-reduced once for the block, not once per expert.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rankcast.distributed import TensorParallelGroup
+from rankcast.model import ops
+from rankcast.model.layers import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from rankcast.model_files.arch import ArchConfig
+
+
+class Expert(nn.Module):
+    """One expert: `gate_up_proj` (gate_proj and up_proj stacked) and `down_proj`, left
+    un-reduced across ranks (the block reduces the sum)."""
+
+    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        width = arch.expert_intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [width] * 2, False, tp)
+        self.down_proj = RowParallelLinear(width, arch.hidden_size, False, tp, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """The experts and their router (`gate`), named as Qwen3-MoE's checkpoints name them
+    (`mlp.gate`, `mlp.experts.{i}.gate_proj/up_proj/down_proj`); Mixtral's names are mapped
+    onto these at load."""
+
+    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.top_k = arch.experts_per_token
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts)
+        self.experts = nn.ModuleList(Expert(arch, tp) for _ in range(arch.num_experts))
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts (most likely first) and their weights, in the
+        activations' dtype, as transformers' router gives them: the softmax in float32, its
+        top k, renormalised to sum to one where the model says so."""
+        logits = self.gate(hidden)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(logits.dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        chosen, weights = self.route(hidden)
+        out = torch.zeros_like(hidden)
+        # Experts in index order, each on the tokens that chose it (a token takes an expert
+        # at most once, so each index_add_ adds one row per token).
+        for expert in torch.unique(chosen).tolist():
+            tokens, slot = torch.where(chosen == expert)
+            rows = self.experts[expert](hidden[tokens]) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, rows.to(out.dtype))
+        return self.tp.all_reduce(out)

@@ -375,9 +375,13 @@ def layer_quantization(module: PackedLinearMixin, quantization: str) -> str:
     with 4-bit groups the LM head (often the embedding too) takes 8-bit groups (q8_0), as
     llama.cpp's Q4_1 files keep it (the embedded SmolLM2's is Q8_0, so its head is served as
     the file holds it): its logits are what sampling reads, and 4 bits there cost the most
-    (bench/perplexity.py)."""
+    (bench/perplexity.py). A router is never quantized."""
     if quantization in FOUR_BIT and isinstance(module, ParallelLMHead):
         return "q8_0"
+    if isinstance(module, ReplicatedLinear):
+        # A mixture of experts' router stays in the activations' dtype, as llama.cpp keeps its
+        # ffn_gate_inp in float32: a rounded logit can change which experts a token takes.
+        return "none"
     return quantization
 
 

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 # Bump when the conversion's output changes, so stale caches are not reused. 2: each conversion
 # records its source (pruning); 3: config.json names head_dim (a llama file whose heads are not
-# hidden / heads wide converted to a config that could not load).
+# hidden / heads wide converted to a config that could not load). (qwen3moe files, added later,
+# convert with the others unchanged.)
 CONVERTER_VERSION = 3
 # In each conversion's directory: `source_identity` of the GGUF it was made from.
 _SOURCE_FILE = "rankcast-source.txt"
@@ -50,6 +51,7 @@ _ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Architectures whose Q and K rows llama.cpp's converter interleaves for its GGML_ROPE_TYPE_NORM
 # rotation (its LlamaModel and subclasses); Qwen2's and Qwen3's rotate as HF does (NEOX), as
@@ -94,7 +96,19 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
+# Qwen3-MoE (llama.cpp's Qwen3MoeModel): the router `ffn_gate_inp` (kept float32), and each
+# projection's experts stacked in one tensor, [experts, rows, columns], which the conversion
+# cuts into the checkpoint's one tensor per expert. llama.cpp renormalises the chosen experts'
+# weights for qwen3moe whatever the checkpoint said (`build_moe_ffn(..., norm_w = true, ...)`)
+# and makes every layer sparse; the file has no key for either.
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -132,6 +146,14 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return None
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    return None
+
+
+def _expert_projection(gguf_name: str) -> tuple[str, str] | None:
+    """(layer, projection) of a stacked experts tensor (`blk.3.ffn_up_exps.weight`), or None."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS:
+        return parts[1], _EXPERT_TENSORS[parts[2]]
     return None
 
 
@@ -204,6 +226,12 @@ def _read_config(reader: Any, path: Path, tensor_names: set[str]) -> dict[str, A
         _read_phi3_config(reader, path, config)
     if arch == "gemma3":
         _read_gemma3_config(reader, config)
+    if arch == "qwen3moe":
+        config["num_experts"] = int(meta("expert_count"))
+        config["num_experts_per_tok"] = int(meta("expert_used_count"))
+        config["moe_intermediate_size"] = int(meta("expert_feed_forward_length"))
+        config["norm_topk_prob"] = True
+        config["model_type"] = "qwen3_moe"
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling and scaling != "none" and "rope_scaling" not in config:
         config["rope_scaling"] = {
@@ -281,8 +309,9 @@ def _dequantize(
     for tensor in tqdm(
         reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=envs.disable_progress()
     ):
+        expert = _expert_projection(tensor.name)
         name = hf_tensor_name(tensor.name, arch)
-        if name is None:
+        if name is None and expert is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
         try:
@@ -294,6 +323,13 @@ def _dequantize(
             ) from None
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = np.asarray(array, dtype=np.float32).reshape(shape)
+        if expert is not None:
+            layer, projection = expert
+            for index, part in enumerate(array):
+                hf_name = f"model.layers.{layer}.mlp.experts.{index}.{projection}.weight"
+                tensors[hf_name] = torch.from_numpy(np.array(part, dtype=np.float32, order="C"))
+            continue
+        assert name is not None
         if arch == "gemma3" and name.endswith("norm.weight"):
             array = array - np.float32(_GEMMA3_NORM_SHIFT)
         permuted = arch in _PERMUTED_QK
@@ -449,6 +485,7 @@ _PROJECTIONS = (
     "ffn_gate",
     "ffn_up",
     "ffn_down",
+    *_EXPERT_TENSORS,
 )
 # GGUF tensor types rankcast multiplies as they are stored (`--quantization` of the same name).
 _NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}

@@ -115,11 +115,13 @@ def write_llama_cpp_gguf(
         "smollm3": gguf.MODEL_ARCH.SMOLLM3,
         "phi3": gguf.MODEL_ARCH.PHI3,
         "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+        "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     }[model_type]
     layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     gemma = model_type == "gemma3_text"
-    writer = gguf.GGUFWriter(str(path), "gemma3" if gemma else model_type)
+    moe = model_type == "qwen3_moe"
+    writer = gguf.GGUFWriter(str(path), "gemma3" if gemma else ("qwen3moe" if moe else model_type))
     writer.add_block_count(layers)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -136,6 +138,10 @@ def write_llama_cpp_gguf(
         _add_phi3_metadata(writer, config)
     if gemma:
         _add_gemma3_metadata(writer, config)
+    if moe:  # what llama.cpp's Qwen3MoeModel writes of the experts
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     for field in open_gguf(tokenizer_gguf).fields.values():
         if field.name.startswith("tokenizer."):
             sub_type = field.types[-1] if len(field.types) > 1 else None
@@ -143,7 +149,7 @@ def write_llama_cpp_gguf(
             writer.add_key_value(field.name, value, field.types[0], sub_type)
     names = gguf.get_tensor_name_map(arch, layers)
     permutes = model_type == "smollm3"
-    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+    for name, tensor in _experts_stacked(load_file(str(model_dir / "model.safetensors"))):
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         array = tensor.float().numpy()
@@ -154,7 +160,9 @@ def write_llama_cpp_gguf(
         elif permutes and name.endswith("k_proj.weight"):
             array = permute_for_llama_cpp(array, kv_heads)
         stored = projections if gguf_name.startswith("blk.") else embeddings
-        if stored != "F32" and array.ndim == 2:
+        if gguf_name.endswith("ffn_gate_inp.weight"):
+            stored = "F32"  # the router, kept float as llama.cpp keeps it
+        if stored != "F32" and array.ndim >= 2:
             kind = gguf.GGMLQuantizationType[stored]
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
@@ -164,6 +172,25 @@ def write_llama_cpp_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _experts_stacked(tensors: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The checkpoint's tensors with each layer's experts stacked per projection, as llama.cpp's
+    converter stacks them before naming (`model.layers.N.mlp.experts.gate_proj.weight`,
+    [experts, rows, columns], which its name map calls `blk.N.ffn_gate_exps`)."""
+    out: list[tuple[str, Any]] = []
+    stacks: dict[str, dict[int, Any]] = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts:
+            at = parts.index("experts")
+            key = ".".join([*parts[: at + 1], *parts[at + 2 :]])
+            stacks.setdefault(key, {})[int(parts[at + 1])] = tensor
+        else:
+            out.append((name, tensor))
+    for key, experts in stacks.items():
+        out.append((key, torch.stack([experts[i] for i in sorted(experts)])))
+    return out
 
 
 # llama.cpp's token type for a vocabulary slot no text maps to (its LLAMA_TOKEN_TYPE_UNUSED).

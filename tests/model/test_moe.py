@@ -180,3 +180,51 @@ def test_an_adapter_on_the_experts_is_refused_naming_the_tensor(
     with pytest.raises(LoRAAdapterError, match="mixture of experts") as refused:
         inspect_peft_adapter(on_an_expert, arch, 8)
     assert "experts.3.gate_proj" in str(refused.value)
+
+
+def test_a_llama_cpp_qwen3moe_gguf_converts_and_generates_transformers_tokens(
+    tmp_path: Path, tokenizer_source: Path, embedded_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file llama.cpp's converter writes of a Qwen3-MoE (every layer sparse, as llama.cpp
+    makes them; the router `ffn_gate_inp` float32; each projection's experts stacked in one
+    `ffn_*_exps` tensor) converts to the checkpoint's very tensors, and generates transformers'
+    tokens; stored Q8_0, it is served as its own Q8_0 (`--quantization auto`), router kept
+    float."""
+    from rankcast import LLM, SamplingParams
+    from rankcast.model.layers import ReplicatedLinear, layer_quantization
+    from rankcast.model_files.gguf_convert import native_quantization
+    from tests.model.family_models import (
+        assert_gguf_converts_to_the_checkpoint,
+        write_llama_cpp_gguf,
+    )
+
+    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = write_checkpoint(
+        tmp_path / "m",
+        "qwen3_moe",
+        tokenizer_source,
+        seed=13,
+        num_hidden_layers=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    )
+    gguf_path = write_llama_cpp_gguf(tmp_path / "moe.gguf", model_dir, embedded_gguf)
+    converted = assert_gguf_converts_to_the_checkpoint(gguf_path, model_dir)
+    config = json.loads((converted / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 4
+    want = reference_greedy_all(model_dir, PROMPTS[:1], 16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(str(gguf_path), dtype="float32", kv_cache_space_gib=0.05) as llm:
+        assert [llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids] == want
+
+    quantized = write_llama_cpp_gguf(
+        tmp_path / "moe-q8.gguf", model_dir, embedded_gguf, projections="Q8_0"
+    )
+    assert native_quantization(quantized) == "q8_0"
+    assert layer_quantization(ReplicatedLinear(4, 2), "q8_0") == "none"
+    with LLM(str(quantized), quantization="auto", kv_cache_space_gib=0.05) as llm:
+        out = llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids
+    assert len(out) == 16

@@ -394,6 +394,9 @@ class ParallelConfig:
     ray_placement: str = "pack"
     # `module:Class` mixed into every worker, so user code runs (and publishes) inside each rank.
     worker_extension_cls: str | None = None
+    # Mixtures of experts: each tensor-parallel rank holds whole experts, a contiguous share of
+    # them (vLLM's --enable-expert-parallel), instead of a slice of every expert.
+    enable_expert_parallel: bool = False
     # How each rank uses the CPU, settled at construction from RANKCAST_KERNELS,
     # RANKCAST_LINEAR_KERNEL, RANKCAST_NUM_THREADS and RANKCAST_CPU_BIND (rankcast/envs.py says
     # what each means): a bad

@@ -277,6 +277,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tensor-parallel-size", "tensor_parallel_size", "ranks each layer is split across"),
     Flag("--pipeline-parallel-size", "pipeline_parallel_size", "stages the layers are split into"),
     Flag(
+        "--enable-expert-parallel",
+        "enable_expert_parallel",
+        "mixtures of experts: each tensor-parallel rank holds whole experts (a contiguous share), "
+        "not a slice of every expert",
+    ),
+    Flag(
         "--data-parallel-size",
         "data_parallel_size",
         "engine cores, each with its own ranks; API servers balance requests between them",

@@ -141,11 +141,17 @@ class LlamaDecoderLayer(nn.Module):
     they join the stream: `post_attention_layernorm` is then that norm, and
     `pre_feedforward_layernorm` the one before the MLP."""
 
-    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup, layer: int) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        tp: TensorParallelGroup,
+        layer: int,
+        expert_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, tp, layer)
         self.mlp: LlamaMLP | SparseMoeBlock = (
-            SparseMoeBlock(arch, tp) if arch.is_moe(layer) else LlamaMLP(arch, tp)
+            SparseMoeBlock(arch, tp, expert_parallel) if arch.is_moe(layer) else LlamaMLP(arch, tp)
         )
         width, eps, offset = arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset
         self.input_layernorm = RMSNorm(width, eps, offset)
@@ -182,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
         arch: ArchConfig,
         tp: TensorParallelGroup | None = None,
         pp: PipelineStage | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.arch = arch
@@ -216,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleDict(
             {
-                str(i): LlamaDecoderLayer(arch, self.tp, i)
+                str(i): LlamaDecoderLayer(arch, self.tp, i, expert_parallel)
                 for i in range(self.start_layer, self.end_layer)
             }
         )

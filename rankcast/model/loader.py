@@ -54,6 +54,7 @@ def load_model(
     weight_snapshots: bool = False,
     linear_kernel: str = "auto",
     quantization: str = "none",
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """Construct this rank's slice of the model and load its shard of the weights.
 
@@ -64,7 +65,8 @@ def load_model(
     written in the background after loading where there is none. `linear_kernel` is the
     engine's RANKCAST_LINEAR_KERNEL: every linear takes the path `choose_linear_path` makes of
     it, whatever a snapshot holds (one of another path is not used). `quantization` (a
-    scheme of rankcast/model/quantization.py, or "none") quantizes the linears' weights."""
+    scheme of rankcast/model/quantization.py, or "none") quantizes the linears' weights.
+    `expert_parallel`: each tensor-parallel rank holds whole experts (rankcast/model/moe.py)."""
     path = choose_linear_path(dtype, device, linear_kernel, quantization=quantization)
     weights = f"{dtype}" if quantization == "none" else f"{dtype}, {quantization} weights"
     logger.info("%s linears run %s", weights, path.describe())
@@ -72,13 +74,13 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(arch, tp, pp)
+            model = LlamaForCausalLM(arch, tp, pp, expert_parallel)
     finally:
         torch.set_default_dtype(previous)
     snapshot = None
     if weight_snapshots and not keep_plain_weights:
         snapshot = WeightSnapshot.for_rank(
-            model_dir, dtype, device, tp, pp, path.kernel, quantization
+            model_dir, dtype, device, tp, pp, path.kernel, quantization, expert_parallel
         )
     if snapshot is not None and snapshot.restore(model):
         logger.info("weights mapped from %s", snapshot.path)

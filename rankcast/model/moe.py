@@ -11,7 +11,11 @@ same expert changes nothing in it.
 
 Under tensor parallelism every rank holds a slice of every expert (gate/up by output rows, down
 by input columns) and the whole router; the experts' partial sums are added on each rank and
-all-reduced once for the block, not once per expert.
+all-reduced once for the block, not once per expert. With expert parallelism (vLLM's
+--enable-expert-parallel) each rank holds whole experts instead, a contiguous share of them,
+and adds only its own experts' outputs (still in index order) before the same all-reduce: a
+token's result is then summed in another order than under slicing, but in one order whatever
+the batch.
 """
 
 from __future__ import annotations
@@ -45,13 +49,28 @@ class SparseMoeBlock(nn.Module):
     (`mlp.gate`, `mlp.experts.{i}.gate_proj/up_proj/down_proj`); Mixtral's names are mapped
     onto these at load."""
 
-    def __init__(self, arch: ArchConfig, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, arch: ArchConfig, tp: TensorParallelGroup, expert_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.top_k = arch.experts_per_token
         self.norm_topk_prob = arch.norm_topk_prob
         self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts)
-        self.experts = nn.ModuleList(Expert(arch, tp) for _ in range(arch.num_experts))
+        # This rank's experts by their index in the model (their checkpoint names): all of
+        # them, sliced, or with expert parallelism its share, whole.
+        held = range(arch.num_experts)
+        shard = tp
+        if expert_parallel and tp.size > 1:
+            if arch.num_experts % tp.size:
+                raise ValueError(
+                    f"--enable-expert-parallel: {arch.num_experts} experts do not divide "
+                    f"among {tp.size} tensor-parallel ranks"
+                )
+            share = arch.num_experts // tp.size
+            held = range(tp.rank * share, (tp.rank + 1) * share)
+            shard = TensorParallelGroup()  # a whole expert: one rank's
+        self.experts = nn.ModuleDict({str(i): Expert(arch, shard) for i in held})
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts (most likely first) and their weights, in the
@@ -70,7 +89,10 @@ class SparseMoeBlock(nn.Module):
         # Experts in index order, each on the tokens that chose it (a token takes an expert
         # at most once, so each index_add_ adds one row per token).
         for expert in torch.unique(chosen).tolist():
+            name = str(expert)
+            if name not in self.experts:
+                continue  # another rank's (expert parallelism)
             tokens, slot = torch.where(chosen == expert)
-            rows = self.experts[expert](hidden[tokens]) * weights[tokens, slot, None]
+            rows = self.experts[name](hidden[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, rows.to(out.dtype))
         return self.tp.all_reduce(out)

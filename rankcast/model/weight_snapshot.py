@@ -117,6 +117,7 @@ class WeightSnapshot:
         pp: PipelineStage | None,
         linear_kernel: str,
         quantization: str = "none",
+        expert_parallel: bool = False,
     ) -> WeightSnapshot | None:
         """This rank's snapshot location, or None where snapshots do not apply: the model's
         linears do not take rankcast's packed kernel (`linear_kernel`, the path chosen for
@@ -133,6 +134,8 @@ class WeightSnapshot:
         library = kernels.library_path()
         identity = checkpoint_identity(model_dir)
         layout = [str(dtype), quantization, tp.rank, tp.size, pp.rank, pp.size, str(library)]
+        if expert_parallel:  # whole experts per rank: another shard of the same checkpoint
+            layout.append("expert-parallel")
         key = json.dumps([SNAPSHOT_FORMAT, identity, layout])
         digest = hashlib.sha256(key.encode()).hexdigest()[:20]
         path = snapshot_dir() / f"{model_dir.name}-{digest}.safetensors"

@@ -155,6 +155,7 @@ class Worker:
             weight_snapshots=self.config.model.weight_snapshots,
             linear_kernel=self.config.parallel.linear_kernel,
             quantization=self.source.quantization(self.config.model.quantization),
+            expert_parallel=self.config.parallel.enable_expert_parallel,
         )
         grammars = GrammarMatchers(self.source.model_dir, arch.vocab_size, arch.eos_token_ids)
         self.runner = ModelRunner(

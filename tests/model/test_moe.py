@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -228,3 +229,48 @@ def test_a_llama_cpp_qwen3moe_gguf_converts_and_generates_transformers_tokens(
     with LLM(str(quantized), quantization="auto", kv_cache_space_gib=0.05) as llm:
         out = llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids
     assert len(out) == 16
+
+
+def test_expert_parallel_ranks_hold_whole_experts_and_answer_transformers_tokens(
+    qwen3_moe_dir: Path, qwen3_moe_reference: list[list[int]]
+) -> None:
+    """--enable-expert-parallel at TP=2: each rank holds 4 of the 8 experts whole (attention
+    still split by heads), and the answers are transformers' tokens."""
+    from rankcast import LLM, SamplingParams
+    from rankcast.distributed import TensorParallelGroup
+
+    arch = ArchConfig.from_model_dir(qwen3_moe_dir)
+    shares = []
+    for rank in range(2):
+        block = SparseMoeBlock(arch, TensorParallelGroup(rank=rank, size=2), expert_parallel=True)
+        shares.append(sorted(int(name) for name in block.experts))
+        whole = block.experts[str(shares[-1][0])].gate_up_proj.weight.shape
+        assert whole == (2 * arch.expert_intermediate_size, arch.hidden_size)
+    assert shares == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(
+        str(qwen3_moe_dir),
+        dtype="float32",
+        kv_cache_space_gib=0.05,
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        worker_extension_cls=f"{__name__}:ExpertsHeld",
+    ) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        held = llm.collective_rpc("experts_held")
+    assert got == qwen3_moe_reference
+    # Each rank's MoE layers (0 and 2) hold its share.
+    assert held == [[[0, 1, 2, 3]] * 2, [[4, 5, 6, 7]] * 2]
+
+
+class ExpertsHeld:
+    """Mixed into each rank: the experts its MoE layers hold."""
+
+    runner: Any
+
+    def experts_held(self) -> list[list[int]]:
+        return [
+            sorted(int(name) for name in layer.mlp.experts)
+            for layer in self.runner.model.decoder_layers()
+            if isinstance(layer.mlp, SparseMoeBlock)
+        ]

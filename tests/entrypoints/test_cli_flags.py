@@ -92,6 +92,7 @@ SERVE_EVERYTHING = (
     "--num-gpu-blocks-override=7",
     "--tensor-parallel-size=2",
     "--pipeline-parallel-size=2",
+    "--enable-expert-parallel",
     "--data-parallel-size=2",
     "--distributed-executor-backend=mp",
     "--ray-placement=strict-spread",

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from rankcast.api_server.chat_turn import (
     CallPiece,
@@ -27,11 +27,12 @@ from rankcast.api_server.chat_turn import (
     Piece,
     TextPiece,
     TurnReader,
+    as_chat_request,
     run_to_end,
     start_chat,
 )
 from rankcast.api_server.drain import ServerShuttingDownError
-from rankcast.api_server.errors import APIError, anthropic_error_body
+from rankcast.api_server.errors import anthropic_error_body
 from rankcast.api_server.schema import (
     ChatCompletionRequest,
     NonEmptyText,
@@ -117,10 +118,22 @@ class ToolDefinition(BaseModel):
     type: Literal["custom"] | None = None
 
 
-class ToolChoice(BaseModel):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
+class ToolChoiceKind(BaseModel):
+    """`auto` (the model decides), `any` (some tool must be called) or `none`."""
+
+    type: Literal["auto", "any", "none"]
     disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNamed(BaseModel):
+    """`tool`: this one must be called."""
+
+    type: Literal["tool"]
+    name: str = Field(min_length=1)
+    disable_parallel_tool_use: bool | None = None
+
+
+ToolChoice = Annotated[ToolChoiceKind | ToolChoiceNamed, Field(discriminator="type")]
 
 
 class Thinking(BaseModel):
@@ -222,17 +235,12 @@ def chat_body(body: CountTokensRequest, stream: bool = False) -> ChatCompletionR
             }
             for t in body.tools
         ]
-        choice = body.tool_choice.type if body.tool_choice is not None else "auto"
-        if choice == "tool":
-            assert body.tool_choice is not None
-            if not body.tool_choice.name:
-                raise APIError(400, "tool_choice type 'tool' needs name", "tool_choice.name")
-            fields["tool_choice"] = {
-                "type": "function",
-                "function": {"name": body.tool_choice.name},
-            }
+        choice = body.tool_choice
+        if isinstance(choice, ToolChoiceNamed):
+            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         else:
-            fields["tool_choice"] = {"any": "required"}.get(choice, choice)
+            kind = choice.type if choice is not None else "auto"
+            fields["tool_choice"] = {"any": "required"}.get(kind, kind)
     if body.thinking is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
     if isinstance(body, MessagesRequest):
@@ -248,13 +256,7 @@ def chat_body(body: CountTokensRequest, stream: bool = False) -> ChatCompletionR
         if fmt is not None:
             schema = {"name": "output", "schema": fmt.schema_}
             fields["response_format"] = {"type": "json_schema", "json_schema": schema}
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        message = str(first.get("msg")).removeprefix("Value error, ")
-        raise APIError(400, f"{where}: {message}", where or None) from None
+    return as_chat_request(fields)
 
 
 def count_tokens(ctx: ServingContext, body: CountTokensRequest) -> dict[str, int]:

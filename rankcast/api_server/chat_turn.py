@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
+from pydantic import ValidationError
 
+from rankcast.api_server.errors import APIError
 from rankcast.api_server.output_parsers import OutputParser, Parsed
 from rankcast.api_server.schema import ChatCompletionRequest
 from rankcast.api_server.serving import (
@@ -41,6 +44,19 @@ class ChatTurn:
     engine: int  # the data-parallel engine core the router chose
     tool_calls: ToolCallShape | None  # set when the request forces tool calls
     parser: OutputParser | None  # set when the server reads reasoning or the model's calls
+
+
+def as_chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat body another API was translated into, validated as `/v1/chat/completions`
+    validates its own; what it refuses is a 400 naming the chat field (the translating API
+    checked its own fields first, so this is rare: a bad tool schema, a template variable)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        raise APIError(400, f"{where}: {message}", where or None) from None
 
 
 async def run_to_end(turn: ChatTurn, request: Request) -> CompletionOutput | None:

@@ -26,7 +26,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -37,6 +36,7 @@ from rankcast.api_server.chat_turn import (
     Piece,
     TextPiece,
     TurnReader,
+    as_chat_request,
     run_to_end,
     start_chat,
 )
@@ -227,13 +227,7 @@ def chat_body(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComp
         fields["response_format"] = {"type": "json_schema", "json_schema": schema}
     elif fmt is not None and fmt.type == "json_object":
         fields["response_format"] = {"type": "json_object"}
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        message = str(first.get("msg")).removeprefix("Value error, ")
-        raise APIError(400, f"{where}: {message}", where or None) from None
+    return as_chat_request(fields)
 
 
 class _Ids:

@@ -38,6 +38,14 @@ use crate::logprobs;
 use crate::metrics::EngineMetrics;
 use crate::shape;
 
+// The newer chat-shaped APIs, each translated into one chat turn (their own modules).
+mod chat_turn;
+mod errors;
+mod messages;
+mod response_store;
+mod responses;
+mod validate;
+
 pub struct Server {
     pub engine: Engine,
     pub metrics: Arc<EngineMetrics>,
@@ -621,16 +629,16 @@ impl Server {
             return reply;
         }
         if let (Some(key), true) = (&self.api_key, path.starts_with("/v1")) {
-            let given = request
-                .headers()
-                .get("authorization")
-                .and_then(|v| v.to_str().ok());
-            if given != Some(format!("Bearer {key}").as_str()) {
-                return error(
+            // `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it.
+            let header = |name| request.headers().get(name).and_then(|v| v.to_str().ok());
+            let bearer = header("authorization") == Some(format!("Bearer {key}").as_str());
+            if !bearer && header("x-api-key") != Some(key.as_str()) {
+                let refusal = chat_turn::ApiError::new(
                     StatusCode::UNAUTHORIZED,
-                    "a valid API key is required",
+                    "Invalid or missing API key.",
                     None,
                 );
+                return errors::reply(&path, &refusal);
             }
         }
         match (request.method(), path.as_str()) {
@@ -722,6 +730,8 @@ impl Server {
             }
             (&Method::POST, "/v1/completions") => self.generate(request, false).await,
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
+            (_, path) if responses::serves(path) => responses::route(self, request).await,
+            (_, path) if messages::serves(path) => messages::route(self, request).await,
             _ => error(StatusCode::NOT_FOUND, &format!("no route {path}"), None),
         }
     }

@@ -250,6 +250,24 @@ pub struct ToolCall {
 /// `call_` and 24 random hex digits, as the Python servers' `uuid4().hex[:24]`.
 fn call_id() -> String {
     let mut bytes = [0u8; 12];
+    random_bytes(&mut bytes);
+    format!("call_{}", hex(&bytes))
+}
+
+/// `uuid.uuid4().hex`, as the Python servers make response and item ids (`resp_...`).
+pub fn uuid4_hex() -> String {
+    let mut bytes = [0u8; 16];
+    random_bytes(&mut bytes);
+    bytes[6] = (bytes[6] & 0x0f) | 0x40; // version 4
+    bytes[8] = (bytes[8] & 0x3f) | 0x80; // RFC 4122 variant
+    hex(&bytes)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn random_bytes(bytes: &mut [u8]) {
     // SAFETY: getrandom writes at most `bytes.len()` bytes into the buffer it is given.
     let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
     if got != bytes.len() as isize {
@@ -259,11 +277,12 @@ fn call_id() -> String {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-        bytes[..8].copy_from_slice(&(nanos ^ n.rotate_left(32)).to_le_bytes());
-        bytes[8..].copy_from_slice(&(std::process::id()).to_le_bytes());
+        let seed = (nanos ^ n.rotate_left(32)).to_le_bytes();
+        let pid = std::process::id().to_le_bytes();
+        for (i, byte) in bytes.iter_mut().enumerate() {
+            *byte = seed[i % 8] ^ pid[i % 4].rotate_left(i as u32);
+        }
     }
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    format!("call_{hex}")
 }
 
 /// The call a `<tool_call>` block's text holds: a JSON object with a string `name` and an

@@ -13,7 +13,8 @@
 //!
 //! Strings are escaped as all three Python encoders escape them (`\"`, `\\`, `\b\f\n\r\t`,
 //! other control characters as `\u00xx`, everything else as it is), which is serde_json's
-//! escaping too.
+//! escaping too; `Json::dumps_ascii` as `json.dumps` does by default (beyond ASCII as `\uxxxx`).
+//! `Json::repr` is Python's `repr` of the value, as error messages quote what a client sent.
 
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -23,6 +24,8 @@ struct Style {
     comma: &'static str,
     colon: &'static str,
     msgspec: bool,
+    /// `ensure_ascii=True`: every character beyond printable ASCII as a `\u` escape.
+    ascii: bool,
 }
 
 impl Style {
@@ -30,16 +33,25 @@ impl Style {
         comma: ", ",
         colon: ": ",
         msgspec: false,
+        ascii: false,
+    };
+    const DUMPS_ASCII: Style = Style {
+        comma: ", ",
+        colon: ": ",
+        msgspec: false,
+        ascii: true,
     };
     const RESPONSE: Style = Style {
         comma: ",",
         colon: ":",
         msgspec: false,
+        ascii: false,
     };
     const EVENT: Style = Style {
         comma: ",",
         colon: ":",
         msgspec: true,
+        ascii: false,
     };
 }
 
@@ -84,6 +96,12 @@ impl Json {
         self.text(&Style::DUMPS)
     }
 
+    /// `json.dumps(self)`: Python's default, with `ensure_ascii` (what the Python servers write
+    /// a forced tool call's arguments with).
+    pub fn dumps_ascii(&self) -> String {
+        self.text(&Style::DUMPS_ASCII)
+    }
+
     /// A whole response as the Python servers write one (`JSONResponse`: `json.dumps` with
     /// `separators=(",", ":")`).
     pub fn response(&self) -> String {
@@ -99,6 +117,31 @@ impl Json {
         let mut out = String::new();
         self.write(&mut out, style);
         out
+    }
+
+    /// Python's `repr` of the value `json.loads` gives (`None`, `True`, `'text'`, `[1, 2.5]`,
+    /// `{'a': 1}`).
+    pub fn repr(&self) -> String {
+        match self {
+            Json::Null => "None".into(),
+            Json::Bool(b) => if *b { "True" } else { "False" }.into(),
+            Json::Int(digits) => digits.clone(),
+            Json::Float(x) if x.is_nan() => "nan".into(),
+            Json::Float(x) if x.is_infinite() => if *x > 0.0 { "inf" } else { "-inf" }.into(),
+            Json::Float(x) => float_repr(*x),
+            Json::Str(s) => str_repr(s),
+            Json::Array(items) => {
+                let items: Vec<String> = items.iter().map(Json::repr).collect();
+                format!("[{}]", items.join(", "))
+            }
+            Json::Object(fields) => {
+                let fields: Vec<String> = fields
+                    .iter()
+                    .map(|(key, value)| format!("{}: {}", str_repr(key), value.repr()))
+                    .collect();
+                format!("{{{}}}", fields.join(", "))
+            }
+        }
     }
 
     pub fn is_null(&self) -> bool {
@@ -118,6 +161,7 @@ impl Json {
             comma,
             colon,
             msgspec,
+            ascii,
         } = *style;
         match self {
             Json::Null => out.push_str("null"),
@@ -125,7 +169,7 @@ impl Json {
             Json::Int(digits) => out.push_str(digits),
             Json::Float(x) if msgspec => out.push_str(&float_msgspec(*x)),
             Json::Float(x) => out.push_str(&float_repr(*x)),
-            Json::Str(s) => write_str(out, s),
+            Json::Str(s) => write_str(out, s, ascii),
             Json::Array(items) => {
                 out.push('[');
                 for (i, item) in items.iter().enumerate() {
@@ -142,7 +186,7 @@ impl Json {
                     if i > 0 {
                         out.push_str(comma);
                     }
-                    write_str(out, key);
+                    write_str(out, key, ascii);
                     out.push_str(colon);
                     value.write(out, style);
                 }
@@ -207,7 +251,7 @@ macro_rules! object {
     };
 }
 
-fn write_str(out: &mut String, s: &str) {
+fn write_str(out: &mut String, s: &str, ascii: bool) {
     out.push('"');
     for c in s.chars() {
         match c {
@@ -218,13 +262,80 @@ fn write_str(out: &mut String, s: &str) {
             '\t' => out.push_str("\\t"),
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
+            c if (c as u32) < 0x20 || (ascii && !(' '..='~').contains(&c)) => {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{unit:04x}");
+                }
             }
             c => out.push(c),
         }
     }
     out.push('"');
+}
+
+/// Python's `repr` of a string: in single quotes unless it holds one and no double quote,
+/// backslashes, the quote and control characters escaped, and what Python deems unprintable
+/// (separators, format characters; the common ones, not the whole Unicode table) as `\x`,
+/// `\u` or `\U` escapes.
+pub fn str_repr(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::from(quote);
+    for c in s.chars() {
+        let code = c as u32;
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            _ if code < 0x20 || code == 0x7f || !printable(code) => {
+                let _ = match code {
+                    0..=0xff => write!(out, "\\x{code:02x}"),
+                    0x100..=0xffff => write!(out, "\\u{code:04x}"),
+                    _ => write!(out, "\\U{code:08x}"),
+                };
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+    out
+}
+
+/// Whether Python's `str.isprintable` holds for a character beyond ASCII's controls: not a
+/// separator other than the space, nor a control, format, surrogate or private-use character
+/// (the ranges clients' text meets; unassigned code points are taken as printable).
+fn printable(code: u32) -> bool {
+    !matches!(
+        code,
+        0x80..=0xa0
+            | 0xad
+            | 0x600..=0x605
+            | 0x61c
+            | 0x6dd
+            | 0x70f
+            | 0x1680
+            | 0x180e
+            | 0x2000..=0x200f
+            | 0x2028..=0x202f
+            | 0x205f..=0x2064
+            | 0x2066..=0x206f
+            | 0x3000
+            | 0xd800..=0xf8ff
+            | 0xfeff
+            | 0xfff9..=0xfffb
+            | 0xe0001
+            | 0xe0020..=0xe007f
+            | 0xf0000..=0x10ffff
+    )
 }
 
 /// The shortest digits that read back as finite `x`, its sign, and where the decimal point

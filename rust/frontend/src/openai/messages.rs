@@ -1,0 +1,602 @@
+//! Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), as the
+//! Python servers answer it (`rankcast/api_server/anthropic_messages.py`), to the byte where
+//! the content is the same.
+//!
+//! A Messages request is translated into the chat body of the same conversation (system prompt
+//! first, `tool_use` blocks as the assistant's tool calls, `tool_result` blocks as tool
+//! messages, `tools` as function tools, `tool_choice` any/tool as forced calls), run as one
+//! chat turn (`chat_turn.rs`), and answered in Anthropic's shapes: a message with content
+//! blocks, or its event stream (`message_start`, `content_block_start`, deltas,
+//! `content_block_stop`, `message_delta`, `message_stop`). Errors are Anthropic's too
+//! (`errors.rs`).
+
+use std::sync::Arc;
+
+use hyper::body::Bytes;
+use hyper::{Body, Method, Request, Response, StatusCode};
+use rankcast_frontend::object;
+use rankcast_frontend::output_parsers::{uuid4_hex, ToolCall};
+use rankcast_frontend::pyjson::{str_repr, Json};
+
+use super::chat_turn::{
+    ApiError, ChatBody, ChatMessage, ChatTurn, Finish, FunctionTool, OutputFormat, Piece, TextKind,
+    ToolChoice, TurnFailure, TurnOutputs, TurnReader,
+};
+use super::errors::{self, anthropic_error_body};
+use super::validate::{
+    self, bool_field, defaulted, float_field, given, integer_field, optional, required, string,
+    Field, Ty, INT_MAX, TOOL_NAME,
+};
+use super::{text_reply, Reply, Server};
+
+const CONTENT_BLOCK: &[Field] = &[
+    required("type", Ty::Str),
+    optional("text", Ty::Str),
+    optional("id", Ty::Str),
+    optional("name", Ty::Str),
+    optional("input", Ty::Dict),
+    optional("tool_use_id", Ty::Str),
+    optional(
+        "content",
+        Ty::Union(&[
+            ("str", Ty::Str),
+            ("list[dict[str,any]]", Ty::List(&Ty::Dict, 0)),
+        ]),
+    ),
+    optional("is_error", Ty::Bool),
+    optional("thinking", Ty::Str),
+];
+
+const BLOCKS: Ty = Ty::List(&Ty::Model(CONTENT_BLOCK), 0);
+
+const INPUT_MESSAGE: &[Field] = &[
+    required("role", Ty::Literal(&["user", "assistant"])),
+    required(
+        "content",
+        Ty::Union(&[("str", Ty::Str), ("list[ContentBlock]", BLOCKS)]),
+    ),
+];
+
+const TOOL_DEFINITION: &[Field] = &[
+    required("name", TOOL_NAME),
+    optional("description", Ty::Str),
+    required("input_schema", Ty::Dict),
+    optional("type", Ty::Literal(&["custom"])),
+];
+
+const TOOL_CHOICE: &[Field] = &[
+    required("type", Ty::Literal(&["auto", "any", "tool", "none"])),
+    optional("name", Ty::Str),
+    optional("disable_parallel_tool_use", Ty::Bool),
+];
+
+const THINKING: &[Field] = &[
+    required("type", Ty::Literal(&["enabled", "disabled", "adaptive"])),
+    optional("budget_tokens", Ty::Int { ge: None, le: None }),
+];
+
+const JSON_OUTPUT_FORMAT: &[Field] = &[
+    required("type", Ty::Literal(&["json_schema"])),
+    required("schema", Ty::Dict),
+];
+
+const OUTPUT_CONFIG: &[Field] = &[optional("format", Ty::Model(JSON_OUTPUT_FORMAT))];
+
+/// `CountTokensRequest`'s fields (the conversation), which `MessagesRequest` starts with.
+const COUNT_TOKENS: &[Field] = &[
+    optional("model", Ty::Str),
+    required("messages", Ty::List(&Ty::Model(INPUT_MESSAGE), 1)),
+    optional(
+        "system",
+        Ty::Union(&[("str", Ty::Str), ("list[ContentBlock]", BLOCKS)]),
+    ),
+    optional("tools", Ty::List(&Ty::Model(TOOL_DEFINITION), 0)),
+    optional("tool_choice", Ty::Model(TOOL_CHOICE)),
+    optional("thinking", Ty::Model(THINKING)),
+];
+
+/// What `MessagesRequest` adds: the output and its sampling.
+const MESSAGES: &[Field] = &[
+    required(
+        "max_tokens",
+        Ty::Int {
+            ge: Some(1),
+            le: Some(INT_MAX),
+        },
+    ),
+    optional("stop_sequences", Ty::List(&Ty::Str, 0)),
+    optional(
+        "temperature",
+        Ty::Float {
+            ge: Some(0.0),
+            gt: None,
+            le: Some(1.0),
+        },
+    ),
+    optional(
+        "top_p",
+        Ty::Float {
+            ge: None,
+            gt: Some(0.0),
+            le: Some(1.0),
+        },
+    ),
+    optional(
+        "top_k",
+        Ty::Int {
+            ge: Some(0),
+            le: Some(INT_MAX),
+        },
+    ),
+    defaulted("stream", Ty::Bool),
+    optional("metadata", Ty::Dict),
+    optional("output_config", Ty::Model(OUTPUT_CONFIG)),
+];
+
+/// Whether `path` is one of this module's routes.
+pub fn serves(path: &str) -> bool {
+    path == "/v1/messages" || path == "/v1/messages/count_tokens"
+}
+
+pub async fn route(server: Arc<Server>, request: Request<Body>) -> Reply {
+    let path = request.uri().path().to_string();
+    let answer = match (request.method(), path.as_str()) {
+        _ if !server.engine.alive() => Err(ApiError::engine_down()),
+        (&Method::POST, "/v1/messages") => create(server, request).await,
+        (&Method::POST, _) => count_tokens(&server, request).await,
+        _ => Err(ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "Method Not Allowed",
+            None,
+        )),
+    };
+    answer.unwrap_or_else(|error| errors::reply(&path, &error))
+}
+
+/// The text of a string or of text blocks; any other block there is refused.
+fn text_of(blocks: Option<&Json>, at: &str) -> Result<String, ApiError> {
+    let blocks = match blocks {
+        None | Some(Json::Null) => return Ok(String::new()),
+        Some(Json::Str(text)) => return Ok(text.clone()),
+        Some(Json::Array(blocks)) => blocks,
+        Some(_) => return Ok(String::new()),
+    };
+    let mut text = String::new();
+    for (i, block) in blocks.iter().enumerate() {
+        let kind = block.get("type").unwrap_or(&Json::Null);
+        match (kind, block.get("text")) {
+            (Json::Str(k), Some(Json::Str(part))) if k == "text" => text.push_str(part),
+            _ => {
+                return Err(ApiError::bad(
+                    format!(
+                        "content block type {} is not supported here (text blocks only)",
+                        kind.repr()
+                    ),
+                    Some(&format!("{at}.{i}")),
+                ))
+            }
+        }
+    }
+    Ok(text)
+}
+
+/// The conversation as chat messages, in order.
+fn chat_messages(body: &Json) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut messages = Vec::new();
+    let system = text_of(body.get("system"), "system")?;
+    if !system.is_empty() {
+        messages.push(ChatMessage::new("system", system));
+    }
+    let Some(Json::Array(given_messages)) = body.get("messages") else {
+        return Ok(messages);
+    };
+    for (m, message) in given_messages.iter().enumerate() {
+        let at = format!("messages.{m}.content");
+        let role = string(message, "role").unwrap_or_default();
+        let blocks = match message.get("content") {
+            Some(Json::Str(text)) => {
+                messages.push(ChatMessage::new(&role, text.as_str()));
+                continue;
+            }
+            Some(Json::Array(blocks)) => blocks,
+            _ => continue,
+        };
+        let mut texts = String::new();
+        let mut calls = Vec::new();
+        for (b, block) in blocks.iter().enumerate() {
+            let kind = string(block, "type").unwrap_or_default();
+            match (kind.as_str(), role.as_str()) {
+                ("text", _) => texts.push_str(&string(block, "text").unwrap_or_default()),
+                ("tool_use", "assistant") => {
+                    let (Some(id), Some(name)) = (string(block, "id"), string(block, "name"))
+                    else {
+                        return Err(ApiError::bad(
+                            "a tool_use block needs id and name",
+                            Some(&format!("{at}.{b}")),
+                        ));
+                    };
+                    let input = match given(block, "input") {
+                        Some(Json::Object(fields)) if !fields.is_empty() => {
+                            Json::Object(fields.clone())
+                        }
+                        _ => object![],
+                    };
+                    calls.push(object![
+                        ("id", id),
+                        ("type", "function"),
+                        (
+                            "function",
+                            object![("name", name), ("arguments", input.dumps_ascii())]
+                        ),
+                    ]);
+                }
+                ("tool_result", "user") => {
+                    let Some(call_id) = string(block, "tool_use_id") else {
+                        return Err(ApiError::bad(
+                            "a tool_result block needs tool_use_id",
+                            Some(&format!("{at}.{b}")),
+                        ));
+                    };
+                    let result = text_of(block.get("content"), &format!("{at}.{b}.content"))?;
+                    let mut tool = ChatMessage::new("tool", result);
+                    tool.extra
+                        .push(("tool_call_id".into(), Json::from(call_id)));
+                    messages.push(tool);
+                }
+                // Earlier reasoning is not given back to the model, as templates do.
+                ("thinking" | "redacted_thinking", "assistant") => {}
+                _ => {
+                    return Err(ApiError::bad(
+                        format!(
+                            "content block type {} is not supported in a {role} message",
+                            str_repr(&kind)
+                        ),
+                        Some(&format!("{at}.{b}")),
+                    ))
+                }
+            }
+        }
+        if !texts.is_empty() || !calls.is_empty() || role == "assistant" {
+            let mut entry = ChatMessage::new(&role, texts);
+            if !calls.is_empty() {
+                entry.extra.push(("tool_calls".into(), Json::Array(calls)));
+            }
+            messages.push(entry);
+        }
+    }
+    Ok(messages)
+}
+
+/// The chat body of the same conversation and sampling (`with_sampling`: a Messages request's
+/// own fields; a count_tokens request has none).
+fn chat_body(body: &Json, with_sampling: bool) -> Result<ChatBody, ApiError> {
+    let mut chat = ChatBody {
+        model: string(body, "model"),
+        messages: chat_messages(body)?,
+        ..ChatBody::default()
+    };
+    if let Some(Json::Array(tools)) = given(body, "tools") {
+        chat.tools = tools
+            .iter()
+            .map(|tool| FunctionTool {
+                name: string(tool, "name").unwrap_or_default(),
+                parameters: given(tool, "input_schema").cloned(),
+            })
+            .collect();
+        let choice = given(body, "tool_choice");
+        let kind = choice.and_then(|c| string(c, "type"));
+        chat.tool_choice = Some(match kind.as_deref().unwrap_or("auto") {
+            "tool" => {
+                let name = choice.and_then(|c| string(c, "name")).unwrap_or_default();
+                if name.is_empty() {
+                    return Err(ApiError::bad(
+                        "tool_choice type 'tool' needs name",
+                        Some("tool_choice.name"),
+                    ));
+                }
+                ToolChoice::Named(name)
+            }
+            "any" => ToolChoice::Required,
+            "none" => ToolChoice::None,
+            _ => ToolChoice::Auto,
+        });
+    }
+    if with_sampling {
+        chat.max_tokens = integer_field(body, "max_tokens");
+        chat.temperature = float_field(body, "temperature");
+        chat.top_p = float_field(body, "top_p");
+        chat.top_k = integer_field(body, "top_k");
+        if let Some(Json::Array(stops)) = given(body, "stop_sequences") {
+            chat.stop = stops
+                .iter()
+                .filter_map(|s| match s {
+                    Json::Str(s) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect();
+        }
+        let format = given(body, "output_config").and_then(|c| given(c, "format"));
+        if let Some(schema) = format.and_then(|f| given(f, "schema")) {
+            chat.response_format = Some(OutputFormat::JsonSchema {
+                name: "output".into(),
+                schema: schema.clone(),
+            });
+        }
+    }
+    Ok(chat)
+}
+
+async fn count_tokens(server: &Server, request: Request<Body>) -> Result<Reply, ApiError> {
+    let body = validate::body_of(request).await?;
+    let body = validate::model(&[COUNT_TOKENS], &body)?;
+    server.check_model(string(&body, "model").as_deref())?;
+    let chat = chat_body(&body, false)?;
+    chat.check()?;
+    let (_, prompt_ids) = server.chat_prompt(&chat.messages)?;
+    let answer = object![("input_tokens", prompt_ids.len())];
+    Ok(text_reply(StatusCode::OK, answer.response()))
+}
+
+/// Anthropic's stop_reason and stop_sequence for a finished output.
+fn stop(finish: &Finish, calls: usize) -> (&'static str, Json) {
+    if calls > 0 {
+        return ("tool_use", Json::Null);
+    }
+    if finish.reason == "length" {
+        return ("max_tokens", Json::Null);
+    }
+    match &finish.stop_string {
+        Some(stop) => ("stop_sequence", Json::from(stop.as_str())),
+        None => ("end_turn", Json::Null),
+    }
+}
+
+/// A call's arguments as the object Anthropic's `input` is (the JSON a grammar or the parser
+/// checked; anything else is kept whole under `arguments`).
+fn input(call: &ToolCall) -> Json {
+    match Json::parse(&call.arguments) {
+        None => object![("arguments", call.arguments.as_str())],
+        Some(value @ Json::Object(_)) => value,
+        Some(value) => object![("arguments", value)],
+    }
+}
+
+fn block(piece: &Piece) -> Json {
+    match piece {
+        Piece::Call(call) => object![
+            ("type", "tool_use"),
+            ("id", call.id.as_str()),
+            ("name", call.name.as_str()),
+            ("input", input(call)),
+        ],
+        Piece::Text(TextKind::Reasoning, text) => object![
+            ("type", "thinking"),
+            ("thinking", text.as_str()),
+            ("signature", ""),
+        ],
+        Piece::Text(TextKind::Content, text) => object![("type", "text"), ("text", text.as_str())],
+    }
+}
+
+fn message(turn: &ChatTurn, usage: Json) -> Json {
+    object![
+        ("id", turn.request_id.as_str()),
+        ("type", "message"),
+        ("role", "assistant"),
+        ("model", turn.model.as_str()),
+        ("content", Vec::<Json>::new()),
+        ("stop_reason", Json::Null),
+        ("stop_sequence", Json::Null),
+        ("usage", usage),
+    ]
+}
+
+/// `message` with its content, stop reason and stop sequence set.
+fn finished(message: Json, content: Vec<Json>, stop_reason: &str, stop_sequence: Json) -> Json {
+    let Json::Object(fields) = message else {
+        unreachable!("a message is an object")
+    };
+    let mut content = Some(Json::Array(content));
+    let mut stop_sequence = Some(stop_sequence);
+    Json::Object(
+        fields
+            .into_iter()
+            .map(|(key, value)| {
+                let value = match key.as_str() {
+                    "content" => content.take().unwrap_or(value),
+                    "stop_reason" => Json::from(stop_reason),
+                    "stop_sequence" => stop_sequence.take().unwrap_or(value),
+                    _ => value,
+                };
+                (key, value)
+            })
+            .collect(),
+    )
+}
+
+async fn create(server: Arc<Server>, request: Request<Body>) -> Result<Reply, ApiError> {
+    let body = validate::body_of(request).await?;
+    let body = validate::model(&[COUNT_TOKENS, MESSAGES], &body)?;
+    let stream = bool_field(&body, "stream").unwrap_or(false);
+    let chat = chat_body(&body, true)?;
+    let mut turn = server.start_chat(&chat, format!("msg_{}", uuid4_hex()))?;
+    let engine = turn.engine;
+    if stream {
+        let (sender, body) = Body::channel();
+        tokio::spawn(events(server, turn, sender));
+        return Ok(Response::builder()
+            .header("content-type", "text/event-stream; charset=utf-8")
+            .header("x-rankcast-engine", engine)
+            .body(body)
+            .expect("a response"));
+    }
+    let mut reader = TurnReader::new(&mut turn);
+    let mut outputs = TurnOutputs::new(&server, turn);
+    let finish = outputs.finish().await?;
+    let pieces = reader.whole(&finish);
+    let (stop_reason, stop_sequence) = stop(&finish, reader.calls);
+    let turn = &outputs.turn;
+    let usage = object![
+        ("input_tokens", turn.prompt_tokens),
+        ("output_tokens", finish.tokens),
+    ];
+    let content = pieces.iter().map(block).collect();
+    let answer = finished(message(turn, usage), content, stop_reason, stop_sequence);
+    let mut reply = text_reply(StatusCode::OK, answer.response());
+    reply.headers_mut().insert(
+        "x-rankcast-engine",
+        hyper::header::HeaderValue::from(engine),
+    );
+    Ok(reply)
+}
+
+fn event(kind: &str, payload: Vec<(&str, Json)>) -> String {
+    let mut fields = vec![("type".to_string(), Json::from(kind))];
+    for (key, value) in payload {
+        match fields.iter_mut().find(|(k, _)| k == key) {
+            Some(field) => field.1 = value,
+            None => fields.push((key.to_string(), value)),
+        }
+    }
+    format!("event: {kind}\ndata: {}\n\n", Json::Object(fields).event())
+}
+
+/// Anthropic's event sequence: a block is opened by its first piece and closed when a piece of
+/// another kind (or the end) comes; a tool call is one block, opened with its name and given
+/// its arguments in one `input_json_delta`.
+struct MessageEvents {
+    index: i64,
+    open: Option<TextKind>,
+}
+
+impl MessageEvents {
+    fn close(&mut self) -> String {
+        if self.open.take().is_none() {
+            return String::new();
+        }
+        event(
+            "content_block_stop",
+            vec![("index", Json::from(self.index))],
+        )
+    }
+
+    fn emit(&mut self, piece: &Piece) -> String {
+        let mut out = String::new();
+        let (kind, text) = match piece {
+            Piece::Call(call) => {
+                out += &self.close();
+                self.index += 1;
+                let index = Json::from(self.index);
+                let block = object![
+                    ("type", "tool_use"),
+                    ("id", call.id.as_str()),
+                    ("name", call.name.as_str()),
+                    ("input", object![]),
+                ];
+                out += &event(
+                    "content_block_start",
+                    vec![("index", index.clone()), ("content_block", block)],
+                );
+                let delta = object![
+                    ("type", "input_json_delta"),
+                    ("partial_json", call.arguments.as_str()),
+                ];
+                out += &event(
+                    "content_block_delta",
+                    vec![("index", index.clone()), ("delta", delta)],
+                );
+                return out + &event("content_block_stop", vec![("index", index)]);
+            }
+            Piece::Text(kind, text) => (*kind, text.as_str()),
+        };
+        if self.open != Some(kind) {
+            out += &self.close();
+            self.index += 1;
+            self.open = Some(kind);
+            let start = match kind {
+                TextKind::Reasoning => {
+                    object![("type", "thinking"), ("thinking", ""), ("signature", ""),]
+                }
+                TextKind::Content => object![("type", "text"), ("text", "")],
+            };
+            out += &event(
+                "content_block_start",
+                vec![("index", Json::from(self.index)), ("content_block", start)],
+            );
+        }
+        let delta = match kind {
+            TextKind::Reasoning => object![("type", "thinking_delta"), ("thinking", text)],
+            TextKind::Content => object![("type", "text_delta"), ("text", text)],
+        };
+        out + &event(
+            "content_block_delta",
+            vec![("index", Json::from(self.index)), ("delta", delta)],
+        )
+    }
+}
+
+async fn events(server: Arc<Server>, mut turn: ChatTurn, mut sender: hyper::body::Sender) {
+    let usage = object![
+        ("input_tokens", turn.prompt_tokens),
+        ("output_tokens", 0u64)
+    ];
+    let start = event("message_start", vec![("message", message(&turn, usage))]);
+    if sender.send_data(Bytes::from(start)).await.is_err() {
+        server.engine.abort(&turn.request_id);
+        return;
+    }
+    let mut reader = TurnReader::new(&mut turn);
+    let mut outputs = TurnOutputs::new(&server, turn);
+    let mut state = MessageEvents {
+        index: -1,
+        open: None,
+    };
+    loop {
+        let (delta, finish) = match outputs.next().await {
+            Ok(step) => step,
+            Err(failure) => {
+                let (status, why) = match failure {
+                    TurnFailure::Rejected(why) => (StatusCode::BAD_REQUEST, why),
+                    TurnFailure::EngineDead(why) | TurnFailure::Shutdown(why) => {
+                        (StatusCode::SERVICE_UNAVAILABLE, why)
+                    }
+                };
+                let body = anthropic_error_body(status, &why);
+                let Json::Object(fields) = body else {
+                    unreachable!("an error body is an object")
+                };
+                let payload = fields
+                    .iter()
+                    .map(|(key, value)| (key.as_str(), value.clone()))
+                    .collect();
+                let out = state.close() + &event("error", payload);
+                let _ = sender.send_data(Bytes::from(out)).await;
+                return;
+            }
+        };
+        let mut out = String::new();
+        for piece in reader.feed(&delta, finish.as_ref()) {
+            out += &state.emit(&piece);
+        }
+        if let Some(finish) = finish {
+            let (stop_reason, stop_sequence) = stop(&finish, reader.calls);
+            if state.index < 0 {
+                // No output at all: one empty text block, as Anthropic's answers have.
+                out += &state.emit(&Piece::Text(TextKind::Content, String::new()));
+            }
+            out += &state.close();
+            let delta = object![
+                ("stop_reason", stop_reason),
+                ("stop_sequence", stop_sequence)
+            ];
+            let usage = object![("output_tokens", finish.tokens)];
+            out += &event("message_delta", vec![("delta", delta), ("usage", usage)]);
+            out += &event("message_stop", Vec::new());
+            let _ = sender.send_data(Bytes::from(out)).await;
+            return;
+        }
+        if !out.is_empty() && sender.send_data(Bytes::from(out)).await.is_err() {
+            return; // the client left: dropping the outputs aborts the request
+        }
+    }
+}

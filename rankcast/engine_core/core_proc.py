@@ -32,7 +32,13 @@ from rankcast.executor.base import ExecutorError, RankLostError
 from rankcast.logger import init_logging
 from rankcast.model_files.source import ModelSource
 from rankcast.process import die_with_parent, set_process_title
-from rankcast.protocol import EngineCoreInput, EngineCoreOutputs, EngineReady
+from rankcast.protocol import (
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineReady,
+    FinishReason,
+)
 from rankcast.start_up_holds import hold_here
 from rankcast.startup_gc import collector_paused, freeze_startup_heap
 
@@ -115,14 +121,26 @@ class EngineCoreProc:
                 try:
                     message = decoder.decode(frame.buffer)
                 except msgspec.DecodeError as exc:
-                    logger.error(
-                        "dropping undecodable message from client %d: %s", index_of[sock], exc
-                    )
+                    self._refuse_undecodable(index_of[sock], frame.buffer, exc)
                     continue
                 self.inputs.put((index_of[sock], message))
         # Told to stop (SIGTERM sets `stopping` from a signal handler, which must not touch the
         # queue's lock itself): wake an idle busy loop now rather than at its next idle timeout.
         self.inputs.put((-1, _WAKE))
+
+    def _refuse_undecodable(self, client: int, frame: Any, exc: msgspec.DecodeError) -> None:
+        """A request the engine cannot decode is answered with why, not dropped: its client
+        would wait for it forever. A client that cannot check a request fully itself (the Rust
+        API server cannot build a JSON schema's grammar; the schema's check runs here, when
+        the request is decoded) hears it this way."""
+        logger.error("undecodable message from client %d: %s", client, exc)
+        try:
+            raw = msgspec.msgpack.decode(frame)
+        except msgspec.DecodeError:
+            return
+        if isinstance(raw, list) and len(raw) > 1 and raw[0] == "add" and isinstance(raw[1], str):
+            refused = EngineCoreOutput(raw[1], [], finish_reason=FinishReason.ABORT, error=str(exc))
+            self.outputs.put((client, EngineCoreOutputs(self.engine_index, outputs=[refused])))
 
     def _output_thread(self) -> None:
         os.sched_setaffinity(0, self.io_cpus)

@@ -64,7 +64,7 @@ impl ApiError {
 impl From<TurnFailure> for ApiError {
     fn from(failure: TurnFailure) -> ApiError {
         match failure {
-            TurnFailure::Rejected(why) => ApiError::bad(why, None),
+            TurnFailure::Rejected(why, field) => ApiError::bad(why, field),
             TurnFailure::EngineDead(why) => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("The engine core is not running: {why}"),
@@ -253,11 +253,8 @@ fn parameters(tool: &FunctionTool) -> Json {
 
 /// The output shape the body asks for, and for forced tool calls how to read them back
 /// (structured.py's `requested_shape`); `hermes`: this server reads the calls a model writes.
-fn requested_shape(
-    body: &ChatBody,
-    hermes: bool,
-) -> Result<(Option<StructuredOutputs>, Option<ToolCallShape>), ApiError> {
-    let mut asked: Vec<(&str, Json)> = Vec::new();
+fn requested_shape(body: &ChatBody, hermes: bool) -> Result<Shape, ApiError> {
+    let mut asked: Vec<(&'static str, Json)> = Vec::new();
     match &body.response_format {
         Some(OutputFormat::JsonSchema { schema, .. }) => {
             asked.push(("response_format", schema.clone()));
@@ -335,7 +332,7 @@ fn requested_shape(
         ));
     }
     let Some((field, schema)) = asked.pop() else {
-        return Ok((None, None));
+        return Ok((None, None, None));
     };
     if !matches!(schema, Json::Object(_)) {
         return Err(ApiError::bad(
@@ -359,8 +356,16 @@ fn requested_shape(
             grammar: None,
         },
     };
-    Ok((Some(structured), forced))
+    Ok((Some(structured), forced, Some(field)))
 }
+
+/// The grammar a request's output follows, how forced tool calls are read back, and the field
+/// that asked for them.
+type Shape = (
+    Option<StructuredOutputs>,
+    Option<ToolCallShape>,
+    Option<&'static str>,
+);
 
 /// A JSON value as the wire carries it (a schema is a msgpack map, as Python's dict is).
 fn to_wire(value: &Json) -> Value {
@@ -392,6 +397,8 @@ pub struct ChatTurn {
     /// The engine core serving it (the `x-rankcast-engine` header).
     pub engine: i64,
     forced: Option<ToolCallShape>,
+    /// The field that gave the output's shape (`response_format`, `tools`), if one did.
+    shape: Option<&'static str>,
     parsing: Option<Parsing>,
     stops: Vec<String>,
     events: UnboundedReceiver<Event>,
@@ -450,7 +457,7 @@ impl Server {
     ) -> Result<ChatTurn, ApiError> {
         body.check()?;
         let lora_name = self.check_model(body.model.as_deref())?;
-        let (structured, forced) = requested_shape(body, self.parsers.hermes_tools)?;
+        let (structured, forced, shape) = requested_shape(body, self.parsers.hermes_tools)?;
         let (prompt, prompt_ids) = self.chat_prompt(&body.messages)?;
         let parsing = Parsing::new(
             Parsers {
@@ -516,6 +523,7 @@ impl Server {
             prompt_tokens: prompt_ids.len(),
             engine: self.engine_index,
             forced,
+            shape,
             parsing,
             stops: body.stop.clone(),
             events,
@@ -527,13 +535,17 @@ impl Server {
 
 /// Why a turn ended without its finish reason.
 pub enum TurnFailure {
-    /// The engine refused the request (Python's `RequestRejectedError`).
-    Rejected(String),
+    /// The engine refused the request (Python's `RequestRejectedError`), and the field that
+    /// made it refuse, when one did.
+    Rejected(String, Option<&'static str>),
     /// The engine core died.
     EngineDead(String),
     /// This server is shutting down and its grace period is over.
     Shutdown(String),
 }
+
+/// Where msgspec says the engine found a request's output shape it could not build.
+const SHAPE_REFUSED: &str = " - at `$[3].structured`";
 
 /// How a turn finished: its finish reason, the stop string that ended it (if one did), all its
 /// text and how many tokens it generated.
@@ -590,7 +602,14 @@ impl<'a> TurnOutputs<'a> {
         };
         if let Some(error) = output.error {
             self.done = true; // the engine has ended it
-            return Err(TurnFailure::Rejected(error));
+            // A shape whose grammar cannot be built fails where the engine decodes it (msgspec
+            // names the place): said as the Python servers say it, naming the field.
+            return Err(match (error.strip_suffix(SHAPE_REFUSED), self.turn.shape) {
+                (Some(why), Some(field)) => {
+                    TurnFailure::Rejected(format!("{field}: {why}"), Some(field))
+                }
+                _ => TurnFailure::Rejected(error, None),
+            });
         }
         for &id in &output.new_token_ids {
             self.tokens += 1;

@@ -556,7 +556,7 @@ async fn events(server: Arc<Server>, mut turn: ChatTurn, mut sender: hyper::body
             Ok(step) => step,
             Err(failure) => {
                 let (status, why) = match failure {
-                    TurnFailure::Rejected(why) => (StatusCode::BAD_REQUEST, why),
+                    TurnFailure::Rejected(why, _) => (StatusCode::BAD_REQUEST, why),
                     TurnFailure::EngineDead(why) | TurnFailure::Shutdown(why) => {
                         (StatusCode::SERVICE_UNAVAILABLE, why)
                     }

@@ -917,7 +917,7 @@ async fn stream(
             Ok(step) => step,
             Err(failure) => {
                 let (code, message) = match failure {
-                    TurnFailure::Rejected(why) => ("invalid_request", why),
+                    TurnFailure::Rejected(why, _) => ("invalid_request", why),
                     TurnFailure::EngineDead(why) | TurnFailure::Shutdown(why) => {
                         ("server_error", why)
                     }

@@ -723,6 +723,21 @@ mod tests {
     }
 
     #[test]
+    fn ascii_dumps_and_repr_are_pythons() {
+        let value = Json::parse(r#"{"s": "\u00e9\ud83d\ude00\u007f\n"}"#).unwrap();
+        assert_eq!(
+            value.dumps_ascii(),
+            r#"{"s": "\u00e9\ud83d\ude00\u007f\n"}"#
+        );
+        let text = r#"[null, true, 1, 1e-05, "it's", "a\"b'c", {"k": "\u00a0é\u2028"},
+                       "tab\there", "\u0000"]"#;
+        assert_eq!(
+            Json::parse(text).unwrap().repr(),
+            r#"[None, True, 1, 1e-05, "it's", 'a"b\'c', {'k': '\xa0é\u2028'}, 'tab\there', '\x00']"#
+        );
+    }
+
+    #[test]
     fn what_python_refuses_is_refused() {
         for bad in [
             "01",

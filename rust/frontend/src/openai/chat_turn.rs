@@ -602,8 +602,8 @@ impl<'a> TurnOutputs<'a> {
         };
         if let Some(error) = output.error {
             self.done = true; // the engine has ended it
-            // A shape whose grammar cannot be built fails where the engine decodes it (msgspec
-            // names the place): said as the Python servers say it, naming the field.
+                              // A shape whose grammar cannot be built fails where the engine decodes it (msgspec
+                              // names the place): said as the Python servers say it, naming the field.
             return Err(match (error.strip_suffix(SHAPE_REFUSED), self.turn.shape) {
                 (Some(why), Some(field)) => {
                     TurnFailure::Rejected(format!("{field}: {why}"), Some(field))

@@ -600,3 +600,66 @@ async fn events(server: Arc<Server>, mut turn: ChatTurn, mut sender: hyper::body
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{MessageEvents, Piece, TextKind};
+    use rankcast_frontend::output_parsers::ToolCall;
+    use rankcast_frontend::pyjson::Json;
+
+    #[test]
+    fn blocks_open_stream_and_close_as_the_python_servers_write_them() {
+        let mut state = MessageEvents {
+            index: -1,
+            open: None,
+        };
+        let call = ToolCall {
+            id: "call_1".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        };
+        let mut written = String::new();
+        for piece in [
+            Piece::Text(TextKind::Reasoning, "a".into()),
+            Piece::Text(TextKind::Reasoning, "b".into()),
+            Piece::Text(TextKind::Content, "c".into()),
+            Piece::Call(call),
+            Piece::Text(TextKind::Content, "d".into()),
+        ] {
+            written += &state.emit(&piece);
+        }
+        written += &state.close();
+        let got: Vec<String> = written
+            .split("\n\n")
+            .filter_map(|event| event.split_once("\ndata: "))
+            .map(|(_, data)| {
+                let event = Json::parse(data).expect("JSON data");
+                let kind = event.get("type").map(Json::repr).unwrap_or_default();
+                let index = event.get("index").map(Json::repr).unwrap_or_default();
+                let block = event
+                    .get("content_block")
+                    .or(event.get("delta"))
+                    .and_then(|b| b.get("type"))
+                    .map(Json::repr)
+                    .unwrap_or_default();
+                format!("{kind} {index} {block}")
+            })
+            .collect();
+        let want = [
+            "'content_block_start' 0 'thinking'",
+            "'content_block_delta' 0 'thinking_delta'",
+            "'content_block_delta' 0 'thinking_delta'",
+            "'content_block_stop' 0 ",
+            "'content_block_start' 1 'text'",
+            "'content_block_delta' 1 'text_delta'",
+            "'content_block_stop' 1 ",
+            "'content_block_start' 2 'tool_use'",
+            "'content_block_delta' 2 'input_json_delta'",
+            "'content_block_stop' 2 ",
+            "'content_block_start' 3 'text'",
+            "'content_block_delta' 3 'text_delta'",
+            "'content_block_stop' 3 ",
+        ];
+        assert_eq!(got, want);
+    }
+}

@@ -962,3 +962,82 @@ async fn stream(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Piece, ResponseEvents, TextKind};
+    use rankcast_frontend::output_parsers::ToolCall;
+    use rankcast_frontend::pyjson::Json;
+
+    /// (type, output_index) of each event in written events.
+    fn events(written: &str) -> Vec<(String, Option<Json>)> {
+        written
+            .split("\n\n")
+            .filter_map(|event| event.split_once("\ndata: "))
+            .map(|(_, data)| {
+                let event = Json::parse(data).expect("JSON data");
+                let Some(Json::Str(kind)) = event.get("type") else {
+                    panic!("an event type")
+                };
+                (kind.clone(), event.get("output_index").cloned())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn items_open_stream_and_close_as_the_python_servers_write_them() {
+        let mut state = ResponseEvents::default();
+        let call = ToolCall {
+            id: "call_1".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        };
+        let mut written = String::new();
+        for piece in [
+            Piece::Text(TextKind::Reasoning, "a".into()),
+            Piece::Text(TextKind::Reasoning, "b".into()),
+            Piece::Text(TextKind::Content, "c".into()),
+            Piece::Call(call),
+            Piece::Text(TextKind::Content, "d".into()),
+        ] {
+            written += &state.emit(piece);
+        }
+        written += &state.close();
+        let at = |i: u64| Some(Json::from(i));
+        let want = [
+            ("response.output_item.added", at(0)),
+            ("response.reasoning_text.delta", at(0)),
+            ("response.reasoning_text.delta", at(0)),
+            ("response.reasoning_text.done", at(0)),
+            ("response.output_item.done", at(0)),
+            ("response.output_item.added", at(1)),
+            ("response.content_part.added", at(1)),
+            ("response.output_text.delta", at(1)),
+            ("response.output_text.done", at(1)),
+            ("response.content_part.done", at(1)),
+            ("response.output_item.done", at(1)),
+            ("response.output_item.added", at(2)),
+            ("response.function_call_arguments.delta", at(2)),
+            ("response.function_call_arguments.done", at(2)),
+            ("response.output_item.done", at(2)),
+            ("response.output_item.added", at(3)),
+            ("response.content_part.added", at(3)),
+            ("response.output_text.delta", at(3)),
+            ("response.output_text.done", at(3)),
+            ("response.content_part.done", at(3)),
+            ("response.output_item.done", at(3)),
+        ];
+        let want: Vec<(String, Option<Json>)> =
+            want.into_iter().map(|(k, i)| (k.to_string(), i)).collect();
+        assert_eq!(events(&written), want);
+        let kinds: Vec<Option<&Json>> = state.items.iter().map(|i| i.get("type")).collect();
+        let names = ["reasoning", "message", "function_call", "message"].map(Json::from);
+        assert_eq!(kinds, names.iter().map(Some).collect::<Vec<_>>());
+        let reasoning = &state.items[0];
+        let text = reasoning.get("content").map(|c| c.repr());
+        assert_eq!(
+            text.as_deref(),
+            Some("[{'type': 'reasoning_text', 'text': 'ab'}]")
+        );
+    }
+}

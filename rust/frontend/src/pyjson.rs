@@ -148,6 +148,27 @@ impl Json {
         matches!(self, Json::Null)
     }
 
+    /// An object with the value at `key` replaced by `value`, in its place (other values as
+    /// they are).
+    pub fn with(self, key: &str, value: Json) -> Json {
+        let Json::Object(fields) = self else {
+            return self;
+        };
+        let mut value = Some(value);
+        let fields = fields
+            .into_iter()
+            .map(|(k, v)| {
+                let v = if k == key {
+                    value.take().unwrap_or(v)
+                } else {
+                    v
+                };
+                (k, v)
+            })
+            .collect();
+        Json::Object(fields)
+    }
+
     /// The value at `key` of an object (None for other values and missing keys).
     pub fn get(&self, key: &str) -> Option<&Json> {
         match self {

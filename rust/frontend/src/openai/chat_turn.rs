@@ -132,7 +132,6 @@ pub struct FunctionTool {
     pub parameters: Option<Json>,
 }
 
-#[derive(Clone, PartialEq)]
 pub enum ToolChoice {
     None,
     Auto,
@@ -162,15 +161,9 @@ pub struct ChatBody {
 }
 
 impl ChatBody {
-    /// What `ChatCompletionRequest` refuses of a translated body (its first error, as the
-    /// translating modules report it).
+    /// What `ChatCompletionRequest` refuses of a translated body: its first error, in its
+    /// fields' order (the sampling fields come before `messages`).
     pub fn check(&self) -> Result<(), ApiError> {
-        if self.messages.is_empty() {
-            return Err(ApiError::bad(
-                "messages: List should have at least 1 item after validation, not 0",
-                Some("messages"),
-            ));
-        }
         if self.stop.len() > 16 || self.stop.iter().any(String::is_empty) {
             return Err(ApiError::bad(
                 "stop: stop must be up to 16 non-empty strings",
@@ -190,6 +183,12 @@ impl ChatBody {
                     Some("response_format"),
                 ));
             }
+        }
+        if self.messages.is_empty() {
+            return Err(ApiError::bad(
+                "messages: List should have at least 1 item after validation, not 0",
+                Some("messages"),
+            ));
         }
         Ok(())
     }
@@ -720,6 +719,7 @@ impl Drop for TurnOutputs<'_> {
 }
 
 /// What the model's answer is made of: text of one kind, or a complete tool call.
+#[derive(Clone)]
 pub enum Piece {
     Text(TextKind, String),
     Call(ToolCall),

@@ -391,29 +391,6 @@ fn message(turn: &ChatTurn, usage: Json) -> Json {
     ]
 }
 
-/// `message` with its content, stop reason and stop sequence set.
-fn finished(message: Json, content: Vec<Json>, stop_reason: &str, stop_sequence: Json) -> Json {
-    let Json::Object(fields) = message else {
-        unreachable!("a message is an object")
-    };
-    let mut content = Some(Json::Array(content));
-    let mut stop_sequence = Some(stop_sequence);
-    Json::Object(
-        fields
-            .into_iter()
-            .map(|(key, value)| {
-                let value = match key.as_str() {
-                    "content" => content.take().unwrap_or(value),
-                    "stop_reason" => Json::from(stop_reason),
-                    "stop_sequence" => stop_sequence.take().unwrap_or(value),
-                    _ => value,
-                };
-                (key, value)
-            })
-            .collect(),
-    )
-}
-
 async fn create(server: Arc<Server>, request: Request<Body>) -> Result<Reply, ApiError> {
     let body = validate::body_of(request).await?;
     let body = validate::model(&[COUNT_TOKENS, MESSAGES], &body)?;
@@ -441,7 +418,10 @@ async fn create(server: Arc<Server>, request: Request<Body>) -> Result<Reply, Ap
         ("output_tokens", finish.tokens),
     ];
     let content = pieces.iter().map(block).collect();
-    let answer = finished(message(turn, usage), content, stop_reason, stop_sequence);
+    let answer = message(turn, usage)
+        .with("content", Json::Array(content))
+        .with("stop_reason", Json::from(stop_reason))
+        .with("stop_sequence", stop_sequence);
     let mut reply = text_reply(StatusCode::OK, answer.response());
     reply.headers_mut().insert(
         "x-rankcast-engine",

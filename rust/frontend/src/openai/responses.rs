@@ -17,7 +17,7 @@ use std::sync::Arc;
 use hyper::body::Bytes;
 use hyper::{Body, Method, Request, Response, StatusCode};
 use rankcast_frontend::object;
-use rankcast_frontend::output_parsers::uuid4_hex;
+use rankcast_frontend::output_parsers::{uuid4_hex, ToolCall};
 use rankcast_frontend::pyjson::Json;
 
 use super::chat_turn::{
@@ -736,152 +736,117 @@ struct ResponseEvents {
 }
 
 impl ResponseEvents {
+    /// `item_id`, `output_index` (and `content_index` for text): where an event's text goes.
+    fn place(id: &str, index: usize, text: bool) -> Vec<(&'static str, Json)> {
+        let mut place = vec![
+            ("item_id", Json::from(id)),
+            ("output_index", Json::from(index)),
+        ];
+        if text {
+            place.push(("content_index", Json::from(0u64)));
+        }
+        place
+    }
+
+    /// The open text item's `..done` events (none when no item is open).
     fn close(&mut self) -> String {
         let Some((kind, text, id)) = self.open.take() else {
             return String::new();
         };
         let index = self.items.len();
-        let piece = Piece::Text(kind, text.clone());
-        let item = item(&piece, &id, "completed");
+        let item = item(&Piece::Text(kind, text.clone()), &id, "completed");
         self.items.push(item.clone());
-        let place = |id: &str| {
-            vec![
-                ("item_id", Json::from(id)),
-                ("output_index", Json::from(index)),
-                ("content_index", Json::from(0u64)),
-            ]
-        };
-        let mut out = String::new();
-        if kind == TextKind::Reasoning {
-            let mut payload = place(&id);
-            payload.push(("text", Json::from(text)));
-            out += &self.events.event("response.reasoning_text.done", payload);
+        let place = || Self::place(&id, index, true);
+        let mut out = if kind == TextKind::Reasoning {
+            let done = [place(), vec![("text", Json::from(text))]].concat();
+            self.events.event("response.reasoning_text.done", done)
         } else {
-            let mut payload = place(&id);
-            payload.push(("text", Json::from(text.as_str())));
-            payload.push(("logprobs", Json::Array(Vec::new())));
-            out += &self.events.event("response.output_text.done", payload);
-            let mut payload = place(&id);
-            payload.push(("part", output_text_part(&text)));
-            out += &self.events.event("response.content_part.done", payload);
-        }
+            let logprobs = ("logprobs", Json::Array(Vec::new()));
+            let text_done = [place(), vec![("text", Json::from(text.as_str())), logprobs]];
+            let part_done = [place(), vec![("part", output_text_part(&text))]];
+            self.events
+                .event("response.output_text.done", text_done.concat())
+                + &self
+                    .events
+                    .event("response.content_part.done", part_done.concat())
+        };
         let done = vec![("output_index", Json::from(index)), ("item", item)];
-        out + &self.events.event("response.output_item.done", done)
+        out += &self.events.event("response.output_item.done", done);
+        out
     }
 
     fn emit(&mut self, piece: Piece) -> String {
-        self.pieces.push(match &piece {
-            Piece::Text(kind, text) => Piece::Text(*kind, text.clone()),
-            Piece::Call(call) => Piece::Call(call.clone()),
-        });
-        let (kind, text) = match piece {
-            Piece::Call(call) => {
-                let mut out = self.close();
-                let index = self.items.len();
-                let piece = Piece::Call(call);
-                let id = item_id(&piece);
-                let Piece::Call(call) = &piece else {
-                    unreachable!("a call")
-                };
-                let started = match item(&piece, &id, "in_progress") {
-                    Json::Object(fields) => Json::Object(
-                        fields
-                            .into_iter()
-                            .map(|(k, v)| {
-                                if k == "arguments" {
-                                    (k, Json::from(""))
-                                } else {
-                                    (k, v)
-                                }
-                            })
-                            .collect(),
-                    ),
-                    other => other,
-                };
-                let done = item(&piece, &id, "completed");
-                self.items.push(done.clone());
-                let at = |id: &str| {
-                    vec![
-                        ("item_id", Json::from(id)),
-                        ("output_index", Json::from(index)),
-                    ]
-                };
-                out += &self.events.event(
-                    "response.output_item.added",
-                    vec![("output_index", Json::from(index)), ("item", started)],
-                );
-                let mut payload = at(&id);
-                payload.push(("delta", Json::from(call.arguments.as_str())));
-                out += &self
-                    .events
-                    .event("response.function_call_arguments.delta", payload);
-                let mut payload = at(&id);
-                payload.push(("name", Json::from(call.name.as_str())));
-                payload.push(("arguments", Json::from(call.arguments.as_str())));
-                out += &self
-                    .events
-                    .event("response.function_call_arguments.done", payload);
-                return out
-                    + &self.events.event(
-                        "response.output_item.done",
-                        vec![("output_index", Json::from(index)), ("item", done)],
-                    );
-            }
-            Piece::Text(kind, text) => (kind, text),
+        self.pieces.push(piece.clone());
+        match piece {
+            Piece::Call(call) => self.call(call),
+            Piece::Text(kind, text) => self.text(kind, text),
+        }
+    }
+
+    /// A call: opened (its arguments empty), given them in one delta, and closed.
+    fn call(&mut self, call: ToolCall) -> String {
+        let mut out = self.close();
+        let index = self.items.len();
+        let piece = Piece::Call(call);
+        let id = item_id(&piece);
+        let Piece::Call(call) = &piece else {
+            unreachable!("a call")
         };
+        let started = item(&piece, &id, "in_progress").with("arguments", Json::from(""));
+        let done = item(&piece, &id, "completed");
+        self.items.push(done.clone());
+        let at = || Self::place(&id, index, false);
+        let delta = [at(), vec![("delta", Json::from(call.arguments.as_str()))]];
+        let arguments = Json::from(call.arguments.as_str());
+        let name = Json::from(call.name.as_str());
+        let finished = [at(), vec![("name", name), ("arguments", arguments)]];
+        let events = [
+            (
+                "response.output_item.added",
+                vec![("output_index", Json::from(index)), ("item", started)],
+            ),
+            ("response.function_call_arguments.delta", delta.concat()),
+            ("response.function_call_arguments.done", finished.concat()),
+            (
+                "response.output_item.done",
+                vec![("output_index", Json::from(index)), ("item", done)],
+            ),
+        ];
+        for (kind, payload) in events {
+            out += &self.events.event(kind, payload);
+        }
+        out
+    }
+
+    /// Text: a delta of the open item, which is opened first when the text is of another kind
+    /// (the item then without content, a message's part announced on its own).
+    fn text(&mut self, kind: TextKind, text: String) -> String {
         let mut out = String::new();
         if self.open.as_ref().is_none_or(|(open, _, _)| *open != kind) {
             out += &self.close();
             let index = self.items.len();
-            let id = item_id(&Piece::Text(kind, String::new()));
-            let started = item(&Piece::Text(kind, String::new()), &id, "in_progress");
-            let added = |started| vec![("output_index", Json::from(index)), ("item", started)];
-            if kind == TextKind::Reasoning {
-                let Json::Object(mut fields) = started else {
-                    unreachable!("an item")
-                };
-                for (key, value) in &mut fields {
-                    if key == "content" {
-                        *value = Json::Array(Vec::new());
-                    }
-                }
-                out += &self
-                    .events
-                    .event("response.output_item.added", added(Json::Object(fields)));
-            } else {
-                let Json::Object(mut fields) = started else {
-                    unreachable!("an item")
-                };
-                let mut part = Json::Null;
-                for (key, value) in &mut fields {
-                    if let (true, Json::Array(parts)) = (key == "content", value) {
-                        part = parts.pop().unwrap_or(Json::Null);
-                    }
-                }
-                out += &self
-                    .events
-                    .event("response.output_item.added", added(Json::Object(fields)));
-                out += &self.events.event(
-                    "response.content_part.added",
-                    vec![
-                        ("item_id", Json::from(id.as_str())),
-                        ("output_index", Json::from(index)),
-                        ("content_index", Json::from(0u64)),
-                        ("part", part),
-                    ],
-                );
+            let empty = Piece::Text(kind, String::new());
+            let id = item_id(&empty);
+            let started = item(&empty, &id, "in_progress");
+            let part = started.get("content").and_then(|c| match c {
+                Json::Array(parts) => parts.last().cloned(),
+                _ => None,
+            });
+            let started = started.with("content", Json::Array(Vec::new()));
+            let added = vec![("output_index", Json::from(index)), ("item", started)];
+            out += &self.events.event("response.output_item.added", added);
+            if let (TextKind::Content, Some(part)) = (kind, part) {
+                let place = Self::place(&id, index, true);
+                let added = [place, vec![("part", part)]].concat();
+                out += &self.events.event("response.content_part.added", added);
             }
             self.open = Some((kind, String::new(), id));
         }
         let index = self.items.len();
         let (_, so_far, id) = self.open.as_mut().expect("an open item");
         so_far.push_str(&text);
-        let mut payload = vec![
-            ("item_id", Json::from(id.as_str())),
-            ("output_index", Json::from(index)),
-            ("content_index", Json::from(0u64)),
-            ("delta", Json::from(text)),
-        ];
+        let mut payload = Self::place(id, index, true);
+        payload.push(("delta", Json::from(text)));
         let event = if kind == TextKind::Reasoning {
             "response.reasoning_text.delta"
         } else {

@@ -170,17 +170,11 @@ impl ChatBody {
                 Some("stop"),
             ));
         }
-        if let Some(OutputFormat::JsonSchema { name, schema }) = &self.response_format {
+        if let Some(OutputFormat::JsonSchema { name, .. }) = &self.response_format {
             if name.chars().count() > 64 {
                 return Err(ApiError::bad(
                     "response_format.json_schema.name: String should have at most 64 characters",
                     Some("response_format.json_schema.name"),
-                ));
-            }
-            if matches!(schema, Json::Object(fields) if fields.is_empty()) {
-                return Err(ApiError::bad(
-                    "response_format: response_format json_schema needs json_schema.schema",
-                    Some("response_format"),
                 ));
             }
         }
@@ -443,7 +437,7 @@ impl Server {
             .iter()
             .map(|m| (m.role.clone(), m.content.clone()))
             .collect();
-        let prompt = template.render(&turns);
+        let prompt = template.render(&turns, true);
         let ids = self.tokenizer.encode(&prompt);
         Ok((prompt, ids))
     }

@@ -16,7 +16,7 @@ use hyper::body::Bytes;
 use hyper::{Body, Method, Request, Response, StatusCode};
 use rankcast_frontend::object;
 use rankcast_frontend::output_parsers::{uuid4_hex, ToolCall};
-use rankcast_frontend::pyjson::{str_repr, Json};
+use rankcast_frontend::pyjson::Json;
 
 use super::chat_turn::{
     ApiError, ChatBody, ChatMessage, ChatTurn, Finish, FunctionTool, OutputFormat, Piece, TextKind,
@@ -29,31 +29,76 @@ use super::validate::{
 };
 use super::{text_reply, Reply, Server};
 
-const CONTENT_BLOCK: &[Field] = &[
-    required("type", Ty::Str),
-    optional("text", Ty::Str),
-    optional("id", Ty::Str),
-    optional("name", Ty::Str),
-    optional("input", Ty::Dict),
-    optional("tool_use_id", Ty::Str),
-    optional(
-        "content",
-        Ty::Union(&[
-            ("str", Ty::Str),
-            ("list[dict[str,any]]", Ty::List(&Ty::Dict, 0)),
-        ]),
-    ),
-    optional("is_error", Ty::Bool),
-    optional("thinking", Ty::Str),
+/// Text: what a system prompt and a tool result hold, and any turn may.
+const TEXT_BLOCK: &[Field] = &[
+    required("type", Ty::Literal(&["text"])),
+    required("text", Ty::Str),
 ];
 
-const BLOCKS: Ty = Ty::List(&Ty::Model(CONTENT_BLOCK), 0);
+/// A call the assistant made (given back in a later request's history).
+const TOOL_USE_BLOCK: &[Field] = &[
+    required("type", Ty::Literal(&["tool_use"])),
+    required("id", Ty::Str),
+    required("name", Ty::Str),
+    required("input", Ty::Dict),
+];
 
-const INPUT_MESSAGE: &[Field] = &[
-    required("role", Ty::Literal(&["user", "assistant"])),
+const TEXT_BLOCKS: Ty = Ty::List(&Ty::Model(TEXT_BLOCK), 0, None);
+
+/// What a call returned, in the user's turn.
+const TOOL_RESULT_BLOCK: &[Field] = &[
+    required("type", Ty::Literal(&["tool_result"])),
+    required("tool_use_id", Ty::Str),
+    optional("content", Ty::Union(&[Ty::Str, TEXT_BLOCKS])),
+    optional("is_error", Ty::Bool),
+];
+
+/// Earlier reasoning given back: not shown to the model again, as chat templates do.
+const THINKING_BLOCK: &[Field] = &[required(
+    "type",
+    Ty::Literal(&["thinking", "redacted_thinking"]),
+)];
+
+/// What each role's content may hold, told apart by `type`: any other kind (images,
+/// documents, server tools) is a 400 naming where it is.
+const USER_MESSAGE: &[Field] = &[
+    required("role", Ty::Literal(&["user"])),
     required(
         "content",
-        Ty::Union(&[("str", Ty::Str), ("list[ContentBlock]", BLOCKS)]),
+        Ty::Union(&[
+            Ty::Str,
+            Ty::List(
+                &Ty::Tagged(
+                    "type",
+                    &[("text", TEXT_BLOCK), ("tool_result", TOOL_RESULT_BLOCK)],
+                ),
+                0,
+                None,
+            ),
+        ]),
+    ),
+];
+
+const ASSISTANT_MESSAGE: &[Field] = &[
+    required("role", Ty::Literal(&["assistant"])),
+    required(
+        "content",
+        Ty::Union(&[
+            Ty::Str,
+            Ty::List(
+                &Ty::Tagged(
+                    "type",
+                    &[
+                        ("text", TEXT_BLOCK),
+                        ("tool_use", TOOL_USE_BLOCK),
+                        ("thinking", THINKING_BLOCK),
+                        ("redacted_thinking", THINKING_BLOCK),
+                    ],
+                ),
+                0,
+                None,
+            ),
+        ]),
     ),
 ];
 
@@ -85,12 +130,19 @@ const OUTPUT_CONFIG: &[Field] = &[optional("format", Ty::Model(JSON_OUTPUT_FORMA
 /// `CountTokensRequest`'s fields (the conversation), which `MessagesRequest` starts with.
 const COUNT_TOKENS: &[Field] = &[
     optional("model", Ty::Str),
-    required("messages", Ty::List(&Ty::Model(INPUT_MESSAGE), 1)),
-    optional(
-        "system",
-        Ty::Union(&[("str", Ty::Str), ("list[ContentBlock]", BLOCKS)]),
+    required(
+        "messages",
+        Ty::List(
+            &Ty::Tagged(
+                "role",
+                &[("user", USER_MESSAGE), ("assistant", ASSISTANT_MESSAGE)],
+            ),
+            1,
+            None,
+        ),
     ),
-    optional("tools", Ty::List(&Ty::Model(TOOL_DEFINITION), 0)),
+    optional("system", Ty::Union(&[Ty::Str, TEXT_BLOCKS])),
+    optional("tools", Ty::List(&Ty::Model(TOOL_DEFINITION), 0, None)),
     optional("tool_choice", Ty::Model(TOOL_CHOICE)),
     optional("thinking", Ty::Model(THINKING)),
 ];
@@ -104,7 +156,7 @@ const MESSAGES: &[Field] = &[
             le: Some(INT_MAX),
         },
     ),
-    optional("stop_sequences", Ty::List(&Ty::Str, 0)),
+    optional("stop_sequences", Ty::List(&Ty::MinLen(1), 0, Some(16))),
     optional(
         "temperature",
         Ty::Float {
@@ -124,7 +176,7 @@ const MESSAGES: &[Field] = &[
     optional(
         "top_k",
         Ty::Int {
-            ge: Some(0),
+            ge: Some(-1),
             le: Some(INT_MAX),
         },
     ),
@@ -153,110 +205,65 @@ pub async fn route(server: Arc<Server>, request: Request<Body>) -> Reply {
     answer.unwrap_or_else(|error| errors::reply(&path, &error))
 }
 
-/// The text of a string or of text blocks; any other block there is refused.
-fn text_of(blocks: Option<&Json>, at: &str) -> Result<String, ApiError> {
-    let blocks = match blocks {
-        None | Some(Json::Null) => return Ok(String::new()),
-        Some(Json::Str(text)) => return Ok(text.clone()),
-        Some(Json::Array(blocks)) => blocks,
-        Some(_) => return Ok(String::new()),
-    };
-    let mut text = String::new();
-    for (i, block) in blocks.iter().enumerate() {
-        let kind = block.get("type").unwrap_or(&Json::Null);
-        match (kind, block.get("text")) {
-            (Json::Str(k), Some(Json::Str(part))) if k == "text" => text.push_str(part),
-            _ => {
-                return Err(ApiError::bad(
-                    format!(
-                        "content block type {} is not supported here (text blocks only)",
-                        kind.repr()
-                    ),
-                    Some(&format!("{at}.{i}")),
-                ))
-            }
-        }
+/// The text of a string or of text blocks (the schema takes no other kind there).
+fn text_of(blocks: Option<&Json>) -> String {
+    match blocks {
+        Some(Json::Str(text)) => text.clone(),
+        Some(Json::Array(blocks)) => blocks.iter().filter_map(|b| string(b, "text")).collect(),
+        _ => String::new(),
     }
-    Ok(text)
 }
 
-/// The conversation as chat messages, in order.
-fn chat_messages(body: &Json) -> Result<Vec<ChatMessage>, ApiError> {
+/// The conversation as chat messages, in order (the schema has refused every block a role's
+/// turn cannot hold).
+fn chat_messages(body: &Json) -> Vec<ChatMessage> {
     let mut messages = Vec::new();
-    let system = text_of(body.get("system"), "system")?;
+    let system = text_of(body.get("system"));
     if !system.is_empty() {
         messages.push(ChatMessage::new("system", system));
     }
     let Some(Json::Array(given_messages)) = body.get("messages") else {
-        return Ok(messages);
+        return messages;
     };
-    for (m, message) in given_messages.iter().enumerate() {
-        let at = format!("messages.{m}.content");
+    for message in given_messages {
         let role = string(message, "role").unwrap_or_default();
         let blocks = match message.get("content") {
-            Some(Json::Str(text)) => {
-                messages.push(ChatMessage::new(&role, text.as_str()));
+            Some(Json::Array(blocks)) => blocks,
+            content => {
+                messages.push(ChatMessage::new(&role, text_of(content)));
                 continue;
             }
-            Some(Json::Array(blocks)) => blocks,
-            _ => continue,
         };
         let mut texts = String::new();
         let mut calls = Vec::new();
-        for (b, block) in blocks.iter().enumerate() {
-            let kind = string(block, "type").unwrap_or_default();
-            match (kind.as_str(), role.as_str()) {
-                ("text", _) => texts.push_str(&string(block, "text").unwrap_or_default()),
-                ("tool_use", "assistant") => {
-                    let (Some(id), Some(name)) = (string(block, "id"), string(block, "name"))
-                    else {
-                        return Err(ApiError::bad(
-                            "a tool_use block needs id and name",
-                            Some(&format!("{at}.{b}")),
-                        ));
-                    };
-                    let input = match given(block, "input") {
-                        Some(Json::Object(fields)) if !fields.is_empty() => {
-                            Json::Object(fields.clone())
-                        }
-                        _ => object![],
-                    };
+        for block in blocks {
+            match string(block, "type").as_deref() {
+                Some("text") => texts.push_str(&string(block, "text").unwrap_or_default()),
+                Some("tool_use") => {
+                    let input = given(block, "input").cloned().unwrap_or(object![]);
+                    let function = object![
+                        ("name", string(block, "name").unwrap_or_default()),
+                        ("arguments", input.dumps_ascii()),
+                    ];
                     calls.push(object![
-                        ("id", id),
+                        ("id", string(block, "id").unwrap_or_default()),
                         ("type", "function"),
-                        (
-                            "function",
-                            object![("name", name), ("arguments", input.dumps_ascii())]
-                        ),
+                        ("function", function),
                     ]);
                 }
-                ("tool_result", "user") => {
-                    let Some(call_id) = string(block, "tool_use_id") else {
-                        return Err(ApiError::bad(
-                            "a tool_result block needs tool_use_id",
-                            Some(&format!("{at}.{b}")),
-                        ));
-                    };
-                    let result = text_of(block.get("content"), &format!("{at}.{b}.content"))?;
-                    let mut tool = ChatMessage::new("tool", result);
+                Some("tool_result") => {
+                    let mut tool = ChatMessage::new("tool", text_of(block.get("content")));
+                    let call_id = string(block, "tool_use_id").unwrap_or_default();
                     tool.extra
                         .push(("tool_call_id".into(), Json::from(call_id)));
                     messages.push(tool);
                 }
                 // Earlier reasoning is not given back to the model, as templates do.
-                ("thinking" | "redacted_thinking", "assistant") => {}
-                _ => {
-                    return Err(ApiError::bad(
-                        format!(
-                            "content block type {} is not supported in a {role} message",
-                            str_repr(&kind)
-                        ),
-                        Some(&format!("{at}.{b}")),
-                    ))
-                }
+                _ => {}
             }
         }
-        if !texts.is_empty() || !calls.is_empty() || role == "assistant" {
+        // A turn of only tool results is those; an empty one is still a turn.
+        if !texts.is_empty() || !calls.is_empty() || blocks.is_empty() || role == "assistant" {
             let mut entry = ChatMessage::new(&role, texts);
             if !calls.is_empty() {
                 entry.extra.push(("tool_calls".into(), Json::Array(calls)));
@@ -264,7 +271,7 @@ fn chat_messages(body: &Json) -> Result<Vec<ChatMessage>, ApiError> {
             messages.push(entry);
         }
     }
-    Ok(messages)
+    messages
 }
 
 /// The chat body of the same conversation and sampling (`with_sampling`: a Messages request's
@@ -272,7 +279,7 @@ fn chat_messages(body: &Json) -> Result<Vec<ChatMessage>, ApiError> {
 fn chat_body(body: &Json, with_sampling: bool) -> Result<ChatBody, ApiError> {
     let mut chat = ChatBody {
         model: string(body, "model"),
-        messages: chat_messages(body)?,
+        messages: chat_messages(body),
         ..ChatBody::default()
     };
     if let Some(Json::Array(tools)) = given(body, "tools") {

@@ -18,7 +18,7 @@ use hyper::body::Bytes;
 use hyper::{Body, Method, Request, Response, StatusCode};
 use rankcast_frontend::object;
 use rankcast_frontend::output_parsers::{uuid4_hex, ToolCall};
-use rankcast_frontend::pyjson::Json;
+use rankcast_frontend::pyjson::{str_repr, Json};
 
 use super::chat_turn::{
     ApiError, ChatBody, ChatMessage, ChatTurn, Finish, FunctionTool, OutputFormat, Piece, TextKind,
@@ -44,26 +44,33 @@ const NAMED_FUNCTION: &[Field] = &[
     required("name", Ty::MinLen(1)),
 ];
 
-const TEXT_FORMAT: &[Field] = &[
-    required("type", Ty::Literal(&["text", "json_object", "json_schema"])),
+/// `PlainFormat`: text, or any JSON object.
+const PLAIN_FORMAT: &[Field] = &[required("type", Ty::Literal(&["text", "json_object"]))];
+
+const JSON_SCHEMA_FORMAT: &[Field] = &[
+    required("type", Ty::Literal(&["json_schema"])),
     optional("name", Ty::Str),
     optional("description", Ty::Str),
-    optional("schema", Ty::Dict),
+    required("schema", Ty::Dict),
     optional("strict", Ty::Bool),
 ];
 
-const TEXT_CONFIG: &[Field] = &[optional("format", Ty::Model(TEXT_FORMAT))];
+const TEXT_CONFIG: &[Field] = &[optional(
+    "format",
+    Ty::Tagged(
+        "type",
+        &[
+            ("text", PLAIN_FORMAT),
+            ("json_object", PLAIN_FORMAT),
+            ("json_schema", JSON_SCHEMA_FORMAT),
+        ],
+    ),
+)];
 
 /// `ResponsesRequest`'s fields, in its order.
 const REQUEST: &[Field] = &[
     optional("model", Ty::Str),
-    required(
-        "input",
-        Ty::Union(&[
-            ("str", Ty::Str),
-            ("list[dict[str,any]]", Ty::List(&Ty::Dict, 0)),
-        ]),
-    ),
+    required("input", Ty::Union(&[Ty::Str, Ty::List(&Ty::Dict, 0, None)])),
     optional("instructions", Ty::Str),
     optional(
         "max_output_tokens",
@@ -88,15 +95,12 @@ const REQUEST: &[Field] = &[
             le: Some(1.0),
         },
     ),
-    optional("tools", Ty::List(&Ty::Model(FUNCTION_TOOL), 0)),
+    optional("tools", Ty::List(&Ty::Model(FUNCTION_TOOL), 0, None)),
     optional(
         "tool_choice",
         Ty::Union(&[
-            (
-                "literal['none','auto','required']",
-                Ty::Literal(&["none", "auto", "required"]),
-            ),
-            ("NamedFunction", Ty::Model(NAMED_FUNCTION)),
+            Ty::Literal(&["none", "auto", "required"]),
+            Ty::Model(NAMED_FUNCTION),
         ]),
     ),
     optional("parallel_tool_calls", Ty::Bool),
@@ -211,6 +215,25 @@ impl ResponsesRequest {
         let text_format = given(&body, "text")
             .and_then(|text| given(text, "format"))
             .cloned();
+        // A choice that calls a tool needs tools to call (the model's own check, once its
+        // fields are valid: no field is named).
+        let tool_choice = given(&body, "tool_choice");
+        let calls =
+            tool_choice.is_some_and(|c| !matches!(c, Json::Str(s) if s == "none" || s == "auto"));
+        if calls && tools.is_empty() {
+            let choice = match tool_choice {
+                Some(Json::Str(choice)) => str_repr(choice),
+                Some(named) => format!(
+                    "NamedFunction(type='function', name={})",
+                    str_repr(&string(named, "name").unwrap_or_default())
+                ),
+                None => unreachable!("a choice that calls"),
+            };
+            return Err(ApiError::bad(
+                format!("tool_choice {choice} needs tools"),
+                None,
+            ));
+        }
         Ok(ResponsesRequest {
             input: body.get("input").cloned().unwrap_or(Json::Null),
             instructions: string(&body, "instructions"),
@@ -390,16 +413,10 @@ fn chat_body(request: &ResponsesRequest, history: Vec<ChatMessage>) -> Result<Ch
     let response_format = match &request.text_format {
         Some(format) => match string(format, "type").as_deref() {
             Some("json_schema") => {
-                let Some(schema) = given(format, "schema") else {
-                    return Err(ApiError::bad(
-                        "text.format json_schema needs schema",
-                        Some("text.format.schema"),
-                    ));
-                };
                 let name = string(format, "name").filter(|n| !n.is_empty());
                 Some(OutputFormat::JsonSchema {
                     name: name.unwrap_or_else(|| "response".into()),
-                    schema: schema.clone(),
+                    schema: given(format, "schema").cloned().unwrap_or(object![]),
                 })
             }
             Some("json_object") => Some(OutputFormat::JsonObject),
@@ -519,20 +536,21 @@ impl ResponseRun {
         error: Option<Json>,
     ) -> Json {
         let body = &self.request.body;
+        // As the format's model dumps it: a plain format is its type; a schema's, its fields
+        // that were given.
         let text_format = match &self.request.text_format {
             None => object![("type", "text")],
-            Some(Json::Object(fields)) => Json::Object(
-                fields
-                    .iter()
-                    .filter(|(key, value)| {
-                        !value.is_null()
-                            && ["type", "name", "description", "schema", "strict"]
-                                .contains(&key.as_str())
-                    })
-                    .cloned()
-                    .collect(),
-            ),
-            Some(other) => other.clone(),
+            Some(format) if string(format, "type").as_deref() != Some("json_schema") => {
+                object![("type", format.get("type").cloned().unwrap_or(Json::Null))]
+            }
+            Some(format) => {
+                let keys = ["type", "name", "description", "schema", "strict"];
+                let given = keys.map(|key| (key.to_string(), given(format, key).cloned()));
+                let fields = given
+                    .into_iter()
+                    .filter_map(|(key, value)| Some((key, value?)));
+                Json::Object(fields.collect())
+            }
         };
         let tool_choice = match &self.request.tool_choice {
             None => Json::from("auto"),

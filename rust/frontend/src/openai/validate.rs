@@ -1,13 +1,21 @@
 //! Request bodies checked the way the Python servers' pydantic models check them, so that a
 //! bad request gets the same 400 from every API server of a fleet: a model is a list of
 //! fields with their types, validated in order (lax, as pydantic is with parsed JSON: `"5"`
-//! for an integer, `1` for a boolean), every error collected with where it is (`tools.0.name`)
-//! and pydantic's own words, and the value given back with what the lax reading made of it.
-//! The body is first checked as plain data (`unrepresentable`, schema.py's `RequestBody`).
+//! for an integer, `1` for a boolean), every error collected with pydantic's location and own
+//! words, and the value given back with what the lax reading made of it. The locations are
+//! then read as paths into the body as `app.py`'s `_validation_message` reads them (a union's
+//! alternatives and a tagged union's tag left out) and joined by `fields::Invalid`, as the
+//! chat routes' are. The body is first checked as plain data (`unrepresentable`, schema.py's
+//! `RequestBody`).
+//!
+//! The chat routes read their fields one by one (`fields.rs`, over serde_json values); these
+//! routes echo what they were given (tools, schemas, metadata) in its order and spelling, so
+//! they read `pyjson` values, and their models are deeper, so they are declared as data.
 
 use rankcast_frontend::pyjson::Json;
 
 use super::chat_turn::ApiError;
+use crate::fields::Invalid;
 
 /// The largest integer the engine's wire and torch's seeds carry (schema.py's `INT_MAX`).
 pub const INT_MAX: i128 = (1 << 63) - 1;
@@ -38,14 +46,17 @@ pub enum Ty {
     Dict,
     /// `dict[str, str]`.
     StrDict,
-    List(&'static Ty, usize),
+    /// A list of items of a type, with at least and at most so many.
+    List(&'static Ty, usize, Option<usize>),
     /// One of these strings.
     Literal(&'static [&'static str]),
     /// A nested model: its fields.
     Model(&'static [Field]),
-    /// The first member the value fits; otherwise every member's errors, each under the
-    /// member's name as pydantic writes it (`str`, `list[dict[str,any]]`).
-    Union(&'static [(&'static str, Ty)]),
+    /// The first alternative the value fits; otherwise every alternative's errors.
+    Union(&'static [Ty]),
+    /// A union told apart by a key's value (pydantic's discriminated union): the key, and the
+    /// model of each value it may take.
+    Tagged(&'static str, &'static [(&'static str, &'static [Field])]),
 }
 
 /// A field of a model: name, type, and whether it must be given and may be null.
@@ -86,11 +97,13 @@ pub const fn defaulted(name: &'static str, ty: Ty) -> Field {
     }
 }
 
-/// Where an error is, as pydantic's `loc`.
+/// Where an error is, as pydantic's `loc`: keys (fields, and a tagged union's tag), indexes,
+/// and the alternatives of unions.
 #[derive(Clone)]
 pub enum Loc {
     Key(String),
     Index(usize),
+    Alternative,
 }
 
 /// Errors found so far: (where, message).
@@ -102,34 +115,71 @@ impl Errors {
         self.0.push((at.to_vec(), message.into()));
     }
 
-    /// The 400's message and the field it names first, as the Python servers write them
-    /// (`app.py`'s `_validation_message`).
-    pub fn message(&self) -> (String, Option<String>) {
-        let mut parts = Vec::new();
-        let mut param = None;
+    /// The 400's message and the field it names first, as the Python servers write them for
+    /// `body` (`app.py`'s `_validation_message`).
+    pub fn message(&self, body: &Json) -> (String, Option<String>) {
+        let mut invalid = Invalid::default();
         for (at, message) in &self.0 {
-            let location = dotted(at);
-            if location.is_empty() {
-                parts.push(message.clone());
-            } else {
-                parts.push(format!("{location}: {message}"));
-                param.get_or_insert(location);
-            }
+            invalid.add(body_path(at, body), message.as_str());
         }
-        (parts.join("; "), param)
+        invalid.message()
     }
 }
 
-/// A location written as pydantic's error locations are joined (`input.0.content`).
-pub fn dotted(at: &[Loc]) -> String {
-    let parts: Vec<String> = at
-        .iter()
-        .map(|loc| match loc {
+/// `_UNION_ALTERNATIVE`: the location parts that name a union's alternative (`str`,
+/// `list[TextBlock]`, `UserMessage`) rather than a field; any key spelt so is taken for one.
+fn names_an_alternative(part: &str) -> bool {
+    let lower_bracketed = part.split_once('[').is_some_and(|(head, _)| {
+        !head.is_empty() && head.bytes().all(|b| b.is_ascii_lowercase() || b == b'-')
+    }) && part.ends_with(']');
+    let word = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_alphanumeric() || c == '_');
+    let capitalized = part.starts_with(|c: char| c.is_ascii_uppercase())
+        && part.bytes().all(|b| b.is_ascii_alphanumeric());
+    ["str", "int", "float", "bool", "none"].contains(&part)
+        || part.strip_prefix("constrained-").is_some_and(word)
+        || lower_bracketed
+        || capitalized
+}
+
+/// `_body_path`: `at` as a path into `body`, union alternatives left out, and a tagged union's
+/// tag (pydantic names the alternative by its tag's value, which is no key of the object) left
+/// out once per object.
+fn body_path(at: &[Loc], body: &Json) -> String {
+    let mut path: Vec<String> = Vec::new();
+    let mut node = Some(body);
+    let mut tag_dropped = false;
+    for part in at {
+        let text = match part {
+            Loc::Alternative => continue,
+            Loc::Key(key) if names_an_alternative(key) => continue,
             Loc::Key(key) => key.clone(),
             Loc::Index(i) => i.to_string(),
-        })
-        .collect();
-    parts.join(".")
+        };
+        let fields = match node {
+            Some(Json::Object(fields)) => Some(fields),
+            _ => None,
+        };
+        let is_key = matches!(part, Loc::Key(key) if fields.is_some_and(|f| f.iter().any(|(k, _)| k == key)));
+        let is_value = |value: &Json| match (part, value) {
+            (Loc::Key(key), Json::Str(s)) => key == s,
+            (Loc::Index(i), Json::Int(digits)) => *digits == i.to_string(),
+            _ => false,
+        };
+        if let (Some(fields), false, false) = (fields, is_key, tag_dropped) {
+            if fields.iter().any(|(_, value)| is_value(value)) {
+                tag_dropped = true;
+                continue;
+            }
+        }
+        path.push(text);
+        node = match (part, node) {
+            (Loc::Key(key), Some(value)) if is_key => value.get(key),
+            (Loc::Index(i), Some(Json::Array(items))) => items.get(*i),
+            _ => None,
+        };
+        tag_dropped = false;
+    }
+    path.join(".")
 }
 
 fn key(at: &[Loc], name: &str) -> Vec<Loc> {
@@ -145,24 +195,22 @@ fn index(at: &[Loc], i: usize) -> Vec<Loc> {
 }
 
 /// `body` as a model with `fields` (a model's own after its base's: `parts`): the value as
-/// validated (absent fields left out), or every error. A body that is not plain data fails
-/// first, on its own (`unrepresentable`).
-pub fn model(parts: &[&[Field]], body: &Json) -> Result<Json, Errors> {
+/// validated (absent fields left out), or the 400 naming every error. A body that is not plain
+/// data fails first, on its own (`unrepresentable`).
+pub fn model(parts: &[&[Field]], body: &Json) -> Result<Json, ApiError> {
     let mut errors = Errors::default();
     if let Some(problem) = unrepresentable(body) {
-        errors.push(&[], problem);
-        return Err(errors);
+        return Err(ApiError::bad(problem, None));
     }
     let Json::Object(_) = body else {
-        errors.push(&[], NOT_A_MODEL);
-        return Err(errors);
+        return Err(ApiError::bad(NOT_A_MODEL, None));
     };
     let value = fields_of(parts, body, &[], &mut errors);
     if errors.0.is_empty() {
-        Ok(value)
-    } else {
-        Err(errors)
+        return Ok(value);
     }
+    let (message, param) = errors.message(body);
+    Err(ApiError::bad(message, param.as_deref()))
 }
 
 fn fields_of(parts: &[&[Field]], body: &Json, at: &[Loc], errors: &mut Errors) -> Json {
@@ -285,7 +333,7 @@ fn check(ty: &Ty, value: &Json, at: &[Loc], errors: &mut Errors) -> Option<Json>
             }
             _ => fail(errors, at, "Input should be a valid dictionary"),
         },
-        Ty::List(item, least) => match value {
+        Ty::List(item, least, most) => match value {
             Json::Array(items) => {
                 let valid: Vec<Option<Json>> = items
                     .iter()
@@ -295,6 +343,13 @@ fn check(ty: &Ty, value: &Json, at: &[Loc], errors: &mut Errors) -> Option<Json>
                 if errors.0.len() == before && items.len() < *least {
                     let message = format!(
                         "List should have at least {least} item after validation, not {}",
+                        items.len()
+                    );
+                    return fail(errors, at, message);
+                }
+                if let Some(most) = most.filter(|most| items.len() > *most) {
+                    let message = format!(
+                        "List should have at most {most} items after validation, not {}",
                         items.len()
                     );
                     return fail(errors, at, message);
@@ -314,11 +369,13 @@ fn check(ty: &Ty, value: &Json, at: &[Loc], errors: &mut Errors) -> Option<Json>
             Json::Object(_) => Some(fields_of(&[fields], value, at, errors)),
             _ => fail(errors, at, NOT_A_MODEL),
         },
-        Ty::Union(members) => {
+        Ty::Union(alternatives) => {
             let mut tried = Errors::default();
-            for (name, member) in members.iter() {
+            let mut here = at.to_vec();
+            here.push(Loc::Alternative);
+            for alternative in alternatives.iter() {
                 let mut own = Errors::default();
-                if let Some(valid) = check(member, value, &key(at, name), &mut own) {
+                if let Some(valid) = check(alternative, value, &here, &mut own) {
                     if own.0.is_empty() {
                         return Some(valid);
                     }
@@ -327,6 +384,31 @@ fn check(ty: &Ty, value: &Json, at: &[Loc], errors: &mut Errors) -> Option<Json>
             }
             errors.0.extend(tried.0);
             None
+        }
+        Ty::Tagged(discriminator, models) => {
+            let Json::Object(_) = value else {
+                return fail(errors, at, NOT_A_MODEL);
+            };
+            let tag = match value.get(discriminator) {
+                None | Some(Json::Null) => {
+                    let message =
+                        format!("Unable to extract tag using discriminator '{discriminator}'");
+                    return fail(errors, at, message);
+                }
+                Some(Json::Str(tag)) => tag.clone(),
+                Some(other) => other.repr(),
+            };
+            let Some((_, fields)) = models.iter().find(|(name, _)| *name == tag) else {
+                let expected: Vec<String> =
+                    models.iter().map(|(name, _)| format!("'{name}'")).collect();
+                let message = format!(
+                    "Input tag '{tag}' found using '{discriminator}' does not match any of the \
+                     expected tags: {}",
+                    expected.join(", ")
+                );
+                return fail(errors, at, message);
+            };
+            Some(fields_of(&[fields], value, &key(at, &tag), errors))
         }
     };
     (errors.0.len() == before).then_some(valid).flatten()
@@ -472,14 +554,6 @@ pub async fn body_of(request: hyper::Request<hyper::Body>) -> Result<Json, ApiEr
     parsed.ok_or_else(|| ApiError::bad("Invalid JSON body: JSON decode error", None))
 }
 
-/// A validation failure as the 400 the Python servers give.
-impl From<Errors> for ApiError {
-    fn from(errors: Errors) -> ApiError {
-        let (message, param) = errors.message();
-        ApiError::bad(message, param.as_deref())
-    }
-}
-
 /// A string field of a validated model (None: absent or null).
 pub fn string(value: &Json, key: &str) -> Option<String> {
     match value.get(key) {
@@ -524,17 +598,15 @@ pub const TOOL_NAME: Ty = Ty::Pattern("^[A-Za-z0-9_-]{1,64}$", tool_name);
 
 #[cfg(test)]
 mod tests {
-    use super::{literal_message, model, optional, required, Ty};
+    use super::{literal_message, model, optional, required, Field, Ty, NOT_A_MODEL};
     use rankcast_frontend::pyjson::Json;
 
-    const FIELDS: &[super::Field] = &[
-        required(
-            "input",
-            Ty::Union(&[
-                ("str", Ty::Str),
-                ("list[dict[str,any]]", Ty::List(&Ty::Dict, 0)),
-            ]),
-        ),
+    const BLOCK: &[Field] = &[
+        required("type", Ty::Literal(&["text"])),
+        required("text", Ty::Str),
+    ];
+    const FIELDS: &[Field] = &[
+        required("input", Ty::Union(&[Ty::Str, Ty::List(&Ty::Dict, 0, None)])),
         optional(
             "max_output_tokens",
             Ty::Int {
@@ -550,28 +622,33 @@ mod tests {
                 le: Some(2.0),
             },
         ),
+        optional(
+            "blocks",
+            Ty::List(&Ty::Tagged("type", &[("text", BLOCK)]), 0, Some(2)),
+        ),
+        optional("metadata", Ty::StrDict),
     ];
 
     fn errors(body: &str) -> String {
         match model(&[FIELDS], &Json::parse(body).unwrap()) {
             Ok(value) => value.response(),
-            Err(errors) => errors.message().0,
+            Err(error) => error.message,
         }
     }
 
     #[test]
-    fn errors_are_pydantics() {
+    fn errors_are_pydantics_at_the_python_servers_paths() {
         assert_eq!(errors("{}"), "input: Field required");
         assert_eq!(
             errors(r#"{"input": 5, "temperature": 3}"#),
-            "input.str: Input should be a valid string; input.list[dict[str,any]]: Input should \
-             be a valid list; temperature: Input should be less than or equal to 2"
+            "input: Input should be a valid string; input: Input should be a valid list; \
+             temperature: Input should be less than or equal to 2"
         );
+        // The deepest failure of a union's alternatives is the one named.
         assert_eq!(
             errors(r#"{"input": [1], "max_output_tokens": 0}"#),
-            "input.str: Input should be a valid string; input.list[dict[str,any]].0: Input \
-             should be a valid dictionary; max_output_tokens: Input should be greater than or \
-             equal to 1"
+            "input.0: Input should be a valid dictionary; max_output_tokens: Input should be \
+             greater than or equal to 1"
         );
         assert_eq!(
             errors(r#"{"input": "x", "max_output_tokens": "7", "temperature": 0}"#),
@@ -581,7 +658,29 @@ mod tests {
             errors(r#"{"input": "x", "temperature": NaN}"#),
             "temperature: nan is not a finite number (NaN and infinities are refused)"
         );
-        assert_eq!(errors("[]"), super::NOT_A_MODEL);
+        assert_eq!(errors("[]"), NOT_A_MODEL);
+        // A tagged union: the tag is no part of the path, unless it is also a key there.
+        assert_eq!(
+            errors(r#"{"input": "x", "blocks": [{"type": "text"}, {"type": "text", "text": 5}]}"#),
+            "blocks.0.text: Field required; blocks.1.text.text: Input should be a valid string"
+        );
+        assert_eq!(
+            errors(r#"{"input": "x", "blocks": [{"type": "image"}, {}, 1]}"#),
+            "blocks.0: Input tag 'image' found using 'type' does not match any of the expected \
+             tags: 'text'; blocks.1: Unable to extract tag using discriminator 'type'; blocks.2: \
+             Input should be a valid dictionary or object to extract fields from"
+        );
+        assert_eq!(
+            errors(
+                r#"{"input": "x", "blocks": [{"type": "text", "text": ""}, {"type": "text", "text": ""}, {"type": "text", "text": ""}]}"#
+            ),
+            "blocks: List should have at most 2 items after validation, not 3"
+        );
+        // A key spelt as an alternative's name is left out of the path, as Python leaves it.
+        assert_eq!(
+            errors(r#"{"input": "x", "metadata": {"Key": 1, "k": 2}}"#),
+            "metadata.k: Input should be a valid string"
+        );
         assert_eq!(
             literal_message(&["none", "auto", "required"]),
             "Input should be 'none', 'auto' or 'required'"

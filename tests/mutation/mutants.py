@@ -39,6 +39,7 @@ DASHBOARD_VIEW = "tests/dashboard/test_dashboard_view.py"
 SPECULATION = "tests/engine/test_speculative.py"
 SPECULATION_SCHEDULER = "tests/engine/test_speculative_scheduler.py"
 APIS = "tests/entrypoints/test_server_responses_messages.py"
+MIXED_APIS = "tests/frontend_rust/test_responses_messages_fleet.py"
 SERVER = "tests/entrypoints/test_server.py"
 
 MUTANTS = [
@@ -828,6 +829,22 @@ MUTANTS = [
         "os.environ.get(RESPONSE_STORE_ENV)",
         "        given = directory",
         (f"{APIS}::test_a_forced_function_call_continues_on_the_other_api_server",),
+    ),
+    Mutant(
+        "rust-responses-drop-instructions",
+        "The Rust server gives the model the conversation a Python server would",
+        "rust/frontend/src/openai/responses.rs",
+        '        messages.insert(0, ChatMessage::new("system", instructions));',
+        "        let _ = instructions;",
+        (f"{MIXED_APIS}::test_responses_plain_streamed_and_by_the_stream_helper",),
+    ),
+    Mutant(
+        "rust-response-store-per-process",
+        "A response stored by either kind of API server continues on the other",
+        "rust/frontend/src/openai/response_store.rs",
+        "        let directory = std::env::var_os(RESPONSE_STORE_ENV)",
+        '        let directory = std::env::var_os("RANKCAST_NO_RESPONSE_STORE")',
+        (f"{MIXED_APIS}::test_a_conversation_moves_between_the_kinds_of_server",),
     ),
     Mutant(
         "n-samples-share-one-seed",

@@ -247,13 +247,20 @@ fn parameters(tool: &FunctionTool) -> Json {
 /// The output shape the body asks for, and for forced tool calls how to read them back
 /// (structured.py's `requested_shape`); `hermes`: this server reads the calls a model writes.
 fn requested_shape(body: &ChatBody, hermes: bool) -> Result<Shape, ApiError> {
-    let mut asked: Vec<(&'static str, Json)> = Vec::new();
+    let mut asked: Vec<(&'static str, StructuredOutputs)> = Vec::new();
     match &body.response_format {
         Some(OutputFormat::JsonSchema { schema, .. }) => {
-            asked.push(("response_format", schema.clone()));
+            asked.push(("response_format", json_schema(schema)));
         }
         Some(OutputFormat::JsonObject) => {
-            asked.push(("response_format", object![("type", "object")]));
+            let any_object = StructuredOutputs {
+                json: None,
+                json_object: true,
+                regex: None,
+                choice: None,
+                grammar: None,
+            };
+            asked.push(("response_format", any_object));
         }
         None => {}
     }
@@ -284,7 +291,7 @@ fn requested_shape(body: &ChatBody, hermes: bool) -> Result<Shape, ApiError> {
                 forced = Some(ToolCallShape {
                     function: Some(tool.name.clone()),
                 });
-                asked.push(("tools", parameters(tool)));
+                asked.push(("tools", json_schema(&parameters(tool))));
             }
             ToolChoice::Required => {
                 let calls: Vec<Json> = body
@@ -306,14 +313,12 @@ fn requested_shape(body: &ChatBody, hermes: bool) -> Result<Shape, ApiError> {
                     })
                     .collect();
                 forced = Some(ToolCallShape { function: None });
-                asked.push((
-                    "tools",
-                    object![
-                        ("type", "array"),
-                        ("minItems", 1u64),
-                        ("items", object![("anyOf", calls)]),
-                    ],
-                ));
+                let array = object![
+                    ("type", "array"),
+                    ("minItems", 1u64),
+                    ("items", object![("anyOf", calls)]),
+                ];
+                asked.push(("tools", json_schema(&array)));
             }
         }
     }
@@ -324,32 +329,21 @@ fn requested_shape(body: &ChatBody, hermes: bool) -> Result<Shape, ApiError> {
             Some(asked[1].0),
         ));
     }
-    let Some((field, schema)) = asked.pop() else {
+    let Some((field, structured)) = asked.pop() else {
         return Ok((None, None, None));
     };
-    if !matches!(schema, Json::Object(_)) {
-        return Err(ApiError::bad(
-            format!("{field}: json: the schema must be a JSON object"),
-            Some(field),
-        ));
-    }
-    let structured = match body.response_format {
-        Some(OutputFormat::JsonObject) => StructuredOutputs {
-            json: None,
-            json_object: true,
-            regex: None,
-            choice: None,
-            grammar: None,
-        },
-        _ => StructuredOutputs {
-            json: Some(to_wire(&schema)),
-            json_object: false,
-            regex: None,
-            choice: None,
-            grammar: None,
-        },
-    };
     Ok((Some(structured), forced, Some(field)))
+}
+
+/// The shape of a JSON schema (the engine builds its grammar, and refuses one it cannot).
+fn json_schema(schema: &Json) -> StructuredOutputs {
+    StructuredOutputs {
+        json: Some(to_wire(schema)),
+        json_object: false,
+        regex: None,
+        choice: None,
+        grammar: None,
+    }
 }
 
 /// The grammar a request's output follows, how forced tool calls are read back, and the field

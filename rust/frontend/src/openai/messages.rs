@@ -193,7 +193,7 @@ pub fn serves(path: &str) -> bool {
 pub async fn route(server: Arc<Server>, request: Request<Body>) -> Reply {
     let path = request.uri().path().to_string();
     let answer = match (request.method(), path.as_str()) {
-        _ if !server.engine.alive() => Err(ApiError::engine_down()),
+        (&Method::POST, _) if !server.engine.alive() => Err(ApiError::engine_down()),
         (&Method::POST, "/v1/messages") => create(server, request).await,
         (&Method::POST, _) => count_tokens(&server, request).await,
         _ => Err(ApiError::new(

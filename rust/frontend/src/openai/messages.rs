@@ -109,9 +109,16 @@ const TOOL_DEFINITION: &[Field] = &[
     optional("type", Ty::Literal(&["custom"])),
 ];
 
-const TOOL_CHOICE: &[Field] = &[
-    required("type", Ty::Literal(&["auto", "any", "tool", "none"])),
-    optional("name", Ty::Str),
+/// `auto` (the model decides), `any` (some tool must be called) or `none`.
+const TOOL_CHOICE_KIND: &[Field] = &[
+    required("type", Ty::Literal(&["auto", "any", "none"])),
+    optional("disable_parallel_tool_use", Ty::Bool),
+];
+
+/// `tool`: this one must be called.
+const TOOL_CHOICE_NAMED: &[Field] = &[
+    required("type", Ty::Literal(&["tool"])),
+    required("name", Ty::MinLen(1)),
     optional("disable_parallel_tool_use", Ty::Bool),
 ];
 
@@ -143,7 +150,18 @@ const COUNT_TOKENS: &[Field] = &[
     ),
     optional("system", Ty::Union(&[Ty::Str, TEXT_BLOCKS])),
     optional("tools", Ty::List(&Ty::Model(TOOL_DEFINITION), 0, None)),
-    optional("tool_choice", Ty::Model(TOOL_CHOICE)),
+    optional(
+        "tool_choice",
+        Ty::Tagged(
+            "type",
+            &[
+                ("auto", TOOL_CHOICE_KIND),
+                ("any", TOOL_CHOICE_KIND),
+                ("none", TOOL_CHOICE_KIND),
+                ("tool", TOOL_CHOICE_NAMED),
+            ],
+        ),
+    ),
     optional("thinking", Ty::Model(THINKING)),
 ];
 
@@ -276,7 +294,7 @@ fn chat_messages(body: &Json) -> Vec<ChatMessage> {
 
 /// The chat body of the same conversation and sampling (`with_sampling`: a Messages request's
 /// own fields; a count_tokens request has none).
-fn chat_body(body: &Json, with_sampling: bool) -> Result<ChatBody, ApiError> {
+fn chat_body(body: &Json, with_sampling: bool) -> ChatBody {
     let mut chat = ChatBody {
         model: string(body, "model"),
         messages: chat_messages(body),
@@ -293,16 +311,7 @@ fn chat_body(body: &Json, with_sampling: bool) -> Result<ChatBody, ApiError> {
         let choice = given(body, "tool_choice");
         let kind = choice.and_then(|c| string(c, "type"));
         chat.tool_choice = Some(match kind.as_deref().unwrap_or("auto") {
-            "tool" => {
-                let name = choice.and_then(|c| string(c, "name")).unwrap_or_default();
-                if name.is_empty() {
-                    return Err(ApiError::bad(
-                        "tool_choice type 'tool' needs name",
-                        Some("tool_choice.name"),
-                    ));
-                }
-                ToolChoice::Named(name)
-            }
+            "tool" => ToolChoice::Named(choice.and_then(|c| string(c, "name")).unwrap_or_default()),
             "any" => ToolChoice::Required,
             "none" => ToolChoice::None,
             _ => ToolChoice::Auto,
@@ -330,14 +339,14 @@ fn chat_body(body: &Json, with_sampling: bool) -> Result<ChatBody, ApiError> {
             });
         }
     }
-    Ok(chat)
+    chat
 }
 
 async fn count_tokens(server: &Server, request: Request<Body>) -> Result<Reply, ApiError> {
     let body = validate::body_of(request).await?;
     let body = validate::model(&[COUNT_TOKENS], &body)?;
     server.check_model(string(&body, "model").as_deref())?;
-    let chat = chat_body(&body, false)?;
+    let chat = chat_body(&body, false);
     chat.check()?;
     let (_, prompt_ids) = server.chat_prompt(&chat.messages)?;
     let answer = object![("input_tokens", prompt_ids.len())];
@@ -402,7 +411,7 @@ async fn create(server: Arc<Server>, request: Request<Body>) -> Result<Reply, Ap
     let body = validate::body_of(request).await?;
     let body = validate::model(&[COUNT_TOKENS, MESSAGES], &body)?;
     let stream = bool_field(&body, "stream").unwrap_or(false);
-    let chat = chat_body(&body, true)?;
+    let chat = chat_body(&body, true);
     let mut turn = server.start_chat(&chat, format!("msg_{}", uuid4_hex()))?;
     let engine = turn.engine;
     if stream {

@@ -8,10 +8,12 @@ import json
 import re
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.entrypoints.notification_clients import families, scrape_each
 from tests.entrypoints.server_process import ServerProcess, free_port, tiny_model_args
@@ -682,3 +684,139 @@ def test_tokenizer_render_and_discovery_routes_are_the_python_servers_to_the_byt
     assert config["kv_events_config"]["endpoint"] == endpoint
     assert config["speculative_config"]["method"] == "ngram"
     assert answers[10] == {"server_load": 0}
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tiny_llama_dir: Path, embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """One Python and one Rust API server over the tiny model with a chat template, shared by
+    the tests below that need no flags of their own."""
+    model = _with_chat_template(tiny_llama_dir, embedded_model_dir, tmp_path_factory.mktemp("m"))
+    server = ServerProcess(
+        *tiny_model_args(model), api_server_count=1, rust_api_server_count=1, env=frontend_env()
+    )
+    with server.running():
+        yield server
+
+
+def _per_choice(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A stream as each choice's own chunks in order, and its usage: the samples' chunks
+    interleave as their outputs happen to come, each choice's own sequence does not."""
+    choices: dict[int, list[dict[str, Any]]] = {}
+    usage = None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            choices.setdefault(choice["index"], []).append(choice)
+        usage = chunk.get("usage") or usage
+    return {"choices": choices, "usage": usage}
+
+
+def _answered(answer: dict[str, Any]) -> dict[str, Any]:
+    """What a whole answer says, ids and times aside."""
+    return {k: v for k, v in answer.items() if k not in ("id", "created")}
+
+
+PROMPT = "Once upon a time"
+
+
+def test_samples_best_of_and_echo_are_the_python_servers_whole_and_streamed(
+    fleet: ServerProcess,
+) -> None:
+    """`n` seeded samples (chat and completions, with and without logprobs), `best_of` (the
+    likeliest `n` of more samples) and `echo` (the prompt's text first; with logprobs, its
+    tokens scored, the first one `null`) give the same choices, texts, logprobs, finish
+    reasons and usage on a Python and a Rust API server, whole and streamed; refusals of
+    these fields are the same 400s. The Python answers are checked for what they must say, so
+    that the two cannot agree on a wrong one."""
+    sampled = {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True}
+    usage = {"stream_options": {"include_usage": True}}
+    ask = [{"role": "user", "content": "Tell me a story"}]
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": PROMPT, "n": 3, "seed": 7, **sampled}),
+        ("/v1/completions", {"prompt": PROMPT, "n": 2, "seed": 3, "logprobs": 2, **sampled}),
+        ("/v1/chat/completions", {"messages": ask, "n": 3, "seed": 5, **sampled}),
+        (
+            "/v1/chat/completions",
+            {"messages": ask, "n": 2, "seed": 9, "logprobs": True, "top_logprobs": 2,
+             **sampled},
+        ),
+        ("/v1/completions", {"prompt": PROMPT, "echo": True, "max_tokens": 4, "temperature": 0}),
+        (
+            "/v1/completions",
+            {"prompt": PROMPT, "echo": True, "logprobs": 2, "n": 2, "seed": 1, **sampled},
+        ),
+        (
+            "/v1/completions",
+            {"prompt": [1, 9690, 198], "echo": True, "logprobs": 1, "seed": 6, **sampled},
+        ),
+        ("/v1/completions", {"prompt": PROMPT, "n": 2, "best_of": 2, "seed": 4, **sampled}),
+    ]  # fmt: skip
+    ranked = [
+        {"prompt": PROMPT, "n": 2, "best_of": 4, "seed": 11, "logprobs": 1, **sampled},
+        {"prompt": PROMPT, "n": 1, "best_of": 3, "seed": 2, **sampled},
+        {"prompt": PROMPT, "best_of": 2, "seed": 8, "echo": True, "logprobs": 0, **sampled},
+    ]
+    whole: dict[str, dict[str, Any]] = {}
+    for route, body in cases + [("/v1/completions", body) for body in ranked]:
+        both = _each_server_answer(fleet.url, route, body)
+        python, rust = (_answered(both[s]) for s in ("0", "1"))  # type: ignore[arg-type]
+        assert rust == python, (route, body)
+        whole[json.dumps(body)] = python
+        if body.get("best_of", 1) > body.get("n", 1):
+            continue  # ranked answers cannot stream
+        streamed = _each_server_answer(fleet.url, route, {**body, "stream": True, **usage})
+        python_chunks, rust_chunks = (
+            _per_choice(streamed[s])  # type: ignore[arg-type]
+            for s in ("0", "1")
+        )
+        assert rust_chunks == python_chunks, (route, body, "streamed")
+        assert python_chunks["usage"] == python["usage"], (route, body)
+        assert sorted(python_chunks["choices"]) == list(range(len(python["choices"])))
+
+    # What the answers must say.
+    n3, n2_logprobs, chat3, chat2_logprobs, echoed, echoed_scored, echoed_ids, even = (
+        whole[json.dumps(body)] for _, body in cases
+    )
+    texts = [c["text"] for c in n3["choices"]]
+    assert [c["index"] for c in n3["choices"]] == [0, 1, 2] and len(set(texts)) == 3, texts
+    assert n3["usage"]["completion_tokens"] == 18  # every sample counted
+    assert len({c["message"]["content"] for c in chat3["choices"]}) == 3
+    for choice in chat2_logprobs["choices"]:
+        assert len(choice["logprobs"]["content"]) == 6
+    assert all(len(c["logprobs"]["tokens"]) == 6 for c in n2_logprobs["choices"])
+    prompt_tokens = echoed["usage"]["prompt_tokens"]
+    assert echoed["choices"][0]["text"].startswith(PROMPT)
+    assert echoed["choices"][0]["logprobs"] is None
+    for choice in echoed_scored["choices"]:
+        logprobs = choice["logprobs"]
+        assert choice["text"].startswith(PROMPT)
+        assert "".join(logprobs["tokens"]) == choice["text"]
+        assert len(logprobs["tokens"]) == prompt_tokens + 6
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert all(isinstance(lp, float) for lp in logprobs["token_logprobs"][1:])
+        assert logprobs["text_offset"][prompt_tokens] == len(PROMPT)
+    # Both samples scored the same prompt the same way (the first sample's scores).
+    first, second = (c["logprobs"] for c in echoed_scored["choices"])
+    assert first["token_logprobs"][:prompt_tokens] == second["token_logprobs"][:prompt_tokens]
+    assert echoed_ids["usage"]["prompt_tokens"] == 3
+    assert len(echoed_ids["choices"][0]["logprobs"]["tokens"]) == 3 + 6
+    assert len(even["choices"]) == 2
+    best_two, best_one, best_echoed = (whole[json.dumps(body)] for body in ranked)
+    assert len(best_two["choices"]) == 2 and best_two["usage"]["completion_tokens"] == 24
+    likelihoods = [sum(c["logprobs"]["token_logprobs"]) for c in best_two["choices"]]
+    assert likelihoods[0] >= likelihoods[1], likelihoods
+    assert len(best_one["choices"]) == 1 and best_one["choices"][0]["logprobs"] is None
+    assert best_echoed["choices"][0]["text"].startswith(PROMPT)
+
+    refused: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": PROMPT, "n": 0}),
+        ("/v1/completions", {"prompt": PROMPT, "n": 129, "best_of": "x", "echo": "maybe"}),
+        ("/v1/completions", {"prompt": PROMPT, "n": 3, "best_of": 2}),
+        ("/v1/completions", {"prompt": PROMPT, "best_of": 3, "stream": True}),
+        ("/v1/chat/completions", {"messages": ask, "n": 200}),
+    ]
+    for route, body in refused:
+        answers = _from_each_server(fleet.url, "POST", route, body)
+        assert answers["1"] == answers["0"], (route, body, answers)
+        assert answers["0"][0] == 400, (route, answers["0"])

@@ -1,8 +1,9 @@
 //! Log-probabilities in OpenAI's two shapes, rendered as the Python servers render them: chat's
 //! `content` list (token, logprob, UTF-8 bytes, the `top` likeliest) and the completions API's
 //! legacy lists (tokens, token_logprobs, top_logprobs keyed by token text, text_offset in
-//! characters). A token's text is its own decode, special tokens included and an incomplete
-//! UTF-8 sequence replaced, as the Python tokenizer decodes one id. Fields come in the Python
+//! characters; an echoed prompt's positions first, its first token unscored). A token's text is
+//! its own decode, special tokens included and an incomplete UTF-8 sequence replaced, as the
+//! Python tokenizer decodes one id. Fields come in the Python
 //! servers' order (`pyjson`), and a completion's `top_logprobs` by rank, as a dict keeps them.
 
 use rankcast_client::wire::protocol::TokenLogprobs;
@@ -59,21 +60,42 @@ pub fn chat(tokenizer: &Tokenizer, items: &[TokenLogprobs], top: usize) -> Json 
     object![("content", Json::Array(content))]
 }
 
-/// The completions API's `logprobs`, its text offsets counted from `offset` (a stream's chunk
-/// starts where the text streamed before it ends); returns it and the offset after it.
-pub fn completion(
-    tokenizer: &Tokenizer,
-    items: &[TokenLogprobs],
-    top: usize,
-    mut offset: usize,
-) -> (Json, usize) {
-    let (mut tokens, mut logprobs, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
-    for item in items {
-        let chosen = text(tokenizer, item.token_id);
-        offsets.push(offset);
-        offset += chosen.chars().count();
-        tokens.push(chosen);
-        logprobs.push(item.logprob);
+/// The completions API's legacy `logprobs`, a position at a time: an echoed prompt's (its
+/// first token unscored: its text and `null`s), then the completion's, each `text_offset` where
+/// the token's text starts in the choice's text (characters).
+#[derive(Clone)]
+pub struct Legacy {
+    tokens: Vec<Json>,
+    token_logprobs: Vec<Json>,
+    top_logprobs: Vec<Json>,
+    text_offset: Vec<Json>,
+    /// Where the next position's text starts.
+    pub end: usize,
+}
+
+impl Legacy {
+    /// No positions yet, the first to start at `offset` (a stream's chunk starts where the
+    /// text streamed before it ends).
+    pub fn starting_at(offset: usize) -> Legacy {
+        Legacy {
+            tokens: Vec::new(),
+            token_logprobs: Vec::new(),
+            top_logprobs: Vec::new(),
+            text_offset: Vec::new(),
+            end: offset,
+        }
+    }
+
+    fn push_text(&mut self, text: String) {
+        self.text_offset.push(Json::from(self.end));
+        self.end += text.chars().count();
+        self.tokens.push(Json::from(text));
+    }
+
+    /// A scored position: its token, the token's logprob and the `top` likeliest there.
+    pub fn push(&mut self, tokenizer: &Tokenizer, item: &TokenLogprobs, top: usize) {
+        self.push_text(text(tokenizer, item.token_id));
+        self.token_logprobs.push(Json::from(item.logprob));
         // A dict by token text: two ids of one text keep the first's place, the last's figure.
         let mut by_text: Vec<(String, Json)> = Vec::new();
         for (id, lp) in ranked(item, top) {
@@ -83,15 +105,54 @@ pub fn completion(
                 None => by_text.push((token, Json::from(lp))),
             }
         }
-        tops.push(Json::Object(by_text));
+        self.top_logprobs.push(Json::Object(by_text));
     }
-    let rendered = object![
-        ("tokens", tokens),
-        ("token_logprobs", logprobs),
-        ("top_logprobs", tops),
-        ("text_offset", offsets),
-    ];
-    (rendered, offset)
+
+    /// A position without a score (a prompt's first token): its text, `null`s.
+    fn push_unscored(&mut self, tokenizer: &Tokenizer, token: i64) {
+        self.push_text(text(tokenizer, token));
+        self.token_logprobs.push(Json::Null);
+        self.top_logprobs.push(Json::Null);
+    }
+
+    pub fn json(self) -> Json {
+        object![
+            ("tokens", self.tokens),
+            ("token_logprobs", self.token_logprobs),
+            ("top_logprobs", self.top_logprobs),
+            ("text_offset", self.text_offset),
+        ]
+    }
+}
+
+/// An echoed prompt's positions: its first token unscored, the rest with the engine's scores
+/// (`prompt_logprobs`, one per token after the first; every position unscored without them),
+/// as the Python servers' `_echo_logprobs` gives them.
+pub fn echoed(
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    scored: Option<&[TokenLogprobs]>,
+    top: usize,
+) -> Legacy {
+    let mut legacy = Legacy::starting_at(0);
+    let Some((&first, _)) = prompt.split_first() else {
+        return legacy;
+    };
+    match scored {
+        Some(scored) => {
+            legacy.push_unscored(tokenizer, i64::from(first));
+            // Python's `zip`: as many positions as both the prompt and the scores have.
+            for item in scored.iter().take(prompt.len() - 1) {
+                legacy.push(tokenizer, item, top);
+            }
+        }
+        None => {
+            for &token in prompt {
+                legacy.push_unscored(tokenizer, i64::from(token));
+            }
+        }
+    }
+    legacy
 }
 
 #[cfg(test)]

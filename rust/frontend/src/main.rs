@@ -26,6 +26,7 @@ mod exposition;
 mod families;
 mod fields;
 mod fleet_start;
+mod generation;
 mod logprobs;
 mod lora_metrics;
 mod metrics;
@@ -34,6 +35,7 @@ mod metrics_spec;
 mod multiprocess;
 mod openai;
 mod request_metrics;
+mod sampling;
 mod shape;
 mod tokenization;
 

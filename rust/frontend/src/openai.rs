@@ -3,7 +3,8 @@
 //! `/tokenize` and `/detokenize` (tokenization.rs), the render and discovery routes routers ask
 //! (discovery.rs); and the engine as this server's view has it, `/v1/lora_adapters` and
 //! `/v1/engine_views`. Request fields are checked the way the Python API
-//! server checks them, and a bad one is a 400 in OpenAI's error shape naming it. Completions,
+//! server checks them, and a bad one is a 400 in OpenAI's error shape naming it; a checked
+//! request's samples are driven to their answer by `generation.rs`. Completions,
 //! chunks and errors are written with the Python servers' field order and number spelling
 //! (`pyjson`), and a chat's output goes through the same reasoning and tool-call parsers
 //! (`output_parsers`), so a fleet answers the same bytes from either kind of server, ids and
@@ -12,29 +13,27 @@
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use hyper::body::Bytes;
 use hyper::{Body, Method, Request, Response, StatusCode};
-use rankcast_client::wire::protocol::{EngineCoreOutput, EngineCoreRequest, TokenLogprobs};
 use rankcast_client::wire::sampling::SamplingParams;
 use rankcast_frontend::engine_views::EngineViews;
 use rankcast_frontend::object;
 use rankcast_frontend::output_parsers::{
-    prompt_opens_think, HermesToolParser, OutputParser, Parsed, ThinkParser, ToolCall,
+    prompt_opens_think, HermesToolParser, OutputParser, ThinkParser, ToolCall,
 };
 use rankcast_frontend::pyjson::Json;
-use rankcast_text::{IncrementalDetokenizer, Tokenizer};
+use rankcast_text::Tokenizer;
 use serde_json::{json, Map, Value};
 
 use crate::chat::ChatTemplate;
 use crate::discovery::Discovery;
 use crate::drain::{Drain, RETRY_AFTER_S};
-use crate::engine::{Engine, Event};
+use crate::engine::Engine;
 use crate::events::EventHub;
 use crate::fields;
 use crate::fleet_start::FleetStart;
-use crate::logprobs;
 use crate::metrics::EngineMetrics;
 use crate::shape;
 
@@ -84,13 +83,6 @@ pub struct Parsers {
     pub hermes_tools: bool,
 }
 
-/// Why a request ended without its finish reason.
-enum Failure {
-    ClientGone,
-    Engine(String),
-    Shutdown(String),
-}
-
 pub(crate) type Reply = Response<Body>;
 
 fn json_reply(status: StatusCode, body: &Value) -> Reply {
@@ -107,7 +99,7 @@ pub(crate) fn text_reply(status: StatusCode, body: String) -> Reply {
 }
 
 /// OpenAI's error body, its fields in the Python servers' order.
-fn error_body(status: StatusCode, message: &str, param: Option<&str>) -> Json {
+pub(crate) fn error_body(status: StatusCode, message: &str, param: Option<&str>) -> Json {
     let kind = match status.as_u16() {
         400 => "BadRequestError",
         401 => "AuthenticationError",
@@ -134,8 +126,7 @@ pub(crate) fn error(status: StatusCode, message: &str, param: Option<&str>) -> R
 /// Request fields of the Python servers that this server does not serve yet. Of the output
 /// shapes it serves a choice of strings (`guided_choice`, `structured_outputs.choice`:
 /// shape.rs), and tools, tool_choice and chat_template_kwargs on chat.
-const NOT_SERVED_YET: [&str; 5] = [
-    "echo",
+const NOT_SERVED_YET: [&str; 4] = [
     "response_format",
     "guided_json",
     "guided_regex",
@@ -155,6 +146,11 @@ impl BadRequest {
             param.map(str::to_string),
             StatusCode::BAD_REQUEST,
         )
+    }
+
+    #[cfg(test)]
+    pub(crate) fn message(&self) -> &str {
+        &self.0
     }
 
     /// The refusal as the client gets it.
@@ -281,11 +277,6 @@ fn sampling(
     if top_k < -1 {
         return bad("top_k must be -1, 0 or positive", "top_k");
     }
-    if let Some(n) = integer(body, "n")? {
-        if n != 1 {
-            return bad("only n=1 is supported", "n");
-        }
-    }
     if let Some(m) = max_tokens {
         if m < 1 {
             return bad("max_tokens must be at least 1", "max_tokens");
@@ -339,188 +330,16 @@ fn sampling(
     Ok((params, stop))
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
 
-fn now_f64() -> f64 {
+pub(crate) fn now_f64() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// Stop strings over the growing text: what may be shown so far, and where the output ends.
-struct StopStrings {
-    stops: Vec<String>,
-    include: bool,
-    longest: usize,
-}
-
-impl StopStrings {
-    /// (byte length of text safe to show, stopped) for `text` as it stands.
-    fn check(&self, text: &str) -> (usize, bool) {
-        let first = self
-            .stops
-            .iter()
-            .filter_map(|s| text.find(s.as_str()).map(|at| (at, s.len())))
-            .min();
-        if let Some((at, len)) = first {
-            return (if self.include { at + len } else { at }, true);
-        }
-        // Hold back what could be the start of a stop string, on a character boundary.
-        let mut safe = text.len().saturating_sub(self.longest.saturating_sub(1));
-        while !text.is_char_boundary(safe) {
-            safe -= 1;
-        }
-        (
-            if self.stops.is_empty() {
-                text.len()
-            } else {
-                safe
-            },
-            false,
-        )
-    }
-}
-
-struct Generation {
-    request_id: String,
-    prompt_tokens: usize,
-    object: &'static str,
-    chat: bool,
-    model: String,
-    created: u64,
-    /// When the request arrived: its time to first token and end-to-end latency start here.
-    arrival: Instant,
-}
-
-impl Generation {
-    fn chunk(&self, text: &str, finish: Option<&str>) -> Json {
-        self.chunk_with(text, finish, Json::Null)
-    }
-
-    /// A chunk carrying the logprobs of its tokens.
-    fn chunk_with(&self, text: &str, finish: Option<&str>, logprobs: Json) -> Json {
-        if self.chat {
-            let delta = if text.is_empty() && logprobs.is_null() {
-                object![]
-            } else {
-                object![("content", text)]
-            };
-            return self.chat_chunk(delta, finish, logprobs);
-        }
-        let choice = object![
-            ("index", 0u64),
-            ("text", text),
-            ("logprobs", logprobs),
-            ("finish_reason", finish),
-        ];
-        self.with_choices(vec![choice])
-    }
-
-    fn chat_chunk(&self, delta: Json, finish: Option<&str>, logprobs: Json) -> Json {
-        let choice = object![
-            ("index", 0u64),
-            ("delta", delta),
-            ("logprobs", logprobs),
-            ("finish_reason", finish),
-        ];
-        self.with_choices(vec![choice])
-    }
-
-    /// The fields every chunk of a response repeats, then `choices`.
-    fn with_choices(&self, choices: Vec<Json>) -> Json {
-        object![
-            ("id", self.request_id.as_str()),
-            ("object", self.object),
-            ("created", self.created),
-            ("model", self.model.as_str()),
-            ("choices", choices),
-        ]
-    }
-
-    /// The usage chunk that ends a stream when the request asked for it.
-    fn usage_chunk(&self, completion: usize) -> Json {
-        let Json::Object(mut fields) = self.with_choices(Vec::new()) else {
-            unreachable!("a chunk is an object")
-        };
-        fields.push(("usage".into(), self.usage(completion)));
-        Json::Object(fields)
-    }
-
-    fn usage(&self, completion: usize) -> Json {
-        object![
-            ("prompt_tokens", self.prompt_tokens),
-            ("completion_tokens", completion),
-            ("total_tokens", self.prompt_tokens + completion),
-        ]
-    }
-
-    /// One output's text through the chat's parsers, as the Python servers stream it: its
-    /// reasoning, its content and each tool call in chunks of their own (clients read one
-    /// kind per delta), a call as OpenAI streams one (its index, id and name, then its
-    /// arguments), the output's logprobs on the first chunk (on an empty delta when all of
-    /// its text is held back). `finished`: the parsers give what they held.
-    fn parsed_chunks(
-        &self,
-        parser: &mut OutputParser,
-        text: &str,
-        finished: bool,
-        logprobs: Json,
-        calls_sent: &mut usize,
-    ) -> Vec<Json> {
-        let (mut reasoning, mut parsed) = if text.is_empty() {
-            (String::new(), Parsed::default())
-        } else {
-            parser.feed(text)
-        };
-        if finished {
-            let (last_reasoning, last) = parser.finish();
-            reasoning.push_str(&last_reasoning);
-            parsed.content.push_str(&last.content);
-            parsed.calls.extend(last.calls);
-        }
-        let mut deltas = Vec::new();
-        if !reasoning.is_empty() {
-            deltas.push(object![
-                ("reasoning", reasoning.as_str()),
-                ("reasoning_content", reasoning.as_str()),
-            ]);
-        }
-        if !parsed.content.is_empty() {
-            deltas.push(object![("content", parsed.content)]);
-        }
-        for call in parsed.calls {
-            let index = *calls_sent;
-            *calls_sent += 1;
-            let named = object![("name", call.name), ("arguments", "")];
-            let head = object![
-                ("index", index),
-                ("id", call.id),
-                ("type", "function"),
-                ("function", named),
-            ];
-            deltas.push(object![("tool_calls", vec![head])]);
-            let arguments = object![
-                ("index", index),
-                ("function", object![("arguments", call.arguments)]),
-            ];
-            deltas.push(object![("tool_calls", vec![arguments])]);
-        }
-        if !logprobs.is_null() && deltas.is_empty() {
-            deltas.push(object![]); // the tokens' logprobs, their text held back for now
-        }
-        let mut logprobs = Some(logprobs);
-        deltas
-            .into_iter()
-            .map(|delta| {
-                let logprobs = logprobs.take().unwrap_or(Json::Null);
-                self.chat_chunk(delta, None, logprobs)
-            })
-            .collect()
-    }
 }
 
 /// A call in a message's `tool_calls`.
@@ -539,7 +358,7 @@ fn call_message(call: ToolCall) -> Json {
 /// parser, the reasoning and the calls the model wrote taken out of the text (no text beside
 /// them is `content: null`) and the finish reason `tool_calls` when it wrote some; the
 /// reasoning fields are there (`null` without reasoning) whenever the server reads reasoning.
-fn chat_message(
+pub(crate) fn chat_message(
     text: String,
     finish: String,
     parser: Option<OutputParser>,
@@ -602,7 +421,7 @@ async fn read_body(request: Request<Body>) -> Result<Map<String, Value>, Reply> 
     }
 }
 
-fn sse(value: &Json) -> Bytes {
+pub(crate) fn sse(value: &Json) -> Bytes {
     Bytes::from(format!("data: {}\n\n", value.event()))
 }
 
@@ -794,7 +613,7 @@ impl Server {
     }
 
     /// A new request id, unique among every server of the fleet (its index is in it).
-    fn request_id(&self, chat: bool) -> String {
+    pub(crate) fn request_id(&self, chat: bool) -> String {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let prefix = if chat { "chatcmpl" } else { "cmpl" };
         format!(
@@ -924,11 +743,13 @@ impl Server {
         body: &Map<String, Value>,
         chat: bool,
     ) -> Result<Prepared, BadRequest> {
-        // The messages' or the prompt's fields first, as the Python servers check a body
-        // before anything else.
+        // The fields the Python servers' schema reads as this one does (`fields`) first, in
+        // its order, as they check a body before anything else.
         let mut messages = Vec::new();
         let mut prompt = None;
         let mut invalid = fields::Invalid::default();
+        let n = crate::sampling::read_n(&mut invalid, body);
+        let (mut echo, mut best_of) = (false, None);
         if chat {
             match body.get("messages") {
                 None => invalid.missing(body, "", "messages"),
@@ -936,10 +757,12 @@ impl Server {
             }
         } else {
             prompt = fields::prompt(&mut invalid, body);
+            (echo, best_of) = crate::sampling::read_completion_fields(&mut invalid, body);
         }
         if !invalid.is_empty() {
             return Err(invalid.into());
         }
+        let samples = crate::sampling::samples(n, best_of, echo, body)?;
         // The base model, or an adapter the engine registered; responses name it as asked.
         let requested = body.get("model").and_then(Value::as_str);
         let lora_name = self.lora_for(requested)?;
@@ -960,6 +783,7 @@ impl Server {
         }
         let structured = shape::structured(body)?;
         let mut parsing = None;
+        let mut prompt_text = None;
         let prompt_ids: Vec<u32> = if chat {
             let auto_tools = shape::auto_tools(body, self.parsers.hermes_tools)?;
             shape::check_template_variables(body)?;
@@ -972,7 +796,11 @@ impl Server {
             self.tokenizer.encode(&prompt)
         } else {
             match prompt {
-                Some(fields::Prompt::Text(text)) => self.tokenizer.encode(&text),
+                Some(fields::Prompt::Text(text)) => {
+                    let ids = self.tokenizer.encode(&text);
+                    prompt_text = Some(text);
+                    ids
+                }
                 Some(fields::Prompt::Ids(ids)) => {
                     let vocab = self.tokenizer.vocab_size() as i64;
                     if ids.iter().any(|&id| id >= vocab) {
@@ -1021,11 +849,9 @@ impl Server {
             lora_name,
             model,
             prompt_ids,
-            stop: StopStrings {
-                longest: stops.iter().map(String::len).max().unwrap_or(0),
-                include: params.include_stop_str_in_output,
-                stops,
-            },
+            prompt_text,
+            samples,
+            stop: crate::generation::StopStrings::new(stops, params.include_stop_str_in_output),
             skip_special: params.skip_special_tokens,
             top_logprobs: params.logprobs.map(|top| top as usize),
             params,
@@ -1035,340 +861,33 @@ impl Server {
             reasoning_fields: chat && self.parsers.qwen3_reasoning,
         })
     }
-
-    async fn run(self: Arc<Self>, prepared: Prepared, chat: bool) -> Reply {
-        let in_flight = self.drain.enter();
-        let generation = Generation {
-            request_id: self.request_id(chat),
-            prompt_tokens: prepared.prompt_ids.len(),
-            object: if chat {
-                "chat.completion.chunk"
-            } else {
-                "text_completion"
-            },
-            chat,
-            model: prepared.model.clone(),
-            created: now(),
-            arrival: Instant::now(),
-        };
-        let events = self.engine.generate(EngineCoreRequest {
-            request_id: generation.request_id.clone(),
-            prompt_token_ids: prepared.prompt_ids.iter().map(|&t| t as i64).collect(),
-            sampling_params: prepared.params.clone(),
-            arrival_time: now_f64(),
-            client_index: self.client_index,
-            lora_name: prepared.lora_name.clone(),
-            // One engine core behind a Rust API server: no choice was made.
-            routing_reason: String::new(),
-            routing_expected_prefix_tokens: 0,
-        });
-        if prepared.stream {
-            let (sender, body) = Body::channel();
-            tokio::spawn(
-                self.clone()
-                    .stream(generation, prepared, events, sender, in_flight),
-            );
-            return Response::builder()
-                .header("content-type", "text/event-stream")
-                .header("cache-control", "no-cache")
-                .body(body)
-                .expect("a response");
-        }
-        let done = self.collect(&generation, &prepared, events, None).await;
-        let Finished {
-            text,
-            reason: finish,
-            tokens,
-            logprobs: entries,
-            ..
-        } = match done {
-            Ok(done) => done,
-            Err(Failure::Engine(why) | Failure::Shutdown(why)) => {
-                return error(StatusCode::SERVICE_UNAVAILABLE, &why, None)
-            }
-            Err(Failure::ClientGone) => return error(StatusCode::BAD_REQUEST, "client gone", None),
-        };
-        drop(in_flight);
-        let rendered = match prepared.top_logprobs {
-            Some(top) if chat => logprobs::chat(&self.tokenizer, &entries, top),
-            Some(top) => logprobs::completion(&self.tokenizer, &entries, top, 0).0,
-            None => Json::Null,
-        };
-        let choice = if chat {
-            let parser = prepared.parsing.map(Parsing::parser);
-            let (message, finish) = chat_message(text, finish, parser, prepared.reasoning_fields);
-            object![
-                ("index", 0u64),
-                ("message", message),
-                ("logprobs", rendered),
-                ("finish_reason", finish),
-            ]
-        } else {
-            object![
-                ("index", 0u64),
-                ("text", text),
-                ("logprobs", rendered),
-                ("finish_reason", finish),
-            ]
-        };
-        let object = if chat {
-            "chat.completion"
-        } else {
-            "text_completion"
-        };
-        let body = object![
-            ("id", generation.request_id.as_str()),
-            ("object", object),
-            ("created", generation.created),
-            ("model", generation.model.as_str()),
-            ("choices", vec![choice]),
-            ("usage", generation.usage(tokens)),
-        ];
-        text_reply(StatusCode::OK, body.response())
-    }
-
-    /// Drive one request to its end: (text, finish reason, tokens). With `sender`, each piece
-    /// of text that is safe to show is streamed as it comes (a chat's through its parsers),
-    /// a completion's last piece with its finish reason, as the Python servers stream them.
-    async fn collect(
-        &self,
-        generation: &Generation,
-        prepared: &Prepared,
-        mut events: tokio::sync::mpsc::UnboundedReceiver<Event>,
-        mut sender: Option<&mut hyper::body::Sender>,
-    ) -> Result<Finished, Failure> {
-        let mut stream = IncrementalDetokenizer::new(&self.tokenizer, prepared.skip_special);
-        let mut logprobs: Vec<TokenLogprobs> = Vec::new();
-        let mut offset = 0usize; // where the next streamed token's text starts (characters)
-        let mut text = String::new();
-        let mut shown = 0usize;
-        let mut tokens = 0usize;
-        let mut last_token_at: Option<Instant> = None;
-        // A whole answer is parsed once it is complete (`chat_message`).
-        let mut parser = sender.as_ref().and(prepared.parsing).map(Parsing::parser);
-        let mut calls_sent = 0usize;
-        if let Some(sender) = sender.as_deref_mut() {
-            if generation.chat {
-                let opening = object![("role", "assistant"), ("content", "")];
-                let first = generation.chat_chunk(opening, None, Json::Null);
-                if sender.send_data(sse(&first)).await.is_err() {
-                    self.engine.abort(&generation.request_id);
-                    return Err(Failure::ClientGone);
-                }
-            }
-        }
-        let mut cut = self.drain.cut_signal();
-        loop {
-            let event = tokio::select! {
-                event = events.recv() => event,
-                _ = cut.changed() => {
-                    self.engine.abort(&generation.request_id);
-                    return Err(Failure::Shutdown(self.drain.message()));
-                }
-            };
-            let Some(event) = event else {
-                return Err(Failure::Engine("the engine core stopped answering".into()));
-            };
-            let mut output = match event {
-                Event::Output(output) => output,
-                Event::EngineDead(why) => return Err(Failure::Engine(why)),
-            };
-            if let Some(error) = &output.error {
-                return Err(Failure::Engine(error.clone()));
-            }
-            for &id in &output.new_token_ids {
-                tokens += 1;
-                text.push_str(&stream.push(id as u32));
-            }
-            last_token_at = self.record_timing(generation, &output, last_token_at);
-            let start = logprobs.len();
-            logprobs.extend(output.new_logprobs.take().unwrap_or_default());
-            let mut finish = output.finish_reason.clone();
-            if finish.is_some() {
-                text.push_str(&stream.finish());
-            }
-            let (safe, stopped) = prepared.stop.check(&text);
-            if stopped {
-                text.truncate(safe);
-                if finish.is_none() {
-                    self.engine.abort(&generation.request_id);
-                }
-                finish = Some("stop".into());
-            }
-            let visible = if finish.is_some() { text.len() } else { safe };
-            if let Some(sender) = sender.as_deref_mut() {
-                // With logprobs, every output with tokens is a chunk, its text held back or not.
-                let delta_logprobs = match prepared.top_logprobs {
-                    Some(top) if logprobs.len() > start => {
-                        let new_logprobs = &logprobs[start..];
-                        if generation.chat {
-                            logprobs::chat(&self.tokenizer, new_logprobs, top)
-                        } else {
-                            let rendered;
-                            (rendered, offset) =
-                                logprobs::completion(&self.tokenizer, new_logprobs, top, offset);
-                            rendered
-                        }
-                    }
-                    _ => Json::Null,
-                };
-                let piece = &text[shown..visible];
-                let chunks = match parser.as_mut() {
-                    Some(parser) => generation.parsed_chunks(
-                        parser,
-                        piece,
-                        finish.is_some(),
-                        delta_logprobs,
-                        &mut calls_sent,
-                    ),
-                    None if !generation.chat && finish.is_some() => {
-                        vec![generation.chunk_with(piece, finish.as_deref(), delta_logprobs)]
-                    }
-                    None if !piece.is_empty() || !delta_logprobs.is_null() => {
-                        vec![generation.chunk_with(piece, None, delta_logprobs)]
-                    }
-                    None => Vec::new(),
-                };
-                shown = visible;
-                for chunk in chunks {
-                    if sender.send_data(sse(&chunk)).await.is_err() {
-                        self.engine.abort(&generation.request_id);
-                        return Err(Failure::ClientGone);
-                    }
-                }
-            }
-            if let Some(reason) = finish {
-                self.metrics.requests.record_finished(
-                    self.engine_index,
-                    generation.arrival.elapsed().as_secs_f64(),
-                    generation.prompt_tokens,
-                    tokens,
-                    &reason,
-                );
-                return Ok(Finished {
-                    text,
-                    reason,
-                    tokens,
-                    logprobs,
-                    calls_sent,
-                });
-            }
-        }
-    }
-
-    /// Time to first token and inter-token latency, as the Python servers count them: tokens
-    /// that arrive together share the gap since the previous ones (after the first token, the
-    /// rest of its batch count 0). Returns when the latest token arrived.
-    fn record_timing(
-        &self,
-        generation: &Generation,
-        output: &EngineCoreOutput,
-        last: Option<Instant>,
-    ) -> Option<Instant> {
-        let new = output.new_token_ids.len() as u32;
-        if new == 0 {
-            return last;
-        }
-        let now = Instant::now();
-        let requests = &self.metrics.requests;
-        match last {
-            None => {
-                requests.record_first_token((now - generation.arrival).as_secs_f64());
-                if new > 1 {
-                    requests.record_inter_token(0.0, new - 1);
-                }
-            }
-            Some(last) => {
-                let gap = (now - last).as_secs_f64() / f64::from(new);
-                requests.record_inter_token(gap, new);
-            }
-        }
-        Some(now)
-    }
-
-    async fn stream(
-        self: Arc<Self>,
-        generation: Generation,
-        prepared: Prepared,
-        events: tokio::sync::mpsc::UnboundedReceiver<Event>,
-        mut sender: hyper::body::Sender,
-        _in_flight: crate::drain::InFlight,
-    ) {
-        let result = self
-            .collect(&generation, &prepared, events, Some(&mut sender))
-            .await;
-        let tail = match result {
-            Ok(Finished {
-                reason,
-                tokens,
-                calls_sent,
-                ..
-            }) => {
-                let mut out = Vec::new();
-                // A chat ends with a chunk of its own (a completion's last piece carried it),
-                // `tool_calls` when the model's calls were sent.
-                if generation.chat {
-                    let reason = if calls_sent > 0 {
-                        "tool_calls"
-                    } else {
-                        &reason
-                    };
-                    out.push(sse(&generation.chunk("", Some(reason))));
-                }
-                if prepared.include_usage {
-                    out.push(sse(&generation.usage_chunk(tokens)));
-                }
-                out
-            }
-            Err(Failure::ClientGone) => return,
-            // As the Python servers end a cut stream: a finish reason, then the error.
-            Err(Failure::Engine(why) | Failure::Shutdown(why)) => {
-                let body = error_body(StatusCode::SERVICE_UNAVAILABLE, &why, None);
-                vec![sse(&generation.chunk("", Some("abort"))), sse(&body)]
-            }
-        };
-        for piece in tail {
-            if sender.send_data(piece).await.is_err() {
-                return;
-            }
-        }
-        let _ = sender
-            .send_data(Bytes::from_static(b"data: [DONE]\n\n"))
-            .await;
-    }
-}
-
-/// A request that reached its finish reason: its text, token count and logprobs, and how many
-/// tool calls its stream sent.
-struct Finished {
-    text: String,
-    reason: String,
-    tokens: usize,
-    logprobs: Vec<TokenLogprobs>,
-    calls_sent: usize,
 }
 
 pub(crate) struct Prepared {
-    lora_name: Option<String>,
+    pub(crate) lora_name: Option<String>,
     /// The model as the request named it (the base model's name when it named none).
     pub(crate) model: String,
     pub(crate) prompt_ids: Vec<u32>,
+    /// A completion's prompt as given in text (None: token ids, or a chat).
+    pub(crate) prompt_text: Option<String>,
+    /// The samples drawn and answered (`n`, `best_of`) and whether the prompt is echoed.
+    pub(crate) samples: crate::sampling::Samples,
     pub(crate) params: SamplingParams,
-    stop: StopStrings,
-    skip_special: bool,
+    pub(crate) stop: crate::generation::StopStrings,
+    pub(crate) skip_special: bool,
     pub(crate) stream: bool,
-    include_usage: bool,
+    pub(crate) include_usage: bool,
     /// How many alternatives each position's logprobs list, when logprobs were asked for.
-    top_logprobs: Option<usize>,
+    pub(crate) top_logprobs: Option<usize>,
     /// How the chat's output is read (None: all of it is content).
-    parsing: Option<Parsing>,
+    pub(crate) parsing: Option<Parsing>,
     /// The answer has `reasoning` and `reasoning_content` fields (the server reads reasoning).
-    reasoning_fields: bool,
+    pub(crate) reasoning_fields: bool,
 }
 
 /// Which parsers read a chat's output, decided with its prompt (Python's `output_parser`).
 #[derive(Clone, Copy)]
-struct Parsing {
+pub(crate) struct Parsing {
     /// The reasoning parser's (`opened`, `constrained`), when the server reads reasoning.
     think: Option<(bool, bool)>,
     /// The request leaves its tools to the model, and the server reads the calls it writes.
@@ -1389,7 +908,7 @@ impl Parsing {
         })
     }
 
-    fn parser(self) -> OutputParser {
+    pub(crate) fn parser(self) -> OutputParser {
         OutputParser {
             think: self
                 .think

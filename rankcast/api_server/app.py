@@ -40,7 +40,7 @@ from rankcast.api_server.errors import ANTHROPIC_PREFIX, APIError, error_respons
 from rankcast.api_server.events import EventFilter, EventHub, parse_event_id
 from rankcast.api_server.metrics.lora_metrics import LoRAMetrics
 from rankcast.api_server.metrics.prometheus import ServerMetrics
-from rankcast.api_server.middleware import LastResortErrors, TagAndAuthenticate
+from rankcast.api_server.middleware import CountRequests, LastResortErrors, TagAndAuthenticate
 from rankcast.api_server.openai_responses import add_responses_routes
 from rankcast.api_server.schema import (
     ChatCompletionRequest,
@@ -143,10 +143,11 @@ def build_app(
     """The HTTP surface over an engine connection that is already established."""
     app = FastAPI(title="rankcast", version=__version__)
     # The later one added is the outer one: the last resort's 500 and a draining server's 503
-    # are tagged like any answer.
+    # are tagged like any answer, and every answer is counted.
     app.add_middleware(LastResortErrors)
     app.add_middleware(DrainGate, drain=drain)
     app.add_middleware(TagAndAuthenticate, index=index, api_key=config.api_key)
+    app.add_middleware(CountRequests, metrics=metrics)
     _add_error_handlers(app)
     _add_probe_routes(app, serving, metrics)
     _add_model_routes(app, config, serving)

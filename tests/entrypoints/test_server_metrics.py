@@ -1,12 +1,18 @@
 """The inter-token latency histogram, gathered per engine step, reads exactly as one
-`observe` per token would have written it."""
+`observe` per token would have written it; requests are counted by route as vLLM counts them."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from rankcast.api_server.metrics.families import declared
 from rankcast.api_server.metrics.prometheus import ServerMetrics
+from rankcast.api_server.middleware import CountRequests, LastResortErrors, TagAndAuthenticate
 from tests.entrypoints.notification_clients import prefix_cache_totals
 
 ITL = "vllm:inter_token_latency_seconds"
@@ -77,3 +83,56 @@ def test_engine_totals_count_on_across_an_engine_restart_never_back() -> None:
     metrics.apply_snapshot(EngineStateSnapshot(engine_index=0, incarnation=2))
     metrics.record_scheduler_stats(0, stats())
     assert _prefix_cache(metrics) == (125, 51)
+
+
+def test_requests_are_counted_by_method_status_class_and_route_template() -> None:
+    """`http_requests_total{method,status,handler}` as vLLM's API server labels it: the route
+    template (one series for every value of a path parameter), the status class, "none" for a
+    path no route matched and for a request refused before any route ran (the API key); a
+    stream once it ended; an exception as the 500 it became; the probes not at all."""
+    metrics = ServerMetrics("m")
+    app = FastAPI()
+    app.add_middleware(LastResortErrors)
+    app.add_middleware(TagAndAuthenticate, index=0, api_key="key")
+    app.add_middleware(CountRequests, metrics=metrics)
+
+    @app.get("/v1/things/{thing_id}")
+    async def thing(thing_id: str) -> dict[str, str]:
+        return {"id": thing_id}
+
+    @app.post("/v1/stream")
+    async def stream() -> StreamingResponse:
+        return StreamingResponse(iter([b"a", b"b"]))
+
+    @app.get("/v1/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    @app.get("/metrics")
+    async def scrape() -> bytes:
+        return metrics.exposition()
+
+    async def send() -> None:
+        key = {"authorization": "Bearer key"}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            for thing_id in ("a", "b", "c"):
+                assert (await http.get(f"/v1/things/{thing_id}", headers=key)).status_code == 200
+            assert (await http.post("/v1/stream", headers=key)).content == b"ab"
+            assert (await http.get("/v1/things/a")).status_code == 401
+            assert (await http.get("/v1/nowhere/1", headers=key)).status_code == 404
+            assert (await http.get("/v1/boom", headers=key)).status_code == 500
+            assert (await http.get("/metrics")).status_code == 200
+
+    asyncio.run(send())
+    counted = sorted(
+        line
+        for line in metrics.exposition().decode().splitlines()
+        if line.startswith("http_requests_total{")
+    )
+    assert counted == [
+        'http_requests_total{handler="/v1/boom",method="GET",status="5xx"} 1.0',
+        'http_requests_total{handler="/v1/stream",method="POST",status="2xx"} 1.0',
+        'http_requests_total{handler="/v1/things/{thing_id}",method="GET",status="2xx"} 3.0',
+        'http_requests_total{handler="none",method="GET",status="4xx"} 2.0',
+    ]

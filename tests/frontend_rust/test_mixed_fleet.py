@@ -820,3 +820,69 @@ def test_samples_best_of_and_echo_are_the_python_servers_whole_and_streamed(
         answers = _from_each_server(fleet.url, "POST", route, body)
         assert answers["1"] == answers["0"], (route, body, answers)
         assert answers["0"][0] == 400, (route, answers["0"])
+
+
+def _request_counts(text: str) -> dict[tuple[str, str, str], float]:
+    """`http_requests_total` of an exposition, by (handler, method, status)."""
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("http_requests_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line[: line.rindex("}")]))
+            key = (labels["handler"], labels["method"], labels["status"])
+            counts[key] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_requests_are_counted_by_route_alike_on_every_server(fleet: ServerProcess) -> None:
+    """vLLM's `http_requests_total{handler,method,status}`: requests to every route (the
+    Responses and Messages ones among them, answered or refused) are counted by route template
+    and status class over the whole fleet, a path no route takes as "none", and a scrape of
+    either server shows the same counts."""
+    user = [{"role": "user", "content": "Hi"}]
+    requests: list[tuple[str, str, dict[str, Any] | None]] = [
+        ("POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
+        ("POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 0}),
+        ("POST", "/v1/messages", {"max_tokens": 2, "messages": user}),
+        ("POST", "/v1/messages", {"messages": user}),
+        ("POST", "/v1/messages/count_tokens", {"messages": user}),
+        ("POST", "/v1/messages/count_tokens", {"messages": []}),
+        ("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
+        ("POST", "/v1/completions", {"prompt": PROMPT, "n": 0}),
+        ("GET", "/v1/models/nope", None),
+        ("GET", "/v1/nowhere", None),
+    ]
+    templates = {"/v1/models/nope": "/v1/models/{model_id:path}"}
+    before = _request_counts(scrape_each(fleet.url, 2)["0"])
+    wanted = dict(before)
+    statuses: dict[str, set[int]] = {}
+    for method, route, body in requests:
+        answered: set[str] = set()
+        deadline = time.monotonic() + 60
+        while answered != {"0", "1"}:  # fresh connections until both servers answered
+            assert time.monotonic() < deadline, f"only {sorted(answered)} answered {route}"
+            response = httpx.request(method, f"{fleet.url}{route}", json=body, timeout=60)
+            server, status = response.headers["x-rankcast-api-server"], response.status_code
+            answered.add(server)
+            # A server without the route answers as for any path it has no route for.
+            message = response.json()["error"]["message"] if status == 404 else ""
+            unmatched = message in ("Not Found", f"no route {route}")
+            handler = "none" if unmatched else templates.get(route, route)
+            key = (handler, method, f"{status // 100}xx")
+            wanted[key] = wanted.get(key, 0.0) + 1
+            if server == "0":
+                statuses.setdefault(route, set()).add(status)
+    # The Python server answers every route: each was counted answered and refused.
+    for route in ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
+        assert statuses[route] == {200, 400}, (route, statuses[route])
+    deadline = time.monotonic() + 30
+    while True:
+        counts = {s: _request_counts(t) for s, t in scrape_each(fleet.url, 2).items()}
+        if counts["0"] == counts["1"] == wanted:
+            break
+        assert time.monotonic() < deadline, f"counted {counts}, wanted {wanted}"
+        time.sleep(0.2)
+    for route in ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
+        assert wanted[(route, "POST", "2xx")] >= before.get((route, "POST", "2xx"), 0) + 1
+        assert wanted[(route, "POST", "4xx")] >= before.get((route, "POST", "4xx"), 0) + 1
+    assert wanted[("/v1/models/{model_id:path}", "GET", "4xx")] >= 2
+    assert wanted[("none", "GET", "4xx")] >= 2

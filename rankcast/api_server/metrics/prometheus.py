@@ -40,6 +40,7 @@ def rank_label(rank: int) -> str:
 
 # The series each API server counts itself, summed over all of them on every `/metrics`.
 SUMMED = (
+    "http_requests",
     "vllm:prompt_tokens",
     "vllm:generation_tokens",
     "vllm:request_success",
@@ -160,6 +161,7 @@ class ServerMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", own)
         self.generation_tokens = counter("vllm:generation_tokens", own)
         self.request_success = counter("vllm:request_success", own)
+        self.http_requests = counter("http_requests", own)
         self.ttft = histogram("vllm:time_to_first_token_seconds", own)
         self.itl = histogram("vllm:inter_token_latency_seconds", own)
         self.itl_batch = HistogramBatch(self.itl.labels(model_name))
@@ -262,6 +264,10 @@ class ServerMetrics:
         self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
         self.generation_tokens.labels(self.model_name).inc(generation_tokens)
         self.request_success.labels(self.model_name, str(engine_index), finish_reason).inc()
+
+    def record_http_request(self, method: str, status: str, handler: str) -> None:
+        """One HTTP request answered (`middleware.CountRequests` says how it is labelled)."""
+        self.http_requests.labels(method, status, handler).inc()
 
     # ---- engine state, rendered from the views (a NotificationSink) ----
 

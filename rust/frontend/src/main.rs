@@ -35,6 +35,7 @@ mod metrics_spec;
 mod multiprocess;
 mod openai;
 mod request_metrics;
+mod route_metrics;
 mod sampling;
 mod shape;
 mod tokenization;

@@ -135,6 +135,9 @@ fn exposition() -> String {
     metrics.requests.record_first_token(0.05);
     metrics.requests.record_inter_token(0.02, 3);
     metrics.requests.record_finished(0, 1.5, 12, 34, "stop");
+    metrics
+        .requests
+        .record_http_request("POST", "2xx", "/v1/completions");
     metrics.exposition()
 }
 

@@ -35,6 +35,7 @@ use crate::events::EventHub;
 use crate::fields;
 use crate::fleet_start::FleetStart;
 use crate::metrics::EngineMetrics;
+use crate::route_metrics;
 use crate::shape;
 
 // The newer chat-shaped APIs, each translated into one chat turn (their own modules).
@@ -426,10 +427,15 @@ pub(crate) fn sse(value: &Json) -> Bytes {
 }
 
 impl Server {
-    /// Every response names the API server that gave it, as the Python servers' do.
+    /// Every response names the API server that gave it, as the Python servers' do, and is
+    /// counted by its route (`route_metrics`).
     pub async fn handle(self: Arc<Self>, request: Request<Body>) -> Result<Reply, Infallible> {
         let index = self.client_index;
+        let metrics = self.metrics.clone();
+        let path = request.uri().path();
+        let counting = route_metrics::Counting::start(&metrics.requests, request.method(), path);
         let mut reply = self.route(request).await;
+        counting.answered(&reply);
         let tag = hyper::header::HeaderValue::from(index);
         reply.headers_mut().insert("x-rankcast-api-server", tag);
         Ok(reply)
@@ -445,7 +451,7 @@ impl Server {
             );
             let retry = hyper::header::HeaderValue::from(RETRY_AFTER_S);
             reply.headers_mut().insert("retry-after", retry);
-            return reply;
+            return route_metrics::unrouted(reply);
         }
         if let (Some(key), true) = (&self.api_key, path.starts_with("/v1")) {
             // `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it.
@@ -551,7 +557,11 @@ impl Server {
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
             (_, path) if responses::serves(path) => responses::route(self, request).await,
             (_, path) if messages::serves(path) => messages::route(self, request).await,
-            _ => error(StatusCode::NOT_FOUND, &format!("no route {path}"), None),
+            _ => route_metrics::unrouted(error(
+                StatusCode::NOT_FOUND,
+                &format!("no route {path}"),
+                None,
+            )),
         }
     }
 

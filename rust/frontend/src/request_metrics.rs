@@ -1,5 +1,6 @@
 //! The series each API server counts itself (prompt and generated tokens, finished requests,
-//! time to first token, inter-token and end-to-end latency, notification delivery lag), with
+//! time to first token, inter-token and end-to-end latency, notification delivery lag, HTTP
+//! requests by route), with
 //! the names, labels, help and buckets declared for both kinds of server (`families`). Under
 //! the launcher every value is also written to this process's multiprocess files, and a scrape
 //! shows the sums over every API server's files (`multiprocess`), as the Python servers'
@@ -22,6 +23,7 @@ struct Declared {
     itl: &'static Family,
     e2e: &'static Family,
     lag: &'static Family,
+    http_requests: &'static Family,
 }
 
 impl Declared {
@@ -34,12 +36,14 @@ impl Declared {
             itl: families::histogram("vllm:inter_token_latency_seconds"),
             e2e: families::histogram("vllm:e2e_request_latency_seconds"),
             lag: families::histogram("rankcast:notification_delivery_lag_seconds"),
+            http_requests: families::counter("http_requests"),
         }
     }
 
     /// The summed families' names in the multiprocess files, as the Python servers' `SUMMED`.
-    fn summed(&self) -> [&'static str; 7] {
+    fn summed(&self) -> [&'static str; 8] {
         [
+            self.http_requests,
             self.prompt_tokens,
             self.generation_tokens,
             self.request_success,
@@ -241,6 +245,12 @@ impl RequestMetrics {
     pub fn record_delivery_lag(&self, seconds: f64) {
         let values = [self.api_server.clone()];
         self.observe(self.families.lag, values, seconds.max(0.0), 1);
+    }
+
+    /// One HTTP request answered, labelled as `route_metrics` says.
+    pub fn record_http_request(&self, method: &str, status: &str, handler: &str) {
+        let values = [method.to_string(), status.to_string(), handler.to_string()];
+        self.inc(self.families.http_requests, values, 1.0);
     }
 
     /// The summed families: every API server's files, or without them this server's values.

@@ -38,19 +38,20 @@ enum Failure {
 }
 
 /// Stop strings over the growing text: what may be shown so far, and where the output ends.
-pub(crate) struct StopStrings {
+struct StopStrings {
     stops: Vec<String>,
     include: bool,
     longest: usize,
 }
 
 impl StopStrings {
-    /// `include`: the stop string found ends the text (`include_stop_str_in_output`).
-    pub(crate) fn new(stops: Vec<String>, include: bool) -> StopStrings {
+    /// The request's stop strings; a stop string found ends the text when its parameters
+    /// say so (`include_stop_str_in_output`).
+    fn new(params: &SamplingParams) -> StopStrings {
         StopStrings {
-            longest: stops.iter().map(String::len).max().unwrap_or(0),
-            include,
-            stops,
+            longest: params.stop.iter().map(String::len).max().unwrap_or(0),
+            include: params.include_stop_str_in_output,
+            stops: params.stop.clone(),
         }
     }
 
@@ -258,12 +259,29 @@ struct Shared<'a> {
     server: &'a Server,
     generation: &'a Generation,
     prepared: &'a Prepared,
+    stop: StopStrings,
     /// The prompt's text a completion's choices start with (empty: none).
     echo: String,
     echo_scores: Option<Legacy>,
 }
 
-impl Shared<'_> {
+impl<'a> Shared<'a> {
+    fn new(server: &'a Server, generation: &'a Generation, prepared: &'a Prepared) -> Self {
+        let echo = match (&prepared.prompt_text, prepared.samples.echo) {
+            (_, false) => String::new(),
+            (Some(text), true) => text.clone(),
+            (None, true) => server.tokenizer.decode(&prepared.prompt_ids, false),
+        };
+        Shared {
+            server,
+            generation,
+            prepared,
+            stop: StopStrings::new(&prepared.params),
+            echo,
+            echo_scores: None,
+        }
+    }
+
     /// The echoed prompt's positions, rendered from the first output that needs them (the
     /// first sample's first, which carries the scores) and kept for every other choice.
     fn echo_scores(&mut self, scored: Option<&[TokenLogprobs]>, top: usize) -> Legacy {
@@ -334,7 +352,7 @@ impl<'a> Sample<'a> {
         if finish.is_some() {
             self.text.push_str(&self.detokenizer.finish());
         }
-        let (safe, stopped) = shared.prepared.stop.check(&self.text);
+        let (safe, stopped) = shared.stop.check(&self.text);
         if stopped {
             self.text.truncate(safe);
             if finish.is_none() {
@@ -662,14 +680,7 @@ impl Server {
                 .body(body)
                 .expect("a response");
         }
-        let echo = self.echo_text(&prepared);
-        let mut shared = Shared {
-            server: &self,
-            generation: &generation,
-            prepared: &prepared,
-            echo,
-            echo_scores: None,
-        };
+        let mut shared = Shared::new(&self, &generation, &prepared);
         let samples = match self.drive(&mut shared, None).await {
             Ok(samples) => samples,
             Err(Failure::Engine(why) | Failure::Shutdown(why)) => {
@@ -680,17 +691,6 @@ impl Server {
         drop(in_flight);
         let body = self.whole(&mut shared, samples);
         text_reply(StatusCode::OK, body.response())
-    }
-
-    /// The prompt's text that leads each choice of an echoing completion (empty: none).
-    fn echo_text(&self, prepared: &Prepared) -> String {
-        if !prepared.samples.echo {
-            return String::new();
-        }
-        match &prepared.prompt_text {
-            Some(text) => text.clone(),
-            None => self.tokenizer.decode(&prepared.prompt_ids, false),
-        }
     }
 
     /// A whole answer: a choice per sample answered (the likeliest, for `best_of`), usage of
@@ -776,14 +776,7 @@ impl Server {
         mut sender: Sender,
         _in_flight: crate::drain::InFlight,
     ) {
-        let echo = self.echo_text(&prepared);
-        let mut shared = Shared {
-            server: &self,
-            generation: &generation,
-            prepared: &prepared,
-            echo,
-            echo_scores: None,
-        };
+        let mut shared = Shared::new(&self, &generation, &prepared);
         let tail = match self.drive(&mut shared, Some(&mut sender)).await {
             Ok(samples) if prepared.include_usage => {
                 let generated = samples.iter().map(|sample| sample.tokens).sum();

@@ -149,11 +149,6 @@ impl BadRequest {
         )
     }
 
-    #[cfg(test)]
-    pub(crate) fn message(&self) -> &str {
-        &self.0
-    }
-
     /// The refusal as the client gets it.
     pub(crate) fn reply(self) -> Reply {
         let BadRequest(message, param, status) = self;
@@ -261,7 +256,7 @@ fn requested_logprobs(body: &Map<String, Value>, chat: bool) -> Result<Option<i6
 fn sampling(
     body: &Map<String, Value>,
     max_tokens: Option<i64>,
-) -> Result<(SamplingParams, Vec<String>), BadRequest> {
+) -> Result<SamplingParams, BadRequest> {
     let temperature = number(body, "temperature", 1.0)?;
     if !(0.0..=2.0).contains(&temperature) {
         return bad("temperature must be in [0, 2]", "temperature");
@@ -321,14 +316,14 @@ fn sampling(
         min_p,
         seed: integer(body, "seed")?,
         max_tokens,
-        stop: stop.clone(),
+        stop,
         stop_token_ids,
         ignore_eos: flag(body, "ignore_eos", false)?,
         skip_special_tokens: flag(body, "skip_special_tokens", true)?,
         include_stop_str_in_output: flag(body, "include_stop_str_in_output", false)?,
         ..SamplingParams::default()
     };
-    Ok((params, stop))
+    Ok(params)
 }
 
 pub(crate) fn now() -> u64 {
@@ -772,7 +767,8 @@ impl Server {
         if !invalid.is_empty() {
             return Err(invalid.into());
         }
-        let samples = crate::sampling::samples(n, best_of, echo, body)?;
+        let samples = crate::sampling::samples(n, best_of, echo, body)
+            .map_err(|refusal| BadRequest::new(refusal, None))?;
         // The base model, or an adapter the engine registered; responses name it as asked.
         let requested = body.get("model").and_then(Value::as_str);
         let lora_name = self.lora_for(requested)?;
@@ -838,7 +834,7 @@ impl Server {
         // engine's reading of none), a completion takes 16 tokens.
         let max_tokens = if chat { asked } else { asked.or(Some(16)) };
         context_check(self.max_model_len, prompt_ids.len(), max_tokens, chat)?;
-        let (mut params, stops) = sampling(body, max_tokens)?;
+        let mut params = sampling(body, max_tokens)?;
         params.logprobs = requested_logprobs(body, chat)?;
         if structured.is_some() && params.ignore_eos {
             return Err(BadRequest(
@@ -861,7 +857,6 @@ impl Server {
             prompt_ids,
             prompt_text,
             samples,
-            stop: crate::generation::StopStrings::new(stops, params.include_stop_str_in_output),
             skip_special: params.skip_special_tokens,
             top_logprobs: params.logprobs.map(|top| top as usize),
             params,
@@ -883,7 +878,6 @@ pub(crate) struct Prepared {
     /// The samples drawn and answered (`n`, `best_of`) and whether the prompt is echoed.
     pub(crate) samples: crate::sampling::Samples,
     pub(crate) params: SamplingParams,
-    pub(crate) stop: crate::generation::StopStrings,
     pub(crate) skip_special: bool,
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,

@@ -11,10 +11,11 @@
 //! match, and a request answered before any route ran (a stopping server, the API-key check) are
 //! "none", as Starlette leaves them unmatched. vLLM's probes are not counted.
 
-use hyper::{Method, StatusCode};
+use hyper::{Body, Method, Response, StatusCode};
 
-use crate::openai::Reply;
 use crate::request_metrics::RequestMetrics;
+
+type Reply = Response<Body>;
 
 /// The probes vLLM's API server leaves out of its counter (a scrape or a health check counted
 /// would change the counter it reads).

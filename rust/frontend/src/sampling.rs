@@ -11,7 +11,6 @@ use rankcast_client::wire::sampling::SamplingParams;
 use serde_json::{Map, Value};
 
 use crate::fields::{self, Invalid};
-use crate::openai::BadRequest;
 
 /// OpenAI's bound on `n` and `best_of`, as the Python servers' schema states it.
 const MOST: i64 = 128;
@@ -66,28 +65,23 @@ pub(crate) fn read_completion_fields(
 }
 
 /// The samples, once every field read well: `best_of` at least `n`, and not streamed when it
-/// ranks (the best are known only at the end), refused in the Python servers' words.
+/// ranks (the best are known only at the end); a refusal is the Python servers' message (a
+/// 400 naming no field, as their schema's whole-body checks answer).
 pub(crate) fn samples(
     n: i64,
     best_of: Option<i64>,
     echo: bool,
     body: &Map<String, Value>,
-) -> Result<Samples, BadRequest> {
+) -> Result<Samples, String> {
     let drawn = best_of.unwrap_or(n);
     if drawn < n {
-        return Err(BadRequest::new(
-            format!("best_of ({drawn}) must be at least n ({n})"),
-            None,
-        ));
+        return Err(format!("best_of ({drawn}) must be at least n ({n})"));
     }
     let stream = body
         .get("stream")
         .is_some_and(|v| fields::boolean(v).unwrap_or(false));
     if drawn > n && stream {
-        return Err(BadRequest::new(
-            "best_of cannot stream: the best samples are known only at the end",
-            None,
-        ));
+        return Err("best_of cannot stream: the best samples are known only at the end".into());
     }
     Ok(Samples {
         n: n as usize,
@@ -154,7 +148,7 @@ mod tests {
         if !invalid.is_empty() {
             return Err(invalid.message().0);
         }
-        samples(n, best_of, echo, &body).map_err(|refused| refused.message().to_string())
+        samples(n, best_of, echo, &body)
     }
 
     #[test]

@@ -18,7 +18,6 @@
 
 mod chat;
 mod dashboard;
-mod discovery;
 mod drain;
 mod engine;
 mod events;
@@ -38,7 +37,6 @@ mod request_metrics;
 mod route_metrics;
 mod sampling;
 mod shape;
-mod tokenization;
 
 use std::convert::Infallible;
 use std::net::{SocketAddr, TcpListener};
@@ -66,7 +64,7 @@ struct Args {
     shutdown_timeout: Duration,
     model_origin: String,
     parsers: openai::Parsers,
-    discovery: discovery::Discovery,
+    discovery: openai::Discovery,
 }
 
 fn fail(message: &str) -> ! {
@@ -135,8 +133,8 @@ fn parse() -> Args {
 }
 
 /// What discovery answers, from its flags (each absent one as `ApiServerConfig` defaults it).
-fn discovery_flags(values: &mut std::collections::HashMap<String, String>) -> discovery::Discovery {
-    let mut found = discovery::Discovery::default();
+fn discovery_flags(values: &mut std::collections::HashMap<String, String>) -> openai::Discovery {
+    let mut found = openai::Discovery::default();
     let mut number = |flag: &str, default: i64| {
         values.remove(flag).map_or(default, |v| {
             v.parse()

@@ -28,7 +28,6 @@ use rankcast_text::Tokenizer;
 use serde_json::{json, Map, Value};
 
 use crate::chat::ChatTemplate;
-use crate::discovery::Discovery;
 use crate::drain::{Drain, RETRY_AFTER_S};
 use crate::engine::Engine;
 use crate::events::EventHub;
@@ -40,11 +39,15 @@ use crate::shape;
 
 // The newer chat-shaped APIs, each translated into one chat turn (their own modules).
 mod chat_turn;
+mod discovery;
 mod errors;
 mod messages;
 mod response_store;
 mod responses;
+mod tokenization;
 mod validate;
+
+pub use discovery::Discovery;
 
 pub struct Server {
     pub engine: Engine,
@@ -487,14 +490,12 @@ impl Server {
                 text_reply(StatusCode::OK, info.response())
             }),
             (&Method::POST, "/tokenize") => {
-                self.answer(request, |server, body| {
-                    crate::tokenization::tokenize(server, body)
-                })
-                .await
+                self.answer(request, |server, body| tokenization::tokenize(server, body))
+                    .await
             }
             (&Method::POST, "/detokenize") => {
                 self.answer(request, |server, body| {
-                    crate::tokenization::detokenize(server, body)
+                    tokenization::detokenize(server, body)
                 })
                 .await
             }
@@ -609,7 +610,7 @@ impl Server {
     /// `GenerateRequest` (a list of one for a completion, as vLLM answers).
     fn render(&self, body: &Map<String, Value>, chat: bool) -> Result<Json, BadRequest> {
         let prepared = self.prepare(body, chat)?;
-        let rendered = crate::discovery::generate_request(&self.request_id(chat), &prepared);
+        let rendered = discovery::generate_request(&self.request_id(chat), &prepared);
         Ok(if chat {
             rendered
         } else {

@@ -11,7 +11,7 @@ use rankcast_client::wire::Value as Wire;
 use rankcast_frontend::object;
 use rankcast_frontend::pyjson::Json;
 
-use crate::openai::Prepared;
+use super::Prepared;
 
 /// What routers' discovery reads of the fleet's configuration (`ApiServerConfig`).
 pub struct Discovery {

@@ -6,8 +6,8 @@ use rankcast_frontend::object;
 use rankcast_frontend::pyjson::Json;
 use serde_json::{Map, Value};
 
+use super::{BadRequest, Server};
 use crate::fields::{self, Invalid};
-use crate::openai::{BadRequest, Server};
 use crate::shape::Refusal;
 
 /// `POST /tokenize`: a completion `prompt`, or chat `messages` through the chat template (the

@@ -489,10 +489,7 @@ impl Server {
                     .server_info(&self.model_name, self.max_model_len);
                 text_reply(StatusCode::OK, info.response())
             }),
-            (&Method::POST, "/tokenize") => {
-                self.answer(request, |server, body| tokenization::tokenize(server, body))
-                    .await
-            }
+            (&Method::POST, "/tokenize") => self.answer(request, tokenization::tokenize).await,
             (&Method::POST, "/detokenize") => {
                 self.answer(request, |server, body| {
                     tokenization::detokenize(server, body)

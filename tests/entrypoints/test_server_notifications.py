@@ -157,7 +157,8 @@ def test_a_bad_payload_is_refused_at_the_producer_and_the_engine_keeps_serving(
     response = worker_rpc(server.url, "publish_bad_payload")
     assert response.status_code == 400
     assert "payload['ok'][1]['bad']" in response.json()["error"]["message"]
-    assert worker_rpc(server.url, "no_such_method").status_code == 400
+    # A method no extension has is a thing that does not exist, as an unknown model is.
+    assert worker_rpc(server.url, "no_such_method").status_code == 404
     with httpx.Client(timeout=60) as http:
         ok = http.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

@@ -191,7 +191,6 @@ def test_bad_fields_are_400s_and_unknown_models_404s(fleet: Fleet) -> None:
 @pytest.mark.parametrize(
     "field",
     [
-        {"echo": True},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"guided_regex": "[a-z]+"},
         {"structured_outputs": {"regex": "[a-z]+"}},

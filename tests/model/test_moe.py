@@ -8,6 +8,7 @@ expert)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +275,212 @@ class ExpertsHeld:
             for layer in self.runner.model.decoder_layers()
             if isinstance(layer.mlp, SparseMoeBlock)
         ]
+
+
+# ---- expert load: what each rank counts and publishes (rankcast/worker/expert_load.py) ----
+
+
+class _Steps:
+    """Our model in a runner on two sequences: the first `step()` is their prompts' prefill,
+    each later one a greedy decode step of both."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from rankcast.worker.model_runner import ModelRunner
+
+        arch = ArchConfig.from_model_dir(model_dir)
+        self.model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
+        self.runner = ModelRunner(self.model, arch, 8, torch.device("cpu"), torch.float32)
+        self.runner.initialize_cache(64)
+        self.blocks = [[9, 2, 30, 4, 17, 50], [0, 11]]
+        self.sequences = [list(PROMPTS[0]), list(PROMPTS[2])]
+        self.steps = 0
+
+    def step(self) -> None:
+        from rankcast.protocol import ScheduledSequence, SchedulerOutput
+
+        batch = SchedulerOutput(
+            [
+                ScheduledSequence("r", s, 0, t)
+                if self.steps == 0
+                else ScheduledSequence("r", s[-1:], len(s) - 1, t)
+                for s, t in zip(self.sequences, self.blocks, strict=True)
+            ]
+        )
+        logits = self.runner.compute_logits(batch)
+        for seq, row in zip(self.sequences, logits, strict=True):
+            seq.append(int(row.argmax()))
+        self.steps += 1
+
+    def ran(self) -> list[list[int]]:
+        """The tokens each sequence ran: all but the last one decoded."""
+        return [seq[:-1] for seq in self.sequences]
+
+    def routed(self) -> dict[int, list[int]]:
+        """Each MoE layer's counts, taken (they start again from none)."""
+        out = {}
+        for index, layer in enumerate(self.model.decoder_layers()):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                counts = layer.mlp.take_routed()
+                assert counts is not None, f"layer {index} counted nothing"
+                out[index] = counts.tolist()
+        return out
+
+
+def _transformers_routing(model_dir: Path, sequences: list[list[int]]) -> dict[int, list[int]]:
+    """Tokens per expert of each MoE layer as transformers' own routers choose them, each
+    sequence run whole."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    counts: dict[int, torch.Tensor] = {}
+
+    def record(layer: int) -> Any:
+        def hook(_module: Any, _args: Any, output: Any) -> None:
+            chosen = output[2].flatten()  # the router returns (logits, weights, experts)
+            found = torch.bincount(chosen, minlength=model.config.num_experts)
+            counts[layer] = counts.get(layer, torch.zeros_like(found)) + found
+
+        return hook
+
+    for index, layer in enumerate(model.model.layers):
+        router = getattr(layer.mlp, "gate", None)
+        if router is not None and hasattr(router, "top_k"):  # a dense layer's gate is a linear
+            router.register_forward_hook(record(index))
+    with torch.no_grad():
+        for seq in sequences:
+            model(torch.tensor([seq]))
+    return {layer: found.tolist() for layer, found in sorted(counts.items())}
+
+
+def test_each_moe_layer_counts_the_tokens_transformers_routes_to_each_expert(
+    qwen3_moe_dir: Path,
+) -> None:
+    """A prefill and three decode steps of two sequences: each MoE layer's counts are what
+    transformers' routers choose for the same tokens, expert by expert (a row sums to the
+    tokens run x top-k); the dense layer counts nothing; a take starts the counts again."""
+    run = _Steps(qwen3_moe_dir)
+    for _ in range(4):
+        run.step()
+    ours = run.routed()
+    assert list(ours) == [0, 2]  # layer 1 is dense (mlp_only_layers)
+    assert ours == _transformers_routing(qwen3_moe_dir, run.ran())
+    tokens = sum(len(seq) for seq in run.ran())
+    assert all(sum(row) == 2 * tokens for row in ours.values())
+    run.step()
+    assert all(sum(row) == 2 * 2 for row in run.routed().values()), "one token per sequence"
+
+
+def test_a_rank_publishes_the_windows_sum_once_the_window_is_due(qwen3_moe_dir: Path) -> None:
+    """Steps inside one window publish nothing; the step that ends past it publishes the sum of
+    all of them, per MoE layer, as one `rankcast.expert_load` event through the rank's buffer
+    (validated there), and the next window starts from none."""
+    from rankcast.channel.buffer import NotificationBuffer
+    from rankcast.channel.events import CustomNotification
+    from rankcast.channel.expert_load import EXPERT_LOAD_KEY, read_expert_load
+    from rankcast.worker.expert_load import ExpertLoadWindow
+
+    run, reference = _Steps(qwen3_moe_dir), _Steps(qwen3_moe_dir)
+    now = [0.0]
+    buffer = NotificationBuffer(16)
+    # A 10 s window on a clock the test moves: its timer never fires while the test runs.
+    window = ExpertLoadWindow.for_model(run.model, buffer.publish, 10.0, lambda: now[0])
+    assert window is not None
+    try:
+        for at in (0.0, 4.0, 8.0, 12.0, 13.0):
+            now[0] = at
+            with window.step():
+                run.step()
+            reference.step()
+            if at == 8.0:
+                assert buffer.take() is None, "published inside the window"
+            if at == 12.0:
+                summed = reference.routed()  # the four steps of the window, not the fifth
+        (published,) = buffer.take() or []
+        assert isinstance(published, CustomNotification)
+        assert published.key == EXPERT_LOAD_KEY and published.seq == 1
+        assert published.payload["steps"] == 4 and published.payload["seconds"] == 12.0
+        assert dict(read_expert_load(published.payload) or []) == summed
+        assert window.steps == 1 and window.opened == 13.0
+    finally:
+        window.close()
+
+
+def test_a_windows_tail_is_published_when_no_step_comes_to_end_it(qwen3_moe_dir: Path) -> None:
+    from rankcast.channel.buffer import NotificationBuffer
+    from rankcast.channel.expert_load import read_expert_load
+    from rankcast.worker.expert_load import ExpertLoadWindow
+
+    run = _Steps(qwen3_moe_dir)
+    buffer = NotificationBuffer(16)
+    window = ExpertLoadWindow.for_model(run.model, buffer.publish, 0.05)
+    assert window is not None
+    try:
+        with window.step():
+            run.step()
+        deadline = time.monotonic() + 10
+        while not buffer.pending:
+            assert time.monotonic() < deadline, "the window's tail was never published"
+            time.sleep(0.01)
+        (published,) = buffer.take() or []
+        tokens = sum(len(seq) for seq in run.ran())
+        rows = read_expert_load(published.payload)  # type: ignore[attr-defined]
+        assert rows is not None and [layer for layer, _ in rows] == [0, 2]
+        assert all(sum(row) == 2 * tokens for _, row in rows)
+        assert window.steps == 0 and window.opened is None
+    finally:
+        window.close()
+
+
+def test_a_dense_model_has_no_window(tiny_llama_dir: Path) -> None:
+    from rankcast.worker.expert_load import ExpertLoadWindow
+
+    arch = ArchConfig.from_model_dir(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, arch, torch.float32, torch.device("cpu"))
+    assert ExpertLoadWindow.for_model(model, lambda n: None) is None
+
+
+def test_a_large_window_is_split_by_layers_and_a_bad_row_refused_at_the_producer() -> None:
+    """Qwen3-30B-A3B's shape (48 layers of 128 experts) at the largest counts: every payload
+    fits one notification, the layers in order; a row that is not a count per expert is
+    refused where it is made, naming it."""
+    import msgspec
+
+    from rankcast.channel.events import MAX_NOTIFICATION_BYTES, CustomNotification
+    from rankcast.channel.expert_load import (
+        EXPERT_LOAD_KEY,
+        expert_load_payloads,
+        read_expert_load,
+    )
+    from rankcast.channel.validation import validate_notification
+
+    layers = list(range(48))
+    tokens = [[2**64 - 1 - e for e in range(128)] for _ in layers]
+    payloads = expert_load_payloads(layers, tokens, 7, 1.0)
+    assert len(payloads) == 2
+    assert [layer for p in payloads for layer in p["layers"]] == layers
+    for payload in payloads:
+        size = validate_notification(CustomNotification(key=EXPERT_LOAD_KEY, payload=payload))
+        assert size <= MAX_NOTIFICATION_BYTES
+        assert len(msgspec.msgpack.encode(payload)) <= MAX_NOTIFICATION_BYTES
+    small = expert_load_payloads([3], [[1, 0, 2]], 1, 0.5)
+    assert [read_expert_load(p) for p in small] == [[(3, [1, 0, 2])]]
+    with pytest.raises(ValueError, match=r"tokens\[layer 3\]"):
+        expert_load_payloads([3], [[1, -1]], 1, 0.5)
+    with pytest.raises(ValueError, match="2 rows for 1 layers"):
+        expert_load_payloads([3], [[1], [2]], 1, 0.5)
+
+
+def test_expert_parallel_ranks_count_only_their_own_experts_tokens(qwen3_moe_dir: Path) -> None:
+    """With --enable-expert-parallel each rank counts the tokens of the experts it holds (another
+    rank's read 0): the ranks' counts add up to the whole routing, each expert's tokens once.
+    Sliced, every rank counts every expert's."""
+    from rankcast.distributed import TensorParallelGroup
+
+    arch = ArchConfig.from_model_dir(qwen3_moe_dir)
+    chosen = torch.tensor([[0, 5], [5, 7], [3, 0], [1, 6]])
+    whole = torch.bincount(chosen.flatten(), minlength=8).tolist()
+    ranks = [TensorParallelGroup(rank=rank, size=2) for rank in range(2)]
+    counts = [SparseMoeBlock(arch, tp, expert_parallel=True).count(chosen) for tp in ranks]
+    assert [c.tolist() for c in counts] == [[2, 1, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 2, 1, 1]]
+    assert (counts[0] + counts[1]).tolist() == whole
+    assert SparseMoeBlock(arch, ranks[1]).count(chosen).tolist() == whole

@@ -27,6 +27,7 @@ from rankcast.channel.events import (
     NotificationsDropped,
     notification_type,
 )
+from rankcast.channel.expert_load import EXPERT_LOAD_KEY, read_expert_load
 from rankcast.channel.lora_events import lora_event_key
 from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.engine_client.engine_views import EngineViews
@@ -181,6 +182,8 @@ class ServerMetrics:
         self.weights_load_seconds = gauge("rankcast:worker_weights_load_seconds", self.registry)
         self.weights_load_bytes = gauge("rankcast:worker_weights_load_bytes", self.registry)
         self.kv_cache_committed = gauge("rankcast:kv_cache_committed_bytes", self.registry)
+        # Tokens each rank's MoE layers routed to each expert (the ranks' expert-load events).
+        self.expert_tokens = view_counter(self.fleet, "rankcast:moe_expert_tokens", self.registry)
         self._cache_labels: dict[int, tuple[str, str, str]] = {}
         self._engine_totals: dict[int, _EngineTotals] = {}
         # The LoRA series, when the API server serves adapters (set by the API server).
@@ -284,6 +287,7 @@ class ServerMetrics:
             self._show_dropped(engine, rank)
         for rank, payload in view.weights_loaded.items():
             self._record_weights(str(engine), rank, payload)
+        self._show_experts(engine, None)
         if self.lora is not None:
             self.lora.refresh(engine, None)
 
@@ -294,6 +298,7 @@ class ServerMetrics:
         lag = self.notification_lag.labels(self.api_server)
         touched: set[tuple[str, str]] = set()
         lora_keys: set[tuple[str, str, str]] = set()
+        experts: set[tuple[int, int]] = set()
         for n in notifications:
             touched.add((notification_type(n), n.key if isinstance(n, CustomNotification) else ""))
             lag.observe(max(0.0, now - n.timestamp))
@@ -302,11 +307,15 @@ class ServerMetrics:
             elif isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY:
                 loaded = self.views[engine].weights_loaded.get(n.rank, {})
                 self._record_weights(str(engine), n.rank, loaded)
+            elif isinstance(n, CustomNotification) and n.key == EXPERT_LOAD_KEY:
+                experts.update((n.rank, layer) for layer, _ in read_expert_load(n.payload) or ())
             key = lora_event_key(n)
             if key is not None:
                 lora_keys.add(key)
         touched.update((kind, "") for kind in unknown)
         self._show_totals(touched, set(unknown))
+        if experts:
+            self._show_experts(engine, experts)
         if self.lora is not None and lora_keys:  # loads come only with LoRA events
             self.lora.refresh(engine, lora_keys)
 
@@ -326,6 +335,15 @@ class ServerMetrics:
             rank, 0
         )
         self.notifications_dropped.set((str(engine), rank_label(rank)), count)
+
+    def _show_experts(self, engine: int, keys: set[tuple[int, int]] | None) -> None:
+        """The expert counters of `engine`'s (rank, layer) `keys` (None: all of them), as its
+        views and earlier incarnations total them."""
+        for (rank, layer), tokens in self.views.expert_tokens(engine).items():
+            if keys is None or (rank, layer) in keys:
+                labels = (str(engine), rank_label(rank), str(layer))
+                for expert, count in enumerate(tokens):
+                    self.expert_tokens.set((*labels, str(expert)), count)
 
     def _record_weights(self, engine: str, rank: int, payload: dict[str, Any]) -> None:
         labels = (engine, rank_label(rank))

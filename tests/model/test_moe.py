@@ -137,7 +137,74 @@ def test_a_tokens_output_does_not_depend_on_who_shares_its_experts(
 def test_served_at_tp2(
     qwen3_moe_dir: Path, tokenizer_source: Path, qwen3_moe_reference: list[list[int]]
 ) -> None:
-    assert_served_at_tp2(qwen3_moe_dir, tokenizer_source, qwen3_moe_reference)
+    """Served by a Python and a Rust API server, the same greedy tokens as transformers; and
+    then each rank's expert load, through the channel, on both servers alike."""
+    assert_served_at_tp2(
+        qwen3_moe_dir, tokenizer_source, qwen3_moe_reference, then=_expert_load_on_every_server
+    )
+
+
+def _expert_load_on_every_server(server: Any) -> None:
+    """`rankcast:moe_expert_tokens_total` after the requests: the same lines on the Python and
+    the Rust API server, a series per (rank, MoE layer, expert) of both ranks, and each (rank,
+    layer) adding up to every token the engine ran x top-2 (prompt tokens not found in the
+    prefix cache, and every generated token but each request's last); both servers' engine
+    views (what the page's heat map draws) carry the same tokens."""
+    import httpx
+
+    from tests.entrypoints.notification_clients import scrape_each
+
+    family = "rankcast:moe_expert_tokens_total"
+    deadline = time.monotonic() + 30
+    while True:  # until the ranks' last windows (a second at most) reached both servers
+        scrapes = scrape_each(server.url, 2)
+        lines = {i: sorted(_samples(text, family).items()) for i, text in scrapes.items()}
+        per_layer: dict[tuple[str, str], float] = {}
+        for labels, value in _samples(scrapes["0"], family).items():
+            where = dict(label.split("=") for label in labels.split(","))
+            key = (where["rank"], where["layer"])
+            per_layer[key] = per_layer.get(key, 0) + value
+        want = 2 * _tokens_run(scrapes["0"])
+        if (
+            lines["0"] == lines["1"]
+            and set(per_layer) == {(f'"{r}"', f'"{layer}"') for r in (0, 1) for layer in (0, 2)}
+            and all(tokens == want for tokens in per_layer.values())
+            and len(lines["0"]) == 2 * 2 * 8
+        ):
+            break
+        assert time.monotonic() < deadline, (want, per_layer, lines)
+        time.sleep(0.1)
+    views = {}
+    while len(views) < 2:
+        assert time.monotonic() < deadline, f"engine views only from {sorted(views)}"
+        reply = httpx.get(f"{server.url}/v1/engine_views", timeout=10)
+        views[reply.headers["x-rankcast-api-server"]] = reply.json()["data"][0]["experts"]
+    assert views["0"] == views["1"] and len(views["0"]) == 4, views
+
+
+def _samples(text: str, family: str) -> dict[str, float]:
+    """A family's samples in an exposition: the labels between the braces -> the value."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(family + "{"):
+            labels, value = line[len(family) + 1 :].rsplit("} ", 1)
+            out[labels] = float(value)
+    return out
+
+
+def _tokens_run(text: str) -> float:
+    """Tokens the engine ran, from its and the fleet's counters: prompt tokens less those the
+    prefix cache held, and each request's generated tokens but its last (never run)."""
+    return sum(
+        sign * value
+        for sign, family in (
+            (1, "vllm:prompt_tokens_total"),
+            (-1, "vllm:prefix_cache_hits_total"),
+            (1, "vllm:generation_tokens_total"),
+            (-1, "vllm:request_success_total"),
+        )
+        for value in _samples(text, family).values()
+    )
 
 
 def test_an_adapter_on_the_experts_is_refused_naming_the_tensor(

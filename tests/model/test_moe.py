@@ -473,13 +473,15 @@ def test_a_rank_publishes_the_windows_sum_once_the_window_is_due(qwen3_moe_dir: 
 
 
 def test_a_windows_tail_is_published_when_no_step_comes_to_end_it(qwen3_moe_dir: Path) -> None:
+    """One step, and then none: its window's timer (50 ms) publishes it. The window's clock
+    stands still, so the step itself never finds the window due, however long it takes."""
     from rankcast.channel.buffer import NotificationBuffer
     from rankcast.channel.expert_load import read_expert_load
     from rankcast.worker.expert_load import ExpertLoadWindow
 
     run = _Steps(qwen3_moe_dir)
     buffer = NotificationBuffer(16)
-    window = ExpertLoadWindow.for_model(run.model, buffer.publish, 0.05)
+    window = ExpertLoadWindow.for_model(run.model, buffer.publish, 0.05, lambda: 0.0)
     assert window is not None
     try:
         with window.step():

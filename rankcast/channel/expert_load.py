@@ -8,7 +8,8 @@ this payload (`ExpertLoad`):
     layers   the model's indices of the layers counted (this rank's MoE layers, ascending; a
              pipeline stage holds only its own)
     tokens   tokens[i][e]: the tokens layer layers[i] routed to expert e in the window (a token
-             counts once for each of its top-k experts, so a row sums to tokens x k)
+             counts once for each of its top-k experts, so a row sums to tokens x k; with
+             expert parallelism a rank counts only the experts it holds, 0 for the others)
     steps    the steps the window counted
     seconds  how long the window was open
 

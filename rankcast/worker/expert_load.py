@@ -1,8 +1,8 @@
 """A rank's expert load, published a window at a time: the tokens each of its mixture-of-experts
 layers routed to each expert (`SparseMoeBlock.routed`), summed over at most `WINDOW_S` seconds of
 steps, as one `rankcast.expert_load` notification (`rankcast/channel/expert_load.py` says what it
-carries). Every rank publishes its own: tensor-parallel ranks route the same tokens, and with
-expert parallelism (later) each rank's experts differ.
+carries). Every rank publishes its own: ranks that slice every expert count the same tokens, and
+with expert parallelism each counts only the experts it holds (`SparseMoeBlock.count`).
 
 Per step the blocks count on the device (a bincount each) and nothing else happens until the
 window is due: a step that ends past it publishes (the event rides that step's reply), and a

@@ -326,9 +326,41 @@ def test_expert_parallel_ranks_hold_whole_experts_and_answer_transformers_tokens
     ) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
         held = llm.collective_rpc("experts_held")
+        hits = llm.engine.client.core.scheduler.stats().prefix_cache_hits
+        ran = sum(len(p) for p in PROMPTS) - hits + len(PROMPTS) * (NEW_TOKENS - 1)
+        loads = _expert_loads_until(llm, lambda by_rank: _adds_up(by_rank, 2 * ran))
     assert got == qwen3_moe_reference
-    # Each rank's MoE layers (0 and 2) hold its share.
+    # Each rank's MoE layers (0 and 2) hold its share, and count only its share's tokens.
     assert held == [[[0, 1, 2, 3]] * 2, [[4, 5, 6, 7]] * 2]
+    for layer in (0, 2):
+        assert not any(loads[0][layer][4:]) and not any(loads[1][layer][:4]), loads
+
+
+def _expert_loads_until(llm: Any, done: Any) -> dict[int, dict[int, list[int]]]:
+    """The offline engine's expert-load events added up by rank and layer, taken until `done`
+    holds of them (a rank's last window arrives within its second)."""
+    from rankcast.channel.events import CustomNotification
+    from rankcast.channel.expert_load import EXPERT_LOAD_KEY, read_expert_load
+    from rankcast.channel.view import add_counts
+
+    by_rank: dict[int, dict[int, list[int]]] = {}
+    deadline = time.monotonic() + 30
+    while not done(by_rank):
+        assert time.monotonic() < deadline, by_rank
+        for n in llm.take_notifications():
+            if isinstance(n, CustomNotification) and n.key == EXPERT_LOAD_KEY:
+                for layer, tokens in read_expert_load(n.payload) or ():
+                    add_counts(by_rank.setdefault(n.rank, {}).setdefault(layer, []), tokens)
+        time.sleep(0.05)
+    return by_rank
+
+
+def _adds_up(by_rank: dict[int, dict[int, list[int]]], want: int) -> bool:
+    """Whether both ranks reported layers 0 and 2, whose counts add up to `want` a layer."""
+    layers = [set(by_rank.get(rank, {})) for rank in (0, 1)]
+    return layers == [{0, 2}] * 2 and all(
+        sum(by_rank[0][layer]) + sum(by_rank[1][layer]) == want for layer in (0, 2)
+    )
 
 
 class ExpertsHeld:

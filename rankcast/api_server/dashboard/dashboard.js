@@ -615,9 +615,10 @@ function renderExperts() {
 }
 
 // A heat map per engine whose view reports expert load: a row per MoE layer, a cell per expert,
-// the expert's tokens summed over the engine's ranks (tensor-parallel ranks route the same
-// tokens, so the share is each rank's), coloured by its share of the layer's tokens, darkest at
-// the largest share on the map. Only renders: every number is the view's.
+// the expert's tokens summed over the engine's ranks (ranks that slice every expert count the
+// same tokens, so the share is each rank's; with expert parallelism each counts its own experts,
+// so the sum is each expert's tokens once), coloured by its share of the layer's tokens, darkest
+// at the largest share on the map. Only renders: every number is the view's.
 // (tests/dashboard/test_dashboard_view.py renders random views with it and compares.)
 function expertHeatMaps(views) {
   const maps = [];

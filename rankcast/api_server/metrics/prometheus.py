@@ -3,7 +3,8 @@
 Engine-derived series (running, waiting, KV usage, cache configuration, and everything built
 from engine notifications) are set only from what the engine core broadcasts to every API
 server, and a late server starts from the engine's snapshot, so every server reports the same
-values; the counters among them are views of engine totals (`fleet.ViewCounter`). Request
+values; the counters among them are views of engine totals (`fleet.ViewCounter`; the expert
+counters, too many for the fleet's files, are rendered from the views at each scrape). Request
 latency and token series, and notification delivery lag, are counted by each server and summed
 over all of them (`fleet.Fleet`), so every server's `/metrics` shows the fleet's totals.
 """
@@ -11,13 +12,20 @@ over all of them (`fleet.Fleet`), so every server's `/metrics` shows the fleet's
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.utils import floatToGoString
 
-from rankcast.api_server.metrics.families import counter, gauge, histogram, view_counter
+from rankcast.api_server.metrics.families import (
+    counter,
+    declared,
+    gauge,
+    histogram,
+    view_counter,
+)
 from rankcast.api_server.metrics.fleet import Fleet, register_summed
 from rankcast.api_server.metrics.lora_metrics import LoRAMetrics
 from rankcast.channel.events import (
@@ -27,11 +35,13 @@ from rankcast.channel.events import (
     NotificationsDropped,
     notification_type,
 )
-from rankcast.channel.expert_load import EXPERT_LOAD_KEY, read_expert_load
 from rankcast.channel.lora_events import lora_event_key
 from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.engine_client.engine_views import EngineViews
 from rankcast.protocol import SchedulerStats
+
+# A value as prometheus_client writes it (its utils have no annotations).
+_spelled: Callable[[float], str] = floatToGoString
 
 
 def rank_label(rank: int) -> str:
@@ -182,8 +192,6 @@ class ServerMetrics:
         self.weights_load_seconds = gauge("rankcast:worker_weights_load_seconds", self.registry)
         self.weights_load_bytes = gauge("rankcast:worker_weights_load_bytes", self.registry)
         self.kv_cache_committed = gauge("rankcast:kv_cache_committed_bytes", self.registry)
-        # Tokens each rank's MoE layers routed to each expert (the ranks' expert-load events).
-        self.expert_tokens = view_counter(self.fleet, "rankcast:moe_expert_tokens", self.registry)
         self._cache_labels: dict[int, tuple[str, str, str]] = {}
         self._engine_totals: dict[int, _EngineTotals] = {}
         # The LoRA series, when the API server serves adapters (set by the API server).
@@ -287,7 +295,6 @@ class ServerMetrics:
             self._show_dropped(engine, rank)
         for rank, payload in view.weights_loaded.items():
             self._record_weights(str(engine), rank, payload)
-        self._show_experts(engine, None)
         if self.lora is not None:
             self.lora.refresh(engine, None)
 
@@ -298,7 +305,6 @@ class ServerMetrics:
         lag = self.notification_lag.labels(self.api_server)
         touched: set[tuple[str, str]] = set()
         lora_keys: set[tuple[str, str, str]] = set()
-        experts: set[tuple[int, int]] = set()
         for n in notifications:
             touched.add((notification_type(n), n.key if isinstance(n, CustomNotification) else ""))
             lag.observe(max(0.0, now - n.timestamp))
@@ -307,15 +313,11 @@ class ServerMetrics:
             elif isinstance(n, CustomNotification) and n.key == WEIGHTS_LOADED_KEY:
                 loaded = self.views[engine].weights_loaded.get(n.rank, {})
                 self._record_weights(str(engine), n.rank, loaded)
-            elif isinstance(n, CustomNotification) and n.key == EXPERT_LOAD_KEY:
-                experts.update((n.rank, layer) for layer, _ in read_expert_load(n.payload) or ())
             key = lora_event_key(n)
             if key is not None:
                 lora_keys.add(key)
         touched.update((kind, "") for kind in unknown)
         self._show_totals(touched, set(unknown))
-        if experts:
-            self._show_experts(engine, experts)
         if self.lora is not None and lora_keys:  # loads come only with LoRA events
             self.lora.refresh(engine, lora_keys)
 
@@ -336,15 +338,6 @@ class ServerMetrics:
         )
         self.notifications_dropped.set((str(engine), rank_label(rank)), count)
 
-    def _show_experts(self, engine: int, keys: set[tuple[int, int]] | None) -> None:
-        """The expert counters of `engine`'s (rank, layer) `keys` (None: all of them), as its
-        views and earlier incarnations total them."""
-        for (rank, layer), tokens in self.views.expert_tokens(engine).items():
-            if keys is None or (rank, layer) in keys:
-                labels = (str(engine), rank_label(rank), str(layer))
-                for expert, count in enumerate(tokens):
-                    self.expert_tokens.set((*labels, str(expert)), count)
-
     def _record_weights(self, engine: str, rank: int, payload: dict[str, Any]) -> None:
         labels = (engine, rank_label(rank))
         if isinstance(payload.get("seconds"), int | float):
@@ -354,4 +347,28 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         self.fleet.read()
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + self._expert_tokens()
+
+    def _expert_tokens(self) -> bytes:
+        """`rankcast:moe_expert_tokens_total`, rendered from this server's views at each scrape,
+        as the Rust server renders it, and not through the fleet's files like the other engine
+        totals: a large mixture of experts has tens of thousands of these series (Qwen3-30B-A3B
+        at TP=2: 12,288), which prometheus_client's files took ~45 ms of each second to write and
+        ~300 ms a scrape to merge and render. So each server shows its own view of the totals
+        (every server has the same once an event reached them all: milliseconds)."""
+        family = declared("rankcast:moe_expert_tokens")
+        samples = [
+            ((str(engine), rank_label(rank), str(layer), str(expert)), count)
+            for engine in range(len(self.views))
+            for (rank, layer), tokens in self.views.expert_tokens(engine).items()
+            for expert, count in enumerate(tokens)
+        ]
+        samples.sort()  # by label values in the declared order, as the engine totals are
+        escaped = family.help.replace("\\", r"\\").replace("\n", r"\n")
+        lines = [f"# HELP {family.name} {escaped}\n# TYPE {family.name} counter\n"]
+        lines.extend(
+            f'{family.name}{{engine="{engine}",expert="{expert}",layer="{layer}",rank="{rank}"}}'
+            f" {_spelled(count)}\n"
+            for (engine, rank, layer, expert), count in samples
+        )
+        return "".join(lines).encode()

@@ -50,7 +50,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 #     logprobs a list per sequence, SchedulerStats.spec_decode_* (vLLM's counters).
 # 15: prompt logprobs: SamplingParams.prompt_logprobs, ScheduledSequence.prompt_logprob_targets,
 #     ModelRunnerOutput.prompt_logprobs (PromptLogprobs), EngineCoreOutput.prompt_logprobs.
-PROTOCOL_VERSION = 15
+# 16: expert load: NotificationLedgerState.expert_tokens (RankExpertTokens), the totals of the
+#     ranks' `rankcast.expert_load` events, for a late API server's expert counters.
+PROTOCOL_VERSION = 16
 
 
 class ClientHello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):

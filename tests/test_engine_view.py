@@ -3,7 +3,8 @@
 - The golden streams (tests/fixtures/view/) end in the states written beside them (the Rust view
   replays the same files in its own tests).
 - Random streams of real event types (loads, activations, evictions from each tier, pins,
-  unpins, unloads, failed loads, drops, weight loads, KV blocks, an engine restart) end in the
+  unpins, unloads, failed loads, drops, weight loads, expert loads, well formed or not, KV
+  blocks, an engine restart) end in the
   same state in the Python view and the Rust view (`view_replay`, the frontend's own code);
   `tests/dashboard/test_dashboard_view.py` has the page render such states in Chromium.
 - A late API server's view, started from the engine's snapshot (`state()`), equals the view of
@@ -37,6 +38,7 @@ from rankcast.channel.events import (
     Notification,
     NotificationsDropped,
 )
+from rankcast.channel.expert_load import EXPERT_LOAD_KEY
 from rankcast.channel.snapshot import EngineStateSnapshot, KVCacheState, LoRAState
 from rankcast.channel.view import EngineView
 from tests.fixtures.view.generate import CASES, HERE, encode_case, replay
@@ -182,9 +184,46 @@ _other_events = st.one_of(
     ),
     st.builds(lambda rank: _on(rank, CustomNotification(key="plugin.tick", payload={})), _ranks),
 )
+# Expert loads: rows of counts for some of four layers; and payloads under the key that are not
+# one (every consumer counts them and changes nothing else).
+_expert_rows = st.lists(
+    st.tuples(st.integers(0, 3), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
+    min_size=0,
+    max_size=3,
+)
+_not_expert_loads = st.sampled_from(
+    [
+        {},
+        {"layers": [0], "tokens": [[1, -1]]},
+        {"layers": [0], "tokens": [[1, True]]},
+        {"layers": [0, 1], "tokens": [[1, 2]]},
+        {"layers": [-1], "tokens": [[1]]},
+        {"layers": [0], "tokens": [[1.0]]},
+        {"layers": "0", "tokens": [[1]]},
+        {"layers": [0], "tokens": [2**63]},
+        {"layers": [0], "tokens": [[2**63]]},
+    ]
+)
+_expert_events = st.builds(
+    lambda rank, payload: _on(rank, CustomNotification(key=EXPERT_LOAD_KEY, payload=payload)),
+    _ranks,
+    st.one_of(
+        _expert_rows.map(
+            lambda rows: {
+                "layers": [layer for layer, _ in rows],
+                "tokens": [tokens for _, tokens in rows],
+                "steps": 1,
+                "seconds": 0.5,
+            }
+        ),
+        _not_expert_loads,
+    ),
+)
 RESTART = "restart"
 _stream = st.lists(
-    st.one_of(_lora_events, _lora_events, _kv_events, _other_events, st.just(RESTART)),
+    st.one_of(
+        _lora_events, _lora_events, _kv_events, _other_events, _expert_events, st.just(RESTART)
+    ),
     max_size=40,
 )
 

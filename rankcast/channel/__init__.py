@@ -19,6 +19,7 @@ them (docs/architecture.md has the rules and the one function that carries out e
     sequenced_publisher.py  the socket layer of both streams (seq from 0, replay, first hold)
     decoder.py      rule 9: how a consumer reads a batch, skipping types it does not know
     lora_events.py  what the LoRA lifecycle events mean to their counters (the view's keys)
+    expert_load.py  what the ranks' expert-load events carry (tokens routed to each expert)
 
 A producer needs one import:
 

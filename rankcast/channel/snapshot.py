@@ -34,12 +34,23 @@ class RankWeightsLoaded(msgspec.Struct, array_like=True):
     payload: dict[str, Any]
 
 
+class RankExpertTokens(msgspec.Struct, array_like=True):
+    """The tokens one rank's MoE layer `layer` routed to each expert, in expert order, summed
+    over every `rankcast.expert_load` event of the incarnation (protocol 16)."""
+
+    rank: int
+    layer: int
+    tokens: list[int]
+
+
 class NotificationLedgerState(msgspec.Struct, array_like=True, omit_defaults=True):
     """The channel's own totals: what every API server's notification counters start from."""
 
     totals: list[NotificationTotal] = msgspec.field(default_factory=list)
     dropped: list[RankCount] = msgspec.field(default_factory=list)
     weights_loaded: list[RankWeightsLoaded] = msgspec.field(default_factory=list)
+    # Per (rank, layer) in that order (protocol 16).
+    expert_tokens: list[RankExpertTokens] = msgspec.field(default_factory=list)
 
 
 class RankTier(msgspec.Struct, array_like=True):

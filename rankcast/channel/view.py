@@ -11,8 +11,10 @@ Both languages replay the golden streams in `tests/fixtures/view/` and must end 
 written there.
 
 Every event type has one handler in `_HANDLERS`; every event also counts in the totals (by type
-and, for `custom`, key) and, for a LoRA lifecycle event, in the adapter event counter. The rules
-of residency, in one place:
+and, for `custom`, key) and, for a LoRA lifecycle event, in the adapter event counter. Of the
+custom events, a rank's weight load is kept as it last reported it, and its expert load
+(`expert_load.py`) added to its tokens per (layer, expert). The rules of residency, in one
+place:
 
 - a load or an activation puts the adapter in that rank's tier ("cpu" host tier, "device" slot);
 - an eviction takes the tier away; from the host tier it takes everything the rank held (the
@@ -47,6 +49,7 @@ from rankcast.channel.events import (
     NotificationsDropped,
     notification_type,
 )
+from rankcast.channel.expert_load import EXPERT_LOAD_KEY, read_expert_load
 from rankcast.channel.kv_index import KVCacheIndex
 from rankcast.channel.lora_events import lora_event_key, lora_load_time
 from rankcast.channel.snapshot import (
@@ -58,6 +61,7 @@ from rankcast.channel.snapshot import (
     NotificationLedgerState,
     NotificationTotal,
     RankCount,
+    RankExpertTokens,
     RankTier,
     RankWeightsLoaded,
 )
@@ -130,6 +134,8 @@ class EngineView:
         self.totals: collections.Counter[tuple[str, str]] = collections.Counter()
         self.dropped: collections.Counter[int] = collections.Counter()
         self.weights_loaded: dict[int, dict[str, Any]] = {}
+        # (rank, layer) -> tokens routed to each expert (index) in this incarnation.
+        self.expert_tokens: dict[tuple[int, int], list[int]] = {}
         # Types this process could not decode (a newer engine's): counted, not engine state.
         self.skipped: collections.Counter[str] = collections.Counter()
         # From the engine's stats: requests per adapter that run (parked included) and wait,
@@ -172,6 +178,8 @@ class EngineView:
             self.dropped[dropped.rank] = dropped.count
         for weights in ledger.weights_loaded:
             self.weights_loaded[weights.rank] = dict(weights.payload)
+        for experts in ledger.expert_tokens:
+            self.expert_tokens[(experts.rank, experts.layer)] = list(experts.tokens)
         lora = snapshot.lora
         if lora is not None:
             self.lora = LoRAShape(lora.world_size, lora.max_loras, lora.max_cpu_loras)
@@ -240,6 +248,9 @@ class EngineView:
     def _custom(self, n: CustomNotification) -> None:
         if n.key == WEIGHTS_LOADED_KEY:
             self.weights_loaded[n.rank] = dict(n.payload)
+        elif n.key == EXPERT_LOAD_KEY:
+            for layer, tokens in read_expert_load(n.payload) or ():
+                add_counts(self.expert_tokens.setdefault((n.rank, layer), []), tokens)
 
     # ---- reading ----
 
@@ -321,6 +332,10 @@ class EngineView:
                 weights_loaded=[
                     RankWeightsLoaded(rank, p) for rank, p in sorted(self.weights_loaded.items())
                 ],
+                expert_tokens=[
+                    RankExpertTokens(rank, layer, list(tokens))
+                    for (rank, layer), tokens in sorted(self.expert_tokens.items())
+                ],
             ),
             lora=lora,
             kv_cache=None if self.kv_block_size is None else self.kv.state(self.kv_block_size),
@@ -380,6 +395,11 @@ class EngineView:
                     {"rank": r, "payload": p} for r, p in sorted(self.weights_loaded.items())
                 ],
             },
+            # Tokens per expert of each rank's MoE layers: the page's heat map.
+            "experts": [
+                {"rank": rank, "layer": layer, "tokens": tokens}
+                for (rank, layer), tokens in sorted(self.expert_tokens.items())
+            ],
             "lora": lora,
             "kv_cache": None
             if self.kv_block_size is None
@@ -389,6 +409,13 @@ class EngineView:
                 "prefixes": self.kv.roots,
             },
         }
+
+
+def add_counts(into: list[int], counts: list[int]) -> None:
+    """Add `counts` to `into` place by place, `into` growing to the longer of the two."""
+    into.extend([0] * (len(counts) - len(into)))
+    for i, count in enumerate(counts):
+        into[i] += count
 
 
 _HANDLERS: dict[type[Notification], Callable[[EngineView, Any], None]] = {

@@ -15,7 +15,7 @@ from typing import Any
 
 from rankcast.channel.events import Notification
 from rankcast.channel.snapshot import EngineStateSnapshot
-from rankcast.channel.view import EngineView, ordered_tiers
+from rankcast.channel.view import EngineView, add_counts, ordered_tiers
 from rankcast.protocol import SchedulerStats
 
 
@@ -136,6 +136,14 @@ class EngineViews:
             )
         return out
 
+    def expert_tokens(self, engine: int) -> dict[tuple[int, int], list[int]]:
+        """Tokens per expert of each (rank, layer) of `engine`, its earlier incarnations
+        included (what its expert counters show: they never go back)."""
+        out = {key: list(tokens) for key, tokens in self.earlier[engine].expert_tokens.items()}
+        for key, tokens in self.views[engine].expert_tokens.items():
+            add_counts(out.setdefault(key, []), tokens)
+        return out
+
     def as_json(self) -> list[dict[str, Any]]:
         """`/v1/engine_views`: every engine's view, in engine order."""
         return [view.as_json() for view in self.views]
@@ -149,9 +157,12 @@ class EngineTotals:
         self.skipped: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[int] = collections.Counter()
         self.lora_events: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.expert_tokens: dict[tuple[int, int], list[int]] = {}
 
     def add(self, view: EngineView) -> None:
         self.totals.update(view.totals)
         self.skipped.update(view.skipped)
         self.dropped.update(view.dropped)
         self.lora_events.update(view.lora_events)
+        for key, tokens in view.expert_tokens.items():
+            add_counts(self.expert_tokens.setdefault(key, []), tokens)

@@ -16,6 +16,13 @@ all-reduced once for the block, not once per expert. With expert parallelism (vL
 and adds only its own experts' outputs (still in index order) before the same all-reduce: a
 token's result is then summed in another order than under slicing, but in one order whatever
 the batch.
+
+Each block counts the tokens it routes to each of its experts (`routed`, one bincount a step,
+which also names the experts the step runs); the worker takes the counts once a window and
+publishes them (`rankcast/worker/expert_load.py`), so an unbalanced placement shows on every API
+server. Sliced, every rank counts every expert's tokens (the same counts on each); with expert
+parallelism a rank counts only its own experts' (another's read 0), so the ranks' counts add up
+to each expert's tokens once and each rank's sum is its share of the work.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.num_experts = arch.num_experts
         self.top_k = arch.experts_per_token
         self.norm_topk_prob = arch.norm_topk_prob
         self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts)
@@ -70,7 +78,11 @@ class SparseMoeBlock(nn.Module):
             share = arch.num_experts // tp.size
             held = range(tp.rank * share, (tp.rank + 1) * share)
             shard = TensorParallelGroup()  # a whole expert: one rank's
+        self.held = held
         self.experts = nn.ModuleDict({str(i): Expert(arch, shard) for i in held})
+        # Tokens routed to each of this rank's experts (a token once per chosen expert) since
+        # `take_routed`; None: none since.
+        self.routed: torch.Tensor | None = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts (most likely first) and their weights, in the
@@ -83,15 +95,28 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return chosen, weights.to(logits.dtype)
 
+    def count(self, chosen: torch.Tensor) -> torch.Tensor:
+        """The tokens `chosen` routes to each of this rank's experts ([num_experts] int64; 0 for
+        another rank's under expert parallelism), added to `routed`."""
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
+        if len(self.held) < self.num_experts:
+            counts[: self.held.start] = 0
+            counts[self.held.stop :] = 0
+        self.routed = counts if self.routed is None else self.routed.add_(counts)
+        return counts
+
+    def take_routed(self) -> torch.Tensor | None:
+        """The counts since the last take (None: no token since), and start again from none."""
+        routed, self.routed = self.routed, None
+        return routed
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         chosen, weights = self.route(hidden)
         out = torch.zeros_like(hidden)
-        # Experts in index order, each on the tokens that chose it (a token takes an expert
-        # at most once, so each index_add_ adds one row per token).
-        for expert in torch.unique(chosen).tolist():
+        # This rank's experts in index order, each on the tokens that chose it (a token takes
+        # an expert at most once, so each index_add_ adds one row per token).
+        for expert in torch.nonzero(self.count(chosen)).flatten().tolist():
             name = str(expert)
-            if name not in self.experts:
-                continue  # another rank's (expert parallelism)
             tokens, slot = torch.where(chosen == expert)
             rows = self.experts[name](hidden[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, rows.to(out.dtype))

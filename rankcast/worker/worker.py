@@ -42,6 +42,7 @@ from rankcast.protocol import (
     StepReply,
     TakeNotifications,
 )
+from rankcast.worker.expert_load import ExpertLoadWindow
 from rankcast.worker.extension import load_worker_plugins, worker_class
 from rankcast.worker.grammar import GrammarMatchers
 from rankcast.worker.lora_manager import LoRAManager
@@ -85,6 +86,8 @@ class Worker:
         self.dtype = torch.float32
         self.runner: ModelRunner | None = None
         self.loras: LoRAManager | None = None
+        # A mixture of experts' tokens per expert, published a window at a time (None: dense).
+        self.expert_load: ExpertLoadWindow | None = None
         self.cpus: list[int] | None = None  # the cores this rank's threads are bound to
         # The engine core's calls on this rank (`rankcast.protocol.RankCall`), one handler each.
         self.rank_call_handlers: dict[type[RankCall[Any]], Callable[[Any], Any]] = {
@@ -167,6 +170,7 @@ class Worker:
             grammars,
             kv_quant.cache_dtype(self.config.cache.kv_cache_dtype, self.dtype),
         )
+        self.expert_load = ExpertLoadWindow.for_model(model, self.notifications.publish)
         if self.config.lora.enable_lora:
             lora = self.config.lora
             self.runner.enable_lora(lora.max_loras, lora.max_lora_rank)
@@ -198,6 +202,8 @@ class Worker:
         before the process or the executor lets go of it."""
         if self.loras is not None:
             self.loras.close()
+        if self.expert_load is not None:
+            self.expert_load.close()
         if self.runner is not None:
             self.runner.close()
 
@@ -229,7 +235,9 @@ class Worker:
             self._lora().apply(batch.lora_moves)
         output = None
         if batch.sequences or batch.finished_request_ids:
-            output = self.runner.execute_model(batch, sample=self.is_output_rank)
+            counted = self.expert_load.step() if self.expert_load else contextlib.nullcontext()
+            with counted:
+                output = self.runner.execute_model(batch, sample=self.is_output_rank)
         # Events first: a read is recorded before its event is published, so a read whose
         # event this reply carries is in it too.
         notifications = self.notifications.take()

@@ -1,7 +1,9 @@
 """The page renders the engine view and nothing else: random views (from the same strategy over
 real event types that the Python and Rust views are replayed with, tests/test_engine_view.py)
 rendered by the page's own `residencyGrid` in a real headless Chromium must show, cell for cell,
-each rank's tier, its pin and the engine's partial residency as the view has them.
+each rank's tier, its pin and the engine's partial residency as the view has them; and by its
+`expertHeatMaps`, each engine's tokens per (MoE layer, expert) summed over its ranks, with the
+share of the layer's tokens each cell is coloured by.
 
 The page is served as the package ships it, by a plain static file server (its API calls go
 unanswered here: the served page's end-to-end checks are test_dashboard_browser.py's)."""
@@ -19,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rankcast.api_server import dashboard
+from rankcast.channel.view import add_counts
 from tests.dashboard.browser import chromium, find_chromium, wait_for
 from tests.entrypoints.server_process import free_port
 from tests.test_engine_view import view_states
@@ -108,6 +111,38 @@ def expected_grid(views: list[dict[str, Any]]) -> list[list[Any]]:
     return rows
 
 
+READ_HEAT_MAPS = """
+return expertHeatMaps(arguments[0]).map((table) => [
+  Number(table.dataset.engine),
+  [...table.querySelectorAll("tr[data-layer]")].map((tr) => [
+    Number(tr.dataset.layer),
+    [...tr.querySelectorAll("td.heat-cell")].map((c) => [
+      Number(c.dataset.tokens), Number(c.dataset.share)]),
+  ]),
+]);
+"""
+
+
+def expected_heat_maps(views: list[dict[str, Any]]) -> list[list[Any]]:
+    """What the heat maps must show for these views: per engine that reports expert load, its
+    layers in order, each expert's tokens over the engine's ranks and share of the layer's."""
+    maps = []
+    for view in views:
+        layers: dict[int, list[int]] = {}
+        for row in view["experts"]:
+            add_counts(layers.setdefault(row["layer"], []), row["tokens"])
+        if not layers:
+            continue
+        width = max(len(tokens) for tokens in layers.values())
+        rows = []
+        for layer, tokens in sorted(layers.items()):
+            tokens = tokens + [0] * (width - len(tokens))
+            total = sum(tokens)
+            rows.append([layer, [[count, count / total if total else 0] for count in tokens]])
+        maps.append([view["engine"], rows])
+    return maps
+
+
 def _two_engines(first: dict[str, Any], second: dict[str, Any] | None) -> list[dict[str, Any]]:
     views = [first]
     if second is not None:
@@ -123,6 +158,20 @@ def _two_engines(first: dict[str, Any], second: dict[str, Any] | None) -> list[d
 @given(st.builds(_two_engines, view_states, st.none() | view_states))
 def test_the_page_renders_each_view_as_it_is(page: WebDriver, views: list[dict[str, Any]]) -> None:
     assert page.execute_script(READ_GRID, views) == expected_grid(views)
+    assert page.execute_script(READ_HEAT_MAPS, views) == expected_heat_maps(views)
+
+
+def test_the_golden_expert_loads_show_as_each_layers_share_by_expert(page: WebDriver) -> None:
+    """The golden stream's two ranks, summed: layer 2's expert 1 took 7 of its 18 tokens."""
+    import json
+
+    from tests.fixtures.view.generate import HERE
+
+    view = json.loads((HERE / "lora_tp2.json").read_text())
+    ((engine, rows),) = page.execute_script(READ_HEAT_MAPS, [view])
+    assert engine == 0 and [layer for layer, _ in rows] == [0, 2]
+    assert rows[1][1][1] == [7, 7 / 18]
+    assert page.execute_script(READ_HEAT_MAPS, [{**view, "experts": []}]) == []
 
 
 def test_a_pinned_adapter_evicted_from_the_host_tier_shows_nothing_on_that_rank(

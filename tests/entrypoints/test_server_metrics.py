@@ -136,3 +136,61 @@ def test_requests_are_counted_by_method_status_class_and_route_template() -> Non
         'http_requests_total{handler="/v1/things/{thing_id}",method="GET",status="2xx"} 3.0',
         'http_requests_total{handler="none",method="GET",status="4xx"} 2.0',
     ]
+
+
+def test_expert_counters_catch_up_and_count_on_across_an_engine_restart() -> None:
+    """`rankcast:moe_expert_tokens_total` from the ranks' expert-load events: a late API server
+    started from the engine's snapshot shows the same series; a restarted engine's loads add to
+    what was shown, never back; a payload of another shape under the key changes nothing."""
+    from rankcast.channel.events import CustomNotification
+    from rankcast.channel.expert_load import EXPERT_LOAD_KEY, expert_load_payloads
+    from rankcast.channel.snapshot import EngineStateSnapshot
+    from rankcast.engine_client.engine_views import EngineViews
+
+    def load(rank: int, rows: list[list[int]], seq: int) -> CustomNotification:
+        payload = expert_load_payloads([0, 2], rows, 1, 0.5)[0]
+        return CustomNotification(
+            key=EXPERT_LOAD_KEY, payload=payload, engine_index=0, rank=rank, engine_seq=seq
+        )
+
+    def server(snapshot: EngineStateSnapshot) -> tuple[EngineViews, ServerMetrics]:
+        views = EngineViews(1)
+        metrics = ServerMetrics("m", 0, views)
+        views.apply_snapshot(snapshot)
+        metrics.apply_snapshot(snapshot)
+        return views, metrics
+
+    def feed(views: EngineViews, metrics: ServerMetrics, events: list[CustomNotification]) -> None:
+        views.consume(0, list(events), [])
+        metrics.consume(0, list(events), [], now=0.0)
+
+    def experts(metrics: ServerMetrics) -> dict[str, float]:
+        lines = metrics.exposition().decode().splitlines()
+        prefix = "rankcast:moe_expert_tokens_total{"
+        samples = (line.split(" ") for line in lines if line.startswith(prefix))
+        return {name: float(value) for name, value in samples}
+
+    def series(rank: int, layer: int, expert: int) -> str:
+        labels = f'engine="0",expert="{expert}",layer="{layer}",rank="{rank}"'
+        return f"rankcast:moe_expert_tokens_total{{{labels}}}"
+
+    views, metrics = server(EngineStateSnapshot(engine_index=0, incarnation=0))
+    feed(views, metrics, [load(0, [[3, 1], [0, 4]], 0), load(1, [[3, 1], [0, 4]], 1)])
+    bad = CustomNotification(
+        key=EXPERT_LOAD_KEY, payload={"layers": [0], "tokens": [[-1, 1]]}, engine_index=0, rank=0
+    )
+    feed(views, metrics, [load(0, [[1, 1], [2, 0]], 2), bad])
+    shown = experts(metrics)
+    assert len(shown) == 8
+    assert shown[series(0, 0, 0)] == 4 and shown[series(0, 2, 1)] == 4
+    assert shown[series(1, 0, 0)] == 3 and shown[series(1, 2, 0)] == 0
+    _, late = server(views[0].state())
+    assert experts(late) == shown
+    # The engine restarts: its next incarnation counts from none.
+    views.apply_snapshot(EngineStateSnapshot(engine_index=0, incarnation=1))
+    metrics.apply_snapshot(EngineStateSnapshot(engine_index=0, incarnation=1))
+    assert experts(metrics) == shown
+    feed(views, metrics, [load(1, [[1, 0], [0, 2]], 0)])
+    after = experts(metrics)
+    assert after[series(1, 0, 0)] == 4 and after[series(1, 2, 1)] == 6
+    assert all(after[name] >= count for name, count in shown.items())

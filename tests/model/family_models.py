@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -400,9 +401,15 @@ def assert_gguf_converts_to_the_checkpoint(gguf_path: Path, model_dir: Path) -> 
     return converted
 
 
-def assert_served_at_tp2(model: Path, tokenizer_dir: Path, reference: list[list[int]]) -> None:
+def assert_served_at_tp2(
+    model: Path,
+    tokenizer_dir: Path,
+    reference: list[list[int]],
+    then: Callable[[Any], None] | None = None,
+) -> None:
     """`rankcast serve MODEL --tensor-parallel-size 2` with a Python and a Rust API server: each
-    server answers transformers' greedy tokens, whole and streamed."""
+    server answers transformers' greedy tokens, whole and streamed. `then`: more checks of the
+    fleet (given the `ServerProcess`) after those requests, while it still runs."""
     import json as json_module
     import time
 
@@ -465,6 +472,8 @@ def assert_served_at_tp2(model: Path, tokenizer_dir: Path, reference: list[list[
         for (_, want, stream), answered in zip(cases, answers, strict=True):
             expected = tokenizer.decode(want, skip_special_tokens=True)
             assert answered == {"0": expected, "1": expected}, (stream, answered)
+        if then is not None:
+            then(server)
 
 
 def assert_peft_adapter_matches(

@@ -8,6 +8,7 @@ expert)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,74 @@ def test_a_tokens_output_does_not_depend_on_who_shares_its_experts(
 def test_served_at_tp2(
     qwen3_moe_dir: Path, tokenizer_source: Path, qwen3_moe_reference: list[list[int]]
 ) -> None:
-    assert_served_at_tp2(qwen3_moe_dir, tokenizer_source, qwen3_moe_reference)
+    """Served by a Python and a Rust API server, the same greedy tokens as transformers; and
+    then each rank's expert load, through the channel, on both servers alike."""
+    assert_served_at_tp2(
+        qwen3_moe_dir, tokenizer_source, qwen3_moe_reference, then=_expert_load_on_every_server
+    )
+
+
+def _expert_load_on_every_server(server: Any) -> None:
+    """`rankcast:moe_expert_tokens_total` after the requests: the same lines on the Python and
+    the Rust API server, a series per (rank, MoE layer, expert) of both ranks, and each (rank,
+    layer) adding up to every token the engine ran x top-2 (prompt tokens not found in the
+    prefix cache, and every generated token but each request's last); both servers' engine
+    views (what the page's heat map draws) carry the same tokens."""
+    import httpx
+
+    from tests.entrypoints.notification_clients import scrape_each
+
+    family = "rankcast:moe_expert_tokens_total"
+    deadline = time.monotonic() + 30
+    while True:  # until the ranks' last windows (a second at most) reached both servers
+        scrapes = scrape_each(server.url, 2)
+        lines = {i: sorted(_samples(text, family).items()) for i, text in scrapes.items()}
+        per_layer: dict[tuple[str, str], float] = {}
+        for labels, value in _samples(scrapes["0"], family).items():
+            where = dict(label.split("=") for label in labels.split(","))
+            key = (where["rank"], where["layer"])
+            per_layer[key] = per_layer.get(key, 0) + value
+        want = 2 * _tokens_run(scrapes["0"])
+        if (
+            lines["0"] == lines["1"]
+            and set(per_layer) == {(f'"{r}"', f'"{layer}"') for r in (0, 1) for layer in (0, 2)}
+            and all(tokens == want for tokens in per_layer.values())
+            and len(lines["0"]) == 2 * 2 * 8
+        ):
+            break
+        assert time.monotonic() < deadline, (want, per_layer, lines)
+        time.sleep(0.1)
+    views = {}
+    while len(views) < 2:
+        assert time.monotonic() < deadline, f"engine views only from {sorted(views)}"
+        reply = httpx.get(f"{server.url}/v1/engine_views", timeout=10)
+        views[reply.headers["x-rankcast-api-server"]] = reply.json()["data"][0]["experts"]
+    assert views["0"] == views["1"] and len(views["0"]) == 4, views
+
+
+def _samples(text: str, family: str) -> dict[str, float]:
+    """A family's samples in an exposition: the labels between the braces -> the value."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(family + "{"):
+            labels, value = line[len(family) + 1 :].rsplit("} ", 1)
+            out[labels] = float(value)
+    return out
+
+
+def _tokens_run(text: str) -> float:
+    """Tokens the engine ran, from its and the fleet's counters: prompt tokens less those the
+    prefix cache held, and each request's generated tokens but its last (never run)."""
+    return sum(
+        sign * value
+        for sign, family in (
+            (1, "vllm:prompt_tokens_total"),
+            (-1, "vllm:prefix_cache_hits_total"),
+            (1, "vllm:generation_tokens_total"),
+            (-1, "vllm:request_success_total"),
+        )
+        for value in _samples(text, family).values()
+    )
 
 
 def test_an_adapter_on_the_experts_is_refused_naming_the_tensor(
@@ -258,9 +326,41 @@ def test_expert_parallel_ranks_hold_whole_experts_and_answer_transformers_tokens
     ) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
         held = llm.collective_rpc("experts_held")
+        hits = llm.engine.client.core.scheduler.stats().prefix_cache_hits
+        ran = sum(len(p) for p in PROMPTS) - hits + len(PROMPTS) * (NEW_TOKENS - 1)
+        loads = _expert_loads_until(llm, lambda by_rank: _adds_up(by_rank, 2 * ran))
     assert got == qwen3_moe_reference
-    # Each rank's MoE layers (0 and 2) hold its share.
+    # Each rank's MoE layers (0 and 2) hold its share, and count only its share's tokens.
     assert held == [[[0, 1, 2, 3]] * 2, [[4, 5, 6, 7]] * 2]
+    for layer in (0, 2):
+        assert not any(loads[0][layer][4:]) and not any(loads[1][layer][:4]), loads
+
+
+def _expert_loads_until(llm: Any, done: Any) -> dict[int, dict[int, list[int]]]:
+    """The offline engine's expert-load events added up by rank and layer, taken until `done`
+    holds of them (a rank's last window arrives within its second)."""
+    from rankcast.channel.events import CustomNotification
+    from rankcast.channel.expert_load import EXPERT_LOAD_KEY, read_expert_load
+    from rankcast.channel.view import add_counts
+
+    by_rank: dict[int, dict[int, list[int]]] = {}
+    deadline = time.monotonic() + 30
+    while not done(by_rank):
+        assert time.monotonic() < deadline, by_rank
+        for n in llm.take_notifications():
+            if isinstance(n, CustomNotification) and n.key == EXPERT_LOAD_KEY:
+                for layer, tokens in read_expert_load(n.payload) or ():
+                    add_counts(by_rank.setdefault(n.rank, {}).setdefault(layer, []), tokens)
+        time.sleep(0.05)
+    return by_rank
+
+
+def _adds_up(by_rank: dict[int, dict[int, list[int]]], want: int) -> bool:
+    """Whether both ranks reported layers 0 and 2, whose counts add up to `want` a layer."""
+    layers = [set(by_rank.get(rank, {})) for rank in (0, 1)]
+    return layers == [{0, 2}] * 2 and all(
+        sum(by_rank[0][layer]) + sum(by_rank[1][layer]) == want for layer in (0, 2)
+    )
 
 
 class ExpertsHeld:
@@ -274,3 +374,214 @@ class ExpertsHeld:
             for layer in self.runner.model.decoder_layers()
             if isinstance(layer.mlp, SparseMoeBlock)
         ]
+
+
+# ---- expert load: what each rank counts and publishes (rankcast/worker/expert_load.py) ----
+
+
+class _Steps:
+    """Our model in a runner on two sequences: the first `step()` is their prompts' prefill,
+    each later one a greedy decode step of both."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from rankcast.worker.model_runner import ModelRunner
+
+        arch = ArchConfig.from_model_dir(model_dir)
+        self.model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
+        self.runner = ModelRunner(self.model, arch, 8, torch.device("cpu"), torch.float32)
+        self.runner.initialize_cache(64)
+        self.blocks = [[9, 2, 30, 4, 17, 50], [0, 11]]
+        self.sequences = [list(PROMPTS[0]), list(PROMPTS[2])]
+        self.steps = 0
+
+    def step(self) -> None:
+        from rankcast.protocol import ScheduledSequence, SchedulerOutput
+
+        batch = SchedulerOutput(
+            [
+                ScheduledSequence("r", s, 0, t)
+                if self.steps == 0
+                else ScheduledSequence("r", s[-1:], len(s) - 1, t)
+                for s, t in zip(self.sequences, self.blocks, strict=True)
+            ]
+        )
+        logits = self.runner.compute_logits(batch)
+        for seq, row in zip(self.sequences, logits, strict=True):
+            seq.append(int(row.argmax()))
+        self.steps += 1
+
+    def ran(self) -> list[list[int]]:
+        """The tokens each sequence ran: all but the last one decoded."""
+        return [seq[:-1] for seq in self.sequences]
+
+    def routed(self) -> dict[int, list[int]]:
+        """Each MoE layer's counts, taken (they start again from none)."""
+        out = {}
+        for index, layer in enumerate(self.model.decoder_layers()):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                counts = layer.mlp.take_routed()
+                assert counts is not None, f"layer {index} counted nothing"
+                out[index] = counts.tolist()
+        return out
+
+
+def _transformers_routing(model_dir: Path, sequences: list[list[int]]) -> dict[int, list[int]]:
+    """Tokens per expert of each MoE layer as transformers' own routers choose them, each
+    sequence run whole."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    counts: dict[int, torch.Tensor] = {}
+
+    def record(layer: int) -> Any:
+        def hook(_module: Any, _args: Any, output: Any) -> None:
+            chosen = output[2].flatten()  # the router returns (logits, weights, experts)
+            found = torch.bincount(chosen, minlength=model.config.num_experts)
+            counts[layer] = counts.get(layer, torch.zeros_like(found)) + found
+
+        return hook
+
+    for index, layer in enumerate(model.model.layers):
+        router = getattr(layer.mlp, "gate", None)
+        if router is not None and hasattr(router, "top_k"):  # a dense layer's gate is a linear
+            router.register_forward_hook(record(index))
+    with torch.no_grad():
+        for seq in sequences:
+            model(torch.tensor([seq]))
+    return {layer: found.tolist() for layer, found in sorted(counts.items())}
+
+
+def test_each_moe_layer_counts_the_tokens_transformers_routes_to_each_expert(
+    qwen3_moe_dir: Path,
+) -> None:
+    """A prefill and three decode steps of two sequences: each MoE layer's counts are what
+    transformers' routers choose for the same tokens, expert by expert (a row sums to the
+    tokens run x top-k); the dense layer counts nothing; a take starts the counts again."""
+    run = _Steps(qwen3_moe_dir)
+    for _ in range(4):
+        run.step()
+    ours = run.routed()
+    assert list(ours) == [0, 2]  # layer 1 is dense (mlp_only_layers)
+    assert ours == _transformers_routing(qwen3_moe_dir, run.ran())
+    tokens = sum(len(seq) for seq in run.ran())
+    assert all(sum(row) == 2 * tokens for row in ours.values())
+    run.step()
+    assert all(sum(row) == 2 * 2 for row in run.routed().values()), "one token per sequence"
+
+
+def test_a_rank_publishes_the_windows_sum_once_the_window_is_due(qwen3_moe_dir: Path) -> None:
+    """Steps inside one window publish nothing; the step that ends past it publishes the sum of
+    all of them, per MoE layer, as one `rankcast.expert_load` event through the rank's buffer
+    (validated there), and the next window starts from none."""
+    from rankcast.channel.buffer import NotificationBuffer
+    from rankcast.channel.events import CustomNotification
+    from rankcast.channel.expert_load import EXPERT_LOAD_KEY, read_expert_load
+    from rankcast.worker.expert_load import ExpertLoadWindow
+
+    run, reference = _Steps(qwen3_moe_dir), _Steps(qwen3_moe_dir)
+    now = [0.0]
+    buffer = NotificationBuffer(16)
+    # A 10 s window on a clock the test moves: its timer never fires while the test runs.
+    window = ExpertLoadWindow.for_model(run.model, buffer.publish, 10.0, lambda: now[0])
+    assert window is not None
+    try:
+        for at in (0.0, 4.0, 8.0, 12.0, 13.0):
+            now[0] = at
+            with window.step():
+                run.step()
+            reference.step()
+            if at == 8.0:
+                assert buffer.take() is None, "published inside the window"
+            if at == 12.0:
+                summed = reference.routed()  # the four steps of the window, not the fifth
+        (published,) = buffer.take() or []
+        assert isinstance(published, CustomNotification)
+        assert published.key == EXPERT_LOAD_KEY and published.seq == 1
+        assert published.payload["steps"] == 4 and published.payload["seconds"] == 12.0
+        assert dict(read_expert_load(published.payload) or []) == summed
+        assert window.steps == 1 and window.opened == 13.0
+    finally:
+        window.close()
+
+
+def test_a_windows_tail_is_published_when_no_step_comes_to_end_it(qwen3_moe_dir: Path) -> None:
+    """One step, and then none: its window's timer (50 ms) publishes it. The window's clock
+    stands still, so the step itself never finds the window due, however long it takes."""
+    from rankcast.channel.buffer import NotificationBuffer
+    from rankcast.channel.expert_load import read_expert_load
+    from rankcast.worker.expert_load import ExpertLoadWindow
+
+    run = _Steps(qwen3_moe_dir)
+    buffer = NotificationBuffer(16)
+    window = ExpertLoadWindow.for_model(run.model, buffer.publish, 0.05, lambda: 0.0)
+    assert window is not None
+    try:
+        with window.step():
+            run.step()
+        deadline = time.monotonic() + 10
+        while not buffer.pending:
+            assert time.monotonic() < deadline, "the window's tail was never published"
+            time.sleep(0.01)
+        (published,) = buffer.take() or []
+        tokens = sum(len(seq) for seq in run.ran())
+        rows = read_expert_load(published.payload)  # type: ignore[attr-defined]
+        assert rows is not None and [layer for layer, _ in rows] == [0, 2]
+        assert all(sum(row) == 2 * tokens for _, row in rows)
+        assert window.steps == 0 and window.opened is None
+    finally:
+        window.close()
+
+
+def test_a_dense_model_has_no_window(tiny_llama_dir: Path) -> None:
+    from rankcast.worker.expert_load import ExpertLoadWindow
+
+    arch = ArchConfig.from_model_dir(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, arch, torch.float32, torch.device("cpu"))
+    assert ExpertLoadWindow.for_model(model, lambda n: None) is None
+
+
+def test_a_large_window_is_split_by_layers_and_a_bad_row_refused_at_the_producer() -> None:
+    """Qwen3-30B-A3B's shape (48 layers of 128 experts) at the largest counts: every payload
+    fits one notification, the layers in order; a row that is not a count per expert is
+    refused where it is made, naming it."""
+    import msgspec
+
+    from rankcast.channel.events import MAX_NOTIFICATION_BYTES, CustomNotification
+    from rankcast.channel.expert_load import (
+        EXPERT_LOAD_KEY,
+        expert_load_payloads,
+        read_expert_load,
+    )
+    from rankcast.channel.validation import validate_notification
+
+    layers = list(range(48))
+    tokens = [[2**64 - 1 - e for e in range(128)] for _ in layers]
+    payloads = expert_load_payloads(layers, tokens, 7, 1.0)
+    assert len(payloads) == 2
+    assert [layer for p in payloads for layer in p["layers"]] == layers
+    for payload in payloads:
+        size = validate_notification(CustomNotification(key=EXPERT_LOAD_KEY, payload=payload))
+        assert size <= MAX_NOTIFICATION_BYTES
+        assert len(msgspec.msgpack.encode(payload)) <= MAX_NOTIFICATION_BYTES
+    small = expert_load_payloads([3], [[1, 0, 2]], 1, 0.5)
+    assert [read_expert_load(p) for p in small] == [[(3, [1, 0, 2])]]
+    with pytest.raises(ValueError, match=r"tokens\[layer 3\]"):
+        expert_load_payloads([3], [[1, -1]], 1, 0.5)
+    with pytest.raises(ValueError, match="2 rows for 1 layers"):
+        expert_load_payloads([3], [[1], [2]], 1, 0.5)
+
+
+def test_expert_parallel_ranks_count_only_their_own_experts_tokens(qwen3_moe_dir: Path) -> None:
+    """With --enable-expert-parallel each rank counts the tokens of the experts it holds (another
+    rank's read 0): the ranks' counts add up to the whole routing, each expert's tokens once.
+    Sliced, every rank counts every expert's."""
+    from rankcast.distributed import TensorParallelGroup
+
+    arch = ArchConfig.from_model_dir(qwen3_moe_dir)
+    chosen = torch.tensor([[0, 5], [5, 7], [3, 0], [1, 6]])
+    whole = torch.bincount(chosen.flatten(), minlength=8).tolist()
+    ranks = [TensorParallelGroup(rank=rank, size=2) for rank in range(2)]
+    counts = [SparseMoeBlock(arch, tp, expert_parallel=True).count(chosen) for tp in ranks]
+    assert [c.tolist() for c in counts] == [[2, 1, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 2, 1, 1]]
+    assert (counts[0] + counts[1]).tolist() == whole
+    assert SparseMoeBlock(arch, ranks[1]).count(chosen).tolist() == whole

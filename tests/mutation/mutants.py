@@ -36,6 +36,8 @@ VIEW = "tests/test_engine_view.py"
 RUST_VIEW_DEVICE_EVICTION = '        if n.tier == "cpu" {\n            tiers.clear();'
 RUST_VIEW_DEVICE_EVICTION_MUTATED = '        if n.tier != "disk" {\n            tiers.clear();'
 DASHBOARD_VIEW = "tests/dashboard/test_dashboard_view.py"
+MOE = "tests/model/test_moe.py"
+SERVER_METRICS = "tests/entrypoints/test_server_metrics.py"
 SPECULATION = "tests/engine/test_speculative.py"
 SPECULATION_SCHEDULER = "tests/engine/test_speculative_scheduler.py"
 APIS = "tests/entrypoints/test_server_responses_messages.py"
@@ -178,6 +180,38 @@ MUTANTS = [
         "rust/frontend/src/view.rs",
         RUST_VIEW_DEVICE_EVICTION,
         RUST_VIEW_DEVICE_EVICTION_MUTATED,
+        (VIEW,),
+    ),
+    Mutant(
+        "expert-count-last-step-only",
+        "8 Expert load: a MoE layer counts every step's tokens until the window takes them",
+        "rankcast/model/moe.py",
+        "self.routed = counts if self.routed is None else self.routed.add_(counts)",
+        "self.routed = counts",
+        (f"{MOE}::test_each_moe_layer_counts_the_tokens_transformers_routes_to_each_expert",),
+    ),
+    Mutant(
+        "expert-tail-unpublished",
+        "8 Expert load: a window no step came to end is published by its timer",
+        "rankcast/worker/expert_load.py",
+        "            if self.steps:\n                self._publish(self.clock())",
+        "            pass",
+        (f"{MOE}::test_a_windows_tail_is_published_when_no_step_comes_to_end_it",),
+    ),
+    Mutant(
+        "expert-totals-reset-on-restart",
+        "8 Expert load: the expert counters never go back across an engine restart",
+        "rankcast/engine_client/engine_views.py",
+        "            add_counts(self.expert_tokens.setdefault(key, []), tokens)",
+        "            pass",
+        (SERVER_METRICS,),
+    ),
+    Mutant(
+        "rust-view-skips-expert-load",
+        "8 One engine view: the Rust view adds the ranks' expert loads as the Python one does",
+        "rust/frontend/src/view.rs",
+        "                        add_counts(into, &tokens);",
+        "                        into.clear();",
         (VIEW,),
     ),
     Mutant(

@@ -4,8 +4,8 @@
 // numbers), /v1/engine_views (each engine as the API server's engine view has it: adapters per
 // rank and tier, pins, requests) with every poll and at once after each LoRA event, and the
 // engine notification stream /v1/events read live (what each rank did, as it happens). The page
-// tracks no engine state from events itself: the residency grid renders the views, the one
-// state every API server, the router and /metrics read. A reload starts from the next poll and
+// tracks no engine state from events itself: the residency grid and the expert heat maps render
+// the views, the one state every API server, the router and /metrics read. A reload starts from the next poll and
 // the stream's ring. No build step and no dependencies, so the page works offline from the
 // package.
 "use strict";
@@ -152,6 +152,7 @@ async function fetchViews() {
     page.viewsFetch = null;
   }
   renderResidency();
+  renderExperts();
 }
 
 async function pollHealth() {
@@ -380,6 +381,7 @@ function render() {
   renderEngines();
   renderSparklines();
   renderResidency();
+  renderExperts();
 }
 
 function latest() {
@@ -604,6 +606,75 @@ function residencyGrid(views) {
     rows.push(row);
   }
   return { columns, rows };
+}
+
+function renderExperts() {
+  const maps = expertHeatMaps(page.views);
+  document.getElementById("expert-maps").replaceChildren(...maps);
+  document.getElementById("experts-empty").hidden = maps.length > 0;
+}
+
+// A heat map per engine whose view reports expert load: a row per MoE layer, a cell per expert,
+// the expert's tokens summed over the engine's ranks (ranks that slice every expert count the
+// same tokens, so the share is each rank's; with expert parallelism each counts its own experts,
+// so the sum is each expert's tokens once), coloured by its share of the layer's tokens, darkest
+// at the largest share on the map. Only renders: every number is the view's.
+// (tests/dashboard/test_dashboard_view.py renders random views with it and compares.)
+function expertHeatMaps(views) {
+  const maps = [];
+  for (const view of views) {
+    const layers = new Map(); // layer -> tokens per expert, summed over ranks
+    for (const row of view.experts || []) {
+      const summed = layers.get(row.layer) || [];
+      row.tokens.forEach((count, expert) => {
+        summed[expert] = (summed[expert] || 0) + count;
+      });
+      layers.set(row.layer, summed);
+    }
+    if (!layers.size) continue;
+    const width = Math.max(...[...layers.values()].map((tokens) => tokens.length));
+    const rows = [...layers.entries()]
+      .sort((a, b) => a[0] - b[0])
+      .map(([layer, tokens]) => {
+        const all = tokens.reduce((sum, count) => sum + (count || 0), 0);
+        return [layer, Array.from({ length: width }, (_, e) => tokens[e] || 0), all];
+      });
+    const top = Math.max(...rows.flatMap(([, tokens, all]) =>
+      tokens.map((count) => (all ? count / all : 0))), 1e-9);
+    const table = document.createElement("table");
+    table.className = "heat";
+    table.dataset.engine = String(view.engine);
+    const caption = document.createElement("caption");
+    caption.textContent = `engine ${view.engine}: ${rows.length} layers x ${width} experts`;
+    const heading = document.createElement("tr");
+    for (const title of ["layer", ...Array.from({ length: width }, (_, e) => String(e))]) {
+      const cell = document.createElement("th");
+      cell.textContent = title;
+      heading.append(cell);
+    }
+    const body = rows.map(([layer, tokens, all]) => {
+      const tr = document.createElement("tr");
+      tr.dataset.layer = String(layer);
+      const title = document.createElement("th");
+      title.textContent = String(layer);
+      tr.append(title);
+      tokens.forEach((count, expert) => {
+        const share = all ? count / all : 0;
+        const cell = document.createElement("td");
+        cell.className = "heat-cell";
+        cell.dataset.expert = String(expert);
+        cell.dataset.tokens = String(count);
+        cell.dataset.share = String(share);
+        cell.style.backgroundColor = `rgba(198, 40, 40, ${(share / top).toFixed(3)})`;
+        cell.title = `layer ${layer}, expert ${expert}: ${count} tokens (${percent(share)})`;
+        tr.append(cell);
+      });
+      return tr;
+    });
+    table.append(caption, heading, ...body);
+    maps.push(table);
+  }
+  return maps;
 }
 
 // ---- start ----

@@ -3,7 +3,8 @@
 Engine-derived series (running, waiting, KV usage, cache configuration, and everything built
 from engine notifications) are set only from what the engine core broadcasts to every API
 server, and a late server starts from the engine's snapshot, so every server reports the same
-values; the counters among them are views of engine totals (`fleet.ViewCounter`). Request
+values; the counters among them are views of engine totals (`fleet.ViewCounter`; the expert
+counters, too many for the fleet's files, are rendered from the views at each scrape). Request
 latency and token series, and notification delivery lag, are counted by each server and summed
 over all of them (`fleet.Fleet`), so every server's `/metrics` shows the fleet's totals.
 """
@@ -11,13 +12,20 @@ over all of them (`fleet.Fleet`), so every server's `/metrics` shows the fleet's
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.utils import floatToGoString
 
-from rankcast.api_server.metrics.families import counter, gauge, histogram, view_counter
+from rankcast.api_server.metrics.families import (
+    counter,
+    declared,
+    gauge,
+    histogram,
+    view_counter,
+)
 from rankcast.api_server.metrics.fleet import Fleet, register_summed
 from rankcast.api_server.metrics.lora_metrics import LoRAMetrics
 from rankcast.channel.events import (
@@ -31,6 +39,9 @@ from rankcast.channel.lora_events import lora_event_key
 from rankcast.channel.snapshot import EngineStateSnapshot
 from rankcast.engine_client.engine_views import EngineViews
 from rankcast.protocol import SchedulerStats
+
+# A value as prometheus_client writes it (its utils have no annotations).
+_spelled: Callable[[float], str] = floatToGoString
 
 
 def rank_label(rank: int) -> str:
@@ -336,4 +347,28 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         self.fleet.read()
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + self._expert_tokens()
+
+    def _expert_tokens(self) -> bytes:
+        """`rankcast:moe_expert_tokens_total`, rendered from this server's views at each scrape,
+        as the Rust server renders it, and not through the fleet's files like the other engine
+        totals: a large mixture of experts has tens of thousands of these series (Qwen3-30B-A3B
+        at TP=2: 12,288), which prometheus_client's files took ~45 ms of each second to write and
+        ~300 ms a scrape to merge and render. So each server shows its own view of the totals
+        (every server has the same once an event reached them all: milliseconds)."""
+        family = declared("rankcast:moe_expert_tokens")
+        samples = [
+            ((str(engine), rank_label(rank), str(layer), str(expert)), count)
+            for engine in range(len(self.views))
+            for (rank, layer), tokens in self.views.expert_tokens(engine).items()
+            for expert, count in enumerate(tokens)
+        ]
+        samples.sort()  # by label values in the declared order, as the engine totals are
+        escaped = family.help.replace("\\", r"\\").replace("\n", r"\n")
+        lines = [f"# HELP {family.name} {escaped}\n# TYPE {family.name} counter\n"]
+        lines.extend(
+            f'{family.name}{{engine="{engine}",expert="{expert}",layer="{layer}",rank="{rank}"}}'
+            f" {_spelled(count)}\n"
+            for (engine, rank, layer, expert), count in samples
+        )
+        return "".join(lines).encode()

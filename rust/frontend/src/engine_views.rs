@@ -14,7 +14,7 @@ use rankcast_client::wire::notifications::Notification;
 use rankcast_client::wire::protocol::{EngineStateSnapshot, SchedulerStats};
 use serde_json::{json, Value as Json};
 
-use crate::view::{ordered_tiers, EngineView};
+use crate::view::{add_counts, ordered_tiers, EngineView};
 
 /// What an engine's earlier incarnations counted, added under its current view's counts: a
 /// restarted engine counts from zero again, and a counter never goes back.
@@ -24,6 +24,7 @@ pub struct EarlierTotals {
     pub skipped: BTreeMap<String, i64>,
     pub dropped: BTreeMap<i64, i64>,
     pub lora_events: BTreeMap<(String, String, String), i64>,
+    pub expert_tokens: BTreeMap<(i64, i64), Vec<i64>>,
 }
 
 fn add<K: Ord + Clone>(into: &mut BTreeMap<K, i64>, from: &BTreeMap<K, i64>) {
@@ -38,6 +39,9 @@ impl EarlierTotals {
         add(&mut self.skipped, &view.skipped);
         add(&mut self.dropped, &view.dropped);
         add(&mut self.lora_events, &view.lora_events);
+        for (key, tokens) in &view.expert_tokens {
+            add_counts(self.expert_tokens.entry(*key).or_default(), tokens);
+        }
     }
 }
 
@@ -230,6 +234,20 @@ impl Views {
         out
     }
 
+    /// Tokens per expert by (engine, rank, layer), earlier incarnations included (what the
+    /// expert counters show: they never go back).
+    pub fn expert_token_totals(&self) -> BTreeMap<(i64, i64, i64), Vec<i64>> {
+        let mut out: BTreeMap<(i64, i64, i64), Vec<i64>> = BTreeMap::new();
+        let earlier = self.earlier.iter().map(|(e, t)| (e, &t.expert_tokens));
+        let current = self.views.iter().map(|(e, v)| (e, &v.expert_tokens));
+        for (engine, tokens) in earlier.chain(current) {
+            for ((rank, layer), counts) in tokens {
+                add_counts(out.entry((*engine, *rank, *layer)).or_default(), counts);
+            }
+        }
+        out
+    }
+
     /// The load times each view applied since `followed` last looked, oldest first, in engine
     /// order. A view that started over from a snapshot since is read from its start: its
     /// snapshot's loads are observed again (as the Python servers' histograms observe them).
@@ -384,6 +402,30 @@ mod tests {
         let dropped = views.read(Views::dropped_totals);
         assert_eq!(dropped[&(0, 1)], 3);
         assert_eq!(views.read(|v| v.incarnation(0)), 1);
+    }
+
+    #[test]
+    fn expert_totals_count_on_across_a_restart_never_back() {
+        let (snapshot, events) = case("lora_tp2");
+        let views = EngineViews::new([0]);
+        views.apply_snapshot(&snapshot);
+        views.consume(0, &events);
+        let before = views.read(Views::expert_token_totals);
+        assert_eq!(
+            before[&(0, 0, 2)],
+            vec![1, 4, 3, 2],
+            "two windows of rank 0 added"
+        );
+        assert_eq!(before[&(0, 1, 2)], vec![1, 3, 3, 1]);
+        // The engine comes back as incarnation 1, counting from none: nothing goes back.
+        let mut next = snapshot.clone();
+        next.incarnation = 1;
+        views.apply_snapshot(&next);
+        assert_eq!(views.read(Views::expert_token_totals), before);
+        views.consume(0, &events);
+        let after = views.read(Views::expert_token_totals);
+        assert_eq!(after[&(0, 0, 2)], vec![2, 8, 6, 4]);
+        assert_eq!(after.len(), before.len());
     }
 
     #[test]

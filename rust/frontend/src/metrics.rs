@@ -71,11 +71,15 @@ impl Series {
         self.samples.remove(&self.family.labelled(values));
     }
 
-    /// Samples set anew, each scrape, from what the views count.
+    /// Samples set anew, each scrape, from what the views count: each labelled differently
+    /// (a map's entries), so each is added without looking for it first (a MoE model has
+    /// thousands: layers x experts per rank).
     fn set_all(&mut self, samples: impl IntoIterator<Item = (Vec<String>, f64)>) {
         self.samples = Samples::default();
         for (values, value) in samples {
-            self.set(values, value);
+            let mut labels = self.family.labelled(values);
+            labels.sort_by(|a, b| a.0.cmp(b.0));
+            self.samples.samples.push((labels, value));
         }
     }
 
@@ -89,7 +93,7 @@ impl Series {
                     .map(|name| value(name).cloned().unwrap_or_default())
                     .collect()
             };
-            samples.sort_by_key(|(labels, _)| key(labels));
+            samples.sort_by_cached_key(|(labels, _)| key(labels));
         }
         samples
     }
@@ -121,6 +125,7 @@ const SPEC_DRAFTS: usize = 21;
 const SPEC_DRAFT_TOKENS: usize = 22;
 const SPEC_ACCEPTED: usize = 23;
 const SPEC_ACCEPTED_PER_POS: usize = 24;
+const EXPERT_TOKENS: usize = 25;
 
 /// Looked up in the declaration (`families`) when the server starts: a gauge, or a counter
 /// of an engine total every server sees (the Python servers' `view_counter`).
@@ -162,6 +167,8 @@ fn families() -> Vec<Series> {
         view("vllm:spec_decode_num_draft_tokens"),
         view("vllm:spec_decode_num_accepted_tokens"),
         view("vllm:spec_decode_num_accepted_tokens_per_pos"),
+        // Tokens each rank's MoE layers routed to each expert (the ranks' expert-load events).
+        view("rankcast:moe_expert_tokens"),
     ]
 }
 
@@ -389,11 +396,12 @@ impl EngineMetrics {
         self.follow_loads();
         let mut out = String::new();
         self.requests.render(&mut out);
-        let (totals, skipped, dropped) = self.views.read(|views: &Views| {
+        let (totals, skipped, dropped, experts) = self.views.read(|views: &Views| {
             (
                 views.notification_totals(),
                 views.skipped_totals(),
                 views.dropped_totals(),
+                views.expert_token_totals(),
             )
         });
         {
@@ -412,6 +420,16 @@ impl EngineMetrics {
             series[DROPPED].set_all(dropped.into_iter().map(|((engine, rank), count)| {
                 (vec![engine.to_string(), rank_label(rank)], count as f64)
             }));
+            series[EXPERT_TOKENS].set_all(experts.into_iter().flat_map(
+                |((engine, rank, layer), tokens)| {
+                    let labels = [engine.to_string(), rank_label(rank), layer.to_string()];
+                    tokens.into_iter().enumerate().map(move |(expert, count)| {
+                        let mut values = labels.to_vec();
+                        values.push(expert.to_string());
+                        (values, count as f64)
+                    })
+                },
+            ));
             for s in series.iter() {
                 s.family.write_header(&mut out);
                 for (labels, value) in s.samples() {

@@ -6,8 +6,10 @@
 //!
 //! Every event type has one handler (the one `match` in `EngineView::handle`); every event also
 //! counts in the totals (by type and, for `custom`, key) and, for a LoRA lifecycle event, in the
-//! adapter event counter, by the keys of `rankcast/channel/lora_events.py`. The rules of
-//! residency:
+//! adapter event counter, by the keys of `rankcast/channel/lora_events.py`. Of the custom events,
+//! a rank's weight load is kept as it last reported it, and its expert load added to its tokens
+//! per (layer, expert) (`read_expert_load`, `rankcast/channel/expert_load.py`'s rule). The rules
+//! of residency:
 //!
 //! - a load or an activation puts the adapter in that rank's tier ("cpu" host tier, "device"
 //!   slot);
@@ -25,7 +27,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use rankcast_client::wire::codec::read_array_len;
 use rankcast_client::wire::notifications::{
     KVBlocksRemoved, KVBlocksStored, LoRAAdapterEvicted, Notification, NotificationLedgerState,
-    NotificationTotal, RankCount, RankWeightsLoaded,
+    NotificationTotal, RankCount, RankExpertTokens, RankWeightsLoaded,
 };
 use rankcast_client::wire::protocol::{
     AdapterResidency, EngineStateSnapshot, KVCacheBlock, KVCacheState, LoRAEventCount,
@@ -38,6 +40,42 @@ use serde_json::{json, Map, Value as Json};
 pub const LOADS_KEPT: usize = 10_000;
 /// The key of the in-tree producer that reports each rank's weight-load time.
 pub const WEIGHTS_LOADED_KEY: &str = "rankcast.weights_loaded";
+/// The key of the ranks' expert-load events (`rankcast/channel/expert_load.py`).
+pub const EXPERT_LOAD_KEY: &str = "rankcast.expert_load";
+
+/// (layer, tokens per expert) for each row of an expert-load payload; None when it is not one:
+/// `layers` a list of integers >= 0, `tokens` as many lists of integers >= 0 (below 2**63). The
+/// Python view reads by the same rule (`read_expert_load`).
+pub fn read_expert_load(payload: &Dict<Value>) -> Option<Vec<(i64, Vec<i64>)>> {
+    let count = |value: &Value| match value {
+        Value::Int(v) => i64::try_from(*v).ok().filter(|v| *v >= 0),
+        _ => None,
+    };
+    let (Some(Value::Array(layers)), Some(Value::Array(tokens))) =
+        (payload.get("layers"), payload.get("tokens"))
+    else {
+        return None;
+    };
+    if layers.len() != tokens.len() {
+        return None;
+    }
+    let rows = layers.iter().zip(tokens).map(|(layer, row)| {
+        let Value::Array(row) = row else { return None };
+        let counts: Option<Vec<i64>> = row.iter().map(count).collect();
+        Some((count(layer)?, counts?))
+    });
+    rows.collect()
+}
+
+/// Add `counts` to `into` place by place, `into` growing to the longer of the two.
+pub fn add_counts(into: &mut Vec<i64>, counts: &[i64]) {
+    if into.len() < counts.len() {
+        into.resize(counts.len(), 0);
+    }
+    for (total, count) in into.iter_mut().zip(counts) {
+        *total = total.saturating_add(*count);
+    }
+}
 
 /// Tier order wherever tiers are listed: the device first, as the one requests run on, then the
 /// host tier, then any other in name order.
@@ -243,6 +281,8 @@ pub struct EngineView {
     pub totals: BTreeMap<(String, String), i64>,
     pub dropped: BTreeMap<i64, i64>,
     pub weights_loaded: BTreeMap<i64, Dict<Value>>,
+    /// (rank, layer) -> tokens routed to each expert (index) in this incarnation.
+    pub expert_tokens: BTreeMap<(i64, i64), Vec<i64>>,
     /// Types this process could not decode (a newer engine's): counted, not engine state.
     pub skipped: BTreeMap<String, i64>,
     /// From the engine's stats: requests per adapter that run (parked included) and wait, and
@@ -280,6 +320,7 @@ impl EngineView {
             totals: BTreeMap::new(),
             dropped: BTreeMap::new(),
             weights_loaded: BTreeMap::new(),
+            expert_tokens: BTreeMap::new(),
             skipped: BTreeMap::new(),
             running: BTreeMap::new(),
             waiting: BTreeMap::new(),
@@ -336,6 +377,10 @@ impl EngineView {
         for weights in &ledger.weights_loaded {
             self.weights_loaded
                 .insert(weights.rank, weights.payload.clone());
+        }
+        for experts in &ledger.expert_tokens {
+            self.expert_tokens
+                .insert((experts.rank, experts.layer), experts.tokens.clone());
         }
         if let Some(lora) = &snapshot.lora {
             self.lora = Some(LoRAShape {
@@ -420,6 +465,11 @@ impl EngineView {
             Notification::Custom(c) => {
                 if c.key == WEIGHTS_LOADED_KEY {
                     self.weights_loaded.insert(c.rank, c.payload.clone());
+                } else if c.key == EXPERT_LOAD_KEY {
+                    for (layer, tokens) in read_expert_load(&c.payload).unwrap_or_default() {
+                        let into = self.expert_tokens.entry((c.rank, layer)).or_default();
+                        add_counts(into, &tokens);
+                    }
                 }
             }
             Notification::Unknown(_) => {} // counted by `apply_unknown`
@@ -585,6 +635,15 @@ impl EngineView {
                         payload: payload.clone(),
                     })
                     .collect(),
+                expert_tokens: self
+                    .expert_tokens
+                    .iter()
+                    .map(|((rank, layer), tokens)| RankExpertTokens {
+                        rank: *rank,
+                        layer: *layer,
+                        tokens: tokens.clone(),
+                    })
+                    .collect(),
             },
             lora,
             kv_cache: self.kv_block_size.map(|size| self.kv.state(size)),
@@ -656,6 +715,11 @@ impl EngineView {
             .iter()
             .map(|(rank, payload)| json!({"rank": rank, "payload": dict_json(payload)}))
             .collect();
+        let experts: Vec<Json> = self
+            .expert_tokens
+            .iter()
+            .map(|((rank, layer), tokens)| json!({"rank": rank, "layer": layer, "tokens": tokens}))
+            .collect();
         let kv_cache = self.kv_block_size.map_or(Json::Null, |size| {
             json!({"block_size": size, "blocks": self.kv.blocks.len(), "prefixes": self.kv.roots})
         });
@@ -664,6 +728,7 @@ impl EngineView {
             "incarnation": self.incarnation,
             "engine_seq": self.engine_seq,
             "notifications": {"totals": totals, "dropped": dropped, "weights_loaded": weights},
+            "experts": experts,
             "lora": lora,
             "kv_cache": kv_cache,
         })

@@ -330,6 +330,7 @@ pub fn schema() -> Vec<String> {
         NotificationTotal::schema_line(),
         RankCount::schema_line(),
         RankWeightsLoaded::schema_line(),
+        RankExpertTokens::schema_line(),
         NotificationLedgerState::schema_line(),
         RankTier::schema_line(),
         AdapterResidency::schema_line(),

@@ -326,10 +326,22 @@ array_struct! {
 }
 
 array_struct! {
-    /// The notification ledger: totals by type and key, drops by rank, each rank's weight load.
+    /// The tokens one rank's MoE layer routed to each expert, in expert order, over every
+    /// `rankcast.expert_load` event of the incarnation (protocol 16).
+    RankExpertTokens {
+        rank: i64,
+        layer: i64,
+        tokens: Vec<i64>,
+    }
+}
+
+array_struct! {
+    /// The notification ledger: totals by type and key, drops by rank, each rank's weight load,
+    /// each rank's tokens per expert of each MoE layer (protocol 16).
     NotificationLedgerState {
         totals: Vec<NotificationTotal> = Vec::new(),
         dropped: Vec<RankCount> = Vec::new(),
         weights_loaded: Vec<RankWeightsLoaded> = Vec::new(),
+        expert_tokens: Vec<RankExpertTokens> = Vec::new(),
     }
 }

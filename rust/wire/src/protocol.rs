@@ -7,7 +7,7 @@ use crate::sampling::SamplingParams;
 use crate::{array_struct, array_union, Dict, Raw, Value};
 
 /// Bumped whenever a message changes shape; the engine refuses a client of another version.
-pub const PROTOCOL_VERSION: i64 = 15;
+pub const PROTOCOL_VERSION: i64 = 16;
 
 /// Why a request finished (`FinishReason` in Python): "stop", "length", "abort", "error".
 pub type FinishReason = String;
@@ -242,6 +242,7 @@ array_struct! {
             totals: Vec::new(),
             dropped: Vec::new(),
             weights_loaded: Vec::new(),
+            expert_tokens: Vec::new(),
         },
         lora: Option<LoRAState> = None,
         kv_cache: Option<KVCacheState> = None,

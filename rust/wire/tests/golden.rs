@@ -147,6 +147,13 @@ fn the_fixtures_mean_what_the_python_side_wrote() {
         7301
     );
     assert_eq!(snapshot.notifications.weights_loaded[0].rank, 1);
+    // Protocol 16: rank 1's tokens per expert of its MoE layers 0 and 2.
+    let experts = &snapshot.notifications.expert_tokens;
+    let rows: Vec<(i64, i64, &[i64])> = experts
+        .iter()
+        .map(|e| (e.rank, e.layer, e.tokens.as_slice()))
+        .collect();
+    assert_eq!(rows, [(1, 0, &[3, 1, 0, 4][..]), (1, 2, &[2, 2, 3, 1][..])]);
 
     let EngineCoreMessage::Outputs(step) = output("output_step") else {
         panic!()

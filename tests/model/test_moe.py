@@ -585,3 +585,18 @@ def test_expert_parallel_ranks_count_only_their_own_experts_tokens(qwen3_moe_dir
     assert [c.tolist() for c in counts] == [[2, 1, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 2, 1, 1]]
     assert (counts[0] + counts[1]).tolist() == whole
     assert SparseMoeBlock(arch, ranks[1]).count(chosen).tolist() == whole
+
+
+def test_pipeline_stages_split_dense_and_expert_layers(
+    qwen3_moe_dir: Path, qwen3_moe_reference: list[list[int]]
+) -> None:
+    """PP=2 as for dense models: the first stage holds layers 0-1 (experts, then the dense
+    layer), the second layer 2 (experts); transformers' tokens."""
+    from rankcast import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(
+        str(qwen3_moe_dir), dtype="float32", kv_cache_space_gib=0.05, pipeline_parallel_size=2
+    ) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert got == qwen3_moe_reference

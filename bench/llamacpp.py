@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,9 +193,26 @@ def best(results: dict[str, dict[str, Any]], key: str) -> tuple[str, float] | No
     return max(figures, key=lambda item: item[1], default=None)
 
 
+def spec_types() -> tuple[str, ...]:
+    """The `--spec-type` values the installed `llama-server --help` lists (they change between
+    llama.cpp versions), in its order; empty without the binary or the option."""
+    server = binary("llama-server")
+    if server is None:
+        return ()
+    done = subprocess.run(
+        [str(server), "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    for line in (done.stdout + done.stderr).splitlines():
+        words = line.split()
+        if len(words) > 1 and words[0] == "--spec-type":
+            return tuple(words[1].split(","))
+    return ()
+
+
 class LlamaServer:
     """`llama-server` (OpenAI API; any model name is accepted) on one weight type's file, in a
-    session of its own so that `stop()` (also on leaving a `with` block) leaves nothing behind."""
+    session of its own so that `stop()` (also on leaving a `with` block) leaves nothing behind;
+    `extra` flags go after the ones set here."""
 
     def __init__(
         self,
@@ -203,6 +221,7 @@ class LlamaServer:
         parallel: int = 32,
         context: int = 16384,
         log: Path | None = None,
+        extra: Sequence[str] = (),
     ) -> None:
         server = binary("llama-server")
         model = models().get(weight_type)
@@ -215,6 +234,7 @@ class LlamaServer:
         command += ["-c", str(context), "--host", "127.0.0.1", "--port", str(port)]
         if self.no_repack:
             command.append("--no-repack")
+        command += extra
         self.command = command
         self.started = time.perf_counter()
         self.start_seconds = float("nan")

@@ -1,5 +1,6 @@
 """Speculative decoding without a draft model: rankcast with speculation off, `ngram` and
-`suffix`, on chats whose answers copy text they were given and on chats that do not.
+`suffix`, beside llama.cpp's `llama-server` off and with each `--spec-type` that needs no draft
+model, on chats whose answers copy text they were given and on chats that do not.
 
 Workloads (32 conversations each, built from the fixed texts in bench/texts/):
 - grounded: input-grounded chats on four texts (a README, a Python file, a notice, a short
@@ -14,42 +15,56 @@ For each workload and each concurrency (--concurrency, default 1, 8 and 32): at 
 clients (each sends its next conversation as soon as its answer is done) over 64
 conversations: the workload's 32, then each again behind a system turn of its own (no prefix
 shared with the first round; the same questions, as a server sees questions come back).
-Each (workload, concurrency) runs three engines side by side,
-each fresh (so the prefix cache and the suffix method's memory of earlier outputs hold nothing
-of an earlier cell) and warmed up with one call of unrelated chats: speculation off; `ngram`
-(num_speculative_tokens 5, prompt_lookup_min 2, prompt_lookup_max 5); `suffix` (vLLM's
-defaults). Greedy, --tokens (default 128) at most, EOS honoured (the copy ends where the model
-ends it), the embedded SmolLM2-135M-Instruct in bfloat16, the offline `LLM`'s engine stepped
-here so each output's arrival is timed. The three engines run --runs times (default 3),
-alternated, and each method's fastest run is shown (on a shared 2-core VM anything else running
-only slows a run down); every run's texts are checked.
+Each (workload, concurrency) runs every configuration side by side, each on a fresh engine or
+server (so no prefix cache, nor the suffix method's or an ngram-cache's memory of earlier
+outputs, holds anything of another configuration or cell) warmed up with one call of unrelated
+chats, as many as the clients (up to 8):
+- rankcast, the embedded SmolLM2-135M-Instruct in bfloat16, the offline `LLM`'s engine stepped
+  here so each output's arrival is timed: speculation off; `ngram` (num_speculative_tokens 5,
+  prompt_lookup_min 2, prompt_lookup_max 5); `suffix` (vLLM's defaults);
+- llama-server (bench/speculative_llamacpp.py; where bench/llamacpp.py finds the anchor,
+  `$LLAMA_CPP_DIR`), on its BF16 GGUF, the same weights in bfloat16: off, and each
+  draft-model-free `--spec-type` its `--help` lists (ngram-simple, ngram-map-k, ngram-map-k4v,
+  ngram-mod, ngram-cache in the anchor's build) with llama.cpp's defaults, one slot per client,
+  through its streaming `/v1/chat/completions` from the same closed-loop clients; its prompts
+  (the GGUF's chat template) are checked to be rankcast's token for token. --llama-concurrency
+  and --llama-spec-types narrow it; without the anchor the script says it skipped it.
+Greedy (temperature 0), --tokens (default 128) at most, EOS honoured (the copy ends where the
+model ends it). Every configuration runs --runs times (default 3), alternated, and each one's
+fastest run is shown (on a shared 2-core VM anything else running only slows a run down);
+every run's texts are checked.
 
 Reported per run: output tokens/s (generated tokens / wall time of the run, prefill included)
-and its ratio to speculation off; the acceptance length (1 + accepted / drafts: tokens a request
-gains per verification it drafted for) and the drafts, drafted and accepted tokens (the
-scheduler's spec_decode counters, the warm-up's subtracted); how many greedy texts differ from
-speculation off (speculation must not change a greedy answer: any difference is an engine bug
-and is printed loudly); and the per-token latency as time per output token (TPOT: (last token's
-arrival - first's) / (tokens - 1)) of each request, p50 and p99 over the requests (at 1 with 4
-requests the p99 is the slowest of 4). The engine's cost model decides per step how many drafted
-tokens to verify (none where a wider step would lower the expected tokens/s), so a run can draft
-little or nothing: the drafts column shows it, and "widened" the share of the steps with drafts
-to weigh that it did widen (where the drafter counts them).
+and its ratio to the same engine's speculation off; the acceptance length (1 + accepted /
+drafts: tokens a request gains per verification it drafted for) and the drafts, drafted and
+accepted tokens (rankcast's scheduler's spec_decode counters, llama-server's /metrics ones of
+the same names; the warm-up's subtracted); how many greedy texts differ from the same engine's
+speculation off (for rankcast that must be none: a difference is an engine bug and is printed
+loudly; for llama-server it is reported, as is how many of its texts equal rankcast's off, which
+different kernels may legitimately miss by a token); and the per-token latency as time per
+output token (TPOT: (last token's arrival - first's) / (tokens - 1)) of each request, p50 and
+p99 over the requests (at 1 with 4 requests the p99 is the slowest of 4). rankcast's tokens
+arrive as its engine's steps return them, llama-server's as its streamed chunks do. Then
+rankcast's methods as ratios to llama-server's fastest `--spec-type` in the cell and to its off,
+and issue 64's goal at one client on the grounded workload. rankcast's cost model decides per
+step how many drafted tokens to verify (none where a wider step would lower the expected
+tokens/s), so a run can draft little or nothing: the drafts column shows it, and "widened" the
+share of the steps with drafts to weigh that it did widen (where the drafter counts them).
 
-llama.cpp's `llama-server --spec-type` is not driven here: where bench/llamacpp.py finds the
-anchor (`$LLAMA_CPP_DIR`) the script says so and that it was not compared; where it does not,
-that it was skipped.
-
-Written: bench/results/speculative.json (machine: CPU model and ISA; the commit measured) and
-speculative.png beside it (tokens/s by concurrency per workload, a bar per method).
+Written: bench/results/speculative.json (machine: CPU model and ISA; the commit measured; the
+llama-server build, file and flags; every configuration's fastest run with its texts) and
+speculative.png beside it (tokens/s by concurrency per workload, a bar per rankcast method and
+llama-server's off and fastest --spec-type).
 
     python bench/speculative.py
     python bench/speculative.py --workloads grounded --concurrency 1 8 --tokens 64
+    python bench/speculative.py --llama-concurrency 1 --llama-spec-types ngram-mod ngram-simple
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -60,7 +75,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import llamacpp
+from bench import speculative_llamacpp
 from bench.workload import ROOT, Chat, describe, load_chats, machine_info
 
 TEXTS = ROOT / "bench" / "texts"
@@ -226,6 +241,28 @@ def pool(chats: list[Chat]) -> list[Chat]:
     return chats + second
 
 
+def warm_up_chats(concurrency: int) -> list[Chat]:
+    """The warm-up call's chats: as many as the cell's clients, up to all of WARM_UP."""
+    width = max(1, min(concurrency, len(WARM_UP)))
+    return [[{"role": "user", "content": p}] for p in WARM_UP[:width]]
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    from rankcast.model_files.source import resolve_model
+    from rankcast.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(None).model_dir)
+
+
+def rankcast_prompts(chats: list[Chat]) -> list[list[int]]:
+    """The prompt token ids rankcast's engine makes of `chats` (the embedded model's chat
+    template and tokenizer, applied as `LLMEngine.apply_chat_template` does)."""
+    from rankcast.tokenizer import apply_chat_template
+
+    return [apply_chat_template(_tokenizer(), chat) for chat in chats]
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0-100), linear between the nearest ranks; None when empty."""
     if not values:
@@ -317,8 +354,7 @@ def run_cell(
         kwargs["speculative_config"] = dict(config)
     llm = LLM(**kwargs)
     try:
-        width = max(1, min(concurrency, len(WARM_UP)))
-        warm = [[{"role": "user", "content": p}] for p in WARM_UP[:width]]
+        warm = warm_up_chats(concurrency)
         llm.chat(warm, SamplingParams(temperature=0, max_tokens=WARM_UP_TOKENS))
         before = spec_counters(llm) if config is not None else None
         params = SamplingParams(temperature=0, max_tokens=args.tokens)
@@ -338,10 +374,8 @@ def run_cell(
         "output_tokens": sum(tokens),
         "seconds": seconds,
         "tokens_per_s": sum(tokens) / seconds,
-        "tpot_ms_p50": _ms(percentile(tpot, 50)),
-        "tpot_ms_p99": _ms(percentile(tpot, 99)),
-        "ttft_ms_p50": _ms(percentile(ttft, 50)),
         "tpot_ms": [seconds * 1000 for seconds in tpot],
+        "ttft_ms": [seconds * 1000 for seconds in ttft],
         "request_tokens": tokens,
         "texts": [o.outputs[0].text for o in outputs],
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
@@ -369,31 +403,35 @@ def run_cell(
             spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else None
         )
         row["spec_decode"] = spec
+    return with_latency(row)
+
+
+def with_latency(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with its requests' TPOT p50 and p99 and TTFT p50 (ms; None without requests)."""
+    row["tpot_ms_p50"] = percentile(row["tpot_ms"], 50)
+    row["tpot_ms_p99"] = percentile(row["tpot_ms"], 99)
+    row["ttft_ms_p50"] = percentile(row["ttft_ms"], 50)
     return row
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
-
-
-def compare(tries: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per method, its fastest run, with every run's tok/s; every run's texts are checked
-    against speculation off's first run (greedy: they must be identical, off's other runs
-    included), a conversation counted once however many runs differ."""
-    reference = tries["off"][0]["token_ids"]
+def compare(tries: dict[str, list[dict[str, Any]]], key: str) -> list[dict[str, Any]]:
+    """Per method, its fastest run, with every run's tok/s; every run's answers (`key`: token
+    ids, or texts where the engine gives no ids) are checked against the first method's
+    (speculation off's) first run: greedy, they must be identical, off's other runs included;
+    a conversation is counted once however many runs differ."""
+    reference = next(iter(tries.values()))[0][key]
     rows = []
     for runs in tries.values():
         differing = sorted(
             {
                 index
                 for run in runs
-                for index, (ours, theirs) in enumerate(
-                    zip(run["token_ids"], reference, strict=True)
-                )
+                for index, (ours, theirs) in enumerate(zip(run[key], reference, strict=True))
                 if ours != theirs
             }
         )
-        row = dict(max(runs, key=lambda run: run["tokens_per_s"]))
+        fastest: dict[str, Any] = max(runs, key=lambda run: run["tokens_per_s"])
+        row = dict(fastest)
         row["runs_tokens_per_s"] = [run["tokens_per_s"] for run in runs]
         row["differing_texts"] = len(differing)
         row["differing_indices"] = differing
@@ -404,6 +442,35 @@ def compare(tries: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
+def with_llama(
+    cell: dict[str, Any],
+    rankcast_tries: dict[str, list[dict[str, Any]]],
+    llama_tries: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Adds llama-server's rows to `cell` (each configuration's fastest run; its texts checked
+    against its own speculation off, and counted where every run equals rankcast's off), its
+    fastest --spec-type, and rankcast's rows' ratios to that and to llama-server's off. Nothing
+    is added without a complete llama-server off to compare with."""
+    llama_tries = {name: runs for name, runs in llama_tries.items() if runs}
+    if speculative_llamacpp.OFF not in llama_tries:
+        return
+    rows = compare(llama_tries, "texts")
+    reference = rankcast_tries["off"][0]["texts"]
+    for row, runs in zip(rows, llama_tries.values(), strict=True):
+        row["equal_to_rankcast"] = sum(
+            all(run["texts"][index] == text for run in runs) for index, text in enumerate(reference)
+        )
+    cell["llama_rows"] = rows
+    off = rows[0]
+    best = max(rows[1:], key=lambda row: row["tokens_per_s"], default=None)
+    cell["llama_best"] = None if best is None else best["method"]
+    for row in cell["rows"]:
+        row["ratio_to_llama_off"] = row["tokens_per_s"] / off["tokens_per_s"]
+        row["ratio_to_llama_best"] = (
+            None if best is None else row["tokens_per_s"] / best["tokens_per_s"]
+        )
+
+
 def _percent(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.0f}%"
 
@@ -412,20 +479,38 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(cells: list[dict[str, Any]], machine: dict[str, Any]) -> None:
-    print(f"\nrankcast, SmolLM2-135M-Instruct bfloat16, greedy; {describe(machine)}")
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _llama_best(cell: dict[str, Any]) -> dict[str, Any] | None:
+    name = cell.get("llama_best")
+    return next((row for row in cell.get("llama_rows", ()) if row["method"] == name), None)
+
+
+def print_table(cells: list[dict[str, Any]], machine: dict[str, Any], llama: bool) -> None:
+    """Every method's fastest run per cell (llama-server's rows after rankcast's: "x off" and
+    "differ" against its own speculation off, "= rankcast" its texts equal to rankcast's off),
+    then rankcast as ratios to llama-server and the goals of issue 64."""
+    print(f"\nSmolLM2-135M-Instruct, bfloat16, greedy; {describe(machine)}")
+    if llama:
+        print(
+            f"rankcast (embedded model) and llama-server ({speculative_llamacpp.WEIGHT_TYPE} "
+            "GGUF: the same weights in bfloat16; llama.cpp's defaults per --spec-type)"
+        )
     header = (
-        f"{'workload':<9}{'conc':>5} {'method':<7}{'tok/s':>8}{'x off':>7}{'acc len':>8}"
+        f"{'workload':<9}{'conc':>5} {'method':<20}{'tok/s':>8}{'x off':>7}{'acc len':>8}"
         f"{'drafts':>8}{'drafted':>8}{'accepted':>9}{'widened':>8}"
-        f"{'TPOT p50':>9}{'p99 ms':>8}{'differ':>7}"
+        f"{'TPOT p50':>9}{'p99 ms':>8}{'differ':>7}" + (f"{'= rankcast':>11}" if llama else "")
     )
     print(header)
     print("-" * len(header))
     for cell in cells:
-        for row in cell["rows"]:
+        for row in [*cell["rows"], *cell.get("llama_rows", ())]:
             spec = row.get("spec_decode") or {}
+            same = row.get("equal_to_rankcast")
             print(
-                f"{cell['workload']:<9}{cell['concurrency']:>5} {row['method']:<7}"
+                f"{cell['workload']:<9}{cell['concurrency']:>5} {row['method']:<20}"
                 f"{row['tokens_per_s']:>8.1f}{row['ratio_to_off']:>6.2f}x"
                 f"{_fmt(spec.get('acceptance_length'), '.2f'):>8}"
                 f"{spec.get('drafts', '-'):>8}{spec.get('draft_tokens', '-'):>8}"
@@ -433,6 +518,11 @@ def print_table(cells: list[dict[str, Any]], machine: dict[str, Any]) -> None:
                 f"{_percent(spec.get('widened_share')):>8}"
                 f"{_fmt(row['tpot_ms_p50'], '.1f'):>9}{_fmt(row['tpot_ms_p99'], '.1f'):>8}"
                 f"{row['differing_texts']:>4}/{row['requests']:<2}"
+                + (
+                    (f"{same:>8}/{row['requests']:<2}" if same is not None else f"{'-':>11}")
+                    if llama
+                    else ""
+                )
             )
     differ = [
         (cell["workload"], cell["concurrency"], row["method"], row["differing_texts"])
@@ -448,10 +538,112 @@ def print_table(cells: list[dict[str, Any]], machine: dict[str, Any]) -> None:
             print(f"  {workload} at concurrency {concurrency}, {method}: {count} text(s)")
         print("!" * 78)
     else:
-        print("\nevery greedy text with speculation is identical to speculation off's")
+        print("\nevery rankcast greedy text with speculation is identical to speculation off's")
+    if llama:
+        print_llama_checks(cells)
+        print_versus(cells)
+    print_goals(cells)
+
+
+def print_llama_checks(cells: list[dict[str, Any]]) -> None:
+    """llama-server's failures, its exactness (its texts against its own off) and its prompts
+    against rankcast's."""
+    for cell in cells:
+        for name, error in cell.get("llama_errors", {}).items():
+            print(f"{cell['workload']} at {cell['concurrency']}: {name} FAILED, left out: {error}")
+        if cell.get("llama_errors") is not None and "llama_rows" not in cell:
+            print(f"{cell['workload']} at {cell['concurrency']}: no llama-server off, no rows")
+    differ = [
+        f"{cell['workload']} at {cell['concurrency']}, {row['method']}: "
+        f"{row['differing_texts']} of {row['requests']}"
+        for cell in cells
+        for row in cell.get("llama_rows", ())
+        if row["differing_texts"]
+    ]
+    if differ:
+        print(
+            "llama-server's greedy texts differing from its own speculation off's first run "
+            "(off: between its own runs):"
+        )
+        for line in differ:
+            print(f"  {line}")
+    elif any(cell.get("llama_rows") for cell in cells):
+        print("every llama-server greedy text is identical to its own speculation off's")
+    prompts = [
+        f"{cell['workload']} at {cell['concurrency']}, {row['method']}: "
+        f"{row['prompt_tokens_differing']} prompt(s) of another length"
+        + ("" if row["first_prompt_tokens_equal"] else ", the first one's tokens differ")
+        for cell in cells
+        for row in cell.get("llama_rows", ())
+        if row["prompt_tokens_differing"] or not row["first_prompt_tokens_equal"]
+    ]
+    if prompts:
+        print("llama-server's prompts DIFFER from rankcast's (its GGUF's chat template):")
+        for line in prompts:
+            print(f"  {line}")
+    elif any(cell.get("llama_rows") for cell in cells):
+        print(
+            "llama-server's prompts are rankcast's: every request's token count, and the "
+            "first conversation's tokens one by one"
+        )
+
+
+def print_versus(cells: list[dict[str, Any]]) -> None:
+    """rankcast's methods as ratios to llama-server's fastest --spec-type and to its off."""
+    print(
+        "\nrankcast / llama-server, fastest runs: x best = to llama-server's fastest "
+        "--spec-type, x off = to llama-server without speculation"
+    )
+    header = (
+        f"{'workload':<9}{'conc':>5}  {'llama best':<20}{'tok/s':>8}{'off tok/s':>10}"
+        + "".join(f"{method + ' x best':>15}{'x off':>7}" for method in METHODS)
+    )
+    print(header)
+    print("-" * len(header))
+    for cell in cells:
+        if "llama_rows" not in cell:
+            continue
+        best = _llama_best(cell)
+        off = cell["llama_rows"][0]
+        line = (
+            f"{cell['workload']:<9}{cell['concurrency']:>5}  "
+            f"{(best['method'].removeprefix('llama ') if best else '-'):<20}"
+            f"{_fmt(best['tokens_per_s'] if best else None, '.1f'):>8}"
+            f"{off['tokens_per_s']:>10.1f}"
+        )
+        for row in cell["rows"]:
+            line += (
+                f"{_ratio(row['ratio_to_llama_best']):>15}{_ratio(row['ratio_to_llama_off']):>7}"
+            )
+        print(line)
+
+
+def print_goals(cells: list[dict[str, Any]]) -> None:
+    """Issue 64's single-client goal on the grounded workload, where that cell ran."""
+    cell = next((c for c in cells if c["workload"] == "grounded" and c["concurrency"] == 1), None)
+    if cell is None:
+        return
+    fastest = max(
+        (row for row in cell["rows"] if row["method"] != "off"),
+        key=lambda row: row["tokens_per_s"],
+    )
+    best = _llama_best(cell)
+    versus = (
+        f", {_ratio(fastest['ratio_to_llama_best'])} llama-server's fastest "
+        f"{best['method'].removeprefix('llama ')} (goal >= 1.5x)"
+        if best is not None
+        else ", llama-server not compared"
+    )
+    print(
+        f"\ngoal, grounded at 1 client: rankcast {fastest['method']} "
+        f"{_ratio(fastest['ratio_to_off'])} its speculation off (goal >= 2x){versus}; "
+        f"greedy texts differing from off: {fastest['differing_texts']}"
+    )
 
 
 def plot(cells: list[dict[str, Any]], workloads: list[str], path: Path, title: str) -> Path | None:
+    """Per workload, tok/s by concurrency: a bar per rankcast method (its ratio to off above
+    it) and, where llama-server ran, its off and its fastest --spec-type (named above it)."""
     try:
         import matplotlib
     except ImportError:
@@ -460,40 +652,82 @@ def plot(cells: list[dict[str, Any]], workloads: list[str], path: Path, title: s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 4.2), squeeze=False)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    def pick(cell: dict[str, Any], method: str) -> dict[str, Any] | None:
+        if method == "llama best":
+            return _llama_best(cell)
+        rows = [*cell["rows"], *cell.get("llama_rows", ())]
+        return next((r for r in rows if r["method"] == method), None)
+
     methods = list(METHODS)
+    if any(cell.get("llama_rows") for cell in cells):
+        methods += [speculative_llamacpp.OFF, "llama best"]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 4.4), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     width = 0.8 / len(methods)
     for ax, workload in zip(axes[0], workloads, strict=True):
         mine = [c for c in cells if c["workload"] == workload]
         levels = [c["concurrency"] for c in mine]
         for m, method in enumerate(methods):
-            values = [
-                next((r["tokens_per_s"] for r in c["rows"] if r["method"] == method), 0.0)
-                for c in mine
-            ]
+            rows = [pick(c, method) for c in mine]
+            values = [0.0 if row is None else row["tokens_per_s"] for row in rows]
             xs = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(levels))]
-            bars = ax.bar(xs, values, width, label=method, color=colours[m])
-            if method != "off":
-                for bar, cell in zip(bars, mine, strict=True):
-                    row = next(r for r in cell["rows"] if r["method"] == method)
-                    ax.annotate(
-                        f"{row['ratio_to_off']:.2f}x",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center",
-                        va="bottom",
-                        fontsize=6,
-                    )
+            bars = ax.bar(xs, values, width, label=method, color=colours[m % len(colours)])
+            for bar, row in zip(bars, rows, strict=True):
+                if row is None or method in ("off", speculative_llamacpp.OFF):
+                    continue
+                label = (
+                    row["method"].removeprefix("llama ")
+                    if method == "llama best"
+                    else f"{row['ratio_to_off']:.2f}x"
+                )
+                ax.annotate(
+                    label,
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=5 if method == "llama best" else 6,
+                    rotation=90 if method == "llama best" else 0,
+                )
         ax.set_xticks(range(len(levels)), [str(n) for n in levels])
         ax.set_xlabel("concurrent conversations")
         ax.set_ylabel("output tok/s")
         ax.set_title(workload)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def llama_plan(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[list[str], list[int], dict[str, Any]]:
+    """The --spec-type values and concurrency levels llama-server runs at (none where it is
+    absent or not asked for), and what the output says of it."""
+    levels = args.concurrency if args.llama_concurrency is None else args.llama_concurrency
+    if any(n not in args.concurrency for n in levels):
+        parser.error("--llama-concurrency levels must be among --concurrency's")
+    problem = speculative_llamacpp.missing_message()
+    if problem is not None:
+        return [], [], {"note": f"llama-server --spec-type: skipped ({problem})"}
+    if not levels:
+        return [], [], {"note": "llama-server --spec-type: not run (--llama-concurrency empty)"}
+    offered = speculative_llamacpp.draft_free_types()
+    types = list(offered) if args.llama_spec_types is None else args.llama_spec_types
+    unknown = [t for t in types if t not in offered]
+    if unknown:
+        parser.error(
+            f"--llama-spec-types {' '.join(unknown)}: not a draft-model-free --spec-type of "
+            f"this llama-server ({', '.join(offered) or 'it lists none'})"
+        )
+    info = speculative_llamacpp.server_info()
+    note = (
+        f"llama-server ({info['version']}) on {info['model']}: off and --spec-type "
+        f"{', '.join(types) or '(none)'} (llama.cpp's defaults) at concurrency "
+        f"{', '.join(map(str, levels))}"
+    )
+    return types, list(levels), {"note": note, "spec_types": types, "concurrency": levels, **info}
 
 
 def main() -> None:
@@ -510,6 +744,19 @@ def main() -> None:
         "--runs", type=int, default=3, help="runs per method, alternated; the fastest is shown"
     )
     parser.add_argument("--kv-cache-space", type=float, default=0.5, help="GiB per engine")
+    parser.add_argument(
+        "--llama-concurrency",
+        type=int,
+        nargs="*",
+        help="the --concurrency levels llama-server also runs at (default: all; the flag alone: "
+        "none, llama-server is not run)",
+    )
+    parser.add_argument(
+        "--llama-spec-types",
+        nargs="+",
+        help="llama-server --spec-type values to run besides its off (default: every one the "
+        "installed llama-server lists that needs no draft model)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "speculative.json")
     args = parser.parse_args()
     if any(n < 1 or n > 32 for n in args.concurrency):
@@ -524,21 +771,21 @@ def main() -> None:
     )
     load = {"start": os.getloadavg()}
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in load['start'])}")
-    problem = llamacpp.missing_message("llama-server")
-    if problem is not None:
-        llama_note = f"llama-server --spec-type: skipped ({problem})"
-    else:
-        llama_note = (
-            f"llama-server found in {llamacpp.llamacpp_dir()}, but this script does not drive "
-            "its --spec-type yet: not compared"
-        )
-    print(llama_note, flush=True)
+    llama_types, llama_levels, llama_info = llama_plan(args, parser)
+    print(llama_info["note"], flush=True)
     cells: list[dict[str, Any]] = []
     for workload in args.workloads:
         chats = workload_chats(workload)
         for concurrency in args.concurrency:
             chosen = chats[: args.sequential] if concurrency == 1 else pool(chats)
+            configs: list[str | None] = [None, *llama_types] if concurrency in llama_levels else []
+            prompts = rankcast_prompts(chosen) if configs else []
+            warm = (warm_up_chats(concurrency), WARM_UP_TOKENS)
             tries: dict[str, list[dict[str, Any]]] = {method: [] for method in METHODS}
+            llama_tries: dict[str, list[dict[str, Any]]] = {
+                speculative_llamacpp.method_name(t): [] for t in configs
+            }
+            llama_errors: dict[str, str] = {}
             for attempt in range(args.runs):
                 for method in METHODS:
                     print(
@@ -547,16 +794,39 @@ def main() -> None:
                     )
                     row = run_cell(method, chosen, concurrency, args)
                     tries[method].append(row)
+                    _print_run(row)
+                for spec_type in configs:
+                    name = speculative_llamacpp.method_name(spec_type)
+                    if name in llama_errors:
+                        continue
                     print(
-                        f"  {row['output_tokens']} tokens in {row['seconds']:.1f} s: "
-                        f"{row['tokens_per_s']:.1f} tok/s",
+                        f"{workload}, concurrency {concurrency}, {name}, run {attempt + 1} ...",
                         flush=True,
                     )
-            rows = compare(tries)
-            cells.append({"workload": workload, "concurrency": concurrency, "rows": rows})
+                    try:
+                        row = speculative_llamacpp.run_config(
+                            spec_type, chosen, concurrency, args.tokens, warm, prompts
+                        )
+                    except (OSError, RuntimeError, TimeoutError) as error:
+                        llama_errors[name] = str(error)
+                        print(f"  {name} failed, left out of this cell: {error}")
+                        print(speculative_llamacpp.log_tail(), flush=True)
+                        llama_tries[name] = []
+                        continue
+                    llama_tries[name].append(with_latency(row))
+                    _print_run(row)
+            cell: dict[str, Any] = {
+                "workload": workload,
+                "concurrency": concurrency,
+                "rows": compare(tries, "token_ids"),
+            }
+            if configs:
+                with_llama(cell, tries, llama_tries)
+                cell["llama_errors"] = llama_errors
+            cells.append(cell)
     load["end"] = os.getloadavg()
-    print_table(cells, machine)
-    print(llama_note)
+    print_table(cells, machine, llama=bool(llama_levels))
+    print(llama_info["note"])
     shown = {when: " ".join(f"{x:.2f}" for x in figures) for when, figures in load.items()}
     print(f"load average (1, 5, 15 min) at start {shown['start']}, at end {shown['end']}")
     seconds = time.perf_counter() - started
@@ -577,12 +847,13 @@ def main() -> None:
                     "kv_cache_space_gib": args.kv_cache_space,
                     "latency": (
                         "per request: TPOT = (last token's arrival - first's) / (tokens - 1), "
-                        "arrivals timed as the offline engine's steps return; p50/p99 over "
+                        "arrivals timed as the offline engine's steps return (rankcast) or as "
+                        "the streamed chunks with text arrive (llama-server); p50/p99 over "
                         "the run's requests"
                     ),
                 },
                 "revision": tree,
-                "llama_server": llama_note,
+                "llama_server": llama_info,
                 "seconds": seconds,
                 "load_average": load,
                 "cells": cells,
@@ -590,13 +861,24 @@ def main() -> None:
             indent=2,
         )
     )
+    engines = "rankcast" + (
+        f" and llama-server ({speculative_llamacpp.WEIGHT_TYPE} GGUF)" if llama_levels else ""
+    )
     title = (
-        f"rankcast speculative decoding, SmolLM2-135M-Instruct bfloat16, greedy, <= {args.tokens} "
-        f"tokens; ratios to off above the bars\n{describe(machine)}"
+        f"speculative decoding, {engines}, SmolLM2-135M-Instruct bfloat16, greedy, <= "
+        f"{args.tokens} tokens; ratios to off above the bars\n{describe(machine)}"
     )
     png = plot(cells, args.workloads, args.out.with_suffix(".png"), title)
     print(f"\nwrote {args.out}" + (f" and {png}" if png else ""))
     print(f"({seconds / 60:.1f} min)")
+
+
+def _print_run(row: dict[str, Any]) -> None:
+    print(
+        f"  {row['output_tokens']} tokens in {row['seconds']:.1f} s: "
+        f"{row['tokens_per_s']:.1f} tok/s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -642,8 +643,8 @@ def print_goals(cells: list[dict[str, Any]]) -> None:
 
 
 def plot(cells: list[dict[str, Any]], workloads: list[str], path: Path, title: str) -> Path | None:
-    """Per workload, tok/s by concurrency: a bar per rankcast method (its ratio to off above
-    it) and, where llama-server ran, its off and its fastest --spec-type (named above it)."""
+    """Per workload, tok/s by concurrency: a bar per rankcast method and, where llama-server
+    ran, its off and its fastest --spec-type (named), each with its ratio to its off above it."""
     try:
         import matplotlib
     except ImportError:
@@ -675,11 +676,9 @@ def plot(cells: list[dict[str, Any]], workloads: list[str], path: Path, title: s
             for bar, row in zip(bars, rows, strict=True):
                 if row is None or method in ("off", speculative_llamacpp.OFF):
                     continue
-                label = (
-                    row["method"].removeprefix("llama ")
-                    if method == "llama best"
-                    else f"{row['ratio_to_off']:.2f}x"
-                )
+                label = f"{row['ratio_to_off']:.2f}x"
+                if method == "llama best":
+                    label = f"{row['method'].removeprefix('llama ')} {label}"
                 ax.annotate(
                     label,
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -694,7 +693,9 @@ def plot(cells: list[dict[str, Any]], workloads: list[str], path: Path, title: s
         ax.set_title(workload)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(title, fontsize=8)
+    # About 15 characters of 8-point text to an inch: wrapped, a narrow figure shows it all.
+    wrapped = [textwrap.fill(line, int(fig.get_figwidth() * 15)) for line in title.splitlines()]
+    fig.suptitle("\n".join(wrapped), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path

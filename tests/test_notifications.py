@@ -161,15 +161,16 @@ def test_wire_fixture_notifications_decode_to_their_types() -> None:
         (WIRE / "output_step.msgpack").read_bytes(), type=EngineCoreMessage
     )
     assert isinstance(message, EngineCoreOutputs) and message.engine_notifications
-    (weights,), unknown = NotificationDecoder().decode(message.engine_notifications)
+    (weights, experts), unknown = NotificationDecoder().decode(message.engine_notifications)
     assert unknown == []
-    assert isinstance(weights, CustomNotification)
+    assert isinstance(weights, CustomNotification) and isinstance(experts, CustomNotification)
     assert (weights.key, weights.rank, weights.tp_rank, weights.engine_seq) == (
         "rankcast.weights_loaded",
         1,
         1,
         0,
     )
+    assert (experts.key, experts.rank, experts.engine_seq) == ("rankcast.expert_load", 1, 2)
 
 
 def test_the_producer_api_is_one_import_and_the_old_names_still_work_with_a_warning() -> None:

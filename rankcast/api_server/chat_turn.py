@@ -18,7 +18,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from rankcast.api_server.errors import APIError
-from rankcast.api_server.output_parsers import OutputParser, Parsed
+from rankcast.api_server.output_parsers import OutputParser
 from rankcast.api_server.schema import ChatCompletionRequest
 from rankcast.api_server.serving import (
     ServingContext,
@@ -119,14 +119,7 @@ class TurnReader:
         parser = self.turn.parser
         if parser is None:
             return [TextPiece("content", completion.delta_text)] if completion.delta_text else []
-        reasoning, parsed = (
-            parser.feed(completion.delta_text) if completion.delta_text else ("", Parsed())
-        )
-        if output.finished:
-            last_reasoning, last = parser.finish()
-            reasoning += last_reasoning
-            parsed.content += last.content
-            parsed.calls += last.calls
+        reasoning, parsed = parser.step(completion.delta_text, output.finished)
         pieces: list[Piece] = []
         if reasoning:
             pieces.append(TextPiece("reasoning", reasoning))

@@ -303,6 +303,17 @@ class OutputParser:
             parsed.calls += last.calls
         return split.reasoning, parsed
 
+    def step(self, text: str, finished: bool) -> tuple[str, Parsed]:
+        """One streamed output read: its new `text` (and, on the last, what was held back),
+        as reasoning, then content and calls."""
+        reasoning, parsed = self.feed(text) if text else ("", Parsed())
+        if finished:
+            last_reasoning, last = self.finish()
+            reasoning += last_reasoning
+            parsed.content += last.content
+            parsed.calls += last.calls
+        return reasoning, parsed
+
     def whole(self, text: str) -> ChatOutput:
         """A whole answer at once: the same parsers, fed once."""
         reasoning, parsed = self.feed(text)

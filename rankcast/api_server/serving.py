@@ -20,7 +20,6 @@ from rankcast.api_server.errors import APIError, error_body
 from rankcast.api_server.output_parsers import (
     HermesToolParser,
     OutputParser,
-    Parsed,
     ThinkParser,
     prompt_opens_think,
 )
@@ -562,14 +561,7 @@ def _chat_stream(
         parser = parsers[index]
         assert parser is not None
         completion = output.outputs[0]
-        reasoning, parsed = (
-            parser.feed(completion.delta_text) if completion.delta_text else ("", Parsed())
-        )
-        if output.finished:
-            last_reasoning, last = parser.finish()
-            reasoning += last_reasoning
-            parsed.content += last.content
-            parsed.calls += last.calls
+        reasoning, parsed = parser.step(completion.delta_text, output.finished)
         deltas: list[dict[str, Any]] = []
         if reasoning:
             deltas.append({"reasoning": reasoning, "reasoning_content": reasoning})

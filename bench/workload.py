@@ -23,19 +23,30 @@ Chat = list[dict[str, str]]
 T = TypeVar("T")
 
 
-def single_and_batch_rates(
-    generate: Callable[[Sequence[T]], Sequence[Any]], items: Sequence[T], runs: int
-) -> tuple[list[float], list[float]]:
-    """Generated tok/s of the first item alone, then of all of them at once, `runs` times
-    each: `generate` takes a list of prompts (or chats) and returns their outputs."""
+def rates_by_batch(
+    generate: Callable[[Sequence[T]], Sequence[Any]],
+    items: Sequence[T],
+    runs: int,
+    sizes: Sequence[int],
+) -> dict[int, list[float]]:
+    """Generated tok/s of the first `size` items at once, `runs` times, for each of `sizes` in
+    turn: `generate` takes a list of prompts (or chats) and returns their outputs."""
 
     def rate(batch: Sequence[T]) -> float:
         start = time.perf_counter()
         outs = generate(batch)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
-    single = [rate(items[:1]) for _ in range(runs)]
-    return single, [rate(items) for _ in range(runs)]
+    return {size: [rate(items[:size]) for _ in range(runs)] for size in sizes}
+
+
+def single_and_batch_rates(
+    generate: Callable[[Sequence[T]], Sequence[Any]], items: Sequence[T], runs: int
+) -> tuple[list[float], list[float]]:
+    """Generated tok/s of the first item alone, then of all of them at once, `runs` times
+    each (`rates_by_batch` at 1 and all)."""
+    rates = rates_by_batch(generate, items, runs, (1, len(items)))
+    return rates[1], rates[len(items)]
 
 
 def load_prompts() -> tuple[list[str], int]:

@@ -109,12 +109,6 @@ def test_greedy_whole_chunked_and_cached(
     assert_greedy_whole_chunked_and_cached(qwen3_moe_dir, qwen3_moe_reference)
 
 
-def test_mixtral_greedy_whole_chunked_and_cached(mixtral_dir: Path) -> None:
-    assert_greedy_whole_chunked_and_cached(
-        mixtral_dir, reference_greedy_all(mixtral_dir, PROMPTS, NEW_TOKENS)
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_output_does_not_depend_on_who_shares_its_experts(
     qwen3_moe_dir: Path, dtype: torch.dtype

@@ -29,6 +29,7 @@ from rankcast.errors import ModelFormatError
 from rankcast.model import ops
 from rankcast.model.attention import AttentionMetadata, PagedAttention
 from rankcast.model.layers import (
+    ColumnParallelLinear,
     KernelSlots,
     LinearDelta,
     MergedColumnParallelLinear,
@@ -272,15 +273,18 @@ class LlamaForCausalLM(nn.Module):
         self.stack_adds_deltas = False
         self.fused_max_rows = None
         layers = self.decoder_layers()
+        # Each mixture of experts as one C++ call (csrc/moe.cpp), on the module path too.
+        moe_fused = [layer.mlp.fuse() for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
         if self.tp.size != 1 or not layers or not ops.can_fuse_layers(layers[0].self_attn.attn):
             return False
-        if any(isinstance(layer.mlp, SparseMoeBlock) for layer in layers):
-            return False  # the stack runs dense MLPs only; experts run on the module path
+        if not all(moe_fused):
+            return False  # experts the C++ object cannot run stay on the module path
         projections: list[list[ops.PackedWeight]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, LlamaMLP)
-            group = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            group: list[ColumnParallelLinear | RowParallelLinear] = [attn.qkv_proj, attn.o_proj]
+            if isinstance(mlp, LlamaMLP):
+                group += [mlp.gate_up_proj, mlp.down_proj]
             packed = [p.packed_weight for p in group]
             if attn.attn.key_cache is None:
                 return False
@@ -300,8 +304,16 @@ class LlamaForCausalLM(nn.Module):
             first.scale,
             self.rope.cos_sin,
         )
-        for layer, (qkv, o, gate_up, down) in zip(layers, projections, strict=True):
+        no_weight = torch.empty(0)
+        for layer, packed_group in zip(layers, projections, strict=True):
             attn = layer.self_attn
+            qkv, o = packed_group[:2]
+            # A mixture of experts' layer has no dense projections: placeholders, and set_moe.
+            gate_up, down = (
+                packed_group[2:]
+                if len(packed_group) == 4
+                else [ops.PackedWeight(no_weight, "rankcast", 0)] * 2
+            )
             stack.add_layer(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
@@ -324,6 +336,8 @@ class LlamaForCausalLM(nn.Module):
             )
         for i, layer in enumerate(layers):
             attn = layer.self_attn
+            if isinstance(layer.mlp, SparseMoeBlock):
+                stack.set_moe(i, layer.mlp.fused)
             stack.set_attention(
                 i,
                 attn.q_norm.weight.detach() if attn.q_norm is not None else None,
@@ -357,14 +371,12 @@ class LlamaForCausalLM(nn.Module):
         handed: list[tuple[int, int, KernelSlots]] = []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, LlamaMLP)
             if attn.o_proj.lora is not None and attn.o_proj.bias is not None:
                 return False
-            deltas = (
-                attn.qkv_proj.lora,
-                attn.o_proj.lora,
-                mlp.gate_up_proj.lora,
-                mlp.down_proj.lora,
+            deltas = (attn.qkv_proj.lora, attn.o_proj.lora) + (
+                (mlp.gate_up_proj.lora, mlp.down_proj.lora)
+                if isinstance(mlp, LlamaMLP)
+                else (None, None)  # adapters on experts are refused at load
             )
             for j, delta in enumerate(deltas):
                 if delta is None:

@@ -17,22 +17,36 @@ and adds only its own experts' outputs (still in index order) before the same al
 token's result is then summed in another order than under slicing, but in one order whatever
 the batch.
 
-Each block counts the tokens it routes to each of its experts (`routed`, one bincount a step,
-which also names the experts the step runs); the worker takes the counts once a window and
-publishes them (`rankcast/worker/expert_load.py`), so an unbalanced placement shows on every API
-server. Sliced, every rank counts every expert's tokens (the same counts on each); with expert
-parallelism a rank counts only its own experts' (another's read 0), so the ranks' counts add up
-to each expert's tokens once and each rank's sum is its share of the work.
+Where rankcast's kernels run the experts' packed weights, the block is one C++ object
+(csrc/moe.cpp, `fuse`): routing, the loop over the chosen experts and the weighted sum without
+returning to Python, the same object the decoder stack runs for a fused stage. Its arithmetic
+is the loop below, operator for operator, so both give the same bits (tested).
+
+Each block counts the tokens it routes to each of its experts (`routed`); the worker takes the
+counts once a window and publishes them (`rankcast/worker/expert_load.py`), so an unbalanced
+placement shows on every API server. Sliced, every rank counts every expert's tokens (the same
+counts on each); with expert parallelism a rank counts only its own experts' (another's read 0),
+so the ranks' counts add up to each expert's tokens once and each rank's sum is its share of the
+work.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from rankcast import kernels
 from rankcast.distributed import TensorParallelGroup
 from rankcast.model import ops
-from rankcast.model.layers import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from rankcast.model.layers import (
+    MergedColumnParallelLinear,
+    PackedLinearMixin,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from rankcast.model.linear_kernels import ROWS_SPLIT
 from rankcast.model_files.arch import ArchConfig
 
 
@@ -81,8 +95,11 @@ class SparseMoeBlock(nn.Module):
         self.held = held
         self.experts = nn.ModuleDict({str(i): Expert(arch, shard) for i in held})
         # Tokens routed to each of this rank's experts (a token once per chosen expert) since
-        # `take_routed`; None: none since.
-        self.routed: torch.Tensor | None = None
+        # `take_routed`, then the tokens the block ran since (all zero: none), added to in
+        # place here and by the C++ object.
+        self.routed = torch.zeros(arch.num_experts + 1, dtype=torch.int64)
+        # The block as one C++ call (`fuse`), or None: the loop below.
+        self.fused: Any = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts (most likely first) and their weights, in the
@@ -102,15 +119,72 @@ class SparseMoeBlock(nn.Module):
         if len(self.held) < self.num_experts:
             counts[: self.held.start] = 0
             counts[self.held.stop :] = 0
-        self.routed = counts if self.routed is None else self.routed.add_(counts)
+        self.routed[: self.num_experts].add_(counts.to(self.routed.device))
+        self.routed[self.num_experts] += chosen.shape[0]
         return counts
+
+    def has_routed(self) -> bool:
+        """Whether any token ran through the block since the last take."""
+        return bool(self.routed[self.num_experts] > 0)
 
     def take_routed(self) -> torch.Tensor | None:
         """The counts since the last take (None: no token since), and start again from none."""
-        routed, self.routed = self.routed, None
+        if not self.has_routed():
+            return None
+        routed = self.routed[: self.num_experts].clone()
+        self.routed.zero_()
         return routed
 
+    def fuse(self) -> bool:
+        """Hand the block to csrc/moe.cpp where it can run it: the kernels built, the router
+        and every held expert packed for rankcast's kernels (oneDNN's tiles beside them, taken
+        from ROWS_SPLIT rows on as the modules take them). Returns whether it could."""
+        self.fused = None
+        linears: list[PackedLinearMixin] = [self.gate]
+        for expert in self.experts.values():
+            assert isinstance(expert, Expert)
+            linears += [expert.gate_up_proj, expert.down_proj]
+        packed = [linear.packed_weight for linear in linears]
+        if not kernels.available(self.gate.weight) or any(
+            weight is None or weight.backend != "rankcast" or weight.groups is not None
+            for weight in packed
+        ):
+            return False
+        fused = torch.classes.rankcast.MoeExperts(
+            self.num_experts,
+            self.held.start,
+            self.top_k,
+            self.norm_topk_prob,
+            self.routed,
+            ROWS_SPLIT,
+        )
+
+        def tiles(linear: PackedLinearMixin) -> torch.Tensor | None:
+            return linear.tiles_weight.tensor if linear.tiles_weight is not None else None
+
+        router = self.gate.packed_weight
+        assert router is not None
+        fused.set_router(router.tensor, router.scales, tiles(self.gate))
+        for expert in self.experts.values():
+            assert isinstance(expert, Expert)
+            gate_up, down = expert.gate_up_proj.packed_weight, expert.down_proj.packed_weight
+            assert gate_up is not None and down is not None
+            fused.add_expert(
+                gate_up.tensor,
+                gate_up.scales,
+                gate_up.out_features,
+                tiles(expert.gate_up_proj),
+                down.tensor,
+                down.scales,
+                down.out_features,
+                tiles(expert.down_proj),
+            )
+        self.fused = fused
+        return True
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.tp.all_reduce(self.fused.forward(hidden))
         chosen, weights = self.route(hidden)
         out = torch.zeros_like(hidden)
         # This rank's experts in index order, each on the tokens that chose it (a token takes

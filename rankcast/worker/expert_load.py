@@ -74,7 +74,7 @@ class ExpertLoadWindow:
         with self._lock:
             started = self.clock()
             yield
-            if all(block.routed is None for block in self.blocks.values()):
+            if not any(block.has_routed() for block in self.blocks.values()):
                 return  # no token ran (a step that only ended requests)
             self.steps += 1
             if self.opened is None:

@@ -334,9 +334,7 @@ def assert_logits_match_transformers(model_dir: Path, fused: bool) -> None:
     model = load_model(model_dir, arch, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, arch, 8, torch.device("cpu"), torch.float32)
     runner.initialize_cache(64)
-    # The stack runs dense MLPs only: a mixture of experts stays on the modules.
-    stack = stack_expected(torch.float32) and not arch.moe_layers
-    assert (runner.model.fused_layers is not None) == stack
+    assert (runner.model.fused_layers is not None) == stack_expected(torch.float32)
     if not fused:
         runner.model.fused_layers = None
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(

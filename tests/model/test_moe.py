@@ -26,6 +26,8 @@ from tests.model.family_models import (
     assert_logits_match_transformers,
     assert_served_at_tp2,
     reference_greedy_all,
+    stack_and_modules_logits,
+    stack_expected,
     write_checkpoint,
 )
 
@@ -100,7 +102,18 @@ def test_bad_expert_fields_are_refused_naming_them(qwen3_moe_dir: Path) -> None:
 
 @pytest.mark.parametrize("name", ["qwen3_moe_dir", "mixtral_dir"])
 def test_logits_match_transformers(name: str, request: pytest.FixtureRequest) -> None:
-    assert_logits_match_transformers(request.getfixturevalue(name), fused=False)
+    """Through the C++ decoder stack where this machine builds it, MoE layers and all."""
+    assert_logits_match_transformers(request.getfixturevalue(name), fused=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stack_gives_the_modules_bits(qwen3_moe_dir: Path, dtype: torch.dtype) -> None:
+    """A decode step through the C++ decoder stack (MoE layers by csrc/moe.cpp inside it) and
+    through the modules: the same logits, bit for bit."""
+    if not stack_expected(dtype):
+        pytest.skip("no C++ decoder stack for this dtype on this machine")
+    fused, modules = stack_and_modules_logits(qwen3_moe_dir, dtype)
+    torch.testing.assert_close(fused, modules, rtol=0, atol=0)
 
 
 def test_greedy_whole_chunked_and_cached(
@@ -126,6 +139,33 @@ def test_a_tokens_output_does_not_depend_on_who_shares_its_experts(
         torch.testing.assert_close(block(tokens[i : i + 1]), together[i : i + 1], rtol=0, atol=0)
     chosen, _ = block.route(tokens)
     assert len(torch.unique(chosen)) > 2  # the batch spreads over several experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_block_gives_the_loops_bits_and_counts(
+    qwen3_moe_dir: Path, dtype: torch.dtype
+) -> None:
+    """csrc/moe.cpp's block (routing, the experts, the weighted sum in one call) against the
+    Python loop it replaces, on one token and on a batch: the same output bits and the same
+    counts per expert."""
+    arch = ArchConfig.from_model_dir(qwen3_moe_dir)
+    model = load_model(qwen3_moe_dir, arch, dtype, torch.device("cpu"))
+    block = model.decoder_layers()[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    if not block.fuse():
+        pytest.skip("the kernels do not run this dtype's packed experts on this machine")
+    torch.manual_seed(1)
+    for rows in (1, 5, 40):  # 40: past ROWS_SPLIT, where a `rows` path takes oneDNN's tiles
+        tokens = torch.randn(rows, arch.hidden_size).to(dtype)
+        fused_out, fused_counts = block(tokens), block.take_routed()
+        fused, block.fused = block.fused, None
+        loop_out, loop_counts = block(tokens), block.take_routed()
+        block.fused = fused
+        torch.testing.assert_close(fused_out, loop_out, rtol=0, atol=0)
+        assert fused_counts is not None and loop_counts is not None
+        assert fused_counts.tolist() == loop_counts.tolist()
+        assert int(fused_counts.sum()) == rows * arch.experts_per_token
+    assert block.take_routed() is None  # taken: none since
 
 
 def test_served_at_tp2(

@@ -183,11 +183,11 @@ MUTANTS = [
         (VIEW,),
     ),
     Mutant(
-        "expert-count-last-step-only",
-        "8 Expert load: a MoE layer counts every step's tokens until the window takes them",
+        "expert-count-kept-after-take",
+        "8 Expert load: a window's take starts every expert's count again from none",
         "rankcast/model/moe.py",
-        "self.routed = counts if self.routed is None else self.routed.add_(counts)",
-        "self.routed = counts",
+        "        self.routed.zero_()\n",
+        "        self.routed[self.num_experts] = 0\n",
         (f"{MOE}::test_each_moe_layer_counts_the_tokens_transformers_routes_to_each_expert",),
     ),
     Mutant(

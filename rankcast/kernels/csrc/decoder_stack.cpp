@@ -16,6 +16,9 @@
 // layer's own RoPE table and KV-cache group (Gemma 3's sliding-window layers: another RoPE base,
 // and their caches in a group of their own, addressed by its slots and block tables).
 //
+// Mixture-of-experts layers (`set_moe`): the block's MoeExperts object (csrc/moe.cpp), the one
+// the module path calls, runs in place of the dense MLP's two projections.
+//
 // Gemma 3's block (`set_block`): four norms, the attention's and the MLP's outputs normalised
 // before they join the residual stream, and GeGLU instead of SwiGLU. Its norms' weights are
 // float32 (1 + w); the norm kernels scale by them before rounding, as the module path's do.
@@ -31,44 +34,11 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moe.h"
+#include "projection.h"
 
 namespace rankcast {
 namespace {
-
-// A projection's adapter slots as csrc/lora.cpp reads them: one A and one B per sub-projection
-// (q, k, v of a fused QKV, ...), each sub's column offset, the slots' rank. Empty: no adapters.
-struct LoRASlots {
-  std::vector<at::Tensor> a, b;
-  std::vector<int64_t> offsets;
-  int64_t rank = 0;
-
-  void add_to(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& token_slots) const {
-    if (a.empty() || !token_slots.has_value()) return;
-    RECORD_FUNCTION("rankcast::lora_add", std::vector<c10::IValue>());
-    lora_add(out, x, *token_slots, a, b, offsets, rank);
-  }
-};
-
-// One projection: a weight packed by csrc/gemm.cpp (float, or int8 with its scales), by
-// csrc/gemm_w8a8.cpp (bytes [panels, steps, 16, group], with its scales), by csrc/gemm_q4.cpp
-// (bytes [panels, groups, record], scales inside) or by csrc/gemm_q8.cpp (int8 [panels, groups,
-// record], scales inside).
-struct Projection {
-  at::Tensor packed;
-  c10::optional<at::Tensor> scales;  // int8 weights' per-channel scales
-  c10::optional<at::Tensor> bias;
-  int64_t n;
-  LoRASlots lora;
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (packed.scalar_type() == at::kByte) {
-      if (packed.dim() == 3) return q4_linear(x, packed, n, bias);
-      return w8a8_linear(x, packed, n, *scales, bias);
-    }
-    if (packed.scalar_type() == at::kChar && !scales.has_value()) return q8_linear(x, packed, n, bias);
-    return packed_linear(x, packed, n, bias, scales);
-  }
-};
 
 struct Layer {
   at::Tensor input_norm, post_norm;
@@ -85,6 +55,8 @@ struct Layer {
   bool gelu_tanh = false;  // GeGLU (GELU, tanh approximation) instead of SwiGLU
   // An 8-bit cache's per-token scales (csrc/attention.cpp), or none.
   c10::optional<at::Tensor> key_scale, value_scale;
+  // A mixture of experts in place of gate_up and down (csrc/moe.cpp), or none.
+  c10::intrusive_ptr<MoeExperts> moe;
 };
 
 // In place: RMSNorm of `count` heads of `qkv` [tokens, width] from head `first` on, each over its
@@ -171,6 +143,13 @@ class DecoderStack : public torch::CustomClassHolder {
     l.pre_ff_norm = std::move(pre_ff_norm);
     l.post_ff_norm = std::move(post_ff_norm);
     l.gelu_tanh = gelu_tanh;
+  }
+
+  // Layer `layer`'s MLP is a mixture of experts: `moe` (the very object the module calls) runs
+  // in place of its gate_up and down projections.
+  void set_moe(int64_t layer, c10::intrusive_ptr<MoeExperts> moe) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_moe: no layer ", layer);
+    layers_[layer].moe = std::move(moe);
   }
 
   // Adapter slots for projection `projection` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`:
@@ -262,22 +241,26 @@ class DecoderStack : public torch::CustomClassHolder {
           x = add_rms_norm(h, res, layer.post_norm, eps_);
         }
       }
-      at::Tensor gate_up;
-      {
-        RECORD_FUNCTION("rankcast::packed_linear[gate_up]", std::vector<c10::IValue>());
-        gate_up = layer.gate_up(x);
+      if (layer.moe) {
+        hidden = layer.moe->forward(x);
+      } else {
+        at::Tensor gate_up;
+        {
+          RECORD_FUNCTION("rankcast::packed_linear[gate_up]", std::vector<c10::IValue>());
+          gate_up = layer.gate_up(x);
+        }
+        layer.gate_up.lora.add_to(gate_up, x, token_slots);
+        at::Tensor act;
+        {
+          RECORD_FUNCTION("rankcast::act_and_mul", std::vector<c10::IValue>());
+          act = layer.gelu_tanh ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
+        }
+        {
+          RECORD_FUNCTION("rankcast::packed_linear[down]", std::vector<c10::IValue>());
+          hidden = layer.down(act);
+        }
+        layer.down.lora.add_to(hidden, act, token_slots);
       }
-      layer.gate_up.lora.add_to(gate_up, x, token_slots);
-      at::Tensor act;
-      {
-        RECORD_FUNCTION("rankcast::act_and_mul", std::vector<c10::IValue>());
-        act = layer.gelu_tanh ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
-      }
-      {
-        RECORD_FUNCTION("rankcast::packed_linear[down]", std::vector<c10::IValue>());
-        hidden = layer.down(act);
-      }
-      layer.down.lora.add_to(hidden, act, token_slots);
       if (layer.post_ff_norm.has_value()) {
         RECORD_FUNCTION("rankcast::rms_norm", std::vector<c10::IValue>());
         hidden = rms_norm(hidden, *layer.post_ff_norm, eps_);
@@ -303,6 +286,7 @@ void register_decoder_stack(torch::Library& m) {
       .def("set_rope_and_group", &DecoderStack::set_rope_and_group)
       .def("set_block", &DecoderStack::set_block)
       .def("set_kv_scales", &DecoderStack::set_kv_scales)
+      .def("set_moe", &DecoderStack::set_moe)
       .def("forward", &DecoderStack::forward);
 }
 

@@ -15,6 +15,7 @@
 namespace rankcast {
 
 void register_decoder_stack(torch::Library& m);
+void register_moe_experts(torch::Library& m);
 
 namespace {
 
@@ -78,6 +79,7 @@ TORCH_LIBRARY(rankcast, m) {
   m.def("w8a8_group() -> int", &w8a8_group);
   m.def("build_isa() -> str", &build_isa);
   m.def("bind_threads(int[] cpus) -> int", &bind_threads);
+  register_moe_experts(m);  // first: the decoder stack's set_moe takes its class
   register_decoder_stack(m);
 }
 

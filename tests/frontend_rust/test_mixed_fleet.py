@@ -531,18 +531,26 @@ DEGREES = [216, 34, 32, 13518, 51, 141]
 
 
 def _from_each_server(
-    url: str, method: str, route: str, body: dict[str, Any] | None = None
-) -> dict[str, tuple[int, str]]:
+    url: str,
+    method: str,
+    route: str,
+    body: dict[str, Any] | None = None,
+    with_allow: bool = False,
+) -> dict[str, tuple[Any, ...]]:
     """The same request until both servers answered it: each one's status and body as it
-    came, the request id (which must differ between two answers) replaced."""
-    answers: dict[str, tuple[int, str]] = {}
+    came, the request id (which must differ between two answers) replaced; `with_allow`: and
+    its `Allow` header."""
+    answers: dict[str, tuple[Any, ...]] = {}
     deadline = time.monotonic() + 60
     while set(answers) != {"0", "1"}:
         assert time.monotonic() < deadline, f"only {sorted(answers)} answered {route}"
         # A fresh connection each time, so the kernel spreads them over the servers.
         response = httpx.request(method, f"{url}{route}", json=body, timeout=60)
         text = re.sub(r'"request_id":"[^"]+"', '"request_id":"ID"', response.content.decode())
-        answers[response.headers["x-rankcast-api-server"]] = (response.status_code, text)
+        answer: tuple[Any, ...] = (response.status_code, text)
+        if with_allow:
+            answer += (response.headers.get("allow"),)
+        answers[response.headers["x-rankcast-api-server"]] = answer
     return answers
 
 
@@ -645,6 +653,17 @@ def test_tokenizer_render_and_discovery_routes_are_the_python_servers_to_the_byt
         for method in ("GET", "POST"):
             pings = _from_each_server(server.url, method, "/ping")
             assert pings == {"0": (200, ""), "1": (200, "")}, pings
+        # A method a route does not take: 405 naming those it does, in the route's API shape.
+        for method, route, allow in [
+            ("TRACE", "/version", "GET"),
+            ("PUT", "/v1/responses/resp_1", "GET"),
+            ("HEAD", "/v1/responses/resp_1", "GET"),
+            ("GET", "/v1/messages", "POST"),
+            ("DELETE", "/v1/chat/completions", "POST"),
+        ]:
+            both = _from_each_server(server.url, method, route, with_allow=True)
+            assert both["1"] == both["0"], (method, route, both)
+            assert both["0"][0] == 405 and both["0"][2] == allow, (method, route, both)
         # A completion in flight on the Rust server is its load, and only its.
         deadline = time.monotonic() + 90
         while True:

@@ -36,6 +36,7 @@ TESTS = [
     "tests/model/test_batch_invariance.py::test_the_tiny_models_logits_do_not_depend_on_the_batch",
     "tests/model/test_batch_invariance.py::test_a_verification_step_gives_each_draft_the_logits_of_its_own_decode",
     "tests/model/test_moe.py::test_a_tokens_output_does_not_depend_on_who_shares_its_experts",
+    "tests/model/test_moe.py::test_the_fused_block_gives_the_loops_bits_and_counts",
 ]
 
 

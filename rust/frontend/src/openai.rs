@@ -42,6 +42,7 @@ mod chat_turn;
 mod discovery;
 mod errors;
 mod messages;
+mod methods;
 mod response_store;
 mod responses;
 mod tokenization;
@@ -550,11 +551,13 @@ impl Server {
             (&Method::POST, "/v1/chat/completions") => self.generate(request, true).await,
             (_, path) if responses::serves(path) => responses::route(self, request).await,
             (_, path) if messages::serves(path) => messages::route(self, request).await,
-            _ => route_metrics::unrouted(error(
-                StatusCode::NOT_FOUND,
-                &format!("no route {path}"),
-                None,
-            )),
+            (method, path) => methods::refusal(method, path).unwrap_or_else(|| {
+                route_metrics::unrouted(error(
+                    StatusCode::NOT_FOUND,
+                    &format!("no route {path}"),
+                    None,
+                ))
+            }),
         }
     }
 

@@ -45,7 +45,7 @@ pub(crate) fn unrouted(mut reply: Reply) -> Reply {
 
 /// Whether `path` matches `template`; None when it lies beneath the template's fixed part
 /// without matching its parameter (a path no route of that prefix takes).
-fn matches(template: &str, path: &str) -> Option<bool> {
+pub(crate) fn matches(template: &str, path: &str) -> Option<bool> {
     let Some((fixed, parameter)) = template.split_once('{') else {
         return Some(template == path);
     };

@@ -27,7 +27,7 @@ use super::validate::{
     self, bool_field, defaulted, float_field, given, integer_field, optional, required, string,
     Field, Ty, INT_MAX, TOOL_NAME,
 };
-use super::{text_reply, Reply, Server};
+use super::{methods, text_reply, Reply, Server};
 
 /// Text: what a system prompt and a tool result hold, and any turn may.
 const TEXT_BLOCK: &[Field] = &[
@@ -214,11 +214,7 @@ pub async fn route(server: Arc<Server>, request: Request<Body>) -> Reply {
         (&Method::POST, _) if !server.engine.alive() => Err(ApiError::engine_down()),
         (&Method::POST, "/v1/messages") => create(server, request).await,
         (&Method::POST, _) => count_tokens(&server, request).await,
-        _ => Err(ApiError::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "Method Not Allowed",
-            None,
-        )),
+        _ => return methods::not_allowed(&path, "POST"),
     };
     answer.unwrap_or_else(|error| errors::reply(&path, &error))
 }

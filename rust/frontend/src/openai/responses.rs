@@ -29,7 +29,7 @@ use super::validate::{
     self, bool_field, defaulted, float_field, given, integer_field, optional, required, string,
     Field, Ty, INT_MAX, TOOL_NAME,
 };
-use super::{errors, now, text_reply, Reply, Server};
+use super::{errors, methods, now, text_reply, Reply, Server};
 
 const FUNCTION_TOOL: &[Field] = &[
     required("type", Ty::Literal(&["function"])),
@@ -126,7 +126,7 @@ pub async fn route(server: Arc<Server>, request: Request<Body>) -> Reply {
     let answer = if path == "/v1/responses" {
         match method {
             Method::POST => create(server, request).await,
-            _ => Err(method_not_allowed()),
+            _ => return methods::not_allowed(&path, "POST"),
         }
     } else {
         let id = percent_decoded(&path["/v1/responses/".len()..]);
@@ -134,17 +134,14 @@ pub async fn route(server: Arc<Server>, request: Request<Body>) -> Reply {
             Err(ApiError::new(StatusCode::NOT_FOUND, "Not Found", None))
         } else {
             match method {
-                Method::GET | Method::HEAD => stored(&id),
+                Method::GET => stored(&id),
                 Method::DELETE => delete(&id),
-                _ => Err(method_not_allowed()),
+                // The first of the two routes on this path is GET's, as the Python servers'.
+                _ => return methods::not_allowed(&path, "GET"),
             }
         }
     };
     answer.unwrap_or_else(|error| errors::reply(&path, &error))
-}
-
-fn method_not_allowed() -> ApiError {
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed", None)
 }
 
 /// A path segment as the Python servers see it (percent escapes decoded).

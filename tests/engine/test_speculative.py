@@ -187,6 +187,15 @@ def _default_path_only(dtype: str) -> None:
         pytest.skip("checked on the default path")
 
 
+class _FlatCost(StepCostModel):
+    """Every step takes the same time, however many tokens: a wider step is then worth any
+    draft expected to be accepted at all (the measured model's decision taken out of a test
+    that checks exactness, not the decision)."""
+
+    def seconds(self, tokens: int) -> float | None:
+        return 0.01
+
+
 def _counters(llm: LLM) -> tuple[int, int, int, list[int]]:
     stats = llm.engine.client.core.scheduler.stats()
     return (
@@ -406,6 +415,11 @@ def test_ranks_adapters_and_chunks_keep_the_answer(tiny_llama_dir: Path, tmp_pat
     with LLM(str(tiny_llama_dir), **engine) as llm:
         want = answers(llm)
     with LLM(str(tiny_llama_dir), speculative_config={"method": "suffix"}, **engine) as llm:
+        # Four ranks on this machine's cores time their steps too unevenly for the measured
+        # cost model to be sure to widen any: drafts are made to look free, so they are weighed.
+        drafter = llm.engine.client.core.scheduler.drafter
+        assert drafter is not None
+        drafter.cost = _FlatCost()
         got = answers(llm)
         accepted = _counters(llm)[2]
     assert got == want

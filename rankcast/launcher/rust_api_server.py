@@ -31,14 +31,15 @@ READY_MARK = "rankcast-frontend: serving on"
 
 
 def _newest_source() -> float:
-    """When the Rust sources last changed (a build older than that would speak an old wire)."""
+    """When the Rust sources last changed (a build older than that would speak an old wire), or
+    the schema copy it embeds (rankcast/api_server/openapi_document.py)."""
     # The crates and the workspace's own files; the build output (target/) is not walked.
     tops = [p for p in _WORKSPACE.iterdir() if p.name != "target"] if _WORKSPACE.is_dir() else []
     sources = [
         path
         for top in tops
         for path in ([top] if top.is_file() else top.rglob("*"))
-        if path.suffix == ".rs" or path.name in ("Cargo.toml", "Cargo.lock")
+        if path.suffix == ".rs" or path.name in ("Cargo.toml", "Cargo.lock", "openapi.json")
     ]
     return max((path.stat().st_mtime for path in sources), default=0.0)
 

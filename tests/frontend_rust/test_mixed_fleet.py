@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from rankcast.api_server.openapi_document import RUST_UNSERVED, rendered
 from tests.entrypoints.notification_clients import families, scrape_each
 from tests.entrypoints.server_process import ServerProcess, free_port, tiny_model_args
 from tests.entrypoints.test_server_chat_parsers import PARSER_FLAGS
@@ -653,6 +654,17 @@ def test_tokenizer_render_and_discovery_routes_are_the_python_servers_to_the_byt
         for method in ("GET", "POST"):
             pings = _from_each_server(server.url, method, "/ping")
             assert pings == {"0": (200, ""), "1": (200, "")}, pings
+        # The schema: the Python servers' document less the routes the Rust server lacks.
+        schemas = _from_each_server(server.url, "GET", "/openapi.json")
+        assert schemas["0"][0] == schemas["1"][0] == 200
+        python = json.loads(schemas["0"][1])
+        assert set(RUST_UNSERVED) & set(python["paths"])  # so the check below removes some
+        for route in RUST_UNSERVED:
+            python["paths"].pop(route, None)
+        assert schemas["1"][1].encode() == rendered(python), (
+            "the Rust server's /openapi.json is not the Python servers' (less the routes it does "
+            "not serve): run `python -m rankcast.api_server.openapi_document` and rebuild"
+        )
         # A method a route does not take: 405 naming those it does, in the route's API shape.
         for method, route, allow in [
             ("TRACE", "/version", "GET"),

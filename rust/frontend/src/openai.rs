@@ -43,6 +43,7 @@ mod discovery;
 mod errors;
 mod messages;
 mod methods;
+mod openapi;
 mod response_store;
 mod responses;
 mod tokenization;
@@ -477,6 +478,10 @@ impl Server {
                 let load = object![("server_load", self.drain.in_flight())];
                 text_reply(StatusCode::OK, load.response())
             }
+            (&Method::GET, "/openapi.json") => Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from(openapi::document(self.tokenizer.vocab_size())))
+                .expect("a static header"),
             (&Method::GET, "/version") => {
                 let version = object![("version", env!("CARGO_PKG_VERSION"))];
                 text_reply(StatusCode::OK, version.response())

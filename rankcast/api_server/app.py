@@ -315,10 +315,18 @@ def _add_probe_routes(app: FastAPI, serving: ServingContext, metrics: ServerMetr
             response.headers["retry-after"] = str(RETRY_AFTER_S)
         return response
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    # One route per method: a route of two methods names its operations and its `Allow` in
+    # the order of a set of strings, which differs between processes (hash randomisation), so
+    # two servers of a fleet would publish different schemas.
+    @app.get("/ping")
     async def ping() -> Response:
         """vLLM's (SageMaker's) probe: /health's status, no body."""
         return Response(status_code=(await health()).status_code)
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
+        """The same probe by POST, as vLLM takes it."""
+        return await ping()
 
     @app.get("/load")
     async def load() -> dict[str, int]:

@@ -61,15 +61,19 @@ def python_document(config: ApiServerConfig, tokenizer: ModelTokenizer) -> dict[
 def rust_document(python: dict[str, Any], vocab: int) -> dict[str, Any]:
     """The Python document less the routes the Rust server lacks, each token-id bound (`vocab`
     - 1) replaced by the placeholder."""
-    document = json.loads(json.dumps(python))
+    document: dict[str, Any] = json.loads(json.dumps(python))
     for path in RUST_UNSERVED:
         document["paths"].pop(path, None)
 
     def placeholder(node: Any) -> None:
         if isinstance(node, dict):
             items = node.get("items")
-            token_ids = node.get("type") == "array" and isinstance(items, dict)
-            if token_ids and items.get("maximum") == vocab - 1 and items.get("minimum") == 0:
+            if (
+                node.get("type") == "array"
+                and isinstance(items, dict)
+                and items.get("maximum") == vocab - 1
+                and items.get("minimum") == 0
+            ):
                 items["maximum"] = VOCAB_PLACEHOLDER
             for value in node.values():
                 placeholder(value)

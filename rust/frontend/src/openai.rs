@@ -43,6 +43,7 @@ mod discovery;
 mod errors;
 mod messages;
 mod methods;
+pub(crate) use methods::ROUTES;
 mod openapi;
 mod response_store;
 mod responses;

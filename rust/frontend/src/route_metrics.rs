@@ -5,14 +5,15 @@
 //!
 //! A request is labelled by the route that answered it, never by the path as asked, so a path
 //! parameter makes one series, not one per value: a route whose path holds a parameter by the
-//! template the Python servers declare it with (`TEMPLATES`), any other by its path, so a route
-//! added to `openai.rs` is counted with nothing to add here unless its path holds a parameter.
+//! template the Python servers declare it with (the route table `openai/methods.rs` keeps), any
+//! other by its path.
 //! A path no route matched, a path beneath a parametrized route that its parameter does not
 //! match, and a request answered before any route ran (a stopping server, the API-key check) are
 //! "none", as Starlette leaves them unmatched. vLLM's probes are not counted.
 
 use hyper::{Body, Method, Response, StatusCode};
 
+use crate::openai::ROUTES;
 use crate::request_metrics::RequestMetrics;
 
 type Reply = Response<Body>;
@@ -23,15 +24,6 @@ const UNCOUNTED: [&str; 5] = ["/metrics", "/health", "/load", "/ping", "/version
 
 /// What vLLM's counter names a request no route matched.
 const UNMATCHED: &str = "none";
-
-/// The routes beneath a parametrized path, as the Python servers declare them: `{name}` is one
-/// path segment (Starlette's `str` convertor), `{name:path}` the rest of the path.
-const TEMPLATES: [&str; 4] = [
-    "/dashboard/",
-    "/dashboard/{path}",
-    "/v1/models/{model_id:path}",
-    "/v1/responses/{response_id}",
-];
 
 /// Marks an answer given without any route having matched (`handler` "none").
 #[derive(Clone, Copy)]
@@ -59,7 +51,7 @@ pub(crate) fn matches(template: &str, path: &str) -> Option<bool> {
 /// The `handler` label of a request for `path` that a route answered.
 fn handler(path: &str) -> &str {
     let mut beneath = false;
-    for template in TEMPLATES {
+    for (template, _) in ROUTES {
         match matches(template, path) {
             Some(true) => return template,
             Some(false) => {}

@@ -11,8 +11,9 @@ use super::{errors, Reply};
 use crate::route_metrics;
 
 /// (path template, the methods of its first route), as the Python servers declare them
-/// (`rankcast/api_server/`): `{name}` is one path segment, `{name:path}` the rest.
-const ROUTES: &[(&str, &str)] = &[
+/// (`rankcast/api_server/`): `{name}` is one path segment, `{name:path}` the rest. Also what
+/// `http_requests_total` labels a request with (`route_metrics.rs`).
+pub(crate) const ROUTES: &[(&str, &str)] = &[
     ("/health", "GET"),
     ("/ping", "GET"), // its GET route, then its POST route
     ("/load", "GET"),

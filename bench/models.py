@@ -432,9 +432,9 @@ def print_table(
         print(f"{name:<14} " + ("; ".join(cells) or "no anchor figures"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+def add_run_arguments(parser: argparse.ArgumentParser, output: str) -> None:
+    """The flags every run of these engines on made-up checkpoints takes (this script's and
+    bench/moe.py's): which engines, how long, where the files are kept, where results go."""
     parser.add_argument(
         "--engines", nargs="*", default=["rankcast", "llama.cpp", "vllm"],
         choices=["rankcast", "llama.cpp", "vllm"],
@@ -447,14 +447,25 @@ def main() -> None:
         default=Path.home() / ".cache" / "rankcast-bench-models",
         help="where the checkpoints and GGUF files are kept between runs",
     )
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "models.json")
-    args = parser.parse_args()
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / output)
+
+
+def say_missing_anchors() -> None:
+    """Name each anchor not installed here (its rows are left out, the run goes on)."""
     for why in (
         llamacpp.missing_message() if llamacpp.binary("llama-batched-bench") is None else None,
         anchor.missing_message() if anchor.anchor_python() is None else None,
     ):
         if why:
             print(why)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    add_run_arguments(parser, "models.json")
+    args = parser.parse_args()
+    say_missing_anchors()
     machine = machine_info()
     engines = set(args.engines)
     results = {

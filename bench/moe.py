@@ -38,18 +38,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import anchor, bandwidth, llamacpp
+from bench import bandwidth
 from bench.models import (
     BATCH,
     PROMPT_TOKENS,
     Shape,
+    add_run_arguments,
     bench_shape,
     checkpoint,
     gguf_files,
     print_table,
+    say_missing_anchors,
     size_label,
 )
-from bench.workload import ROOT, describe, machine_info
+from bench.workload import describe, machine_info
 
 SIZES = (1, 8, BATCH)
 # Tensor names by what a token reads of them, in GGUF's names and an HF checkpoint's.
@@ -216,26 +218,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="of Qwen3-30B-A3B's 48")
     parser.add_argument("--experts", type=int, default=128, help="experts a layer")
     parser.add_argument("--top-k", type=int, default=8, help="experts a token")
-    parser.add_argument(
-        "--engines", nargs="*", default=["rankcast", "llama.cpp", "vllm"],
-        choices=["rankcast", "llama.cpp", "vllm"],
-    )  # fmt: skip
-    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
-    parser.add_argument("--runs", type=int, default=1, help="runs per figure (median)")
-    parser.add_argument(
-        "--cache",
-        type=Path,
-        default=Path.home() / ".cache" / "rankcast-bench-models",
-        help="where the checkpoint and GGUF files are kept between runs",
-    )
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "moe.json")
+    add_run_arguments(parser, "moe.json")
     args = parser.parse_args()
-    for why in (
-        llamacpp.missing_message() if llamacpp.binary("llama-batched-bench") is None else None,
-        anchor.missing_message() if anchor.anchor_python() is None else None,
-    ):
-        if why:
-            print(why)
+    say_missing_anchors()
     load_before = os.getloadavg()
     machine = machine_info()
     shape = qwen3_30b_a3b(args.layers, args.experts, args.top_k)

@@ -35,6 +35,7 @@ mod multiprocess;
 mod openai;
 mod request_metrics;
 mod route_metrics;
+mod routes;
 mod sampling;
 mod shape;
 

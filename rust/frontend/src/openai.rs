@@ -43,7 +43,6 @@ mod discovery;
 mod errors;
 mod messages;
 mod methods;
-pub(crate) use methods::ROUTES;
 mod openapi;
 mod response_store;
 mod responses;

@@ -5,7 +5,7 @@
 //!
 //! A request is labelled by the route that answered it, never by the path as asked, so a path
 //! parameter makes one series, not one per value: a route whose path holds a parameter by the
-//! template the Python servers declare it with (the route table `openai/methods.rs` keeps), any
+//! template the Python servers declare it with (the route table `routes.rs` keeps), any
 //! other by its path.
 //! A path no route matched, a path beneath a parametrized route that its parameter does not
 //! match, and a request answered before any route ran (a stopping server, the API-key check) are
@@ -13,8 +13,8 @@
 
 use hyper::{Body, Method, Response, StatusCode};
 
-use crate::openai::ROUTES;
 use crate::request_metrics::RequestMetrics;
+use crate::routes::{matches, ROUTES};
 
 type Reply = Response<Body>;
 
@@ -33,19 +33,6 @@ pub(crate) struct Unrouted;
 pub(crate) fn unrouted(mut reply: Reply) -> Reply {
     reply.extensions_mut().insert(Unrouted);
     reply
-}
-
-/// Whether `path` matches `template`; None when it lies beneath the template's fixed part
-/// without matching its parameter (a path no route of that prefix takes).
-pub(crate) fn matches(template: &str, path: &str) -> Option<bool> {
-    let Some((fixed, parameter)) = template.split_once('{') else {
-        return Some(template == path);
-    };
-    let rest = path.strip_prefix(fixed)?;
-    if parameter.contains(":path}") {
-        return Some(true);
-    }
-    Some(!rest.is_empty() && !rest.contains('/'))
 }
 
 /// The `handler` label of a request for `path` that a route answered.

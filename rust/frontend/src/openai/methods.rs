@@ -8,56 +8,7 @@ use hyper::{Method, StatusCode};
 
 use super::chat_turn::ApiError;
 use super::{errors, Reply};
-use crate::route_metrics;
-
-/// (path template, the methods of its first route), as the Python servers declare them
-/// (`rankcast/api_server/`): `{name}` is one path segment, `{name:path}` the rest. Also what
-/// `http_requests_total` labels a request with (`route_metrics.rs`).
-pub(crate) const ROUTES: &[(&str, &str)] = &[
-    ("/health", "GET"),
-    ("/ping", "GET"), // its GET route, then its POST route
-    ("/load", "GET"),
-    ("/version", "GET"),
-    ("/metrics", "GET"),
-    ("/openapi.json", "GET"),
-    ("/docs", "GET"),
-    ("/docs/oauth2-redirect", "GET"),
-    ("/redoc", "GET"),
-    ("/kv_event_sources", "GET"),
-    ("/get_server_info", "GET"),
-    ("/tokenize", "POST"),
-    ("/detokenize", "POST"),
-    ("/collective_rpc", "POST"),
-    ("/reset_prefix_cache", "POST"),
-    ("/v1/models", "GET"),
-    ("/v1/models/{model_id:path}", "GET"),
-    ("/v1/completions", "POST"),
-    ("/v1/completions/render", "POST"),
-    ("/v1/chat/completions", "POST"),
-    ("/v1/chat/completions/render", "POST"),
-    ("/v1/responses", "POST"),
-    ("/v1/responses/{response_id}", "GET"),
-    ("/v1/messages", "POST"),
-    ("/v1/messages/count_tokens", "POST"),
-    ("/v1/lora_adapters", "GET"),
-    ("/v1/load_lora_adapter", "POST"),
-    ("/v1/unload_lora_adapter", "POST"),
-    ("/v1/pin_lora_adapter", "POST"),
-    ("/v1/unpin_lora_adapter", "POST"),
-    ("/v1/engine_views", "GET"),
-    ("/v1/events", "GET"),
-    ("/dashboard", "GET"),
-    ("/dashboard/", "GET"),
-    ("/dashboard/{path}", "GET"),
-];
-
-/// The methods the first route matching `path` takes, or None where no route's path matches.
-pub fn allowed(path: &str) -> Option<&'static str> {
-    ROUTES
-        .iter()
-        .find(|(template, _)| route_metrics::matches(template, path) == Some(true))
-        .map(|(_, methods)| *methods)
-}
+use crate::routes::allowed;
 
 /// The answer to `method` on `path` when no route of this server took it: 405 naming the
 /// methods where a route's path matches and the method is not among them, else None (a 404:

@@ -15,6 +15,34 @@ import torch
 os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
 torch.set_num_threads(2)
 
+
+def _one_tls_context_for_every_http_client() -> None:
+    """Every httpx client the tests make (and the openai and anthropic SDKs' clients) verifies
+    with one TLS context made once, instead of building one per client.
+
+    httpx makes a fresh context and loads the whole CA bundle into it for each client, ~27 ms
+    of CPU, even for the plain-HTTP loopback URLs these tests use; the polling loops (waiting
+    for health, for both servers to answer, for a restart) make thousands of short-lived
+    clients, a couple of minutes of the suite's CPU taken from the engines they wait on.
+    Only a client left at the default `verify=True` is changed; one given its own keeps it."""
+    import ssl
+
+    import httpx
+
+    shared = ssl.create_default_context()
+    for transport in (httpx.HTTPTransport, httpx.AsyncHTTPTransport):
+        made = transport.__init__
+
+        def init(self: object, *args: object, _made: object = made, **kwargs: object) -> None:
+            if kwargs.get("verify", True) is True:
+                kwargs["verify"] = shared
+            _made(self, *args, **kwargs)  # type: ignore[operator]
+
+        transport.__init__ = init  # type: ignore[method-assign]
+
+
+_one_tls_context_for_every_http_client()
+
 TINY_LLAMA = {
     "hidden_size": 64,
     "intermediate_size": 160,

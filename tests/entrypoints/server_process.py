@@ -127,7 +127,9 @@ class ServerProcess:
                     self.pids = descendants(self.proc.pid)
                     return
             except httpx.HTTPError:
-                time.sleep(0.3)
+                pass  # not listening yet
+            # Polled, not spun: a tight loop of 503s took CPU from the start it waits on.
+            time.sleep(0.05)
         raise TimeoutError(f"only API servers {sorted(healthy)} became healthy")
 
     def pid_of(self, role: str) -> int:

@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -81,6 +82,10 @@ class EngineCoreProc:
         self.inputs: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.outputs: queue.Queue[tuple[int, Any] | None] = queue.Queue()
         self.stopping = threading.Event()
+        # Readable when SIGTERM arrives (`signal.set_wakeup_fd`, set by `run_engine_core`): the
+        # input thread polls it beside the sockets, so a stop is seen at once, not at the
+        # poll's next timeout (up to 0.2 s later, on every stop and restart).
+        self.signalled: socket.socket | None = None
         self.context = zmq.Context()
         # Bind before the threads start so an early client's messages are not lost.
         self.input_sockets = []
@@ -115,8 +120,18 @@ class EngineCoreProc:
         for sock in self.input_sockets:
             poller.register(sock, zmq.POLLIN)
         index_of = {sock: i for i, sock in enumerate(self.input_sockets)}
+        if self.signalled is not None:
+            poller.register(self.signalled, zmq.POLLIN)
         while not self.stopping.is_set():
             for sock, _ in poller.poll(timeout=200):
+                if sock is self.signalled:
+                    # The byte is the signal's number: a SIGTERM is the stop the handler will
+                    # also ask for, taken here at once (the handler runs later, between
+                    # bytecodes of the main thread).
+                    with contextlib.suppress(BlockingIOError):
+                        if signal.SIGTERM in self.signalled.recv(64):
+                            self.stopping.set()
+                    continue
                 frame = sock.recv(copy=False)
                 try:
                     message = decoder.decode(frame.buffer)
@@ -270,6 +285,10 @@ def run_engine_core(
         proc.stopping.set()
 
     signal.signal(signal.SIGTERM, stop)
+    proc.signalled, wakeup = socket.socketpair()
+    for end in (proc.signalled, wakeup):
+        end.setblocking(False)
+    signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
     # Ctrl-C reaches the whole process group: the launcher stops the engine (SIGTERM) once the
     # API servers have drained the requests that still need it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

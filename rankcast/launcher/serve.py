@@ -125,7 +125,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         for dp in range(config.parallel.data_parallel_size)
     ]
     spawn = multiprocessing.get_context("spawn")
-    stop_requested = _stop_on_signals()
+    stop_requested, woken, wakeup = _stop_on_signals()
     adopt_orphans()
     metrics_dir = private_ipc_dir("rankcast-metrics")
     # Every API server (restarted ones too: they inherit it) writes the series it counts into
@@ -155,6 +155,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         state_path,
         stop_requested,
         on_started=lambda: _print_banner(server, model_name),
+        woken=woken,
     )
     try:
         return fleet.run()
@@ -176,6 +177,9 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         os.environ.pop(SUPERVISOR_STATE_ENV, None)
         os.environ.pop(RESPONSE_STORE_ENV, None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        signal.set_wakeup_fd(-1)
+        woken.close()
+        wakeup.close()
 
 
 def _every_time(spec: ChildSpec) -> Callable[[int], ChildSpec]:
@@ -183,17 +187,24 @@ def _every_time(spec: ChildSpec) -> Callable[[int], ChildSpec]:
     return lambda _incarnation: spec
 
 
-def _stop_on_signals() -> threading.Event:
+def _stop_on_signals() -> tuple[threading.Event, socket.socket, socket.socket]:
     """An event SIGTERM and SIGINT set: the supervision loop ends on it, and the `finally` of
-    `serve` then stops every child in order instead of the signal killing the launcher."""
+    `serve` then stops every child in order instead of the signal killing the launcher. And a
+    socket the signal's arrival makes readable (`signal.set_wakeup_fd`), which the loop waits
+    on beside its children: a wait is resumed after a signal's handler runs, so without it a
+    stop began only when the loop's next pass came round (up to 0.2 s later)."""
     stop_requested = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         stop_requested.set()
 
+    woken, wakeup = socket.socketpair()
+    for end in (woken, wakeup):
+        end.setblocking(False)
+    signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return stop_requested
+    return stop_requested, woken, wakeup
 
 
 def _engine_spec(

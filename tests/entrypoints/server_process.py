@@ -24,6 +24,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# The state column of /proc/net/tcp.
+TCP_LISTEN = "0A"
+TCP_TIME_WAIT = "06"
+
+
+def sockets_on_port(port: int, state: str) -> int:
+    """This machine's TCP sockets whose local end is `port`, in `state` (TCP_LISTEN, ...)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port and fields[3] == state:
+                count += 1
+    return count
+
+
 def wait_until_healthy(
     url: str, process: subprocess.Popen[Any] | None = None, timeout_s: float = 120.0
 ) -> None:

@@ -106,13 +106,19 @@ class NetnsCluster:
             *common,
             link=self.head_link,
         )
+        self.start_node()
+
+    def start_node(self) -> None:
+        """The other host's Ray node joins the head (again, after `kill_node`: a host back)."""
         self._ray(
             "start",
             "--address",
             self.address,
             "--node-ip-address",
             NODE_IP,
-            *common,
+            "--num-cpus",
+            "1",
+            "--disable-usage-stats",
             namespace=self.namespace,
             link=self.node_link,
         )

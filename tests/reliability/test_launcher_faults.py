@@ -24,27 +24,15 @@ import pytest
 from rankcast.launcher.fleet import Fleet, LaunchError, Role
 from rankcast.launcher.supervision import Supervision
 from tests.entrypoints.server_process import (
+    TCP_TIME_WAIT,
     ServerProcess,
     assert_session_ends,
     free_port,
     launcher_while_loading,
     next_engine_core,
+    sockets_on_port,
     tiny_model_args,
 )
-
-TIME_WAIT = "06"  # the state column of /proc/net/tcp
-
-
-def _time_wait_sockets(port: int) -> int:
-    """Sockets whose local end is `port` and that are in TIME_WAIT."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local_port = int(fields[1].rsplit(":", 1)[1], 16)
-            if local_port == port and fields[3] == TIME_WAIT:
-                count += 1
-    return count
 
 
 def test_a_restart_on_the_same_port_works_with_time_wait_sockets_present(
@@ -61,7 +49,7 @@ def test_a_restart_on_the_same_port_works_with_time_wait_sockets_present(
             assert client.get(f"{first.url}/health").status_code == 200
     for client in clients:
         client.close()
-    assert _time_wait_sockets(port) > 0, "the test needs TIME_WAIT sockets on the port"
+    assert sockets_on_port(port, TCP_TIME_WAIT) > 0, "the test needs TIME_WAIT sockets on the port"
     second = ServerProcess(*args, api_server_count=1, port=port)
     with second.running():
         assert httpx.get(f"{second.url}/health", timeout=30).status_code == 200

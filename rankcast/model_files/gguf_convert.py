@@ -354,7 +354,11 @@ class _NumpyWithPlainMemmap:
     def __getattr__(self, name: str) -> Any:
         import numpy
 
-        return getattr(numpy, name)
+        # Kept on the instance: the parse looks up `np.uint32` and the like per element
+        # (~1.8M times for the embedded vocabulary), and only a miss comes here.
+        value = getattr(numpy, name)
+        setattr(self, name, value)
+        return value
 
     @staticmethod
     def memmap(*args: Any, **kwargs: Any) -> Any:

@@ -5,6 +5,7 @@ test_qwen3.py, test_smollm3.py, test_phi3.py, test_moe.py ... hold rankcast to."
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Callable
@@ -91,6 +92,26 @@ def permute_for_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+@functools.cache
+def tokenizer_fields(gguf_path: Path) -> tuple[tuple[str, Any, Any, Any], ...]:
+    """The `tokenizer.*` fields of a GGUF file as (name, contents, type, array sub-type or
+    None), what a `GGUFWriter.add_key_value` takes. Read once a session: gguf's reader parses a
+    49k-token vocabulary and its merges in ~2 s, and every tiny GGUF a test writes carries the
+    embedded model's tokenizer. The contents are shared: callers copy before changing them."""
+    from rankcast.model_files.gguf_convert import open_gguf
+
+    return tuple(
+        (
+            field.name,
+            field.contents(),
+            field.types[0],
+            field.types[-1] if len(field.types) > 1 else None,
+        )
+        for field in open_gguf(gguf_path).fields.values()
+        if field.name.startswith("tokenizer.")
+    )
+
+
 def write_llama_cpp_gguf(
     path: Path,
     model_dir: Path,
@@ -106,8 +127,6 @@ def write_llama_cpp_gguf(
     llama-quantize would write them), the embedding (and a separate output) as `embeddings`."""
     import gguf
     from safetensors.torch import load_file
-
-    from rankcast.model_files.gguf_convert import open_gguf
 
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
@@ -143,11 +162,8 @@ def write_llama_cpp_gguf(
         writer.add_expert_count(config["num_local_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    for field in open_gguf(tokenizer_gguf).fields.values():
-        if field.name.startswith("tokenizer."):
-            sub_type = field.types[-1] if len(field.types) > 1 else None
-            value = _padded(field.name, field.contents(), config["vocab_size"])
-            writer.add_key_value(field.name, value, field.types[0], sub_type)
+    for name, contents, kind, sub_type in tokenizer_fields(tokenizer_gguf):
+        writer.add_key_value(name, _padded(name, contents, config["vocab_size"]), kind, sub_type)
     names = gguf.get_tensor_name_map(arch, layers)
     permutes = model_type == "smollm3"
     for name, tensor in _experts_stacked(load_file(str(model_dir / "model.safetensors"))):

@@ -18,6 +18,7 @@ from rankcast.model_files.gguf_convert import (
 )
 from rankcast.model_files.source import resolve_model
 from tests.conftest import TINY_LLAMA
+from tests.model.family_models import tokenizer_fields
 from tests.model.gguf_reference import NEW_TOKENS, PROMPTS, reference_continuations
 
 
@@ -401,8 +402,6 @@ def _write_gguf_mix(path: Path, model_dir: Path, embedded_gguf: Path, types: dic
     import gguf
     from safetensors.torch import load_file
 
-    from rankcast.model_files.gguf_convert import open_gguf
-
     config = json.loads((model_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config["num_hidden_layers"])
@@ -413,10 +412,8 @@ def _write_gguf_mix(path: Path, model_dir: Path, embedded_gguf: Path, types: dic
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(TINY_LLAMA["rope_theta"])  # type: ignore[arg-type]
-    for field in open_gguf(embedded_gguf).fields.values():
-        if field.name.startswith("tokenizer."):
-            sub_type = field.types[-1] if len(field.types) > 1 else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    for name, contents, kind, sub_type in tokenizer_fields(embedded_gguf):
+        writer.add_key_value(name, contents, kind, sub_type)
     names = {hf: gguf_name for gguf_name, hf in _gguf_names(config["num_hidden_layers"])}
     for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
         if name not in names:

@@ -295,4 +295,8 @@ def run_engine_core(
     freeze_startup_heap()
     ready.send(("ready", proc.core.max_model_len))
     hold_here("serve")  # a fault test's moment: ready, but no hello answered yet
-    proc.run(last_words=ready)
+    try:
+        proc.run(last_words=ready)
+    finally:
+        signal.set_wakeup_fd(-1)  # before its socket goes: a late signal writes nowhere
+        wakeup.close()

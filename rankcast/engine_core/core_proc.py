@@ -120,11 +120,13 @@ class EngineCoreProc:
         for sock in self.input_sockets:
             poller.register(sock, zmq.POLLIN)
         index_of = {sock: i for i, sock in enumerate(self.input_sockets)}
-        if self.signalled is not None:
-            poller.register(self.signalled, zmq.POLLIN)
+        # A plain socket comes back from the poll as its file descriptor, not as itself.
+        signalled_fd = None if self.signalled is None else self.signalled.fileno()
+        if signalled_fd is not None:
+            poller.register(signalled_fd, zmq.POLLIN)
         while not self.stopping.is_set():
             for sock, _ in poller.poll(timeout=200):
-                if sock is self.signalled:
+                if sock == signalled_fd and self.signalled is not None:
                     # The byte is the signal's number: a SIGTERM is the stop the handler will
                     # also ask for, taken here at once (the handler runs later, between
                     # bytecodes of the main thread).

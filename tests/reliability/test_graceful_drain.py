@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from rankcast.start_up_holds import held_file_name
 from tests.entrypoints.server_process import (
     ServerProcess,
     assert_session_ends,
+    free_port,
     launcher_while_loading,
+    tiny_model_args,
+    wait_until_healthy,
 )
 from tests.reliability.fleet import StreamedCompletion, assert_cut_by_the_shutdown
 from tests.reliability.start_up_kills import arm_hold
@@ -119,3 +125,39 @@ def test_a_stop_during_start_up_ends_it_at_once(tmp_path: Path) -> None:
         assert held.exists(), "the load went on before the launcher stopped"
     assert launcher.returncode == 0
     assert_session_ends(launcher.pid)  # ranks still loading go when their C call returns
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_a_served_fleet_stops_cleanly_on_a_signal(tiny_llama_dir: Path, how: str) -> None:
+    """After serving, SIGTERM to the launcher (or Ctrl-C: SIGINT to the whole group) ends every
+    process with exit 0 and no traceback from any of them: the signal wakes the launcher's and
+    the engine core's waits (their wakeup sockets), and nothing in that path may fail."""
+    port = free_port()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rankcast.launcher.cli", "serve", "--port", str(port),
+         *tiny_model_args(tiny_llama_dir), "--api-server-count", "2"],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "RANKCAST_DISABLE_PROGRESS": "1"},
+    )  # fmt: skip
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=120)
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": [5, 17, 300], "max_tokens": 2, "ignore_eos": True},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        if how == "SIGTERM":
+            launcher.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate(timeout=10)
+    assert launcher.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
+    assert_session_ends(launcher.pid)

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -66,6 +67,26 @@ class TeardownSkip:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(0)
+
+
+def signal_wakeup() -> tuple[socket.socket, socket.socket]:
+    """(readable end, written end) of a socket pair that a signal's arrival writes to
+    (`signal.set_wakeup_fd`; a byte per signal that has a Python handler, its number): a loop
+    waiting on sockets or pipes polls the readable end beside them and sees a stop at once,
+    where a wait interrupted by the signal would only resume until its timeout. From the main
+    thread; `end_signal_wakeup` undoes it."""
+    readable, written = socket.socketpair()
+    for end in (readable, written):
+        end.setblocking(False)
+    signal.set_wakeup_fd(written.fileno(), warn_on_full_buffer=False)
+    return readable, written
+
+
+def end_signal_wakeup(ends: tuple[socket.socket, socket.socket]) -> None:
+    """Unset the wakeup fd before its socket closes (a late signal then writes nowhere)."""
+    signal.set_wakeup_fd(-1)
+    for end in ends:
+        end.close()
 
 
 def process_is_alive(pid: int) -> bool:

@@ -32,7 +32,12 @@ from rankcast.engine_core.core import EngineCore, Outbox
 from rankcast.executor.base import ExecutorError, RankLostError
 from rankcast.logger import init_logging
 from rankcast.model_files.source import ModelSource
-from rankcast.process import die_with_parent, set_process_title
+from rankcast.process import (
+    die_with_parent,
+    end_signal_wakeup,
+    set_process_title,
+    signal_wakeup,
+)
 from rankcast.protocol import (
     EngineCoreInput,
     EngineCoreOutput,
@@ -287,10 +292,8 @@ def run_engine_core(
         proc.stopping.set()
 
     signal.signal(signal.SIGTERM, stop)
-    proc.signalled, wakeup = socket.socketpair()
-    for end in (proc.signalled, wakeup):
-        end.setblocking(False)
-    signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
+    wakeup = signal_wakeup()
+    proc.signalled = wakeup[0]
     # Ctrl-C reaches the whole process group: the launcher stops the engine (SIGTERM) once the
     # API servers have drained the requests that still need it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -300,5 +303,4 @@ def run_engine_core(
     try:
         proc.run(last_words=ready)
     finally:
-        signal.set_wakeup_fd(-1)  # before its socket goes: a late signal writes nowhere
-        wakeup.close()
+        end_signal_wakeup(wakeup)

@@ -46,7 +46,12 @@ from rankcast.launcher.rust_api_server import BINARY_ENV as RUST_BINARY_ENV
 from rankcast.launcher.rust_api_server import frontend_binary, run_rust_api_server
 from rankcast.launcher.supervision import Supervision
 from rankcast.model_files.source import ModelSource, resolve_model
-from rankcast.process import private_ipc_dir, remove_ipc_dirs_of
+from rankcast.process import (
+    end_signal_wakeup,
+    private_ipc_dir,
+    remove_ipc_dirs_of,
+    signal_wakeup,
+)
 from rankcast.supervisor_state import SUPERVISOR_STATE_ENV
 
 # What the CLI catches: a fleet that could not start, named as the launcher's own failure.
@@ -125,7 +130,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         for dp in range(config.parallel.data_parallel_size)
     ]
     spawn = multiprocessing.get_context("spawn")
-    stop_requested, woken, wakeup = _stop_on_signals()
+    stop_requested, wakeup = _stop_on_signals()
     adopt_orphans()
     metrics_dir = private_ipc_dir("rankcast-metrics")
     # Every API server (restarted ones too: they inherit it) writes the series it counts into
@@ -155,7 +160,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         state_path,
         stop_requested,
         on_started=lambda: _print_banner(server, model_name),
-        woken=woken,
+        woken=wakeup[0],
     )
     try:
         return fleet.run()
@@ -177,9 +182,7 @@ def serve(config: EngineConfig, server: ServeConfig) -> int:
         os.environ.pop(SUPERVISOR_STATE_ENV, None)
         os.environ.pop(RESPONSE_STORE_ENV, None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
-        signal.set_wakeup_fd(-1)
-        woken.close()
-        wakeup.close()
+        end_signal_wakeup(wakeup)
 
 
 def _every_time(spec: ChildSpec) -> Callable[[int], ChildSpec]:
@@ -187,24 +190,20 @@ def _every_time(spec: ChildSpec) -> Callable[[int], ChildSpec]:
     return lambda _incarnation: spec
 
 
-def _stop_on_signals() -> tuple[threading.Event, socket.socket, socket.socket]:
+def _stop_on_signals() -> tuple[threading.Event, tuple[socket.socket, socket.socket]]:
     """An event SIGTERM and SIGINT set: the supervision loop ends on it, and the `finally` of
-    `serve` then stops every child in order instead of the signal killing the launcher. And a
-    socket the signal's arrival makes readable (`signal.set_wakeup_fd`), which the loop waits
-    on beside its children: a wait is resumed after a signal's handler runs, so without it a
-    stop began only when the loop's next pass came round (up to 0.2 s later)."""
+    `serve` then stops every child in order instead of the signal killing the launcher. And the
+    signal's wakeup sockets (`signal_wakeup`), whose readable end the loop waits on beside its
+    children: without it a stop began only at the loop's next pass (up to 0.2 s later)."""
     stop_requested = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         stop_requested.set()
 
-    woken, wakeup = socket.socketpair()
-    for end in (woken, wakeup):
-        end.setblocking(False)
-    signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
+    wakeup = signal_wakeup()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return stop_requested, woken, wakeup
+    return stop_requested, wakeup
 
 
 def _engine_spec(

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.entrypoints.server_process import ServerProcess, free_port
-from tests.routing.kv_stream import wait_for
+from tests.routing.kv_stream import replay, wait_for
 from tests.routing.vllm_router import find_or_install, lookups, running_router
 
 MODEL = "tiny"
@@ -44,6 +44,20 @@ def _served(server: ServerProcess) -> float:
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith("vllm:request_success_total{")
+    )
+
+
+def _published_stores(ports: list[tuple[int, int]]) -> int:
+    """`BlockStored` events the engines' current incarnations have published, as their
+    replay sockets hold them: a chat's blocks reach the router's index on the same PUB
+    frame, so a chat sent after this count moved is routed by an index that has them (the
+    router counts no event it applied, and a chat sent at once would race the frame)."""
+    return sum(
+        1
+        for _, endpoint in ports
+        for frame in replay(f"tcp://127.0.0.1:{endpoint}", 0)
+        for event in frame.batch()[1]
+        if event["type"] == "BlockStored"
     )
 
 
@@ -86,14 +100,16 @@ def test_kv_aware_routes_to_the_prefix_holder_and_forgets_a_dead_incarnation(
     metrics_port = free_port()
     args = ["--policy", "kv_aware", "--prometheus-port", str(metrics_port)]
     args += ["--worker-urls", *(s.url for s in servers)]
-    for server, (pub, replay) in zip(servers, ports, strict=True):
+    for server, (pub, replay_port) in zip(servers, ports, strict=True):
         args += ["--kv-event-source", f"{server.url}=tcp://127.0.0.1:{pub}"]
-        args += ["--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{replay}"]
+        args += ["--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{replay_port}"]
     args += ["--kv-event-block-size", "16", "--kv-event-model", MODEL]
     log = tmp_path / "vllm-router.log"
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     with running_router(router_executable, args, free_port(), log) as router:
-        for question in range(6):
+        _chat(router, 0)
+        wait_for(lambda: _published_stores(ports) > 0, "the first chat's blocks published", 30)
+        for question in range(1, 6):
             _chat(router, question)
         served = [_served(s) for s in servers]
         assert sorted(served) == [0, 6], f"every chat went to the prefix holder: {served}"
@@ -114,7 +130,9 @@ def test_kv_aware_routes_to_the_prefix_holder_and_forgets_a_dead_incarnation(
 
         wait_for(serving, "the restarted engine core to serve", 120)
         before = lookups(metrics)
+        assert _published_stores(ports) == 0, "the new incarnation starts with no blocks"
         _chat(router, 100)
+        wait_for(lambda: _published_stores(ports) > 0, "the new blocks published", 30)
         after = lookups(metrics)
         assert after.get("hit", 0) == before.get("hit", 0), (
             f"a hit counted for the dead incarnation's blocks: {before} -> {after}"

@@ -1,7 +1,10 @@
 """Build and locate the Rust workspace's binaries (`rust/`) for the tests that run them.
 
-`make test` builds the workspace before the Python suite; building again here is a no-op then,
-and makes a lone `pytest` run work too. Cargo runs offline against Debian's packaged crates.
+`make test` builds the workspace (release) before the Python suite; building again here is a
+no-op then, and makes a lone `pytest` run work too. Release, as the launcher runs it: a debug
+build here was a second whole build inside the suite's time (30 s on a clean CI clone), and
+its API server spent several times the CPU per token. Cargo runs offline against Debian's
+packaged crates.
 """
 
 from __future__ import annotations
@@ -21,15 +24,15 @@ def cargo() -> str:
 
 
 def binary(name: str) -> Path:
-    """The debug build of binary `name`, built first if it is missing or stale."""
+    """The release build of binary `name`, built first if it is missing or stale."""
     result = subprocess.run(
-        [cargo(), "build", "--offline", "--quiet", "--bin", name],
+        [cargo(), "build", "--offline", "--quiet", "--release", "--bin", name],
         cwd=WORKSPACE,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, f"cargo build --bin {name} failed:\n{result.stderr}"
-    path = WORKSPACE / "target" / "debug" / name
+    path = WORKSPACE / "target" / "release" / name
     assert path.exists(), path
     return path

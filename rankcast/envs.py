@@ -108,6 +108,28 @@ def worker_notification_poll_interval() -> float | None:
     return float(seconds) if seconds else None
 
 
+def restart_backoff_s() -> tuple[float, ...] | None:
+    """The launcher's waits before restarting a dead engine core, in seconds, one per recent
+    failure (`1,2,4`: 1 s after the first, 2 s after the second; the last repeats), from
+    RANKCAST_RESTART_BACKOFF_S; None (unset or empty): the default, 1 s then 2 s
+    (rankcast/launcher/supervision.py). Shorter where a restart is cheap and a dead engine
+    costs more than a crash loop (and in the test suite, which restarts engines dozens of
+    times); the give-up rule (three failures in five minutes) is the same whatever the waits."""
+    value = os.environ.get("RANKCAST_RESTART_BACKOFF_S", "").strip()
+    if not value:
+        return None
+    try:
+        waits = tuple(float(part) for part in value.split(","))
+    except ValueError:
+        waits = (-1.0,)
+    if not all(math.isfinite(wait) and wait >= 0 for wait in waits):
+        raise ValueError(
+            f"RANKCAST_RESTART_BACKOFF_S must be seconds >= 0, comma-separated (like 1,2,4), "
+            f"got {value!r}"
+        )
+    return waits
+
+
 def cpu_bind() -> str:
     """How each rank's OpenMP threads are pinned to cores: `auto` (the default: a rank in a
     process rankcast started gets its own slice of the allowed cores), `off`, or one CPU list per

@@ -2,7 +2,8 @@
 servers what it knows.
 
 A dead engine core is started again (with its ranks) under the next incarnation number, after
-a back-off that grows with its recent failures (1 s, 2 s, 4 s); a dead API server at once, then
+a back-off that grows with its recent failures (1 s, 2 s, 4 s; RANKCAST_RESTART_BACKOFF_S sets
+other waits); a dead API server at once, then
 after 1 s and 2 s. Three failures (deaths or failed starts) of one process within five minutes
 and the launcher stops trying: a given-up engine stays dead, its API servers answer 503, and
 `/health` says why. The rule is the same whether the process died while starting or while
@@ -18,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from rankcast import envs
 from rankcast.supervisor_state import EngineState
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class Supervision:
 
     @classmethod
     def engine(cls, dp: int) -> Supervision:
-        return cls(f"engine core {dp}", dp)
+        return cls(f"engine core {dp}", dp, envs.restart_backoff_s() or RESTART_BACKOFF_S)
 
     @classmethod
     def api_server(cls, index: int) -> Supervision:
@@ -71,7 +73,7 @@ class Supervision:
         delay = self.backoff_s[min(len(self.failures), len(self.backoff_s)) - 1]
         self.retry_at = now + delay
         which = f" (incarnation {self.incarnation + 1})" if self.names_incarnations else ""
-        logger.error("%s: %s; starting it again in %.0f s%s", self.role, why, delay, which)
+        logger.error("%s: %s; starting it again in %g s%s", self.role, why, delay, which)
 
     def due(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now

@@ -3,12 +3,20 @@ within the window count towards giving up."""
 
 from __future__ import annotations
 
+import pytest
+
 from rankcast.launcher.supervision import (
     API_SERVER_BACKOFF_S,
     GIVE_UP_WINDOW_S,
     RESTART_BACKOFF_S,
     Supervision,
 )
+
+
+@pytest.fixture(autouse=True)
+def default_back_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default waits (the suite's conftest shortens them for the launchers it starts)."""
+    monkeypatch.delenv("RANKCAST_RESTART_BACKOFF_S", raising=False)
 
 
 def test_back_off_grows_and_the_third_failure_in_the_window_gives_up() -> None:
@@ -72,3 +80,25 @@ def test_an_api_server_is_started_again_at_once_then_with_back_off() -> None:
     server.restarting()
     server.failed("exited (code -9)", now=12.0)
     assert server.given_up is not None and server.given_up.startswith("API server 1 failed 3")
+
+
+def test_an_operator_sets_the_engine_waits_and_a_bad_value_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RANKCAST_RESTART_BACKOFF_S", "0.5, 3")
+    engine = Supervision.engine(0)
+    engine.failed("exited", now=100.0)
+    assert engine.retry_at == 100.5
+    engine.retry_at = None
+    engine.failed("exited", now=110.0)
+    assert engine.retry_at == 113.0
+    engine.failed("exited", now=120.0)  # the give-up rule is the same
+    assert engine.given_up is not None
+    # API servers keep their own (at once, then 1 s).
+    server = Supervision.api_server(0)
+    server.failed("exited", now=0.0)
+    assert server.retry_at == 0.0
+    for bad in ("1,-2", "soon", "1,,2", "inf"):
+        monkeypatch.setenv("RANKCAST_RESTART_BACKOFF_S", bad)
+        with pytest.raises(ValueError, match="RANKCAST_RESTART_BACKOFF_S must be seconds"):
+            Supervision.engine(0)

@@ -342,6 +342,11 @@ class StepReply(msgspec.Struct, array_like=True, omit_defaults=True):
     adapter_reads: list[AdapterRead] | None = None
 
 
+# The `WorkerCall.method` that ends a rank's loop (worker/worker_proc.py) instead of naming a
+# method: here, with the call, so the executor sending it need not import the worker (torch).
+SHUTDOWN = "__shutdown__"
+
+
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
     """One collective RPC as each worker process receives it.
 

@@ -45,7 +45,6 @@ from rankcast.errors import (
     UnknownAdapterError,
 )
 from rankcast.executor.base import Executor, ExecutorError
-from rankcast.lora.peft_adapter import inspect_peft_adapter
 from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import (
     AdapterRead,
@@ -256,6 +255,10 @@ class LoRARegistry:
         """
         if not name:
             raise ClientError("an adapter needs a name")
+        # Here, not with the module: the adapter module brings torch, which the engine core's
+        # start leaves to its ranks (rankcast/executor/base.py `worker_cls`).
+        from rankcast.lora.peft_adapter import inspect_peft_adapter
+
         meta = inspect_peft_adapter(path, self.arch, self.config.max_lora_rank, self.allowed_roots)
         known = self.adapters.get(name)
         if known is not None:

@@ -31,9 +31,8 @@ from rankcast.config import EngineConfig
 from rankcast.executor.base import Executor, ExecutorError, RankLostError
 from rankcast.model_files.source import ModelSource
 from rankcast.process import private_ipc_dir
-from rankcast.protocol import WorkerCall, WorkerReply
+from rankcast.protocol import SHUTDOWN, WorkerCall, WorkerReply
 from rankcast.worker.rank_entry import rank_process
-from rankcast.worker.worker_proc import SHUTDOWN
 
 logger = logging.getLogger(__name__)
 

@@ -25,13 +25,11 @@ from rankcast.config import EngineConfig
 from rankcast.logger import init_logging
 from rankcast.model_files.source import ModelSource
 from rankcast.process import TeardownSkip, die_with_parent, set_process_title
-from rankcast.protocol import WorkerCall, WorkerReply
+from rankcast.protocol import SHUTDOWN, WorkerCall, WorkerReply
 from rankcast.startup_gc import collector_paused, freeze_startup_heap
 from rankcast.worker.worker import Worker, start_worker
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN = "__shutdown__"
 
 
 def resolve_callable(name: str) -> Callable[..., Any]:

@@ -1,4 +1,6 @@
-"""Serving with several ranks: a dead worker rank makes every API server answer 503."""
+"""Serving with several ranks: a dead worker rank makes every API server answer 503; the engine
+core, whose ranks are processes of their own, never loads torch (its ranks import it while it
+goes on starting: a TP=2 start ~1 s shorter)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ def test_a_dead_rank_makes_every_api_server_answer_503(tiny_llama_dir: Path) -> 
         assert completion.status_code == 200, completion.text
         titles = {"rankcast::worker_dp0_pp0_tp0", "rankcast::worker_dp0_pp0_tp1"}
         assert titles <= {process_title(pid) for pid in proc.pids}, "each rank names itself"
+        mapped = Path(f"/proc/{proc.pid_of('engine_core_dp0')}/maps").read_text()
+        assert "libtorch" not in mapped, "the engine core imported torch, which its ranks run"
+        assert "libtorch" in Path(f"/proc/{proc.pid_of('worker_dp0_pp0_tp1')}/maps").read_text()
         os.kill(proc.pid_of("worker_dp0_pp0_tp1"), signal.SIGKILL)
         unhealthy: set[str] = set()
         deadline = time.monotonic() + 10

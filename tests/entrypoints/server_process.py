@@ -25,6 +25,7 @@ def free_port() -> int:
 
 
 # The state column of /proc/net/tcp.
+TCP_ESTABLISHED = "01"
 TCP_LISTEN = "0A"
 TCP_TIME_WAIT = "06"
 

@@ -14,7 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.server_process import ServerProcess, free_port
+from tests.entrypoints.server_process import (
+    TCP_ESTABLISHED,
+    ServerProcess,
+    free_port,
+    sockets_on_port,
+)
 from tests.routing.kv_stream import replay, wait_for
 from tests.routing.vllm_router import find_or_install, lookups, running_router
 
@@ -107,6 +112,15 @@ def test_kv_aware_routes_to_the_prefix_holder_and_forgets_a_dead_incarnation(
     log = tmp_path / "vllm-router.log"
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     with running_router(router_executable, args, free_port(), log) as router:
+        # Ready is not subscribed: the router's SUB sockets connect after it answers, and a
+        # frame published before one has its subscription is not sent to it (it would find the
+        # lost batch only when the next one showed the gap). Its subscription follows the
+        # connection's handshake at once.
+        wait_for(
+            lambda: all(sockets_on_port(pub, TCP_ESTABLISHED) for pub, _ in ports),
+            "the router to connect to both engines' event streams",
+            30,
+        )
         _chat(router, 0)
         wait_for(lambda: _published_stores(ports) > 0, "the first chat's blocks published", 30)
         for question in range(1, 6):

@@ -3,11 +3,11 @@ by a veth pair, each with its own address, the embedded SmolLM2 served with PP=2
 pipeline stage on each node. A request is served across the link (the greedy text of one rank
 in float32), and the remote stage's events reach every API server (Ray carries them: there is
 no shared memory between hosts); then the remote host dies (every process in its namespace
-killed at once), or is cut off (its link down: no reset, no answer, only the engine's ping
-deadline tells): every API server answers 503 within 5 s and `/health` names the lost rank, and
-the launcher's supervisor, which cannot place a stage on a node that is gone, says it is
-restarting. A host that died and comes back is placed on again and served from. Skips, saying
-why, where namespaces cannot be made."""
+killed at once), comes back and is placed on again and served from, and then is cut off (its
+link down: no reset, no answer, only the engine's ping deadline tells). After each loss every
+API server answers 503 within 5 s and `/health` names the lost rank, and the launcher's
+supervisor, which cannot place a stage on a node that is gone, says it is restarting. Skips,
+saying why, where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -69,10 +69,41 @@ def _every_ranks_events_reach_every_server(url: str) -> None:
             reader.close()
 
 
-@pytest.mark.parametrize("fault", ["killed", "partitioned"])
+def _remote_ranks(cluster: NetnsCluster) -> list[int]:
+    """The pids of the rank actors running in the other host's namespace, checked to be there:
+    one stage really runs on the other host, reached over the link."""
+    remote = [pid for pid in cluster.node_pids() if "RayRank" in _cmdline(pid)]
+    here = _net_namespace(os.getpid())
+    assert remote and all(_net_namespace(pid) != here for pid in remote), remote
+    return remote
+
+
+def _lost_and_named(server: ServerProcess, remote: list[int], fault: str) -> None:
+    """Every API server answers 503 within 5 s of the host's loss, and `/health` names the lost
+    rank by the pid its actor had there, in the supervisor's note (it polls twice a second)."""
+    lost = time.monotonic()
+    until_every_server(server.url, SERVERS, 503, 5.0)
+    print(f"\nremote host {fault}: every API server 503 after {time.monotonic() - lost:.1f} s")
+    deadline = time.monotonic() + 5.0
+    while True:
+        with httpx.Client(timeout=10) as http:
+            (engine,) = http.get(f"{server.url}/health").json()["engines"]
+        if "supervisor" in engine or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not engine["up"], engine
+    supervisor = engine.get("supervisor", {})
+    assert supervisor.get("state") in ("restarting", "given_up"), engine
+    named = [pid for pid in remote if f"pid {pid})" in supervisor.get("message", "")]
+    assert named, f"/health does not name the lost rank (pids {remote}): {engine}"
+
+
 def test_stages_on_two_hosts_then_the_remote_host_is_lost(
-    cluster: NetnsCluster, fault: str, smollm_fp32: LLM
+    cluster: NetnsCluster, smollm_fp32: LLM
 ) -> None:
+    """The host dies (every process of it at once: its connections reset), comes back and is
+    served from again; then it is cut off (no reset, no answer: only a deadline can tell).
+    One cluster and one fleet for both losses: the second is the restarted engine's."""
     (want,) = smollm_fp32.generate(
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     )
@@ -85,42 +116,22 @@ def test_stages_on_two_hosts_then_the_remote_host_is_lost(
     )  # fmt: skip
     with server.running():
         assert _greedy(server.url) == want.outputs[0].text
-        # One stage really runs in the other namespace, reached over the link.
-        remote = [pid for pid in cluster.node_pids() if "RayRank" in _cmdline(pid)]
-        here = _net_namespace(os.getpid())
-        assert remote and all(_net_namespace(pid) != here for pid in remote), remote
+        remote = _remote_ranks(cluster)
         response = worker_rpc(server.url, "ray_node")
         assert response.status_code == 200 and len(set(response.json()["results"][0])) == 2
         _every_ranks_events_reach_every_server(server.url)
 
-        if fault == "killed":
-            cluster.kill_node()  # every process of the host at once: its connections reset
-        else:
-            cluster.cut_link()  # no reset, no answer: only a deadline can tell
-        lost = time.monotonic()
-        until_every_server(server.url, SERVERS, 503, 5.0)
-        print(f"\nremote host {fault}: every API server 503 after {time.monotonic() - lost:.1f} s")
-        # The launcher's supervisor notes the death (it polls twice a second) with the engine's
-        # last words: which rank was lost.
-        deadline = time.monotonic() + 5.0
-        while True:
-            with httpx.Client(timeout=10) as http:
-                (engine,) = http.get(f"{server.url}/health").json()["engines"]
-            if "supervisor" in engine or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert not engine["up"], engine
-        supervisor = engine.get("supervisor", {})
-        assert supervisor.get("state") in ("restarting", "given_up"), engine
-        # The rank on the lost host, by the pid its actor had there.
-        named = [pid for pid in remote if f"pid {pid})" in supervisor.get("message", "")]
-        assert named, f"/health does not name the lost rank (pids {remote}): {engine}"
+        cluster.kill_node()
+        _lost_and_named(server, remote, "killed")
+        # The host comes back: the restarted engine core places its stages again, serves.
+        cluster.start_node()
+        until_every_server(server.url, SERVERS, 200, 180.0)
+        assert _greedy(server.url) == want.outputs[0].text
+        remote = _remote_ranks(cluster)
+        _every_ranks_events_reach_every_server(server.url)
 
-        if fault == "killed":
-            # The host comes back: the restarted engine core places its stages again, serves.
-            cluster.start_node()
-            until_every_server(server.url, SERVERS, 200, 180.0)
-            assert _greedy(server.url) == want.outputs[0].text
+        cluster.cut_link()
+        _lost_and_named(server, remote, "partitioned")
 
 
 def _cmdline(pid: int) -> str:

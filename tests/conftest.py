@@ -15,7 +15,7 @@ import torch
 os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
 # The suite kills engine cores dozens of times: every launcher it starts restarts one after
 # 0.1 s, then 0.2 s, instead of the default 1 s, then 2 s (the rule, three failures in five
-# minutes and it gives up, is the same; tests/launcher/test_supervision.py holds the default).
+# minutes and it gives up, is the same; tests/reliability/test_supervision.py holds the default).
 os.environ.setdefault("RANKCAST_RESTART_BACKOFF_S", "0.1,0.2")
 torch.set_num_threads(2)
 

@@ -3,11 +3,10 @@ servers what it knows.
 
 A dead engine core is started again (with its ranks) under the next incarnation number, after
 a back-off that grows with its recent failures (1 s, 2 s, 4 s; RANKCAST_RESTART_BACKOFF_S sets
-other waits); a dead API server at once, then
-after 1 s and 2 s. Three failures (deaths or failed starts) of one process within five minutes
-and the launcher stops trying: a given-up engine stays dead, its API servers answer 503, and
-`/health` says why. The rule is the same whether the process died while starting or while
-serving (`fleet.py` watches both).
+other waits); a dead API server at once, then after 1 s and 2 s. Three failures (deaths or
+failed starts) of one process within five minutes and the launcher stops trying: a given-up
+engine stays dead, its API servers answer 503, and `/health` says why. The rule is the same
+whether the process died while starting or while serving (`fleet.py` watches both).
 
 The launcher writes its view to a small JSON file the API servers read
 (`rankcast/supervisor_state.py`).

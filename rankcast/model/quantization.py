@@ -141,6 +141,49 @@ def q4_1_linear_reference(
     return _group_linear_reference(x, values, scales, minimums, bias, exact)
 
 
+Q6_K_BLOCK = 256  # k a Q6_K super-block
+Q6_K_BLOCK_BYTES = 210  # ql[128] | qh[64] | int8 scales[16] | float16 d
+
+
+def unpack_q6_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q6_K rows (uint8 [out, in / 256 * 210], as a GGUF file stores them) as
+    `pack_q6k_weight` takes them: d float16 [out, in / 256], the sub-block scales int8
+    [out, in / 16] and the 6-bit values uint8 [out, in] (0..63); a weight is d * sc * (q - 32).
+
+    A block's 256 values are stored as two halves of 128: in half h, for l in 0..31, the low
+    nibble of ql[64h + l] and bits 0-1 of qh[32h + l] make value l, the low nibble of
+    ql[64h + 32 + l] and bits 2-3 value 32 + l, the high nibbles with bits 4-5 and 6-7 values
+    64 + l and 96 + l (ggml's dequantize_row_q6_K)."""
+    out = raw.shape[0]
+    blocks = raw.view(torch.uint8).reshape(out, -1, Q6_K_BLOCK_BYTES).to(torch.int32)
+    n_blocks = blocks.shape[1]
+    ql = blocks[..., :128].reshape(out, n_blocks, 2, 2, 32)  # [half][first, second 32][l]
+    qh = blocks[..., 128:192].reshape(out, n_blocks, 2, 1, 32)
+    low = torch.cat([ql & 0xF, ql >> 4], dim=3)  # [half][4 quarters][l], quarters in order
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(1, 1, 1, 4, 1)
+    high = (qh >> shifts) & 3
+    q = (low | (high << 4)).reshape(out, n_blocks * Q6_K_BLOCK).to(torch.uint8)
+    scales = blocks[..., 192:208].to(torch.uint8).view(torch.int8).reshape(out, n_blocks * 16)
+    d = blocks[..., 208:210].to(torch.uint8).contiguous().view(torch.float16).reshape(out, -1)
+    return d, scales, q
+
+
+def q6_k_linear_reference(
+    x: torch.Tensor,
+    d: torch.Tensor,
+    scales: torch.Tensor,
+    q: torch.Tensor,
+    bias: torch.Tensor | None,
+    exact: bool = True,
+) -> torch.Tensor:
+    """x times Q6_K weights (`unpack_q6_k`'s d, sc and q) as csrc/gemm_q6k.cpp computes it, up
+    to the order of its float32 sums: `_group_linear_reference` on groups of 16 k with the
+    values q - 32 and each group's scale d * sc."""
+    values = q.to(torch.int16) - 32
+    group_scales = d.float().repeat_interleave(16, dim=1) * scales.float()
+    return _group_linear_reference(x, values, group_scales, None, bias, exact, group=16)
+
+
 def _group_linear_reference(
     x: torch.Tensor,
     values: torch.Tensor,
@@ -148,6 +191,7 @@ def _group_linear_reference(
     minimums: torch.Tensor | None,
     bias: torch.Tensor | None,
     exact: bool,
+    group: int = GROUP,
 ) -> torch.Tensor:
     """x times group weights (q [out, in32], d and m [out, in32 / 32]) as the 15-bit group
     kernels compute it, up to the order of their float32 sums: each row quantized to 15-bit
@@ -158,8 +202,8 @@ def _group_linear_reference(
     out, padded = values.shape
     flat, row_scales = _quantize_rows_15(x, padded)
     accumulate = torch.float64 if exact else torch.float32
-    rows = flat.view(x.shape[0], -1, GROUP).to(accumulate)
-    q = values.view(out, -1, GROUP).to(accumulate)
+    rows = flat.view(x.shape[0], -1, group).to(accumulate)
+    q = values.view(out, -1, group).to(accumulate)
     terms = torch.einsum("rgk,ogk->rog", rows, q) * scales.to(accumulate)  # [rows, out, groups]
     if minimums is not None:
         terms = terms + rows.sum(dim=2)[:, None, :] * minimums.to(accumulate)

@@ -449,3 +449,53 @@ def test_a_quantized_snapshot_is_mapped_and_computes_the_same(
     assert torch.equal(_logits(mapped, prompt), first)
     plain = WeightSnapshot.for_rank(*args)
     assert plain is not None and not plain.path.exists()
+
+
+def _q6_k_blocks(out: int, k: int, seed: int) -> torch.Tensor:
+    """Random Q6_K rows as a GGUF stores them (every bit pattern of the values and scales, a
+    small float16 d per block)."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (out, k // 256, 210), dtype=torch.uint8, generator=gen)
+    d = (torch.randn(out, k // 256, generator=gen) * 0.01).half()
+    raw[..., 208:210] = d.view(torch.uint8).view(out, k // 256, 2)
+    return raw.view(out, -1)
+
+
+def test_q6_k_rows_unpack_to_the_weights_gguf_dequantizes() -> None:
+    """`unpack_q6_k` reads llama.cpp's block layout: d * sc * (q - 32) is gguf's own
+    dequantization of the same bytes, every weight exactly."""
+    import gguf
+    from gguf import quants
+
+    raw = _q6_k_blocks(19, 512, seed=3)
+    d, sc, q = quantized.unpack_q6_k(raw)
+    assert d.shape == (19, 2) and sc.shape == (19, 32) and q.shape == (19, 512)
+    assert int(q.max()) <= 63
+    weights = d.float().repeat_interleave(256, 1) * sc.float().repeat_interleave(16, 1)
+    weights = weights * (q.float() - 32)
+    want = quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q6_K).reshape(19, 512)
+    assert torch.equal(weights, torch.from_numpy(want).float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_q6_k_kernel_gives_the_reference_alone_or_batched(dtype: torch.dtype) -> None:
+    """csrc/gemm_q6k.cpp against `q6_k_linear_reference` (the same integers, float sums in
+    another order), with a bias and a last panel of 5 columns; each row's bits the same alone
+    as in a batch of 7."""
+    if not (kernels.load() and torch.ops.rankcast.q6k_supported()):
+        pytest.skip("this build has no Q6_K kernel (AVX-512 builds only)")
+    raw = _q6_k_blocks(37, 512, seed=4)
+    d, sc, q = quantized.unpack_q6_k(raw)
+    packed = torch.ops.rankcast.pack_q6k_weight(d, sc, q)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 512, generator=gen).to(dtype)
+    bias = torch.randn(37, generator=gen)
+    got = torch.ops.rankcast.q6k_linear(x, packed, 37, bias)
+    want = quantized.q6_k_linear_reference(x, d, sc, q, bias)
+    torch.testing.assert_close(
+        got.float(), want.float(), rtol=2e-6 if dtype == torch.float32 else 1e-2, atol=1e-3
+    )
+    alone = torch.cat(
+        [torch.ops.rankcast.q6k_linear(x[i : i + 1], packed, 37, bias) for i in range(7)]
+    )
+    assert torch.equal(got, alone)

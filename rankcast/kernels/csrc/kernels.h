@@ -58,6 +58,12 @@ bool q8_supported();
 at::Tensor pack_q8_weight(const at::Tensor& values, const at::Tensor& scales);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                      const c10::optional<at::Tensor>& bias);
+// llama.cpp's Q6_K as stored: 256-k super-blocks, float16 d, int8 scale per 16 k, 6-bit values
+// (csrc/gemm_q6k.cpp; AVX-512 builds).
+bool q6k_supported();
+at::Tensor pack_q6k_weight(const at::Tensor& d, const at::Tensor& sc, const at::Tensor& q);
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                      const c10::optional<at::Tensor>& bias);
 // W8A8 (csrc/gemm_w8a8.cpp): whether this build has the kernel, which instructions it runs
 // ("avx512-vnni", "avx512bw", "avx2" or "none"), and how many k its packing groups.
 bool w8a8_supported();

@@ -72,6 +72,9 @@ TORCH_LIBRARY(rankcast, m) {
   m.def("pack_q8_weight(Tensor values, Tensor scales) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q8_supported() -> bool", &q8_supported);
+  m.def("pack_q6k_weight(Tensor d, Tensor sc, Tensor q) -> Tensor");
+  m.def("q6k_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("q6k_supported() -> bool", &q6k_supported);
   m.def("pack_w8a8_weight(Tensor weight) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor packed, int n, Tensor scales, Tensor? bias) -> Tensor");
   m.def("w8a8_supported() -> bool", &w8a8_supported);
@@ -101,6 +104,8 @@ TORCH_LIBRARY_IMPL(rankcast, CPU, m) {
   m.impl("q4_linear", &q4_linear);
   m.impl("pack_q8_weight", &pack_q8_weight);
   m.impl("q8_linear", &q8_linear);
+  m.impl("pack_q6k_weight", &pack_q6k_weight);
+  m.impl("q6k_linear", &q6k_linear);
   m.impl("pack_w8a8_weight", &pack_w8a8_weight);
   m.impl("w8a8_linear", &w8a8_linear);
 }

@@ -1,0 +1,254 @@
+// Linear layers with llama.cpp's Q6_K weights, served as they are stored: super-blocks of 256 k,
+// each with a float16 scale d, sixteen int8 sub-block scales sc (one per 16 k) and 6-bit values q
+// (0..63); a weight is w = d * sc * (q - 32).
+//
+// Why: llama-quantize keeps a model's LM head (and often its embedding) Q6_K under 4-bit
+// layers, and at one token the head is most of what a small or sparse model reads (Qwen3-30B-A3B
+// cut to 4 layers: 311M of 539M active parameters). Served as q8_0 the head is 8.5 bits a weight;
+// as stored it is 6.5625, what llama.cpp reads: ~23 % fewer of the head's bytes.
+//
+// The products are integer, as in csrc/gemm_q8.cpp: each row is quantized per token to 15 bits
+// (a = round(x * 16383 / max|x|), csrc/quantize_rows.h) and kept as int16; a sub-block's sum of
+// (q - 32) * a is exact in int32 (at most 16 x 32 x 16383), then, sub-blocks in order,
+// acc += float(sum) * (d * sc) (d * sc is exact in float32), and y = acc * scale_x. A row's
+// result never depends on the rows beside it or on the threads (batch-invariant).
+//
+// Packed per panel of 16 output columns, one record per super-block (kQ6Record bytes):
+//   d[16] float16 | sc[16 sub-blocks][16 columns] int8 |
+//   16 x ( low[8 k-pairs][16 columns]: 4-bit parts of k and k + 1 in one byte |
+//          high[4 pairs of k-pairs][16 columns]: 2-bit parts, k-pair 2j in bits 0-3 )
+// the same 6.5625 bits a weight as Q6_K, laid out so that one k-pair of 16 columns widens to one
+// VPDPWSSD operand of int16 pairs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "quantize_rows.h"
+#include "simd.h"
+
+namespace rankcast {
+
+namespace {
+constexpr int64_t kQ6Block = 256;                       // k a super-block
+constexpr int64_t kQ6Subs = 16;                         // sub-blocks a super-block
+constexpr int64_t kQ6SubBytes = 8 * 16 + 4 * 16;        // low nibbles, then high bits
+constexpr int64_t kQ6Head = 2 * 16 + kQ6Subs * 16;      // d, then the sub-block scales
+constexpr int64_t kQ6Record = kQ6Head + kQ6Subs * kQ6SubBytes;  // 3,360 bytes, 4,096 weights
+}  // namespace
+
+#if RANKCAST_SIMD_BITS == 512
+namespace {
+
+// A row as the kernel reads it: a[kp] int16 | scale_x float32, kp = k (whole super-blocks).
+struct Q6RowLayout {
+  int64_t kp;
+  int64_t scale() const { return 2 * kp; }
+  int64_t bytes() const { return (scale() + 4 + 63) / 64 * 64; }
+};
+
+inline int32_t pair_at(const int8_t* row, int64_t k) {  // a[k], a[k + 1] as one int32
+  int32_t v;
+  std::memcpy(&v, row + 2 * k, sizeof(v));
+  return v;
+}
+
+inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i a) {
+#if defined(__AVX512VNNI__)
+  return dpwssd(acc, w, a);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a));
+#endif
+}
+
+// One k-pair of 16 columns as int16 pairs (q - 32 of k, of k + 1): the 4-bit parts from `low`'s
+// 16 bytes, the 2-bit parts from `high` (16 int32 lanes, one byte each) shifted by `shift`.
+inline __m512i widen_pair(const uint8_t* low, __m512i high, int shift) {
+  const __m512i nibbles =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
+  const __m512i two = _mm512_set1_epi32(3), four = _mm512_set1_epi32(0xF);
+  const __m512i h = _mm512_srlv_epi32(high, _mm512_set1_epi32(shift));
+  const __m512i q0 = _mm512_or_si512(_mm512_and_si512(nibbles, four),
+                                     _mm512_slli_epi32(_mm512_and_si512(h, two), 4));
+  const __m512i q1 =
+      _mm512_or_si512(_mm512_srli_epi32(nibbles, 4),
+                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2), two), 4));
+  return _mm512_sub_epi16(_mm512_or_si512(q0, _mm512_slli_epi32(q1, 16)), _mm512_set1_epi16(32));
+}
+
+// R rows (row stride `lda` bytes) x one panel over every super-block: float32 sums per row.
+template <int R>
+void rows_q6k(const int8_t* a, int64_t lda, const uint8_t* panel, int64_t blocks,
+              __m512 (&acc)[R]) {
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* record = panel + b * kQ6Record;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record)));
+    for (int64_t s = 0; s < kQ6Subs; ++s) {
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 32 + 16 * s))));
+      const __m512 ds = _mm512_mul_ps(d, sc);
+      const uint8_t* sub = record + kQ6Head + s * kQ6SubBytes;
+      __m512i sum[R];
+      for (int i = 0; i < R; ++i) sum[i] = _mm512_setzero_si512();
+      for (int pp = 0; pp < 4; ++pp) {
+        const __m512i high = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + 128 + 16 * pp)));
+        for (int half = 0; half < 2; ++half) {
+          const int p = 2 * pp + half;
+          const __m512i w = widen_pair(sub + 16 * p, high, 4 * half);
+          const int64_t k = b * kQ6Block + s * 16 + 2 * p;
+          for (int i = 0; i < R; ++i)
+            sum[i] = dot_pairs(sum[i], w, _mm512_set1_epi32(pair_at(a + i * lda, k)));
+        }
+      }
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), ds, acc[i]);
+    }
+  }
+}
+
+template <typename T>
+void store_row(T* out, __m512 v, int cols) {
+  alignas(64) float values[16];
+  _mm512_store_ps(values, v);
+  for (int c = 0; c < cols; ++c) out[c] = static_cast<T>(values[c]);
+}
+
+template <typename T>
+void q6k_linear_impl(const at::Tensor& x, const uint8_t* packed, int64_t n, int64_t blocks,
+                     const float* bias, T* y) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const Q6RowLayout layout{blocks * kQ6Block};
+  std::vector<int8_t> rows(static_cast<size_t>(m * layout.bytes()));
+  const T* xs = x.data_ptr<T>();
+  for (int64_t i = 0; i < m; ++i) {
+    const T* src = xs + i * x.stride(0);
+    int8_t* row = rows.data() + i * layout.bytes();
+    const auto [inverse, scale] = row_scale_of(src, k, kRow15Max);
+    auto* values = reinterpret_cast<int16_t*>(row);
+    for (int64_t c = 0; c < layout.kp; c += 16)
+      store_ints(values + c, scaled_ints(row_chunk(src, c, k), inverse, kRow15Max));
+    std::memcpy(row + layout.scale(), &scale, sizeof(scale));
+  }
+  const int64_t panels = (n + 15) / 16, lda = layout.bytes();
+  at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = packed + p * blocks * kQ6Record;
+      const int cols = static_cast<int>(std::min<int64_t>(16, n - p * 16));
+      const __m512 b = bias == nullptr ? _mm512_setzero_ps()
+                                       : _mm512_maskz_loadu_ps(
+                                             static_cast<__mmask16>((1u << cols) - 1), bias + p * 16);
+      for (int64_t i = 0; i < m; i += 4) {
+        const int8_t* a = rows.data() + i * lda;
+        __m512 acc[4];
+        const int r = static_cast<int>(std::min<int64_t>(4, m - i));
+        switch (r) {
+          case 1: rows_q6k<1>(a, lda, panel, blocks, reinterpret_cast<__m512(&)[1]>(acc)); break;
+          case 2: rows_q6k<2>(a, lda, panel, blocks, reinterpret_cast<__m512(&)[2]>(acc)); break;
+          case 3: rows_q6k<3>(a, lda, panel, blocks, reinterpret_cast<__m512(&)[3]>(acc)); break;
+          default: rows_q6k<4>(a, lda, panel, blocks, acc); break;
+        }
+        for (int j = 0; j < r; ++j) {
+          float scale;
+          std::memcpy(&scale, a + j * lda + layout.scale(), sizeof(scale));
+          const __m512 v = _mm512_add_ps(_mm512_mul_ps(acc[j], _mm512_set1_ps(scale)), b);
+          store_row(y + (i + j) * n + p * 16, v, cols);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+bool q6k_supported() {
+#if RANKCAST_SIMD_BITS == 512
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_q6k_weight(const at::Tensor& d, const at::Tensor& sc, const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte,
+              "pack_q6k_weight: q must be uint8 [out, in] (the 6-bit values, 0..63)");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(k % kQ6Block == 0, "pack_q6k_weight: in (", k, ") must be whole blocks of 256");
+  const int64_t blocks = k / kQ6Block, panels = (n + 15) / 16;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.sizes() == at::IntArrayRef({n, blocks}),
+              "pack_q6k_weight: d must be float16 [out, in / 256]");
+  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.sizes() == at::IntArrayRef({n, k / 16}),
+              "pack_q6k_weight: sc must be int8 [out, in / 16]");
+  const at::Tensor qc = q.contiguous(), dc = d.contiguous(), scc = sc.contiguous();
+  // Columns past n get zero scales and values of 32 (weights of zero).
+  at::Tensor packed = at::zeros({panels, blocks, kQ6Record}, q.options());
+  const uint8_t* qv = qc.data_ptr<uint8_t>();
+  const uint16_t* dv = static_cast<const uint16_t*>(dc.data_ptr());
+  const int8_t* sv = scc.data_ptr<int8_t>();
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* record = out + (p * blocks + b) * kQ6Record;
+        for (int64_t c = 0; c < 16; ++c) {
+          const int64_t row = p * 16 + c;
+          const bool real = row < n;
+          if (real) std::memcpy(record + 2 * c, dv + row * blocks + b, 2);
+          for (int64_t s = 0; s < kQ6Subs; ++s) {
+            record[32 + 16 * s + c] =
+                real ? static_cast<uint8_t>(sv[row * (k / 16) + b * kQ6Subs + s]) : 0;
+            uint8_t* sub = record + kQ6Head + s * kQ6SubBytes;
+            const uint8_t* src = qv + row * k + b * kQ6Block + s * 16;
+            for (int64_t pair = 0; pair < 8; ++pair) {
+              const uint8_t q0 = real ? src[2 * pair] : 32, q1 = real ? src[2 * pair + 1] : 32;
+              sub[16 * pair + c] = static_cast<uint8_t>((q0 & 0xF) | ((q1 & 0xF) << 4));
+              const int shift = 4 * (pair % 2);
+              sub[128 + 16 * (pair / 2) + c] |=
+                  static_cast<uint8_t>((((q0 >> 4) & 3) | (((q1 >> 4) & 3) << 2)) << shift);
+            }
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "q6k_linear: x must be [rows, in], unit stride");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "q6k_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == kQ6Record,
+              "q6k_linear: weight not packed by pack_q6k_weight");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1);
+  TORCH_CHECK(k == blocks * kQ6Block && packed.size(0) == (n + 15) / 16,
+              "q6k_linear: weight packed for another shape");
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "q6k_linear: bias must have ", n, " elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+#if RANKCAST_SIMD_BITS == 512
+  const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (x.scalar_type() == at::kFloat) {
+    q6k_linear_impl<float>(x, w, n, blocks, bias_p, y.data_ptr<float>());
+  } else {
+    q6k_linear_impl<bf16>(x, w, n, blocks, bias_p, y.data_ptr<bf16>());
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "q6k_linear: this CPU build has no Q6_K kernel (AVX-512 builds only)");
+#endif
+}
+
+}  // namespace rankcast

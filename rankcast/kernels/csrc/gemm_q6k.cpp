@@ -43,11 +43,14 @@ constexpr int64_t kQ6Record = kQ6Head + kQ6Subs * kQ6SubBytes;  // 3,360 bytes, 
 #if RANKCAST_SIMD_BITS == 512
 namespace {
 
-// A row as the kernel reads it: a[kp] int16 | scale_x float32, kp = k (whole super-blocks).
+// A row as the kernel reads it: a[kp] int16 | scale_x float32 | 32 x (sum of a) per 16 k, int32
+// (kp = k, whole super-blocks): the values' offset of 32 is taken off once a sub-block,
+// sum((q - 32) a) = sum(q a) - 32 sum(a), instead of from every widened weight.
 struct Q6RowLayout {
   int64_t kp;
   int64_t scale() const { return 2 * kp; }
-  int64_t bytes() const { return (scale() + 4 + 63) / 64 * 64; }
+  int64_t sums() const { return scale() + 4; }
+  int64_t bytes() const { return (sums() + 4 * (kp / 16) + 63) / 64 * 64; }
 };
 
 inline int32_t pair_at(const int8_t* row, int64_t k) {  // a[k], a[k + 1] as one int32
@@ -64,25 +67,32 @@ inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i a) {
 #endif
 }
 
-// One k-pair of 16 columns as int16 pairs (q - 32 of k, of k + 1): the 4-bit parts from `low`'s
-// 16 bytes, the 2-bit parts from `high` (16 int32 lanes, one byte each) shifted by `shift`.
-inline __m512i widen_pair(const uint8_t* low, __m512i high, int shift) {
+// One k-pair of 16 columns as int16 pairs (q of k, q of k + 1; 0..63): `low`'s 16 bytes hold the
+// 4-bit parts (k in bits 0-3, k + 1 in 4-7), `high` (16 int32 lanes, a byte each) the 2-bit
+// parts, this pair's in bits 0-3 (Half 0) or 4-7 (Half 1). Shifted copies put every part in
+// place (k's at bits 0-5, k + 1's at 16-21) and one bit-select merges them.
+template <int Half>
+inline __m512i widen_pair(const uint8_t* low, __m512i high) {
   const __m512i nibbles =
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
-  const __m512i two = _mm512_set1_epi32(3), four = _mm512_set1_epi32(0xF);
-  const __m512i h = _mm512_srlv_epi32(high, _mm512_set1_epi32(shift));
-  const __m512i q0 = _mm512_or_si512(_mm512_and_si512(nibbles, four),
-                                     _mm512_slli_epi32(_mm512_and_si512(h, two), 4));
-  const __m512i q1 =
-      _mm512_or_si512(_mm512_srli_epi32(nibbles, 4),
-                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2), two), 4));
-  return _mm512_sub_epi16(_mm512_or_si512(q0, _mm512_slli_epi32(q1, 16)), _mm512_set1_epi16(32));
+  // k's bits 0-3 stay; k + 1's (4-7) land at 16-19 in the copy shifted by 12.
+  const __m512i lows = _mm512_or_si512(nibbles, _mm512_slli_epi32(nibbles, 12));
+  // Half 0: k's 2-bit part (bits 0-1) to 4-5, k + 1's (2-3) to 20-21; Half 1: 4-5 stay, 6-7 to
+  // 20-21.
+  const __m512i highs =
+      Half == 0 ? _mm512_or_si512(_mm512_slli_epi32(high, 4), _mm512_slli_epi32(high, 18))
+                : _mm512_or_si512(high, _mm512_slli_epi32(high, 14));
+  // lows where the mask is set (bits 0-3, 16-19), highs where it is not, then only bits 0-5
+  // and 16-21 kept.
+  const __m512i merged =
+      _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x000F000F), lows, highs, 0xCA);
+  return _mm512_and_si512(merged, _mm512_set1_epi32(0x003F003F));
 }
 
 // R rows (row stride `lda` bytes) x one panel over every super-block: float32 sums per row.
 template <int R>
-void rows_q6k(const int8_t* a, int64_t lda, const uint8_t* panel, int64_t blocks,
-              __m512 (&acc)[R]) {
+void rows_q6k(const int8_t* a, int64_t lda, const Q6RowLayout& layout, const uint8_t* panel,
+              int64_t blocks, __m512 (&acc)[R]) {
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* record = panel + b * kQ6Record;
@@ -92,21 +102,30 @@ void rows_q6k(const int8_t* a, int64_t lda, const uint8_t* panel, int64_t blocks
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 32 + 16 * s))));
       const __m512 ds = _mm512_mul_ps(d, sc);
       const uint8_t* sub = record + kQ6Head + s * kQ6SubBytes;
-      __m512i sum[R];
-      for (int i = 0; i < R; ++i) sum[i] = _mm512_setzero_si512();
+      const int64_t k0 = b * kQ6Block + s * 16;
+      // Two integer sums a row (even and odd k-pairs): two dependency chains of four
+      // VPDPWSSDs instead of one of eight (exact integers: the order does not matter).
+      __m512i sum[R], odd[R];
+      for (int i = 0; i < R; ++i) {
+        int32_t offset;  // 32 x the sub-block's sum of a
+        std::memcpy(&offset, a + i * lda + layout.sums() + 4 * (k0 / 16), sizeof(offset));
+        sum[i] = _mm512_set1_epi32(-offset);
+        odd[i] = _mm512_setzero_si512();
+      }
       for (int pp = 0; pp < 4; ++pp) {
         const __m512i high = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + 128 + 16 * pp)));
-        for (int half = 0; half < 2; ++half) {
-          const int p = 2 * pp + half;
-          const __m512i w = widen_pair(sub + 16 * p, high, 4 * half);
-          const int64_t k = b * kQ6Block + s * 16 + 2 * p;
-          for (int i = 0; i < R; ++i)
-            sum[i] = dot_pairs(sum[i], w, _mm512_set1_epi32(pair_at(a + i * lda, k)));
+        const __m512i w0 = widen_pair<0>(sub + 32 * pp, high);
+        const __m512i w1 = widen_pair<1>(sub + 32 * pp + 16, high);
+        for (int i = 0; i < R; ++i) {
+          const int8_t* row = a + i * lda;
+          sum[i] = dot_pairs(sum[i], w0, _mm512_set1_epi32(pair_at(row, k0 + 4 * pp)));
+          odd[i] = dot_pairs(odd[i], w1, _mm512_set1_epi32(pair_at(row, k0 + 4 * pp + 2)));
         }
       }
       for (int i = 0; i < R; ++i)
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), ds, acc[i]);
+        acc[i] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[i], odd[i])), ds, acc[i]);
     }
   }
 }
@@ -130,8 +149,12 @@ void q6k_linear_impl(const at::Tensor& x, const uint8_t* packed, int64_t n, int6
     int8_t* row = rows.data() + i * layout.bytes();
     const auto [inverse, scale] = row_scale_of(src, k, kRow15Max);
     auto* values = reinterpret_cast<int16_t*>(row);
-    for (int64_t c = 0; c < layout.kp; c += 16)
-      store_ints(values + c, scaled_ints(row_chunk(src, c, k), inverse, kRow15Max));
+    for (int64_t c = 0; c < layout.kp; c += 16) {
+      const Ints16 ints = scaled_ints(row_chunk(src, c, k), inverse, kRow15Max);
+      store_ints(values + c, ints);
+      const int32_t offset = 32 * lane_sum(ints);
+      std::memcpy(row + layout.sums() + 4 * (c / 16), &offset, sizeof(offset));
+    }
     std::memcpy(row + layout.scale(), &scale, sizeof(scale));
   }
   const int64_t panels = (n + 15) / 16, lda = layout.bytes();
@@ -139,18 +162,21 @@ void q6k_linear_impl(const at::Tensor& x, const uint8_t* packed, int64_t n, int6
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = packed + p * blocks * kQ6Record;
       const int cols = static_cast<int>(std::min<int64_t>(16, n - p * 16));
-      const __m512 b = bias == nullptr ? _mm512_setzero_ps()
-                                       : _mm512_maskz_loadu_ps(
-                                             static_cast<__mmask16>((1u << cols) - 1), bias + p * 16);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1);
+      const __m512 b =
+          bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lanes, bias + p * 16);
       for (int64_t i = 0; i < m; i += 4) {
         const int8_t* a = rows.data() + i * lda;
         __m512 acc[4];
         const int r = static_cast<int>(std::min<int64_t>(4, m - i));
+        const auto run = [&]<int R>() {
+          rows_q6k<R>(a, lda, layout, panel, blocks, reinterpret_cast<__m512(&)[R]>(acc));
+        };
         switch (r) {
-          case 1: rows_q6k<1>(a, lda, panel, blocks, reinterpret_cast<__m512(&)[1]>(acc)); break;
-          case 2: rows_q6k<2>(a, lda, panel, blocks, reinterpret_cast<__m512(&)[2]>(acc)); break;
-          case 3: rows_q6k<3>(a, lda, panel, blocks, reinterpret_cast<__m512(&)[3]>(acc)); break;
-          default: rows_q6k<4>(a, lda, panel, blocks, acc); break;
+          case 1: run.template operator()<1>(); break;
+          case 2: run.template operator()<2>(); break;
+          case 3: run.template operator()<3>(); break;
+          default: run.template operator()<4>(); break;
         }
         for (int j = 0; j < r; ++j) {
           float scale;

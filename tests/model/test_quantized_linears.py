@@ -1,6 +1,6 @@
 """Quantized weights: `--quantization int8` (weight-only, csrc/gemm.cpp's float kernels widening
 int8), `w8a8` (csrc/gemm_w8a8.cpp), `q4_1` (csrc/gemm_q4.cpp) and `q8_0` (csrc/gemm_q8.cpp)
-against torch, on every ISA build
+against torch, and Q6_K as stored (csrc/gemm_q6k.cpp, not served yet), on every ISA build
 (tests/model/test_cpu_families.py runs this file on the AVX-512-without-VNNI and AVX2 builds
 too); a quantized model against its float self; the decoder stack, the torch path and weight
 snapshots on quantized models."""

@@ -20,6 +20,8 @@ from pathlib import Path
 
 HEAD_IP = "10.77.0.1"
 NODE_IP = "10.77.0.2"
+# What each Ray node is started with, the head and the other host's alike.
+_NODE_ARGS = ("--num-cpus", "1", "--disable-usage-stats")
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -93,7 +95,6 @@ class NetnsCluster:
             done = _ip(*command)
             if done.returncode != 0:
                 raise RuntimeError(f"ip {' '.join(command)}: {done.stderr.strip()}")
-        common = ["--num-cpus", "1", "--disable-usage-stats"]
         self._ray(
             "start",
             "--head",
@@ -103,7 +104,7 @@ class NetnsCluster:
             str(self.port),
             "--include-dashboard",
             "false",
-            *common,
+            *_NODE_ARGS,
             link=self.head_link,
         )
         self.start_node()
@@ -116,9 +117,7 @@ class NetnsCluster:
             self.address,
             "--node-ip-address",
             NODE_IP,
-            "--num-cpus",
-            "1",
-            "--disable-usage-stats",
+            *_NODE_ARGS,
             namespace=self.namespace,
             link=self.node_link,
         )

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gemm.h"
 #include "kernels.h"
 #include "quantize_rows.h"
 #include "simd.h"
@@ -258,13 +259,9 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               "q6k_linear: weight packed for another shape");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "q6k_linear: bias must have ", n, " elements");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = gemm::bias_as_float(bias, n, "q6k_linear");
 #if RANKCAST_SIMD_BITS == 512
-  const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const float* bias_p = gemm::float_data(bias_f);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kFloat) {
     q6k_linear_impl<float>(x, w, n, blocks, bias_p, y.data_ptr<float>());

@@ -108,6 +108,8 @@ class ModelConfig:
     # (rankcast/model/weight_snapshot.py), settled at construction from
     # RANKCAST_WEIGHT_SNAPSHOTS so every rank does what the engine was started with.
     weight_snapshots: bool = field(init=False)
+    # Their cache's budget in GiB, from RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB, settled the same way.
+    weight_snapshot_cache_gib: float = field(init=False)
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -120,6 +122,9 @@ class ModelConfig:
             f"--max-model-len must be positive, got {self.max_model_len}",
         )
         object.__setattr__(self, "weight_snapshots", _from_env(envs.weight_snapshots))
+        object.__setattr__(
+            self, "weight_snapshot_cache_gib", _from_env(envs.weight_snapshot_cache_gib)
+        )
 
 
 @dataclass(frozen=True)

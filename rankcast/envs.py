@@ -78,6 +78,20 @@ def weight_snapshots() -> bool:
     return value not in ("0", "false", "off")
 
 
+WEIGHT_SNAPSHOT_CACHE_GIB = 20.0  # weight_snapshot_cache_gib's default
+
+
+def weight_snapshot_cache_gib() -> float:
+    """The most the weight snapshots in the cache may take together, in GiB, from
+    RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB (default 20): writing one first removes the least
+    recently used others until it fits beside the rest, and one larger than the whole budget is
+    not written (0: none is). Each kernel build, dtype, quantization and rank layout has a
+    snapshot of its own, so without a bound a machine that rebuilds or tries layouts fills its
+    disk with copies of one model."""
+    gib = _non_negative("RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB", float)
+    return WEIGHT_SNAPSHOT_CACHE_GIB if gib is None else float(gib)
+
+
 def kv_cache_commit() -> bool:
     """Whether each rank writes every page of its KV cache at start, so the memory is the
     process's from then on (a machine that cannot hold it fails at start, not under load);

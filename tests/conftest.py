@@ -17,6 +17,10 @@ os.environ.setdefault("RANKCAST_DISABLE_PROGRESS", "1")
 # 0.1 s, then 0.2 s, instead of the default 1 s, then 2 s (the rule, three failures in five
 # minutes and it gives up, is the same; tests/reliability/test_supervision.py holds the default).
 os.environ.setdefault("RANKCAST_RESTART_BACKOFF_S", "0.1,0.2")
+# Each kernel build, dtype, quantization and layout the suite starts the embedded model with
+# leaves a snapshot of it in the user's cache (~50 of them, 3.3 GB, in one run): the suite keeps
+# them to 4 GiB, least recently used out first, and so takes that budget through its paces.
+os.environ.setdefault("RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB", "4")
 torch.set_num_threads(2)
 
 

@@ -52,6 +52,7 @@ def load_model(
     pp: PipelineStage | None = None,
     keep_plain_weights: bool = False,
     weight_snapshots: bool = False,
+    snapshot_cache_gib: float = envs.WEIGHT_SNAPSHOT_CACHE_GIB,
     linear_kernel: str = "auto",
     quantization: str = "none",
     expert_parallel: bool = False,
@@ -62,7 +63,8 @@ def load_model(
     (`prepack_linears`) unless `keep_plain_weights` (tests that compare loaded shards). With
     `weight_snapshots` (the engine's setting), a snapshot of this rank's weights
     (rankcast/model/weight_snapshot.py) is mapped instead of loading where there is one, and
-    written in the background after loading where there is none. `linear_kernel` is the
+    written in the background after loading where there is none, in a cache kept to
+    `snapshot_cache_gib` (RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB). `linear_kernel` is the
     engine's RANKCAST_LINEAR_KERNEL: every linear takes the path `choose_linear_path` makes of
     it, whatever a snapshot holds (one of another path is not used). `quantization` (a
     scheme of rankcast/model/quantization.py, or "none") quantizes the linears' weights.
@@ -80,7 +82,15 @@ def load_model(
     snapshot = None
     if weight_snapshots and not keep_plain_weights:
         snapshot = WeightSnapshot.for_rank(
-            model_dir, dtype, device, tp, pp, path.kernel, quantization, expert_parallel
+            model_dir,
+            dtype,
+            device,
+            tp,
+            pp,
+            path.kernel,
+            quantization,
+            expert_parallel,
+            cache_gib=snapshot_cache_gib,
         )
     if snapshot is not None and snapshot.restore(model):
         logger.info("weights mapped from %s", snapshot.path)

@@ -14,7 +14,11 @@ start that makes it is not delayed; a process that ends meanwhile waits for it a
 thread is not a daemon). Written under a temporary name and renamed, a snapshot is whole or
 absent. One that cannot be read or does not fit the model is removed and the checkpoint loaded
 as before. Writing one also prunes the snapshots whose checkpoint or kernel build is gone or
-changed, and staging files of processes that died while writing.
+changed, and staging files of processes that died while writing, then keeps the cache to its
+budget (RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB, 20 GiB unless told): the least recently used
+snapshots (a start that maps one marks it used) go first. One is never written where it would
+leave the file system less than `MIN_FREE_BYTES` free: a cache must not fill the disk that the
+KV cache's swap, logs or the next build need.
 
 Engines use them unless `RANKCAST_WEIGHT_SNAPSHOTS=0` (`ModelConfig.weight_snapshots`);
 `load_model` alone does not.
@@ -27,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +55,7 @@ _PACKED = "packed:"
 _SCALES = "scales:"  # int8 weights' per-channel scales
 _PARAM = "param:"
 _WRITER = "weight-snapshot"  # the name of the thread that writes one
+MIN_FREE_BYTES = 2 * 2**30  # what writing a snapshot leaves free on its file system, at least
 # What quantized weights are packed as (csrc/gemm.cpp's int8, csrc/gemm_w8a8.cpp's offset bytes).
 _PACKED_DTYPES = {
     "int8": torch.int8,
@@ -106,6 +112,8 @@ class WeightSnapshot:
     identity: str  # checkpoint_identity(source) when it was made
     kernels_library: Path  # the kernel build that packed it
     quantization: str = "none"  # one of quantization.SCHEMES: the linears are quantized
+    # The bytes all snapshots in the cache may take together (RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB).
+    cache_budget: int = int(envs.WEIGHT_SNAPSHOT_CACHE_GIB * 2**30)
 
     @classmethod
     def for_rank(
@@ -118,6 +126,7 @@ class WeightSnapshot:
         linear_kernel: str,
         quantization: str = "none",
         expert_parallel: bool = False,
+        cache_gib: float = envs.WEIGHT_SNAPSHOT_CACHE_GIB,
     ) -> WeightSnapshot | None:
         """This rank's snapshot location, or None where snapshots do not apply: the model's
         linears do not take rankcast's packed kernel (`linear_kernel`, the path chosen for
@@ -139,7 +148,8 @@ class WeightSnapshot:
         key = json.dumps([SNAPSHOT_FORMAT, identity, layout])
         digest = hashlib.sha256(key.encode()).hexdigest()[:20]
         path = snapshot_dir() / f"{model_dir.name}-{digest}.safetensors"
-        return cls(path, model_dir.resolve(), identity, library, quantization)
+        budget = int(cache_gib * 2**30)
+        return cls(path, model_dir.resolve(), identity, library, quantization, budget)
 
     def restore(self, model: nn.Module) -> bool:
         """Give `model` (built, not loaded) the snapshot's weights; False, with the model
@@ -176,6 +186,8 @@ class WeightSnapshot:
                 tensors[_PACKED + name], "rankcast", out_features, scales, schemes[name]
             )
             module.adopt_packed(packed, release_plain=own)
+        with contextlib.suppress(OSError):  # used now: the last the cache's budget removes
+            os.utime(self.path)
         return True
 
     def _discard(self, why: str) -> bool:
@@ -211,9 +223,27 @@ class WeightSnapshot:
 
         directory = self.path.parent
         staging = directory / staging_name(self.path.name)
+        size = sum(tensor.nbytes for tensor in tensors.values())
         try:
             directory.mkdir(parents=True, exist_ok=True)
             prune_stale_snapshots(directory)
+            if size > self.cache_budget:
+                logger.info(
+                    "weight snapshot not saved: %.2f GiB is more than the cache's budget of "
+                    "%.2f GiB (RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB)",
+                    size / 2**30,
+                    self.cache_budget / 2**30,
+                )
+                return
+            evict_least_recently_used(directory, self.cache_budget - size)
+            free = shutil.disk_usage(directory).free
+            if free - size < MIN_FREE_BYTES:
+                logger.warning(
+                    "weight snapshot not saved: %s would be left with %.1f GiB free",
+                    directory,
+                    (free - size) / 2**30,
+                )
+                return
             metadata = {
                 "format": "pt",
                 "rankcast_snapshot": str(SNAPSHOT_FORMAT),
@@ -252,6 +282,30 @@ def prune_stale_snapshots(directory: Path) -> list[Path]:
             with contextlib.suppress(OSError):
                 path.unlink()
                 removed.append(path)
+    return removed
+
+
+def evict_least_recently_used(directory: Path, keep_bytes: int) -> list[Path]:
+    """Remove the snapshots used longest ago (by modification time: written or last mapped)
+    until those left take at most `keep_bytes`; return what was removed. A process mapping a
+    removed one keeps its pages (the file goes when its last mapping does); its next start
+    loads the checkpoint and writes the snapshot again."""
+    snapshots = []
+    for path in directory.glob("*.safetensors"):
+        if abandoned_staging(path.name) is None:
+            with contextlib.suppress(OSError):
+                stat = path.stat()
+                snapshots.append((stat.st_mtime_ns, stat.st_size, path))
+    snapshots.sort()
+    total = sum(size for _, size, _ in snapshots)
+    removed = []
+    for _, size, path in snapshots:
+        if total <= keep_bytes:
+            break
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+        total -= size
     return removed
 
 

@@ -156,6 +156,7 @@ class Worker:
             self.tp,
             self.pp,
             weight_snapshots=self.config.model.weight_snapshots,
+            snapshot_cache_gib=self.config.model.weight_snapshot_cache_gib,
             linear_kernel=self.config.parallel.linear_kernel,
             quantization=self.source.quantization(self.config.model.quantization),
             expert_parallel=self.config.parallel.enable_expert_parallel,

@@ -65,6 +65,7 @@ def captured(name: str) -> Iterator[_Log]:
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("RANKCAST_WEIGHT_SNAPSHOTS", raising=False)
+    monkeypatch.delenv("RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB", raising=False)
     return tmp_path / "cache" / "snapshots"
 
 
@@ -82,6 +83,7 @@ def _load(
     keep_plain_weights: bool = False,
     weight_snapshots: bool = True,
     linear_kernel: str = "auto",
+    cache_gib: float = 20.0,
 ) -> LlamaForCausalLM:
     """Load as an engine's rank does (snapshots on, unless told otherwise)."""
     if choose_linear_path(dtype, CPU).kernel != "rankcast":
@@ -94,6 +96,7 @@ def _load(
         CPU,
         keep_plain_weights=keep_plain_weights,
         weight_snapshots=weight_snapshots,
+        snapshot_cache_gib=cache_gib,
         linear_kernel=linear_kernel,
     )
 
@@ -274,6 +277,68 @@ def test_pruning_removes_what_no_start_can_use(tmp_path: Path, cache: Path) -> N
     removed = set(prune_stale_snapshots(cache))
     assert removed == {gone.path, dead, foreign}
     assert kept.path.exists() and live.exists()
+
+
+def test_the_cache_keeps_to_its_budget_dropping_the_least_recently_used(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room for two snapshots of three models: writing the third removes the one used longest
+    ago, and mapping a snapshot counts as a use (the first, mapped again, stays)."""
+    first, second, third = (write_tiny_model(tmp_path / n, vocab_size=250) for n in "abc")
+    _load(first)
+    wait_for_writes()
+    size = _snapshot_of(first).path.stat().st_size
+    budget = 2.5 * size / 2**30
+    _load(second, cache_gib=budget)
+    wait_for_writes()
+    with captured("rankcast.model.loader") as log:
+        _load(first, cache_gib=budget)  # mapped: now the most recently used
+    assert f"{MAPPED} {_snapshot_of(first).path}" in log.text
+    _load(third, cache_gib=budget)
+    wait_for_writes()
+    kept = {path.name for path in cache.iterdir()}
+    assert kept == {_snapshot_of(first).path.name, _snapshot_of(third).path.name}
+    with captured("rankcast.model.loader") as log:
+        _load(second, cache_gib=budget)  # loaded from its checkpoint, its snapshot written again
+    assert MAPPED not in log.text
+    wait_for_writes()
+    assert _snapshot_of(second).path.is_file() and not _snapshot_of(first).path.exists()
+
+    assert ModelConfig().weight_snapshot_cache_gib == 20.0
+    monkeypatch.setenv("RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB", "0.5")
+    assert ModelConfig().weight_snapshot_cache_gib == 0.5
+    monkeypatch.setenv("RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB", "-1")
+    with pytest.raises(ConfigError, match="RANKCAST_WEIGHT_SNAPSHOT_CACHE_GIB must be"):
+        ModelConfig()
+
+
+def test_no_snapshot_beyond_the_budget_or_onto_a_nearly_full_disk(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot larger than the whole budget, or one that would leave its file system with
+    less than MIN_FREE_BYTES free (a nearly full disk, made here by asking for more free space
+    than the disk has), is not written, and nothing already cached is removed for it; the model
+    loads and computes as without snapshots."""
+    import shutil
+
+    from rankcast.model import weight_snapshot
+
+    kept = write_tiny_model(tmp_path / "kept", vocab_size=250)
+    _load(kept)
+    wait_for_writes()
+    model_dir = write_tiny_model(tmp_path / "m", vocab_size=250)
+    reference = _computed(_load(model_dir, keep_plain_weights=True))
+    with captured("rankcast.model.weight_snapshot") as log:
+        torch.testing.assert_close(_computed(_load(model_dir, cache_gib=0)), reference)
+        wait_for_writes()
+    assert "more than the cache's budget" in log.text
+    disk = shutil.disk_usage(cache).total
+    monkeypatch.setattr(weight_snapshot, "MIN_FREE_BYTES", disk)
+    with captured("rankcast.model.weight_snapshot") as log:
+        torch.testing.assert_close(_computed(_load(model_dir)), reference)
+        wait_for_writes()
+    assert "would be left with" in log.text
+    assert [path.name for path in cache.iterdir()] == [_snapshot_of(kept).path.name]
 
 
 def test_a_benchmark_waits_for_snapshots_being_written(tmp_path: Path, cache: Path) -> None:

@@ -353,6 +353,24 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(PackedLinearMixin, VocabParallelEmbedding):
     """The output projection, split by vocabulary rows like the embedding it may be tied to."""
 
+    # Set by the loader where the checkpoint keeps this head as llama.cpp's Q6_K blocks
+    # (rankcast/model_files/stored_head.py) and this build multiplies them as stored: its scheme
+    # is then "q6_k" (`layer_quantization`), and `q6_k_blocks` holds this rank's rows of them
+    # from loading until packing.
+    serves_stored_q6_k: bool = False
+    q6_k_blocks: torch.Tensor | None = None
+
+    def prepack(
+        self, weight: nn.Parameter, kernel: str, release_plain: bool, quantization: str = "none"
+    ) -> None:
+        if quantization != "q6_k":
+            super().prepack(weight, kernel, release_plain, quantization)
+            return
+        if self.q6_k_blocks is None:
+            raise ValueError("lm_head: q6_k needs the head's stored blocks, which were not loaded")
+        self.adopt_packed(ops.pack_q6_k_blocks(self.q6_k_blocks), release_plain)
+        self.q6_k_blocks = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather_last_dim(self.matmul(hidden, self.weight, None))
         return logits[..., : self.vocab_size]
@@ -375,9 +393,13 @@ def layer_quantization(module: PackedLinearMixin, quantization: str) -> str:
     with 4-bit groups the LM head (often the embedding too) takes 8-bit groups (q8_0), as
     llama.cpp's Q4_1 files keep it (the embedded SmolLM2's is Q8_0, so its head is served as
     the file holds it): its logits are what sampling reads, and 4 bits there cost the most
-    (bench/perplexity.py). A router is never quantized."""
-    if quantization in FOUR_BIT and isinstance(module, ParallelLMHead):
-        return "q8_0"
+    (bench/perplexity.py). Where the file keeps the head as Q6_K (llama-quantize's choice
+    under 4-bit layers) and the kernels multiply that as stored, the head under any group
+    scheme is "q6_k": the file's own weights in its own 6.5625 bits. A router is never
+    quantized."""
+    if isinstance(module, ParallelLMHead) and quantization in (*FOUR_BIT, "q8_0"):
+        # A GGUF file's head as it stores it, where it is Q6_K and the kernels take it.
+        return "q6_k" if module.serves_stored_q6_k else "q8_0"
     if isinstance(module, ReplicatedLinear):
         # A mixture of experts' router stays in the activations' dtype, as llama.cpp keeps its
         # ffn_gate_inp in float32: a rounded logit can change which experts a token takes.

@@ -12,12 +12,15 @@ from tqdm import tqdm
 from rankcast import envs
 from rankcast.distributed import PipelineStage, TensorParallelGroup
 from rankcast.errors import ModelFormatError
+from rankcast.model import ops
 from rankcast.model.layers import prepack_linears
 from rankcast.model.linear_kernels import choose_linear_path
 from rankcast.model.llama import LlamaForCausalLM
+from rankcast.model.quantization import FOUR_BIT
 from rankcast.model.safetensors_file import open_safetensors
 from rankcast.model.weight_snapshot import WeightSnapshot
 from rankcast.model_files.arch import ArchConfig
+from rankcast.model_files.stored_head import has_stored_head, stored_head_rows
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ def load_model(
             model = LlamaForCausalLM(arch, tp, pp, expert_parallel)
     finally:
         torch.set_default_dtype(previous)
+    stored_head = _serves_stored_head(model, model_dir, path.kernel, quantization)
     snapshot = None
     if weight_snapshots and not keep_plain_weights:
         snapshot = WeightSnapshot.for_rank(
@@ -91,6 +95,7 @@ def load_model(
             quantization,
             expert_parallel,
             cache_gib=snapshot_cache_gib,
+            stored_head=stored_head,
         )
     if snapshot is not None and snapshot.restore(model):
         logger.info("weights mapped from %s", snapshot.path)
@@ -101,7 +106,27 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFormatError(f"{model_dir}: checkpoint lacks {len(missing)} tensors: {shown}")
+    if stored_head:
+        head = model.lm_head
+        assert head is not None
+        head.q6_k_blocks = stored_head_rows(model_dir, head.vocab_start, head.rows_per_rank)
     prepack_linears(model, path.kernel, not keep_plain_weights, quantization)
     if snapshot is not None:
         snapshot.save_in_background(model)
     return model.eval()
+
+
+def _serves_stored_head(
+    model: LlamaForCausalLM, model_dir: Path, kernel: str, quantization: str
+) -> bool:
+    """Whether this rank's LM head multiplies the GGUF file's own Q6_K blocks
+    (rankcast/model_files/stored_head.py): the conversion kept them, the head takes a group
+    scheme (`layer_quantization`), and this build runs csrc/gemm_q6k.cpp. Marks the head so,
+    before a snapshot is looked for: the scheme is part of what a snapshot holds."""
+    head = model.lm_head
+    if head is None or quantization not in (*FOUR_BIT, "q8_0") or kernel != "rankcast":
+        return False
+    if not has_stored_head(model_dir) or not ops.q6_k_supported():
+        return False
+    head.serves_stored_q6_k = True
+    return True

@@ -45,7 +45,9 @@ class PackedWeight:
     backend: str  # "rankcast", "onednn", or "torch" (quantized weights only)
     out_features: int
     scales: torch.Tensor | None = None
-    quantization: str = "none"  # "none", "int8" (weight-only), "w8a8", "q4_0", "q4_1", "q8_0"
+    # "none", "int8" (weight-only), "w8a8", "q4_0", "q4_1", "q8_0", or "q6_k" (an LM head's
+    # stored blocks, `pack_q6_k_blocks`)
+    quantization: str = "none"
     # Group schemes on the torch path, beside `tensor`'s q [out, in32]: (d, m) float16 [out,
     # groups] for q4_0 and q4_1, (d,) for q8_0.
     groups: tuple[torch.Tensor, ...] | None = None
@@ -118,8 +120,26 @@ def _pack_quantized(weight: torch.Tensor, kernel: str, quantization: str) -> Pac
     return PackedWeight(packed, "rankcast", out, scales, quantization)
 
 
+def q6_k_supported() -> bool:
+    """Whether this process's kernels multiply Q6_K blocks as stored (csrc/gemm_q6k.cpp:
+    AVX-512 builds)."""
+    return kernels.load() and bool(torch.ops.rankcast.q6k_supported())
+
+
+def pack_q6_k_blocks(blocks: torch.Tensor) -> PackedWeight:
+    """Q6_K rows as a GGUF stores them (uint8 [out, in / 256 * 210]) packed for
+    csrc/gemm_q6k.cpp, which multiplies them as they are."""
+    packed = torch.ops.rankcast.pack_q6k_weight(blocks)
+    return PackedWeight(packed, "rankcast", blocks.shape[0], quantization="q6_k")
+
+
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] times a packed weight (+ bias)."""
+    if weight.quantization == "q6_k":
+        return cast(
+            torch.Tensor,
+            torch.ops.rankcast.q6k_linear(x.contiguous(), weight.tensor, weight.out_features, bias),
+        )
     if weight.quantization in FOUR_BIT:
         if weight.groups is not None:
             d, m = weight.groups

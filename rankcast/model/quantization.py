@@ -147,7 +147,8 @@ Q6_K_BLOCK_BYTES = 210  # ql[128] | qh[64] | int8 scales[16] | float16 d
 
 def unpack_q6_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """llama.cpp's Q6_K rows (uint8 [out, in / 256 * 210], as a GGUF file stores them) as
-    `pack_q6k_weight` takes them: d float16 [out, in / 256], the sub-block scales int8
+    `q6_k_linear_reference` takes them (csrc/gemm_q6k.cpp's `pack_q6k_weight` reads the
+    stored blocks itself): d float16 [out, in / 256], the sub-block scales int8
     [out, in / 16] and the 6-bit values uint8 [out, in] (0..63); a weight is d * sc * (q - 32).
 
     A block's 256 values are stored as two halves of 128: in half h, for l in 0..31, the low
@@ -174,14 +175,28 @@ def q6_k_linear_reference(
     scales: torch.Tensor,
     q: torch.Tensor,
     bias: torch.Tensor | None,
-    exact: bool = True,
 ) -> torch.Tensor:
     """x times Q6_K weights (`unpack_q6_k`'s d, sc and q) as csrc/gemm_q6k.cpp computes it, up
-    to the order of its float32 sums: `_group_linear_reference` on groups of 16 k with the
-    values q - 32 and each group's scale d * sc."""
-    values = q.to(torch.int16) - 32
-    group_scales = d.float().repeat_interleave(16, dim=1) * scales.float()
-    return _group_linear_reference(x, values, group_scales, None, bias, exact, group=16)
+    to the order of its float32 sums (here float64): each row's blocks of 256 quantized to int8
+    (a = round(x * 127 / max|x|), scale s_b = max|x| / 127, as llama.cpp's Q8_K rows), each
+    sub-block's integer sum of (q - 32) * a, then the sum over blocks and sub-blocks of
+    s_b * d * sc * that, + bias, rounded once to x's dtype."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // Q6_K_BLOCK, Q6_K_BLOCK)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    top = torch.tensor(127.0)
+    inverse = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+    ints = torch.round(blocks * inverse).clamp(-127, 127)  # half to even, as the kernel rounds
+    block_scales = (amax / top).to(torch.float64)  # [rows, blocks, 1]
+    a = ints.to(torch.float64).reshape(rows, -1, 16)  # [rows, sub-blocks, 16]
+    values = (q.to(torch.float64) - 32).reshape(q.shape[0], -1, 16)
+    sums = torch.einsum("rsk,osk->ros", a, values)  # exact integers
+    weights = d.to(torch.float64).repeat_interleave(16, dim=1) * scales.to(torch.float64)
+    scaled = sums * weights * block_scales.repeat_interleave(16, dim=1).view(rows, 1, -1)
+    y = scaled.sum(dim=2).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def _group_linear_reference(

@@ -50,7 +50,9 @@ from rankcast.process import abandoned_staging, staging_name
 logger = logging.getLogger(__name__)
 
 # Bump when what a snapshot holds, or how it is named, changes.
-SNAPSHOT_FORMAT = 4  # 3: a 4-bit model's LM head is q8_0 (was int8); 4: q8_0 keeps Q5_0 grids
+# 3: a 4-bit model's LM head is q8_0 (was int8); 4: q8_0 keeps Q5_0 grids; 5: an LM head may be
+# a GGUF's own Q6_K blocks (rankcast/model_files/stored_head.py).
+SNAPSHOT_FORMAT = 5
 _PACKED = "packed:"
 _SCALES = "scales:"  # int8 weights' per-channel scales
 _PARAM = "param:"
@@ -63,6 +65,7 @@ _PACKED_DTYPES = {
     "q4_0": torch.uint8,
     "q4_1": torch.uint8,
     "q8_0": torch.int8,
+    "q6_k": torch.uint8,
 }
 _SCALED = ("int8", "w8a8")  # schemes whose scales are a tensor of their own (groups': inside)
 
@@ -127,6 +130,7 @@ class WeightSnapshot:
         quantization: str = "none",
         expert_parallel: bool = False,
         cache_gib: float = envs.WEIGHT_SNAPSHOT_CACHE_GIB,
+        stored_head: bool = False,
     ) -> WeightSnapshot | None:
         """This rank's snapshot location, or None where snapshots do not apply: the model's
         linears do not take rankcast's packed kernel (`linear_kernel`, the path chosen for
@@ -145,6 +149,8 @@ class WeightSnapshot:
         layout = [str(dtype), quantization, tp.rank, tp.size, pp.rank, pp.size, str(library)]
         if expert_parallel:  # whole experts per rank: another shard of the same checkpoint
             layout.append("expert-parallel")
+        if stored_head:  # the LM head packed from the file's Q6_K blocks (loader.py)
+            layout.append("q6_k-head")
         key = json.dumps([SNAPSHOT_FORMAT, identity, layout])
         digest = hashlib.sha256(key.encode()).hexdigest()[:20]
         path = snapshot_dir() / f"{model_dir.name}-{digest}.safetensors"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from rankcast import envs
 from rankcast.errors import ModelFormatError
+from rankcast.model_files.stored_head import STORED_HEAD_FILE, STORED_HEAD_TENSOR
 from rankcast.process import abandoned_staging, staging_name
 
 if TYPE_CHECKING:
@@ -35,8 +36,9 @@ logger = logging.getLogger(__name__)
 # Bump when the conversion's output changes, so stale caches are not reused. 2: each conversion
 # records its source (pruning); 3: config.json names head_dim (a llama file whose heads are not
 # hidden / heads wide converted to a config that could not load). (qwen3moe files, added later,
-# convert with the others unchanged.)
-CONVERTER_VERSION = 3
+# convert with the others unchanged.) 4: a Q6_K LM head is also kept as stored
+# (rankcast/model_files/stored_head.py).
+CONVERTER_VERSION = 4
 # In each conversion's directory: `source_identity` of the GGUF it was made from.
 _SOURCE_FILE = "rankcast-source.txt"
 # In each conversion's directory: the GGUF's `native_quantization`, so that a start from the
@@ -341,6 +343,20 @@ def _dequantize(
     return tensors
 
 
+def _q6_k_head(reader: Any) -> torch.Tensor | None:
+    """The LM head's blocks as stored (uint8 [vocab, hidden / 256 * 210]) where the file keeps
+    it as Q6_K: its `output` tensor, or the embedding a tied head reads. None otherwise."""
+    import numpy as np
+    import torch
+
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if head is None or head.tensor_type.name != "Q6_K":
+        return None
+    rows = int(head.shape[-1])  # GGUF shapes list the fastest-varying dimension first
+    return torch.from_numpy(np.array(head.data, dtype=np.uint8).reshape(rows, -1))
+
+
 class _NumpyWithPlainMemmap:
     """numpy, except that `memmap` gives a plain ndarray view of the mapping.
 
@@ -562,6 +578,9 @@ def convert_gguf(path: Path) -> Path:
         from safetensors.torch import save_file
 
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        head = _q6_k_head(reader)
+        if head is not None:
+            save_file({STORED_HEAD_TENSOR: head}, str(staging / STORED_HEAD_FILE))
         tokenizer.wait()
         try:
             os.rename(staging, out_dir)

@@ -486,7 +486,7 @@ def test_the_q6_k_kernel_gives_the_reference_alone_or_batched(dtype: torch.dtype
         pytest.skip("this build has no Q6_K kernel (AVX-512 builds only)")
     raw = _q6_k_blocks(37, 512, seed=4)
     d, sc, q = quantized.unpack_q6_k(raw)
-    packed = torch.ops.rankcast.pack_q6k_weight(d, sc, q)
+    packed = torch.ops.rankcast.pack_q6k_weight(raw)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(7, 512, generator=gen).to(dtype)
     bias = torch.randn(37, generator=gen)

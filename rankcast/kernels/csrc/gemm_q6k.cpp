@@ -7,24 +7,36 @@
 // cut to 4 layers: 311M of 539M active parameters). Served as q8_0 the head is 8.5 bits a weight;
 // as stored it is 6.5625, what llama.cpp reads: ~23 % fewer of the head's bytes.
 //
-// The products are integer, as in csrc/gemm_q8.cpp: each row is quantized per token to 15 bits
-// (a = round(x * 16383 / max|x|), csrc/quantize_rows.h) and kept as int16; a sub-block's sum of
-// (q - 32) * a is exact in int32 (at most 16 x 32 x 16383), then, sub-blocks in order,
-// acc += float(sum) * (d * sc) (d * sc is exact in float32), and y = acc * scale_x. A row's
-// result never depends on the rows beside it or on the threads (batch-invariant).
+// The products are integer and the activations 8-bit, as llama.cpp multiplies Q6_K (its Q8_K
+// rows): each row is quantized per block of 256 k to int8 (a = round(x * 127 / max|x| of the
+// block), one float32 scale s_b a block, csrc/quantize_rows.h), so that the unsigned 6-bit
+// values meet signed bytes in VPDPBUSD (AVX512-VNNI; elsewhere VPMADDUBSW + VPMADDWD, the same
+// sums: a pair of products is at most 2 x 63 x 127). A sub-block's sum of (q - 32) * a is exact in
+// int32 (it starts at -32 x the sub-block's sum of a), then, sub-blocks in order,
+// block += float(sum) * (d * sc) (d * sc is exact in float32), and blocks in order,
+// acc += s_b * block. A row's result never depends on the rows beside it or on the threads
+// (batch-invariant).
 //
-// Packed per panel of 16 output columns, one record per super-block (kQ6Record bytes):
-//   d[16] float16 | sc[16 sub-blocks][16 columns] int8 |
-//   16 x ( low[8 k-pairs][16 columns]: 4-bit parts of k and k + 1 in one byte |
-//          high[4 pairs of k-pairs][16 columns]: 2-bit parts, k-pair 2j in bits 0-3 )
-// the same 6.5625 bits a weight as Q6_K, laid out so that one k-pair of 16 columns widens to one
-// VPDPWSSD operand of int16 pairs.
+// Why 8 bits and not the 15 of the 4- and 8-bit group kernels: Q6_K's scale every 16 k costs a
+// float multiply-add a row every 16 k, and 15-bit rows (split into two bytes) doubled the dot
+// products; 32 rows took 1.7x q8_0's time on the Qwen3-30B-A3B head. On SmolLM2 (its own
+// weights, float32) rounding only the head's input to 8 bits per 256 leaves perplexity where it
+// was (21.287 -> 21.260 on bench/text/perplexity.txt; 8 bits per row 21.336; 15 bits 21.287).
+//
+// Packed per panel of 16 output columns, one record per super-block (kQ6Record bytes, whole
+// cache lines, so that no 64-byte load straddles two):
+//   sc[16 sub-blocks][16 columns] int8 |
+//   16 sub-blocks x ( low[2][64]: column c's 4-bit parts of k = 4j..4j+3 at bytes 4c..4c+3 of
+//                     low[j / 2], quad j = 0, 2 in the low nibbles, 1, 3 in the high ones |
+//                     high[64]: their 2-bit parts, quad j's at bits 2j..2j+1 ) |
+//   d[16] float16 | 32 bytes unused
+// 6.625 bits a weight (Q6_K's 6.5625 and the padding), laid out so that a quad of k of 16
+// columns (64 weights) unpacks to one VPDPBUSD operand of bytes in two to four operations.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "gemm.h"
 #include "kernels.h"
@@ -37,157 +49,217 @@ namespace {
 constexpr int64_t kQ6Block = 256;                       // k a super-block
 constexpr int64_t kQ6Subs = 16;                         // sub-blocks a super-block
 constexpr int64_t kQ6SubBytes = 8 * 16 + 4 * 16;        // low nibbles, then high bits
-constexpr int64_t kQ6Head = 2 * 16 + kQ6Subs * 16;      // d, then the sub-block scales
-constexpr int64_t kQ6Record = kQ6Head + kQ6Subs * kQ6SubBytes;  // 3,360 bytes, 4,096 weights
+constexpr int64_t kQ6Scales = 0;                         // sc[16 sub-blocks][16 columns]
+constexpr int64_t kQ6Subs0 = kQ6Subs * 16;                // the sub-blocks, from a cache line
+constexpr int64_t kQ6D = kQ6Subs0 + kQ6Subs * kQ6SubBytes;  // d[16] float16
+constexpr int64_t kQ6Record = kQ6D + 64;  // 3,392 bytes (53 cache lines), 4,096 weights
 }  // namespace
 
 #if RANKCAST_SIMD_BITS == 512
 namespace {
 
-// A row as the kernel reads it: a[kp] int16 | scale_x float32 | 32 x (sum of a) per 16 k, int32
-// (kp = k, whole super-blocks): the values' offset of 32 is taken off once a sub-block,
-// sum((q - 32) a) = sum(q a) - 32 sum(a), instead of from every widened weight.
+using namespace gemm;
+
+// A row as the kernel reads it (kp = k, whole super-blocks):
+//   a[kp] int8 | s_b per block [kp / 256] float32 | -32 x (sum of a) per 16 k [kp / 16] int32
+// The values' offset of 32 is taken off once a sub-block, sum((q - 32) a) = sum(q a) - 32 sum(a),
+// instead of from every weight.
 struct Q6RowLayout {
   int64_t kp;
-  int64_t scale() const { return 2 * kp; }
-  int64_t sums() const { return scale() + 4; }
-  int64_t bytes() const { return (sums() + 4 * (kp / 16) + 63) / 64 * 64; }
+  int64_t values() const { return 0; }
+  int64_t scales() const { return kp; }
+  int64_t offsets() const { return scales() + 4 * (kp / kQ6Block); }
+  int64_t bytes() const { return (offsets() + 4 * (kp / 16) + 63) / 64 * 64; }
 };
 
-inline int32_t pair_at(const int8_t* row, int64_t k) {  // a[k], a[k + 1] as one int32
+inline int32_t four_bytes(const int8_t* p) {
   int32_t v;
-  std::memcpy(&v, row + 2 * k, sizeof(v));
+  std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i a) {
+// acc + the four-byte dot products of unsigned w and signed a, per int32 lane.
+inline __m512i dot4(__m512i acc, __m512i w, __m512i a) {
 #if defined(__AVX512VNNI__)
-  return dpwssd(acc, w, a);
+  return dpbusd(acc, w, a);
 #else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a));
+  const __m512i pairs = _mm512_maddubs_epi16(w, a);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
 }
 
-// One k-pair of 16 columns as int16 pairs (q of k, q of k + 1; 0..63): `low`'s 16 bytes hold the
-// 4-bit parts (k in bits 0-3, k + 1 in 4-7), `high` (16 int32 lanes, a byte each) the 2-bit
-// parts, this pair's in bits 0-3 (Half 0) or 4-7 (Half 1). Shifted copies put every part in
-// place (k's at bits 0-5, k + 1's at 16-21) and one bit-select merges them.
-template <int Half>
-inline __m512i widen_pair(const uint8_t* low, __m512i high) {
-  const __m512i nibbles =
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
-  // k's bits 0-3 stay; k + 1's (4-7) land at 16-19 in the copy shifted by 12.
-  const __m512i lows = _mm512_or_si512(nibbles, _mm512_slli_epi32(nibbles, 12));
-  // Half 0: k's 2-bit part (bits 0-1) to 4-5, k + 1's (2-3) to 20-21; Half 1: 4-5 stay, 6-7 to
-  // 20-21.
-  const __m512i highs =
-      Half == 0 ? _mm512_or_si512(_mm512_slli_epi32(high, 4), _mm512_slli_epi32(high, 18))
-                : _mm512_or_si512(high, _mm512_slli_epi32(high, 14));
-  // lows where the mask is set (bits 0-3, 16-19), highs where it is not, then only bits 0-5
-  // and 16-21 kept.
-  const __m512i merged =
-      _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x000F000F), lows, highs, 0xCA);
-  return _mm512_and_si512(merged, _mm512_set1_epi32(0x003F003F));
+// Bits 0-3 of `low`, bits 4-5 of `high`, 0 above: one quad's 6-bit values (VPTERNLOGD picks
+// low where the mask has a 1, high elsewhere; the AND clears bits 6-7).
+inline __m512i merge_quad(__m512i low, __m512i high) {
+  const __m512i merged = _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x0F), low, high, 0xCA);
+  return _mm512_and_si512(merged, _mm512_set1_epi8(0x3F));
 }
 
-// R rows (row stride `lda` bytes) x one panel over every super-block: float32 sums per row.
-template <int R>
-void rows_q6k(const int8_t* a, int64_t lda, const Q6RowLayout& layout, const uint8_t* panel,
-              int64_t blocks, __m512 (&acc)[R]) {
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* record = panel + b * kQ6Record;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record)));
-    for (int64_t s = 0; s < kQ6Subs; ++s) {
-      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 32 + 16 * s))));
-      const __m512 ds = _mm512_mul_ps(d, sc);
-      const uint8_t* sub = record + kQ6Head + s * kQ6SubBytes;
-      const int64_t k0 = b * kQ6Block + s * 16;
-      // Two integer sums a row (even and odd k-pairs): two dependency chains of four
-      // VPDPWSSDs instead of one of eight (exact integers: the order does not matter).
-      __m512i sum[R], odd[R];
-      for (int i = 0; i < R; ++i) {
-        int32_t offset;  // 32 x the sub-block's sum of a
-        std::memcpy(&offset, a + i * lda + layout.sums() + 4 * (k0 / 16), sizeof(offset));
-        sum[i] = _mm512_set1_epi32(-offset);
-        odd[i] = _mm512_setzero_si512();
-      }
-      for (int pp = 0; pp < 4; ++pp) {
-        const __m512i high = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + 128 + 16 * pp)));
-        const __m512i w0 = widen_pair<0>(sub + 32 * pp, high);
-        const __m512i w1 = widen_pair<1>(sub + 32 * pp + 16, high);
-        for (int i = 0; i < R; ++i) {
-          const int8_t* row = a + i * lda;
-          sum[i] = dot_pairs(sum[i], w0, _mm512_set1_epi32(pair_at(row, k0 + 4 * pp)));
-          odd[i] = dot_pairs(odd[i], w1, _mm512_set1_epi32(pair_at(row, k0 + 4 * pp + 2)));
-        }
-      }
-      for (int i = 0; i < R; ++i)
-        acc[i] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[i], odd[i])), ds, acc[i]);
-    }
+// The four quads of one sub-block of 16 columns, each 64 bytes of 6-bit values (0..63).
+inline void unpack_sub(const uint8_t* sub, __m512i (&w)[4]) {
+  const __m512i low0 = _mm512_loadu_si512(sub);
+  const __m512i low1 = _mm512_loadu_si512(sub + 64);
+  const __m512i high = _mm512_loadu_si512(sub + 128);
+  // Shifts in 16-bit lanes move bits across a byte's edge only into the bits merge_quad drops
+  // or takes from the other operand.
+  w[0] = merge_quad(low0, _mm512_slli_epi16(high, 4));
+  w[1] = merge_quad(_mm512_srli_epi16(low0, 4), _mm512_slli_epi16(high, 2));
+  w[2] = merge_quad(low1, high);
+  w[3] = merge_quad(_mm512_srli_epi16(low1, 4), _mm512_srli_epi16(high, 2));
+}
+
+inline float row_float(const int8_t* row, int64_t offset) {
+  float v;
+  std::memcpy(&v, row + offset, sizeof(v));
+  return v;
+}
+
+// Sub-block s of one panel's block record for R rows: block[i * stride] += float(sum) * (d * sc),
+// sum = sum over the sub-block of (q - 32) * a, exact in int32.
+template <int R, int TileRows>
+__attribute__((always_inline)) inline void sub_block_q6k(const int8_t* a, int64_t lda,
+                                                         const Q6RowLayout& layout,
+                                                         const uint8_t* record, int64_t blk,
+                                                         int64_t s, __m512 d, bool prefetch,
+                                                         __m512* block, int stride) {
+  const uint8_t* sub = record + kQ6Subs0 + s * kQ6SubBytes;
+  if (prefetch)
+    for (int64_t line = 0; line < kQ6SubBytes; line += 64) prefetch_ahead<TileRows>(sub + line);
+  __m512i w[4];
+  unpack_sub(sub, w);
+  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + kQ6Scales + 16 * s))));
+  const __m512 ds = _mm512_mul_ps(d, sc);
+  const int64_t k0 = blk * kQ6Block + s * 16;
+  for (int i = 0; i < R; ++i) {
+    const int8_t* row = a + i * lda;
+    int32_t offset;  // -32 x the sub-block's sum of a
+    std::memcpy(&offset, row + layout.offsets() + 4 * (k0 / 16), sizeof(offset));
+    __m512i sum = _mm512_set1_epi32(offset);
+    for (int q = 0; q < 4; ++q)
+      sum = dot4(sum, w[q], _mm512_set1_epi32(four_bytes(row + layout.values() + k0 + 4 * q)));
+    block[i * stride] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), ds, block[i * stride]);
   }
 }
 
-template <typename T>
-void store_row(T* out, __m512 v, int cols) {
-  alignas(64) float values[16];
-  _mm512_store_ps(values, v);
-  for (int c = 0; c < cols; ++c) out[c] = static_cast<T>(values[c]);
-}
-
-template <typename T>
-void q6k_linear_impl(const at::Tensor& x, const uint8_t* packed, int64_t n, int64_t blocks,
-                     const float* bias, T* y) {
-  const int64_t m = x.size(0), k = x.size(1);
+// R rows x NR panels over every super-block, in the group kernels' tiles (gemm.h): per
+// sub-block each panel's four quads are unpacked once and every row's bytes meet them. How the
+// stream reads ahead: Q6KTiles, below.
+template <int R, int NR, int TileRows>
+__attribute__((always_inline)) inline void rows_q6k(const int8_t* a, int64_t lda,
+                                                    const uint8_t* b, int64_t panel_elems,
+                                                    int64_t blocks, __m512 (&acc)[R][NR],
+                                                    bool prefetch, const NextGroup& next,
+                                                    int per_step) {
   const Q6RowLayout layout{blocks * kQ6Block};
-  std::vector<int8_t> rows(static_cast<size_t>(m * layout.bytes()));
-  const T* xs = x.data_ptr<T>();
-  for (int64_t i = 0; i < m; ++i) {
-    const T* src = xs + i * x.stride(0);
-    int8_t* row = rows.data() + i * layout.bytes();
-    const auto [inverse, scale] = row_scale_of(src, k, kRow15Max);
-    auto* values = reinterpret_cast<int16_t*>(row);
-    for (int64_t c = 0; c < layout.kp; c += 16) {
-      const Ints16 ints = scaled_ints(row_chunk(src, c, k), inverse, kRow15Max);
-      store_ints(values + c, ints);
-      const int32_t offset = 32 * lane_sum(ints);
-      std::memcpy(row + layout.sums() + 4 * (c / 16), &offset, sizeof(offset));
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* record[NR];
+    for (int j = 0; j < NR; ++j) {
+      record[j] = b + j * panel_elems + blk * kQ6Record;
+      if (prefetch) {
+        for (int64_t line = 0; line < kQ6Subs0; line += 64)
+          prefetch_ahead<TileRows>(record[j] + line);
+        prefetch_ahead<TileRows>(record[j] + kQ6D);
+      }
     }
-    std::memcpy(row + layout.scale(), &scale, sizeof(scale));
-  }
-  const int64_t panels = (n + 15) / 16, lda = layout.bytes();
-  at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = packed + p * blocks * kQ6Record;
-      const int cols = static_cast<int>(std::min<int64_t>(16, n - p * 16));
-      const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1);
-      const __m512 b =
-          bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lanes, bias + p * 16);
-      for (int64_t i = 0; i < m; i += 4) {
-        const int8_t* a = rows.data() + i * lda;
-        __m512 acc[4];
-        const int r = static_cast<int>(std::min<int64_t>(4, m - i));
-        const auto run = [&]<int R>() {
-          rows_q6k<R>(a, lda, layout, panel, blocks, reinterpret_cast<__m512(&)[R]>(acc));
-        };
-        switch (r) {
-          case 1: run.template operator()<1>(); break;
-          case 2: run.template operator()<2>(); break;
-          case 3: run.template operator()<3>(); break;
-          default: run.template operator()<4>(); break;
+    // Each row and panel sums a block's sub-blocks apart from the row's block scale (one
+    // multiply-add a block and row, not one every 16 k): block += float(sum) * (d * sc), then
+    // acc += s_b * block. A few rows take the panels' sub-blocks in turn, so that their streams
+    // advance together (one row on the Qwen3-30B-A3B head: 0.75x q8_0's time this way, 0.84x a
+    // panel's block at a time); more rows take a panel's whole block at a time, which needs a
+    // block sum per row only (32 rows: 1.04x q8_0's time; 1.22x with the block scale multiplied
+    // every 16 k). Every row's and panel's float operations are the same in either order.
+    if constexpr (R <= 2) {
+      __m512 d[NR], block[R][NR];
+      for (int j = 0; j < NR; ++j) {
+        d[j] = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record[j] + kQ6D)));
+        for (int i = 0; i < R; ++i) block[i][j] = _mm512_setzero_ps();
+      }
+      for (int64_t s = 0; s < kQ6Subs; ++s) {
+        if (next.count > 0) prefetch_next<TileRows>(next, blk * kQ6Subs + s, per_step);
+        for (int j = 0; j < NR; ++j)
+          sub_block_q6k<R, TileRows>(a, lda, layout, record[j], blk, s, d[j], prefetch,
+                                     &block[0][j], NR);
+      }
+      for (int i = 0; i < R; ++i) {
+        const __m512 scale = _mm512_set1_ps(row_float(a + i * lda, layout.scales() + 4 * blk));
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(block[i][j], scale, acc[i][j]);
+      }
+    } else {
+      for (int j = 0; j < NR; ++j) {
+        const __m512 d = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record[j] + kQ6D)));
+        __m512 block[R];
+        for (int i = 0; i < R; ++i) block[i] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < kQ6Subs; ++s) {
+          if (j == 0 && next.count > 0)
+            prefetch_next<TileRows>(next, blk * kQ6Subs + s, per_step);
+          sub_block_q6k<R, TileRows>(a, lda, layout, record[j], blk, s, d, prefetch, block, 1);
         }
-        for (int j = 0; j < r; ++j) {
-          float scale;
-          std::memcpy(&scale, a + j * lda + layout.scale(), sizeof(scale));
-          const __m512 v = _mm512_add_ps(_mm512_mul_ps(acc[j], _mm512_set1_ps(scale)), b);
-          store_row(y + (i + j) * n + p * 16, v, cols);
+        for (int i = 0; i < R; ++i) {
+          const __m512 scale = _mm512_set1_ps(row_float(a + i * lda, layout.scales() + 4 * blk));
+          acc[i][j] = _mm512_fmadd_ps(block[i], scale, acc[i][j]);
         }
       }
     }
-  });
+  }
+}
+
+template <int MR, int NR, bool Next, typename Out>
+inline void tile_q6k(const int8_t* a, int64_t lda, const uint8_t* b, int64_t panel_elems,
+                     int64_t blocks, Out* c, int64_t ldc, const BiasEpilogue& epi, int last_cols,
+                     bool prefetch, NextGroup next) {
+  const Q6RowLayout layout{blocks * kQ6Block};
+  const int per_step = lines_per_step(next, blocks * kQ6Subs);  // spread over the sub-blocks
+  const auto rows = [&]<int R>(const int8_t* rows_a, __m512 (&acc)[R][NR], bool ahead,
+                               const NextGroup& lead) {
+    rows_q6k<R, NR, MR>(rows_a, lda, b, panel_elems, blocks, acc, ahead, lead, per_step);
+  };
+  const auto scale = [](const int8_t*) { return 1.0f; };  // the block scales are in the sums
+  group_sub_tiles<MR, NR>(rows, scale, a, lda, c, ldc, epi, last_cols, prefetch, next);
+}
+
+template <typename Out_>
+// Unlike the 4- and 8-bit group kernels, a decode's few rows (under gemm.h's kOverlapRows) stream
+// each panel 2 KB ahead of themselves rather than fetching the next column group (a batch's tile
+// does that, spread over the sub-blocks): the one-row head of Qwen3-30B-A3B (151,936 x 2,048)
+// read 18 GB/s the other way, 14.3 ms against q8_0's 15.0, where the same kernel runs at 66 GB/s
+// from cache; this way it reads the 258 MB in 11.1 ms (2-core Xeon with AMX).
+struct Q6KTiles {
+  using In = int8_t;
+  using W = uint8_t;
+  using Out = Out_;
+  using Epi = BiasEpilogue;
+  template <int MR, int NR, bool Next>
+  static constexpr auto tile() {
+    using Fn = typename Tiles<Q6KTiles, Next>::Fn;
+    return Fn{&tile_q6k<MR, NR, Next, Out>};
+  }
+};
+
+// Rows [begin, end) of x quantized into the Q6RowLayout buffer `out` (row stride layout.bytes()).
+template <typename T>
+void quantize_rows_q6k(const T* x, int64_t ldx, int64_t k, int64_t begin, int64_t end,
+                       const Q6RowLayout& layout, int8_t* out) {
+  for (int64_t i = begin; i < end; ++i) {
+    const T* src = x + i * ldx;
+    int8_t* row = out + i * layout.bytes();
+    for (int64_t blk = 0; blk < layout.kp / kQ6Block; ++blk) {
+      const T* block = src + blk * kQ6Block;
+      const auto [inverse, scale] = row_scale_of(block, kQ6Block, kRow8Max);
+      std::memcpy(row + layout.scales() + 4 * blk, &scale, sizeof(scale));
+      for (int64_t c = 0; c < kQ6Block; c += 16) {
+        const Ints16 ints = scaled_ints(row_chunk(block, c, kQ6Block), inverse, kRow8Max);
+        store_ints(row + layout.values() + blk * kQ6Block + c, ints);
+        const int32_t offset = -32 * lane_sum(ints);
+        std::memcpy(row + layout.offsets() + 4 * ((blk * kQ6Block + c) / 16), &offset,
+                    sizeof(offset));
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -201,22 +273,30 @@ bool q6k_supported() {
 #endif
 }
 
-at::Tensor pack_q6k_weight(const at::Tensor& d, const at::Tensor& sc, const at::Tensor& q) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte,
-              "pack_q6k_weight: q must be uint8 [out, in] (the 6-bit values, 0..63)");
-  const int64_t n = q.size(0), k = q.size(1);
-  TORCH_CHECK(k % kQ6Block == 0, "pack_q6k_weight: in (", k, ") must be whole blocks of 256");
-  const int64_t blocks = k / kQ6Block, panels = (n + 15) / 16;
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.sizes() == at::IntArrayRef({n, blocks}),
-              "pack_q6k_weight: d must be float16 [out, in / 256]");
-  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.sizes() == at::IntArrayRef({n, k / 16}),
-              "pack_q6k_weight: sc must be int8 [out, in / 16]");
-  const at::Tensor qc = q.contiguous(), dc = d.contiguous(), scc = sc.contiguous();
+namespace {
+constexpr int64_t kQ6BlockBytes = 210;  // a GGUF block: ql[128] | qh[64] | sc[16] int8 | d float16
+
+// Value i (0..255) of a block as stored (ggml's dequantize_row_q6_K): in half h = i / 128, for
+// l = i % 32 and quarter t = i % 128 / 32, the low (t = 0, 1) or high (t = 2, 3) nibble of
+// ql[64h + 32 (t % 2) + l] and bits 2t..2t+1 of qh[32h + l].
+inline uint8_t q6k_value(const uint8_t* block, int64_t i) {
+  const int64_t h = i / 128, t = i % 128 / 32, l = i % 32;
+  const uint8_t low = block[64 * h + 32 * (t % 2) + l];
+  const uint8_t high = block[128 + 32 * h + l];
+  return static_cast<uint8_t>(((t < 2 ? low : low >> 4) & 0xF) | (((high >> (2 * t)) & 3) << 4));
+}
+}  // namespace
+
+at::Tensor pack_q6k_weight(const at::Tensor& raw) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte &&
+                  raw.size(1) % kQ6BlockBytes == 0,
+              "pack_q6k_weight: raw must be uint8 [out, in / 256 * 210], Q6_K blocks as a GGUF "
+              "file stores them");
+  const int64_t n = raw.size(0), blocks = raw.size(1) / kQ6BlockBytes, panels = (n + 15) / 16;
+  const at::Tensor rc = raw.contiguous();
   // Columns past n get zero scales and values of 32 (weights of zero).
-  at::Tensor packed = at::zeros({panels, blocks, kQ6Record}, q.options());
-  const uint8_t* qv = qc.data_ptr<uint8_t>();
-  const uint16_t* dv = static_cast<const uint16_t*>(dc.data_ptr());
-  const int8_t* sv = scc.data_ptr<int8_t>();
+  at::Tensor packed = at::zeros({panels, blocks, kQ6Record}, raw.options());
+  const uint8_t* rv = rc.data_ptr<uint8_t>();
   uint8_t* out = packed.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -225,18 +305,16 @@ at::Tensor pack_q6k_weight(const at::Tensor& d, const at::Tensor& sc, const at::
         for (int64_t c = 0; c < 16; ++c) {
           const int64_t row = p * 16 + c;
           const bool real = row < n;
-          if (real) std::memcpy(record + 2 * c, dv + row * blocks + b, 2);
+          const uint8_t* block = rv + (row * blocks + b) * kQ6BlockBytes;
+          if (real) std::memcpy(record + kQ6D + 2 * c, block + 208, 2);
           for (int64_t s = 0; s < kQ6Subs; ++s) {
-            record[32 + 16 * s + c] =
-                real ? static_cast<uint8_t>(sv[row * (k / 16) + b * kQ6Subs + s]) : 0;
-            uint8_t* sub = record + kQ6Head + s * kQ6SubBytes;
-            const uint8_t* src = qv + row * k + b * kQ6Block + s * 16;
-            for (int64_t pair = 0; pair < 8; ++pair) {
-              const uint8_t q0 = real ? src[2 * pair] : 32, q1 = real ? src[2 * pair + 1] : 32;
-              sub[16 * pair + c] = static_cast<uint8_t>((q0 & 0xF) | ((q1 & 0xF) << 4));
-              const int shift = 4 * (pair % 2);
-              sub[128 + 16 * (pair / 2) + c] |=
-                  static_cast<uint8_t>((((q0 >> 4) & 3) | (((q1 >> 4) & 3) << 2)) << shift);
+            record[kQ6Scales + 16 * s + c] = real ? block[192 + s] : 0;
+            uint8_t* sub = record + kQ6Subs0 + s * kQ6SubBytes;
+            for (int64_t kk = 0; kk < 16; ++kk) {
+              const uint8_t q = real ? q6k_value(block, 16 * s + kk) : 32;
+              const int64_t quad = kk / 4, byte = 4 * c + kk % 4;
+              sub[64 * (quad / 2) + byte] |= static_cast<uint8_t>((q & 0xF) << (4 * (quad % 2)));
+              sub[128 + byte] |= static_cast<uint8_t>(((q >> 4) & 3) << (2 * quad));
             }
           }
         }
@@ -261,13 +339,13 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   if (m == 0) return y;
   const at::Tensor bias_f = gemm::bias_as_float(bias, n, "q6k_linear");
 #if RANKCAST_SIMD_BITS == 512
-  const float* bias_p = gemm::float_data(bias_f);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  if (x.scalar_type() == at::kFloat) {
-    q6k_linear_impl<float>(x, w, n, blocks, bias_p, y.data_ptr<float>());
-  } else {
-    q6k_linear_impl<bf16>(x, w, n, blocks, bias_p, y.data_ptr<bf16>());
-  }
+  const Q6RowLayout layout{blocks * kQ6Block};
+  const auto quantize = [&](const auto* src, int64_t begin, int64_t end, int8_t* out) {
+    quantize_rows_q6k(src, x.stride(0), k, begin, end, layout, out);
+  };
+  gemm::quantized_rows_linear<Q6KTiles>(x, layout.bytes(), quantize, packed.data_ptr<uint8_t>(),
+                                        n, blocks, packed.stride(0),
+                                        BiasEpilogue{gemm::float_data(bias_f)}, y);
   return y;
 #else
   TORCH_CHECK(false, "q6k_linear: this CPU build has no Q6_K kernel (AVX-512 builds only)");

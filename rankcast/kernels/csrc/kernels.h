@@ -61,7 +61,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 // llama.cpp's Q6_K as stored: 256-k super-blocks, float16 d, int8 scale per 16 k, 6-bit values
 // (csrc/gemm_q6k.cpp; AVX-512 builds).
 bool q6k_supported();
-at::Tensor pack_q6k_weight(const at::Tensor& d, const at::Tensor& sc, const at::Tensor& q);
+at::Tensor pack_q6k_weight(const at::Tensor& raw);
 at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                       const c10::optional<at::Tensor>& bias);
 // W8A8 (csrc/gemm_w8a8.cpp): whether this build has the kernel, which instructions it runs

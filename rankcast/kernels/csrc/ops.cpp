@@ -72,7 +72,7 @@ TORCH_LIBRARY(rankcast, m) {
   m.def("pack_q8_weight(Tensor values, Tensor scales) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q8_supported() -> bool", &q8_supported);
-  m.def("pack_q6k_weight(Tensor d, Tensor sc, Tensor q) -> Tensor");
+  m.def("pack_q6k_weight(Tensor raw) -> Tensor");
   m.def("q6k_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("q6k_supported() -> bool", &q6k_supported);
   m.def("pack_w8a8_weight(Tensor weight) -> Tensor");

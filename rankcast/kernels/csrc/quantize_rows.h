@@ -20,6 +20,8 @@ namespace rankcast {
 // The largest integer of a row quantized to 15 bits (csrc/gemm_q4.cpp, csrc/gemm_q8.cpp): its
 // rounding, max|x| / 32766 per element, is far below what bfloat16 already rounds.
 constexpr int32_t kRow15Max = 16383;
+// The largest integer of a row, or block of a row, quantized to 8 bits (csrc/gemm_q6k.cpp).
+constexpr int32_t kRow8Max = 127;
 
 #if RANKCAST_SIMD_BITS == 512
 

@@ -20,7 +20,7 @@ from rankcast.model.quantization import FOUR_BIT
 from rankcast.model.safetensors_file import open_safetensors
 from rankcast.model.weight_snapshot import WeightSnapshot
 from rankcast.model_files.arch import ArchConfig
-from rankcast.model_files.stored_head import has_stored_head, stored_head_rows
+from rankcast.model_files.stored_head import STORED_HEAD_FILE, has_stored_head, stored_head_rows
 
 logger = logging.getLogger(__name__)
 
@@ -129,4 +129,5 @@ def _serves_stored_head(
     if not has_stored_head(model_dir) or not ops.q6_k_supported():
         return False
     head.serves_stored_q6_k = True
+    logger.info("the LM head multiplies the file's Q6_K blocks as stored (%s)", STORED_HEAD_FILE)
     return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +40,13 @@ def _q6_k_rows(rows: int, width: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def _write_gguf(path: Path, model_dir: Path, embedded_gguf: Path, head: np.ndarray) -> Path:
+def _write_gguf(
+    path: Path, model_dir: Path, embedded_gguf: Path, head: np.ndarray, tied: bool = False
+) -> Path:
     """The tiny checkpoint as a llama GGUF whose layers and embedding are Q8_0 and whose `output`
-    is `head`'s Q6_K blocks, as llama-quantize keeps it under 4- and 8-bit layers. Q and K are
-    not permuted as llama.cpp would: the tests compare the file with itself."""
+    is `head`'s Q6_K blocks, as llama-quantize keeps it under 4- and 8-bit layers; `tied`: no
+    `output`, the embedding (which the head reads) is `head`'s blocks. Q and K are not permuted
+    as llama.cpp would: the tests compare the file with itself."""
     import gguf
     from safetensors.torch import load_file
 
@@ -63,7 +67,7 @@ def _write_gguf(path: Path, model_dir: Path, embedded_gguf: Path, head: np.ndarr
     for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        if gguf_name == "output.weight":
+        if gguf_name == ("token_embd.weight" if tied else "output.weight"):
             continue
         array = tensor.float().numpy()
         if array.ndim == 1:
@@ -71,7 +75,8 @@ def _write_gguf(path: Path, model_dir: Path, embedded_gguf: Path, head: np.ndarr
         else:
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, q8), raw_dtype=q8)
-    writer.add_tensor("output.weight", head, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    head_name = "token_embd.weight" if tied else "output.weight"
+    writer.add_tensor(head_name, head, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -79,22 +84,29 @@ def _write_gguf(path: Path, model_dir: Path, embedded_gguf: Path, head: np.ndarr
     return path
 
 
-@pytest.fixture
-def q6_k_file(
-    tmp_path: Path, embedded_gguf: Path, monkeypatch: pytest.MonkeyPatch
-) -> tuple[Path, np.ndarray]:
-    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("RANKCAST_WEIGHT_SNAPSHOTS", raising=False)
+def _tiny_file(folder: Path, embedded_gguf: Path, tied: bool) -> tuple[Path, np.ndarray]:
     model_dir = write_tiny_model(
-        tmp_path / "hf",
+        folder / "hf",
         seed=7,
         hidden_size=HIDDEN,
         intermediate_size=512,
         num_hidden_layers=2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     head = _q6_k_rows(VOCAB, HIDDEN, seed=8)
-    return _write_gguf(tmp_path / "q6k-head.gguf", model_dir, embedded_gguf, head), head
+    return _write_gguf(folder / "q6k-head.gguf", model_dir, embedded_gguf, head, tied), head
+
+
+@pytest.fixture(scope="module")
+def q6_k_file(
+    tmp_path_factory: pytest.TempPathFactory, embedded_gguf: Path
+) -> Iterator[tuple[Path, np.ndarray]]:
+    """One file (and its conversion, in a cache of the module's) for the module's tests."""
+    folder = tmp_path_factory.mktemp("q6k-head")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RANKCAST_CACHE_DIR", str(folder / "cache"))
+        patch.delenv("RANKCAST_WEIGHT_SNAPSHOTS", raising=False)
+        yield _tiny_file(folder, embedded_gguf, tied=False)
 
 
 def _needs_q6_k_kernel() -> None:
@@ -147,9 +159,7 @@ def test_every_ranks_head_multiplies_its_rows_of_the_files_blocks(
     assert plain.lm_head.packed_weight.quantization == "none"
 
 
-def test_a_snapshot_keeps_the_stored_head(
-    q6_k_file: tuple[Path, np.ndarray], tmp_path: Path
-) -> None:
+def test_a_snapshot_keeps_the_stored_head(q6_k_file: tuple[Path, np.ndarray]) -> None:
     """A start that maps its snapshot gets the same packed Q6_K head it packed from the file;
     the snapshot is keyed apart from one whose head was q8_0 (a build without the kernel)."""
     _needs_q6_k_kernel()
@@ -224,3 +234,31 @@ def test_without_the_kernel_or_under_no_group_scheme_the_head_is_not_q6_k(
     int8 = load_model(model_dir, arch, torch.float32, CPU, quantization="int8")
     assert int8.lm_head is not None and int8.lm_head.packed_weight is not None
     assert int8.lm_head.packed_weight.quantization == "int8"
+
+
+def test_a_tied_head_multiplies_the_embeddings_blocks(
+    tmp_path: Path, embedded_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file without `output` (the head reads the embedding, as small models tie them) whose
+    embedding is Q6_K: the conversion keeps the embedding's blocks for the head, which packs
+    them, while the embedding itself keeps the float conversion's rows."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("RANKCAST_CACHE_DIR", str(tmp_path / "cache"))
+    path, head = _tiny_file(tmp_path, embedded_gguf, tied=True)
+    model_dir = resolve_model(str(path)).model_dir
+    stored = load_file(str(model_dir / STORED_HEAD_FILE))[STORED_HEAD_TENSOR]
+    assert torch.equal(stored, torch.from_numpy(head))
+    _needs_q6_k_kernel()
+    arch = ArchConfig.from_model_dir(model_dir)
+    assert arch.tie_word_embeddings
+    model = load_model(model_dir, arch, torch.float32, CPU, quantization="q4_1")
+    assert model.lm_head is not None and model.lm_head.packed_weight is not None
+    assert model.lm_head.packed_weight.quantization == "q6_k"
+    assert model.embed_tokens is not None
+    floats = load_file(str(model_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(model.embed_tokens.weight, floats)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(4))
+    want = q6_k_linear_reference(x, *unpack_q6_k(torch.from_numpy(head)), None)
+    got = model.lm_head.matmul(x, model.lm_head.weight, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -112,6 +112,28 @@ def tokenizer_fields(gguf_path: Path) -> tuple[tuple[str, Any, Any, Any], ...]:
     )
 
 
+def tiny_llama_gguf_writer(
+    path: Path, config: dict[str, Any], rope_theta: float, tokenizer_gguf: Path
+) -> Any:
+    """A `gguf.GGUFWriter` for a tiny llama checkpoint (its `config.json`) with the metadata
+    llama.cpp reads and `tokenizer_gguf`'s tokenizer written; the caller adds the tensors and
+    writes the file. Q and K are the caller's to permute, where the test needs llama.cpp's order."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(rope_theta)
+    for name, contents, kind, sub_type in tokenizer_fields(tokenizer_gguf):
+        writer.add_key_value(name, contents, kind, sub_type)
+    return writer
+
+
 def write_llama_cpp_gguf(
     path: Path,
     model_dir: Path,

@@ -18,7 +18,7 @@ from rankcast.model_files.gguf_convert import (
 )
 from rankcast.model_files.source import resolve_model
 from tests.conftest import TINY_LLAMA
-from tests.model.family_models import tokenizer_fields
+from tests.model.family_models import tiny_llama_gguf_writer
 from tests.model.gguf_reference import NEW_TOKENS, PROMPTS, reference_continuations
 
 
@@ -403,17 +403,8 @@ def _write_gguf_mix(path: Path, model_dir: Path, embedded_gguf: Path, types: dic
     from safetensors.torch import load_file
 
     config = json.loads((model_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(TINY_LLAMA["rope_theta"])  # type: ignore[arg-type]
-    for name, contents, kind, sub_type in tokenizer_fields(embedded_gguf):
-        writer.add_key_value(name, contents, kind, sub_type)
+    rope_theta = float(TINY_LLAMA["rope_theta"])  # type: ignore[arg-type]
+    writer = tiny_llama_gguf_writer(path, config, rope_theta, embedded_gguf)
     names = {hf: gguf_name for gguf_name, hf in _gguf_names(config["num_hidden_layers"])}
     for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
         if name not in names:

@@ -23,7 +23,7 @@ from rankcast.model_files.arch import ArchConfig
 from rankcast.model_files.source import resolve_model
 from rankcast.model_files.stored_head import STORED_HEAD_FILE, STORED_HEAD_TENSOR
 from tests.conftest import TINY_LLAMA, write_tiny_model
-from tests.model.family_models import tokenizer_fields
+from tests.model.family_models import tiny_llama_gguf_writer
 
 CPU = torch.device("cpu")
 HIDDEN = 256  # Q6_K blocks are 256 wide
@@ -52,17 +52,8 @@ def _write_gguf(
 
     config = json.loads((model_dir / "config.json").read_text())
     layers = config["num_hidden_layers"]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(layers)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(float(TINY_LLAMA["rope_theta"]))  # type: ignore[arg-type]
-    for name, contents, kind, sub_type in tokenizer_fields(embedded_gguf):
-        writer.add_key_value(name, contents, kind, sub_type)
+    rope_theta = float(TINY_LLAMA["rope_theta"])  # type: ignore[arg-type]
+    writer = tiny_llama_gguf_writer(path, config, rope_theta, embedded_gguf)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
     for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))

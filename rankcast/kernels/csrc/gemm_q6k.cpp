@@ -222,12 +222,12 @@ inline void tile_q6k(const int8_t* a, int64_t lda, const uint8_t* b, int64_t pan
   group_sub_tiles<MR, NR>(rows, scale, a, lda, c, ldc, epi, last_cols, prefetch, next);
 }
 
-template <typename Out_>
 // Unlike the 4- and 8-bit group kernels, a decode's few rows (under gemm.h's kOverlapRows) stream
 // each panel 2 KB ahead of themselves rather than fetching the next column group (a batch's tile
 // does that, spread over the sub-blocks): the one-row head of Qwen3-30B-A3B (151,936 x 2,048)
 // read 18 GB/s the other way, 14.3 ms against q8_0's 15.0, where the same kernel runs at 66 GB/s
 // from cache; this way it reads the 258 MB in 11.1 ms (2-core Xeon with AMX).
+template <typename Out_>
 struct Q6KTiles {
   using In = int8_t;
   using W = uint8_t;

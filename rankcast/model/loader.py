@@ -83,6 +83,12 @@ def load_model(
     finally:
         torch.set_default_dtype(previous)
     stored_head = _serves_stored_head(model, model_dir, path.kernel, quantization)
+    if stored_head:  # before a snapshot is looked for: the head's scheme is part of one
+        assert model.lm_head is not None
+        model.lm_head.serves_stored_q6_k = True
+        logger.info(
+            "the LM head multiplies the file's Q6_K blocks as stored (%s)", STORED_HEAD_FILE
+        )
     snapshot = None
     if weight_snapshots and not keep_plain_weights:
         snapshot = WeightSnapshot.for_rank(
@@ -121,13 +127,7 @@ def _serves_stored_head(
 ) -> bool:
     """Whether this rank's LM head multiplies the GGUF file's own Q6_K blocks
     (rankcast/model_files/stored_head.py): the conversion kept them, the head takes a group
-    scheme (`layer_quantization`), and this build runs csrc/gemm_q6k.cpp. Marks the head so,
-    before a snapshot is looked for: the scheme is part of what a snapshot holds."""
-    head = model.lm_head
-    if head is None or quantization not in (*FOUR_BIT, "q8_0") or kernel != "rankcast":
+    scheme (`layer_quantization`), and this build runs csrc/gemm_q6k.cpp."""
+    if model.lm_head is None or quantization not in (*FOUR_BIT, "q8_0") or kernel != "rankcast":
         return False
-    if not has_stored_head(model_dir) or not ops.q6_k_supported():
-        return False
-    head.serves_stored_q6_k = True
-    logger.info("the LM head multiplies the file's Q6_K blocks as stored (%s)", STORED_HEAD_FILE)
-    return True
+    return has_stored_head(model_dir) and ops.q6_k_supported()

@@ -206,7 +206,6 @@ def _group_linear_reference(
     minimums: torch.Tensor | None,
     bias: torch.Tensor | None,
     exact: bool,
-    group: int = GROUP,
 ) -> torch.Tensor:
     """x times group weights (q [out, in32], d and m [out, in32 / 32]) as the 15-bit group
     kernels compute it, up to the order of their float32 sums: each row quantized to 15-bit
@@ -217,8 +216,8 @@ def _group_linear_reference(
     out, padded = values.shape
     flat, row_scales = _quantize_rows_15(x, padded)
     accumulate = torch.float64 if exact else torch.float32
-    rows = flat.view(x.shape[0], -1, group).to(accumulate)
-    q = values.view(out, -1, group).to(accumulate)
+    rows = flat.view(x.shape[0], -1, GROUP).to(accumulate)
+    q = values.view(out, -1, GROUP).to(accumulate)
     terms = torch.einsum("rgk,ogk->rog", rows, q) * scales.to(accumulate)  # [rows, out, groups]
     if minimums is not None:
         terms = terms + rows.sum(dim=2)[:, None, :] * minimums.to(accumulate)

@@ -112,6 +112,17 @@ def tokenizer_fields(gguf_path: Path) -> tuple[tuple[str, Any, Any, Any], ...]:
     )
 
 
+def random_q6_k_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Random Q6_K rows as a GGUF stores them (uint8 [rows, width / 256 * 210]): every bit
+    pattern of the values and sub-block scales, a small float16 d per block (gguf's encoder has
+    no Q6_K; llama-quantize writes these)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, width // 256, 210), dtype=torch.uint8, generator=gen)
+    d = (torch.randn(rows, width // 256, generator=gen) * 0.002).half()
+    blocks[..., 208:210] = d.view(torch.uint8).view(rows, width // 256, 2)
+    return blocks.view(rows, -1)
+
+
 def tiny_llama_gguf_writer(
     path: Path, config: dict[str, Any], rope_theta: float, tokenizer_gguf: Path
 ) -> Any:

@@ -1,6 +1,6 @@
 """Quantized weights: `--quantization int8` (weight-only, csrc/gemm.cpp's float kernels widening
 int8), `w8a8` (csrc/gemm_w8a8.cpp), `q4_1` (csrc/gemm_q4.cpp) and `q8_0` (csrc/gemm_q8.cpp)
-against torch, and Q6_K as stored (csrc/gemm_q6k.cpp, not served yet), on every ISA build
+against torch, and Q6_K as stored (csrc/gemm_q6k.cpp, a GGUF's LM head), on every ISA build
 (tests/model/test_cpu_families.py runs this file on the AVX-512-without-VNNI and AVX2 builds
 too); a quantized model against its float self; the decoder stack, the torch path and weight
 snapshots on quantized models."""
@@ -23,6 +23,7 @@ from rankcast.model_files.arch import ArchConfig
 from rankcast.protocol import ScheduledSequence, SchedulerOutput
 from rankcast.worker.model_runner import ModelRunner
 from tests.conftest import write_tiny_model
+from tests.model.family_models import random_q6_k_rows
 from tests.model.test_weight_snapshot import MAPPED, _wait_for_snapshot, captured
 
 CPU = torch.device("cpu")
@@ -451,23 +452,13 @@ def test_a_quantized_snapshot_is_mapped_and_computes_the_same(
     assert plain is not None and not plain.path.exists()
 
 
-def _q6_k_blocks(out: int, k: int, seed: int) -> torch.Tensor:
-    """Random Q6_K rows as a GGUF stores them (every bit pattern of the values and scales, a
-    small float16 d per block)."""
-    gen = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (out, k // 256, 210), dtype=torch.uint8, generator=gen)
-    d = (torch.randn(out, k // 256, generator=gen) * 0.01).half()
-    raw[..., 208:210] = d.view(torch.uint8).view(out, k // 256, 2)
-    return raw.view(out, -1)
-
-
 def test_q6_k_rows_unpack_to_the_weights_gguf_dequantizes() -> None:
     """`unpack_q6_k` reads llama.cpp's block layout: d * sc * (q - 32) is gguf's own
     dequantization of the same bytes, every weight exactly."""
     import gguf
     from gguf import quants
 
-    raw = _q6_k_blocks(19, 512, seed=3)
+    raw = random_q6_k_rows(19, 512, seed=3)
     d, sc, q = quantized.unpack_q6_k(raw)
     assert d.shape == (19, 2) and sc.shape == (19, 32) and q.shape == (19, 512)
     assert int(q.max()) <= 63
@@ -484,7 +475,7 @@ def test_the_q6_k_kernel_gives_the_reference_alone_or_batched(dtype: torch.dtype
     as in a batch of 7."""
     if not (kernels.load() and torch.ops.rankcast.q6k_supported()):
         pytest.skip("this build has no Q6_K kernel (AVX-512 builds only)")
-    raw = _q6_k_blocks(37, 512, seed=4)
+    raw = random_q6_k_rows(37, 512, seed=4)
     d, sc, q = quantized.unpack_q6_k(raw)
     packed = torch.ops.rankcast.pack_q6k_weight(raw)
     gen = torch.Generator().manual_seed(5)

@@ -5,7 +5,7 @@ bytes, on every rank's share of the vocabulary, from a snapshot too."""
 from __future__ import annotations
 
 import json
-import time
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,21 +23,11 @@ from rankcast.model_files.arch import ArchConfig
 from rankcast.model_files.source import resolve_model
 from rankcast.model_files.stored_head import STORED_HEAD_FILE, STORED_HEAD_TENSOR
 from tests.conftest import TINY_LLAMA, write_tiny_model
-from tests.model.family_models import tiny_llama_gguf_writer
+from tests.model.family_models import random_q6_k_rows, tiny_llama_gguf_writer
 
 CPU = torch.device("cpu")
 HIDDEN = 256  # Q6_K blocks are 256 wide
 VOCAB = 49152  # the embedded tokenizer's
-
-
-def _q6_k_rows(rows: int, width: int, seed: int) -> np.ndarray:
-    """Random Q6_K rows as a GGUF stores them: every bit pattern of the values and scales, a
-    small float16 d per block (gguf's encoder has no Q6_K; llama-quantize writes these)."""
-    gen = np.random.default_rng(seed)
-    blocks = gen.integers(0, 256, (rows, width // 256, 210), dtype=np.uint8)
-    d = (gen.standard_normal((rows, width // 256)) * 0.002).astype(np.float16)
-    blocks[..., 208:210] = d.view(np.uint8).reshape(rows, width // 256, 2)
-    return blocks.reshape(rows, -1)
 
 
 def _write_gguf(
@@ -84,7 +74,7 @@ def _tiny_file(folder: Path, embedded_gguf: Path, tied: bool) -> tuple[Path, np.
         num_hidden_layers=2,
         tie_word_embeddings=tied,
     )
-    head = _q6_k_rows(VOCAB, HIDDEN, seed=8)
+    head = random_q6_k_rows(VOCAB, HIDDEN, seed=8).numpy()
     return _write_gguf(folder / "q6k-head.gguf", model_dir, embedded_gguf, head, tied), head
 
 
@@ -174,10 +164,9 @@ def test_a_snapshot_keeps_the_stored_head(q6_k_file: tuple[Path, np.ndarray]) ->
         model_dir, torch.float32, CPU, None, None, "rankcast", "q8_0", stored_head=True
     )
     assert snapshot is not None and snapshot.path.is_file()
-    written = snapshot.path.stat().st_mtime_ns
-    time.sleep(0.01)  # the mapping start marks the file used: a later modification time
+    os.utime(snapshot.path, (1_000_000, 1_000_000))  # used long ago
     assert torch.equal(load(), first)
-    assert snapshot.path.stat().st_mtime_ns > written
+    assert snapshot.path.stat().st_mtime > 1_000_000  # the mapping start marked it used
     other = WeightSnapshot.for_rank(model_dir, torch.float32, CPU, None, None, "rankcast", "q8_0")
     assert other is not None and other.path != snapshot.path
 

@@ -291,6 +291,9 @@ def test_the_cache_keeps_to_its_budget_dropping_the_least_recently_used(
     budget = 2.5 * size / 2**30
     _load(second, cache_gib=budget)
     wait_for_writes()
+    # Uses set apart on the clock (file times can share a tick): first, then second.
+    os.utime(_snapshot_of(first).path, (1_000_000, 1_000_000))
+    os.utime(_snapshot_of(second).path, (2_000_000, 2_000_000))
     with captured("rankcast.model.loader") as log:
         _load(first, cache_gib=budget)  # mapped: now the most recently used
     assert f"{MAPPED} {_snapshot_of(first).path}" in log.text
@@ -298,6 +301,8 @@ def test_the_cache_keeps_to_its_budget_dropping_the_least_recently_used(
     wait_for_writes()
     kept = {path.name for path in cache.iterdir()}
     assert kept == {_snapshot_of(first).path.name, _snapshot_of(third).path.name}
+    os.utime(_snapshot_of(first).path, (3_000_000, 3_000_000))  # now first is the older
+    os.utime(_snapshot_of(third).path, (4_000_000, 4_000_000))
     with captured("rankcast.model.loader") as log:
         _load(second, cache_gib=budget)  # loaded from its checkpoint, its snapshot written again
     assert MAPPED not in log.text

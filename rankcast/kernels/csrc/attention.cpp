@@ -393,13 +393,12 @@ constexpr int kSplitAheadBlocks = 8;
 // Every KV head's R query rows of one token scored against the blocks holding tokens
 // [first, last) of a context of `reach`, block after block and head after head within a block
 // (the cache's order: a block's heads lie side by side), into p [kv_heads * R, p_stride]; the
-// keys kSplitAheadBlocks blocks on and each block's values are prefetched meanwhile. `qf` holds
+// keys kSplitAheadBlocks blocks on are prefetched meanwhile (the values: `stretch_values`). `qf` holds
 // the scaled queries, row h * R + r for head h; `offsets` head 0's part of each block.
 template <typename K, int R>
 void score_stretch(const float* qf, float* p, int64_t p_stride, int first, int last, int reach,
-                   const int64_t* offsets, const K* key_cache, const K* value_cache,
-                   const float* key_scale, const Geometry& g, float scale,
-                   bool prefetch_values = true) {
+                   const int64_t* offsets, const K* key_cache, const float* key_scale,
+                   const Geometry& g, float scale) {
   const int D = g.head_dim, bs = g.block_size;
   const int64_t block_elems = static_cast<int64_t>(D) * bs;
   const int block_lines =
@@ -416,12 +415,8 @@ void score_stretch(const float* qf, float* p, int64_t p_stride, int first, int l
       const char* key_ahead =
           ahead ? reinterpret_cast<const char*>(key_cache + offsets[j_ahead] + h * block_elems)
                 : nullptr;
-      const char* values =
-          prefetch_values
-              ? reinterpret_cast<const char*>(value_cache + offsets[j] + h * block_elems)
-              : nullptr;
       for (int t0 = 0, c = 0; t0 < ntok; t0 += 16, ++c) {
-        const Prefetches pf = chunk_prefetches(key_ahead, values, c, lines_per_chunk, block_lines);
+        const Prefetches pf = chunk_prefetches(key_ahead, nullptr, c, lines_per_chunk, block_lines);
         const int n = std::min(16, ntok - t0);
         Vec16 sc[R];
         key_scores<K, R>(qf + h * R * D, D, kb + t0, bs, n, sc, pf, scale);
@@ -429,6 +424,63 @@ void score_stretch(const float* qf, float* p, int64_t p_stride, int first, int l
         for (int r = 0; r < R; ++r)
           store16(p + (h * R + r) * p_stride + base + t0, keep_first(sc[r], n, neg_inf), n);
       }
+    }
+  }
+}
+
+// Blocks ahead of the one being summed whose values `stretch_values` prefetches.
+constexpr int kValueAheadBlocks = 8;
+
+// The first kValueAheadBlocks blocks of values from token `first`, every head, prefetched: issued
+// once a decode's scores are done, so that they arrive during its softmax, before
+// `stretch_values` (which fetches the blocks after them) reads them.
+template <typename K>
+inline void prefetch_first_values(const K* value_cache, const int64_t* offsets, int first,
+                                  int last, const Geometry& g) {
+  const int64_t block_bytes = static_cast<int64_t>(g.kv_heads) * g.head_dim * g.block_size *
+                              static_cast<int64_t>(sizeof(K));
+  for (int j = first / g.block_size; j < first / g.block_size + kValueAheadBlocks; ++j) {
+    if (j * g.block_size >= last) break;
+    prefetch(value_cache + offsets[j], block_bytes);
+  }
+}
+
+// The chunks' sums of values for tokens [first, last) (from a 16-aligned `first`), chunk by chunk
+// and every KV head of a chunk's block in turn, in the cache's order (a block's heads lie side by
+// side), the values kValueAheadBlocks blocks on prefetched meanwhile: each head's R rows' sums of
+// chunk t0 over dimensions [d0, d0 + C * 16) go to `take.template operator()<C>(t0, h, d0, a)`.
+// `head_offsets` is scratch for kv_heads x the context's blocks.
+//
+// Decodes read the values head by head before (each head's 2 kB of every 6 kB block in turn),
+// and had them prefetched while the keys were scored, long before a long context's values pass
+// reached them. SmolLM2's q4_1 decode step alone, a 2-core Emerald Rapids Xeon without AMX,
+// builds alternated (bench/decode_step.py, best of 3-4 rounds): one sequence at 8,000 tokens
+// 17.93 -> 16.49 ms (1.09x; int8 KV 13.44 -> 12.32 ms), at 2,000 tokens 1.03x; four sequences
+// at 8,000 tokens 63.1 -> 49.7 ms (1.27x); 32 at 200 tokens the same (0.99x).
+template <typename K, int R, typename Take>
+void stretch_values(const float* p, int64_t p_stride, int first, int last, const K* value_cache,
+                    const int64_t* offsets, int num_blocks, std::vector<int64_t>& head_offsets,
+                    const Geometry& g, const Take& take) {
+  const int D = g.head_dim, bs = g.block_size;
+  const int64_t block_elems = static_cast<int64_t>(D) * bs;
+  head_offsets.resize(static_cast<size_t>(g.kv_heads) * num_blocks);
+  for (int h = 0; h < g.kv_heads; ++h)
+    for (int b = 0; b < num_blocks; ++b)
+      head_offsets[static_cast<size_t>(h) * num_blocks + b] = offsets[b] + h * block_elems;
+  const int64_t head_bytes = block_elems * static_cast<int64_t>(sizeof(K));
+  for (int t0 = first; t0 < last; t0 += kChunk) {
+    const int t1 = std::min(last, t0 + kChunk);
+    const int ahead = t0 / bs + kValueAheadBlocks;
+    const bool prefetch_ahead = t0 % bs == 0 && ahead * bs < last;
+    for (int h = 0; h < g.kv_heads; ++h) {
+      if (prefetch_ahead) prefetch(value_cache + offsets[ahead] + h * block_elems, head_bytes);
+      const float* ph = p + h * R * p_stride;
+      const int64_t* ho = head_offsets.data() + static_cast<size_t>(h) * num_blocks;
+      for_dim_groups<R>(D, [&]<int C>(int d0) {
+        Vec16 a[R][C];
+        chunk_values<K, R, C>(a, ph, p_stride, t0, t1, value_cache, ho, bs, D, d0);
+        take.template operator()<C>(t0, h, d0, a);
+      });
     }
   }
 }
@@ -466,53 +518,44 @@ void attend_sequence(const T* q, int64_t q_head, T* out, int64_t o_head, int seq
   block_offsets(scratch.offsets, table, num_blocks, g);
   scratch.qf.resize(static_cast<size_t>(rows) * D);
   scratch.p.resize(static_cast<size_t>(rows) * p_stride);
-  scratch.acc.resize(static_cast<size_t>(R) * D);
+  scratch.acc.resize(static_cast<size_t>(rows) * D);
   float* qf = scratch.qf.data();
   float* p = scratch.p.data();
   stage_queries<T, K>([&](int r) { return q + r * q_head; }, rows, D, scale, qf);
   score_stretch<K, R>(qf, p, p_stride, start, reach, reach, scratch.offsets.data(), key_cache,
-                      value_cache, scales.key, g, scale);
+                      scales.key, g, scale);
+  prefetch_first_values(value_cache, scratch.offsets.data(), start, reach, g);
   for (int r = 0; r < rows; ++r) {
     hide_before(p + r * p_stride, start, lo);
     finish_row(p + r * p_stride, start, reach, scales, scratch.offsets.data(),
                (r / R) * block_elems, bs, D);
   }
-  scratch.head_offsets.resize(num_blocks);
+  // Each chunk's sums added in order into the rows' sums, as `weighted_values` adds them.
   float* acc = scratch.acc.data();
-  for (int h = 0; h < g.kv_heads; ++h) {
-    for (int j = 0; j < num_blocks; ++j)
-      scratch.head_offsets[j] = scratch.offsets[j] + h * block_elems;
-    const float* ph = p + h * R * p_stride;
-    for_dim_groups<R>(D, [&]<int C>(int d0) {
-      weighted_values<K, R, C>(acc, D, ph, p_stride, start, reach, value_cache,
-                               scratch.head_offsets.data(), bs, d0);
-    });
-    for (int r = 0; r < R; ++r)
-      for (int d = 0; d < D; d += 16)
-        store16(out + (h * R + r) * o_head + d, load16(acc + r * D + d));
-  }
+  stretch_values<K, R>(p, p_stride, start, reach, value_cache, scratch.offsets.data(), num_blocks,
+                       scratch.head_offsets, g,
+                       [&]<int C>(int t0, int h, int d0, Vec16 (&a)[R][C]) {
+                         for (int r = 0; r < R; ++r)
+                           for (int c = 0; c < C; ++c) {
+                             float* o = acc + (h * R + r) * D + d0 + c * 16;
+                             store16(o, t0 == start ? a[r][c] : load16(o) + a[r][c]);
+                           }
+                       });
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < D; d += 16) store16(out + r * o_head + d, load16(acc + r * D + d));
 }
-
-// Blocks ahead of the one being summed whose values `attend_split` prefetches.
-constexpr int kValueAheadBlocks = 8;
 
 // One sequence's single query token against every KV head, its context shared out between the
 // threads: the decode of a lone stream, which has only kv_heads items for the tiles above (3 on
 // SmolLM2: on two threads one of them did two thirds), each reading a head's part of every block
 // (2 kB of a 6 kB block), a short stream that starts cold at each block. Here each thread takes a
 // contiguous stretch of the context in whole chunks and reads every head of each block in it, in
-// the cache's order, for the keys and then for the values; the phases meet at barriers: scores,
-// then each row's softmax over the whole context, then each chunk's weighted values, then the
-// chunks' sums added in order. Every number is the one `attend_tile` computes for that token (the
-// same scores, softmax and chunk sums, in the same order), so a decode gives the same bits either
-// way.
-//
-// The values were read head by head (each head's 2 kB of every block in turn) and prefetched
-// while the keys were scored, long before a long context's values pass reached them; and the
-// chunks' sums were added a row at a time, one 64-byte vector every 2 kB. Block by block with
-// the values prefetched kValueAheadBlocks blocks ahead, and the sums added in the order they lie:
-// SmolLM2's q4_1 decode step alone at 8,000 tokens, 2-core Xeon (Emerald Rapids, no AMX), builds
-// alternated (bench/decode_step.py, best of 3-5 rounds): 1.05-1.12x.
+// the cache's order, for the keys and then for the values (`stretch_values`); the phases meet at
+// barriers: scores, then each row's softmax over the whole context, then each chunk's weighted
+// values, then the chunks' sums added in order (each thread its rows, chunk after chunk, as the
+// sums lie: a row at a time read one 64-byte vector every 2 kB). Every number is the one
+// `attend_tile` computes for that token (the same scores, softmax and chunk sums, in the same
+// order), so a decode gives the same bits either way.
 template <typename T, typename K, int R>
 void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_len, int lo,
                   const int* table, const K* key_cache, const K* value_cache,
@@ -542,7 +585,8 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
     stage_queries<T, K>([&](int r) { return q + r * q_head; }, rows, D, scale, qf.data());
     // Scores of the stretch (every head of each block, in the cache's order).
     score_stretch<K, R>(qf.data(), p.get(), p_stride, first, last, reach, offsets.data(),
-                        key_cache, value_cache, scales.key, g, scale, false);
+                        key_cache, scales.key, g, scale);
+    prefetch_first_values(value_cache, offsets.data(), first, last, g);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) {
@@ -551,29 +595,16 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
                  (r / R) * block_elems, bs, D);
     }
     // (the implicit barrier of the loop: every probability is in place)
-    // The stretch's chunks' sums, chunk by chunk, every head of a chunk's block in turn.
-    std::vector<int64_t> head_offsets(static_cast<size_t>(g.kv_heads) * num_blocks);
-    for (int h = 0; h < g.kv_heads; ++h)
-      for (int b = 0; b < num_blocks; ++b)
-        head_offsets[static_cast<size_t>(h) * num_blocks + b] = offsets[b] + h * block_elems;
-    const int64_t head_bytes = block_elems * static_cast<int64_t>(sizeof(K));
-    for (int t0 = first; t0 < last; t0 += kChunk) {
-      const int t1 = std::min(last, t0 + kChunk);
-      const int ahead = t0 / bs + kValueAheadBlocks;
-      const bool prefetch_ahead = t0 % bs == 0 && ahead * bs < last;
-      for (int h = 0; h < g.kv_heads; ++h) {
-        if (prefetch_ahead) prefetch(value_cache + offsets[ahead] + h * block_elems, head_bytes);
-        const float* ph = p.get() + h * R * p_stride;
-        float* part = partials.get() + (static_cast<size_t>(t0 / kChunk) * rows + h * R) * D;
-        const int64_t* ho = head_offsets.data() + static_cast<size_t>(h) * num_blocks;
-        for_dim_groups<R>(D, [&]<int C>(int d0) {
-          Vec16 a[R][C];
-          chunk_values<K, R, C>(a, ph, p_stride, t0, t1, value_cache, ho, bs, D, d0);
-          for (int r = 0; r < R; ++r)
-            for (int c = 0; c < C; ++c) store16(part + r * D + d0 + c * 16, a[r][c]);
-        });
-      }
-    }
+    // The stretch's chunks' sums, stored for the adding below.
+    std::vector<int64_t> head_offsets;
+    stretch_values<K, R>(p.get(), p_stride, first, last, value_cache, offsets.data(), num_blocks,
+                         head_offsets, g, [&]<int C>(int t0, int h, int d0, Vec16 (&a)[R][C]) {
+                           float* part = partials.get() +
+                                         (static_cast<size_t>(t0 / kChunk) * rows + h * R) * D;
+                           for (int r = 0; r < R; ++r)
+                             for (int c = 0; c < C; ++c)
+                               store16(part + r * D + d0 + c * 16, a[r][c]);
+                         });
 #pragma omp barrier
     // The chunks' sums added in order, as `weighted_values` adds them: each thread its share of
     // the rows, chunk after chunk, reading the sums in the order they lie.

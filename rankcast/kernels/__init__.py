@@ -61,11 +61,16 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # faster on a Zen 4 and then on a Sapphire Rapids Xeon (q8_0's decode step 1.13-1.17x, q4_1's
 # 1.03x, 1.13x at 4 rows), so it is no vendor choice. A batch tile's fetch of the next group
 # is: PREFETCHT0 on AMD (T2 ~1 % slower at 32 rows on a Zen 4), PREFETCHT2 on Intel (the
-# Sapphire Rapids Xeon's step at 32 rows 1.01-1.05x faster, float32 at 8 rows 1.13x).
+# Sapphire Rapids Xeon's step at 32 rows 1.01-1.05x faster, float32 at 8 rows 1.13x). And an
+# AVX512-BF16 build multiplies bfloat16 pairs on float32 FMAs on Intel (csrc/gemm.cpp,
+# `tile_pairs_fma`: the same bits as VDPBF16PS): on an Emerald Rapids Xeon VDPBF16PS issued one
+# every ~0.8 ns against an FMA every ~0.2 ns, and SmolLM2's bfloat16 decode step at 32 rows went
+# 65.9 -> 45.0 ms; on AMD's Zen 4 the instruction is as fast as two FMAs and stays.
 VENDOR_CFLAGS: dict[str, tuple[str, ...]] = {
     "GenuineIntel": (
         "-DRANKCAST_DECODE_PREFETCH_LOCALITY=3",
         "-DRANKCAST_BATCH_NEXT_LOCALITY=1",
+        "-DRANKCAST_BF16_PAIRS_ON_FMA=1",
     ),
 }
 

@@ -226,6 +226,33 @@ def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(
         assert torch.equal(batch[row : row + 1], alone), f"row {row} differs"
 
 
+def _pairs_in_vdpbf16ps_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T as VDPBF16PS sums it: float32, pairs of k in order, each pair's odd product
+    added before its even one, each addition rounded (bfloat16 products are exact in float32),
+    the sum rounded once to bfloat16."""
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(0, x.shape[1], 2):
+        acc = acc + xf[:, k + 1, None] * wf[None, :, k + 1]
+        acc = acc + xf[:, k, None] * wf[None, :, k]
+    return acc.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_bfloat16_linears_sum_pairs_of_k_as_vdpbf16ps_does(rows: int) -> None:
+    """An AVX512-BF16 build's bfloat16 linears give VDPBF16PS's bits exactly, whether the
+    instruction runs or, where it is slow (Intel: RANKCAST_BF16_PAIRS_ON_FMA), the two FMAs it
+    does in its order: a build of either kind gives the same results."""
+    if CpuFacts.of_this_machine().build != "avx512-bf16":
+        pytest.skip("only an AVX512-BF16 build without AMX tiles sums bfloat16 in VDPBF16PS pairs")
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(72, 96, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    packed = _packed_or_skip(weight, "rankcast")
+    got = ops.packed_linear(x, packed, None)
+    assert torch.equal(got, _pairs_in_vdpbf16ps_order(x, weight))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_takes_the_first_of_equal_maxima(dtype: torch.dtype) -> None:
     logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(6)).to(dtype)

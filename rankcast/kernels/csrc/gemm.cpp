@@ -106,6 +106,64 @@ inline void tile_bf16(const bf16* a, int64_t lda, const W* b, int64_t panel_elem
 }
 #endif
 
+#if defined(__AVX512BF16__) && RANKCAST_BF16_PAIRS_ON_FMA
+// `tile_bf16`'s arithmetic on float32 FMAs, for the CPUs where VDPBF16PS issues at half the rate
+// of two FMAs (Intel's Sapphire and Emerald Rapids: measured there, one VDPBF16PS every ~0.8 ns
+// against an FMA every 0.2 ns; set by vendor, rankcast/kernels/__init__.py). The same packed
+// pairs; each pair's weights widened exactly (bfloat16 is float32's top half: k even shifted up,
+// k odd masked), the rows float32 (converted once, exactly), and per pair of k the odd product
+// added first, then the even, each with one rounding: what VDPBF16PS does, so the bits are the
+// same (bfloat16 products are exact in float32; VDPBF16PS's flushing of subnormals aside).
+template <int MR, int NR, bool Next, typename Out, typename W, typename Epi>
+inline void tile_pairs_fma(const float* a, int64_t lda, const W* b, int64_t panel_elems,
+                           int64_t kpairs, Out* c, int64_t ldc, const Epi& epi, int last_cols,
+                           bool prefetch, NextGroup next) {
+  const int per_step = lines_per_step(next, kpairs);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < kpairs; ++kp) {
+    if constexpr (Next) prefetch_next(next, kp, per_step);
+    __m512 even[NR], odd[NR];
+    for (int j = 0; j < NR; ++j) {
+      const W* src = b + j * panel_elems + kp * 32;
+      if (prefetch) prefetch_ahead<MR>(src);
+      const __m512i pairs = reinterpret_cast<__m512i>(load_pairs(src));
+      even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      odd[j] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const float* row = a + i * lda + 2 * kp;
+      const __m512 x_even = _mm512_set1_ps(row[0]), x_odd = _mm512_set1_ps(row[1]);
+      for (int j = 0; j < NR; ++j) {
+        acc[i][j] = _mm512_fmadd_ps(x_odd, odd[j], acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(x_even, even[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const int cols = j == NR - 1 ? last_cols : kPanel;
+      epi.store(c + i * ldc + j * kPanel, Vec16{acc[i][j]}, i, j, cols);
+    }
+}
+
+// bfloat16 rows, converted to float32, times weights packed in VDPBF16PS pairs (`tile_pairs_fma`).
+template <typename W_, typename Epi_>
+struct PairTilesOnFma {
+  using In = float;
+  using W = W_;
+  using Out = bf16;
+  using Epi = Epi_;
+  template <int MR, int NR, bool Next>
+  static constexpr auto tile() {
+    using Fn = typename Tiles<PairTilesOnFma, Next>::Fn;
+    return Fn{&tile_pairs_fma<MR, NR, Next, Out, W, Epi>};
+  }
+};
+#endif
+
 #if RANKCAST_SIMD_BITS == 512
 // 16 consecutive weights of one k as float32 lanes (bfloat16 widened exactly).
 inline __m512 load_panel_row(const float* src) { return _mm512_loadu_ps(src); }
@@ -391,8 +449,14 @@ void multiply(const at::Tensor& x, const at::Tensor& packed, int64_t n, const Ep
                             y.data_ptr<bf16>());
       return;
     }
+#if RANKCAST_BF16_PAIRS_ON_FMA
+    const at::Tensor af = gemm::rows_as_float(a);  // exact; converted once for every tile
+    gemm::packed_linear_impl<PairTilesOnFma<W, Epi>>(af.data_ptr<float>(), m, af.stride(0), w, n,
+                                                     kp, panel_elems, epi, y.data_ptr<bf16>());
+#else
     gemm::packed_linear_impl<FloatTiles<bf16, W, bf16, Epi>>(
         a.data_ptr<bf16>(), m, a.stride(0), w, n, kp, panel_elems, epi, y.data_ptr<bf16>());
+#endif
 #else
     TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k, "packed_linear: weight packed for another K");
     const at::Tensor a = gemm::rows_as_float(x);  // exact; converted once for every tile

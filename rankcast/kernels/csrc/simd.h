@@ -28,6 +28,13 @@
 #define RANKCAST_SIMD_BITS 0
 #endif
 
+// Whether an AVX512-BF16 build does the bfloat16 dot products of pairs (VDPBF16PS's odd-then-even
+// sums) on float32 FMAs instead: set by CPU vendor where the instruction issues at half the rate
+// of two FMAs (rankcast/kernels/__init__.py, VENDOR_CFLAGS; csrc/gemm.cpp's `tile_pairs_fma`).
+#ifndef RANKCAST_BF16_PAIRS_ON_FMA
+#define RANKCAST_BF16_PAIRS_ON_FMA 0
+#endif
+
 namespace rankcast {
 
 using bf16 = c10::BFloat16;

@@ -119,18 +119,21 @@ def test_a_decodes_read_ahead_follows_the_cpu_vendor() -> None:
     """Intel builds read a decode's weights ahead with PREFETCHT0, AMD's non-temporally (each
     measured faster on its own vendor's CPUs: docs/cpu-paths.md); both fetch a decode's next
     column group into L2, the default (measured faster on a Zen 4 and a Sapphire Rapids Xeon);
-    a batch's next group goes into L1 on AMD (the default) and into L2 on Intel.
+    a batch's next group goes into L1 on AMD (the default) and into L2 on Intel. Intel's
+    AVX512-BF16 builds do VDPBF16PS's products on FMAs (slow there, as fast as them on AMD).
     The flags are among the build's compiler flags, so they are part of the build's key as
     well."""
     intel = kernels.cflags("native", "GenuineIntel")
     amd = kernels.cflags("native", "AuthenticAMD")
     assert "-DRANKCAST_DECODE_PREFETCH_LOCALITY=3" in intel
     assert "-DRANKCAST_BATCH_NEXT_LOCALITY=1" in intel
+    assert "-DRANKCAST_BF16_PAIRS_ON_FMA=1" in intel
     assert not any("DECODE_NEXT_LOCALITY" in flag for flag in intel)
-    assert not any("LOCALITY" in flag for flag in amd)
-    assert kernels.cflags("avx2", "GenuineIntel")[-2:] == (
+    assert not any("LOCALITY" in flag or "PAIRS_ON_FMA" in flag for flag in amd)
+    assert kernels.cflags("avx2", "GenuineIntel")[-3:] == (
         "-DRANKCAST_DECODE_PREFETCH_LOCALITY=3",
         "-DRANKCAST_BATCH_NEXT_LOCALITY=1",
+        "-DRANKCAST_BF16_PAIRS_ON_FMA=1",
     )
     assert kernels.cflags() == kernels.cflags(vendor=kernels.cpu_vendor())
 

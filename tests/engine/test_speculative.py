@@ -175,7 +175,14 @@ def without(dtype: str) -> Iterator[LLM]:
 
 @pytest.fixture(scope="module")
 def speculating(dtype: str) -> Iterator[LLM]:
+    """Drafts made to look free (`_FlatCost`): these tests check what a verification gives, and
+    the measured cost model's choice of whether to widen a step moves with the machine's load
+    (in a full suite beside idle-priority kernel builds one run drafted only tokens that were
+    then accepted, and the check that some are rejected failed)."""
     with LLM(dtype=dtype, kv_cache_space_gib=0.25, max_num_seqs=8, speculative_config=NGRAM) as llm:
+        drafter = llm.engine.client.core.scheduler.drafter
+        assert drafter is not None
+        drafter.cost = _FlatCost()
         yield llm
 
 

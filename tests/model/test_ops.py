@@ -242,15 +242,27 @@ def _pairs_in_vdpbf16ps_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
 def test_bfloat16_linears_sum_pairs_of_k_as_vdpbf16ps_does(rows: int) -> None:
     """An AVX512-BF16 build's bfloat16 linears give VDPBF16PS's bits exactly, whether the
     instruction runs or, where it is slow (Intel: RANKCAST_BF16_PAIRS_ON_FMA), the two FMAs it
-    does in its order: a build of either kind gives the same results."""
-    if CpuFacts.of_this_machine().build != "avx512-bf16":
-        pytest.skip("only an AVX512-BF16 build without AMX tiles sums bfloat16 in VDPBF16PS pairs")
+    does in its order: a build of either kind gives the same results. K = 90 is no whole number
+    of AMX tiles, so an AMX build's linear takes the same pairs. Random rows alone would seldom
+    show an order changed (a sum's last float32 bits rarely move its bfloat16 rounding): the
+    first row and column meet in products 2^-8, 1 | 0, -2^-23 | 2^-23, 2^-24, whose sum is
+    1 + 2^-8 + 2^-23 (rounded up to 1 + 2^-7) with each pair's odd product first and exactly the
+    bfloat16 tie 1 + 2^-8 (rounded to 1) in k's order."""
+    if CpuFacts.of_this_machine().build not in ("avx512-bf16", "amx"):
+        pytest.skip("only AVX512-BF16 and AMX builds sum bfloat16 in VDPBF16PS pairs")
     gen = torch.Generator().manual_seed(11)
-    weight = torch.randn(72, 96, generator=gen).to(torch.bfloat16)
-    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(72, 90, generator=gen)
+    x = torch.randn(rows, 90, generator=gen)
+    x[0] = 0.0
+    weight[0] = 0.0
+    x[0, :6] = torch.tensor([2**-4, 1.0, 0.0, -(2**-12), 2**-12, 2**-12])
+    weight[0, :6] = torch.tensor([2**-4, 1.0, 0.0, 2**-11, 2**-11, 2**-12])
+    x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
     packed = _packed_or_skip(weight, "rankcast")
     got = ops.packed_linear(x, packed, None)
-    assert torch.equal(got, _pairs_in_vdpbf16ps_order(x, weight))
+    want = _pairs_in_vdpbf16ps_order(x, weight)
+    assert want[0, 0].item() == 1 + 2**-7, "the crafted products sum to above the tie"
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -470,10 +470,12 @@ void stretch_values(const float* p, int64_t p_stride, int first, int last, const
   const int64_t head_bytes = block_elems * static_cast<int64_t>(sizeof(K));
   for (int t0 = first; t0 < last; t0 += kChunk) {
     const int t1 = std::min(last, t0 + kChunk);
-    const int ahead = t0 / bs + kValueAheadBlocks;
-    const bool prefetch_ahead = t0 % bs == 0 && ahead * bs < last;
+    // The blocks kValueAheadBlocks on from those starting in this chunk (one, or two of 8 tokens).
+    const int ahead_begin = (t0 + bs - 1) / bs + kValueAheadBlocks;
+    const int ahead_end = std::min((t1 + bs - 1) / bs + kValueAheadBlocks, (last + bs - 1) / bs);
     for (int h = 0; h < g.kv_heads; ++h) {
-      if (prefetch_ahead) prefetch(value_cache + offsets[ahead] + h * block_elems, head_bytes);
+      for (int j = ahead_begin; j < ahead_end; ++j)
+        prefetch(value_cache + offsets[j] + h * block_elems, head_bytes);
       const float* ph = p + h * R * p_stride;
       const int64_t* ho = head_offsets.data() + static_cast<size_t>(h) * num_blocks;
       for_dim_groups<R>(D, [&]<int C>(int d0) {
@@ -608,19 +610,18 @@ void attend_split(const T* q, int64_t q_head, T* out, int64_t o_head, int seq_le
 #pragma omp barrier
     // The chunks' sums added in order, as `weighted_values` adds them: each thread its share of
     // the rows, chunk after chunk, reading the sums in the order they lie.
+    // The first chunk's sums of the thread's rows take the total (no other thread reads them).
     const int r0 = rows * tid / nt, r1 = rows * (tid + 1) / nt;
     const int c0 = start / kChunk;
     const size_t span = static_cast<size_t>(r1 - r0) * D;
-    const float* first_part = partials.get() + (static_cast<size_t>(c0) * rows + r0) * D;
-    std::vector<float> total(first_part, first_part + span);
+    float* total = partials.get() + (static_cast<size_t>(c0) * rows + r0) * D;
     for (int c = c0 + 1; c < chunks; ++c) {
       const float* part = partials.get() + (static_cast<size_t>(c) * rows + r0) * D;
-      for (size_t i = 0; i < span; i += 16)
-        store16(total.data() + i, load16(total.data() + i) + load16(part + i));
+      for (size_t i = 0; i < span; i += 16) store16(total + i, load16(total + i) + load16(part + i));
     }
     for (int r = r0; r < r1; ++r)
       for (int d = 0; d < D; d += 16)
-        store16(out + r * o_head + d, load16(total.data() + static_cast<size_t>(r - r0) * D + d));
+        store16(out + r * o_head + d, load16(total + static_cast<size_t>(r - r0) * D + d));
   }
 }
 
